@@ -1,0 +1,68 @@
+//! Bootstrap bodies, compatible with vLLM's Mooncake bootstrap server (steps 4, 7, 20).
+//!
+//! `POST /register` takes a [`RegisterWorker`]; `GET /query` answers a [`QueryResponse`]:
+//! `{"<dp>": {"engine_id": …, "worker_addr": {"<tp>": {"<pp>": "tcp://…"}}}}`.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+/// One P worker's registration (seed step 4).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RegisterWorker {
+    pub engine_id: String,
+    pub dp_rank: u32,
+    pub tp_rank: u32,
+    pub pp_rank: u32,
+    /// The worker's side-channel address, `tcp://host:port`.
+    pub addr: String,
+}
+
+/// One data-parallel engine's entry in `/query`.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct EngineEntry {
+    pub engine_id: String,
+    /// tp_rank → pp_rank → side-channel address (keys are decimal strings, as in vLLM's JSON).
+    pub worker_addr: BTreeMap<String, BTreeMap<String, String>>,
+}
+
+/// `GET /query`: dp_rank (decimal string) → entry.
+pub type QueryResponse = BTreeMap<String, EngineEntry>;
+
+/// One engine's workers, keyed by numbers: tp_rank → pp_rank → address (D's cache, step 20).
+pub type WorkerAddrs = BTreeMap<u32, BTreeMap<u32, String>>;
+
+/// Why a `/query` answer cannot be used.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum BootstrapBodyError {
+    #[error("bootstrap /query has a non-numeric rank key `{0}`")]
+    BadRank(String),
+}
+
+impl EngineEntry {
+    /// The entry's workers with numeric ranks.
+    pub fn workers(&self) -> Result<WorkerAddrs, BootstrapBodyError> {
+        let rank = |k: &String| k.parse::<u32>().map_err(|_| BootstrapBodyError::BadRank(k.clone()));
+        let mut out = WorkerAddrs::new();
+        for (tp, pps) in &self.worker_addr {
+            let tp_rank = rank(tp)?;
+            for (pp, addr) in pps {
+                out.entry(tp_rank).or_default().insert(rank(pp)?, addr.clone());
+            }
+        }
+        Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn seed_query_body_parses() {
+        let body = r#"{"0": {"engine_id": "6c1f", "worker_addr": {"0": {"0": "tcp://10.0.0.1:41235"}}}}"#;
+        let q: QueryResponse = serde_json::from_str(body).expect("seed body parses");
+        let workers = q["0"].workers().expect("numeric ranks");
+        assert_eq!(workers[&0][&0], "tcp://10.0.0.1:41235");
+    }
+}

@@ -1,0 +1,32 @@
+//! pdflow-messages — every typed message that crosses an actor, process or wire boundary.
+//!
+//! Plain data and codecs only: no I/O, no actors, no async. Each module is named after the actor
+//! (or the wire) that receives its messages, so a reader finds a message next to its peers.
+//!
+//! # Layout
+//! - [`kv_transfer_params`] — the proxy → engine protocol inside each request (seed §2.3, steps 9–10).
+//! - [`bootstrap`] — `POST /register` and `GET /query` bodies (steps 4, 7, 20).
+//! - [`sender_listener`] — the side channel: D's pull request and P's response (steps 21, 30).
+//! - [`scheduler_connector`] — the scheduler hooks, the scheduler → worker metadata and the
+//!   worker → scheduler output (steps 12–13, 17–18, 23, 26, 32–33, 35–37).
+//! - [`send_worker`], [`receiver`] — worker-side messages between the engine and the actors.
+//! - [`frame`] — binary frames: magic, version byte, postcard body; typed decode errors.
+//! - [`layout`] — memory regions as peers describe them (base, length, block length).
+
+pub mod bootstrap;
+pub mod frame;
+pub mod kv_transfer_params;
+pub mod layout;
+pub mod receiver;
+pub mod scheduler_connector;
+pub mod send_worker;
+pub mod sender_listener;
+
+/// A KV block id in an engine's block pool.
+pub type BlockId = u32;
+/// An engine's request id (P's and D's differ for one client request).
+pub type RequestId = String;
+/// The id that ties P's request to D's request: `xfer-<proxy request id>` (seed step 9).
+pub type TransferId = String;
+/// An engine's id, as registered with bootstrap.
+pub type EngineId = String;

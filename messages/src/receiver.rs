@@ -1,0 +1,31 @@
+//! Messages to D's Receiver (steps 19, 34, 35) and from its PullTasks.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use serde::{Deserialize, Serialize};
+
+use crate::scheduler_connector::PullMeta;
+use crate::sender_listener::PullErr;
+use crate::{EngineId, RequestId};
+
+/// Step 19: `start_load_kv` hands the step's pulls (and aborts) to the receiver.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct StartLoadKv {
+    pub reqs_to_recv: BTreeMap<EngineId, BTreeMap<RequestId, PullMeta>>,
+    pub reqs_to_abort: BTreeSet<RequestId>,
+}
+
+/// Step 34: what one PullTask learned from one P worker.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PullOutcome {
+    pub pull_id: u64,
+    pub remote_engine_id: EngineId,
+    pub ok_reqs: Vec<RequestId>,
+    pub err_reqs: Vec<PullErr>,
+    /// P acknowledged D's layout (later pulls may omit it).
+    pub layout_acked: Option<u64>,
+}
+
+/// Step 35: the worker collects what finished since the last call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct GetFinishedRecving;

@@ -1,0 +1,148 @@
+//! The scheduler-side connector: its hooks, the metadata it sends to the workers, and the output
+//! the workers send back (the Rust form of vLLM's `KVConnectorBase_V1` scheduler role).
+//!
+//! Hooks, as the engine calls them (seed steps 12, 17, 23, 33, 37):
+//! [`GetNumNewMatchedTokens`], [`UpdateStateAfterAlloc`], [`BuildConnectorMeta`],
+//! [`RequestFinished`], [`UpdateConnectorOutput`]. The metadata is [`ConnectorMetadata`]
+//! (`reqs_to_send`, `reqs_to_recv` grouped by remote engine, `reqs_not_processed`; steps 13, 18, 26);
+//! the output is [`ConnectorOutput`] (`finished_sending`, `finished_recving`, failures; steps 32, 35).
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use serde::{Deserialize, Serialize};
+
+use crate::kv_transfer_params::KvTransferParams;
+use crate::{BlockId, EngineId, RequestId, TransferId};
+
+/// What the hooks see of a request.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SchedRequest {
+    pub request_id: RequestId,
+    pub prompt_len: usize,
+    pub kv_transfer_params: Option<KvTransferParams>,
+    /// W3C traceparent of the request, for the connector's spans.
+    pub traceparent: Option<String>,
+}
+
+/// How a request ended (vLLM's `RequestStatus.FINISHED_*`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum FinishStatus {
+    /// Reached `max_tokens` (P's normal end: max_tokens = 1).
+    LengthCapped,
+    /// Sampled EOS or a stop token (checked before the length).
+    Stopped,
+    /// Aborted by the client or the proxy.
+    Aborted,
+    /// Failed inside the engine (e.g. a KV load failed with policy `fail`).
+    Error,
+}
+
+/// Hook: how many prompt tokens can come from outside, and whether they load asynchronously.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct GetNumNewMatchedTokens {
+    pub request: SchedRequest,
+    pub num_computed_tokens: usize,
+}
+
+/// Reply of [`GetNumNewMatchedTokens`]: vLLM's `(count, load_kv_async)`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MatchedTokens {
+    pub count: usize,
+    pub load_async: bool,
+}
+
+/// Hook: blocks were allocated for a request (steps 12 and 17).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct UpdateStateAfterAlloc {
+    pub request: SchedRequest,
+    /// The request's blocks, in prompt order.
+    pub block_ids: Vec<BlockId>,
+    /// Tokens to load from outside (0 on the second call after a remote load).
+    pub num_external_tokens: usize,
+}
+
+/// Hook: build the metadata for this step's workers (every `schedule()`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct BuildConnectorMeta;
+
+/// Hook: a request finished (steps 23 and 41).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RequestFinished {
+    pub request: SchedRequest,
+    pub status: FinishStatus,
+    pub block_ids: Vec<BlockId>,
+}
+
+/// Reply of [`RequestFinished`]: vLLM's `(delay_free_blocks, kv_transfer_params)`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RequestFinishedReply {
+    pub delay_free_blocks: bool,
+    pub kv_transfer_params: Option<KvTransferParams>,
+}
+
+/// Hook: the workers' output of one step (steps 33, 36).
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub struct UpdateConnectorOutput {
+    pub output: ConnectorOutput,
+}
+
+/// One pull D's worker must make (seed step 18's `PullReqMeta`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PullMeta {
+    pub d_req_id: RequestId,
+    pub transfer_id: TransferId,
+    /// D's blocks to fill; empty when the pull only tells P to free (request aborted early).
+    pub local_block_ids: Vec<BlockId>,
+    pub remote_engine_id: EngineId,
+    pub remote_bootstrap_addr: String,
+    pub traceparent: Option<String>,
+}
+
+/// Scheduler → workers, once per `schedule()` (vLLM's `MooncakeConnectorMetadata`).
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct ConnectorMetadata {
+    /// P: request id → (transfer_id, block ids); empty block ids = "started, not finished" (step 13).
+    pub reqs_to_send: BTreeMap<RequestId, (TransferId, Vec<BlockId>)>,
+    /// D: remote engine id → request id → pull (step 18).
+    pub reqs_to_recv: BTreeMap<EngineId, BTreeMap<RequestId, PullMeta>>,
+    /// P: transfers whose request ended without KV to send (aborted, failed).
+    pub reqs_not_processed: BTreeSet<TransferId>,
+    /// D: requests aborted while their pull is in flight; the worker cancels the pull.
+    pub reqs_to_abort: BTreeSet<RequestId>,
+    /// W3C traceparent per request id, so worker spans join the request's trace.
+    pub traceparents: BTreeMap<RequestId, String>,
+}
+
+impl ConnectorMetadata {
+    /// True when the workers have nothing to do.
+    pub fn is_empty(&self) -> bool {
+        self.reqs_to_send.is_empty()
+            && self.reqs_to_recv.is_empty()
+            && self.reqs_not_processed.is_empty()
+            && self.reqs_to_abort.is_empty()
+    }
+}
+
+/// Workers → scheduler (vLLM's `KVConnectorOutput`, steps 32 and 35).
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct ConnectorOutput {
+    /// P request ids whose KV was sent (or whose transfer is certainly dead): free their blocks.
+    pub finished_sending: BTreeSet<RequestId>,
+    /// D request ids whose KV has arrived.
+    pub finished_recving: BTreeSet<RequestId>,
+    /// D request ids whose KV will not arrive, with the reason; no write can land any more.
+    pub failed_recving: BTreeMap<RequestId, String>,
+}
+
+impl ConnectorOutput {
+    pub fn is_empty(&self) -> bool {
+        self.finished_sending.is_empty() && self.finished_recving.is_empty() && self.failed_recving.is_empty()
+    }
+
+    /// Adds `other` into `self`.
+    pub fn merge(&mut self, other: ConnectorOutput) {
+        self.finished_sending.extend(other.finished_sending);
+        self.finished_recving.extend(other.finished_recving);
+        self.failed_recving.extend(other.failed_recving);
+    }
+}

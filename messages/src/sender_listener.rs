@@ -1,0 +1,149 @@
+//! The side channel between D's PullTask (DEALER) and P's SenderListener (ROUTER), steps 21 and 30.
+//!
+//! D sends a [`SideChannelRequest`]: a [`PullRequest`] naming, per D request, the transfer_id and
+//! D's block ids, with D's memory layout (in full the first time, then only its `layout_id` once P
+//! has it cached) and the address of D's data server; or an [`AbortPull`] when D gives a request
+//! up. P answers each pull with one or more [`PullResponse`]s: `Continue` for a partial result,
+//! `Finish` when every request of the pull is accounted for, `Error` when the pull itself is bad.
+
+use serde::{Deserialize, Serialize};
+
+use crate::layout::KvLayout;
+use crate::{BlockId, RequestId, TransferId};
+
+/// One D request inside a pull.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PullReq {
+    pub d_req_id: RequestId,
+    pub transfer_id: TransferId,
+    /// D's block ids, in prompt order (where P must write).
+    pub block_ids: Vec<BlockId>,
+}
+
+/// D → P: "write these requests' KV into these blocks of mine" (seed step 21).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PullRequest {
+    /// Unique per D worker; every response echoes it.
+    pub pull_id: u64,
+    /// D's engine id (for logs and metrics).
+    pub engine_id: String,
+    /// D's data server, `host:port`, where P's transfer engine connects.
+    pub data_addr: String,
+    pub tp_size: u32,
+    pub tp_rank: u32,
+    pub pp_size: u32,
+    pub layout_id: u64,
+    /// D's full layout; `None` once P has acknowledged `layout_id`.
+    pub layout: Option<KvLayout>,
+    pub reqs: Vec<PullReq>,
+    /// W3C traceparent of the D request that started the pull.
+    pub traceparent: Option<String>,
+}
+
+/// D → P: D has given these transfers up (abort, deadline); P must not write them any more.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AbortPull {
+    pub pull_id: u64,
+    pub transfer_ids: Vec<TransferId>,
+}
+
+/// Everything D may send on the side channel.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum SideChannelRequest {
+    Pull(PullRequest),
+    Abort(AbortPull),
+}
+
+/// The status of one response (vLLM's MooncakeXferResponse statuses).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum PullStatus {
+    /// Some requests are settled; more responses follow for this pull.
+    Continue,
+    /// Every request of the pull is settled; this is the last response.
+    Finish,
+    /// The pull itself could not be served (bad frame, unknown layout…); see `error`.
+    Error,
+}
+
+/// Why one request of a pull was not written.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum PullErrorCause {
+    /// P's prefill request was aborted or failed; its KV will never exist.
+    Aborted,
+    /// P waited for the request's prefill past its deadline.
+    ReadyTimeout,
+    /// P's and D's block counts or layouts do not match.
+    LayoutMismatch,
+    /// The write into D's memory failed.
+    TransferFailed,
+    /// P does not know D's `layout_id`: resend the pull with the full layout.
+    UnknownLayout,
+    /// D aborted the transfer itself.
+    CancelledByPeer,
+}
+
+/// One failed request of a pull.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PullErr {
+    pub d_req_id: RequestId,
+    pub cause: PullErrorCause,
+    pub detail: String,
+}
+
+/// P → D (seed step 30).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PullResponse {
+    pub pull_id: u64,
+    pub status: PullStatus,
+    pub ok_reqs: Vec<RequestId>,
+    pub err_reqs: Vec<PullErr>,
+    /// The layout P now has cached for D (so D may omit it next time).
+    pub layout_id: Option<u64>,
+    /// Set with `PullStatus::Error`.
+    pub error: Option<String>,
+}
+
+impl PullResponse {
+    /// A response that fails the whole pull.
+    pub fn error(pull_id: u64, error: impl Into<String>) -> Self {
+        Self { pull_id, status: PullStatus::Error, ok_reqs: vec![], err_reqs: vec![], layout_id: None, error: Some(error.into()) }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::frame;
+
+    #[test]
+    fn pull_round_trips_as_a_frame() {
+        let pull = SideChannelRequest::Pull(PullRequest {
+            pull_id: 1,
+            engine_id: "d".into(),
+            data_addr: "127.0.0.1:9".into(),
+            tp_size: 1,
+            tp_rank: 0,
+            pp_size: 1,
+            layout_id: 5,
+            layout: None,
+            reqs: vec![PullReq { d_req_id: "cmpl-d".into(), transfer_id: "xfer-1".into(), block_ids: (512..575).collect() }],
+            traceparent: None,
+        });
+        let bytes = frame::encode(&pull).expect("encodes");
+        assert_eq!(frame::decode::<SideChannelRequest>(&bytes, "side-channel request"), Ok(pull));
+        assert!(frame::decode::<SideChannelRequest>(b"PDFL\x01\xff\xff", "side-channel request").is_err());
+    }
+}
+
+/// Steps 14 and 27: the worker-side connector hands over the step's `reqs_to_send` and
+/// `reqs_not_processed` (from [`crate::scheduler_connector::ConnectorMetadata`]).
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct RecordSendReqs {
+    pub reqs_to_send: std::collections::BTreeMap<RequestId, (TransferId, Vec<BlockId>)>,
+    pub reqs_not_processed: std::collections::BTreeSet<TransferId>,
+    pub traceparents: std::collections::BTreeMap<RequestId, String>,
+}
+
+/// Step 32: the worker collects the P requests whose KV was sent since the last call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct GetFinishedSending;
