@@ -1,1 +1,27 @@
-//! placeholder
+//! pdflow-actors — the actors of DESIGN §2, one per file, each named after the actor.
+//!
+//! # Layout
+//! - [`bootstrap`] — engine_id → dp → tp → pp → side-channel address; vLLM-compatible HTTP
+//!   (steps 2, 4 and 20 server side, 7).
+//! - [`proxy`] — P/D pools, health, engine ids, round robin; [`proxy_flow`] — one request's fan-out
+//!   and streaming back (steps 6–10, 25, 42–43).
+//! - [`scheduler_connector`] — the scheduler-side hooks, producer and consumer roles
+//!   (steps 13, 18, 26, 32, 35, 36 and the hook halves of 12, 17, 23, 33, 37, 41).
+//! - [`sender_listener`] — P's side-channel socket (ZeroMQ ROUTER) and bootstrap registration
+//!   (steps 1, 3, 4, 21 receive, 30 reply).
+//! - [`send_worker`] — one per transfer on P: wait for ready, plan, write, reply (14, 22, 27–29, 31).
+//! - [`receiver`] — D's pulls in flight and bootstrap look-ups (steps 5, 19, 20, 34).
+//! - [`pull_task`] — one side-channel exchange (ZeroMQ DEALER) with a deadline (steps 21, 30 receive).
+//! - [`error`] — the crate's error type.
+
+pub mod bootstrap;
+pub mod error;
+pub mod proxy;
+pub mod proxy_flow;
+pub mod pull_task;
+pub mod receiver;
+pub mod scheduler_connector;
+pub mod send_worker;
+pub mod sender_listener;
+
+pub use error::ActorError;

@@ -1,0 +1,12 @@
+//! Attribute keys of step spans (constants, never string literals in actors).
+
+pub const STEP: &str = "pd.step";
+pub const REQUEST_ID: &str = "pd.request_id";
+pub const TRANSFER_ID: &str = "pd.transfer_id";
+pub const ENGINE_ID: &str = "pd.engine_id";
+pub const BLOCKS: &str = "pd.blocks";
+pub const BYTES: &str = "pd.bytes";
+pub const DESCRIPTORS: &str = "pd.descriptors";
+pub const TOKENS: &str = "pd.tokens";
+pub const OUTCOME: &str = "pd.outcome";
+pub const TRACEPARENT: &str = "pd.traceparent";

@@ -1,0 +1,13 @@
+//! The simulated engine (DESIGN §5): stands in for vLLM wherever vLLM cannot run.
+//!
+//! Faithful to vLLM v1's scheduler wherever the connector is involved: a paged block pool, chunked
+//! prefill, `WAITING_FOR_REMOTE_KVS`, delayed block free on P, `num_computed_tokens = prompt − 1`
+//! after a remote load, finish reasons (length vs stop, stop checked first), aborts. Its model is
+//! deterministic: the KV of a token is a function of (token, position, layer, head), and each
+//! sampled token depends on every KV byte of the context, so a lost or corrupted byte changes the
+//! output. It serves vLLM's HTTP API.
+//!
+//! Engine-owned steps: 11/16 (add request), 15 (prefill forward), 24 (engine output),
+//! 38–40 (first token and decode), 42 (HTTP response).
+
+pub mod ports;

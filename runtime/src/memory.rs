@@ -1,0 +1,261 @@
+//! A worker's KV cache as registered memory regions (seed step 3) and the region table that every
+//! write is checked against (DESIGN §4).
+//!
+//! Layout is vLLM 0.33's LBHNC: one region per layer, each `[num_blocks, num_kv_heads, block_size,
+//! 2 * head_dim]` (K and V side by side). For Qwen3-8B (36 layers, 8 KV heads, head_dim 128, bf16,
+//! block 16) a block is 64 KiB per layer and 2.25 MiB over all layers; a token is 144 KiB.
+//!
+//! Memory is shared between the engine (which computes KV into blocks it owns) and the transfer
+//! engine (which reads P's finished blocks and writes D's waiting blocks). The block pool gives each
+//! block one owner at a time, so concurrent accesses always touch disjoint bytes; this module only
+//! hands out raw ranges after checking they lie wholly inside one region.
+
+use std::sync::Arc;
+
+use pdflow_messages::layout::{KvLayout, RegionDesc};
+use pdflow_messages::BlockId;
+
+/// The model's KV shape.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct KvShape {
+    pub num_layers: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    pub dtype_bytes: usize,
+    pub block_size: usize,
+}
+
+impl KvShape {
+    /// The seed's model: Qwen/Qwen3-8B, bf16, block 16.
+    pub const QWEN3_8B: KvShape = KvShape { num_layers: 36, num_kv_heads: 8, head_dim: 128, dtype_bytes: 2, block_size: 16 };
+
+    /// Bytes of one token's K and V for one head in one layer.
+    pub fn slot_len(&self) -> usize {
+        2 * self.head_dim * self.dtype_bytes
+    }
+    /// Bytes of one block in one layer's region.
+    pub fn block_len(&self) -> usize {
+        self.num_kv_heads * self.block_size * self.slot_len()
+    }
+    /// Bytes of one block over all layers.
+    pub fn bytes_per_block(&self) -> usize {
+        self.num_layers * self.block_len()
+    }
+    /// Bytes of one token over all layers (144 KiB for Qwen3-8B).
+    pub fn bytes_per_token(&self) -> usize {
+        self.num_layers * self.num_kv_heads * self.slot_len()
+    }
+    /// Offset, inside one layer's block, of (head, slot).
+    pub fn slot_offset(&self, head: usize, slot: usize) -> usize {
+        (head * self.block_size + slot) * self.slot_len()
+    }
+    /// Blocks needed for `tokens` tokens.
+    pub fn blocks_for(&self, tokens: usize) -> usize {
+        tokens.div_ceil(self.block_size)
+    }
+}
+
+/// Why a range is not registered memory.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RegionError {
+    #[error("range {addr:#x}+{len} does not lie wholly inside one registered region: refused")]
+    OutOfRegion { addr: u64, len: u64 },
+    #[error("block {block} is outside the {num_blocks}-block KV cache")]
+    BlockOutOfRange { block: BlockId, num_blocks: usize },
+}
+
+/// One layer's buffer. `u64` words keep it 8-byte aligned.
+struct LayerBuffer {
+    ptr: *mut u8,
+    len: usize,
+    _owner: Box<[u64]>,
+}
+
+/// A worker's KV cache: `num_blocks` blocks of `shape`, one region per layer.
+pub struct KvCache {
+    shape: KvShape,
+    num_blocks: usize,
+    layers: Vec<LayerBuffer>,
+    layout_id: u64,
+}
+
+// SAFETY: the buffers are plain bytes owned by the cache for its whole life; concurrent access goes
+// through raw pointers to disjoint blocks (one owner per block, enforced by the engine's block pool).
+unsafe impl Send for KvCache {}
+unsafe impl Sync for KvCache {}
+
+impl std::fmt::Debug for KvCache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KvCache").field("shape", &self.shape).field("num_blocks", &self.num_blocks).finish()
+    }
+}
+
+impl KvCache {
+    /// Allocates a zeroed cache (seed step 3: vLLM allocates, then the connector registers it).
+    pub fn new(shape: KvShape, num_blocks: usize) -> Arc<Self> {
+        let region_len = num_blocks * shape.block_len();
+        let layers = (0..shape.num_layers)
+            .map(|_| {
+                let mut owner = vec![0u64; region_len.div_ceil(8)].into_boxed_slice();
+                LayerBuffer { ptr: owner.as_mut_ptr().cast::<u8>(), len: region_len, _owner: owner }
+            })
+            .collect();
+        let layout_id = (uuid::Uuid::new_v4().as_u64_pair().0 >> 1) | 1;
+        Arc::new(Self { shape, num_blocks, layers, layout_id })
+    }
+
+    pub fn shape(&self) -> KvShape {
+        self.shape
+    }
+    pub fn num_blocks(&self) -> usize {
+        self.num_blocks
+    }
+
+    /// The registered regions, one per layer.
+    pub fn regions(&self) -> Vec<RegionDesc> {
+        self.layers
+            .iter()
+            .map(|l| RegionDesc { base_addr: l.ptr as u64, len: l.len as u64, block_len: self.shape.block_len() as u64 })
+            .collect()
+    }
+
+    /// The layout a peer needs to address this cache (seed step 21).
+    pub fn layout(&self) -> KvLayout {
+        KvLayout { layout_id: self.layout_id, regions: self.regions() }
+    }
+
+    /// A region table over this cache, for checking and performing raw transfers.
+    pub fn region_table(self: &Arc<Self>) -> RegionTable {
+        RegionTable { regions: self.regions(), _owner: Some(self.clone()) }
+    }
+
+    fn check_block(&self, block: BlockId) -> Result<usize, RegionError> {
+        let b = block as usize;
+        if b >= self.num_blocks {
+            return Err(RegionError::BlockOutOfRange { block, num_blocks: self.num_blocks });
+        }
+        Ok(b)
+    }
+
+    /// Writes one token slot (layer, block, head, slot). `bytes.len()` must be `shape.slot_len()`.
+    pub fn write_slot(&self, layer: usize, block: BlockId, head: usize, slot: usize, bytes: &[u8]) -> Result<(), RegionError> {
+        let b = self.check_block(block)?;
+        let len = self.shape.slot_len();
+        assert!(layer < self.layers.len() && head < self.shape.num_kv_heads && slot < self.shape.block_size && bytes.len() == len);
+        let off = b * self.shape.block_len() + self.shape.slot_offset(head, slot);
+        // SAFETY: bounds checked above; the block belongs to the caller (block pool invariant).
+        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), self.layers[layer].ptr.add(off), len) };
+        Ok(())
+    }
+
+    /// Reads one token slot into `out` (`shape.slot_len()` bytes).
+    pub fn read_slot(&self, layer: usize, block: BlockId, head: usize, slot: usize, out: &mut [u8]) -> Result<(), RegionError> {
+        let b = self.check_block(block)?;
+        let len = self.shape.slot_len();
+        assert!(layer < self.layers.len() && head < self.shape.num_kv_heads && slot < self.shape.block_size && out.len() == len);
+        let off = b * self.shape.block_len() + self.shape.slot_offset(head, slot);
+        // SAFETY: as in `write_slot`.
+        unsafe { std::ptr::copy_nonoverlapping(self.layers[layer].ptr.add(off), out.as_mut_ptr(), len) };
+        Ok(())
+    }
+
+    /// A copy of one whole block over all layers (layer-major): for verification in tests and the demo.
+    pub fn block_bytes(&self, block: BlockId) -> Result<Vec<u8>, RegionError> {
+        let b = self.check_block(block)?;
+        let bl = self.shape.block_len();
+        let mut out = Vec::with_capacity(self.shape.bytes_per_block());
+        for l in &self.layers {
+            // SAFETY: in bounds; the caller owns the block.
+            out.extend_from_slice(unsafe { std::slice::from_raw_parts(l.ptr.add(b * bl), bl) });
+        }
+        Ok(out)
+    }
+}
+
+/// Registered regions, and raw access to them after a bounds check.
+#[derive(Clone)]
+pub struct RegionTable {
+    regions: Vec<RegionDesc>,
+    /// Keeps the memory alive as long as the table is.
+    _owner: Option<Arc<KvCache>>,
+}
+
+impl std::fmt::Debug for RegionTable {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RegionTable").field("regions", &self.regions.len()).finish()
+    }
+}
+
+impl RegionTable {
+    pub fn regions(&self) -> &[RegionDesc] {
+        &self.regions
+    }
+
+    /// The index of the region that wholly contains `addr..addr+len`.
+    pub fn check(&self, addr: u64, len: u64) -> Result<usize, RegionError> {
+        let end = addr.checked_add(len).ok_or(RegionError::OutOfRegion { addr, len })?;
+        self.regions
+            .iter()
+            .position(|r| addr >= r.base_addr && end <= r.base_addr + r.len)
+            .ok_or(RegionError::OutOfRegion { addr, len })
+    }
+
+    /// The destination bytes `addr..addr+len`, after the region check.
+    ///
+    /// # Safety
+    /// The caller must own the blocks the range covers for as long as it uses the slice (no other
+    /// reader or writer of those bytes), as the block pool guarantees for blocks under transfer.
+    #[allow(clippy::mut_from_ref)]
+    pub unsafe fn slice_mut(&self, addr: u64, len: u64) -> Result<&mut [u8], RegionError> {
+        self.check(addr, len)?;
+        Ok(std::slice::from_raw_parts_mut(addr as *mut u8, len as usize))
+    }
+
+    /// The source bytes `addr..addr+len`, after the region check.
+    ///
+    /// # Safety
+    /// Nobody may write those bytes while the slice is used (P's blocks are held by delayed free).
+    pub unsafe fn slice(&self, addr: u64, len: u64) -> Result<&[u8], RegionError> {
+        self.check(addr, len)?;
+        Ok(std::slice::from_raw_parts(addr as *const u8, len as usize))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn qwen3_8b_figures_match_the_seed() {
+        let s = KvShape::QWEN3_8B;
+        assert_eq!(s.bytes_per_token(), 147_456);
+        assert_eq!(s.block_len(), 64 * 1024);
+        assert_eq!(s.bytes_per_block(), 2_359_296);
+        assert_eq!(s.blocks_for(1000), 63);
+        assert_eq!(63 * s.bytes_per_block(), 148_635_648);
+    }
+
+    #[test]
+    fn region_checks_refuse_ranges_outside_or_across_regions() {
+        let shape = KvShape { num_layers: 2, num_kv_heads: 1, head_dim: 4, dtype_bytes: 2, block_size: 2 };
+        let cache = KvCache::new(shape, 4);
+        let table = cache.region_table();
+        let r0 = table.regions()[0];
+        assert_eq!(table.check(r0.base_addr, r0.len), Ok(0));
+        assert!(table.check(r0.base_addr + 1, r0.len).is_err());
+        assert!(table.check(u64::MAX - 1, 4).is_err());
+        assert!(table.check(0, 1).is_err());
+    }
+
+    #[test]
+    fn slots_round_trip() {
+        let shape = KvShape { num_layers: 2, num_kv_heads: 2, head_dim: 4, dtype_bytes: 2, block_size: 2 };
+        let cache = KvCache::new(shape, 3);
+        let data: Vec<u8> = (0..shape.slot_len() as u8).collect();
+        cache.write_slot(1, 2, 1, 1, &data).expect("in range");
+        let mut out = vec![0; shape.slot_len()];
+        cache.read_slot(1, 2, 1, 1, &mut out).expect("in range");
+        assert_eq!(out, data);
+        assert!(cache.write_slot(0, 3, 0, 0, &data).is_err());
+    }
+}

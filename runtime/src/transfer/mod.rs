@@ -1,0 +1,49 @@
+//! Transfer engines: P writes a [`TransferPlan`] from its registered memory into D's (seed step 29,
+//! P-push). The trait has that one job; backends differ in how bytes move.
+//!
+//! - [`tcp`] — the default everywhere: D runs a [`tcp::TcpDataServer`] over its region table and
+//!   writes each payload straight into registered memory, refusing any descriptor outside a region;
+//!   P's [`tcp::TcpTransferEngine`] keeps a pool of connections per peer and splits a batch across them.
+
+pub mod tcp;
+
+use std::time::Duration;
+
+use futures::future::BoxFuture;
+
+use crate::memory::RegionError;
+use crate::planner::TransferPlan;
+
+/// What one write moved.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct TransferStats {
+    pub bytes: u64,
+    pub descriptors: usize,
+    pub duration: Duration,
+}
+
+/// Why a write failed. After any error the destination bytes are undefined: D must not use them.
+#[derive(Debug, thiserror::Error)]
+pub enum TransferError {
+    #[error("cannot connect to the peer's data server at {peer}: {source} (is D's data server up and reachable?)")]
+    Connect { peer: String, source: std::io::Error },
+    #[error("data connection to {peer} failed mid-transfer: {source}")]
+    Io { peer: String, source: std::io::Error },
+    #[error("the peer at {peer} refused the write: {reason}")]
+    Refused { peer: String, reason: String },
+    #[error("a source descriptor is not in this worker's registered memory: {0}")]
+    LocalRegion(#[from] RegionError),
+    #[error("write to {peer} did not finish within {deadline:?}")]
+    Timeout { peer: String, deadline: Duration },
+}
+
+/// Writes plans into peers' registered memory.
+pub trait TransferEngine: Send + Sync + 'static {
+    /// The backend's name (`tcp`, …), for logs and benchmarks.
+    fn name(&self) -> &'static str;
+
+    /// Writes every descriptor of `plan` (src: this worker's memory, dst: the peer's) to the peer
+    /// whose data server listens at `peer` (`host:port`). Returns once every byte is in the
+    /// peer's memory (the peer acknowledged), or with an error.
+    fn write<'a>(&'a self, peer: &'a str, plan: &'a TransferPlan) -> BoxFuture<'a, Result<TransferStats, TransferError>>;
+}

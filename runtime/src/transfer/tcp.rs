@@ -1,0 +1,1 @@
+//! The `tcp` transfer backend (to be written).
