@@ -10,3 +10,4 @@ pub const DESCRIPTORS: &str = "pd.descriptors";
 pub const TOKENS: &str = "pd.tokens";
 pub const OUTCOME: &str = "pd.outcome";
 pub const TRACEPARENT: &str = "pd.traceparent";
+pub const KV_CHECKSUM: &str = "pd.kv_checksum";

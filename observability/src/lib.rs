@@ -28,18 +28,27 @@ pub const STEP_TARGET: &str = "pdflow::step";
 #[macro_export]
 macro_rules! step_span {
     ($step:expr) => {
-        $crate::step_span!($step, request_id = tracing::field::Empty)
+        $crate::step_span!(@span $step, [tracing::field::Empty], [tracing::field::Empty])
     };
-    ($step:expr, request_id = $rid:expr) => {
-        $crate::step_span!($step, request_id = $rid, transfer_id = tracing::field::Empty)
+    ($step:expr, request_id = %$rid:expr, transfer_id = %$tid:expr) => {
+        $crate::step_span!(@span $step, [%$rid], [%$tid])
+    };
+    ($step:expr, request_id = %$rid:expr) => {
+        $crate::step_span!(@span $step, [%$rid], [tracing::field::Empty])
     };
     ($step:expr, request_id = $rid:expr, transfer_id = $tid:expr) => {
+        $crate::step_span!(@span $step, [$rid], [$tid])
+    };
+    ($step:expr, request_id = $rid:expr) => {
+        $crate::step_span!(@span $step, [$rid], [tracing::field::Empty])
+    };
+    (@span $step:expr, [$($rid:tt)*], [$($tid:tt)*]) => {
         tracing::info_span!(
             target: "pdflow::step",
             $step.span_name,
             pd.step = $step.number,
-            pd.request_id = $rid,
-            pd.transfer_id = $tid,
+            pd.request_id = $($rid)*,
+            pd.transfer_id = $($tid)*,
             pd.engine_id = tracing::field::Empty,
             pd.blocks = tracing::field::Empty,
             pd.bytes = tracing::field::Empty,
@@ -47,6 +56,7 @@ macro_rules! step_span {
             pd.tokens = tracing::field::Empty,
             pd.outcome = tracing::field::Empty,
             pd.traceparent = tracing::field::Empty,
+            pd.kv_checksum = tracing::field::Empty,
         )
     };
 }

@@ -172,6 +172,52 @@ impl KvCache {
     }
 }
 
+impl KvCache {
+    /// A checksum of `blocks` (in order) over every region, region-major: the same byte sequence
+    /// P's transfer plan reads and D's blocks receive, so both sides can compare (demo, tests).
+    pub fn blocks_checksum(&self, blocks: &[BlockId]) -> Result<u64, RegionError> {
+        let bl = self.shape.block_len();
+        let mut h = Checksum::default();
+        for l in &self.layers {
+            for &block in blocks {
+                let b = self.check_block(block)?;
+                // SAFETY: in bounds; the caller owns the blocks (held for transfer).
+                h.update(unsafe { std::slice::from_raw_parts(l.ptr.add(b * bl), bl) });
+            }
+        }
+        Ok(h.finish())
+    }
+}
+
+/// A fast, order-sensitive 64-bit checksum (not cryptographic).
+#[derive(Debug, Clone, Copy)]
+pub struct Checksum(u64);
+
+impl Default for Checksum {
+    fn default() -> Self {
+        Self(0x9E37_79B9_7F4A_7C15)
+    }
+}
+
+impl Checksum {
+    pub fn update(&mut self, bytes: &[u8]) {
+        let mut chunks = bytes.chunks_exact(8);
+        for c in &mut chunks {
+            let w = u64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]);
+            self.0 = (self.0 ^ w).wrapping_mul(0x0100_0000_01B3).rotate_left(29);
+        }
+        for &b in chunks.remainder() {
+            self.0 = (self.0 ^ u64::from(b)).wrapping_mul(0x0100_0000_01B3).rotate_left(29);
+        }
+    }
+    pub fn finish(&self) -> u64 {
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+}
+
 /// Registered regions, and raw access to them after a bounds check.
 #[derive(Clone)]
 pub struct RegionTable {
