@@ -1,0 +1,248 @@
+//! P's side of the `tcp` backend: [`TcpTransferEngine`] writes a plan from P's registered memory
+//! into D's over a pool of connections per peer (seed step 29, P-push).
+//!
+//! A plan is split by bytes across up to `streams_per_peer` connections (a large descriptor may be
+//! cut into pieces); each connection sends its share as one batch — header, then the payloads read
+//! straight from the source memory with large writes — and waits for D's ack. Connections are made
+//! lazily, reused across writes, and dropped after any error; a failure on a reused connection (D
+//! may have closed it while idle) is retried once on a fresh one, which is safe because a write only
+//! ever rewrites the same bytes into blocks D holds for this transfer.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use futures::future::BoxFuture;
+use tokio::io::AsyncWriteExt;
+use tokio::net::{TcpSocket, TcpStream};
+
+use super::wire::{self, Ack, MAX_DESCRIPTORS_PER_BATCH};
+use super::SOCKET_BUFFER_BYTES;
+use crate::memory::RegionTable;
+use crate::planner::{Descriptor, TransferPlan};
+use crate::transfer::{TransferEngine, TransferError, TransferStats};
+
+/// A share smaller than this is not worth its own connection.
+const MIN_BYTES_PER_STREAM: u64 = 64 * 1024;
+/// Pooled connections idle longer than this are dropped (D closes its side after 300 s).
+const POOL_IDLE: Duration = Duration::from_secs(60);
+
+/// How P connects to and writes into D's data servers.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TcpConfig {
+    /// Connections one plan is spread over (at most), and idle connections kept per peer.
+    pub streams_per_peer: usize,
+    /// Deadline for connecting and exchanging the hello with a peer.
+    pub connect_timeout: Duration,
+    /// Deadline for one whole `write` (every byte sent and acknowledged).
+    pub write_timeout: Duration,
+    /// The token D's data server expects, if it expects one.
+    pub auth_token: Option<String>,
+}
+
+impl Default for TcpConfig {
+    fn default() -> Self {
+        Self { streams_per_peer: 4, connect_timeout: Duration::from_secs(5), write_timeout: Duration::from_secs(30), auth_token: None }
+    }
+}
+
+struct PooledConnection {
+    stream: TcpStream,
+    idle_since: Instant,
+}
+
+/// P's tcp transfer engine. Cheap to share (`Arc`); concurrent writes, to one peer or many, each
+/// check out their own connections.
+pub struct TcpTransferEngine {
+    local: RegionTable,
+    config: TcpConfig,
+    pool: Mutex<HashMap<String, Vec<PooledConnection>>>,
+    next_batch_id: AtomicU64,
+}
+
+impl std::fmt::Debug for TcpTransferEngine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TcpTransferEngine").field("local", &self.local).field("config", &self.config).finish_non_exhaustive()
+    }
+}
+
+impl TcpTransferEngine {
+    /// An engine reading from `local` (P's registered memory).
+    pub fn new(local: RegionTable, config: TcpConfig) -> Self {
+        Self { local, config, pool: Mutex::new(HashMap::new()), next_batch_id: AtomicU64::new(1) }
+    }
+
+    pub fn config(&self) -> &TcpConfig {
+        &self.config
+    }
+
+    /// Idle connections pooled for `peer` (for metrics and tests).
+    pub fn pooled_connections(&self, peer: &str) -> usize {
+        self.lock_pool().get(peer).map_or(0, Vec::len)
+    }
+
+    fn lock_pool(&self) -> std::sync::MutexGuard<'_, HashMap<String, Vec<PooledConnection>>> {
+        // The map holds no invariant a panicking holder could break: keep using it.
+        self.pool.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    async fn write_plan(&self, peer: &str, plan: &TransferPlan) -> Result<TransferStats, TransferError> {
+        let started = Instant::now();
+        let descriptors: Vec<Descriptor> = plan.descriptors.iter().copied().filter(|d| d.len > 0).collect();
+        for d in &descriptors {
+            self.local.check(d.src, d.len)?;
+        }
+        let bytes: u64 = descriptors.iter().map(|d| d.len).sum();
+        if bytes > 0 {
+            let streams = usize::try_from(bytes / MIN_BYTES_PER_STREAM).unwrap_or(usize::MAX).clamp(1, self.config.streams_per_peer.max(1));
+            let shares = split_by_bytes(&descriptors, streams);
+            let deadline = tokio::time::Instant::now() + self.config.write_timeout;
+            futures::future::try_join_all(shares.iter().map(|share| self.write_share(peer, share, deadline))).await?;
+        }
+        Ok(TransferStats { bytes, descriptors: plan.descriptors.len(), duration: started.elapsed() })
+    }
+
+    /// Sends one share over one connection; retries once on a fresh connection if a reused one failed.
+    async fn write_share(&self, peer: &str, share: &[Descriptor], deadline: tokio::time::Instant) -> Result<(), TransferError> {
+        let (mut stream, mut reused) = match self.checkout(peer) {
+            Some(stream) => (stream, true),
+            None => (self.connect(peer, deadline).await?, false),
+        };
+        loop {
+            let sent = tokio::time::timeout_at(deadline, self.send_share(peer, &mut stream, share)).await;
+            match sent {
+                Ok(Ok(())) => {
+                    self.checkin(peer, stream);
+                    return Ok(());
+                }
+                Ok(Err(TransferError::Io { peer: _, source })) if reused => {
+                    tracing::debug!(%peer, "pooled data connection failed ({source}); retrying on a fresh one");
+                    stream = self.connect(peer, deadline).await?;
+                    reused = false;
+                }
+                Ok(Err(e)) => return Err(e),
+                Err(_) => return Err(TransferError::Timeout { peer: peer.to_string(), deadline: self.config.write_timeout }),
+            }
+        }
+    }
+
+    async fn send_share(&self, peer: &str, stream: &mut TcpStream, share: &[Descriptor]) -> Result<(), TransferError> {
+        let io = |source: std::io::Error| TransferError::Io { peer: peer.to_string(), source };
+        for batch in share.chunks(MAX_DESCRIPTORS_PER_BATCH) {
+            let batch_id = self.next_batch_id.fetch_add(1, Ordering::Relaxed);
+            let header = wire::encode_batch_header(batch_id, batch).map_err(|e| io(e.into_io()))?;
+            stream.write_all(&header).await.map_err(io)?;
+            for d in batch {
+                // SAFETY: P's blocks under transfer are held (delayed free) and not written until
+                // the transfer finishes; the range was checked against P's regions in `write_plan`.
+                let src = unsafe { self.local.slice(d.src, d.len) }?;
+                stream.write_all(src).await.map_err(io)?;
+            }
+            stream.flush().await.map_err(io)?;
+            match wire::read_ack(stream).await.map_err(|e| io(e.into_io()))? {
+                Ack::Ok { batch_id: acked } if acked == batch_id => {}
+                Ack::Ok { batch_id: acked } => {
+                    let msg = format!("ack for batch {acked} while waiting for batch {batch_id}");
+                    return Err(io(std::io::Error::new(std::io::ErrorKind::InvalidData, msg)));
+                }
+                Ack::Refused { reason, .. } => return Err(TransferError::Refused { peer: peer.to_string(), reason }),
+            }
+        }
+        Ok(())
+    }
+
+    fn checkout(&self, peer: &str) -> Option<TcpStream> {
+        let mut pool = self.lock_pool();
+        let idle = pool.get_mut(peer)?;
+        while let Some(conn) = idle.pop() {
+            if conn.idle_since.elapsed() < POOL_IDLE {
+                return Some(conn.stream);
+            }
+        }
+        None
+    }
+
+    fn checkin(&self, peer: &str, stream: TcpStream) {
+        let mut pool = self.lock_pool();
+        let idle = pool.entry(peer.to_string()).or_default();
+        if idle.len() < self.config.streams_per_peer.max(1) {
+            idle.push(PooledConnection { stream, idle_since: Instant::now() });
+        }
+    }
+
+    /// Connects and exchanges the hello, within `connect_timeout` and the write's deadline.
+    async fn connect(&self, peer: &str, deadline: tokio::time::Instant) -> Result<TcpStream, TransferError> {
+        let connect_deadline = deadline.min(tokio::time::Instant::now() + self.config.connect_timeout);
+        let limit = if connect_deadline < deadline { self.config.connect_timeout } else { self.config.write_timeout };
+        match tokio::time::timeout_at(connect_deadline, self.connect_and_hello(peer)).await {
+            Ok(result) => result,
+            Err(_) => Err(TransferError::Timeout { peer: peer.to_string(), deadline: limit }),
+        }
+    }
+
+    async fn connect_and_hello(&self, peer: &str) -> Result<TcpStream, TransferError> {
+        let connect_err = |source| TransferError::Connect { peer: peer.to_string(), source };
+        let mut stream = open(peer).await.map_err(connect_err)?;
+        stream.set_nodelay(true).map_err(connect_err)?;
+        let hello = wire::encode_hello(self.config.auth_token.as_deref()).map_err(|e| connect_err(e.into_io()))?;
+        stream.write_all(&hello).await.map_err(connect_err)?;
+        match wire::read_ack(&mut stream).await.map_err(|e| connect_err(e.into_io()))? {
+            Ack::Ok { .. } => Ok(stream),
+            Ack::Refused { reason, .. } => Err(TransferError::Refused { peer: peer.to_string(), reason }),
+        }
+    }
+}
+
+impl TransferEngine for TcpTransferEngine {
+    fn name(&self) -> &'static str {
+        "tcp"
+    }
+
+    fn write<'a>(&'a self, peer: &'a str, plan: &'a TransferPlan) -> BoxFuture<'a, Result<TransferStats, TransferError>> {
+        Box::pin(self.write_plan(peer, plan))
+    }
+}
+
+/// Resolves `peer` (`host:port`) and connects to the first address that answers.
+async fn open(peer: &str) -> std::io::Result<TcpStream> {
+    let mut last = std::io::Error::new(std::io::ErrorKind::AddrNotAvailable, "the address resolved to nothing");
+    for addr in tokio::net::lookup_host(peer).await? {
+        let socket = if addr.is_ipv4() { TcpSocket::new_v4()? } else { TcpSocket::new_v6()? };
+        if let Err(e) = socket.set_send_buffer_size(SOCKET_BUFFER_BYTES) {
+            tracing::debug!("cannot enlarge the data socket's send buffer: {e}");
+        }
+        match socket.connect(addr).await {
+            Ok(stream) => return Ok(stream),
+            Err(e) => last = e,
+        }
+    }
+    Err(last)
+}
+
+/// Splits `descriptors` into at most `streams` shares of (nearly) equal bytes, in order, cutting a
+/// descriptor where a share fills up. The shares cover exactly the bytes of `descriptors`.
+pub(crate) fn split_by_bytes(descriptors: &[Descriptor], streams: usize) -> Vec<Vec<Descriptor>> {
+    let total: u64 = descriptors.iter().map(|d| d.len).sum();
+    let share = total.div_ceil(streams.max(1) as u64).max(1);
+    let mut shares = Vec::with_capacity(streams);
+    let mut current = Vec::new();
+    let mut room = share;
+    for d in descriptors {
+        let mut rest = *d;
+        while rest.len > 0 {
+            let take = rest.len.min(room);
+            current.push(Descriptor { src: rest.src, dst: rest.dst, len: take });
+            rest = Descriptor { src: rest.src + take, dst: rest.dst + take, len: rest.len - take };
+            room -= take;
+            if room == 0 {
+                shares.push(std::mem::take(&mut current));
+                room = share;
+            }
+        }
+    }
+    if !current.is_empty() {
+        shares.push(current);
+    }
+    shares
+}

@@ -1,0 +1,247 @@
+//! D's side of the `tcp` backend: [`TcpDataServer`] accepts P's data connections and writes each
+//! payload straight into D's registered memory (the receiving half of seed step 29).
+//!
+//! Every descriptor of a batch is checked against the [`RegionTable`] before any payload byte is
+//! read; a batch with one descriptor outside the regions is refused as a whole (nothing written,
+//! its payload drained so the connection stays usable). Garbage, oversize headers and wrong auth
+//! tokens close the connection; the server keeps serving the others. It owns its accept loop and
+//! connection tasks: they stop when the server is shut down or dropped.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpSocket, TcpStream};
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use tracing::Instrument;
+
+use super::wire::{self, Ack, WireError};
+use super::SOCKET_BUFFER_BYTES;
+use crate::memory::RegionTable;
+
+/// How long a new connection may take to send its hello.
+const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long an idle connection is kept between batches (P's pool drops its side sooner).
+const IDLE_TIMEOUT: Duration = Duration::from_secs(300);
+/// How long one payload chunk may stall.
+const STALL_TIMEOUT: Duration = Duration::from_secs(30);
+/// Payload is read in chunks of this size, each under [`STALL_TIMEOUT`].
+const READ_CHUNK: usize = 4 << 20;
+/// The most payload bytes drained from a refused batch; beyond that the connection is closed.
+const MAX_DRAIN_BYTES: u64 = 4 << 30;
+/// How long `shutdown` waits for connection tasks to stop.
+const SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Why the data server could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum DataServerError {
+    #[error("cannot listen for KV data on {addr}: {source} (is the port free and the address local?)")]
+    Bind { addr: SocketAddr, source: std::io::Error },
+}
+
+/// Why one data connection was closed (logged, never fatal to the server).
+#[derive(Debug, thiserror::Error)]
+enum ConnectionError {
+    #[error("bad message: {0}")]
+    Wire(#[from] WireError),
+    #[error("auth token does not match")]
+    Unauthorised,
+    #[error("no hello within {0:?}")]
+    HelloTimeout(Duration),
+    #[error("payload stalled for {0:?}")]
+    Stalled(Duration),
+    #[error("refused batch declares {0:?} payload bytes, too many to drain")]
+    UndrainableBatch(Option<u64>),
+}
+
+struct Shared {
+    regions: RegionTable,
+    auth_token: Option<Vec<u8>>,
+}
+
+/// D's data server. Dropping it (or [`TcpDataServer::shutdown`]) stops every task it started.
+#[derive(Debug)]
+pub struct TcpDataServer {
+    local_addr: SocketAddr,
+    cancel: CancellationToken,
+    tracker: TaskTracker,
+}
+
+impl TcpDataServer {
+    /// Listens on `addr` (port 0 picks a free one) and serves writes into `regions`. With
+    /// `auth_token`, connections must present the same token.
+    pub async fn bind(addr: SocketAddr, regions: RegionTable, auth_token: Option<String>) -> Result<Self, DataServerError> {
+        let listener = listen(addr).map_err(|source| DataServerError::Bind { addr, source })?;
+        let local_addr = listener.local_addr().map_err(|source| DataServerError::Bind { addr, source })?;
+        let shared = Arc::new(Shared { regions, auth_token: auth_token.filter(|t| !t.is_empty()).map(String::into_bytes) });
+        let cancel = CancellationToken::new();
+        let tracker = TaskTracker::new();
+        tracker.spawn(accept_loop(listener, shared, cancel.clone(), tracker.clone()));
+        tracing::debug!(%local_addr, "tcp data server listening");
+        Ok(Self { local_addr, cancel, tracker })
+    }
+
+    /// The address the server listens on (the port P connects to).
+    pub fn local_addr(&self) -> SocketAddr {
+        self.local_addr
+    }
+
+    /// Stops accepting, closes every connection and waits (bounded) for the tasks to end.
+    pub async fn shutdown(self) {
+        self.cancel.cancel();
+        self.tracker.close();
+        if tokio::time::timeout(SHUTDOWN_TIMEOUT, self.tracker.wait()).await.is_err() {
+            tracing::warn!(addr = %self.local_addr, "tcp data server tasks did not stop within {SHUTDOWN_TIMEOUT:?}");
+        }
+    }
+}
+
+impl Drop for TcpDataServer {
+    fn drop(&mut self) {
+        self.cancel.cancel();
+        self.tracker.close();
+    }
+}
+
+fn listen(addr: SocketAddr) -> std::io::Result<TcpListener> {
+    let socket = if addr.is_ipv4() { TcpSocket::new_v4()? } else { TcpSocket::new_v6()? };
+    socket.set_reuseaddr(true)?;
+    // Accepted sockets inherit the receive buffer; a refusal by the OS is not fatal.
+    if let Err(e) = socket.set_recv_buffer_size(SOCKET_BUFFER_BYTES) {
+        tracing::debug!("cannot enlarge the data socket's receive buffer: {e}");
+    }
+    socket.bind(addr)?;
+    socket.listen(1024)
+}
+
+async fn accept_loop(listener: TcpListener, shared: Arc<Shared>, cancel: CancellationToken, tracker: TaskTracker) {
+    loop {
+        let accepted = tokio::select! {
+            _ = cancel.cancelled() => return,
+            accepted = listener.accept() => accepted,
+        };
+        match accepted {
+            Ok((stream, peer)) => {
+                let (shared, cancel) = (shared.clone(), cancel.clone());
+                let span = tracing::debug_span!("tcp_data_connection", %peer);
+                tracker.spawn(
+                    async move {
+                        tokio::select! {
+                            _ = cancel.cancelled() => {}
+                            result = serve_connection(stream, &shared) => match result {
+                                Ok(()) => tracing::debug!("data connection closed"),
+                                Err(e) => tracing::warn!("data connection from {peer} closed: {e}"),
+                            },
+                        }
+                    }
+                    .instrument(span),
+                );
+            }
+            Err(e) => {
+                // Out of file descriptors and the like: back off briefly instead of spinning.
+                tracing::warn!("accepting a data connection failed: {e}");
+                tokio::select! {
+                    _ = cancel.cancelled() => return,
+                    _ = tokio::time::sleep(Duration::from_millis(50)) => {}
+                }
+            }
+        }
+    }
+}
+
+async fn serve_connection(mut stream: TcpStream, shared: &Shared) -> Result<(), ConnectionError> {
+    stream.set_nodelay(true).map_err(WireError::from)?;
+    let token = match tokio::time::timeout(HELLO_TIMEOUT, wire::read_hello(&mut stream)).await {
+        Err(_) => return Err(ConnectionError::HelloTimeout(HELLO_TIMEOUT)),
+        Ok(Err(e)) => return Err(refuse_and_close(&mut stream, 0, e.into()).await),
+        Ok(Ok(token)) => token,
+    };
+    if let Some(expected) = &shared.auth_token {
+        if !constant_time_eq(expected, &token) {
+            return Err(refuse_and_close(&mut stream, 0, ConnectionError::Unauthorised).await);
+        }
+    }
+    wire::write_ack(&mut stream, &Ack::Ok { batch_id: 0 }).await?;
+
+    loop {
+        let header = match tokio::time::timeout(IDLE_TIMEOUT, wire::read_batch_header(&mut stream)).await {
+            Err(_) | Ok(Ok(None)) => return Ok(()),
+            Ok(Err(e)) => return Err(refuse_and_close(&mut stream, 0, e.into()).await),
+            Ok(Ok(Some(header))) => header,
+        };
+        let batch_id = header.batch_id;
+        // Check every descriptor before touching the payload.
+        let refusal = header.descriptors.iter().find_map(|&(dst, len)| shared.regions.check(dst, len).err());
+        match refusal {
+            None => {
+                for &(dst, len) in &header.descriptors {
+                    // SAFETY: checked above to lie wholly inside a registered region; D's block
+                    // pool gives the blocks under transfer to this write alone until it is acked.
+                    let dst = unsafe { shared.regions.slice_mut(dst, len) }.map_err(|e| WireError::Io(invalid(e)))?;
+                    read_into(&mut stream, dst).await?;
+                }
+                wire::write_ack(&mut stream, &Ack::Ok { batch_id }).await?;
+            }
+            Some(e) => {
+                let reason = format!("batch {batch_id}: {e}; nothing of the batch was written");
+                tracing::warn!("{reason}");
+                match header.total_len().filter(|&n| n <= MAX_DRAIN_BYTES) {
+                    Some(n) => {
+                        drain(&mut stream, n).await?;
+                        wire::write_ack(&mut stream, &Ack::Refused { batch_id, reason }).await?;
+                    }
+                    None => {
+                        let err = ConnectionError::UndrainableBatch(header.total_len());
+                        return Err(refuse_and_close(&mut stream, batch_id, err).await);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Reads exactly `dst.len()` bytes straight into `dst`, chunk by chunk under the stall deadline.
+async fn read_into(stream: &mut TcpStream, dst: &mut [u8]) -> Result<(), ConnectionError> {
+    for chunk in dst.chunks_mut(READ_CHUNK) {
+        match tokio::time::timeout(STALL_TIMEOUT, stream.read_exact(chunk)).await {
+            Err(_) => return Err(ConnectionError::Stalled(STALL_TIMEOUT)),
+            Ok(r) => r.map_err(WireError::from)?,
+        };
+    }
+    Ok(())
+}
+
+/// Reads and discards `n` payload bytes of a refused batch.
+async fn drain(stream: &mut TcpStream, mut n: u64) -> Result<(), ConnectionError> {
+    let mut buf = vec![0u8; 64 * 1024];
+    while n > 0 {
+        let want = buf.len().min(usize::try_from(n).unwrap_or(usize::MAX));
+        match tokio::time::timeout(STALL_TIMEOUT, stream.read_exact(&mut buf[..want])).await {
+            Err(_) => return Err(ConnectionError::Stalled(STALL_TIMEOUT)),
+            Ok(r) => r.map_err(WireError::from)?,
+        };
+        n -= want as u64;
+    }
+    Ok(())
+}
+
+/// Tells the peer why (best effort, bounded), closes the write side, and returns the error.
+async fn refuse_and_close(stream: &mut TcpStream, batch_id: u64, err: ConnectionError) -> ConnectionError {
+    let ack = Ack::Refused { batch_id, reason: err.to_string() };
+    let _ = tokio::time::timeout(Duration::from_secs(1), async {
+        let _ = wire::write_ack(stream, &ack).await;
+        let _ = stream.shutdown().await;
+    })
+    .await;
+    err
+}
+
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+fn invalid(e: impl std::fmt::Display) -> std::io::Error {
+    std::io::Error::new(std::io::ErrorKind::InvalidData, e.to_string())
+}

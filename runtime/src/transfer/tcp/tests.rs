@@ -1,0 +1,260 @@
+//! Tests of the tcp backend over real sockets on 127.0.0.1: two KV caches in one process, a plan
+//! from the planner, and the destination's bytes compared block by block with the source's.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use pdflow_messages::BlockId;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+use super::engine::split_by_bytes;
+use super::wire::{self, Ack, BATCH_MAGIC};
+use super::*;
+use crate::memory::{KvCache, KvShape};
+use crate::planner::{build_plan, Descriptor, TransferPlan};
+use crate::transfer::{TransferEngine, TransferError};
+
+const SMALL: KvShape = KvShape { num_layers: 4, num_kv_heads: 2, head_dim: 8, dtype_bytes: 2, block_size: 4 };
+/// 64 KiB per block and layer: large enough for a plan to use several streams.
+const LARGE: KvShape = KvShape { num_layers: 4, num_kv_heads: 8, head_dim: 128, dtype_bytes: 2, block_size: 16 };
+const BOUND: Duration = Duration::from_secs(10);
+
+async fn bounded<T>(what: &str, fut: impl Future<Output = T>) -> T {
+    tokio::time::timeout(BOUND, fut).await.unwrap_or_else(|_| panic!("{what} did not finish within {BOUND:?}"))
+}
+
+/// A cache whose every byte depends on (seed, layer, block, head, slot, offset).
+fn filled_cache(shape: KvShape, num_blocks: usize, seed: usize) -> Arc<KvCache> {
+    let cache = KvCache::new(shape, num_blocks);
+    let mut bytes = vec![0u8; shape.slot_len()];
+    for layer in 0..shape.num_layers {
+        for block in 0..num_blocks {
+            for head in 0..shape.num_kv_heads {
+                for slot in 0..shape.block_size {
+                    for (i, b) in bytes.iter_mut().enumerate() {
+                        *b = (seed * 131 + layer * 31 + block * 17 + head * 7 + slot * 3 + i) as u8;
+                    }
+                    cache.write_slot(layer, block as BlockId, head, slot, &bytes).expect("in range");
+                }
+            }
+        }
+    }
+    cache
+}
+
+struct Pair {
+    src: Arc<KvCache>,
+    dst: Arc<KvCache>,
+    server: TcpDataServer,
+    engine: TcpTransferEngine,
+    peer: String,
+}
+
+async fn pair(shape: KvShape, num_blocks: usize, server_token: Option<&str>, config: TcpConfig) -> Pair {
+    let src = filled_cache(shape, num_blocks, 1);
+    let dst = KvCache::new(shape, num_blocks);
+    let addr = "127.0.0.1:0".parse().expect("valid address");
+    let server = TcpDataServer::bind(addr, dst.region_table(), server_token.map(str::to_string)).await.expect("binds");
+    let peer = server.local_addr().to_string();
+    let engine = TcpTransferEngine::new(src.region_table(), config);
+    Pair { src, dst, server, engine, peer }
+}
+
+impl Pair {
+    fn plan(&self, src_blocks: &[BlockId], dst_blocks: &[BlockId], coalesce: bool) -> TransferPlan {
+        build_plan(&self.src.regions(), src_blocks, &self.dst.regions(), dst_blocks, coalesce).expect("plannable")
+    }
+
+    fn assert_copied(&self, src_blocks: &[BlockId], dst_blocks: &[BlockId]) {
+        for (&s, &d) in src_blocks.iter().zip(dst_blocks) {
+            let want = self.src.block_bytes(s).expect("src block");
+            assert!(want.iter().any(|&b| b != 0), "source block {s} should hold a pattern");
+            assert!(self.dst.block_bytes(d).expect("dst block") == want, "D's block {d} differs from P's block {s}");
+        }
+    }
+
+    fn assert_untouched(&self, dst_blocks: &[BlockId]) {
+        for &d in dst_blocks {
+            assert!(self.dst.block_bytes(d).expect("dst block").iter().all(|&b| b == 0), "D's block {d} was written");
+        }
+    }
+}
+
+#[tokio::test]
+async fn plans_coalesced_or_not_contiguous_or_fragmented_arrive_intact() {
+    let cases: [(&[BlockId], &[BlockId]); 2] =
+        [(&[3, 4, 5, 6, 7, 8, 9, 10, 11, 12], &[17, 18, 19, 20, 21, 22, 23, 24, 25, 26]), (&[1, 2, 3, 7, 8, 20, 21, 22], &[30, 31, 5, 6, 7, 10, 12, 13])];
+    for (src_blocks, dst_blocks) in cases {
+        for coalesce in [true, false] {
+            let p = pair(SMALL, 32, None, TcpConfig::default()).await;
+            let plan = p.plan(src_blocks, dst_blocks, coalesce);
+            let stats = bounded("write", p.engine.write(&p.peer, &plan)).await.expect("write succeeds");
+            assert_eq!(stats.bytes, (src_blocks.len() * SMALL.bytes_per_block()) as u64);
+            assert_eq!(stats.descriptors, plan.descriptors.len());
+            p.assert_copied(src_blocks, dst_blocks);
+            p.assert_untouched(&[0, 29]);
+            assert_eq!(
+                p.src.blocks_checksum(src_blocks).expect("in range"),
+                p.dst.blocks_checksum(dst_blocks).expect("in range"),
+                "checksums differ (coalesce {coalesce})"
+            );
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_large_plan_is_spread_over_pooled_streams_which_are_reused() {
+    let p = pair(LARGE, 16, None, TcpConfig { streams_per_peer: 4, ..TcpConfig::default() }).await;
+    let (src_blocks, dst_blocks): (Vec<BlockId>, Vec<BlockId>) = ((0..12).collect(), (3..15).collect());
+    let plan = p.plan(&src_blocks, &dst_blocks, true);
+    assert_eq!(plan.descriptors.len(), 4, "one descriptor per layer");
+    bounded("write", p.engine.write(&p.peer, &plan)).await.expect("write succeeds");
+    p.assert_copied(&src_blocks, &dst_blocks);
+    assert_eq!(p.engine.pooled_connections(&p.peer), 4, "3 MiB over 4 streams");
+    // The same plan again reuses the pool rather than growing it.
+    let plan = p.plan(&[15], &[0], true);
+    bounded("second write", p.engine.write(&p.peer, &plan)).await.expect("write succeeds");
+    p.assert_copied(&[15], &[0]);
+    assert_eq!(p.engine.pooled_connections(&p.peer), 4);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn eight_concurrent_writes_to_one_peer_all_arrive() {
+    let p = pair(SMALL, 32, None, TcpConfig { streams_per_peer: 2, ..TcpConfig::default() }).await;
+    let jobs: Vec<(Vec<BlockId>, Vec<BlockId>, bool)> = (0..8u32)
+        .map(|k| ((4 * k..4 * k + 4).collect(), (4 * (7 - k)..4 * (7 - k) + 4).rev().collect(), k % 2 == 0))
+        .collect();
+    let plans: Vec<TransferPlan> = jobs.iter().map(|(s, d, c)| p.plan(s, d, *c)).collect();
+    let results = bounded("8 writes", futures::future::join_all(plans.iter().map(|plan| p.engine.write(&p.peer, plan)))).await;
+    for (result, (s, d, _)) in results.into_iter().zip(&jobs) {
+        result.expect("each concurrent write succeeds");
+        p.assert_copied(s, d);
+    }
+}
+
+#[tokio::test]
+async fn an_out_of_region_descriptor_is_refused_and_the_server_keeps_serving() {
+    let p = pair(SMALL, 32, None, TcpConfig::default()).await;
+    let mut plan = p.plan(&[1, 2], &[5, 6], true);
+    let last = p.dst.regions()[SMALL.num_layers - 1];
+    // Straddles the end of D's last region.
+    plan.descriptors.push(Descriptor { src: p.src.regions()[0].base_addr, dst: last.base_addr + last.len - 8, len: 64 });
+    let err = bounded("refused write", p.engine.write(&p.peer, &plan)).await.expect_err("refused");
+    assert!(matches!(&err, TransferError::Refused { reason, .. } if reason.contains("registered region")), "got {err:?}");
+    p.assert_untouched(&[5, 6]);
+
+    let plan = p.plan(&[1, 2], &[5, 6], true);
+    bounded("next write", p.engine.write(&p.peer, &plan)).await.expect("the next valid write succeeds");
+    p.assert_copied(&[1, 2], &[5, 6]);
+}
+
+#[tokio::test]
+async fn a_source_outside_local_regions_is_refused_before_connecting() {
+    let p = pair(SMALL, 8, None, TcpConfig::default()).await;
+    let plan = TransferPlan { descriptors: vec![Descriptor { src: 8, dst: p.dst.regions()[0].base_addr, len: 8 }] };
+    let err = bounded("write", p.engine.write(&p.peer, &plan)).await.expect_err("refused locally");
+    assert!(matches!(err, TransferError::LocalRegion(_)), "got {err:?}");
+    assert_eq!(p.engine.pooled_connections(&p.peer), 0);
+}
+
+/// Reads until the server closes the connection; returns what it sent.
+async fn read_until_closed(stream: &mut TcpStream) -> Vec<u8> {
+    let mut got = Vec::new();
+    // A reset instead of a clean close is also a close.
+    let _ = bounded("server closing the connection", stream.read_to_end(&mut got)).await;
+    got
+}
+
+#[tokio::test]
+async fn garbage_and_oversize_headers_close_the_connection_and_the_server_keeps_serving() {
+    let p = pair(SMALL, 8, None, TcpConfig::default()).await;
+    let mut raw = TcpStream::connect(&p.peer).await.expect("connects");
+    raw.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n").await.expect("sends");
+    read_until_closed(&mut raw).await;
+
+    let mut raw = TcpStream::connect(&p.peer).await.expect("connects");
+    raw.write_all(&wire::encode_hello(None).expect("hello")).await.expect("sends");
+    assert_eq!(wire::read_ack(&mut raw).await.expect("hello ack"), Ack::Ok { batch_id: 0 });
+    let mut huge = BATCH_MAGIC.to_vec();
+    huge.extend_from_slice(&9u64.to_le_bytes());
+    huge.extend_from_slice(&u32::MAX.to_le_bytes());
+    raw.write_all(&huge).await.expect("sends");
+    let answer = read_until_closed(&mut raw).await;
+    match wire::read_ack(&mut &answer[..]).await.expect("a refusal before closing") {
+        Ack::Refused { reason, .. } => assert!(reason.contains("descriptors"), "reason: {reason}"),
+        other => panic!("expected a refusal, got {other:?}"),
+    }
+
+    let plan = p.plan(&[0, 1, 2], &[5, 6, 7], true);
+    bounded("write", p.engine.write(&p.peer, &plan)).await.expect("the server still serves");
+    p.assert_copied(&[0, 1, 2], &[5, 6, 7]);
+}
+
+#[tokio::test]
+async fn a_wrong_or_missing_auth_token_is_refused() {
+    for token in [Some("wrong"), None] {
+        let config = TcpConfig { auth_token: token.map(str::to_string), ..TcpConfig::default() };
+        let p = pair(SMALL, 8, Some("right"), config).await;
+        let plan = p.plan(&[1], &[2], true);
+        let err = bounded("write", p.engine.write(&p.peer, &plan)).await.expect_err("refused");
+        assert!(matches!(&err, TransferError::Refused { reason, .. } if reason.contains("auth")), "got {err:?}");
+        p.assert_untouched(&[2]);
+    }
+    let p = pair(SMALL, 8, Some("right"), TcpConfig { auth_token: Some("right".into()), ..TcpConfig::default() }).await;
+    let plan = p.plan(&[1], &[2], true);
+    bounded("write", p.engine.write(&p.peer, &plan)).await.expect("the right token is accepted");
+    p.assert_copied(&[1], &[2]);
+}
+
+#[tokio::test]
+async fn connecting_to_a_closed_port_fails_fast_with_connect() {
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").expect("binds").local_addr().expect("has an address");
+    let cache = filled_cache(SMALL, 4, 1);
+    let engine = TcpTransferEngine::new(cache.region_table(), TcpConfig::default());
+    let r = cache.regions()[0];
+    let plan = TransferPlan { descriptors: vec![Descriptor { src: r.base_addr, dst: 0x1000, len: 16 }] };
+    let started = Instant::now();
+    let err = bounded("write", engine.write(&closed.to_string(), &plan)).await.expect_err("nobody listens");
+    assert!(matches!(err, TransferError::Connect { .. }), "got {err:?}");
+    assert!(started.elapsed() < Duration::from_secs(2), "took {:?}", started.elapsed());
+    assert_eq!(engine.name(), "tcp");
+}
+
+#[tokio::test]
+async fn shutdown_closes_pooled_connections_and_later_writes_fail_cleanly() {
+    let p = pair(SMALL, 8, None, TcpConfig::default()).await;
+    let plan = p.plan(&[1], &[2], true);
+    bounded("write", p.engine.write(&p.peer, &plan)).await.expect("write succeeds");
+    assert_eq!(p.engine.pooled_connections(&p.peer), 1);
+    bounded("shutdown", p.server.shutdown()).await;
+    // The pooled connection is dead; the retry on a fresh one finds nobody listening.
+    let err = bounded("write after shutdown", p.engine.write(&p.peer, &plan)).await.expect_err("server is gone");
+    assert!(matches!(err, TransferError::Connect { .. }), "got {err:?}");
+}
+
+#[test]
+fn split_by_bytes_balances_and_covers_exactly_the_plan() {
+    let descriptors = vec![
+        Descriptor { src: 0, dst: 10_000, len: 100 },
+        Descriptor { src: 1_000, dst: 20_000, len: 50 },
+        Descriptor { src: 2_000, dst: 30_000, len: 300 },
+        Descriptor { src: 5_000, dst: 40_000, len: 1 },
+    ];
+    for streams in 1..=6 {
+        let shares = split_by_bytes(&descriptors, streams);
+        assert!(!shares.is_empty() && shares.len() <= streams);
+        let share = 451u64.div_ceil(streams as u64);
+        assert!(shares.iter().all(|s| s.iter().map(|d| d.len).sum::<u64>() <= share), "unbalanced for {streams}");
+        // Gluing the pieces back together gives exactly the original descriptors.
+        let mut glued: Vec<Descriptor> = Vec::new();
+        for piece in shares.into_iter().flatten() {
+            match glued.last_mut() {
+                Some(g) if g.src + g.len == piece.src && g.dst + g.len == piece.dst => g.len += piece.len,
+                _ => glued.push(piece),
+            }
+        }
+        assert_eq!(glued, descriptors, "{streams} streams");
+    }
+}
