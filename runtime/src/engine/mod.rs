@@ -11,3 +11,21 @@
 //! 38–40 (first token and decode), 42 (HTTP response).
 
 pub mod ports;
+pub mod api;
+pub mod block_pool;
+pub mod config;
+pub mod core;
+pub mod model;
+pub mod openai;
+pub mod request;
+pub mod scheduler;
+
+pub use self::config::{EngineConfig, LoadFailurePolicy};
+pub use self::core::{Engine, EngineHandle};
+pub use self::request::{EngineError, EngineRequest, RequestOutput, RequestStream};
+pub use self::scheduler::BlockStats;
+
+#[cfg(test)]
+mod tests;
+#[cfg(test)]
+mod tests_pd;

@@ -1,0 +1,46 @@
+//! The engine's configuration (DESIGN §5): one typed struct, defaults from the seed (Qwen/Qwen3-8B,
+//! block 16, `max_num_batched_tokens` 8192, `max_model_len` 4096).
+
+use crate::memory::KvShape;
+
+/// What D does when a remote KV load fails (vLLM's `kv_load_failure_policy`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LoadFailurePolicy {
+    /// Prefill the prompt locally (the blocks are kept and rewritten).
+    #[default]
+    Recompute,
+    /// Finish the request with an error; the client gets an HTTP error.
+    Fail,
+}
+
+/// The simulated engine's configuration.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EngineConfig {
+    pub engine_id: String,
+    pub served_model_name: String,
+    pub shape: KvShape,
+    pub num_blocks: usize,
+    /// Token budget of one step; a smaller value than a prompt means chunked prefill.
+    pub max_num_batched_tokens: usize,
+    pub max_model_len: usize,
+    pub vocab_size: u32,
+    pub eos_token_id: u32,
+    pub kv_load_failure_policy: LoadFailurePolicy,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        Self {
+            engine_id: uuid::Uuid::new_v4().to_string(),
+            served_model_name: "Qwen/Qwen3-8B".to_owned(),
+            shape: KvShape::QWEN3_8B,
+            num_blocks: 512,
+            max_num_batched_tokens: 8192,
+            max_model_len: 4096,
+            vocab_size: 32000,
+            eos_token_id: 2,
+            kv_load_failure_policy: LoadFailurePolicy::Recompute,
+        }
+    }
+}
