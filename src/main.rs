@@ -1,1 +1,143 @@
-fn main() {}
+//! The `pdflow` binary: parses the command line ([`pdflow::cli`]), validates the configuration
+//! before anything binds, runs the node, and shuts it down on Ctrl-C / SIGTERM.
+
+use std::process::ExitCode;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use clap::Parser;
+use pdflow::cli::{Cli, Command, DemoArgs};
+use pdflow::config::VllmEnv;
+use pdflow::demo::{self, DemoOptions};
+use pdflow::node::{BootstrapNode, EngineNode, ProxyNode};
+use pdflow_observability::capture::SpanCapture;
+use tracing_subscriber::layer::SubscriberExt;
+use tracing_subscriber::util::SubscriberInitExt;
+use tracing_subscriber::EnvFilter;
+
+fn init_tracing(capture: Option<SpanCapture>) {
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("warn"));
+    let fmt = tracing_subscriber::fmt::layer().with_writer(std::io::stderr).with_filter(filter);
+    use tracing_subscriber::Layer as _;
+    let registry = tracing_subscriber::registry().with(fmt);
+    match capture {
+        Some(c) => {
+            let _ = registry.with(c).try_init();
+        }
+        None => {
+            let _ = registry.try_init();
+        }
+    }
+}
+
+fn ready_line(value: serde_json::Value) {
+    println!("{value}");
+}
+
+async fn wait_for_shutdown_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(s) => s,
+            Err(_) => {
+                let _ = ctrl_c.await;
+                return;
+            }
+        };
+        tokio::select! {
+            _ = ctrl_c => {}
+            _ = term.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = ctrl_c.await;
+}
+
+async fn run_demo(args: DemoArgs) -> anyhow::Result<bool> {
+    let capture = SpanCapture::new();
+    init_tracing(Some(capture.clone()));
+    let opts = DemoOptions { prompt_tokens: args.prompt_tokens, max_tokens: args.max_tokens, shape: args.kv_shape, num_blocks: args.num_blocks, ..DemoOptions::default() };
+    println!(
+        "pdflow demo: 1 prefill (P, launches bootstrap) + 1 decode (D) + proxy on 127.0.0.1; one request of {} prompt tokens, max_tokens {}",
+        opts.prompt_tokens, opts.max_tokens
+    );
+    let report = demo::run(opts, capture).await.context("the demo could not run")?;
+    println!("\n{}", report.timeline_table);
+    println!("KV transferred : {} bytes in {} blocks, {} descriptors, {:.3} ms (step 29)", report.kv_bytes, report.blocks, report.descriptors, report.transfer_ms);
+    println!("KV checksum    : P sent {:?}, D holds {:?}", report.kv_checksum_p, report.kv_checksum_d);
+    println!("tokens         : {} prompt, {} completion; TTFT {:.3} ms", report.prompt_tokens, report.completion_tokens, report.ttft_ms);
+    println!("output matches single-engine reference: {}", report.output_matches_reference);
+    for p in &report.problems {
+        println!("PROBLEM: {p}");
+    }
+    println!("verified: {}", report.verified);
+    if let Some(path) = &args.json {
+        let json = serde_json::to_string_pretty(&report).context("serialising the report")?;
+        std::fs::write(path, json).with_context(|| format!("writing {}", path.display()))?;
+        println!("report written to {}", path.display());
+    }
+    Ok(report.verified)
+}
+
+async fn run(cli: Cli) -> anyhow::Result<bool> {
+    match cli.command {
+        Command::Demo(args) => run_demo(args).await,
+        Command::Bootstrap(args) => {
+            init_tracing(None);
+            let env = VllmEnv::from_env().map_err(|e| anyhow::anyhow!(e.iter().map(|e| e.to_string()).collect::<Vec<_>>().join("\n")))?;
+            let addr = format!("{}:{}", args.host, args.port.unwrap_or(env.bootstrap_port));
+            let bind = addr.parse().with_context(|| format!("--host/--port {addr} is not an IP address and port"))?;
+            let node = BootstrapNode::start(bind).await?;
+            ready_line(serde_json::json!({"event": "ready", "service": "bootstrap", "addr": node.addr.to_string()}));
+            wait_for_shutdown_signal().await;
+            node.shutdown().await;
+            Ok(true)
+        }
+        Command::Proxy(cmd) => {
+            init_tracing(None);
+            let args = cmd.to_args().map_err(|e| anyhow::anyhow!("invalid proxy arguments:\n  {}", e.join("\n  ")))?;
+            let node = ProxyNode::start(args).await?;
+            ready_line(serde_json::json!({"event": "ready", "service": "proxy", "addr": node.addr.to_string()}));
+            wait_for_shutdown_signal().await;
+            node.shutdown().await;
+            Ok(true)
+        }
+        Command::Serve(cmd) => {
+            init_tracing(None);
+            let env = VllmEnv::from_env().map_err(|e| anyhow::anyhow!(e.iter().map(|e| e.to_string()).collect::<Vec<_>>().join("\n")))?;
+            let cfg = cmd.to_config(&env).map_err(|e| anyhow::anyhow!("invalid serve arguments:\n  {}", e.join("\n  ")))?;
+            let node = EngineNode::start(cfg).await?;
+            ready_line(serde_json::json!({
+                "event": "ready",
+                "service": "engine",
+                "role": format!("{:?}", node.role).to_lowercase(),
+                "addr": node.http_addr.to_string(),
+                "engine_id": node.engine_id,
+                "bootstrap_addr": node.bootstrap.as_ref().map(|b| b.addr.to_string()),
+            }));
+            wait_for_shutdown_signal().await;
+            tokio::time::timeout(Duration::from_secs(10), node.shutdown()).await.ok();
+            Ok(true)
+        }
+    }
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("pdflow: cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(run(cli)) {
+        Ok(true) => ExitCode::SUCCESS,
+        Ok(false) => ExitCode::FAILURE,
+        Err(e) => {
+            eprintln!("pdflow: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

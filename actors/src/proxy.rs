@@ -1,1 +1,363 @@
-//! (to be written)
+//! The Proxy actor: the P and D pools, their health, P's engine ids and the round-robin counters;
+//! the proxy's HTTP server and its health poller are tasks it owns.
+//!
+//! Seed steps: 6 (`GET /health` of each P until it answers) and 7 (`GET /query` on P's bootstrap,
+//! dp rank → engine id) run in the poller ([`poller`]); 8–10, 25 and 42–43 run per request in
+//! [`crate::proxy_flow`], in the HTTP handler's task, which only asks this actor for a
+//! [`Route`]. The actor's mailbox never waits on I/O.
+//!
+//! Until every P has an engine id and every D has answered `/health`, the proxy answers 503.
+//! After that, requests go round robin over the healthy P × dp ranks and the healthy D; the
+//! poller keeps probing, re-queries a P's engine ids every [`REQUERY_EVERY`] rounds, after a P
+//! came back from being unhealthy, and after a failed prefill ([`PrefillFailed`]).
+
+mod poller;
+#[cfg(test)]
+mod tests;
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use kameo::prelude::*;
+use pdflow_messages::proxy::{
+    NotReady, Pool, PrefillDiscovered, PrefillFailed, ProxyAddr, ProxyReadiness, ProxyStatus, ReadyDeadlinePassed, Route,
+    RouteDecision, TargetHealth,
+};
+use pdflow_messages::EngineId;
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::AbortOnDropHandle;
+
+use crate::proxy_flow::{self, FlowContext};
+use crate::ActorError;
+
+/// vLLM's default bootstrap port (`VLLM_MOONCAKE_BOOTSTRAP_PORT`).
+pub const DEFAULT_BOOTSTRAP_PORT: u16 = 8998;
+/// The poller re-queries every P's engine ids once per this many health rounds.
+pub const REQUERY_EVERY: u64 = 10;
+/// How long `on_stop` waits for open connections to finish.
+const SHUTDOWN_DEADLINE: Duration = Duration::from_secs(5);
+
+/// One prefill instance: its HTTP URL and the port of its bootstrap server.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PrefillTarget {
+    pub url: String,
+    pub bootstrap_port: u16,
+}
+
+impl PrefillTarget {
+    /// A P whose bootstrap listens on the default port 8998.
+    pub fn new(url: impl Into<String>) -> Self {
+        Self { url: url.into(), bootstrap_port: DEFAULT_BOOTSTRAP_PORT }
+    }
+}
+
+/// The proxy's configuration (parsed by the CLI).
+#[derive(Debug, Clone)]
+pub struct ProxyArgs {
+    pub bind: SocketAddr,
+    pub prefill: Vec<PrefillTarget>,
+    pub decode: Vec<String>,
+    /// Pause between two health rounds.
+    pub health_interval: Duration,
+    /// Deadline of every upstream call (P's whole request, D's headers, the gap between D's chunks).
+    pub upstream_timeout: Duration,
+    /// If set, the proxy stops with an error when it is not ready after this long.
+    pub ready_timeout: Option<Duration>,
+}
+
+#[derive(Debug)]
+struct PrefillState {
+    url: String,
+    /// `http://{host of url}:{bootstrap_port}` (D's `remote_bootstrap_addr`).
+    bootstrap_addr: String,
+    dp_engine_id: BTreeMap<u32, EngineId>,
+    healthy: bool,
+}
+
+#[derive(Debug)]
+struct DecodeState {
+    url: String,
+    answered: bool,
+    healthy: bool,
+}
+
+/// The proxy: pools, readiness, round robin; owner of the HTTP server and the poller.
+pub struct Proxy {
+    addr: SocketAddr,
+    prefill: Vec<PrefillState>,
+    decode: Vec<DecodeState>,
+    ready: bool,
+    next_prefill: usize,
+    next_decode: usize,
+    requery_tx: mpsc::UnboundedSender<usize>,
+    shutdown: CancellationToken,
+    server: Option<AbortOnDropHandle<std::io::Result<()>>>,
+    _poller: AbortOnDropHandle<()>,
+}
+
+/// `http://{host}:{port}` for the host of `url` (IPv6 hosts keep their brackets).
+fn bootstrap_addr_of(url: &str, port: u16) -> Result<String, ActorError> {
+    let parsed = reqwest::Url::parse(url)
+        .map_err(|e| ActorError::Other(format!("invalid prefill URL `{url}`: {e} (expected http://host:port)")))?;
+    let host = parsed
+        .host_str()
+        .ok_or_else(|| ActorError::Other(format!("prefill URL `{url}` has no host (expected http://host:port)")))?;
+    Ok(format!("http://{host}:{port}"))
+}
+
+fn check_url(url: &str, pool: &str) -> Result<String, ActorError> {
+    let trimmed = url.trim_end_matches('/').to_owned();
+    match reqwest::Url::parse(&trimmed) {
+        Ok(u) if u.scheme() == "http" && u.host_str().is_some() => Ok(trimmed),
+        Ok(_) => Err(ActorError::Other(format!("{pool} URL `{url}` must be http://host:port (no TLS)"))),
+        Err(e) => Err(ActorError::Other(format!("invalid {pool} URL `{url}`: {e} (expected http://host:port)"))),
+    }
+}
+
+impl Actor for Proxy {
+    type Args = ProxyArgs;
+    type Error = ActorError;
+
+    async fn on_start(args: Self::Args, actor_ref: ActorRef<Self>) -> Result<Self, Self::Error> {
+        if args.prefill.is_empty() || args.decode.is_empty() {
+            return Err(ActorError::Other(format!(
+                "the proxy needs at least one prefill and one decode instance (got {} P, {} D)",
+                args.prefill.len(),
+                args.decode.len()
+            )));
+        }
+        let mut prefill = Vec::with_capacity(args.prefill.len());
+        for p in &args.prefill {
+            let url = check_url(&p.url, "prefill")?;
+            let bootstrap_addr = bootstrap_addr_of(&url, p.bootstrap_port)?;
+            prefill.push(PrefillState { url, bootstrap_addr, dp_engine_id: BTreeMap::new(), healthy: false });
+        }
+        let decode = args
+            .decode
+            .iter()
+            .map(|u| Ok(DecodeState { url: check_url(u, "decode")?, answered: false, healthy: false }))
+            .collect::<Result<Vec<_>, ActorError>>()?;
+
+        let client = reqwest::Client::builder()
+            .pool_idle_timeout(Duration::from_secs(90))
+            .build()
+            .map_err(|e| ActorError::Other(format!("cannot build the proxy's HTTP client: {e}")))?;
+
+        let listener = tokio::net::TcpListener::bind(args.bind).await.map_err(|source| ActorError::Bind {
+            what: "the proxy HTTP server",
+            addr: args.bind.to_string(),
+            source,
+        })?;
+        let addr = listener.local_addr().map_err(|source| ActorError::Bind {
+            what: "the proxy HTTP server",
+            addr: args.bind.to_string(),
+            source,
+        })?;
+
+        let shutdown = CancellationToken::new();
+        let flow = Arc::new(FlowContext {
+            proxy: actor_ref.downgrade(),
+            client: client.clone(),
+            upstream_timeout: args.upstream_timeout,
+        });
+        let app = proxy_flow::router(flow);
+        let stop = shutdown.clone().cancelled_owned();
+        let server = tokio::spawn(async move { axum::serve(listener, app).with_graceful_shutdown(stop).await });
+
+        let (requery_tx, requery_rx) = mpsc::unbounded_channel();
+        let poller = poller::Poller {
+            actor: actor_ref.downgrade(),
+            client,
+            prefill: prefill.iter().map(|p| (p.url.clone(), p.bootstrap_addr.clone())).collect(),
+            decode: decode.iter().map(|d| d.url.clone()).collect(),
+            interval: args.health_interval,
+            probe_timeout: args.health_interval.max(Duration::from_secs(1)).min(args.upstream_timeout),
+            ready_timeout: args.ready_timeout,
+        };
+        let poller = tokio::spawn(poller.run(requery_rx, shutdown.clone()));
+        tracing::info!(%addr, prefill = prefill.len(), decode = decode.len(), "proxy listening");
+
+        Ok(Proxy {
+            addr,
+            prefill,
+            decode,
+            ready: false,
+            next_prefill: 0,
+            next_decode: 0,
+            requery_tx,
+            shutdown,
+            server: Some(AbortOnDropHandle::new(server)),
+            _poller: AbortOnDropHandle::new(poller),
+        })
+    }
+
+    async fn on_stop(&mut self, _actor_ref: WeakActorRef<Self>, _reason: ActorStopReason) -> Result<(), Self::Error> {
+        self.shutdown.cancel();
+        if let Some(server) = self.server.take() {
+            match tokio::time::timeout(SHUTDOWN_DEADLINE, server).await {
+                Ok(Ok(Ok(()))) => {}
+                Ok(Ok(Err(e))) => tracing::warn!(error = %e, "proxy server ended with an error"),
+                Ok(Err(e)) => tracing::warn!(error = %e, "proxy server task failed"),
+                Err(_) => tracing::warn!("proxy server did not stop within {SHUTDOWN_DEADLINE:?}; aborted"),
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Proxy {
+    fn drop(&mut self) {
+        // The tasks are aborted by their handles; this only stops the server accepting first.
+        self.shutdown.cancel();
+    }
+}
+
+impl Proxy {
+    /// What the proxy still waits for before it serves.
+    fn waiting_for(&self) -> Vec<String> {
+        let p = self
+            .prefill
+            .iter()
+            .filter(|p| p.dp_engine_id.is_empty())
+            .map(|p| format!("prefill {} (health + engine id from {}/query)", p.url, p.bootstrap_addr));
+        let d = self.decode.iter().filter(|d| !d.answered).map(|d| format!("decode {} (/health)", d.url));
+        p.chain(d).collect()
+    }
+
+    fn update_ready(&mut self) {
+        if !self.ready && self.waiting_for().is_empty() {
+            self.ready = true;
+            tracing::info!("proxy ready: every P has an engine id and every D answered /health");
+        }
+    }
+
+    fn route(&mut self) -> Result<RouteDecision, NotReady> {
+        if !self.ready {
+            return Err(NotReady::Starting { waiting_for: self.waiting_for() });
+        }
+        let candidates: Vec<(usize, u32, &EngineId)> = self
+            .prefill
+            .iter()
+            .enumerate()
+            .filter(|(_, p)| p.healthy)
+            .flat_map(|(i, p)| p.dp_engine_id.iter().map(move |(dp, id)| (i, *dp, id)))
+            .collect();
+        if candidates.is_empty() {
+            return Err(NotReady::NoHealthy { pool: Pool::Prefill });
+        }
+        let decodes: Vec<usize> = (0..self.decode.len()).filter(|&j| self.decode[j].healthy).collect();
+        if decodes.is_empty() {
+            return Err(NotReady::NoHealthy { pool: Pool::Decode });
+        }
+        let (pi, dp, engine_id) = candidates[self.next_prefill % candidates.len()];
+        let dj = decodes[self.next_decode % decodes.len()];
+        let decision = RouteDecision {
+            prefill_index: pi,
+            prefill_url: self.prefill[pi].url.clone(),
+            prefill_bootstrap_addr: self.prefill[pi].bootstrap_addr.clone(),
+            prefill_dp_rank: dp,
+            prefill_engine_id: engine_id.clone(),
+            decode_index: dj,
+            decode_url: self.decode[dj].url.clone(),
+        };
+        self.next_prefill = self.next_prefill.wrapping_add(1);
+        self.next_decode = self.next_decode.wrapping_add(1);
+        Ok(decision)
+    }
+}
+
+impl Message<Route> for Proxy {
+    type Reply = Result<RouteDecision, NotReady>;
+
+    async fn handle(&mut self, _msg: Route, _ctx: &mut Context<Self, Self::Reply>) -> Self::Reply {
+        self.route()
+    }
+}
+
+impl Message<ProxyStatus> for Proxy {
+    type Reply = Result<ProxyReadiness, std::convert::Infallible>;
+
+    async fn handle(&mut self, _msg: ProxyStatus, _ctx: &mut Context<Self, Self::Reply>) -> Self::Reply {
+        Ok(ProxyReadiness { ready: self.ready, waiting_for: self.waiting_for() })
+    }
+}
+
+impl Message<ProxyAddr> for Proxy {
+    type Reply = Result<SocketAddr, std::convert::Infallible>;
+
+    async fn handle(&mut self, _msg: ProxyAddr, _ctx: &mut Context<Self, Self::Reply>) -> Self::Reply {
+        Ok(self.addr)
+    }
+}
+
+impl Message<TargetHealth> for Proxy {
+    type Reply = ();
+
+    async fn handle(&mut self, msg: TargetHealth, _ctx: &mut Context<Self, Self::Reply>) -> Self::Reply {
+        match msg.pool {
+            Pool::Prefill => {
+                if let Some(p) = self.prefill.get_mut(msg.index) {
+                    if p.healthy != msg.healthy {
+                        tracing::info!(url = %p.url, healthy = msg.healthy, "prefill health changed");
+                    }
+                    p.healthy = msg.healthy;
+                }
+            }
+            Pool::Decode => {
+                if let Some(d) = self.decode.get_mut(msg.index) {
+                    if d.healthy != msg.healthy {
+                        tracing::info!(url = %d.url, healthy = msg.healthy, "decode health changed");
+                    }
+                    d.healthy = msg.healthy;
+                    d.answered |= msg.healthy;
+                }
+            }
+        }
+        self.update_ready();
+    }
+}
+
+impl Message<PrefillDiscovered> for Proxy {
+    type Reply = ();
+
+    async fn handle(&mut self, msg: PrefillDiscovered, _ctx: &mut Context<Self, Self::Reply>) -> Self::Reply {
+        if let Some(p) = self.prefill.get_mut(msg.prefill_index) {
+            if p.dp_engine_id != msg.dp_engine_id {
+                tracing::info!(url = %p.url, dp_engine_id = ?msg.dp_engine_id, "prefill engine ids recorded");
+            }
+            p.dp_engine_id = msg.dp_engine_id;
+            p.healthy = !p.dp_engine_id.is_empty();
+        }
+        self.update_ready();
+    }
+}
+
+impl Message<PrefillFailed> for Proxy {
+    type Reply = ();
+
+    async fn handle(&mut self, msg: PrefillFailed, _ctx: &mut Context<Self, Self::Reply>) -> Self::Reply {
+        if let Some(p) = self.prefill.get(msg.prefill_index) {
+            tracing::warn!(url = %p.url, reason = %msg.reason, "prefill failed; re-querying its engine ids");
+            // The poller is gone only while the actor stops: nothing left to re-query then.
+            let _ = self.requery_tx.send(msg.prefill_index);
+        }
+    }
+}
+
+impl Message<ReadyDeadlinePassed> for Proxy {
+    type Reply = Result<(), ActorError>;
+
+    async fn handle(&mut self, _msg: ReadyDeadlinePassed, _ctx: &mut Context<Self, Self::Reply>) -> Self::Reply {
+        if self.ready {
+            return Ok(());
+        }
+        // Returned to a `tell`: the error stops the actor (and its supervisor sees why).
+        Err(ActorError::Other(format!(
+            "proxy not ready before its ready timeout; still waiting for: {}",
+            self.waiting_for().join(", ")
+        )))
+    }
+}

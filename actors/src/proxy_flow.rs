@@ -1,1 +1,449 @@
-//! (to be written)
+//! One client request through the proxy: fan-out to P and D, streaming D's answer back.
+//!
+//! Seed steps: 8 (`POST /v1/completions` or `/v1/chat/completions` arrives; request_id and
+//! transfer_id made; P and D chosen by asking the Proxy actor for a `Route`), 9 (P's request:
+//! `max_tokens` 1, not streamed, `do_remote_decode`), 10 (D's request, sent at the same time:
+//! `do_remote_prefill`, P's bootstrap address and engine id), 25 (P's status checked, its body
+//! discarded) and 43 (D's status, content type and bytes streamed back chunk by chunk; 42 is D's).
+//!
+//! This runs in the HTTP handler's task, never in the actor's mailbox. Unlike vLLM's example
+//! proxy, a failed prefill (connection error, deadline, non-2xx) cancels D's request and answers
+//! the client at once; a client that goes away cancels both upstream calls (P runs in a task
+//! behind an abort-on-drop guard, D's response lives in the response body stream); every
+//! upstream call has a deadline. Upstream errors are JSON `{"error": {"message", "type", "code"}}`
+//! with a non-200 status.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::{Body, Bytes};
+use axum::extract::{DefaultBodyLimit, State};
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use futures::stream::{BoxStream, StreamExt};
+use kameo::prelude::*;
+use pdflow_messages::kv_transfer_params::KvTransferParams;
+use pdflow_messages::proxy::{PrefillFailed, ProxyStatus, Route, RouteDecision};
+use pdflow_observability::{attrs, step_span, steps};
+use tokio_util::task::AbortOnDropHandle;
+use tracing::Instrument;
+
+use crate::proxy::Proxy;
+
+/// Largest client body the proxy accepts (long prompts are large).
+const MAX_BODY_BYTES: usize = 64 * 1024 * 1024;
+/// How long a handler waits for the Proxy actor's answer.
+const ASK_DEADLINE: Duration = Duration::from_secs(5);
+/// How much of an upstream error body is read for its message.
+const MAX_ERROR_BODY: usize = 64 * 1024;
+
+/// What every request's flow shares: the actor, one pooled HTTP client, the upstream deadline.
+pub struct FlowContext {
+    pub proxy: WeakActorRef<Proxy>,
+    pub client: reqwest::Client,
+    pub upstream_timeout: Duration,
+}
+
+/// Why an upstream call failed.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum UpstreamError {
+    #[error("{role} {url} could not be reached: {reason}")]
+    Connect { role: &'static str, url: String, reason: String },
+    #[error("{role} {url} did not answer within {after:?} (raise the upstream timeout or check the server)")]
+    Timeout { role: &'static str, url: String, after: Duration },
+    #[error("{role} {url} answered {status}: {message}")]
+    Status { role: &'static str, url: String, status: u16, message: String },
+    #[error("{role} task ended unexpectedly: {reason}")]
+    Internal { role: &'static str, reason: String },
+}
+
+impl UpstreamError {
+    fn into_response(self) -> Response {
+        let (status, kind) = match &self {
+            UpstreamError::Status { status, .. } if (400..500).contains(status) => {
+                (StatusCode::from_u16(*status).unwrap_or(StatusCode::BAD_GATEWAY), "upstream_client_error")
+            }
+            UpstreamError::Timeout { .. } => (StatusCode::GATEWAY_TIMEOUT, "upstream_timeout"),
+            _ => (StatusCode::BAD_GATEWAY, "upstream_error"),
+        };
+        error_response(status, kind, self.to_string())
+    }
+}
+
+/// `{"error": {"message", "type", "code"}}` with `status`.
+pub fn error_response(status: StatusCode, kind: &str, message: String) -> Response {
+    let body = serde_json::json!({"error": {"message": message, "type": kind, "code": status.as_u16()}});
+    (status, Json(body)).into_response()
+}
+
+/// The proxy's routes: `/v1/completions`, `/v1/chat/completions`, `/health`.
+pub fn router(ctx: Arc<FlowContext>) -> Router {
+    Router::new()
+        .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/health", get(health))
+        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .with_state(ctx)
+}
+
+async fn health(State(ctx): State<Arc<FlowContext>>) -> Response {
+    let Some(proxy) = ctx.proxy.upgrade() else {
+        return error_response(StatusCode::SERVICE_UNAVAILABLE, "service_unavailable", "proxy is stopping".into());
+    };
+    match tokio::time::timeout(ASK_DEADLINE, proxy.ask(ProxyStatus)).await {
+        Ok(Ok(r)) if r.ready => Json(serde_json::json!({"status": "ok"})).into_response(),
+        Ok(Ok(r)) => error_response(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "service_unavailable",
+            format!("proxy not ready, waiting for: {}", r.waiting_for.join(", ")),
+        ),
+        _ => error_response(StatusCode::SERVICE_UNAVAILABLE, "service_unavailable", "proxy did not answer".into()),
+    }
+}
+
+async fn completions(State(ctx): State<Arc<FlowContext>>, headers: HeaderMap, body: Bytes) -> Response {
+    serve(ctx, "/v1/completions", headers, body).await
+}
+
+async fn chat_completions(State(ctx): State<Arc<FlowContext>>, headers: HeaderMap, body: Bytes) -> Response {
+    serve(ctx, "/v1/chat/completions", headers, body).await
+}
+
+/// A W3C trace context: the client's if it sent one, else a new one.
+fn traceparent(headers: &HeaderMap) -> String {
+    if let Some(tp) = headers.get("traceparent").and_then(|v| v.to_str().ok()) {
+        if tp.len() == 55 && tp.split('-').count() == 4 {
+            return tp.to_owned();
+        }
+    }
+    let trace = uuid::Uuid::new_v4().simple().to_string();
+    let span = uuid::Uuid::new_v4().simple().to_string();
+    format!("00-{trace}-{}-01", &span[..16])
+}
+
+/// P's body (step 9): one token, not streamed, `do_remote_decode`.
+pub fn prefill_body(client: &serde_json::Map<String, serde_json::Value>, transfer_id: &str, traceparent: &str) -> serde_json::Value {
+    let mut body = client.clone();
+    let params = KvTransferParams { traceparent: Some(traceparent.to_owned()), ..KvTransferParams::for_prefill(transfer_id) };
+    body.insert("kv_transfer_params".into(), serde_json::to_value(params).unwrap_or_default());
+    body.insert("stream".into(), false.into());
+    body.insert("max_tokens".into(), 1.into());
+    if body.contains_key("max_completion_tokens") {
+        body.insert("max_completion_tokens".into(), 1.into());
+    }
+    body.remove("stream_options");
+    serde_json::Value::Object(body)
+}
+
+/// D's body (step 10): the client's request plus where to pull the KV from.
+pub fn decode_body(
+    client: serde_json::Map<String, serde_json::Value>,
+    transfer_id: &str,
+    route: &RouteDecision,
+    traceparent: &str,
+) -> serde_json::Value {
+    let mut body = client;
+    let params = KvTransferParams {
+        traceparent: Some(traceparent.to_owned()),
+        ..KvTransferParams::for_decode(transfer_id, &route.prefill_bootstrap_addr, &route.prefill_engine_id)
+    };
+    body.insert("kv_transfer_params".into(), serde_json::to_value(params).unwrap_or_default());
+    serde_json::Value::Object(body)
+}
+
+/// Headers sent to P and D: request id, trace context, the client's authorization.
+fn upstream_headers(client: &HeaderMap, request_id: &str, traceparent: &str) -> reqwest::header::HeaderMap {
+    let mut h = reqwest::header::HeaderMap::new();
+    if let Ok(v) = HeaderValue::from_str(request_id) {
+        h.insert("x-request-id", v);
+    }
+    if let Ok(v) = HeaderValue::from_str(traceparent) {
+        h.insert("traceparent", v);
+    }
+    if let Some(auth) = client.get(header::AUTHORIZATION) {
+        h.insert(header::AUTHORIZATION, auth.clone());
+    }
+    h
+}
+
+/// The flow of one request (steps 8–10, 25, 43).
+async fn serve(ctx: Arc<FlowContext>, api: &'static str, headers: HeaderMap, body: Bytes) -> Response {
+    let request_id = uuid::Uuid::new_v4().to_string();
+    let transfer_id = format!("xfer-{request_id}");
+    let step8 = step_span!(steps::CLIENT_REQUEST, request_id = %request_id, transfer_id = %transfer_id);
+
+    let parsed = step8.in_scope(|| serde_json::from_slice::<serde_json::Value>(&body));
+    let request = match parsed {
+        Ok(serde_json::Value::Object(map)) => map,
+        Ok(_) => {
+            step8.record(attrs::OUTCOME, "bad_request");
+            return error_response(StatusCode::BAD_REQUEST, "invalid_request_error", "request body must be a JSON object".into());
+        }
+        Err(e) => {
+            step8.record(attrs::OUTCOME, "bad_request");
+            return error_response(StatusCode::BAD_REQUEST, "invalid_request_error", format!("request body is not valid JSON: {e}"));
+        }
+    };
+    let Some(proxy) = ctx.proxy.upgrade() else {
+        return error_response(StatusCode::SERVICE_UNAVAILABLE, "service_unavailable", "proxy is stopping".into());
+    };
+    let route = match tokio::time::timeout(ASK_DEADLINE, proxy.ask(Route)).instrument(step8.clone()).await {
+        Ok(Ok(route)) => route,
+        Ok(Err(SendError::HandlerError(not_ready))) => {
+            step8.record(attrs::OUTCOME, "not_ready");
+            return error_response(StatusCode::SERVICE_UNAVAILABLE, "service_unavailable", not_ready.to_string());
+        }
+        _ => {
+            step8.record(attrs::OUTCOME, "proxy_unavailable");
+            return error_response(StatusCode::SERVICE_UNAVAILABLE, "service_unavailable", "proxy did not answer".into());
+        }
+    };
+    let traceparent = traceparent(&headers);
+    step8.record(attrs::TRACEPARENT, traceparent.as_str());
+    step8.record(attrs::ENGINE_ID, route.prefill_engine_id.as_str());
+    drop(step8);
+    let up_headers = upstream_headers(&headers, &request_id, &traceparent);
+
+    // Step 9: P's request in a task of its own, aborted if this flow is dropped.
+    let p_body = prefill_body(&request, &transfer_id, &traceparent);
+    let mut p_headers = up_headers.clone();
+    p_headers.insert("x-data-parallel-rank", HeaderValue::from(route.prefill_dp_rank));
+    let p_call = call_prefill(
+        ctx.client.clone(),
+        format!("{}{api}", route.prefill_url),
+        p_body,
+        p_headers,
+        ctx.upstream_timeout,
+        request_id.clone(),
+        transfer_id.clone(),
+    );
+    let mut p_task = Some(AbortOnDropHandle::new(tokio::spawn(p_call)));
+
+    // Step 10: D's request, at the same time.
+    let d_url = format!("{}{api}", route.decode_url);
+    let step10 = step_span!(steps::DISPATCH_DECODE, request_id = %request_id, transfer_id = %transfer_id);
+    step10.record(attrs::ENGINE_ID, route.prefill_engine_id.as_str());
+    let d_send = tokio::time::timeout(
+        ctx.upstream_timeout,
+        ctx.client.post(&d_url).headers(up_headers).json(&decode_body(request, &transfer_id, &route, &traceparent)).send(),
+    )
+    .instrument(step10.clone());
+    tokio::pin!(d_send);
+
+    let d_result = loop {
+        tokio::select! {
+            p = wait_prefill(&mut p_task) => {
+                p_task = None;
+                if let Err(e) = p {
+                    // Dropping `d_send` on return closes D's connection: D aborts the request.
+                    step10.record(attrs::OUTCOME, "cancelled: prefill failed");
+                    report_prefill_failure(&ctx, route.prefill_index, &e);
+                    return e.into_response();
+                }
+            }
+            d = &mut d_send => break d,
+        }
+    };
+    let d_resp = match d_result {
+        Ok(Ok(resp)) => resp,
+        Ok(Err(e)) => {
+            step10.record(attrs::OUTCOME, "error");
+            return UpstreamError::Connect { role: "decode", url: d_url, reason: e.to_string() }.into_response();
+        }
+        Err(_) => {
+            step10.record(attrs::OUTCOME, "timeout");
+            return UpstreamError::Timeout { role: "decode", url: d_url, after: ctx.upstream_timeout }.into_response();
+        }
+    };
+    step10.record(attrs::OUTCOME, d_resp.status().as_u16().to_string().as_str());
+    drop(step10);
+
+    // Step 43: D's status, content type and bytes, chunk by chunk. A non-2xx D cancels P.
+    let status = d_resp.status();
+    let content_type = d_resp.headers().get(header::CONTENT_TYPE).cloned();
+    let sse = content_type.as_ref().and_then(|v| v.to_str().ok()).is_some_and(|v| v.starts_with("text/event-stream"));
+    if !status.is_success() {
+        p_task = None;
+    }
+    let step43 = step_span!(steps::PROXY_RESPONSE, request_id = %request_id, transfer_id = %transfer_id);
+    let relay = Relay {
+        d_body: d_resp.bytes_stream().boxed(),
+        p_task,
+        chunk_timeout: ctx.upstream_timeout,
+        sse,
+        done: false,
+        ctx: ctx.clone(),
+        prefill_index: route.prefill_index,
+        d_url,
+        span: step43,
+    };
+    let mut response = Response::new(Body::from_stream(relay.into_stream()));
+    *response.status_mut() = status;
+    if let Some(ct) = content_type {
+        response.headers_mut().insert(header::CONTENT_TYPE, ct);
+    }
+    response
+}
+
+type PrefillHandle = AbortOnDropHandle<Result<(), UpstreamError>>;
+
+/// Waits for P's task; pends forever once it has been taken.
+async fn wait_prefill(p: &mut Option<PrefillHandle>) -> Result<(), UpstreamError> {
+    match p {
+        Some(handle) => match handle.await {
+            Ok(r) => r,
+            Err(e) => Err(UpstreamError::Internal { role: "prefill", reason: e.to_string() }),
+        },
+        None => std::future::pending().await,
+    }
+}
+
+fn report_prefill_failure(ctx: &FlowContext, prefill_index: usize, e: &UpstreamError) {
+    tracing::warn!(error = %e, "prefill failed; decode request cancelled");
+    if let Some(proxy) = ctx.proxy.upgrade() {
+        // try_send: never wait on the actor from the request path.
+        let _ = proxy.tell(PrefillFailed { prefill_index, reason: e.to_string() }).try_send();
+    }
+}
+
+/// Steps 9 and 25: P's request under one deadline; the body is read and discarded.
+async fn call_prefill(
+    client: reqwest::Client,
+    url: String,
+    body: serde_json::Value,
+    headers: reqwest::header::HeaderMap,
+    deadline: Duration,
+    request_id: String,
+    transfer_id: String,
+) -> Result<(), UpstreamError> {
+    let step9 = step_span!(steps::DISPATCH_PREFILL, request_id = %request_id, transfer_id = %transfer_id);
+    let call = async {
+        let resp = client
+            .post(&url)
+            .headers(headers)
+            .json(&body)
+            .send()
+            .instrument(step9.clone())
+            .await
+            .map_err(|e| UpstreamError::Connect { role: "prefill", url: url.clone(), reason: e.to_string() })?;
+        step9.record(attrs::OUTCOME, resp.status().as_u16().to_string().as_str());
+        let step25 = step_span!(steps::P_HTTP_DONE, request_id = %request_id, transfer_id = %transfer_id);
+        let status = resp.status();
+        // Read to the end so the connection goes back to the pool; P's one token is not needed.
+        let bytes = read_capped(resp).instrument(step25.clone()).await;
+        if status.is_success() {
+            step25.record(attrs::OUTCOME, "ok");
+            Ok(())
+        } else {
+            step25.record(attrs::OUTCOME, status.as_u16().to_string().as_str());
+            Err(UpstreamError::Status { role: "prefill", url: url.clone(), status: status.as_u16(), message: error_message(&bytes) })
+        }
+    };
+    match tokio::time::timeout(deadline, call).await {
+        Ok(r) => r,
+        Err(_) => Err(UpstreamError::Timeout { role: "prefill", url, after: deadline }),
+    }
+}
+
+/// Reads a body, keeping at most [`MAX_ERROR_BODY`] bytes (the rest is drained and dropped).
+async fn read_capped(resp: reqwest::Response) -> Vec<u8> {
+    let mut kept = Vec::new();
+    let mut stream = resp.bytes_stream();
+    while let Some(Ok(chunk)) = stream.next().await {
+        let room = MAX_ERROR_BODY.saturating_sub(kept.len());
+        kept.extend_from_slice(&chunk[..chunk.len().min(room)]);
+    }
+    kept
+}
+
+/// The message of an upstream error body: `error.message`, `message`, `detail`, or the text.
+fn error_message(body: &[u8]) -> String {
+    if let Ok(v) = serde_json::from_slice::<serde_json::Value>(body) {
+        for pointer in ["/error/message", "/message", "/detail", "/error"] {
+            if let Some(s) = v.pointer(pointer).and_then(|m| m.as_str()) {
+                return s.to_owned();
+            }
+        }
+    }
+    let text = String::from_utf8_lossy(body);
+    let text = text.trim();
+    if text.is_empty() {
+        "(empty body)".to_owned()
+    } else {
+        text.chars().take(1000).collect()
+    }
+}
+
+/// D's body on its way to the client, watching P's task meanwhile (step 43).
+struct Relay {
+    d_body: BoxStream<'static, reqwest::Result<Bytes>>,
+    p_task: Option<PrefillHandle>,
+    chunk_timeout: Duration,
+    sse: bool,
+    done: bool,
+    ctx: Arc<FlowContext>,
+    prefill_index: usize,
+    d_url: String,
+    span: tracing::Span,
+}
+
+impl Relay {
+    fn into_stream(self) -> BoxStream<'static, Result<Bytes, std::io::Error>> {
+        futures::stream::unfold(self, |mut relay| async move {
+            let item = relay.next_chunk().await?;
+            Some((item, relay))
+        })
+        .boxed()
+    }
+
+    /// The next chunk for the client; `None` ends the body.
+    async fn next_chunk(&mut self) -> Option<Result<Bytes, std::io::Error>> {
+        if self.done {
+            return None;
+        }
+        loop {
+            tokio::select! {
+                p = wait_prefill(&mut self.p_task) => {
+                    self.p_task = None;
+                    if let Err(e) = p {
+                        report_prefill_failure(&self.ctx, self.prefill_index, &e);
+                        return Some(self.fail(e.to_string()));
+                    }
+                }
+                chunk = tokio::time::timeout(self.chunk_timeout, self.d_body.next()) => {
+                    return match chunk {
+                        Ok(Some(Ok(bytes))) => Some(Ok(bytes)),
+                        Ok(None) => {
+                            self.done = true;
+                            self.span.record(attrs::OUTCOME, "ok");
+                            // D is done: P's request may finish on its own, under its deadline.
+                            if let Some(p) = self.p_task.take() {
+                                drop(p.detach());
+                            }
+                            None
+                        }
+                        Ok(Some(Err(e))) => Some(self.fail(format!("decode {} broke off: {e}", self.d_url))),
+                        Err(_) => Some(self.fail(format!(
+                            "decode {} sent nothing for {:?}", self.d_url, self.chunk_timeout
+                        ))),
+                    };
+                }
+            }
+        }
+    }
+
+    /// Ends the body after an upstream failure: an SSE error event, or an aborted body.
+    fn fail(&mut self, message: String) -> Result<Bytes, std::io::Error> {
+        self.done = true;
+        self.span.record(attrs::OUTCOME, "error");
+        tracing::warn!(%message, "response to the client cut short");
+        if self.sse {
+            let event = serde_json::json!({"error": {"message": message, "type": "upstream_error", "code": 502}});
+            Ok(Bytes::from(format!("data: {event}\n\n")))
+        } else {
+            Err(std::io::Error::other(message))
+        }
+    }
+}

@@ -66,3 +66,22 @@ mod tests {
         assert_eq!(workers[&0][&0], "tcp://10.0.0.1:41235");
     }
 }
+
+/// Ask the Bootstrap actor for its whole table, as `GET /query` answers it (steps 7, 20).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct QueryEngines;
+
+/// Ask the Bootstrap actor for the address its HTTP server is bound to.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct BootstrapAddr;
+
+/// Why bootstrap refused a [`RegisterWorker`] (HTTP 400, `{"error": "<message>"}`).
+///
+/// An identical re-registration is not a conflict: P retries `/register` and must get 200.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RegisterRejected {
+    #[error("dp_rank {dp_rank} already belongs to engine `{registered}`, engine `{offered}` cannot register on it (a stale engine is registered: restart bootstrap, or give each engine its own dp_rank)")]
+    EngineIdMismatch { dp_rank: u32, registered: String, offered: String },
+    #[error("worker dp_rank={dp_rank} tp_rank={tp_rank} pp_rank={pp_rank} is already registered at {registered}, not {offered} (two workers with the same ranks?)")]
+    AddrConflict { dp_rank: u32, tp_rank: u32, pp_rank: u32, registered: String, offered: String },
+}

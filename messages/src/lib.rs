@@ -12,11 +12,13 @@
 //! - [`send_worker`], [`receiver`] — worker-side messages between the engine and the actors.
 //! - [`frame`] — binary frames: magic, version byte, postcard body; typed decode errors.
 //! - [`layout`] — memory regions as peers describe them (base, length, block length).
+//! - [`proxy`] — the proxy's routing ask and its health poller's readiness reports (steps 6–10).
 
 pub mod bootstrap;
 pub mod frame;
 pub mod kv_transfer_params;
 pub mod layout;
+pub mod proxy;
 pub mod receiver;
 pub mod scheduler_connector;
 pub mod send_worker;

@@ -29,3 +29,20 @@ pub struct PullOutcome {
 /// Step 35: the worker collects what finished since the last call.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 pub struct GetFinishedRecving;
+
+/// Receiver → PullTask: D gave these transfers up while their pull is in flight; the PullTask sends
+/// an `AbortPull` on its side channel and keeps waiting for P's final answer (no write-after-free).
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct CancelTransfers {
+    pub transfer_ids: Vec<crate::TransferId>,
+}
+
+/// PullTask → Receiver, before its [`PullOutcome`]: the side-channel socket itself failed (connect,
+/// send or receive), so the bootstrap answer that named `worker_addr` may be stale.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PullTransportFailed {
+    pub pull_id: u64,
+    pub remote_engine_id: EngineId,
+    pub worker_addr: String,
+    pub reason: String,
+}

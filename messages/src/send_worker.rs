@@ -51,3 +51,31 @@ pub struct AbortSend {
     pub transfer_id: TransferId,
     pub source: AbortSource,
 }
+
+/// The answer to one D request of a pull, as a SendWorker settles it (seed step 30's ok/err entry).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PullReply {
+    /// The listener's key of the pull ([`ServePull::pull_id`]).
+    pub pull_id: u64,
+    pub d_req_id: RequestId,
+    /// `Ok` when the KV is in D's blocks; `Err` says why not.
+    pub result: Result<(), crate::sender_listener::PullErr>,
+}
+
+/// SendWorker → SenderListener: what happened to a transfer (steps 30–31).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SendOutcome {
+    pub transfer_id: TransferId,
+    /// The listener's number for the SendWorker that reports (so a late report from a replaced
+    /// worker is recognised).
+    pub generation: u64,
+    /// P's request, once the scheduler has named it (steps 14, 27).
+    pub p_req_id: Option<RequestId>,
+    /// A settled D request to answer on the side channel; `None` when no pull is answered
+    /// (expiry, or ready after D cancelled).
+    pub reply: Option<PullReply>,
+    /// P's blocks are no longer read by anything: add `p_req_id` to finished_sending (step 31).
+    pub counts_as_sent: bool,
+    /// The SendWorker has nothing more to do: remove it from the routing table and stop it.
+    pub finished: bool,
+}

@@ -147,3 +147,12 @@ pub struct RecordSendReqs {
 /// Step 32: the worker collects the P requests whose KV was sent since the last call.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 pub struct GetFinishedSending;
+
+/// Asks P's SenderListener for its side-channel address, `tcp://host:port` (what step 4 registers).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct SideChannelAddr;
+
+/// Asks P's SenderListener how many side-channel pulls are still waiting for their last response
+/// (for metrics, health and tests).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct InFlightPulls;

@@ -1,1 +1,266 @@
-//! placeholder
+//! pdflow-tests — the harness for cross-crate integration and end-to-end tests.
+//!
+//! [`Cluster`] starts, in this process, P engines (each launching its own bootstrap, as P's TP0
+//! does), D engines and the proxy, all on 127.0.0.1 port 0, and talks to them over real HTTP.
+//! [`processes`] does the same with separate `pdflow` processes. [`reference_tokens`] runs a
+//! request on one engine alone — the output every P/D run must equal.
+
+pub mod processes;
+
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use pdflow::config::Deadlines;
+use pdflow::node::engine_node::{serve_http, BootstrapPlacement};
+use pdflow::node::{EngineNode, EngineNodeConfig, ProxyNode};
+use pdflow_actors::proxy::{PrefillTarget, ProxyArgs};
+use pdflow_actors::scheduler_connector::KvRole;
+use pdflow_runtime::engine::{api, Engine, EngineConfig, LoadFailurePolicy};
+use pdflow_runtime::memory::{KvCache, KvShape};
+use pdflow_runtime::transfer::tcp::TcpConfig;
+use serde_json::{json, Value};
+
+/// A small model shape for fast tests: 4 layers, 2 KV heads, head_dim 16, block 16 (8 KiB per block).
+pub const SMALL: KvShape = KvShape { num_layers: 4, num_kv_heads: 2, head_dim: 16, dtype_bytes: 2, block_size: 16 };
+
+/// One engine's settings in a test cluster.
+#[derive(Debug, Clone)]
+pub struct EngineOpts {
+    pub num_blocks: usize,
+    pub max_num_batched_tokens: usize,
+    pub max_model_len: usize,
+    pub policy: LoadFailurePolicy,
+}
+
+impl Default for EngineOpts {
+    fn default() -> Self {
+        Self { num_blocks: 512, max_num_batched_tokens: 8192, max_model_len: 4096, policy: LoadFailurePolicy::Recompute }
+    }
+}
+
+/// What a test cluster runs.
+#[derive(Debug, Clone)]
+pub struct ClusterSpec {
+    pub shape: KvShape,
+    pub prefill: Vec<EngineOpts>,
+    pub decode: Vec<EngineOpts>,
+    pub deadlines: Deadlines,
+    pub verify_checksums: bool,
+}
+
+impl ClusterSpec {
+    /// 1P1D with the small shape.
+    pub fn one_p_one_d() -> Self {
+        Self { shape: SMALL, prefill: vec![EngineOpts::default()], decode: vec![EngineOpts::default()], deadlines: Deadlines::from_abort_timeout(Duration::from_secs(20)), verify_checksums: true }
+    }
+}
+
+/// A running cluster, in this process.
+pub struct Cluster {
+    pub spec: ClusterSpec,
+    pub prefill: Vec<EngineNode>,
+    pub decode: Vec<EngineNode>,
+    pub proxy: ProxyNode,
+    pub client: reqwest::Client,
+}
+
+pub fn engine_config(shape: KvShape, o: &EngineOpts, id: String) -> EngineConfig {
+    EngineConfig {
+        engine_id: id,
+        shape,
+        num_blocks: o.num_blocks,
+        max_num_batched_tokens: o.max_num_batched_tokens,
+        max_model_len: o.max_model_len,
+        kv_load_failure_policy: o.policy,
+        ..EngineConfig::default()
+    }
+}
+
+pub fn http_client() -> reqwest::Client {
+    reqwest::Client::builder().no_proxy().build().expect("reqwest client builds")
+}
+
+impl Cluster {
+    pub async fn start(spec: ClusterSpec) -> anyhow::Result<Self> {
+        let node = |role: KvRole, o: &EngineOpts, bootstrap: BootstrapPlacement, i: usize| EngineNodeConfig {
+            role,
+            host: "127.0.0.1".into(),
+            port: 0,
+            engine: engine_config(spec.shape, o, format!("{}-{i}-{}", if role == KvRole::Producer { "prefill" } else { "decode" }, uuid_like())),
+            bootstrap,
+            deadlines: spec.deadlines,
+            tcp: TcpConfig::default(),
+            verify_checksums: spec.verify_checksums,
+        };
+        let mut prefill = Vec::new();
+        for (i, o) in spec.prefill.iter().enumerate() {
+            prefill.push(EngineNode::start(node(KvRole::Producer, o, BootstrapPlacement::Launch { port: 0 }, i)).await?);
+        }
+        let mut decode = Vec::new();
+        for (i, o) in spec.decode.iter().enumerate() {
+            decode.push(EngineNode::start(node(KvRole::Consumer, o, BootstrapPlacement::None, i)).await?);
+        }
+        let proxy = ProxyNode::start(ProxyArgs {
+            bind: SocketAddr::from(([127, 0, 0, 1], 0)),
+            prefill: prefill
+                .iter()
+                .map(|p| PrefillTarget { url: p.url(), bootstrap_port: p.bootstrap.as_ref().map(|b| b.addr.port()).unwrap_or(0) })
+                .collect(),
+            decode: decode.iter().map(|d| d.url()).collect(),
+            health_interval: Duration::from_millis(25),
+            upstream_timeout: Duration::from_secs(60),
+            ready_timeout: None,
+        })
+        .await?;
+        let cluster = Self { spec, prefill, decode, proxy, client: http_client() };
+        wait_healthy(&cluster.client, &cluster.proxy.url(), Duration::from_secs(20)).await?;
+        Ok(cluster)
+    }
+
+    /// POSTs `body` to the proxy's `path`; returns the status and the body as JSON (or as a string).
+    pub async fn post(&self, path: &str, body: &Value) -> anyhow::Result<(u16, Value)> {
+        post(&self.client, &format!("{}{path}", self.proxy.url()), body).await
+    }
+
+    /// Every engine is back to its baseline free-block count (bounded wait for delayed frees).
+    pub async fn assert_blocks_at_baseline(&self) {
+        for (name, nodes) in [("P", &self.prefill), ("D", &self.decode)] {
+            for (i, n) in nodes.iter().enumerate() {
+                let deadline = Instant::now() + Duration::from_secs(15);
+                loop {
+                    let s = n.engine.block_stats();
+                    if s.free == s.total && s.requests == 0 {
+                        break;
+                    }
+                    assert!(Instant::now() < deadline, "{name}{i} did not return to its baseline: {} of {} blocks free, {} requests still held", s.free, s.total, s.requests);
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+            }
+        }
+    }
+
+    pub async fn shutdown(self) {
+        self.proxy.shutdown().await;
+        for n in self.prefill.into_iter().chain(self.decode) {
+            n.shutdown().await;
+        }
+    }
+}
+
+/// A short random-looking id.
+pub fn uuid_like() -> String {
+    format!("{:08x}", std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.subsec_nanos()).unwrap_or(0))
+}
+
+pub async fn post(client: &reqwest::Client, url: &str, body: &Value) -> anyhow::Result<(u16, Value)> {
+    let resp = client.post(url).json(body).send().await.with_context(|| format!("POST {url}"))?;
+    let status = resp.status().as_u16();
+    let text = resp.text().await.with_context(|| format!("body of POST {url}"))?;
+    Ok((status, serde_json::from_str(&text).unwrap_or(Value::String(text))))
+}
+
+pub async fn wait_healthy(client: &reqwest::Client, url: &str, deadline: Duration) -> anyhow::Result<()> {
+    let until = Instant::now() + deadline;
+    loop {
+        if let Ok(r) = client.get(format!("{url}/health")).send().await {
+            if r.status().is_success() {
+                return Ok(());
+            }
+        }
+        if Instant::now() > until {
+            bail!("{url}/health not 200 within {deadline:?}");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// A deterministic prompt of `n` words (= tokens for the simulated tokenizer).
+pub fn prompt(n: usize, seed: u64) -> String {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            format!("w{}", 3 + (x >> 33) % 31_000)
+        })
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// A completion request body.
+pub fn completion(prompt: &str, max_tokens: usize) -> Value {
+    json!({"model": "Qwen/Qwen3-8B", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
+}
+
+/// The token ids of a non-streaming completion.
+pub fn token_ids(v: &Value) -> Vec<u64> {
+    v["choices"][0]["token_ids"].as_array().map(|a| a.iter().filter_map(Value::as_u64).collect()).unwrap_or_default()
+}
+
+/// The same request on one engine alone (no connector): the reference every P/D run must equal.
+pub async fn reference(shape: KvShape, body: &Value) -> anyhow::Result<Value> {
+    let cfg = engine_config(shape, &EngineOpts::default(), "reference".into());
+    let engine = Engine::start(cfg.clone(), KvCache::new(cfg.shape, cfg.num_blocks), None);
+    let (addr, stop, task) = serve_http("127.0.0.1", 0, api::router(engine.clone())).await?;
+    let result = post(&http_client(), &format!("http://{addr}/v1/completions"), body).await;
+    stop.cancel();
+    let _ = task.await;
+    engine.shutdown().await;
+    let (status, v) = result?;
+    anyhow::ensure!(status == 200, "reference run failed: {status} {v}");
+    Ok(v)
+}
+
+/// The reference's token ids.
+pub async fn reference_tokens(shape: KvShape, body: &Value) -> Vec<u64> {
+    token_ids(&reference(shape, body).await.expect("reference run"))
+}
+
+/// The bodies the proxy would send (seed steps 9–10), for tests that drive P and D directly.
+pub mod direct {
+    use serde_json::{json, Value};
+
+    /// P's body: max_tokens 1, not streaming, do_remote_decode.
+    pub fn prefill_body(prompt: &str, transfer_id: &str) -> Value {
+        json!({"model": "Qwen/Qwen3-8B", "prompt": prompt, "max_tokens": 1, "stream": false, "temperature": 0,
+               "kv_transfer_params": {"do_remote_decode": true, "do_remote_prefill": false, "transfer_id": transfer_id}})
+    }
+
+    /// D's body: do_remote_prefill with P's bootstrap and engine id.
+    pub fn decode_body(prompt: &str, max_tokens: usize, transfer_id: &str, bootstrap_url: &str, engine_id: &str) -> Value {
+        json!({"model": "Qwen/Qwen3-8B", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+               "kv_transfer_params": {"do_remote_decode": false, "do_remote_prefill": true, "transfer_id": transfer_id,
+                                      "remote_bootstrap_addr": bootstrap_url, "remote_engine_id": engine_id}})
+    }
+}
+
+/// Installs a span capture as this test binary's global subscriber (once) and returns it.
+pub fn capture() -> pdflow_observability::capture::SpanCapture {
+    use std::sync::OnceLock;
+    use tracing_subscriber::layer::SubscriberExt;
+    use tracing_subscriber::util::SubscriberInitExt;
+    static CAPTURE: OnceLock<pdflow_observability::capture::SpanCapture> = OnceLock::new();
+    CAPTURE
+        .get_or_init(|| {
+            let c = pdflow_observability::capture::SpanCapture::new();
+            let _ = tracing_subscriber::registry().with(c.clone()).try_init();
+            c
+        })
+        .clone()
+}
+
+/// Waits (bounded) until a span of `step` whose `pd.transfer_id` is `transfer_id` exists
+/// (`closed`: and has ended).
+pub async fn wait_for_step(capture: &pdflow_observability::capture::SpanCapture, step: u8, transfer_id: &str, closed: bool) {
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        let seen = capture.spans().iter().any(|s| {
+            s.step == step && s.attr(pdflow_observability::attrs::TRANSFER_ID) == Some(transfer_id) && (!closed || s.end.is_some())
+        });
+        if seen {
+            return;
+        }
+        assert!(Instant::now() < deadline, "step {step} for {transfer_id} not observed within 15 s");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}

@@ -1,0 +1,371 @@
+//! Proxy tests: the real actor and HTTP server against stub P, bootstrap and D servers written
+//! here with axum, all over real sockets on 127.0.0.1:0.
+
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use futures::StreamExt;
+use serde_json::{json, Value};
+use tokio::sync::{mpsc, oneshot};
+
+use super::*;
+
+const WAIT: Duration = Duration::from_secs(5);
+
+async fn serve(app: Router) -> SocketAddr {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind stub");
+    let addr = listener.local_addr().expect("stub addr");
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    addr
+}
+
+/// Sends `cancelled` when dropped before `finish()`: a handler future dropped mid-way.
+struct CancelGuard {
+    tx: mpsc::UnboundedSender<&'static str>,
+    finished: bool,
+}
+
+impl Drop for CancelGuard {
+    fn drop(&mut self) {
+        if !self.finished {
+            let _ = self.tx.send("cancelled");
+        }
+    }
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum Mode {
+    Completion,
+    Fail(u16),
+    /// Answers after 5 s, noting if it was cancelled first.
+    Slow,
+    /// SSE: one event, then the rest once the test releases it.
+    Sse,
+}
+
+struct Stub {
+    name: String,
+    mode: Mode,
+    healthy: std::sync::atomic::AtomicBool,
+    bodies: Mutex<Vec<(HeaderMap, Value)>>,
+    cancelled: mpsc::UnboundedSender<&'static str>,
+    release: Mutex<Option<oneshot::Receiver<()>>>,
+}
+
+struct StubHandle {
+    url: String,
+    state: Arc<Stub>,
+    cancelled: mpsc::UnboundedReceiver<&'static str>,
+}
+
+async fn stub(name: &str, mode: Mode) -> StubHandle {
+    let (tx, rx) = mpsc::unbounded_channel();
+    let state = Arc::new(Stub {
+        name: name.to_owned(),
+        mode,
+        healthy: true.into(),
+        bodies: Mutex::new(Vec::new()),
+        cancelled: tx,
+        release: Mutex::new(None),
+    });
+    let app = Router::new()
+        .route("/health", get(stub_health))
+        .route("/v1/completions", post(stub_completion))
+        .route("/v1/chat/completions", post(stub_completion))
+        .with_state(state.clone());
+    let addr = serve(app).await;
+    StubHandle { url: format!("http://{addr}"), state, cancelled: rx }
+}
+
+async fn stub_health(State(s): State<Arc<Stub>>) -> StatusCode {
+    if s.healthy.load(std::sync::atomic::Ordering::SeqCst) {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    }
+}
+
+async fn stub_completion(State(s): State<Arc<Stub>>, headers: HeaderMap, Json(body): Json<Value>) -> Response {
+    s.bodies.lock().expect("lock").push((headers, body));
+    let completion = json!({"choices": [{"text": format!("from {}", s.name), "finish_reason": "length"}]});
+    match s.mode {
+        Mode::Completion => Json(completion).into_response(),
+        Mode::Fail(code) => {
+            let status = StatusCode::from_u16(code).expect("status");
+            (status, Json(json!({"object": "error", "message": format!("{} refused", s.name), "code": code}))).into_response()
+        }
+        Mode::Slow => {
+            let mut guard = CancelGuard { tx: s.cancelled.clone(), finished: false };
+            tokio::time::sleep(Duration::from_secs(5)).await;
+            guard.finished = true;
+            Json(completion).into_response()
+        }
+        Mode::Sse => {
+            let release = s.release.lock().expect("lock").take();
+            let first = futures::stream::once(async { Ok::<_, std::io::Error>(Bytes::from("data: {\"n\":1}\n\n")) });
+            let rest = futures::stream::once(async move {
+                if let Some(r) = release {
+                    let _ = r.await;
+                }
+                Ok(Bytes::from("data: {\"n\":2}\n\ndata: [DONE]\n\n"))
+            });
+            Response::builder()
+                .header("content-type", "text/event-stream")
+                .body(Body::from_stream(first.chain(rest)))
+                .expect("response")
+        }
+    }
+}
+
+/// A stub bootstrap answering `/query` with one engine at dp rank 0.
+async fn bootstrap_stub(engine_id: &str) -> u16 {
+    let table = json!({"0": {"engine_id": engine_id, "worker_addr": {"0": {"0": "tcp://127.0.0.1:1"}}}});
+    let app = Router::new().route("/query", get(move || async move { Json(table) }));
+    serve(app).await.port()
+}
+
+async fn start_proxy(prefill: Vec<PrefillTarget>, decode: Vec<String>) -> (ActorRef<Proxy>, String) {
+    let proxy = Proxy::spawn(ProxyArgs {
+        bind: "127.0.0.1:0".parse().expect("addr"),
+        prefill,
+        decode,
+        health_interval: Duration::from_millis(20),
+        upstream_timeout: Duration::from_secs(10),
+        ready_timeout: None,
+    });
+    let addr = tokio::time::timeout(WAIT, proxy.ask(ProxyAddr)).await.expect("in time").expect("proxy started");
+    (proxy, format!("http://{addr}"))
+}
+
+/// Polls the proxy's `/health` until 200, for at most [`WAIT`].
+async fn wait_ready(client: &reqwest::Client, base: &str) {
+    let start = Instant::now();
+    loop {
+        let r = client.get(format!("{base}/health")).send().await.expect("proxy health");
+        if r.status() == 200 {
+            return;
+        }
+        assert!(start.elapsed() < WAIT, "proxy not ready within {WAIT:?}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// A 1P1D proxy, ready.
+async fn one_p_one_d(p_mode: Mode, d_mode: Mode) -> (ActorRef<Proxy>, String, StubHandle, StubHandle, u16) {
+    let p = stub("P", p_mode).await;
+    let d = stub("D", d_mode).await;
+    let bport = bootstrap_stub("6c1f").await;
+    let (proxy, base) = start_proxy(vec![PrefillTarget { url: p.url.clone(), bootstrap_port: bport }], vec![d.url.clone()]).await;
+    wait_ready(&reqwest::Client::new(), &base).await;
+    (proxy, base, p, d, bport)
+}
+
+fn seed_request() -> Value {
+    json!({"model": "Qwen/Qwen3-8B", "prompt": "hello", "max_tokens": 128, "temperature": 0})
+}
+
+#[tokio::test]
+async fn p_and_d_bodies_follow_the_seed_and_d_answer_comes_back() {
+    let (_proxy, base, p, d, bport) = one_p_one_d(Mode::Completion, Mode::Completion).await;
+    let client = reqwest::Client::new();
+    let resp = client.post(format!("{base}/v1/completions")).json(&seed_request()).send().await.expect("request");
+    assert_eq!(resp.status(), 200);
+    assert!(resp.headers()["content-type"].to_str().expect("ct").starts_with("application/json"));
+    let body: Value = resp.json().await.expect("json");
+    assert_eq!(body["choices"][0]["text"], "from D");
+
+    let (p_headers, p_body) = p.state.bodies.lock().expect("lock")[0].clone();
+    assert_eq!(p_body["max_tokens"], 1);
+    assert_eq!(p_body["stream"], false);
+    assert_eq!(p_body["prompt"], "hello");
+    let p_params = &p_body["kv_transfer_params"];
+    assert_eq!(p_params["do_remote_decode"], true);
+    assert_eq!(p_params["do_remote_prefill"], false);
+    let request_id = p_headers["x-request-id"].to_str().expect("request id").to_owned();
+    assert_eq!(p_params["transfer_id"], format!("xfer-{request_id}"));
+    assert_eq!(p_headers["x-data-parallel-rank"], "0");
+    assert!(p_headers.contains_key("traceparent"));
+
+    // P's request may still be in flight when D answered: D's body is recorded before it answers.
+    let (d_headers, d_body) = d.state.bodies.lock().expect("lock")[0].clone();
+    assert_eq!(d_body["max_tokens"], 128);
+    let d_params = &d_body["kv_transfer_params"];
+    assert_eq!(d_params["do_remote_prefill"], true);
+    assert_eq!(d_params["do_remote_decode"], false);
+    assert_eq!(d_params["remote_engine_id"], "6c1f");
+    assert_eq!(d_params["remote_bootstrap_addr"], format!("http://127.0.0.1:{bport}"));
+    assert_eq!(d_params["transfer_id"], p_params["transfer_id"]);
+    assert_eq!(d_headers["x-request-id"], request_id.as_str());
+    assert_eq!(d_headers["traceparent"], p_headers["traceparent"]);
+}
+
+#[tokio::test]
+async fn chat_prefill_caps_max_completion_tokens_and_drops_stream_options() {
+    let (_proxy, base, p, _d, _) = one_p_one_d(Mode::Completion, Mode::Completion).await;
+    let req = json!({"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 50,
+        "stream": true, "stream_options": {"include_usage": true}});
+    let resp = reqwest::Client::new().post(format!("{base}/v1/chat/completions")).json(&req).send().await.expect("request");
+    assert_eq!(resp.status(), 200);
+    let p_body = p.state.bodies.lock().expect("lock")[0].1.clone();
+    assert_eq!(p_body["max_completion_tokens"], 1);
+    assert_eq!(p_body["max_tokens"], 1);
+    assert_eq!(p_body["stream"], false);
+    assert!(p_body.get("stream_options").is_none());
+}
+
+#[tokio::test]
+async fn sse_is_streamed_chunk_by_chunk() {
+    let p = stub("P", Mode::Completion).await;
+    let d = stub("D", Mode::Sse).await;
+    let (release, released) = oneshot::channel();
+    *d.state.release.lock().expect("lock") = Some(released);
+    let bport = bootstrap_stub("e1").await;
+    let (_proxy, base) = start_proxy(vec![PrefillTarget { url: p.url.clone(), bootstrap_port: bport }], vec![d.url.clone()]).await;
+    let client = reqwest::Client::new();
+    wait_ready(&client, &base).await;
+
+    let mut req = seed_request();
+    req["stream"] = true.into();
+    let resp = client.post(format!("{base}/v1/completions")).json(&req).send().await.expect("request");
+    assert_eq!(resp.status(), 200);
+    assert_eq!(resp.headers()["content-type"], "text/event-stream");
+    let mut stream = resp.bytes_stream();
+    let first = tokio::time::timeout(WAIT, stream.next()).await.expect("first chunk before D finished").expect("chunk").expect("ok");
+    assert_eq!(&first[..], b"data: {\"n\":1}\n\n");
+    release.send(()).expect("D still streaming");
+    let mut rest = Vec::new();
+    while let Some(chunk) = tokio::time::timeout(WAIT, stream.next()).await.expect("rest in time") {
+        rest.extend_from_slice(&chunk.expect("chunk"));
+    }
+    assert_eq!(rest, b"data: {\"n\":2}\n\ndata: [DONE]\n\n");
+    assert_eq!(d.state.bodies.lock().expect("lock")[0].1["stream"], true, "D keeps the client's stream flag");
+}
+
+#[tokio::test]
+async fn answers_503_until_every_p_and_d_is_ready() {
+    let p = stub("P", Mode::Completion).await;
+    let d = stub("D", Mode::Completion).await;
+    d.state.healthy.store(false, std::sync::atomic::Ordering::SeqCst);
+    let bport = bootstrap_stub("e1").await;
+    let (_proxy, base) = start_proxy(vec![PrefillTarget { url: p.url.clone(), bootstrap_port: bport }], vec![d.url.clone()]).await;
+    let client = reqwest::Client::new();
+    let health = client.get(format!("{base}/health")).send().await.expect("health");
+    assert_eq!(health.status(), 503);
+    let resp = client.post(format!("{base}/v1/completions")).json(&seed_request()).send().await.expect("request");
+    assert_eq!(resp.status(), 503);
+    let body: Value = resp.json().await.expect("json error");
+    assert!(body["error"]["message"].as_str().expect("message").contains("not ready"), "{body}");
+    assert!(p.state.bodies.lock().expect("lock").is_empty() && d.state.bodies.lock().expect("lock").is_empty());
+
+    d.state.healthy.store(true, std::sync::atomic::Ordering::SeqCst);
+    wait_ready(&client, &base).await;
+    let resp = client.post(format!("{base}/v1/completions")).json(&seed_request()).send().await.expect("request");
+    assert_eq!(resp.status(), 200);
+}
+
+#[tokio::test]
+async fn round_robin_over_two_p_and_two_d() {
+    let (p0, p1) = (stub("P0", Mode::Completion).await, stub("P1", Mode::Completion).await);
+    let (d0, d1) = (stub("D0", Mode::Completion).await, stub("D1", Mode::Completion).await);
+    let (b0, b1) = (bootstrap_stub("engine-0").await, bootstrap_stub("engine-1").await);
+    let (_proxy, base) = start_proxy(
+        vec![PrefillTarget { url: p0.url.clone(), bootstrap_port: b0 }, PrefillTarget { url: p1.url.clone(), bootstrap_port: b1 }],
+        vec![d0.url.clone(), d1.url.clone()],
+    )
+    .await;
+    let client = reqwest::Client::new();
+    wait_ready(&client, &base).await;
+    for _ in 0..4 {
+        let resp = client.post(format!("{base}/v1/completions")).json(&seed_request()).send().await.expect("request");
+        assert_eq!(resp.status(), 200);
+    }
+    for s in [&p0, &p1, &d0, &d1] {
+        assert_eq!(s.state.bodies.lock().expect("lock").len(), 2, "{} gets every other request", s.state.name);
+    }
+    // Each D request names the engine id and bootstrap of the same P.
+    for d in [&d0, &d1] {
+        for (_, body) in d.state.bodies.lock().expect("lock").iter() {
+            let params = &body["kv_transfer_params"];
+            let expected = if params["remote_engine_id"] == "engine-0" { b0 } else { b1 };
+            assert_eq!(params["remote_bootstrap_addr"], format!("http://127.0.0.1:{expected}"));
+        }
+    }
+}
+
+#[tokio::test]
+async fn failed_prefill_cancels_decode_and_answers_at_once() {
+    let (_proxy, base, _p, mut d, _) = one_p_one_d(Mode::Fail(500), Mode::Slow).await;
+    let started = Instant::now();
+    let resp = reqwest::Client::new().post(format!("{base}/v1/completions")).json(&seed_request()).send().await.expect("request");
+    assert_eq!(resp.status(), 502);
+    let body: Value = resp.json().await.expect("json error");
+    assert!(started.elapsed() < Duration::from_secs(2), "the client waited for D: {:?}", started.elapsed());
+    assert_eq!(body["error"]["type"], "upstream_error");
+    assert!(body["error"]["message"].as_str().expect("message").contains("P refused"), "{body}");
+    let seen = tokio::time::timeout(Duration::from_secs(3), d.cancelled.recv()).await;
+    assert_eq!(seen.expect("D saw its request cancelled before it answered"), Some("cancelled"));
+}
+
+#[tokio::test]
+async fn prefill_4xx_is_passed_on_with_its_message() {
+    let (_proxy, base, _p, _d, _) = one_p_one_d(Mode::Fail(400), Mode::Slow).await;
+    let resp = reqwest::Client::new().post(format!("{base}/v1/completions")).json(&seed_request()).send().await.expect("request");
+    assert_eq!(resp.status(), 400);
+    let body: Value = resp.json().await.expect("json error");
+    assert!(body["error"]["message"].as_str().expect("message").contains("P refused"), "{body}");
+}
+
+#[tokio::test]
+async fn client_going_away_cancels_both_upstream_calls() {
+    let (_proxy, base, mut p, mut d, _) = one_p_one_d(Mode::Slow, Mode::Slow).await;
+    let client = reqwest::Client::new();
+    let gave_up = client.post(format!("{base}/v1/completions")).json(&seed_request()).timeout(Duration::from_millis(300)).send().await;
+    assert!(gave_up.is_err(), "the client gave up before any answer");
+    for (who, s) in [("P", &mut p), ("D", &mut d)] {
+        let seen = tokio::time::timeout(Duration::from_secs(3), s.cancelled.recv()).await;
+        assert_eq!(seen.unwrap_or_else(|_| panic!("{who} never saw the cancellation")), Some("cancelled"));
+    }
+}
+
+#[tokio::test]
+async fn malformed_client_json_is_400_and_the_proxy_keeps_serving() {
+    let (_proxy, base, p, _d, _) = one_p_one_d(Mode::Completion, Mode::Completion).await;
+    let client = reqwest::Client::new();
+    for garbage in ["{not json", "[1, 2]"] {
+        let resp = client
+            .post(format!("{base}/v1/completions"))
+            .header("content-type", "application/json")
+            .body(garbage)
+            .send()
+            .await
+            .expect("request");
+        assert_eq!(resp.status(), 400);
+        let body: Value = resp.json().await.expect("json error");
+        assert_eq!(body["error"]["type"], "invalid_request_error");
+    }
+    assert!(p.state.bodies.lock().expect("lock").is_empty());
+    let resp = client.post(format!("{base}/v1/completions")).json(&seed_request()).send().await.expect("request");
+    assert_eq!(resp.status(), 200);
+}
+
+#[tokio::test]
+async fn ready_timeout_stops_the_proxy_with_the_reason() {
+    let d = stub("D", Mode::Completion).await;
+    let proxy = Proxy::spawn(ProxyArgs {
+        bind: "127.0.0.1:0".parse().expect("addr"),
+        // Nothing listens on port 1: P never answers.
+        prefill: vec![PrefillTarget { url: "http://127.0.0.1:1".into(), bootstrap_port: 1 }],
+        decode: vec![d.url.clone()],
+        health_interval: Duration::from_millis(20),
+        upstream_timeout: Duration::from_secs(1),
+        ready_timeout: Some(Duration::from_millis(100)),
+    });
+    tokio::time::timeout(WAIT, proxy.wait_for_shutdown()).await.expect("the proxy stops after its ready timeout");
+}

@@ -1,0 +1,84 @@
+//! The Receiver's bootstrap look-up (seed step 20: vLLM's `handle_new_engine_id`) and the TP/PP
+//! pairing of a D worker with P workers (step 21: vLLM's `receive_kv` rank mapping).
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use pdflow_messages::bootstrap::{QueryResponse, WorkerAddrs};
+use pdflow_messages::EngineId;
+
+/// `GET {bootstrap_addr}/query`: every engine of the answer with its workers.
+pub(crate) async fn query_bootstrap(
+    http: &reqwest::Client,
+    bootstrap_addr: &str,
+    timeout: Duration,
+) -> Result<BTreeMap<EngineId, WorkerAddrs>, String> {
+    let base = bootstrap_addr.trim_end_matches('/');
+    let url = if base.starts_with("http://") || base.starts_with("https://") {
+        format!("{base}/query")
+    } else {
+        format!("http://{base}/query")
+    };
+    let call = async {
+        let resp = http.get(&url).send().await.map_err(|e| format!("GET {url} failed: {e}"))?;
+        let status = resp.status();
+        if !status.is_success() {
+            return Err(format!("GET {url} answered HTTP {status}"));
+        }
+        let body: QueryResponse = resp.json().await.map_err(|e| format!("GET {url}: body is not a /query answer: {e}"))?;
+        let mut engines = BTreeMap::new();
+        for entry in body.values() {
+            let workers = entry.workers().map_err(|e| format!("GET {url}: {e}"))?;
+            engines.insert(entry.engine_id.clone(), workers);
+        }
+        Ok(engines)
+    };
+    tokio::time::timeout(timeout, call)
+        .await
+        .map_err(|_| format!("GET {url} got no answer within {:.1}s (bootstrap_timeout)", timeout.as_secs_f64()))?
+}
+
+/// One P worker this D worker pulls from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Peer {
+    pub tp_rank: u32,
+    pub pp_rank: u32,
+    pub addr: String,
+}
+
+/// The P workers a D worker of rank `tp_rank` in a group of `tp_size` pairs with: with equal TP
+/// sizes, the P worker of the same tp rank (every pp rank of it).
+pub(crate) fn pair(engine_id: &str, workers: &WorkerAddrs, tp_rank: u32, tp_size: u32) -> Result<Vec<Peer>, String> {
+    let p_tp_size = workers.len() as u32;
+    if p_tp_size != tp_size {
+        return Err(format!(
+            "heterogeneous TP not supported yet: P engine {engine_id} has tp_size {p_tp_size}, this D worker has tp_size {tp_size}"
+        ));
+    }
+    let pps = workers
+        .get(&tp_rank)
+        .filter(|pps| !pps.is_empty())
+        .ok_or_else(|| format!("P engine {engine_id} registered no worker for tp_rank {tp_rank}"))?;
+    Ok(pps.iter().map(|(pp, addr)| Peer { tp_rank, pp_rank: *pp, addr: addr.clone() }).collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn workers(tp: u32) -> WorkerAddrs {
+        (0..tp).map(|t| (t, BTreeMap::from([(0, format!("tcp://h:{t}"))]))).collect()
+    }
+
+    #[test]
+    fn equal_tp_pairs_rank_with_rank() {
+        assert_eq!(pair("p", &workers(1), 0, 1).expect("pairs"), vec![Peer { tp_rank: 0, pp_rank: 0, addr: "tcp://h:0".into() }]);
+        assert_eq!(pair("p", &workers(2), 1, 2).expect("pairs")[0].addr, "tcp://h:1");
+    }
+
+    #[test]
+    fn heterogeneous_tp_is_refused_clearly() {
+        let err = pair("p-engine", &workers(2), 0, 1).expect_err("refused");
+        assert!(err.contains("heterogeneous TP not supported yet") && err.contains("p-engine"), "{err}");
+    }
+}

@@ -1,0 +1,51 @@
+//! Seed step 4: a P worker registers its side-channel address with bootstrap (`POST /register`),
+//! retrying with exponential back-off as vLLM's Mooncake connector does. A 400 (conflict) is not
+//! retried: the registration itself is wrong.
+
+use std::time::Duration;
+
+use pdflow_messages::bootstrap::RegisterWorker;
+
+use crate::ActorError;
+
+/// The deadline of one `POST /register` attempt.
+const ATTEMPT_TIMEOUT: Duration = Duration::from_secs(5);
+/// The back-off never grows past this.
+const MAX_BACKOFF: Duration = Duration::from_secs(10);
+
+/// Posts `body` to `{bootstrap_url}/register` up to `attempts` times.
+pub(super) async fn register_with_bootstrap(
+    bootstrap_url: &str,
+    body: &RegisterWorker,
+    attempts: u32,
+    backoff: Duration,
+) -> Result<(), ActorError> {
+    let attempts = attempts.max(1);
+    let client = reqwest::Client::builder()
+        .timeout(ATTEMPT_TIMEOUT)
+        .build()
+        .map_err(|e| ActorError::Other(format!("cannot build the HTTP client for bootstrap: {e}")))?;
+    let endpoint = format!("{}/register", bootstrap_url.trim_end_matches('/'));
+    let mut delay = backoff;
+    let mut last_reason = String::new();
+    for attempt in 1..=attempts {
+        match client.post(&endpoint).json(body).send().await {
+            Ok(resp) if resp.status().is_success() => return Ok(()),
+            Ok(resp) if resp.status() == reqwest::StatusCode::BAD_REQUEST => {
+                let reason = resp.text().await.unwrap_or_default();
+                return Err(ActorError::Other(format!(
+                    "bootstrap at {bootstrap_url} refused the registration of engine {} (dp {} tp {} pp {}): {reason}",
+                    body.engine_id, body.dp_rank, body.tp_rank, body.pp_rank
+                )));
+            }
+            Ok(resp) => last_reason = format!("HTTP {}", resp.status()),
+            Err(e) => last_reason = e.to_string(),
+        }
+        tracing::warn!(url = %endpoint, attempt, attempts, reason = %last_reason, "bootstrap registration failed; retrying");
+        if attempt < attempts {
+            tokio::time::sleep(delay).await;
+            delay = (delay * 2).min(MAX_BACKOFF);
+        }
+    }
+    Err(ActorError::BootstrapUnreachable { url: bootstrap_url.to_string(), attempts, reason: last_reason })
+}

@@ -1,0 +1,108 @@
+//! The SenderListener's socket tasks: the ZeroMQ ROUTER bound on a random port, a reader that
+//! hands every `[identity, body…]` message to the listener (seed step 21, receive side), and a
+//! writer that sends the listener's `[identity, body]` replies (step 30).
+//!
+//! Both tasks are owned by the listener: they stop on its cancellation token, and the reader holds
+//! only a weak reference, so the socket never keeps the listener alive.
+
+use bytes::Bytes;
+use kameo::prelude::*;
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+use zeromq::{Endpoint, RouterRecvHalf, RouterSendHalf, RouterSocket, Socket, SocketRecv, SocketSend, ZmqMessage};
+
+use super::SenderListener;
+use crate::ActorError;
+
+/// One message D sent: the peer's identity and the frames that followed it.
+pub(super) struct SideChannelFrame {
+    pub identity: Bytes,
+    pub frames: Vec<Bytes>,
+}
+
+/// The reader lost the socket: the listener cannot serve any more.
+pub(super) struct SocketClosed {
+    pub reason: String,
+}
+
+/// A reply to send: the peer's identity and the encoded frame.
+pub(super) type Outgoing = (Bytes, Vec<u8>);
+
+/// The bound socket, split and running.
+pub(super) struct SideChannel {
+    /// `tcp://host:port`, the address registered with bootstrap.
+    pub addr: String,
+    pub replies: mpsc::UnboundedSender<Outgoing>,
+    pub tasks: Vec<JoinHandle<()>>,
+}
+
+/// Binds `tcp://{bind_host}:0` and starts the reader and writer tasks.
+pub(super) async fn start(
+    bind_host: &str,
+    listener: WeakActorRef<SenderListener>,
+    cancel: CancellationToken,
+) -> Result<SideChannel, ActorError> {
+    let bind_addr = format!("tcp://{bind_host}:0");
+    let mut socket = RouterSocket::new();
+    let endpoint = socket
+        .bind(&bind_addr)
+        .await
+        .map_err(|e| ActorError::SideChannel { addr: bind_addr.clone(), reason: format!("cannot bind the ROUTER socket: {e} (is the host address local?)") })?;
+    let port = match endpoint {
+        Endpoint::Tcp(_, port) => port,
+        other => {
+            return Err(ActorError::SideChannel { addr: bind_addr, reason: format!("bound to a non-tcp endpoint {other}") });
+        }
+    };
+    let addr = format!("tcp://{bind_host}:{port}");
+    let (send_half, recv_half) = socket.split();
+    let (replies, outgoing) = mpsc::unbounded_channel();
+    let tasks = vec![
+        tokio::spawn(read_loop(recv_half, listener, cancel.clone())),
+        tokio::spawn(write_loop(send_half, outgoing, cancel, addr.clone())),
+    ];
+    Ok(SideChannel { addr, replies, tasks })
+}
+
+async fn read_loop(mut socket: RouterRecvHalf, listener: WeakActorRef<SenderListener>, cancel: CancellationToken) {
+    loop {
+        let received = tokio::select! {
+            _ = cancel.cancelled() => return,
+            received = socket.recv() => received,
+        };
+        let Some(actor) = listener.upgrade() else { return };
+        match received {
+            Ok(message) => {
+                let mut frames = message.into_vecdeque();
+                let Some(identity) = frames.pop_front() else { continue };
+                if actor.tell(SideChannelFrame { identity, frames: frames.into() }).await.is_err() {
+                    return;
+                }
+            }
+            Err(e) => {
+                let _ = actor.tell(SocketClosed { reason: e.to_string() }).await;
+                return;
+            }
+        }
+    }
+}
+
+async fn write_loop(
+    mut socket: RouterSendHalf,
+    mut outgoing: mpsc::UnboundedReceiver<Outgoing>,
+    cancel: CancellationToken,
+    addr: String,
+) {
+    loop {
+        let next = tokio::select! {
+            _ = cancel.cancelled() => return,
+            next = outgoing.recv() => next,
+        };
+        let Some((identity, body)) = next else { return };
+        let Ok(message) = ZmqMessage::try_from(vec![identity, Bytes::from(body)]) else { continue };
+        if let Err(e) = socket.send(message).await {
+            tracing::warn!(addr = %addr, error = %e, "could not send a side-channel reply (has D's pull task gone?)");
+        }
+    }
+}

@@ -1,0 +1,91 @@
+//! Proxy messages: the per-request flow's routing ask, and the readiness reports of the proxy's
+//! health poller (seed steps 6–10).
+//!
+//! The Proxy actor owns the P/D pools, their health, P's engine ids and the round-robin counters;
+//! the flow of one request runs outside the actor and only asks it for a [`Route`].
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+use crate::EngineId;
+
+/// Which pool a target belongs to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum Pool {
+    Prefill,
+    Decode,
+}
+
+/// Ask the Proxy for the next (P, P's dp rank, D) by round robin (step 8).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Route;
+
+/// Where one request goes (steps 9–10).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RouteDecision {
+    /// Index of P in the proxy's prefill list.
+    pub prefill_index: usize,
+    /// P's HTTP base URL, e.g. `http://127.0.0.1:8010`.
+    pub prefill_url: String,
+    /// P's bootstrap address, `http://{host}:{bootstrap_port}` (D's `remote_bootstrap_addr`).
+    pub prefill_bootstrap_addr: String,
+    /// The dp rank of P chosen for this request.
+    pub prefill_dp_rank: u32,
+    /// P's engine id for that dp rank (D's `remote_engine_id`).
+    pub prefill_engine_id: EngineId,
+    /// Index of D in the proxy's decode list.
+    pub decode_index: usize,
+    /// D's HTTP base URL.
+    pub decode_url: String,
+}
+
+/// Why the proxy cannot route a request now (HTTP 503).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum NotReady {
+    #[error("proxy is not ready yet, still waiting for: {}", waiting_for.join(", "))]
+    Starting { waiting_for: Vec<String> },
+    #[error("no {pool:?} instance is healthy right now (check the {pool:?} servers)")]
+    NoHealthy { pool: Pool },
+}
+
+/// Ask the Proxy whether it serves, and what it still waits for (`GET /health`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ProxyStatus;
+
+/// The answer to [`ProxyStatus`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ProxyReadiness {
+    pub ready: bool,
+    pub waiting_for: Vec<String>,
+}
+
+/// Ask the Proxy for the address its HTTP server is bound to.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ProxyAddr;
+
+/// Poller → Proxy: one health probe's outcome (step 6).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TargetHealth {
+    pub pool: Pool,
+    pub index: usize,
+    pub healthy: bool,
+}
+
+/// Poller → Proxy: P's bootstrap `/query` answered; dp rank → engine id (step 7).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PrefillDiscovered {
+    pub prefill_index: usize,
+    pub dp_engine_id: BTreeMap<u32, EngineId>,
+}
+
+/// Flow → Proxy: a prefill request failed; the proxy re-queries that P's engine ids.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PrefillFailed {
+    pub prefill_index: usize,
+    pub reason: String,
+}
+
+/// Poller → Proxy: the ready deadline passed before every P and D answered.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ReadyDeadlinePassed;

@@ -1,0 +1,305 @@
+//! The `pdflow` command line (DESIGN §8): `demo`, `bootstrap`, `proxy`, `serve`.
+//!
+//! Long-running commands print one JSON line on stdout once they serve —
+//! `{"event":"ready", …addresses…}` — so that scripts and tests can start them on port 0.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use pdflow_actors::proxy::{PrefillTarget, ProxyArgs};
+use pdflow_actors::scheduler_connector::KvRole;
+use pdflow_runtime::engine::{EngineConfig, LoadFailurePolicy};
+use pdflow_runtime::memory::KvShape;
+use pdflow_runtime::transfer::tcp::TcpConfig;
+
+use crate::config::{Deadlines, VllmEnv, DEFAULT_BOOTSTRAP_PORT};
+use crate::node::engine_node::BootstrapPlacement;
+use crate::node::EngineNodeConfig;
+
+#[derive(Debug, Parser)]
+#[command(name = "pdflow", version, about = "Prefill/decode disaggregation as a dataflow of actors")]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// The seed scenario end to end on loopback: bootstrap, proxy, P and D; prints the 43-step
+    /// timeline and verifies KV and output against a single engine.
+    Demo(DemoArgs),
+    /// The bootstrap server alone (engine_id → workers' side-channel addresses).
+    Bootstrap(BootstrapCmd),
+    /// The proxy alone; accepts vLLM's proxy arguments.
+    Proxy(ProxyCmd),
+    /// One engine (the simulated engine with pdflow's connector), producer or consumer.
+    Serve(ServeCmd),
+}
+
+#[derive(Debug, Args)]
+pub struct DemoArgs {
+    /// Write the report as JSON to this file.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+    #[arg(long, default_value_t = 1000)]
+    pub prompt_tokens: usize,
+    #[arg(long, default_value_t = 128)]
+    pub max_tokens: usize,
+    /// KV blocks per engine.
+    #[arg(long, default_value_t = 96)]
+    pub num_blocks: usize,
+    /// KV shape: `qwen3-8b` or `LAYERS,KV_HEADS,HEAD_DIM,BLOCK_SIZE` (bf16).
+    #[arg(long, default_value = "qwen3-8b", value_parser = parse_shape)]
+    pub kv_shape: KvShape,
+}
+
+#[derive(Debug, Args)]
+pub struct BootstrapCmd {
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    /// Port (default: VLLM_MOONCAKE_BOOTSTRAP_PORT, else 8998; 0 for any).
+    #[arg(long)]
+    pub port: Option<u16>,
+}
+
+#[derive(Debug, Args)]
+pub struct ProxyCmd {
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    #[arg(long, default_value_t = 8000)]
+    pub port: u16,
+    /// A prefill engine: `--prefill URL [BOOTSTRAP_PORT]` (repeat for several; port default 8998).
+    #[arg(long, num_args = 1..=2, value_names = ["URL", "BOOTSTRAP_PORT"], required = true, action = clap::ArgAction::Append)]
+    pub prefill: Vec<String>,
+    /// A decode engine: `--decode URL` (repeat for several).
+    #[arg(long, required = true)]
+    pub decode: Vec<String>,
+    /// Deadline of every upstream call, in seconds.
+    #[arg(long, default_value_t = 120)]
+    pub upstream_timeout: u64,
+    /// How often P and D are health-checked, in milliseconds.
+    #[arg(long, default_value_t = 500)]
+    pub health_interval_ms: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum RoleArg {
+    Producer,
+    Consumer,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum PolicyArg {
+    Recompute,
+    Fail,
+}
+
+#[derive(Debug, Args)]
+pub struct ServeCmd {
+    #[arg(long, value_enum)]
+    pub role: RoleArg,
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    /// HTTP port (0 for any).
+    #[arg(long, default_value_t = 0)]
+    pub port: u16,
+    /// Engine id (default: a random uuid).
+    #[arg(long)]
+    pub engine_id: Option<String>,
+    #[arg(long, default_value = "Qwen/Qwen3-8B")]
+    pub served_model_name: String,
+    #[arg(long, default_value = "qwen3-8b", value_parser = parse_shape)]
+    pub kv_shape: KvShape,
+    #[arg(long, default_value_t = 256)]
+    pub num_blocks: usize,
+    /// Tokens per step; below the prompt length this is chunked prefill.
+    #[arg(long, default_value_t = 8192)]
+    pub max_num_batched_tokens: usize,
+    #[arg(long, default_value_t = 4096)]
+    pub max_model_len: usize,
+    /// Producer: register with this bootstrap instead of launching one (e.g. `http://127.0.0.1:8998`).
+    #[arg(long, conflicts_with = "bootstrap_port")]
+    pub bootstrap_url: Option<String>,
+    /// Producer: launch the bootstrap on this port (default VLLM_MOONCAKE_BOOTSTRAP_PORT, else 8998).
+    #[arg(long)]
+    pub bootstrap_port: Option<u16>,
+    /// Seconds P waits for a pulled request's prefill, and keeps sent-ready blocks
+    /// (default VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT, else 30).
+    #[arg(long)]
+    pub abort_request_timeout: Option<u64>,
+    /// Consumer: what to do when the KV cannot be loaded.
+    #[arg(long, value_enum, default_value = "recompute")]
+    pub kv_load_failure_policy: PolicyArg,
+    /// Parallel TCP streams per peer for KV writes.
+    #[arg(long, default_value_t = 4)]
+    pub streams_per_peer: usize,
+    /// Shared token that P must present to D's data server.
+    #[arg(long, env = "PDFLOW_TRANSFER_TOKEN")]
+    pub transfer_token: Option<String>,
+    /// Record KV checksums on both sides of every transfer (costs a pass over the bytes).
+    #[arg(long)]
+    pub verify_checksums: bool,
+}
+
+/// Parses `qwen3-8b` or `LAYERS,KV_HEADS,HEAD_DIM,BLOCK_SIZE`.
+pub fn parse_shape(s: &str) -> Result<KvShape, String> {
+    if s.eq_ignore_ascii_case("qwen3-8b") {
+        return Ok(KvShape::QWEN3_8B);
+    }
+    let parts: Vec<usize> = s
+        .split(',')
+        .map(|p| p.trim().parse::<usize>().map_err(|_| format!("`{p}` is not a number")))
+        .collect::<Result<_, _>>()
+        .map_err(|e| format!("--kv-shape {s:?}: {e}; expected qwen3-8b or LAYERS,KV_HEADS,HEAD_DIM,BLOCK_SIZE"))?;
+    match parts[..] {
+        [num_layers, num_kv_heads, head_dim, block_size] if parts.iter().all(|&p| p > 0) => {
+            Ok(KvShape { num_layers, num_kv_heads, head_dim, dtype_bytes: 2, block_size })
+        }
+        _ => Err(format!("--kv-shape {s:?}: expected qwen3-8b or four positive numbers LAYERS,KV_HEADS,HEAD_DIM,BLOCK_SIZE")),
+    }
+}
+
+/// Regroups `--prefill` values into `[URL, PORT?]` occurrences: a value made of digits only is the
+/// bootstrap port of the URL before it.
+fn group_prefill(values: &[String]) -> Vec<Vec<String>> {
+    let mut groups: Vec<Vec<String>> = Vec::new();
+    for v in values {
+        match groups.last_mut() {
+            Some(g) if g.len() == 1 && !v.is_empty() && v.chars().all(|c| c.is_ascii_digit()) => g.push(v.clone()),
+            _ => groups.push(vec![v.clone()]),
+        }
+    }
+    groups
+}
+
+impl ProxyCmd {
+    /// The proxy's arguments, every error reported at once.
+    pub fn to_args(&self) -> Result<ProxyArgs, Vec<String>> {
+        let mut errors = Vec::new();
+        let mut prefill = Vec::new();
+        for p in group_prefill(&self.prefill) {
+            let url = p[0].trim_end_matches('/').to_string();
+            if !url.starts_with("http://") {
+                errors.push(format!("--prefill {url}: expected an http:// URL"));
+            }
+            let bootstrap_port = match p.get(1) {
+                None => DEFAULT_BOOTSTRAP_PORT,
+                Some(s) => match s.parse::<u16>() {
+                    Ok(port) if port > 0 => port,
+                    _ => {
+                        errors.push(format!("--prefill {url} {s}: the bootstrap port must be a TCP port (1-65535)"));
+                        0
+                    }
+                },
+            };
+            prefill.push(PrefillTarget { url, bootstrap_port });
+        }
+        for d in &self.decode {
+            if !d.starts_with("http://") {
+                errors.push(format!("--decode {d}: expected an http:// URL"));
+            }
+        }
+        let bind = format!("{}:{}", self.host, self.port);
+        let bind: Option<SocketAddr> = bind.parse().map_err(|_| errors.push(format!("--host/--port {bind}: not an IP address and port"))).ok();
+        match bind {
+            Some(bind) if errors.is_empty() => Ok(ProxyArgs {
+                bind,
+                prefill,
+                decode: self.decode.iter().map(|d| d.trim_end_matches('/').to_string()).collect(),
+                health_interval: Duration::from_millis(self.health_interval_ms.max(10)),
+                upstream_timeout: Duration::from_secs(self.upstream_timeout.max(1)),
+                ready_timeout: None,
+            }),
+            _ => Err(errors),
+        }
+    }
+}
+
+impl ServeCmd {
+    /// The engine node's config, from flags and vLLM's environment variables; every error at once.
+    pub fn to_config(&self, env: &VllmEnv) -> Result<EngineNodeConfig, Vec<String>> {
+        let mut errors = Vec::new();
+        if self.num_blocks == 0 {
+            errors.push("--num-blocks must be at least 1".to_string());
+        }
+        if self.max_num_batched_tokens == 0 {
+            errors.push("--max-num-batched-tokens must be at least 1".to_string());
+        }
+        if self.streams_per_peer == 0 {
+            errors.push("--streams-per-peer must be at least 1".to_string());
+        }
+        if self.abort_request_timeout == Some(0) {
+            errors.push("--abort-request-timeout 0 would fail every transfer; use at least 1".to_string());
+        }
+        if self.role == RoleArg::Consumer && (self.bootstrap_url.is_some() || self.bootstrap_port.is_some()) {
+            errors.push("--bootstrap-url/--bootstrap-port are for producers: a consumer finds P's bootstrap in each request's kv_transfer_params".to_string());
+        }
+        if !errors.is_empty() {
+            return Err(errors);
+        }
+        let role = match self.role {
+            RoleArg::Producer => KvRole::Producer,
+            RoleArg::Consumer => KvRole::Consumer,
+        };
+        let bootstrap = match (role, &self.bootstrap_url) {
+            (KvRole::Consumer, _) => BootstrapPlacement::None,
+            (_, Some(url)) => BootstrapPlacement::External { url: url.trim_end_matches('/').to_string() },
+            (_, None) => BootstrapPlacement::Launch { port: self.bootstrap_port.unwrap_or(env.bootstrap_port) },
+        };
+        let abort = self.abort_request_timeout.map(Duration::from_secs).unwrap_or(env.abort_request_timeout);
+        Ok(EngineNodeConfig {
+            role,
+            host: self.host.clone(),
+            port: self.port,
+            engine: EngineConfig {
+                engine_id: self.engine_id.clone().unwrap_or_else(|| uuid::Uuid::new_v4().to_string()),
+                served_model_name: self.served_model_name.clone(),
+                shape: self.kv_shape,
+                num_blocks: self.num_blocks,
+                max_num_batched_tokens: self.max_num_batched_tokens,
+                max_model_len: self.max_model_len,
+                kv_load_failure_policy: match self.kv_load_failure_policy {
+                    PolicyArg::Recompute => LoadFailurePolicy::Recompute,
+                    PolicyArg::Fail => LoadFailurePolicy::Fail,
+                },
+                ..EngineConfig::default()
+            },
+            bootstrap,
+            deadlines: Deadlines::from_abort_timeout(abort),
+            tcp: TcpConfig { streams_per_peer: self.streams_per_peer, auth_token: self.transfer_token.clone(), ..TcpConfig::default() },
+            verify_checksums: self.verify_checksums,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn proxy_accepts_vllm_arguments() {
+        let cli = Cli::try_parse_from([
+            "pdflow", "proxy", "--port", "0", "--prefill", "http://127.0.0.1:8010", "8998", "--prefill", "http://127.0.0.1:8011",
+            "--decode", "http://127.0.0.1:8020", "--decode", "http://127.0.0.1:8021",
+        ])
+        .expect("parses");
+        let Command::Proxy(p) = cli.command else { panic!("not proxy") };
+        let args = p.to_args().expect("valid");
+        assert_eq!(args.prefill.len(), 2);
+        assert_eq!(args.prefill[0].bootstrap_port, 8998);
+        assert_eq!(args.prefill[1].bootstrap_port, DEFAULT_BOOTSTRAP_PORT);
+        assert_eq!(args.decode.len(), 2);
+    }
+
+    #[test]
+    fn bad_flags_are_all_reported() {
+        let cli = Cli::try_parse_from(["pdflow", "proxy", "--prefill", "127.0.0.1:8010", "99999", "--decode", "ftp://x"]).expect("parses");
+        let Command::Proxy(p) = cli.command else { panic!("not proxy") };
+        assert_eq!(p.to_args().expect_err("invalid").len(), 3);
+        assert!(parse_shape("36,8,128,16").is_ok());
+        assert!(parse_shape("36,8,x,16").is_err());
+        assert!(parse_shape("36,8,128").is_err());
+    }
+}

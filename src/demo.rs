@@ -1,0 +1,228 @@
+//! `pdflow demo`: the seed scenario in one command (DESIGN §8).
+//!
+//! Starts, on loopback, a producer engine whose TP0 launches the bootstrap (seed step 2), a
+//! consumer engine and the proxy; sends the seed request (a 1000-token prompt, max_tokens 128,
+//! greedy) through the proxy; rebuilds the 43-step timeline from the step spans; then checks that
+//! D received exactly the bytes P sent (checksums of the request's blocks on both sides, steps 29
+//! and 34) and that the output equals a single engine's run of the same prompt.
+
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use pdflow_actors::proxy::{PrefillTarget, ProxyArgs};
+use pdflow_actors::scheduler_connector::KvRole;
+use pdflow_observability::attrs;
+use pdflow_observability::capture::SpanCapture;
+use pdflow_runtime::engine::{api, Engine, EngineConfig};
+use pdflow_runtime::memory::{KvCache, KvShape};
+use pdflow_runtime::transfer::tcp::TcpConfig;
+use serde::Serialize;
+
+use crate::config::Deadlines;
+use crate::node::engine_node::{serve_http, BootstrapPlacement};
+use crate::node::{EngineNode, EngineNodeConfig, NodeError, ProxyNode};
+use crate::timeline::{StepTiming, Timeline};
+
+/// What the demo runs.
+#[derive(Debug, Clone)]
+pub struct DemoOptions {
+    pub prompt_tokens: usize,
+    pub max_tokens: usize,
+    pub shape: KvShape,
+    /// Blocks per engine.
+    pub num_blocks: usize,
+    pub deadlines: Deadlines,
+}
+
+impl Default for DemoOptions {
+    fn default() -> Self {
+        Self { prompt_tokens: 1000, max_tokens: 128, shape: KvShape::QWEN3_8B, num_blocks: 96, deadlines: Deadlines::default() }
+    }
+}
+
+/// The report `--json` writes.
+#[derive(Debug, Clone, Serialize)]
+pub struct DemoReport {
+    pub verified: bool,
+    pub output_matches_reference: bool,
+    pub kv_bytes: u64,
+    pub blocks: u64,
+    pub descriptors: u64,
+    pub prompt_tokens: u64,
+    pub completion_tokens: u64,
+    pub ttft_ms: f64,
+    pub transfer_ms: f64,
+    pub kv_checksum_p: Option<String>,
+    pub kv_checksum_d: Option<String>,
+    pub steps: Vec<StepTiming>,
+    pub missing_steps: Vec<u8>,
+    /// Why `verified` is false, if it is.
+    pub problems: Vec<String>,
+    #[serde(skip)]
+    pub timeline_table: String,
+}
+
+/// Why the demo could not run at all (as opposed to running and failing verification).
+#[derive(Debug, thiserror::Error)]
+pub enum DemoError {
+    #[error(transparent)]
+    Node(#[from] NodeError),
+    #[error("HTTP request to {url} failed: {reason}")]
+    Http { url: String, reason: String },
+    #[error("the proxy at {url} was not ready within {deadline:?}")]
+    NotReady { url: String, deadline: Duration },
+}
+
+/// A deterministic prompt of `n` tokens, as words the simulated tokenizer maps one-to-one.
+pub fn seed_prompt(n: usize) -> String {
+    let mut x: u64 = 0x5EED_0000_0000_1000;
+    (0..n)
+        .map(|_| {
+            x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            format!("w{}", 3 + (x >> 33) % 31_000)
+        })
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+fn engine_config(opts: &DemoOptions, engine_id: &str) -> EngineConfig {
+    EngineConfig { engine_id: engine_id.to_string(), shape: opts.shape, num_blocks: opts.num_blocks, ..EngineConfig::default() }
+}
+
+async fn post_json(client: &reqwest::Client, url: &str, body: &serde_json::Value) -> Result<serde_json::Value, DemoError> {
+    let err = |reason: String| DemoError::Http { url: url.to_string(), reason };
+    let resp = client.post(url).json(body).send().await.map_err(|e| err(e.to_string()))?;
+    let status = resp.status();
+    let text = resp.text().await.map_err(|e| err(e.to_string()))?;
+    if !status.is_success() {
+        return Err(err(format!("{status}: {text}")));
+    }
+    serde_json::from_str(&text).map_err(|e| err(format!("not JSON ({e}): {text}")))
+}
+
+async fn wait_ready(client: &reqwest::Client, url: &str, deadline: Duration) -> Result<(), DemoError> {
+    let until = Instant::now() + deadline;
+    while Instant::now() < until {
+        if let Ok(r) = client.get(format!("{url}/health")).send().await {
+            if r.status().is_success() {
+                return Ok(());
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    Err(DemoError::NotReady { url: url.to_string(), deadline })
+}
+
+fn token_ids(v: &serde_json::Value) -> Vec<u64> {
+    v["choices"][0]["token_ids"].as_array().map(|a| a.iter().filter_map(|t| t.as_u64()).collect()).unwrap_or_default()
+}
+
+/// Runs the seed scenario. `capture` must be installed as a `tracing` layer.
+pub async fn run(opts: DemoOptions, capture: SpanCapture) -> Result<DemoReport, DemoError> {
+    capture.clear();
+    let node_cfg = |role: KvRole, bootstrap: BootstrapPlacement, id: &str| EngineNodeConfig {
+        role,
+        host: "127.0.0.1".into(),
+        port: 0,
+        engine: engine_config(&opts, id),
+        bootstrap,
+        deadlines: opts.deadlines,
+        tcp: TcpConfig::default(),
+        verify_checksums: true,
+    };
+    let prefill = EngineNode::start(node_cfg(KvRole::Producer, BootstrapPlacement::Launch { port: 0 }, &format!("prefill-{}", uuid::Uuid::new_v4()))).await?;
+    let decode = EngineNode::start(node_cfg(KvRole::Consumer, BootstrapPlacement::None, &format!("decode-{}", uuid::Uuid::new_v4()))).await?;
+    let bootstrap_port = prefill.bootstrap.as_ref().map(|b| b.addr.port()).unwrap_or(crate::config::DEFAULT_BOOTSTRAP_PORT);
+    let proxy = ProxyNode::start(ProxyArgs {
+        bind: SocketAddr::from(([127, 0, 0, 1], 0)),
+        prefill: vec![PrefillTarget { url: prefill.url(), bootstrap_port }],
+        decode: vec![decode.url()],
+        health_interval: Duration::from_millis(50),
+        upstream_timeout: Duration::from_secs(120),
+        ready_timeout: None,
+    })
+    .await?;
+    let client = reqwest::Client::builder().no_proxy().build().map_err(|e| DemoError::Http { url: String::new(), reason: e.to_string() })?;
+    let result = drive(&opts, &client, &proxy, &capture).await;
+    proxy.shutdown().await;
+    let (p_free, d_free) = (prefill.engine.block_stats(), decode.engine.block_stats());
+    prefill.shutdown().await;
+    decode.shutdown().await;
+    let mut report = result?;
+    for (side, stats) in [("P", p_free), ("D", d_free)] {
+        if stats.free != stats.total {
+            report.problems.push(format!("{side} holds {} of {} blocks after the request (leak)", stats.total - stats.free, stats.total));
+            report.verified = false;
+        }
+    }
+    Ok(report)
+}
+
+async fn drive(opts: &DemoOptions, client: &reqwest::Client, proxy: &ProxyNode, capture: &SpanCapture) -> Result<DemoReport, DemoError> {
+    wait_ready(client, &proxy.url(), Duration::from_secs(30)).await?;
+    let body = serde_json::json!({
+        "model": "Qwen/Qwen3-8B",
+        "prompt": seed_prompt(opts.prompt_tokens),
+        "max_tokens": opts.max_tokens,
+        "temperature": 0,
+    });
+    let request_start = Instant::now();
+    let response = post_json(client, &format!("{}/v1/completions", proxy.url()), &body).await?;
+    // Spans of the P side (33) may close just after the response: give them a bounded moment.
+    let settle_until = Instant::now() + Duration::from_secs(5);
+    while Instant::now() < settle_until && !capture.spans().iter().any(|s| s.step == 33 && s.start >= request_start && s.end.is_some()) {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let timeline = Timeline::build(&capture.spans(), request_start);
+    let reference = reference_run(opts, client, &body).await?;
+
+    let mut problems = Vec::new();
+    let output = token_ids(&response);
+    let output_matches_reference = !output.is_empty() && output == token_ids(&reference);
+    if !output_matches_reference {
+        problems.push(format!("P/D output ({} tokens) differs from the single-engine reference ({} tokens)", output.len(), token_ids(&reference).len()));
+    }
+    let sum_p = timeline.step(29).and_then(|s| s.figures.get(attrs::KV_CHECKSUM).cloned());
+    let sum_d = timeline.step(34).and_then(|s| s.figures.get(attrs::KV_CHECKSUM).cloned());
+    let kv_equal = sum_p.is_some() && sum_p == sum_d;
+    if !kv_equal {
+        problems.push(format!("KV checksum of the request's blocks: P sent {sum_p:?}, D holds {sum_d:?}"));
+    }
+    if !timeline.missing.is_empty() {
+        problems.push(format!("steps not observed: {:?}", timeline.missing));
+    }
+    let ttft_ms = match (timeline.step(8), timeline.step(39)) {
+        (Some(a), Some(b)) => b.start_ms + b.duration_ms - a.start_ms,
+        _ => 0.0,
+    };
+    let usage = &response["usage"];
+    Ok(DemoReport {
+        verified: kv_equal && output_matches_reference && timeline.missing.is_empty(),
+        output_matches_reference,
+        kv_bytes: timeline.figure(29, attrs::BYTES).unwrap_or(0),
+        blocks: timeline.figure(27, attrs::BLOCKS).unwrap_or(0),
+        descriptors: timeline.figure(29, attrs::DESCRIPTORS).or_else(|| timeline.figure(28, attrs::DESCRIPTORS)).unwrap_or(0),
+        prompt_tokens: usage["prompt_tokens"].as_u64().unwrap_or(0),
+        completion_tokens: usage["completion_tokens"].as_u64().unwrap_or(0),
+        ttft_ms: (ttft_ms * 1e3).round() / 1e3,
+        transfer_ms: timeline.step(29).map(|s| s.duration_ms).unwrap_or(0.0),
+        kv_checksum_p: sum_p,
+        kv_checksum_d: sum_d,
+        timeline_table: timeline.render(),
+        missing_steps: timeline.missing.clone(),
+        steps: timeline.steps,
+        problems,
+    })
+}
+
+/// The same request on one engine alone, no connector: the reference output.
+async fn reference_run(opts: &DemoOptions, client: &reqwest::Client, body: &serde_json::Value) -> Result<serde_json::Value, DemoError> {
+    let cfg = engine_config(opts, "reference");
+    let engine = Engine::start(cfg.clone(), KvCache::new(cfg.shape, cfg.num_blocks), None);
+    let (addr, stop, task) = serve_http("127.0.0.1", 0, api::router(engine.clone())).await?;
+    let result = post_json(client, &format!("http://{addr}/v1/completions"), body).await;
+    stop.cancel();
+    let _ = task.await;
+    engine.shutdown().await;
+    result
+}

@@ -1,0 +1,213 @@
+//! An engine node (`pdflow serve --role producer|consumer`): the simulated engine and its HTTP API,
+//! with the connector's actors under the node's supervisor.
+//!
+//! P (producer): SchedulerConnector, SenderListener (side channel + registration, steps 1, 3, 4)
+//! with a tcp transfer engine, and — when P's TP0 launches it — the Bootstrap (step 2).
+//! D (consumer): SchedulerConnector, Receiver (step 5) and the tcp data server that P writes into.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use kameo::prelude::*;
+use pdflow_actors::receiver::{Receiver, ReceiverArgs};
+use pdflow_actors::scheduler_connector::{KvRole, SchedulerConnector, SchedulerConnectorArgs};
+use pdflow_actors::sender_listener::{SenderListener, SenderListenerArgs};
+use pdflow_runtime::engine::ports::{Connector, WorkerConnectorPort};
+use pdflow_runtime::engine::{api, Engine, EngineConfig, EngineHandle};
+use pdflow_runtime::memory::KvCache;
+use pdflow_runtime::transfer::tcp::{TcpConfig, TcpDataServer, TcpTransferEngine};
+use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
+
+use super::bootstrap_node::BootstrapNode;
+use super::supervisor::{NodeSupervisor, MAX_RESTARTS, RESTART_WINDOW};
+use super::{started, NodeError};
+use crate::config::Deadlines;
+use crate::ports::{ConsumerWorkerPort, ProducerWorkerPort, SchedulerPort};
+
+/// Where a producer's bootstrap is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum BootstrapPlacement {
+    /// This node launches it on this port of its host (seed step 2: P's TP0), and registers there.
+    Launch { port: u16 },
+    /// Register with an existing bootstrap at this URL (`pdflow bootstrap`).
+    External { url: String },
+    /// Do not register (tests of the engine alone).
+    None,
+}
+
+/// Everything an engine node needs.
+#[derive(Debug, Clone)]
+pub struct EngineNodeConfig {
+    pub role: KvRole,
+    /// Host to bind every socket on (HTTP, side channel, data server).
+    pub host: String,
+    /// HTTP port (0: any).
+    pub port: u16,
+    pub engine: EngineConfig,
+    pub bootstrap: BootstrapPlacement,
+    pub deadlines: Deadlines,
+    pub tcp: TcpConfig,
+    /// Record KV checksums on both sides of every transfer (steps 29 and 34).
+    pub verify_checksums: bool,
+}
+
+/// A running engine node.
+pub struct EngineNode {
+    pub http_addr: SocketAddr,
+    pub engine: EngineHandle,
+    pub engine_id: String,
+    pub kv_cache: Arc<KvCache>,
+    pub role: KvRole,
+    pub connector: ActorRef<SchedulerConnector>,
+    pub sender_listener: Option<ActorRef<SenderListener>>,
+    pub receiver: Option<ActorRef<Receiver>>,
+    pub bootstrap: Option<BootstrapNode>,
+    data_server: Option<TcpDataServer>,
+    supervisor: ActorRef<NodeSupervisor>,
+    http_stop: CancellationToken,
+    http_task: tokio::task::JoinHandle<()>,
+}
+
+impl EngineNode {
+    pub async fn start(cfg: EngineNodeConfig) -> Result<Self, NodeError> {
+        let engine_id = cfg.engine.engine_id.clone();
+        let kv_cache = KvCache::new(cfg.engine.shape, cfg.engine.num_blocks);
+        let supervisor = NodeSupervisor::spawn(format!("engine-{engine_id}"));
+        let connector = SchedulerConnector::supervise(&supervisor, SchedulerConnectorArgs { engine_id: engine_id.clone(), role: cfg.role })
+            .restart_limit(MAX_RESTARTS, RESTART_WINDOW)
+            .spawn()
+            .await;
+        started("SchedulerConnector", &connector).await?;
+        let events = Arc::new(Notify::new());
+        let (mut sender_listener, mut receiver, mut bootstrap, mut data_server) = (None, None, None, None);
+        let worker: Arc<dyn WorkerConnectorPort> = match cfg.role {
+            KvRole::Producer | KvRole::Both => {
+                let bootstrap_url = match &cfg.bootstrap {
+                    BootstrapPlacement::Launch { port } => {
+                        let bind: SocketAddr = format!("{}:{port}", cfg.host)
+                            .parse()
+                            .map_err(|e| NodeError::Config(format!("bootstrap address {}:{port}: {e}", cfg.host)))?;
+                        let node = BootstrapNode::start_under(&supervisor, bind).await?;
+                        let url = node.url();
+                        bootstrap = Some(node);
+                        Some(url)
+                    }
+                    BootstrapPlacement::External { url } => Some(url.clone()),
+                    BootstrapPlacement::None => None,
+                };
+                let transfer = Arc::new(TcpTransferEngine::new(kv_cache.region_table(), cfg.tcp.clone()));
+                let args = SenderListenerArgs {
+                    engine_id: engine_id.clone(),
+                    dp_rank: 0,
+                    tp_rank: 0,
+                    pp_rank: 0,
+                    bind_host: cfg.host.clone(),
+                    bootstrap_url,
+                    kv_cache: kv_cache.clone(),
+                    transfer,
+                    ready_timeout: cfg.deadlines.ready_timeout,
+                    send_expiry: cfg.deadlines.send_expiry,
+                    register_attempts: 8,
+                    register_backoff: std::time::Duration::from_millis(100),
+                    events: events.clone(),
+                    verify_checksums: cfg.verify_checksums,
+                };
+                let listener = SenderListener::supervise(&supervisor, args).restart_limit(MAX_RESTARTS, RESTART_WINDOW).spawn().await;
+                started("SenderListener", &listener).await?;
+                sender_listener = Some(listener.clone());
+                Arc::new(ProducerWorkerPort { listener, events: events.clone() })
+            }
+            KvRole::Consumer => {
+                let bind = format!("{}:0", cfg.host);
+                let bind_addr: SocketAddr = bind.parse().map_err(|e| NodeError::Config(format!("data server address {bind}: {e}")))?;
+                let server = TcpDataServer::bind(bind_addr, kv_cache.region_table(), cfg.tcp.auth_token.clone())
+                    .await
+                    .map_err(|e| NodeError::Transfer(e.to_string()))?;
+                let args = ReceiverArgs {
+                    engine_id: engine_id.clone(),
+                    tp_rank: 0,
+                    tp_size: 1,
+                    pp_size: 1,
+                    kv_cache: kv_cache.clone(),
+                    data_addr: server.local_addr().to_string(),
+                    pull_timeout: cfg.deadlines.pull_timeout,
+                    bootstrap_timeout: cfg.deadlines.bootstrap_timeout,
+                    events: events.clone(),
+                    verify_checksums: cfg.verify_checksums,
+                };
+                data_server = Some(server);
+                let r = Receiver::supervise(&supervisor, args).restart_limit(MAX_RESTARTS, RESTART_WINDOW).spawn().await;
+                started("Receiver", &r).await?;
+                receiver = Some(r.clone());
+                Arc::new(ConsumerWorkerPort { receiver: r, events: events.clone() })
+            }
+        };
+        let engine = Engine::start(
+            cfg.engine.clone(),
+            kv_cache.clone(),
+            Some(Connector { scheduler: Arc::new(SchedulerPort(connector.clone())), worker }),
+        );
+        let (http_addr, http_stop, http_task) = serve_http(&cfg.host, cfg.port, api::router(engine.clone())).await?;
+        Ok(Self {
+            http_addr,
+            engine,
+            engine_id,
+            kv_cache,
+            role: cfg.role,
+            connector,
+            sender_listener,
+            receiver,
+            bootstrap,
+            data_server,
+            supervisor,
+            http_stop,
+            http_task,
+        })
+    }
+
+    /// `http://host:port` of the engine's API.
+    pub fn url(&self) -> String {
+        format!("http://{}", self.http_addr)
+    }
+
+    /// D's data server address (where P writes KV), if this node has one.
+    pub fn data_addr(&self) -> Option<SocketAddr> {
+        self.data_server.as_ref().map(|d| d.local_addr())
+    }
+
+    /// Stops the HTTP server, the engine, the actors and the data server.
+    pub async fn shutdown(self) {
+        self.http_stop.cancel();
+        let _ = self.http_task.await;
+        self.engine.shutdown().await;
+        if let Some(b) = self.bootstrap {
+            b.shutdown().await;
+        }
+        let _ = self.supervisor.stop_gracefully().await;
+        self.supervisor.wait_for_shutdown().await;
+        if let Some(d) = self.data_server {
+            d.shutdown().await;
+        }
+    }
+}
+
+/// Serves `router` on `host:port` until the returned token is cancelled.
+pub async fn serve_http(
+    host: &str,
+    port: u16,
+    router: axum::Router,
+) -> Result<(SocketAddr, CancellationToken, tokio::task::JoinHandle<()>), NodeError> {
+    let addr = format!("{host}:{port}");
+    let listener = tokio::net::TcpListener::bind(&addr).await.map_err(|source| NodeError::Bind { what: "engine HTTP API", addr: addr.clone(), source })?;
+    let local = listener.local_addr().map_err(|source| NodeError::Bind { what: "engine HTTP API", addr, source })?;
+    let stop = CancellationToken::new();
+    let token = stop.clone();
+    let task = tokio::spawn(async move {
+        let result = axum::serve(listener, router).with_graceful_shutdown(async move { token.cancelled().await }).await;
+        if let Err(e) = result {
+            tracing::error!(error = %e, "engine HTTP server failed");
+        }
+    });
+    Ok((local, stop, task))
+}

@@ -1,0 +1,33 @@
+//! Node assembly: each process (or each part of `pdflow demo`) is a node — an engine (P or D), the
+//! bootstrap server, or the proxy — built as a supervision tree under one [`supervisor::NodeSupervisor`].
+//! Nothing is spawned outside a node; shutting a node down stops everything it started.
+
+pub mod bootstrap_node;
+pub mod engine_node;
+pub mod proxy_node;
+pub mod supervisor;
+
+pub use bootstrap_node::BootstrapNode;
+pub use engine_node::{EngineNode, EngineNodeConfig};
+pub use proxy_node::ProxyNode;
+
+/// Why a node could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum NodeError {
+    #[error("{actor} did not start: {reason}")]
+    ActorStart { actor: &'static str, reason: String },
+    #[error("cannot bind the {what} on {addr}: {source} (is the port free? use port 0 for any)")]
+    Bind { what: &'static str, addr: String, source: std::io::Error },
+    #[error("the transfer engine could not start: {0}")]
+    Transfer(String),
+    #[error("{0}")]
+    Config(String),
+}
+
+/// Waits for a freshly spawned actor's `on_start` and turns its failure into a [`NodeError`].
+pub(crate) async fn started<A: kameo::Actor>(actor: &'static str, r: &kameo::actor::ActorRef<A>) -> Result<(), NodeError>
+where
+    A::Error: std::fmt::Display,
+{
+    r.wait_for_startup_with_result(|res| res.map_err(|e| NodeError::ActorStart { actor, reason: e.to_string() })).await
+}

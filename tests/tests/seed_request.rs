@@ -1,0 +1,25 @@
+//! The seed request (1000-token prompt, max_tokens 128, greedy, Qwen3-8B's KV shape) through
+//! proxy, P and D in one process over real sockets: D's output equals a single engine's, and both
+//! engines return to their baseline block count.
+
+use pdflow_runtime::memory::KvShape;
+use pdflow_tests::{completion, prompt, reference_tokens, token_ids, Cluster, ClusterSpec, EngineOpts};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn seed_request_through_proxy_p_and_d_matches_a_single_engine() {
+    let mut spec = ClusterSpec::one_p_one_d();
+    spec.shape = KvShape::QWEN3_8B;
+    spec.prefill = vec![EngineOpts { num_blocks: 80, ..EngineOpts::default() }];
+    spec.decode = vec![EngineOpts { num_blocks: 80, ..EngineOpts::default() }];
+    let cluster = Cluster::start(spec).await.expect("cluster starts");
+    let body = completion(&prompt(1000, 42), 128);
+    let (status, response) = cluster.post("/v1/completions", &body).await.expect("request");
+    assert_eq!(status, 200, "{response}");
+    assert_eq!(response["usage"]["prompt_tokens"], 1000);
+    assert_eq!(response["usage"]["completion_tokens"], 128);
+    assert_eq!(response["choices"][0]["finish_reason"], "length");
+    let expected = reference_tokens(KvShape::QWEN3_8B, &body).await;
+    assert_eq!(token_ids(&response), expected, "P/D output differs from the single-engine reference");
+    cluster.assert_blocks_at_baseline().await;
+    cluster.shutdown().await;
+}

@@ -1,0 +1,78 @@
+//! The parts as separate processes that find each other over loopback — `pdflow bootstrap`,
+//! `pdflow serve --role producer|consumer`, `pdflow proxy` with vLLM's arguments — and
+//! `pdflow demo --json` as a user runs it.
+
+use pdflow_tests::processes::{pdflow_bin, Proc};
+use pdflow_tests::{completion, http_client, post, prompt, reference_tokens, token_ids, wait_healthy, SMALL};
+
+const SHAPE: &str = "4,2,16,16";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn bootstrap_serve_and_proxy_as_processes() {
+    let bootstrap = Proc::spawn("bootstrap", &["bootstrap", "--port", "0"], &[]).await.expect("bootstrap starts");
+    let bootstrap_addr = bootstrap.ready["addr"].as_str().expect("addr").to_string();
+    let bootstrap_port = bootstrap_addr.rsplit(':').next().expect("port").to_string();
+    let producer = Proc::spawn(
+        "producer",
+        &["serve", "--role", "producer", "--kv-shape", SHAPE, "--num-blocks", "128", "--bootstrap-url", &format!("http://{bootstrap_addr}")],
+        &[],
+    )
+    .await
+    .expect("producer starts");
+    let consumer = Proc::spawn("consumer", &["serve", "--role", "consumer", "--kv-shape", SHAPE, "--num-blocks", "128"], &[]).await.expect("consumer starts");
+    let proxy = Proc::spawn("proxy", &["proxy", "--port", "0", "--prefill", &producer.url(), &bootstrap_port, "--decode", &consumer.url()], &[])
+        .await
+        .expect("proxy starts");
+    let client = http_client();
+    wait_healthy(&client, &proxy.url(), std::time::Duration::from_secs(20)).await.expect("proxy ready");
+
+    let body = completion(&prompt(400, 77), 24);
+    let (status, response) = post(&client, &format!("{}/v1/completions", proxy.url()), &body).await.expect("request");
+    assert_eq!(status, 200, "{response}");
+    assert_eq!(token_ids(&response), reference_tokens(SMALL, &body).await);
+    for engine in [&producer, &consumer] {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        loop {
+            let stats: serde_json::Value = client.get(format!("{}/pdflow/blocks", engine.url())).send().await.expect("stats").json().await.expect("json");
+            if stats["free"] == stats["total"] {
+                break;
+            }
+            assert!(std::time::Instant::now() < deadline, "{} did not return to baseline: {stats}", engine.name);
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+    }
+    for p in [proxy, consumer, producer, bootstrap] {
+        p.stop().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn demo_command_verifies_the_seed_request() {
+    let dir = std::env::temp_dir().join(format!("pdflow-demo-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let json = dir.join("out.json");
+    let output = tokio::process::Command::new(pdflow_bin().expect("pdflow binary"))
+        .args(["demo", "--json"])
+        .arg(&json)
+        .output()
+        .await
+        .expect("demo runs");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(output.status.success(), "demo failed:\n{stdout}\n{}", String::from_utf8_lossy(&output.stderr));
+    let report: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).expect("report written")).expect("report is JSON");
+    assert_eq!(report["verified"], true, "{report}");
+    assert_eq!(report["output_matches_reference"], true);
+    assert_eq!(report["kv_bytes"], 148_635_648u64);
+    assert_eq!(report["blocks"], 63);
+    assert_eq!(report["descriptors"], 36);
+    assert_eq!(report["prompt_tokens"], 1000);
+    assert_eq!(report["completion_tokens"], 128);
+    let steps = report["steps"].as_array().expect("steps");
+    assert_eq!(steps.len(), 43, "all 43 steps timed");
+    for (i, s) in steps.iter().enumerate() {
+        assert_eq!(s["step"], i as u64 + 1);
+        assert!(s["duration_ms"].as_f64().is_some() && s["start_ms"].as_f64().is_some());
+    }
+    assert!(stdout.contains("step") && stdout.contains("p_transfer_write"), "the timeline is printed");
+    let _ = std::fs::remove_dir_all(&dir);
+}
