@@ -4,6 +4,7 @@
 use std::net::SocketAddr;
 
 use kameo::prelude::*;
+use kameo::supervision::RestartPolicy;
 use pdflow_actors::bootstrap::{Bootstrap, BootstrapArgs};
 use pdflow_messages::bootstrap::BootstrapAddr;
 
@@ -29,7 +30,7 @@ impl BootstrapNode {
     /// Starts a bootstrap server under an existing node's supervisor.
     pub async fn start_under(supervisor: &ActorRef<NodeSupervisor>, bind: SocketAddr) -> Result<Self, NodeError> {
         let bootstrap = Bootstrap::supervise(supervisor, BootstrapArgs { bind })
-            .restart_limit(MAX_RESTARTS, RESTART_WINDOW)
+            .restart_policy(RestartPolicy::Transient).restart_limit(MAX_RESTARTS, RESTART_WINDOW)
             .spawn()
             .await;
         started("Bootstrap", &bootstrap).await?;

@@ -9,6 +9,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 
 use kameo::prelude::*;
+use kameo::supervision::RestartPolicy;
 use pdflow_actors::receiver::{Receiver, ReceiverArgs};
 use pdflow_actors::scheduler_connector::{KvRole, SchedulerConnector, SchedulerConnectorArgs};
 use pdflow_actors::sender_listener::{SenderListener, SenderListenerArgs};
@@ -75,7 +76,7 @@ impl EngineNode {
         let kv_cache = KvCache::new(cfg.engine.shape, cfg.engine.num_blocks);
         let supervisor = NodeSupervisor::spawn(format!("engine-{engine_id}"));
         let connector = SchedulerConnector::supervise(&supervisor, SchedulerConnectorArgs { engine_id: engine_id.clone(), role: cfg.role })
-            .restart_limit(MAX_RESTARTS, RESTART_WINDOW)
+            .restart_policy(RestartPolicy::Transient).restart_limit(MAX_RESTARTS, RESTART_WINDOW)
             .spawn()
             .await;
         started("SchedulerConnector", &connector).await?;
@@ -113,7 +114,7 @@ impl EngineNode {
                     events: events.clone(),
                     verify_checksums: cfg.verify_checksums,
                 };
-                let listener = SenderListener::supervise(&supervisor, args).restart_limit(MAX_RESTARTS, RESTART_WINDOW).spawn().await;
+                let listener = SenderListener::supervise(&supervisor, args).restart_policy(RestartPolicy::Transient).restart_limit(MAX_RESTARTS, RESTART_WINDOW).spawn().await;
                 started("SenderListener", &listener).await?;
                 sender_listener = Some(listener.clone());
                 Arc::new(ProducerWorkerPort { listener, events: events.clone() })
@@ -137,7 +138,7 @@ impl EngineNode {
                     verify_checksums: cfg.verify_checksums,
                 };
                 data_server = Some(server);
-                let r = Receiver::supervise(&supervisor, args).restart_limit(MAX_RESTARTS, RESTART_WINDOW).spawn().await;
+                let r = Receiver::supervise(&supervisor, args).restart_policy(RestartPolicy::Transient).restart_limit(MAX_RESTARTS, RESTART_WINDOW).spawn().await;
                 started("Receiver", &r).await?;
                 receiver = Some(r.clone());
                 Arc::new(ConsumerWorkerPort { receiver: r, events: events.clone() })

@@ -3,6 +3,7 @@
 use std::net::SocketAddr;
 
 use kameo::prelude::*;
+use kameo::supervision::RestartPolicy;
 use pdflow_actors::proxy::{Proxy, ProxyArgs};
 use pdflow_messages::proxy::ProxyAddr;
 
@@ -19,7 +20,7 @@ pub struct ProxyNode {
 impl ProxyNode {
     pub async fn start(args: ProxyArgs) -> Result<Self, NodeError> {
         let supervisor = NodeSupervisor::spawn("proxy".to_string());
-        let proxy = Proxy::supervise(&supervisor, args).restart_limit(MAX_RESTARTS, RESTART_WINDOW).spawn().await;
+        let proxy = Proxy::supervise(&supervisor, args).restart_policy(RestartPolicy::Transient).restart_limit(MAX_RESTARTS, RESTART_WINDOW).spawn().await;
         started("Proxy", &proxy).await?;
         let addr = proxy.ask(ProxyAddr).await.map_err(|e| NodeError::ActorStart { actor: "Proxy", reason: e.to_string() })?;
         Ok(Self { addr, proxy, supervisor })

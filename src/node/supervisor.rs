@@ -1,6 +1,7 @@
-//! The root supervisor of one node. Children are supervised one-for-one with a restart limit:
-//! an actor that dies (killed, panicked) is restarted with the same arguments and the same
-//! mailbox, so the refs the node handed out stay valid; past the limit the node stops.
+//! The root supervisor of one node. Children are supervised one-for-one, transient, with a
+//! restart limit: an actor that dies abnormally (killed, panicked, failed) is restarted with the
+//! same arguments and the same mailbox, so the refs the node handed out stay valid; one that stops
+//! normally (the node shutting down) stays stopped; past the limit the node stops.
 
 use std::time::Duration;
 
