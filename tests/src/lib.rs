@@ -35,7 +35,9 @@ pub struct EngineOpts {
 
 impl Default for EngineOpts {
     fn default() -> Self {
-        Self { num_blocks: 512, max_num_batched_tokens: 8192, max_model_len: 4096, policy: LoadFailurePolicy::Recompute }
+        // `Fail`, not vLLM's default `Recompute`: a test must see a failed transfer, not have it
+        // masked by a local prefill that yields the same tokens.
+        Self { num_blocks: 512, max_num_batched_tokens: 8192, max_model_len: 4096, policy: LoadFailurePolicy::Fail }
     }
 }
 

@@ -4,11 +4,14 @@
 
 use std::time::Duration;
 
-use pdflow_tests::{completion, prompt, reference_tokens, token_ids, Cluster, ClusterSpec, SMALL};
+use pdflow_runtime::engine::LoadFailurePolicy;
+use pdflow_tests::{completion, prompt, reference_tokens, token_ids, Cluster, ClusterSpec, EngineOpts, SMALL};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn first_token_stop_still_sends_kv_and_d_does_not_wait() {
-    let spec = ClusterSpec::one_p_one_d(); // deadlines of 20 s and more
+    let mut spec = ClusterSpec::one_p_one_d(); // deadlines of 20 s and more
+    // D fails rather than recomputes when the KV does not come: the answer below must be P's KV.
+    spec.decode = vec![EngineOpts { policy: LoadFailurePolicy::Fail, ..EngineOpts::default() }];
     let cluster = Cluster::start(spec).await.expect("cluster starts");
     let text = prompt(250, 11);
     let first = reference_tokens(SMALL, &completion(&text, 4)).await[0];

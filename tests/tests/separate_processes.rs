@@ -19,7 +19,7 @@ async fn bootstrap_serve_and_proxy_as_processes() {
     )
     .await
     .expect("producer starts");
-    let consumer = Proc::spawn("consumer", &["serve", "--role", "consumer", "--kv-shape", SHAPE, "--num-blocks", "128"], &[]).await.expect("consumer starts");
+    let consumer = Proc::spawn("consumer", &["serve", "--role", "consumer", "--kv-shape", SHAPE, "--num-blocks", "128", "--kv-load-failure-policy", "fail"], &[]).await.expect("consumer starts");
     let proxy = Proc::spawn("proxy", &["proxy", "--port", "0", "--prefill", &producer.url(), &bootstrap_port, "--decode", &consumer.url()], &[])
         .await
         .expect("proxy starts");
