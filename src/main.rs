@@ -115,6 +115,7 @@ async fn run(cli: Cli) -> anyhow::Result<bool> {
                 "addr": node.http_addr.to_string(),
                 "engine_id": node.engine_id,
                 "bootstrap_addr": node.bootstrap.as_ref().map(|b| b.addr.to_string()),
+                "data_addr": node.data_addr().map(|a| a.to_string()),
             }));
             wait_for_shutdown_signal().await;
             tokio::time::timeout(Duration::from_secs(10), node.shutdown()).await.ok();

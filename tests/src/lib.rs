@@ -58,6 +58,62 @@ impl ClusterSpec {
     }
 }
 
+/// How to reach one engine of a cluster.
+#[derive(Debug, Clone)]
+pub struct EngineEndpoint {
+    pub url: String,
+    pub engine_id: String,
+    /// P: its bootstrap's URL.
+    pub bootstrap_url: Option<String>,
+    /// D: its data server's `host:port`.
+    pub data_addr: Option<String>,
+}
+
+/// How to reach a cluster, however it runs (in this process or as separate processes): the
+/// scenarios of `tests/*.rs` are written against this, so each runs both ways.
+#[derive(Debug, Clone)]
+pub struct Endpoints {
+    pub client: reqwest::Client,
+    pub proxy: String,
+    pub prefill: Vec<EngineEndpoint>,
+    pub decode: Vec<EngineEndpoint>,
+}
+
+impl Endpoints {
+    /// POSTs `body` to the proxy's `path`.
+    pub async fn post(&self, path: &str, body: &Value) -> anyhow::Result<(u16, Value)> {
+        post(&self.client, &format!("{}{path}", self.proxy), body).await
+    }
+
+    /// An engine's `GET /pdflow/blocks`.
+    pub async fn block_stats(&self, engine: &EngineEndpoint) -> anyhow::Result<Value> {
+        Ok(self.client.get(format!("{}/pdflow/blocks", engine.url)).send().await?.error_for_status()?.json().await?)
+    }
+
+    /// Every engine is back to its baseline: all blocks free, no request held (bounded wait for
+    /// delayed frees), read over HTTP as an operator would.
+    pub async fn assert_blocks_at_baseline(&self) {
+        for (name, engines) in [("P", &self.prefill), ("D", &self.decode)] {
+            for (i, e) in engines.iter().enumerate() {
+                let deadline = Instant::now() + Duration::from_secs(15);
+                loop {
+                    let s = self.block_stats(e).await.expect("GET /pdflow/blocks");
+                    if s["free"] == s["total"] && s["requests"] == 0 {
+                        break;
+                    }
+                    assert!(Instant::now() < deadline, "{name}{i} did not return to its baseline: {s}");
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+            }
+        }
+    }
+
+    /// Requests each engine finished since it started.
+    pub async fn finished(&self, engine: &EngineEndpoint) -> u64 {
+        self.block_stats(engine).await.expect("GET /pdflow/blocks")["finished"].as_u64().unwrap_or(0)
+    }
+}
+
 /// A running cluster, in this process.
 pub struct Cluster {
     pub spec: ClusterSpec,
@@ -65,6 +121,7 @@ pub struct Cluster {
     pub decode: Vec<EngineNode>,
     pub proxy: ProxyNode,
     pub client: reqwest::Client,
+    pub endpoints: Endpoints,
 }
 
 pub fn engine_config(shape: KvShape, o: &EngineOpts, id: String) -> EngineConfig {
@@ -115,7 +172,20 @@ impl Cluster {
             ready_timeout: None,
         })
         .await?;
-        let cluster = Self { spec, prefill, decode, proxy, client: http_client() };
+        let endpoint = |n: &EngineNode| EngineEndpoint {
+            url: n.url(),
+            engine_id: n.engine_id.clone(),
+            bootstrap_url: n.bootstrap.as_ref().map(|b| b.url()),
+            data_addr: n.data_addr().map(|a| a.to_string()),
+        };
+        let client = http_client();
+        let endpoints = Endpoints {
+            client: client.clone(),
+            proxy: proxy.url(),
+            prefill: prefill.iter().map(endpoint).collect(),
+            decode: decode.iter().map(endpoint).collect(),
+        };
+        let cluster = Self { spec, prefill, decode, proxy, client, endpoints };
         wait_healthy(&cluster.client, &cluster.proxy.url(), Duration::from_secs(20)).await?;
         Ok(cluster)
     }
@@ -127,19 +197,7 @@ impl Cluster {
 
     /// Every engine is back to its baseline free-block count (bounded wait for delayed frees).
     pub async fn assert_blocks_at_baseline(&self) {
-        for (name, nodes) in [("P", &self.prefill), ("D", &self.decode)] {
-            for (i, n) in nodes.iter().enumerate() {
-                let deadline = Instant::now() + Duration::from_secs(15);
-                loop {
-                    let s = n.engine.block_stats();
-                    if s.free == s.total && s.requests == 0 {
-                        break;
-                    }
-                    assert!(Instant::now() < deadline, "{name}{i} did not return to its baseline: {} of {} blocks free, {} requests still held", s.free, s.total, s.requests);
-                    tokio::time::sleep(Duration::from_millis(20)).await;
-                }
-            }
-        }
+        self.endpoints.assert_blocks_at_baseline().await
     }
 
     pub async fn shutdown(self) {

@@ -67,3 +67,76 @@ impl Proc {
         let _ = tokio::time::timeout(Duration::from_secs(10), self.child.wait()).await;
     }
 }
+
+/// A cluster of separate processes: each P (`pdflow serve --role producer`, launching its own
+/// bootstrap as P's TP0 does), each D (`pdflow serve --role consumer`) and the proxy
+/// (`pdflow proxy` with vLLM's arguments).
+pub struct ProcCluster {
+    pub endpoints: crate::Endpoints,
+    procs: Vec<Proc>,
+}
+
+impl ProcCluster {
+    pub async fn start(spec: crate::ClusterSpec) -> anyhow::Result<Self> {
+        let shape = format!("{},{},{},{}", spec.shape.num_layers, spec.shape.num_kv_heads, spec.shape.head_dim, spec.shape.block_size);
+        let abort = spec.deadlines.ready_timeout.as_secs().max(1).to_string();
+        let engine_args = |role: &str, o: &crate::EngineOpts| -> Vec<String> {
+            let policy = match o.policy {
+                pdflow_runtime::engine::LoadFailurePolicy::Recompute => "recompute",
+                pdflow_runtime::engine::LoadFailurePolicy::Fail => "fail",
+            };
+            let mut a: Vec<String> = ["serve", "--role", role, "--kv-shape", &shape, "--abort-request-timeout", &abort].iter().map(|s| s.to_string()).collect();
+            a.extend(["--num-blocks".into(), o.num_blocks.to_string(), "--max-num-batched-tokens".into(), o.max_num_batched_tokens.to_string()]);
+            a.extend(["--max-model-len".into(), o.max_model_len.to_string(), "--kv-load-failure-policy".into(), policy.into()]);
+            if spec.verify_checksums {
+                a.push("--verify-checksums".into());
+            }
+            a
+        };
+        let mut procs = Vec::new();
+        let mut prefill = Vec::new();
+        for (i, o) in spec.prefill.iter().enumerate() {
+            let mut args = engine_args("producer", o);
+            args.extend(["--bootstrap-port".into(), "0".into()]);
+            let p = Proc::spawn(&format!("producer{i}"), &args.iter().map(String::as_str).collect::<Vec<_>>(), &[]).await?;
+            prefill.push(crate::EngineEndpoint {
+                url: p.url(),
+                engine_id: p.ready["engine_id"].as_str().unwrap_or_default().to_string(),
+                bootstrap_url: p.ready["bootstrap_addr"].as_str().map(|a| format!("http://{a}")),
+                data_addr: None,
+            });
+            procs.push(p);
+        }
+        let mut decode = Vec::new();
+        for (i, o) in spec.decode.iter().enumerate() {
+            let args = engine_args("consumer", o);
+            let d = Proc::spawn(&format!("consumer{i}"), &args.iter().map(String::as_str).collect::<Vec<_>>(), &[]).await?;
+            decode.push(crate::EngineEndpoint {
+                url: d.url(),
+                engine_id: d.ready["engine_id"].as_str().unwrap_or_default().to_string(),
+                bootstrap_url: None,
+                data_addr: d.ready["data_addr"].as_str().map(str::to_string),
+            });
+            procs.push(d);
+        }
+        let mut proxy_args: Vec<String> = vec!["proxy".into(), "--port".into(), "0".into(), "--health-interval-ms".into(), "25".into()];
+        for p in &prefill {
+            let port = p.bootstrap_url.as_deref().and_then(|u| u.rsplit(':').next()).context("P announced no bootstrap")?;
+            proxy_args.extend(["--prefill".into(), p.url.clone(), port.to_string()]);
+        }
+        for d in &decode {
+            proxy_args.extend(["--decode".into(), d.url.clone()]);
+        }
+        let proxy = Proc::spawn("proxy", &proxy_args.iter().map(String::as_str).collect::<Vec<_>>(), &[]).await?;
+        let endpoints = crate::Endpoints { client: crate::http_client(), proxy: proxy.url(), prefill, decode };
+        procs.push(proxy);
+        crate::wait_healthy(&endpoints.client, &endpoints.proxy, Duration::from_secs(20)).await?;
+        Ok(Self { endpoints, procs })
+    }
+
+    pub async fn shutdown(self) {
+        for p in self.procs.into_iter().rev() {
+            p.stop().await;
+        }
+    }
+}

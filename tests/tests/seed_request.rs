@@ -1,25 +1,41 @@
 //! The seed request (1000-token prompt, max_tokens 128, greedy, Qwen3-8B's KV shape) through
-//! proxy, P and D in one process over real sockets: D's output equals a single engine's, and both
-//! engines return to their baseline block count.
+//! proxy, P and D over real sockets — in one process and as separate processes: D's output equals
+//! a single engine's, and both engines return to their baseline block count.
 
 use pdflow_runtime::memory::KvShape;
-use pdflow_tests::{completion, prompt, reference_tokens, token_ids, Cluster, ClusterSpec, EngineOpts};
+use pdflow_tests::processes::ProcCluster;
+use pdflow_tests::{completion, prompt, reference_tokens, token_ids, Cluster, ClusterSpec, EngineOpts, Endpoints};
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn seed_request_through_proxy_p_and_d_matches_a_single_engine() {
+fn spec() -> ClusterSpec {
     let mut spec = ClusterSpec::one_p_one_d();
     spec.shape = KvShape::QWEN3_8B;
     spec.prefill = vec![EngineOpts { num_blocks: 80, ..EngineOpts::default() }];
     spec.decode = vec![EngineOpts { num_blocks: 80, ..EngineOpts::default() }];
-    let cluster = Cluster::start(spec).await.expect("cluster starts");
+    spec
+}
+
+async fn scenario(e: &Endpoints) {
     let body = completion(&prompt(1000, 42), 128);
-    let (status, response) = cluster.post("/v1/completions", &body).await.expect("request");
+    let (status, response) = e.post("/v1/completions", &body).await.expect("request");
     assert_eq!(status, 200, "{response}");
     assert_eq!(response["usage"]["prompt_tokens"], 1000);
     assert_eq!(response["usage"]["completion_tokens"], 128);
     assert_eq!(response["choices"][0]["finish_reason"], "length");
     let expected = reference_tokens(KvShape::QWEN3_8B, &body).await;
     assert_eq!(token_ids(&response), expected, "P/D output differs from the single-engine reference");
-    cluster.assert_blocks_at_baseline().await;
+    e.assert_blocks_at_baseline().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn seed_request_in_one_process() {
+    let cluster = Cluster::start(spec()).await.expect("cluster starts");
+    scenario(&cluster.endpoints).await;
+    cluster.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn seed_request_as_processes() {
+    let cluster = ProcCluster::start(spec()).await.expect("cluster starts");
+    scenario(&cluster.endpoints).await;
     cluster.shutdown().await;
 }

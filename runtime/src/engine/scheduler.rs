@@ -34,6 +34,8 @@ pub struct BlockStats {
     pub free: usize,
     /// Requests the scheduler still tracks (including finished ones awaiting a delayed free).
     pub requests: usize,
+    /// Requests finished (any status) since the engine started.
+    pub finished: u64,
 }
 
 /// Opens a step span for a request, with the engine id and traceparent recorded.
@@ -85,6 +87,8 @@ pub(crate) struct Scheduler {
     /// metadata about it (`reqs_not_processed`, `reqs_to_abort`) reaches the workers, as vLLM does
     /// for `finished_req_ids`.
     finished_since_schedule: bool,
+    /// Requests finished since start (for `BlockStats::finished`).
+    finished_requests: u64,
 }
 
 impl Scheduler {
@@ -100,6 +104,7 @@ impl Scheduler {
             connector,
             stats,
             finished_since_schedule: false,
+            finished_requests: 0,
         };
         s.publish_stats();
         s
@@ -114,7 +119,12 @@ impl Scheduler {
     }
 
     fn publish_stats(&self) {
-        let stats = BlockStats { total: self.pool.total(), free: self.pool.num_free(), requests: self.requests.len() };
+        let stats = BlockStats {
+            total: self.pool.total(),
+            free: self.pool.num_free(),
+            requests: self.requests.len(),
+            finished: self.finished_requests,
+        };
         *self.stats.lock().unwrap_or_else(|e| e.into_inner()) = stats;
     }
 
@@ -421,6 +431,7 @@ impl Scheduler {
     pub async fn finish_request(&mut self, id: &str, status: FinishStatus, new_token_ids: Vec<u32>, error: Option<String>) {
         let Some(mut r) = self.requests.remove(id) else { return };
         self.finished_since_schedule = true;
+        self.finished_requests += 1;
         self.waiting.retain(|w| w != id);
         self.running.retain(|w| w != id);
         if let Some(span) = r.decode_span.take() {

@@ -42,10 +42,11 @@ pub(crate) fn prompt(n: u32) -> Vec<u32> {
     (0..n).map(|i| (i * 37 + 11) % 1000).collect()
 }
 
-/// Waits (bounded) until the engine's block stats equal `want`.
+/// Waits (bounded) until the engine's block stats equal `want` (the `finished` counter aside).
 pub(crate) async fn wait_stats(handle: &EngineHandle, want: BlockStats) {
     let deadline = tokio::time::Instant::now() + DEADLINE;
-    while handle.block_stats() != want {
+    let blocks = |s: BlockStats| (s.total, s.free, s.requests);
+    while blocks(handle.block_stats()) != blocks(want) {
         assert!(tokio::time::Instant::now() < deadline, "block stats {:?} never reached {want:?}", handle.block_stats());
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
@@ -53,7 +54,7 @@ pub(crate) async fn wait_stats(handle: &EngineHandle, want: BlockStats) {
 
 fn baseline(handle: &EngineHandle) -> BlockStats {
     let c = handle.config();
-    BlockStats { total: c.num_blocks, free: c.num_blocks, requests: 0 }
+    BlockStats { total: c.num_blocks, free: c.num_blocks, requests: 0, finished: handle.block_stats().finished }
 }
 
 #[tokio::test]

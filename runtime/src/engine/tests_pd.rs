@@ -154,7 +154,7 @@ impl Side {
     }
     fn baseline(&self) -> BlockStats {
         let n = self.engine.config().num_blocks;
-        BlockStats { total: n, free: n, requests: 0 }
+        BlockStats { total: n, free: n, requests: 0, finished: self.engine.block_stats().finished }
     }
 }
 
