@@ -73,9 +73,15 @@ pub enum DemoError {
     NotReady { url: String, deadline: Duration },
 }
 
-/// A deterministic prompt of `n` tokens, as words the simulated tokenizer maps one-to-one.
+/// The demo's prompt: `n` deterministic words.
 pub fn seed_prompt(n: usize) -> String {
-    let mut x: u64 = 0x5EED_0000_0000_1000;
+    prompt_words(n, 0x5EED)
+}
+
+/// A deterministic prompt of `n` words, which the simulated tokenizer maps one-to-one to tokens
+/// (`w123` is token 123); `seed` picks the words.
+pub fn prompt_words(n: usize, seed: u64) -> String {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
     (0..n)
         .map(|_| {
             x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);

@@ -22,7 +22,7 @@ impl RegionDesc {
 
     /// How many blocks the region holds.
     pub fn num_blocks(&self) -> u64 {
-        if self.block_len == 0 { 0 } else { self.len / self.block_len }
+        self.len.checked_div(self.block_len).unwrap_or(0)
     }
 }
 

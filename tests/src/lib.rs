@@ -236,16 +236,7 @@ pub async fn wait_healthy(client: &reqwest::Client, url: &str, deadline: Duratio
 }
 
 /// A deterministic prompt of `n` words (= tokens for the simulated tokenizer).
-pub fn prompt(n: usize, seed: u64) -> String {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-            format!("w{}", 3 + (x >> 33) % 31_000)
-        })
-        .collect::<Vec<_>>()
-        .join(" ")
-}
+pub use pdflow::demo::prompt_words as prompt;
 
 /// A completion request body.
 pub fn completion(prompt: &str, max_tokens: usize) -> Value {

@@ -52,7 +52,7 @@ impl Poller {
         let mut requested: BTreeSet<usize> = BTreeSet::new();
         let mut round: u64 = 0;
         loop {
-            let requery_all = round > 0 && round % REQUERY_EVERY == 0;
+            let requery_all = round > 0 && round.is_multiple_of(REQUERY_EVERY);
             let p_probes = self.prefill.iter().enumerate().map(|(i, (url, bootstrap))| {
                 let query = !discovered[i] || requery_all || requested.contains(&i);
                 self.probe_prefill(url, bootstrap, query, !discovered[i])
