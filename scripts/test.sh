@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs every pdflow test on a fresh machine: installs what the tests need, builds the `pdflow`
-# binary (the process-level tests start it), then runs the workspace's tests.
+# binary (the process-level tests start it), then runs the workspace's tests and prints one
+# closing line with the totals.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -9,6 +10,16 @@ if ! command -v cargo >/dev/null 2>&1; then
   exit 1
 fi
 
+log=$(mktemp)
+trap 'rm -f "$log"' EXIT
+
 # The process-level tests run target/debug/pdflow.
 cargo build --locked --bin pdflow
-cargo test --locked --workspace -- --test-threads="${PDFLOW_TEST_THREADS:-2}"
+status=0
+cargo test --locked --workspace -- --test-threads="${PDFLOW_TEST_THREADS:-2}" 2>&1 | tee "$log" || status=$?
+
+passed=$(grep -E '^test result:' "$log" | sed -E 's/.* ([0-9]+) passed.*/\1/' | awk '{s+=$1} END {print s+0}')
+failed=$(grep -E '^test result:' "$log" | sed -E 's/.* ([0-9]+) failed.*/\1/' | awk '{s+=$1} END {print s+0}')
+echo
+echo "tests: ${passed} passed, ${failed} failed"
+exit "$status"

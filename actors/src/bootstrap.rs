@@ -80,7 +80,9 @@ impl Actor for Bootstrap {
                 source,
             })?;
             let shutdown = CancellationToken::new();
-            let app = router(actor_ref.downgrade());
+            // A strong ref: weak refs taken in `on_start` of a supervisor-restarted kameo actor do not
+            // upgrade; the server task is owned by the actor and stopped in `on_stop`.
+            let app = router(actor_ref.clone());
             let stop = shutdown.clone().cancelled_owned();
             let server = tokio::spawn(async move { axum::serve(listener, app).with_graceful_shutdown(stop).await });
             tracing::info!(%addr, "bootstrap server listening");
@@ -187,7 +189,7 @@ impl Message<BootstrapAddr> for Bootstrap {
 
 // ---- HTTP ----------------------------------------------------------------------------------
 
-fn router(actor: WeakActorRef<Bootstrap>) -> Router {
+fn router(actor: ActorRef<Bootstrap>) -> Router {
     Router::new()
         .route("/register", post(http_register))
         .route("/query", get(http_query))
@@ -205,7 +207,7 @@ fn actor_gone() -> Response {
 }
 
 async fn http_register(
-    State(actor): State<WeakActorRef<Bootstrap>>,
+    State(actor): State<ActorRef<Bootstrap>>,
     body: Result<Json<RegisterWorker>, JsonRejection>,
 ) -> Response {
     let Json(worker) = match body {
@@ -220,7 +222,9 @@ async fn http_register(
             )
         }
     };
-    let Some(actor) = actor.upgrade() else { return actor_gone() };
+    if !actor.is_alive() {
+        return actor_gone();
+    }
     match tokio::time::timeout(ASK_DEADLINE, actor.ask(worker)).await {
         Ok(Ok(())) => Json(serde_json::json!({"status": "ok"})).into_response(),
         Ok(Err(SendError::HandlerError(rejected))) => {
@@ -232,8 +236,10 @@ async fn http_register(
     }
 }
 
-async fn http_query(State(actor): State<WeakActorRef<Bootstrap>>) -> Response {
-    let Some(actor) = actor.upgrade() else { return actor_gone() };
+async fn http_query(State(actor): State<ActorRef<Bootstrap>>) -> Response {
+    if !actor.is_alive() {
+        return actor_gone();
+    }
     match tokio::time::timeout(ASK_DEADLINE, actor.ask(QueryEngines)).await {
         Ok(Ok(table)) => Json(table).into_response(),
         Ok(Err(_)) => actor_gone(),

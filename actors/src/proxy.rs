@@ -159,7 +159,9 @@ impl Actor for Proxy {
 
         let shutdown = CancellationToken::new();
         let flow = Arc::new(FlowContext {
-            proxy: actor_ref.downgrade(),
+            // Strong refs: weak refs taken in `on_start` of a supervisor-restarted kameo actor do
+            // not upgrade. Both tasks are owned by the actor and stopped in `on_stop`.
+            proxy: actor_ref.clone(),
             client: client.clone(),
             upstream_timeout: args.upstream_timeout,
         });
@@ -169,7 +171,7 @@ impl Actor for Proxy {
 
         let (requery_tx, requery_rx) = mpsc::unbounded_channel();
         let poller = poller::Poller {
-            actor: actor_ref.downgrade(),
+            actor: actor_ref.clone(),
             client,
             prefill: prefill.iter().map(|p| (p.url.clone(), p.bootstrap_addr.clone())).collect(),
             decode: decode.iter().map(|d| d.url.clone()).collect(),

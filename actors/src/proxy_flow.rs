@@ -41,7 +41,7 @@ const MAX_ERROR_BODY: usize = 64 * 1024;
 
 /// What every request's flow shares: the actor, one pooled HTTP client, the upstream deadline.
 pub struct FlowContext {
-    pub proxy: WeakActorRef<Proxy>,
+    pub proxy: ActorRef<Proxy>,
     pub client: reqwest::Client,
     pub upstream_timeout: Duration,
 }
@@ -89,7 +89,7 @@ pub fn router(ctx: Arc<FlowContext>) -> Router {
 }
 
 async fn health(State(ctx): State<Arc<FlowContext>>) -> Response {
-    let Some(proxy) = ctx.proxy.upgrade() else {
+    let Some(proxy) = Some(ctx.proxy.clone()).filter(|p| p.is_alive()) else {
         return error_response(StatusCode::SERVICE_UNAVAILABLE, "service_unavailable", "proxy is stopping".into());
     };
     match tokio::time::timeout(ASK_DEADLINE, proxy.ask(ProxyStatus)).await {
@@ -186,7 +186,7 @@ async fn serve(ctx: Arc<FlowContext>, api: &'static str, headers: HeaderMap, bod
             return error_response(StatusCode::BAD_REQUEST, "invalid_request_error", format!("request body is not valid JSON: {e}"));
         }
     };
-    let Some(proxy) = ctx.proxy.upgrade() else {
+    let Some(proxy) = Some(ctx.proxy.clone()).filter(|p| p.is_alive()) else {
         return error_response(StatusCode::SERVICE_UNAVAILABLE, "service_unavailable", "proxy is stopping".into());
     };
     let route = match tokio::time::timeout(ASK_DEADLINE, proxy.ask(Route)).instrument(step8.clone()).await {
@@ -302,7 +302,7 @@ async fn wait_prefill(p: &mut Option<PrefillHandle>) -> Result<(), UpstreamError
 
 fn report_prefill_failure(ctx: &FlowContext, prefill_index: usize, e: &UpstreamError) {
     tracing::warn!(error = %e, "prefill failed; decode request cancelled");
-    if let Some(proxy) = ctx.proxy.upgrade() {
+    if let Some(proxy) = Some(ctx.proxy.clone()).filter(|p| p.is_alive()) {
         // try_send: never wait on the actor from the request path.
         let _ = proxy.tell(PrefillFailed { prefill_index, reason: e.to_string() }).try_send();
     }

@@ -23,6 +23,7 @@ mod tests;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::ops::ControlFlow;
+use std::sync::atomic::{AtomicU16, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -58,6 +59,10 @@ pub struct SenderListenerArgs {
     pub pp_rank: u32,
     /// The host the ROUTER binds (`tcp://{bind_host}:0`) and that D connects to, e.g. `127.0.0.1`.
     pub bind_host: String,
+    /// The ROUTER's port, shared by every incarnation of this listener: 0 binds any port and
+    /// records it here, so a listener restarted by its supervisor binds the same address and its
+    /// re-registration with bootstrap is identical (not a conflict).
+    pub side_channel_port: Arc<AtomicU16>,
     /// Bootstrap's base URL, e.g. `http://127.0.0.1:8998`; `None` = do not register.
     pub bootstrap_url: Option<String>,
     pub kv_cache: Arc<KvCache>,
@@ -98,6 +103,8 @@ struct InFlightPull {
 pub struct SenderListener {
     args: SenderListenerArgs,
     addr: String,
+    /// The side-channel socket this incarnation reads.
+    socket_id: u64,
     replies: mpsc::UnboundedSender<Outgoing>,
     cancel: CancellationToken,
     tasks: Vec<JoinHandle<()>>,
@@ -126,8 +133,11 @@ impl Actor for SenderListener {
             span.record(attrs::BYTES, args.kv_cache.regions().iter().map(|r| r.len).sum::<u64>());
         });
         let cancel = CancellationToken::new();
-        let channel = side_channel::start(&args.bind_host, actor_ref.downgrade(), cancel.clone()).await?;
+        let port = args.side_channel_port.load(Ordering::Acquire);
+        let channel = side_channel::start(&args.bind_host, port, actor_ref.clone(), cancel.clone()).await?;
+        args.side_channel_port.store(channel.port, Ordering::Release);
         let listener = Self {
+            socket_id: channel.socket_id,
             addr: channel.addr,
             replies: channel.replies,
             cancel,
@@ -404,7 +414,10 @@ impl Message<SideChannelFrame> for SenderListener {
     type Reply = ();
 
     async fn handle(&mut self, msg: SideChannelFrame, ctx: &mut Context<Self, Self::Reply>) {
-        let SideChannelFrame { identity, frames } = msg;
+        let SideChannelFrame { socket_id, identity, frames } = msg;
+        if socket_id != self.socket_id {
+            return; // a late frame of a previous incarnation's socket
+        }
         let [body] = frames.as_slice() else {
             let why = format!("expected one frame after the identity, got {}", frames.len());
             tracing::warn!(addr = %self.addr, "{why}");
@@ -432,11 +445,16 @@ impl Message<SideChannelFrame> for SenderListener {
 }
 
 impl Message<SocketClosed> for SenderListener {
-    type Reply = ();
+    type Reply = Result<(), ActorError>;
 
-    async fn handle(&mut self, msg: SocketClosed, ctx: &mut Context<Self, Self::Reply>) {
-        tracing::error!(addr = %self.addr, reason = %msg.reason, "side-channel socket closed: the sender listener stops");
-        ctx.stop();
+    /// The socket is gone: fail, so that the supervisor restarts the listener on its address.
+    /// A previous incarnation's socket closing is expected and ignored.
+    async fn handle(&mut self, msg: SocketClosed, _ctx: &mut Context<Self, Self::Reply>) -> Self::Reply {
+        if msg.socket_id != self.socket_id {
+            return Ok(());
+        }
+        tracing::error!(addr = %self.addr, reason = %msg.reason, "side-channel socket closed: the sender listener fails and is restarted");
+        Err(ActorError::SideChannel { addr: self.addr.clone(), reason: format!("socket closed: {}", msg.reason) })
     }
 }
 

@@ -6,6 +6,7 @@
 //! D (consumer): SchedulerConnector, Receiver (step 5) and the tcp data server that P writes into.
 
 use std::net::SocketAddr;
+use std::sync::atomic::AtomicU16;
 use std::sync::Arc;
 
 use kameo::prelude::*;
@@ -104,6 +105,7 @@ impl EngineNode {
                     tp_rank: 0,
                     pp_rank: 0,
                     bind_host: cfg.host.clone(),
+                    side_channel_port: Arc::new(AtomicU16::new(0)),
                     bootstrap_url,
                     kv_cache: kv_cache.clone(),
                     transfer,

@@ -290,11 +290,16 @@ pub fn capture() -> pdflow_observability::capture::SpanCapture {
     use std::sync::OnceLock;
     use tracing_subscriber::layer::SubscriberExt;
     use tracing_subscriber::util::SubscriberInitExt;
+    use tracing_subscriber::Layer;
     static CAPTURE: OnceLock<pdflow_observability::capture::SpanCapture> = OnceLock::new();
     CAPTURE
         .get_or_init(|| {
             let c = pdflow_observability::capture::SpanCapture::new();
-            let _ = tracing_subscriber::registry().with(c.clone()).try_init();
+            // PDFLOW_TEST_LOG=<filter> also prints logs (e.g. `pdflow_actors=debug`).
+            let fmt = std::env::var("PDFLOW_TEST_LOG").ok().map(|f| {
+                tracing_subscriber::fmt::layer().with_test_writer().with_filter(tracing_subscriber::EnvFilter::new(f))
+            });
+            let _ = tracing_subscriber::registry().with(c.clone()).with(fmt).try_init();
             c
         })
         .clone()

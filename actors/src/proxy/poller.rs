@@ -27,7 +27,7 @@ use super::{Proxy, REQUERY_EVERY};
 const TELL_DEADLINE: Duration = Duration::from_secs(5);
 
 pub(super) struct Poller {
-    pub actor: WeakActorRef<Proxy>,
+    pub actor: ActorRef<Proxy>,
     pub client: reqwest::Client,
     /// (P's URL, P's bootstrap address).
     pub prefill: Vec<(String, String)>,
@@ -113,7 +113,7 @@ impl Poller {
 
     /// Sends one report to the actor; false when the actor is gone.
     async fn report(&self, report: Report) -> bool {
-        let Some(actor) = self.actor.upgrade() else { return false };
+        let Some(actor) = Some(self.actor.clone()).filter(|a| a.is_alive()) else { return false };
         let sent = match report {
             Report::Health(m) => tokio::time::timeout(TELL_DEADLINE, actor.tell(m).send()).await.map(|r| r.is_ok()),
             Report::Discovered(m) => tokio::time::timeout(TELL_DEADLINE, actor.tell(m).send()).await.map(|r| r.is_ok()),

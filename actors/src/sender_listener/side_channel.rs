@@ -17,12 +17,15 @@ use crate::ActorError;
 
 /// One message D sent: the peer's identity and the frames that followed it.
 pub(super) struct SideChannelFrame {
+    /// The socket it came from: a restarted listener ignores its predecessor's late frames.
+    pub socket_id: u64,
     pub identity: Bytes,
     pub frames: Vec<Bytes>,
 }
 
 /// The reader lost the socket: the listener cannot serve any more.
 pub(super) struct SocketClosed {
+    pub socket_id: u64,
     pub reason: String,
 }
 
@@ -33,22 +36,43 @@ pub(super) type Outgoing = (Bytes, Vec<u8>);
 pub(super) struct SideChannel {
     /// `tcp://host:port`, the address registered with bootstrap.
     pub addr: String,
+    pub port: u16,
+    /// Identifies this socket in the reader's messages.
+    pub socket_id: u64,
     pub replies: mpsc::UnboundedSender<Outgoing>,
     pub tasks: Vec<JoinHandle<()>>,
 }
 
-/// Binds `tcp://{bind_host}:0` and starts the reader and writer tasks.
+/// How long a restarted listener keeps trying to re-bind its old side-channel port.
+const REBIND_DEADLINE: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Binds `tcp://{bind_host}:{port}` (0: any port) and starts the reader and writer tasks.
 pub(super) async fn start(
     bind_host: &str,
-    listener: WeakActorRef<SenderListener>,
+    port: u16,
+    listener: ActorRef<SenderListener>,
     cancel: CancellationToken,
 ) -> Result<SideChannel, ActorError> {
-    let bind_addr = format!("tcp://{bind_host}:0");
+    let bind_addr = format!("tcp://{bind_host}:{port}");
     let mut socket = RouterSocket::new();
-    let endpoint = socket
-        .bind(&bind_addr)
-        .await
-        .map_err(|e| ActorError::SideChannel { addr: bind_addr.clone(), reason: format!("cannot bind the ROUTER socket: {e} (is the host address local?)") })?;
+    // A restarted listener re-binds its old port: the previous incarnation's socket closes
+    // asynchronously, so the port may stay busy for a moment. Retry within a short deadline.
+    let deadline = tokio::time::Instant::now() + REBIND_DEADLINE;
+    let endpoint = loop {
+        match socket.bind(&bind_addr).await {
+            Ok(endpoint) => break endpoint,
+            Err(e) if port != 0 && tokio::time::Instant::now() < deadline => {
+                tracing::debug!(addr = %bind_addr, error = %e, "side-channel port still busy; retrying");
+                tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+            }
+            Err(e) => {
+                return Err(ActorError::SideChannel {
+                    addr: bind_addr.clone(),
+                    reason: format!("cannot bind the ROUTER socket: {e} (is the host address local and the port free?)"),
+                })
+            }
+        }
+    };
     let port = match endpoint {
         Endpoint::Tcp(_, port) => port,
         other => {
@@ -56,32 +80,36 @@ pub(super) async fn start(
         }
     };
     let addr = format!("tcp://{bind_host}:{port}");
+    let socket_id = NEXT_SOCKET_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let (send_half, recv_half) = socket.split();
     let (replies, outgoing) = mpsc::unbounded_channel();
     let tasks = vec![
-        tokio::spawn(read_loop(recv_half, listener, cancel.clone())),
+        tokio::spawn(read_loop(recv_half, socket_id, listener, cancel.clone())),
         tokio::spawn(write_loop(send_half, outgoing, cancel, addr.clone())),
     ];
-    Ok(SideChannel { addr, replies, tasks })
+    Ok(SideChannel { addr, port, socket_id, replies, tasks })
 }
 
-async fn read_loop(mut socket: RouterRecvHalf, listener: WeakActorRef<SenderListener>, cancel: CancellationToken) {
+/// Source of [`SideChannel::socket_id`].
+static NEXT_SOCKET_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+
+async fn read_loop(mut socket: RouterRecvHalf, socket_id: u64, actor: ActorRef<SenderListener>, cancel: CancellationToken) {
     loop {
         let received = tokio::select! {
             _ = cancel.cancelled() => return,
             received = socket.recv() => received,
         };
-        let Some(actor) = listener.upgrade() else { return };
+        tracing::trace!(socket_id, ok = received.is_ok(), "side-channel reader: message");
         match received {
             Ok(message) => {
                 let mut frames = message.into_vecdeque();
                 let Some(identity) = frames.pop_front() else { continue };
-                if actor.tell(SideChannelFrame { identity, frames: frames.into() }).await.is_err() {
+                if actor.tell(SideChannelFrame { socket_id, identity, frames: frames.into() }).await.is_err() {
                     return;
                 }
             }
             Err(e) => {
-                let _ = actor.tell(SocketClosed { reason: e.to_string() }).await;
+                let _ = actor.tell(SocketClosed { socket_id, reason: e.to_string() }).await;
                 return;
             }
         }

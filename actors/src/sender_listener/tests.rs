@@ -32,6 +32,7 @@ struct Harness {
 
 fn args(p: &Arc<KvCache>, d: &Arc<KvCache>, ready_timeout: Duration, bootstrap_url: Option<String>) -> SenderListenerArgs {
     SenderListenerArgs {
+        side_channel_port: Arc::new(std::sync::atomic::AtomicU16::new(0)),
         engine_id: "engine-p".into(),
         dp_rank: 0,
         tp_rank: 0,
