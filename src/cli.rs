@@ -36,6 +36,19 @@ pub enum Command {
     Proxy(ProxyCmd),
     /// One engine (the simulated engine with pdflow's connector), producer or consumer.
     Serve(ServeCmd),
+    /// Benchmarks: each prints a table and can write `--json PATH`.
+    #[command(subcommand)]
+    Bench(BenchCmd),
+}
+
+#[derive(Debug, Subcommand)]
+pub enum BenchCmd {
+    /// The seed request P→D through the actors and transfer engines, with same-run ceilings.
+    Transfer(crate::bench::transfer::Options),
+    /// The seed request through proxy, P and D: TTFT split; requests/s for small prompts.
+    E2e(crate::bench::e2e::Options),
+    /// The proxy alone against in-memory stub upstreams.
+    Proxy(crate::bench::proxy::Options),
 }
 
 #[derive(Debug, Args)]

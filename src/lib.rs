@@ -15,8 +15,10 @@
 //!   supervisor ([`node::supervisor`]).
 //! - [`timeline`] — the seed's 43-step timeline rebuilt from captured spans.
 //! - [`demo`] — `pdflow demo`: the seed scenario end to end, verified.
+//! - [`bench`] — `pdflow bench …`: transfer, end-to-end and proxy benchmarks.
 //! - [`cli`] — the command line.
 
+pub mod bench;
 pub mod cli;
 pub mod config;
 pub mod demo;

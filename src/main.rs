@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use clap::Parser;
-use pdflow::cli::{Cli, Command, DemoArgs};
+use pdflow::cli::{BenchCmd, Cli, Command, DemoArgs};
 use pdflow::config::VllmEnv;
 use pdflow::demo::{self, DemoOptions};
 use pdflow::node::{BootstrapNode, EngineNode, ProxyNode};
@@ -83,6 +83,15 @@ async fn run_demo(args: DemoArgs) -> anyhow::Result<bool> {
 async fn run(cli: Cli) -> anyhow::Result<bool> {
     match cli.command {
         Command::Demo(args) => run_demo(args).await,
+        Command::Bench(cmd) => {
+            init_tracing(None);
+            match cmd {
+                BenchCmd::Transfer(o) => pdflow::bench::transfer::run(o).await?,
+                BenchCmd::E2e(o) => pdflow::bench::e2e::run(o).await?,
+                BenchCmd::Proxy(o) => pdflow::bench::proxy::run(o).await?,
+            }
+            Ok(true)
+        }
         Command::Bootstrap(args) => {
             init_tracing(None);
             let env = VllmEnv::from_env().map_err(|e| anyhow::anyhow!(e.iter().map(|e| e.to_string()).collect::<Vec<_>>().join("\n")))?;

@@ -1,0 +1,15 @@
+//! `pdflow bench proxy` (to be written).
+
+/// Options of `pdflow bench proxy`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct Options {
+    /// Write the rows as JSON to this file.
+    #[arg(long)]
+    pub json: Option<std::path::PathBuf>,
+}
+
+/// Runs the benchmark; prints the table; writes the JSON.
+pub async fn run(opts: Options) -> anyhow::Result<()> {
+    let _ = opts;
+    anyhow::bail!("pdflow bench proxy is not implemented yet")
+}
