@@ -2,7 +2,8 @@
 //! with the connector's actors under the node's supervisor.
 //!
 //! P (producer): SchedulerConnector, SenderListener (side channel + registration, steps 1, 3, 4)
-//! with a tcp transfer engine, and — when P's TP0 launches it — the Bootstrap (step 2).
+//! with the automatic transfer engine (same-host `process_vm_writev` when D is on this host and
+//! the kernel allows it, tcp otherwise), and — when P's TP0 launches it — the Bootstrap (step 2).
 //! D (consumer): SchedulerConnector, Receiver (step 5) and the tcp data server that P writes into.
 
 use std::net::SocketAddr;
@@ -17,7 +18,9 @@ use pdflow_actors::sender_listener::{SenderListener, SenderListenerArgs};
 use pdflow_runtime::engine::ports::{Connector, WorkerConnectorPort};
 use pdflow_runtime::engine::{api, Engine, EngineConfig, EngineHandle};
 use pdflow_runtime::memory::KvCache;
-use pdflow_runtime::transfer::tcp::{TcpConfig, TcpDataServer, TcpTransferEngine};
+use pdflow_runtime::transfer::same_host::SameHostMode;
+use pdflow_runtime::transfer::tcp::{TcpConfig, TcpDataServer};
+use pdflow_runtime::transfer::AutoTransferEngine;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
@@ -98,7 +101,8 @@ impl EngineNode {
                     BootstrapPlacement::External { url } => Some(url.clone()),
                     BootstrapPlacement::None => None,
                 };
-                let transfer = Arc::new(TcpTransferEngine::new(kv_cache.region_table(), cfg.tcp.clone()));
+                // Same-host (process_vm_writev) when D shares this host and the kernel allows it, tcp otherwise.
+                let transfer = Arc::new(AutoTransferEngine::new(kv_cache.region_table(), cfg.tcp.clone()));
                 let args = SenderListenerArgs {
                     engine_id: engine_id.clone(),
                     dp_rank: 0,
@@ -124,7 +128,8 @@ impl EngineNode {
             KvRole::Consumer => {
                 let bind = format!("{}:0", cfg.host);
                 let bind_addr: SocketAddr = bind.parse().map_err(|e| NodeError::Config(format!("data server address {bind}: {e}")))?;
-                let server = TcpDataServer::bind(bind_addr, kv_cache.region_table(), cfg.tcp.auth_token.clone())
+                let offer_same_host = cfg.tcp.same_host != SameHostMode::Off;
+                let server = TcpDataServer::bind_with(bind_addr, kv_cache.region_table(), cfg.tcp.auth_token.clone(), offer_same_host)
                     .await
                     .map_err(|e| NodeError::Transfer(e.to_string()))?;
                 let args = ReceiverArgs {

@@ -4,8 +4,16 @@
 //! - [`tcp`] — the default everywhere: D runs a [`tcp::TcpDataServer`] over its region table and
 //!   writes each payload straight into registered memory, refusing any descriptor outside a region;
 //!   P's [`tcp::TcpTransferEngine`] keeps a pool of connections per peer and splits a batch across them.
+//! - [`same_host`] — when P and D share a host, P writes D's memory directly (`process_vm_writev`),
+//!   with the same region checks.
+//! - [`AutoTransferEngine`] (the node's engine) picks per peer: same-host when D's data server offers
+//!   it and the kernel allows it, tcp otherwise; [`TransferEngine::backend_for`] tells which.
 
+mod auto;
+pub mod same_host;
 pub mod tcp;
+
+pub use auto::AutoTransferEngine;
 
 use std::time::Duration;
 
@@ -35,12 +43,21 @@ pub enum TransferError {
     LocalRegion(#[from] RegionError),
     #[error("write to {peer} did not finish within {deadline:?}")]
     Timeout { peer: String, deadline: Duration },
+    #[error("the same-host path to {peer} is required but unavailable: {reason}")]
+    SameHostUnavailable { peer: String, reason: String },
 }
 
 /// Writes plans into peers' registered memory.
 pub trait TransferEngine: Send + Sync + 'static {
-    /// The backend's name (`tcp`, …), for logs and benchmarks.
+    /// The backend's name (`tcp`, `auto`, …), for logs and benchmarks.
     fn name(&self) -> &'static str;
+
+    /// The backend that writes (or last wrote) to `peer`: `tcp` or `same-host` for the automatic
+    /// engine, [`TransferEngine::name`] for single-backend engines. For step 29's span.
+    fn backend_for(&self, peer: &str) -> &'static str {
+        let _ = peer;
+        self.name()
+    }
 
     /// Writes every descriptor of `plan` (src: this worker's memory, dst: the peer's) to the peer
     /// whose data server listens at `peer` (`host:port`). Returns once every byte is in the

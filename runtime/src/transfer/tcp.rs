@@ -16,6 +16,7 @@ mod engine;
 mod server;
 pub mod wire;
 
+pub(crate) use engine::split_by_bytes;
 pub use engine::{TcpConfig, TcpTransferEngine};
 pub use server::{DataServerError, TcpDataServer};
 

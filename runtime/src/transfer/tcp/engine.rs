@@ -3,21 +3,25 @@
 //!
 //! A plan is split by bytes across up to `streams_per_peer` connections (a large descriptor may be
 //! cut into pieces); each connection sends its share as one batch — header, then the payloads read
-//! straight from the source memory with large writes — and waits for D's ack. Connections are made
+//! straight from the source memory with vectored writes (`writev`, up to [`MAX_IOVECS`] slices a
+//! call, no copy on P's side) — and waits for D's one ack. Each share runs as its own task, so on a
+//! multi-core host the streams' kernel copies run in parallel. Connections are made
 //! lazily, reused across writes, and dropped after any error; a failure on a reused connection (D
 //! may have closed it while idle) is retried once on a fresh one, which is safe because a write only
 //! ever rewrites the same bytes into blocks D holds for this transfer.
 
 use std::collections::HashMap;
+use std::io::IoSlice;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use futures::future::BoxFuture;
 use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpSocket, TcpStream};
 
-use super::wire::{self, Ack, MAX_DESCRIPTORS_PER_BATCH};
+use super::wire::{self, Ack, HostInfo, MAX_DESCRIPTORS_PER_BATCH};
+use crate::transfer::same_host::SameHostMode;
 use super::SOCKET_BUFFER_BYTES;
 use crate::memory::RegionTable;
 use crate::planner::{Descriptor, TransferPlan};
@@ -27,6 +31,8 @@ use crate::transfer::{TransferEngine, TransferError, TransferStats};
 const MIN_BYTES_PER_STREAM: u64 = 64 * 1024;
 /// Pooled connections idle longer than this are dropped (D closes its side after 300 s).
 const POOL_IDLE: Duration = Duration::from_secs(60);
+/// The most slices one `writev` is given (Linux's IOV_MAX).
+pub(crate) const MAX_IOVECS: usize = 1024;
 
 /// How P connects to and writes into D's data servers.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -39,11 +45,20 @@ pub struct TcpConfig {
     pub write_timeout: Duration,
     /// The token D's data server expects, if it expects one.
     pub auth_token: Option<String>,
+    /// Whether the automatic engine ([`crate::transfer::AutoTransferEngine`]) may write a peer on
+    /// the same host directly (`process_vm_writev`); the tcp engine alone ignores it.
+    pub same_host: SameHostMode,
 }
 
 impl Default for TcpConfig {
     fn default() -> Self {
-        Self { streams_per_peer: 4, connect_timeout: Duration::from_secs(5), write_timeout: Duration::from_secs(30), auth_token: None }
+        Self {
+            streams_per_peer: 4,
+            connect_timeout: Duration::from_secs(5),
+            write_timeout: Duration::from_secs(30),
+            auth_token: None,
+            same_host: SameHostMode::Auto,
+        }
     }
 }
 
@@ -55,6 +70,10 @@ struct PooledConnection {
 /// P's tcp transfer engine. Cheap to share (`Arc`); concurrent writes, to one peer or many, each
 /// check out their own connections.
 pub struct TcpTransferEngine {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
     local: RegionTable,
     config: TcpConfig,
     pool: Mutex<HashMap<String, Vec<PooledConnection>>>,
@@ -63,49 +82,101 @@ pub struct TcpTransferEngine {
 
 impl std::fmt::Debug for TcpTransferEngine {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("TcpTransferEngine").field("local", &self.local).field("config", &self.config).finish_non_exhaustive()
+        f.debug_struct("TcpTransferEngine").field("local", &self.inner.local).field("config", &self.inner.config).finish_non_exhaustive()
     }
 }
 
 impl TcpTransferEngine {
     /// An engine reading from `local` (P's registered memory).
     pub fn new(local: RegionTable, config: TcpConfig) -> Self {
-        Self { local, config, pool: Mutex::new(HashMap::new()), next_batch_id: AtomicU64::new(1) }
+        Self { inner: Arc::new(Inner { local, config, pool: Mutex::new(HashMap::new()), next_batch_id: AtomicU64::new(1) }) }
     }
 
     pub fn config(&self) -> &TcpConfig {
-        &self.config
+        &self.inner.config
     }
 
     /// Idle connections pooled for `peer` (for metrics and tests).
     pub fn pooled_connections(&self, peer: &str) -> usize {
-        self.lock_pool().get(peer).map_or(0, Vec::len)
+        self.inner.lock_pool().get(peer).map_or(0, Vec::len)
     }
+
+    /// Asks the peer's data server for its same-host details (pid, host identity, canary,
+    /// regions) on a pooled connection, within `connect_timeout`.
+    pub async fn host_info(&self, peer: &str) -> Result<HostInfo, TransferError> {
+        let inner = &self.inner;
+        let deadline = tokio::time::Instant::now() + inner.config.connect_timeout;
+        let mut stream = match inner.checkout(peer) {
+            Some(stream) => stream,
+            None => inner.connect(peer, deadline).await?,
+        };
+        let io = |source: std::io::Error| TransferError::Io { peer: peer.to_string(), source };
+        let exchange = async {
+            stream.write_all(&wire::encode_info_request(std::process::id())).await.map_err(io)?;
+            wire::read_host_info(&mut stream).await.map_err(|e| io(e.into_io()))
+        };
+        match tokio::time::timeout_at(deadline, exchange).await {
+            Ok(Ok(info)) => {
+                inner.checkin(peer, stream);
+                Ok(info)
+            }
+            Ok(Err(e)) => Err(e),
+            Err(_) => Err(TransferError::Timeout { peer: peer.to_string(), deadline: inner.config.connect_timeout }),
+        }
+    }
+
+    async fn write_plan(&self, peer: &str, plan: &TransferPlan) -> Result<TransferStats, TransferError> {
+        let started = Instant::now();
+        let inner = &self.inner;
+        let descriptors: Vec<Descriptor> = plan.descriptors.iter().copied().filter(|d| d.len > 0).collect();
+        for d in &descriptors {
+            inner.local.check(d.src, d.len)?;
+        }
+        let bytes: u64 = descriptors.iter().map(|d| d.len).sum();
+        if bytes > 0 {
+            let streams = usize::try_from(bytes / MIN_BYTES_PER_STREAM).unwrap_or(usize::MAX).clamp(1, inner.config.streams_per_peer.max(1));
+            let deadline = tokio::time::Instant::now() + inner.config.write_timeout;
+            if streams == 1 {
+                let pooled = inner.checkout(peer);
+                inner.write_share(peer, pooled, &descriptors, deadline).await?;
+            } else {
+                // One task per share: the kernel copies of the streams run on every core. Each
+                // share gets its own connection (checked out here, so shares never queue behind
+                // each other). The set aborts the shares still running if this future is dropped
+                // or one share fails.
+                let split = split_by_bytes(&descriptors, streams);
+                let pooled: Vec<Option<TcpStream>> = split.iter().map(|_| inner.checkout(peer)).collect();
+                let mut shares = tokio::task::JoinSet::new();
+                for (share, pooled) in split.into_iter().zip(pooled) {
+                    let (inner, peer) = (inner.clone(), peer.to_string());
+                    shares.spawn(async move { inner.write_share(&peer, pooled, &share, deadline).await });
+                }
+                while let Some(done) = shares.join_next().await {
+                    match done {
+                        Ok(result) => result?,
+                        Err(e) => {
+                            let source = std::io::Error::other(format!("a stream's task ended abnormally: {e}"));
+                            return Err(TransferError::Io { peer: peer.to_string(), source });
+                        }
+                    }
+                }
+            }
+        }
+        Ok(TransferStats { bytes, descriptors: plan.descriptors.len(), duration: started.elapsed() })
+    }
+}
+
+impl Inner {
 
     fn lock_pool(&self) -> std::sync::MutexGuard<'_, HashMap<String, Vec<PooledConnection>>> {
         // The map holds no invariant a panicking holder could break: keep using it.
         self.pool.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    async fn write_plan(&self, peer: &str, plan: &TransferPlan) -> Result<TransferStats, TransferError> {
-        let started = Instant::now();
-        let descriptors: Vec<Descriptor> = plan.descriptors.iter().copied().filter(|d| d.len > 0).collect();
-        for d in &descriptors {
-            self.local.check(d.src, d.len)?;
-        }
-        let bytes: u64 = descriptors.iter().map(|d| d.len).sum();
-        if bytes > 0 {
-            let streams = usize::try_from(bytes / MIN_BYTES_PER_STREAM).unwrap_or(usize::MAX).clamp(1, self.config.streams_per_peer.max(1));
-            let shares = split_by_bytes(&descriptors, streams);
-            let deadline = tokio::time::Instant::now() + self.config.write_timeout;
-            futures::future::try_join_all(shares.iter().map(|share| self.write_share(peer, share, deadline))).await?;
-        }
-        Ok(TransferStats { bytes, descriptors: plan.descriptors.len(), duration: started.elapsed() })
-    }
-
-    /// Sends one share over one connection; retries once on a fresh connection if a reused one failed.
-    async fn write_share(&self, peer: &str, share: &[Descriptor], deadline: tokio::time::Instant) -> Result<(), TransferError> {
-        let (mut stream, mut reused) = match self.checkout(peer) {
+    /// Sends one share over `pooled` (or a fresh connection); retries once on a fresh connection if
+    /// a pooled one failed.
+    async fn write_share(&self, peer: &str, pooled: Option<TcpStream>, share: &[Descriptor], deadline: tokio::time::Instant) -> Result<(), TransferError> {
+        let (mut stream, mut reused) = match pooled {
             Some(stream) => (stream, true),
             None => (self.connect(peer, deadline).await?, false),
         };
@@ -132,13 +203,11 @@ impl TcpTransferEngine {
         for batch in share.chunks(MAX_DESCRIPTORS_PER_BATCH) {
             let batch_id = self.next_batch_id.fetch_add(1, Ordering::Relaxed);
             let header = wire::encode_batch_header(batch_id, batch).map_err(|e| io(e.into_io()))?;
-            stream.write_all(&header).await.map_err(io)?;
-            for d in batch {
-                // SAFETY: P's blocks under transfer are held (delayed free) and not written until
-                // the transfer finishes; the range was checked against P's regions in `write_plan`.
-                let src = unsafe { self.local.slice(d.src, d.len) }?;
-                stream.write_all(src).await.map_err(io)?;
-            }
+            // SAFETY: P's blocks under transfer are held (delayed free) and not written until
+            // the transfer finishes; every range was checked against P's regions in `write_plan`.
+            let payloads = batch.iter().map(|d| unsafe { self.local.slice(d.src, d.len) }).collect::<Result<Vec<&[u8]>, _>>()?;
+            let mut slices: Vec<IoSlice<'_>> = std::iter::once(IoSlice::new(&header)).chain(payloads.iter().map(|p| IoSlice::new(p))).collect();
+            write_all_vectored(stream, &mut slices).await.map_err(io)?;
             stream.flush().await.map_err(io)?;
             match wire::read_ack(stream).await.map_err(|e| io(e.into_io()))? {
                 Ack::Ok { batch_id: acked } if acked == batch_id => {}
@@ -192,6 +261,19 @@ impl TcpTransferEngine {
             Ack::Refused { reason, .. } => Err(TransferError::Refused { peer: peer.to_string(), reason }),
         }
     }
+}
+
+/// Writes every slice, `MAX_IOVECS` at a time, resuming after partial writes.
+async fn write_all_vectored(stream: &mut TcpStream, mut slices: &mut [IoSlice<'_>]) -> std::io::Result<()> {
+    while !slices.is_empty() {
+        let window = slices.len().min(MAX_IOVECS);
+        let n = stream.write_vectored(&slices[..window]).await?;
+        if n == 0 {
+            return Err(std::io::Error::new(std::io::ErrorKind::WriteZero, "the data connection accepted no bytes"));
+        }
+        IoSlice::advance_slices(&mut slices, n);
+    }
+    Ok(())
 }
 
 impl TransferEngine for TcpTransferEngine {

@@ -6,7 +6,15 @@
 //! its payload drained so the connection stays usable). Garbage, oversize headers and wrong auth
 //! tokens close the connection; the server keeps serving the others. It owns its accept loop and
 //! connection tasks: they stop when the server is shut down or dropped.
+//!
+//! Payloads are read with vectored reads (`readv`, up to 1,024 destination slices a call), so a
+//! fragmented plan of 64 KiB descriptors costs no more system calls than a coalesced one.
+//!
+//! After the hello, P may ask for the same-host details (see [`wire::HostInfo`]): unless started
+//! with `offer_same_host = false`, the server answers with its pid, host identity, a random canary
+//! (which P reads back through the kernel to prove the pid is this process) and its region table.
 
+use std::io::IoSliceMut;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -17,9 +25,10 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::Instrument;
 
-use super::wire::{self, Ack, WireError};
+use super::wire::{self, Ack, HostInfo, Request, WireError};
 use super::SOCKET_BUFFER_BYTES;
 use crate::memory::RegionTable;
+use crate::transfer::same_host;
 
 /// How long a new connection may take to send its hello.
 const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
@@ -27,8 +36,8 @@ const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
 const IDLE_TIMEOUT: Duration = Duration::from_secs(300);
 /// How long one payload chunk may stall.
 const STALL_TIMEOUT: Duration = Duration::from_secs(30);
-/// Payload is read in chunks of this size, each under [`STALL_TIMEOUT`].
-const READ_CHUNK: usize = 4 << 20;
+/// The most destination slices one `readv` is given (Linux's IOV_MAX).
+const MAX_IOVECS: usize = 1024;
 /// The most payload bytes drained from a refused batch; beyond that the connection is closed.
 const MAX_DRAIN_BYTES: u64 = 4 << 30;
 /// How long `shutdown` waits for connection tasks to stop.
@@ -59,6 +68,9 @@ enum ConnectionError {
 struct Shared {
     regions: RegionTable,
     auth_token: Option<Vec<u8>>,
+    /// The same-host answer, when offered; its canary lives in `_canary`.
+    host_info: Option<HostInfo>,
+    _canary: Box<[u8]>,
 }
 
 /// D's data server. Dropping it (or [`TcpDataServer::shutdown`]) stops every task it started.
@@ -72,10 +84,27 @@ pub struct TcpDataServer {
 impl TcpDataServer {
     /// Listens on `addr` (port 0 picks a free one) and serves writes into `regions`. With
     /// `auth_token`, connections must present the same token.
+    /// The server offers the same-host path (see [`TcpDataServer::bind_with`]).
     pub async fn bind(addr: SocketAddr, regions: RegionTable, auth_token: Option<String>) -> Result<Self, DataServerError> {
+        Self::bind_with(addr, regions, auth_token, true).await
+    }
+
+    /// As [`TcpDataServer::bind`]; with `offer_same_host = false` the server tells P that the
+    /// same-host path is not offered, so P always writes over TCP.
+    pub async fn bind_with(addr: SocketAddr, regions: RegionTable, auth_token: Option<String>, offer_same_host: bool) -> Result<Self, DataServerError> {
         let listener = listen(addr).map_err(|source| DataServerError::Bind { addr, source })?;
         let local_addr = listener.local_addr().map_err(|source| DataServerError::Bind { addr, source })?;
-        let shared = Arc::new(Shared { regions, auth_token: auth_token.filter(|t| !t.is_empty()).map(String::into_bytes) });
+        let canary = same_host::new_canary();
+        let host_info = offer_same_host.then(|| HostInfo {
+            offered: true,
+            pid: std::process::id(),
+            host_id: same_host::host_identity().to_string(),
+            canary_addr: canary.as_ptr() as u64,
+            canary: canary.to_vec(),
+            regions: regions.regions().iter().map(|r| (r.base_addr, r.len, r.block_len)).collect(),
+        });
+        let auth_token = auth_token.filter(|t| !t.is_empty()).map(String::into_bytes);
+        let shared = Arc::new(Shared { regions, auth_token, host_info, _canary: canary });
         let cancel = CancellationToken::new();
         let tracker = TaskTracker::new();
         tracker.spawn(accept_loop(listener, shared, cancel.clone(), tracker.clone()));
@@ -166,22 +195,32 @@ async fn serve_connection(mut stream: TcpStream, shared: &Shared) -> Result<(), 
     wire::write_ack(&mut stream, &Ack::Ok { batch_id: 0 }).await?;
 
     loop {
-        let header = match tokio::time::timeout(IDLE_TIMEOUT, wire::read_batch_header(&mut stream)).await {
+        let header = match tokio::time::timeout(IDLE_TIMEOUT, wire::read_request(&mut stream)).await {
             Err(_) | Ok(Ok(None)) => return Ok(()),
             Ok(Err(e)) => return Err(refuse_and_close(&mut stream, 0, e.into()).await),
-            Ok(Ok(Some(header))) => header,
+            Ok(Ok(Some(Request::Batch(header)))) => header,
+            Ok(Ok(Some(Request::HostInfo { p_pid }))) => {
+                tracing::debug!(p_pid, offered = shared.host_info.is_some(), "P asked for the same-host details");
+                let answer = wire::encode_host_info(shared.host_info.as_ref().unwrap_or(&HostInfo::default()))?;
+                stream.write_all(&answer).await.map_err(WireError::from)?;
+                continue;
+            }
         };
         let batch_id = header.batch_id;
         // Check every descriptor before touching the payload.
         let refusal = header.descriptors.iter().find_map(|&(dst, len)| shared.regions.check(dst, len).err());
         match refusal {
             None => {
-                for &(dst, len) in &header.descriptors {
-                    // SAFETY: checked above to lie wholly inside a registered region; D's block
-                    // pool gives the blocks under transfer to this write alone until it is acked.
-                    let dst = unsafe { shared.regions.slice_mut(dst, len) }.map_err(|e| WireError::Io(invalid(e)))?;
-                    read_into(&mut stream, dst).await?;
-                }
+                // SAFETY: each checked above to lie wholly inside a registered region; D's block
+                // pool gives the blocks under transfer to this write alone until it is acked.
+                let dsts = header
+                    .descriptors
+                    .iter()
+                    .filter(|&&(_, len)| len > 0)
+                    .map(|&(dst, len)| unsafe { shared.regions.slice_mut(dst, len) })
+                    .collect::<Result<Vec<&mut [u8]>, _>>()
+                    .map_err(|e| WireError::Io(invalid(e)))?;
+                read_into(&mut stream, dsts).await?;
                 wire::write_ack(&mut stream, &Ack::Ok { batch_id }).await?;
             }
             Some(e) => {
@@ -202,13 +241,23 @@ async fn serve_connection(mut stream: TcpStream, shared: &Shared) -> Result<(), 
     }
 }
 
-/// Reads exactly `dst.len()` bytes straight into `dst`, chunk by chunk under the stall deadline.
-async fn read_into(stream: &mut TcpStream, dst: &mut [u8]) -> Result<(), ConnectionError> {
-    for chunk in dst.chunks_mut(READ_CHUNK) {
-        match tokio::time::timeout(STALL_TIMEOUT, stream.read_exact(chunk)).await {
+/// Reads exactly the bytes of every slice of `dsts`, in order, straight into them: vectored reads
+/// of up to [`MAX_IOVECS`] slices, each wait for data under the stall deadline.
+async fn read_into(stream: &mut TcpStream, mut dsts: Vec<&mut [u8]>) -> Result<(), ConnectionError> {
+    let mut slices: Vec<IoSliceMut<'_>> = dsts.iter_mut().map(|d| IoSliceMut::new(d)).collect();
+    let mut rest: &mut [IoSliceMut<'_>] = &mut slices;
+    while !rest.is_empty() {
+        match tokio::time::timeout(STALL_TIMEOUT, stream.readable()).await {
             Err(_) => return Err(ConnectionError::Stalled(STALL_TIMEOUT)),
             Ok(r) => r.map_err(WireError::from)?,
-        };
+        }
+        let window = rest.len().min(MAX_IOVECS);
+        match stream.try_read_vectored(&mut rest[..window]) {
+            Ok(0) => return Err(WireError::Io(std::io::ErrorKind::UnexpectedEof.into()).into()),
+            Ok(n) => IoSliceMut::advance_slices(&mut rest, n),
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+            Err(e) => return Err(WireError::from(e).into()),
+        }
     }
     Ok(())
 }

@@ -7,7 +7,14 @@
 //!                 descriptor in order (Σ len bytes, no framing between them)
 //! ack     D → P   "PDFA" status:u8 batch_id:u64 reason_len:u16 reason[reason_len]
 //!                 (status 0 ok, 1 refused; the hello is answered with batch_id 0)
+//! info    P → D   "PDFI" p_pid:u32                     (optional, after the hello: "are we on one host?")
+//! host    D → P   "PDFH" offered:u8 pid:u32 host_len:u16 host[host_len] canary_addr:u64
+//!                 canary_len:u16 canary[canary_len] count:u32 (base:u64 len:u64 block_len:u64)×count
 //! ```
+//!
+//! The info/host exchange feeds the same-host path ([`crate::transfer::same_host`]): D names its
+//! pid, its host identity, a random canary P can read back through the kernel to prove the pid is
+//! really D, and the regions P may write. `offered = 0` means D does not offer the path.
 //!
 //! Every decode failure is a typed [`WireError`]; every length is capped before anything is
 //! allocated.
@@ -31,6 +38,17 @@ pub const MAX_DESCRIPTORS_PER_BATCH: usize = 1 << 20;
 /// The longest refusal reason sent back (longer ones are truncated).
 pub const MAX_REASON_LEN: usize = 1024;
 
+/// First bytes of P's same-host info request.
+pub const INFO_MAGIC: [u8; 4] = *b"PDFI";
+/// First bytes of D's answer to it.
+pub const HOST_MAGIC: [u8; 4] = *b"PDFH";
+/// The longest host identity accepted.
+pub const MAX_HOST_ID_LEN: usize = 1024;
+/// The longest canary accepted.
+pub const MAX_CANARY_LEN: usize = 64;
+/// The most regions a host answer may list.
+pub const MAX_REGIONS: usize = 1 << 16;
+
 const DESCRIPTOR_WIRE_LEN: usize = 16;
 
 /// Why bytes on a data connection are not a valid message.
@@ -44,6 +62,10 @@ pub enum WireError {
     TokenTooLong { len: usize },
     #[error("batch header lists {count} descriptors, more than the {MAX_DESCRIPTORS_PER_BATCH} allowed per batch")]
     TooManyDescriptors { count: u64 },
+    #[error("host answer lists {count} regions, more than the {MAX_REGIONS} allowed")]
+    TooManyRegions { count: u64 },
+    #[error("host answer field {field} of {len} bytes exceeds its limit")]
+    FieldTooLong { field: &'static str, len: usize },
     #[error("ack has unknown status {0}")]
     BadStatus(u8),
     #[error("connection failed: {0}")]
@@ -73,6 +95,30 @@ impl BatchHeader {
     pub fn total_len(&self) -> Option<u64> {
         self.descriptors.iter().try_fold(0u64, |acc, &(_, len)| acc.checked_add(len))
     }
+}
+
+/// What P may send after its hello.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Request {
+    Batch(BatchHeader),
+    /// P (process `p_pid`) asks whether the same-host path is possible.
+    HostInfo { p_pid: u32 },
+}
+
+/// D's answer to [`Request::HostInfo`].
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct HostInfo {
+    /// D offers the same-host path at all (when false the other fields are empty).
+    pub offered: bool,
+    /// D's process id, in D's pid namespace (the host identity names the namespace).
+    pub pid: u32,
+    /// D's host identity ([`crate::transfer::same_host::host_identity`]).
+    pub host_id: String,
+    /// Where in D's memory the canary lies, and its bytes.
+    pub canary_addr: u64,
+    pub canary: Vec<u8>,
+    /// `(base, len, block_len)` of every region P may write.
+    pub regions: Vec<(u64, u64, u64)>,
 }
 
 /// The server's answer to a hello or a batch.
@@ -130,13 +176,101 @@ pub fn encode_batch_header(batch_id: u64, descriptors: &[Descriptor]) -> Result<
 
 /// Reads the next batch header; `Ok(None)` when the peer closed the connection between batches.
 pub async fn read_batch_header<R: AsyncRead + Unpin>(r: &mut R) -> Result<Option<BatchHeader>, WireError> {
-    let mut magic = [0u8; 4];
-    match r.read_exact(&mut magic).await {
-        Ok(_) => {}
-        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(None),
-        Err(e) => return Err(e.into()),
+    let Some(magic) = read_magic(r).await? else { return Ok(None) };
+    expect_magic(&magic, BATCH_MAGIC)?;
+    read_batch_body(r).await.map(Some)
+}
+
+/// Reads P's next request (a batch header or an info request); `Ok(None)` when P closed the
+/// connection between requests.
+pub async fn read_request<R: AsyncRead + Unpin>(r: &mut R) -> Result<Option<Request>, WireError> {
+    let Some(magic) = read_magic(r).await? else { return Ok(None) };
+    if magic == INFO_MAGIC {
+        let mut pid = [0u8; 4];
+        r.read_exact(&mut pid).await?;
+        return Ok(Some(Request::HostInfo { p_pid: u32::from_le_bytes(pid) }));
     }
     expect_magic(&magic, BATCH_MAGIC)?;
+    read_batch_body(r).await.map(|h| Some(Request::Batch(h)))
+}
+
+async fn read_magic<R: AsyncRead + Unpin>(r: &mut R) -> Result<Option<[u8; 4]>, WireError> {
+    let mut magic = [0u8; 4];
+    match r.read_exact(&mut magic).await {
+        Ok(_) => Ok(Some(magic)),
+        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => Ok(None),
+        Err(e) => Err(e.into()),
+    }
+}
+
+pub fn encode_info_request(p_pid: u32) -> Vec<u8> {
+    let mut out = INFO_MAGIC.to_vec();
+    out.extend_from_slice(&p_pid.to_le_bytes());
+    out
+}
+
+pub fn encode_host_info(info: &HostInfo) -> Result<Vec<u8>, WireError> {
+    if info.host_id.len() > MAX_HOST_ID_LEN {
+        return Err(WireError::FieldTooLong { field: "host_id", len: info.host_id.len() });
+    }
+    if info.canary.len() > MAX_CANARY_LEN {
+        return Err(WireError::FieldTooLong { field: "canary", len: info.canary.len() });
+    }
+    if info.regions.len() > MAX_REGIONS {
+        return Err(WireError::TooManyRegions { count: info.regions.len() as u64 });
+    }
+    let mut out = Vec::with_capacity(32 + info.host_id.len() + info.canary.len() + 24 * info.regions.len());
+    out.extend_from_slice(&HOST_MAGIC);
+    out.push(u8::from(info.offered));
+    out.extend_from_slice(&info.pid.to_le_bytes());
+    out.extend_from_slice(&(info.host_id.len() as u16).to_le_bytes());
+    out.extend_from_slice(info.host_id.as_bytes());
+    out.extend_from_slice(&info.canary_addr.to_le_bytes());
+    out.extend_from_slice(&(info.canary.len() as u16).to_le_bytes());
+    out.extend_from_slice(&info.canary);
+    out.extend_from_slice(&(info.regions.len() as u32).to_le_bytes());
+    for &(base, len, block_len) in &info.regions {
+        for v in [base, len, block_len] {
+            out.extend_from_slice(&v.to_le_bytes());
+        }
+    }
+    Ok(out)
+}
+
+pub async fn read_host_info<R: AsyncRead + Unpin>(r: &mut R) -> Result<HostInfo, WireError> {
+    let mut head = [0u8; 11];
+    r.read_exact(&mut head).await?;
+    expect_magic(&head[..4], HOST_MAGIC)?;
+    let offered = head[4] != 0;
+    let pid = u32::from_le_bytes([head[5], head[6], head[7], head[8]]);
+    let host_len = usize::from(u16::from_le_bytes([head[9], head[10]]));
+    if host_len > MAX_HOST_ID_LEN {
+        return Err(WireError::FieldTooLong { field: "host_id", len: host_len });
+    }
+    let mut host = vec![0u8; host_len];
+    r.read_exact(&mut host).await?;
+    let mut mid = [0u8; 10];
+    r.read_exact(&mut mid).await?;
+    let canary_addr = u64::from_le_bytes(le8(&mid[..8]));
+    let canary_len = usize::from(u16::from_le_bytes([mid[8], mid[9]]));
+    if canary_len > MAX_CANARY_LEN {
+        return Err(WireError::FieldTooLong { field: "canary", len: canary_len });
+    }
+    let mut canary = vec![0u8; canary_len];
+    r.read_exact(&mut canary).await?;
+    let mut count = [0u8; 4];
+    r.read_exact(&mut count).await?;
+    let count = u32::from_le_bytes(count) as usize;
+    if count > MAX_REGIONS {
+        return Err(WireError::TooManyRegions { count: count as u64 });
+    }
+    let mut raw = vec![0u8; count * 24];
+    r.read_exact(&mut raw).await?;
+    let regions = raw.chunks_exact(24).map(|c| (u64::from_le_bytes(le8(&c[..8])), u64::from_le_bytes(le8(&c[8..16])), u64::from_le_bytes(le8(&c[16..])))).collect();
+    Ok(HostInfo { offered, pid, host_id: String::from_utf8_lossy(&host).into_owned(), canary_addr, canary, regions })
+}
+
+async fn read_batch_body<R: AsyncRead + Unpin>(r: &mut R) -> Result<BatchHeader, WireError> {
     let mut fixed = [0u8; 12];
     r.read_exact(&mut fixed).await?;
     let batch_id = u64::from_le_bytes(le8(&fixed[..8]));
@@ -150,7 +284,7 @@ pub async fn read_batch_header<R: AsyncRead + Unpin>(r: &mut R) -> Result<Option
         .chunks_exact(DESCRIPTOR_WIRE_LEN)
         .map(|c| (u64::from_le_bytes(le8(&c[..8])), u64::from_le_bytes(le8(&c[8..]))))
         .collect();
-    Ok(Some(BatchHeader { batch_id, descriptors }))
+    Ok(BatchHeader { batch_id, descriptors })
 }
 
 pub async fn write_ack<W: AsyncWrite + Unpin>(w: &mut W, ack: &Ack) -> Result<(), WireError> {
@@ -237,6 +371,19 @@ mod tests {
         huge.extend_from_slice(&0u64.to_le_bytes());
         huge.extend_from_slice(&u32::MAX.to_le_bytes());
         assert!(matches!(read_batch_header(&mut &huge[..]).await, Err(WireError::TooManyDescriptors { .. })));
+        let info = HostInfo {
+            offered: true,
+            pid: 42,
+            host_id: "boot/host/ns".into(),
+            canary_addr: 0x1000,
+            canary: vec![7; 32],
+            regions: vec![(0x10_000, 4096, 1024), (0x20_000, 8192, 1024)],
+        };
+        let bytes = encode_host_info(&info).expect("small answer");
+        assert_eq!(read_host_info(&mut &bytes[..]).await.expect("valid answer"), info);
+        let req = encode_info_request(9);
+        assert_eq!(read_request(&mut &req[..]).await.expect("valid").expect("not eof"), Request::HostInfo { p_pid: 9 });
+        assert!(matches!(read_request(&mut &header[..]).await, Ok(Some(Request::Batch(_)))));
         let mut v9 = hello.clone();
         v9[4] = 9;
         assert!(matches!(read_hello(&mut &v9[..]).await, Err(WireError::UnsupportedVersion { found: 9 })));

@@ -1,0 +1,68 @@
+//! Same-run ceilings for `pdflow bench transfer`: what this machine can do at best with the same
+//! bytes — a single-thread memcpy, and a plain tokio TCP sender/receiver over loopback with 1 and
+//! 4 streams (no protocol, one large buffer per stream).
+
+use std::time::{Duration, Instant};
+
+use anyhow::Context as _;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+/// How long one loopback run may take.
+const RUN_DEADLINE: Duration = Duration::from_secs(30);
+
+/// Milliseconds of `runs` single-thread copies of `bytes` bytes (after `warmup` unmeasured ones).
+pub fn memcpy_ms(bytes: usize, warmup: usize, runs: usize) -> Vec<f64> {
+    let src: Vec<u8> = (0..bytes).map(|i| (i % 251) as u8).collect();
+    let mut dst = vec![1u8; bytes];
+    let mut samples = Vec::with_capacity(runs);
+    for i in 0..warmup + runs {
+        let started = Instant::now();
+        dst.copy_from_slice(std::hint::black_box(&src));
+        std::hint::black_box(&mut dst);
+        if i >= warmup {
+            samples.push(started.elapsed().as_secs_f64() * 1e3);
+        }
+    }
+    samples
+}
+
+/// Milliseconds of `runs` moves of `bytes` bytes over `streams` loopback TCP connections.
+pub async fn loopback_tcp_ms(bytes: usize, streams: usize, warmup: usize, runs: usize) -> anyhow::Result<Vec<f64>> {
+    let listener = TcpListener::bind("127.0.0.1:0").await.context("binding the loopback ceiling's listener")?;
+    let addr = listener.local_addr()?;
+    let share = bytes.div_ceil(streams);
+    let mut senders = Vec::with_capacity(streams);
+    let mut receivers = Vec::with_capacity(streams);
+    for _ in 0..streams {
+        let (connected, accepted) = tokio::join!(TcpStream::connect(addr), listener.accept());
+        let (tx, (rx, _)) = (connected?, accepted?);
+        tx.set_nodelay(true)?;
+        senders.push(tx);
+        receivers.push(rx);
+    }
+    let mut samples = Vec::with_capacity(runs);
+    let mut pairs: Vec<(TcpStream, TcpStream, Vec<u8>, Vec<u8>)> =
+        senders.into_iter().zip(receivers).map(|(tx, rx)| (tx, rx, vec![7u8; share], vec![0u8; share])).collect();
+    for i in 0..warmup + runs {
+        let started = Instant::now();
+        let moves = pairs.drain(..).map(|(mut tx, mut rx, src, mut dst)| {
+            tokio::spawn(async move {
+                let send = tokio::spawn(async move {
+                    tx.write_all(&src).await.map(|_| (tx, src))
+                });
+                rx.read_exact(&mut dst).await?;
+                let (tx, src) = send.await.map_err(std::io::Error::other)??;
+                Ok::<_, std::io::Error>((tx, rx, src, dst))
+            })
+        });
+        let moved = tokio::time::timeout(RUN_DEADLINE, futures::future::join_all(moves)).await.context("loopback ceiling run timed out")?;
+        for m in moved {
+            pairs.push(m.context("loopback stream task failed")??);
+        }
+        if i >= warmup {
+            samples.push(started.elapsed().as_secs_f64() * 1e3);
+        }
+    }
+    Ok(samples)
+}
