@@ -10,6 +10,12 @@ if ! command -v cargo >/dev/null 2>&1; then
   exit 1
 fi
 
+# Headless Chromium for the timeline screenshot test (it skips, saying so, when this fails).
+if ! command -v chromium >/dev/null 2>&1; then
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium) >/dev/null 2>&1 \
+    || echo "note: could not install chromium; the timeline screenshot test will skip" >&2
+fi
+
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT
 

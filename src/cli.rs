@@ -1,4 +1,6 @@
-//! The `pdflow` command line (DESIGN §8): `demo`, `bootstrap`, `proxy`, `serve`.
+//! The `pdflow` command line (DESIGN §8): `demo`, `bootstrap`, `proxy`, `serve`, `bench`,
+//! `trace render`. Every node takes the trace-export flags of [`TraceArgs`] (OpenTelemetry's
+//! `OTEL_*` variables are their defaults).
 //!
 //! Long-running commands print one JSON line on stdout once they serve —
 //! `{"event":"ready", …addresses…}` — so that scripts and tests can start them on port 0.
@@ -39,6 +41,75 @@ pub enum Command {
     /// Benchmarks: each prints a table and can write `--json PATH`.
     #[command(subcommand)]
     Bench(BenchCmd),
+    /// Trace files: `pdflow trace render TRACE.json --out timeline.html`.
+    #[command(subcommand)]
+    Trace(TraceCmd),
+}
+
+#[derive(Debug, Subcommand)]
+pub enum TraceCmd {
+    /// One request's timeline as the seed draws it: a lane per participant, each step a bar at
+    /// its real time, figures on hover, the TTFT decomposition. Self-contained HTML/SVG.
+    Render(RenderArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct RenderArgs {
+    /// A Jaeger JSON trace file (`--trace-file` of any pdflow command, or Jaeger UI's download).
+    pub trace: PathBuf,
+    /// The HTML file to write.
+    #[arg(long)]
+    pub out: PathBuf,
+    /// The request trace to draw (default: the first trace holding step 8).
+    #[arg(long)]
+    pub trace_id: Option<String>,
+}
+
+/// Trace export, chosen at run time; nothing is exported unless asked.
+#[derive(Debug, Clone, Default, Args)]
+pub struct TraceArgs {
+    /// Send step spans over OTLP to this collector (e.g. http://127.0.0.1:4317 for gRPC,
+    /// http://127.0.0.1:4318 for HTTP).
+    #[arg(long, env = "OTEL_EXPORTER_OTLP_ENDPOINT")]
+    pub otlp_endpoint: Option<String>,
+    /// The full OTLP traces URL (overrides --otlp-endpoint; used as is).
+    #[arg(long, env = "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", hide_short_help = true)]
+    pub otlp_traces_endpoint: Option<String>,
+    /// OTLP transport: `grpc` or `http/protobuf` (the default).
+    #[arg(long, env = "OTEL_EXPORTER_OTLP_PROTOCOL")]
+    pub otlp_protocol: Option<String>,
+    /// `otlp` (export, to localhost if no endpoint is given) or `none`.
+    #[arg(long, env = "OTEL_TRACES_EXPORTER", hide_short_help = true)]
+    pub traces_exporter: Option<String>,
+    /// service.name of this node (default pdflow-proxy / -prefill / -decode / -bootstrap; the
+    /// demo names each span by the node that emitted it).
+    #[arg(long, env = "OTEL_SERVICE_NAME")]
+    pub service_name: Option<String>,
+    /// Longest time a finished span waits before it is sent, in ms (default 1000).
+    #[arg(long, env = "OTEL_BSP_SCHEDULE_DELAY", hide_short_help = true)]
+    pub otlp_schedule_delay_ms: Option<u64>,
+    /// Deadline of each OTLP export call, in ms (default 10000).
+    #[arg(long, env = "OTEL_EXPORTER_OTLP_TIMEOUT", hide_short_help = true)]
+    pub otlp_timeout_ms: Option<u64>,
+    /// Write the step spans at exit as a Jaeger JSON file (Jaeger UI: Search → JSON File).
+    #[arg(long)]
+    pub trace_file: Option<PathBuf>,
+}
+
+impl TraceArgs {
+    /// The settings the exporters validate.
+    pub fn settings(&self) -> pdflow_observability::export::ExportSettings {
+        pdflow_observability::export::ExportSettings {
+            otlp_endpoint: self.otlp_endpoint.clone(),
+            otlp_traces_endpoint: self.otlp_traces_endpoint.clone(),
+            otlp_protocol: self.otlp_protocol.clone(),
+            traces_exporter: self.traces_exporter.clone(),
+            service_name: self.service_name.clone(),
+            schedule_delay_ms: self.otlp_schedule_delay_ms,
+            timeout_ms: self.otlp_timeout_ms,
+            trace_file: self.trace_file.clone(),
+        }
+    }
 }
 
 #[derive(Debug, Subcommand)]
@@ -66,6 +137,9 @@ pub struct DemoArgs {
     /// KV shape: `qwen3-8b` or `LAYERS,KV_HEADS,HEAD_DIM,BLOCK_SIZE` (bf16).
     #[arg(long, default_value = "qwen3-8b", value_parser = parse_shape)]
     pub kv_shape: KvShape,
+    /// `--trace-file PATH` writes the seed request's trace and the start-up traces.
+    #[command(flatten)]
+    pub trace: TraceArgs,
 }
 
 #[derive(Debug, Args)]
@@ -75,6 +149,8 @@ pub struct BootstrapCmd {
     /// Port (default: VLLM_MOONCAKE_BOOTSTRAP_PORT, else 8998; 0 for any).
     #[arg(long)]
     pub port: Option<u16>,
+    #[command(flatten)]
+    pub trace: TraceArgs,
 }
 
 #[derive(Debug, Args)]
@@ -95,6 +171,8 @@ pub struct ProxyCmd {
     /// How often P and D are health-checked, in milliseconds.
     #[arg(long, default_value_t = 500)]
     pub health_interval_ms: u64,
+    #[command(flatten)]
+    pub trace: TraceArgs,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -154,6 +232,8 @@ pub struct ServeCmd {
     /// Record KV checksums on both sides of every transfer (costs a pass over the bytes).
     #[arg(long)]
     pub verify_checksums: bool,
+    #[command(flatten)]
+    pub trace: TraceArgs,
 }
 
 /// Parses `qwen3-8b` or `LAYERS,KV_HEADS,HEAD_DIM,BLOCK_SIZE`.
@@ -314,5 +394,19 @@ mod tests {
         assert!(parse_shape("36,8,128,16").is_ok());
         assert!(parse_shape("36,8,x,16").is_err());
         assert!(parse_shape("36,8,128").is_err());
+    }
+
+    #[test]
+    fn trace_flags_and_render_parse() {
+        let cli = Cli::try_parse_from(["pdflow", "serve", "--role", "producer", "--otlp-endpoint", "http://127.0.0.1:4317", "--otlp-protocol", "grpc", "--trace-file", "t.json"]).expect("parses");
+        let Command::Serve(s) = cli.command else { panic!("not serve") };
+        let settings = s.trace.settings();
+        assert_eq!(settings.otlp_endpoint.as_deref(), Some("http://127.0.0.1:4317"));
+        assert_eq!(settings.otlp_protocol.as_deref(), Some("grpc"));
+        assert_eq!(settings.trace_file, Some(PathBuf::from("t.json")));
+        let cli = Cli::try_parse_from(["pdflow", "trace", "render", "t.json", "--out", "timeline.html"]).expect("parses");
+        let Command::Trace(TraceCmd::Render(r)) = cli.command else { panic!("not trace render") };
+        assert_eq!((r.trace, r.out), (PathBuf::from("t.json"), PathBuf::from("timeline.html")));
+        assert!(Cli::try_parse_from(["pdflow", "trace", "render", "t.json"]).is_err(), "--out is required");
     }
 }

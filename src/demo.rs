@@ -13,6 +13,7 @@ use pdflow_actors::proxy::{PrefillTarget, ProxyArgs};
 use pdflow_actors::scheduler_connector::KvRole;
 use pdflow_observability::attrs;
 use pdflow_observability::capture::SpanCapture;
+use pdflow_runtime::engine::scheduler::BlockStats;
 use pdflow_runtime::engine::{api, Engine, EngineConfig};
 use pdflow_runtime::memory::{KvCache, KvShape};
 use pdflow_runtime::transfer::tcp::TcpConfig;
@@ -106,7 +107,7 @@ async fn post_json(client: &reqwest::Client, url: &str, body: &serde_json::Value
     serde_json::from_str(&text).map_err(|e| err(format!("not JSON ({e}): {text}")))
 }
 
-async fn wait_ready(client: &reqwest::Client, url: &str, deadline: Duration) -> Result<(), DemoError> {
+pub async fn wait_ready(client: &reqwest::Client, url: &str, deadline: Duration) -> Result<(), DemoError> {
     let until = Instant::now() + deadline;
     while Instant::now() < until {
         if let Ok(r) = client.get(format!("{url}/health")).send().await {
@@ -123,37 +124,61 @@ fn token_ids(v: &serde_json::Value) -> Vec<u64> {
     v["choices"][0]["token_ids"].as_array().map(|a| a.iter().filter_map(|t| t.as_u64()).collect()).unwrap_or_default()
 }
 
+/// One producer (whose TP0 launches the bootstrap), one consumer and the proxy, on loopback, in
+/// this process: the demo's setup, also used by `pdflow bench e2e`.
+pub struct LocalCluster {
+    pub prefill: EngineNode,
+    pub decode: EngineNode,
+    pub proxy: ProxyNode,
+    pub client: reqwest::Client,
+}
+
+impl LocalCluster {
+    /// Starts the three nodes and waits (bounded) until the proxy is ready.
+    pub async fn start(opts: &DemoOptions, verify_checksums: bool) -> Result<Self, DemoError> {
+        let node_cfg = |role: KvRole, bootstrap: BootstrapPlacement, id: &str| EngineNodeConfig {
+            role,
+            host: "127.0.0.1".into(),
+            port: 0,
+            engine: engine_config(opts, id),
+            bootstrap,
+            deadlines: opts.deadlines,
+            tcp: TcpConfig::default(),
+            verify_checksums,
+        };
+        let prefill = EngineNode::start(node_cfg(KvRole::Producer, BootstrapPlacement::Launch { port: 0 }, &format!("prefill-{}", uuid::Uuid::new_v4()))).await?;
+        let decode = EngineNode::start(node_cfg(KvRole::Consumer, BootstrapPlacement::None, &format!("decode-{}", uuid::Uuid::new_v4()))).await?;
+        let bootstrap_port = prefill.bootstrap.as_ref().map(|b| b.addr.port()).unwrap_or(crate::config::DEFAULT_BOOTSTRAP_PORT);
+        let proxy = ProxyNode::start(ProxyArgs {
+            bind: SocketAddr::from(([127, 0, 0, 1], 0)),
+            prefill: vec![PrefillTarget { url: prefill.url(), bootstrap_port }],
+            decode: vec![decode.url()],
+            health_interval: Duration::from_millis(50),
+            upstream_timeout: Duration::from_secs(120),
+            ready_timeout: None,
+        })
+        .await?;
+        let client = reqwest::Client::builder().no_proxy().build().map_err(|e| DemoError::Http { url: String::new(), reason: e.to_string() })?;
+        wait_ready(&client, &proxy.url(), Duration::from_secs(30)).await?;
+        Ok(Self { prefill, decode, proxy, client })
+    }
+
+    /// Stops every node; returns P's and D's final block stats.
+    pub async fn shutdown(self) -> (BlockStats, BlockStats) {
+        self.proxy.shutdown().await;
+        let stats = (self.prefill.engine.block_stats(), self.decode.engine.block_stats());
+        self.prefill.shutdown().await;
+        self.decode.shutdown().await;
+        stats
+    }
+}
+
 /// Runs the seed scenario. `capture` must be installed as a `tracing` layer.
 pub async fn run(opts: DemoOptions, capture: SpanCapture) -> Result<DemoReport, DemoError> {
     capture.clear();
-    let node_cfg = |role: KvRole, bootstrap: BootstrapPlacement, id: &str| EngineNodeConfig {
-        role,
-        host: "127.0.0.1".into(),
-        port: 0,
-        engine: engine_config(&opts, id),
-        bootstrap,
-        deadlines: opts.deadlines,
-        tcp: TcpConfig::default(),
-        verify_checksums: true,
-    };
-    let prefill = EngineNode::start(node_cfg(KvRole::Producer, BootstrapPlacement::Launch { port: 0 }, &format!("prefill-{}", uuid::Uuid::new_v4()))).await?;
-    let decode = EngineNode::start(node_cfg(KvRole::Consumer, BootstrapPlacement::None, &format!("decode-{}", uuid::Uuid::new_v4()))).await?;
-    let bootstrap_port = prefill.bootstrap.as_ref().map(|b| b.addr.port()).unwrap_or(crate::config::DEFAULT_BOOTSTRAP_PORT);
-    let proxy = ProxyNode::start(ProxyArgs {
-        bind: SocketAddr::from(([127, 0, 0, 1], 0)),
-        prefill: vec![PrefillTarget { url: prefill.url(), bootstrap_port }],
-        decode: vec![decode.url()],
-        health_interval: Duration::from_millis(50),
-        upstream_timeout: Duration::from_secs(120),
-        ready_timeout: None,
-    })
-    .await?;
-    let client = reqwest::Client::builder().no_proxy().build().map_err(|e| DemoError::Http { url: String::new(), reason: e.to_string() })?;
-    let result = drive(&opts, &client, &proxy, &capture).await;
-    proxy.shutdown().await;
-    let (p_free, d_free) = (prefill.engine.block_stats(), decode.engine.block_stats());
-    prefill.shutdown().await;
-    decode.shutdown().await;
+    let cluster = LocalCluster::start(&opts, true).await?;
+    let result = drive(&opts, &cluster.client, &cluster.proxy, &capture).await;
+    let (p_free, d_free) = cluster.shutdown().await;
     let mut report = result?;
     for (side, stats) in [("P", p_free), ("D", d_free)] {
         if stats.free != stats.total {
@@ -165,7 +190,6 @@ pub async fn run(opts: DemoOptions, capture: SpanCapture) -> Result<DemoReport, 
 }
 
 async fn drive(opts: &DemoOptions, client: &reqwest::Client, proxy: &ProxyNode, capture: &SpanCapture) -> Result<DemoReport, DemoError> {
-    wait_ready(client, &proxy.url(), Duration::from_secs(30)).await?;
     let body = serde_json::json!({
         "model": "Qwen/Qwen3-8B",
         "prompt": seed_prompt(opts.prompt_tokens),

@@ -6,28 +6,38 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use clap::Parser;
-use pdflow::cli::{BenchCmd, Cli, Command, DemoArgs};
+use pdflow::cli::{BenchCmd, Cli, Command, DemoArgs, TraceArgs, TraceCmd};
 use pdflow::config::VllmEnv;
 use pdflow::demo::{self, DemoOptions};
 use pdflow::node::{BootstrapNode, EngineNode, ProxyNode};
 use pdflow_observability::capture::SpanCapture;
+use pdflow_observability::export::{self, ExportConfig, TraceExport};
 use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::util::SubscriberInitExt;
 use tracing_subscriber::EnvFilter;
 
-fn init_tracing(capture: Option<SpanCapture>) {
+/// Installs the log output, the demo's capture and the trace exporters (each optional).
+fn init_tracing(capture: Option<SpanCapture>, export: Option<&TraceExport>) {
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("warn"));
     let fmt = tracing_subscriber::fmt::layer().with_writer(std::io::stderr).with_filter(filter);
     use tracing_subscriber::Layer as _;
-    let registry = tracing_subscriber::registry().with(fmt);
-    match capture {
-        Some(c) => {
-            let _ = registry.with(c).try_init();
-        }
-        None => {
-            let _ = registry.try_init();
-        }
+    let _ = tracing_subscriber::registry().with(fmt).with(capture).with(export.and_then(TraceExport::layer)).try_init();
+}
+
+/// Starts the exporters `args` ask for; `service` names the node (`None`: by step, the demo).
+fn start_export(args: &TraceArgs, service: Option<&str>) -> anyhow::Result<TraceExport> {
+    let config = ExportConfig::from_settings(&args.settings(), service)
+        .map_err(|e| anyhow::anyhow!("invalid trace export settings:\n  {}", e.iter().map(|e| e.to_string()).collect::<Vec<_>>().join("\n  ")))?;
+    TraceExport::start(&config).context("starting trace export")
+}
+
+/// Sends what is left and writes the trace file, within a deadline.
+fn finish_export(export: &TraceExport, keep: fn(&[export::FinishedSpan]) -> Vec<export::FinishedSpan>) -> anyhow::Result<()> {
+    tokio::task::block_in_place(|| export.finish(Duration::from_secs(5), keep)).context("finishing trace export")?;
+    if let Some(path) = export.trace_file() {
+        eprintln!("trace written to {}", path.display());
     }
+    Ok(())
 }
 
 fn ready_line(value: serde_json::Value) {
@@ -56,7 +66,8 @@ async fn wait_for_shutdown_signal() {
 
 async fn run_demo(args: DemoArgs) -> anyhow::Result<bool> {
     let capture = SpanCapture::new();
-    init_tracing(Some(capture.clone()));
+    let trace_export = start_export(&args.trace, None)?;
+    init_tracing(Some(capture.clone()), Some(&trace_export));
     let opts = DemoOptions { prompt_tokens: args.prompt_tokens, max_tokens: args.max_tokens, shape: args.kv_shape, num_blocks: args.num_blocks, ..DemoOptions::default() };
     println!(
         "pdflow demo: 1 prefill (P, launches bootstrap) + 1 decode (D) + proxy on 127.0.0.1; one request of {} prompt tokens, max_tokens {}",
@@ -72,6 +83,7 @@ async fn run_demo(args: DemoArgs) -> anyhow::Result<bool> {
         println!("PROBLEM: {p}");
     }
     println!("verified: {}", report.verified);
+    finish_export(&trace_export, export::keep_request_and_startup_traces)?;
     if let Some(path) = &args.json {
         let json = serde_json::to_string_pretty(&report).context("serialising the report")?;
         std::fs::write(path, json).with_context(|| format!("writing {}", path.display()))?;
@@ -83,17 +95,25 @@ async fn run_demo(args: DemoArgs) -> anyhow::Result<bool> {
 async fn run(cli: Cli) -> anyhow::Result<bool> {
     match cli.command {
         Command::Demo(args) => run_demo(args).await,
+        Command::Trace(TraceCmd::Render(args)) => {
+            let summary = pdflow_observability::render::render_file(&args.trace, &args.out, args.trace_id.as_deref())?;
+            println!("{summary}");
+            println!("timeline written to {}", args.out.display());
+            Ok(true)
+        }
         Command::Bench(cmd) => {
-            init_tracing(None);
+            let capture = SpanCapture::new();
+            init_tracing(Some(capture.clone()), None);
             match cmd {
                 BenchCmd::Transfer(o) => pdflow::bench::transfer::run(o).await?,
-                BenchCmd::E2e(o) => pdflow::bench::e2e::run(o).await?,
+                BenchCmd::E2e(o) => pdflow::bench::e2e::run(o, capture).await?,
                 BenchCmd::Proxy(o) => pdflow::bench::proxy::run(o).await?,
             }
             Ok(true)
         }
         Command::Bootstrap(args) => {
-            init_tracing(None);
+            let trace_export = start_export(&args.trace, Some(export::SERVICE_BOOTSTRAP))?;
+            init_tracing(None, Some(&trace_export));
             let env = VllmEnv::from_env().map_err(|e| anyhow::anyhow!(e.iter().map(|e| e.to_string()).collect::<Vec<_>>().join("\n")))?;
             let addr = format!("{}:{}", args.host, args.port.unwrap_or(env.bootstrap_port));
             let bind = addr.parse().with_context(|| format!("--host/--port {addr} is not an IP address and port"))?;
@@ -101,19 +121,24 @@ async fn run(cli: Cli) -> anyhow::Result<bool> {
             ready_line(serde_json::json!({"event": "ready", "service": "bootstrap", "addr": node.addr.to_string()}));
             wait_for_shutdown_signal().await;
             node.shutdown().await;
+            finish_export(&trace_export, export::keep_all)?;
             Ok(true)
         }
         Command::Proxy(cmd) => {
-            init_tracing(None);
+            let trace_export = start_export(&cmd.trace, Some(export::SERVICE_PROXY))?;
+            init_tracing(None, Some(&trace_export));
             let args = cmd.to_args().map_err(|e| anyhow::anyhow!("invalid proxy arguments:\n  {}", e.join("\n  ")))?;
             let node = ProxyNode::start(args).await?;
             ready_line(serde_json::json!({"event": "ready", "service": "proxy", "addr": node.addr.to_string()}));
             wait_for_shutdown_signal().await;
             node.shutdown().await;
+            finish_export(&trace_export, export::keep_all)?;
             Ok(true)
         }
         Command::Serve(cmd) => {
-            init_tracing(None);
+            let service = if cmd.role == pdflow::cli::RoleArg::Producer { export::SERVICE_PREFILL } else { export::SERVICE_DECODE };
+            let trace_export = start_export(&cmd.trace, Some(service))?;
+            init_tracing(None, Some(&trace_export));
             let env = VllmEnv::from_env().map_err(|e| anyhow::anyhow!(e.iter().map(|e| e.to_string()).collect::<Vec<_>>().join("\n")))?;
             let cfg = cmd.to_config(&env).map_err(|e| anyhow::anyhow!("invalid serve arguments:\n  {}", e.join("\n  ")))?;
             let node = EngineNode::start(cfg).await?;
@@ -128,6 +153,7 @@ async fn run(cli: Cli) -> anyhow::Result<bool> {
             }));
             wait_for_shutdown_signal().await;
             tokio::time::timeout(Duration::from_secs(10), node.shutdown()).await.ok();
+            finish_export(&trace_export, export::keep_all)?;
             Ok(true)
         }
     }

@@ -33,13 +33,14 @@ fn ms(from: Instant, to: Instant) -> f64 {
     (d * 1e6).round() / 1e3
 }
 
-const FIGURES: [&str; 7] = [
+const FIGURES: [&str; 8] = [
     pdflow_observability::attrs::BLOCKS,
     pdflow_observability::attrs::BYTES,
     pdflow_observability::attrs::DESCRIPTORS,
     pdflow_observability::attrs::TOKENS,
     pdflow_observability::attrs::OUTCOME,
     pdflow_observability::attrs::KV_CHECKSUM,
+    pdflow_observability::attrs::BACKEND,
     pdflow_observability::attrs::ENGINE_ID,
 ];
 

@@ -284,6 +284,8 @@ impl SendWorker {
         let task = tokio::spawn(
             async move {
                 let result = transfer.write(&peer, &plan).await.map_err(|e| e.to_string());
+                // Which path moved the bytes (tcp, same-host…), for the trace.
+                tracing::Span::current().record(attrs::BACKEND, transfer.backend_for(&peer));
                 if me.tell(WriteDone { result }).await.is_err() {
                     tracing::warn!("send worker stopped before its write finished");
                 }

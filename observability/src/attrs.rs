@@ -11,3 +11,4 @@ pub const TOKENS: &str = "pd.tokens";
 pub const OUTCOME: &str = "pd.outcome";
 pub const TRACEPARENT: &str = "pd.traceparent";
 pub const KV_CHECKSUM: &str = "pd.kv_checksum";
+pub const BACKEND: &str = "pd.backend";

@@ -9,12 +9,16 @@
 //! - [`steps`] — the catalogue: number, short name, owning actor, side, span name.
 //! - [`attrs`] — attribute keys.
 //! - [`capture`] — an in-process `tracing` layer that records step spans (the demo's timeline).
-//!
-//! Exporters (OTLP, Jaeger file) and metrics come with the tracing issue.
+//! - [`trace_context`] — W3C `traceparent` parsing and OpenTelemetry ids.
+//! - [`export`] — exporters chosen at run time: OTLP (gRPC, HTTP/protobuf), a Jaeger JSON file.
+//! - [`render`] — `pdflow trace render`: one request's timeline as self-contained HTML/SVG.
 
 pub mod attrs;
 pub mod capture;
+pub mod export;
+pub mod render;
 pub mod steps;
+pub mod trace_context;
 
 pub use steps::{Step, STEPS};
 
@@ -57,6 +61,7 @@ macro_rules! step_span {
             pd.outcome = tracing::field::Empty,
             pd.traceparent = tracing::field::Empty,
             pd.kv_checksum = tracing::field::Empty,
+            pd.backend = tracing::field::Empty,
         )
     };
 }

@@ -16,6 +16,12 @@ pub struct Row {
     pub min_ms: Option<f64>,
     pub max_ms: Option<f64>,
     pub gbps: Option<f64>,
+    /// Latency benchmarks: the 99th percentile.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub p99_ms: Option<f64>,
+    /// Throughput benchmarks: completed requests per second.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub requests_per_s: Option<f64>,
 }
 
 /// Median, min and max of samples in milliseconds (`None` for no samples).
@@ -46,19 +52,32 @@ pub fn row(name: &str, backend: Option<&str>, plan: Option<&str>, concurrency: O
             (Some(b), Some(m)) if m > 0.0 => Some(b as f64 * concurrency.unwrap_or(1) as f64 / (m / 1e3) / 1e9),
             _ => None,
         },
+        p99_ms: None,
+        requests_per_s: None,
     }
+}
+
+/// The `q` quantile (0..=1) of samples, nearest rank.
+pub fn quantile(samples_ms: &[f64], q: f64) -> Option<f64> {
+    if samples_ms.is_empty() {
+        return None;
+    }
+    let mut s = samples_ms.to_vec();
+    s.sort_by(|a, b| a.total_cmp(b));
+    let rank = ((q * s.len() as f64).ceil() as usize).clamp(1, s.len());
+    Some(s[rank - 1])
 }
 
 /// The table a benchmark prints.
 pub fn render(rows: &[Row]) -> String {
     let f = |v: Option<f64>, p: usize| v.map(|v| format!("{v:.p$}")).unwrap_or_else(|| "-".into());
     let mut out = format!(
-        "{:<34} {:<10} {:<14} {:>5} {:>12} {:>10} {:>10} {:>10} {:>7}\n",
-        "name", "backend", "plan", "conc", "bytes", "median ms", "min ms", "max ms", "GB/s"
+        "{:<50} {:<10} {:<14} {:>5} {:>12} {:>10} {:>10} {:>10} {:>7} {:>9} {:>9}\n",
+        "name", "backend", "plan", "conc", "bytes", "median ms", "min ms", "max ms", "GB/s", "p99 ms", "req/s"
     );
     for r in rows {
         out.push_str(&format!(
-            "{:<34} {:<10} {:<14} {:>5} {:>12} {:>10} {:>10} {:>10} {:>7}\n",
+            "{:<50} {:<10} {:<14} {:>5} {:>12} {:>10} {:>10} {:>10} {:>7} {:>9} {:>9}\n",
             r.name,
             r.backend.as_deref().unwrap_or("-"),
             r.plan.as_deref().unwrap_or("-"),
@@ -68,6 +87,8 @@ pub fn render(rows: &[Row]) -> String {
             f(r.min_ms, 3),
             f(r.max_ms, 3),
             f(r.gbps, 2),
+            f(r.p99_ms, 3),
+            f(r.requests_per_s, 0),
         ));
     }
     out

@@ -5,6 +5,7 @@
 //! [`processes`] does the same with separate `pdflow` processes. [`reference_tokens`] runs a
 //! request on one engine alone — the output every P/D run must equal.
 
+pub mod otlp;
 pub mod processes;
 
 use std::net::SocketAddr;

@@ -37,6 +37,9 @@ pub(super) struct Poller {
     pub ready_timeout: Option<Duration>,
 }
 
+/// Consecutive failed health probes after which a serving target is taken out of rotation.
+pub const UNHEALTHY_AFTER: u32 = 3;
+
 /// What one P probe found.
 enum PrefillProbe {
     Unhealthy,
@@ -51,6 +54,9 @@ impl Poller {
         let mut discovered = vec![false; self.prefill.len()];
         let mut requested: BTreeSet<usize> = BTreeSet::new();
         let mut round: u64 = 0;
+        // Consecutive failed probes per target: one slow probe on a loaded engine is not an outage.
+        let mut p_failures = vec![0u32; self.prefill.len()];
+        let mut d_failures = vec![0u32; self.decode.len()];
         loop {
             let requery_all = round > 0 && round.is_multiple_of(REQUERY_EVERY);
             let p_probes = self.prefill.iter().enumerate().map(|(i, (url, bootstrap))| {
@@ -68,20 +74,29 @@ impl Poller {
             for (i, probe) in p_results.into_iter().enumerate() {
                 match probe {
                     PrefillProbe::Unhealthy => {
-                        discovered[i] = false;
-                        reports.push(Report::Health(TargetHealth { pool: Pool::Prefill, index: i, healthy: false }));
+                        p_failures[i] += 1;
+                        // Before discovery every failure counts; after, only a run of them.
+                        if !discovered[i] || p_failures[i] >= UNHEALTHY_AFTER {
+                            discovered[i] = false;
+                            reports.push(Report::Health(TargetHealth { pool: Pool::Prefill, index: i, healthy: false }));
+                        }
                     }
                     PrefillProbe::Healthy => {
+                        p_failures[i] = 0;
                         reports.push(Report::Health(TargetHealth { pool: Pool::Prefill, index: i, healthy: true }))
                     }
                     PrefillProbe::Discovered(dp_engine_id) => {
+                        p_failures[i] = 0;
                         discovered[i] = true;
                         reports.push(Report::Discovered(PrefillDiscovered { prefill_index: i, dp_engine_id }));
                     }
                 }
             }
             for (j, healthy) in d_results.into_iter().enumerate() {
-                reports.push(Report::Health(TargetHealth { pool: Pool::Decode, index: j, healthy }));
+                d_failures[j] = if healthy { 0 } else { d_failures[j] + 1 };
+                if healthy || d_failures[j] >= UNHEALTHY_AFTER {
+                    reports.push(Report::Health(TargetHealth { pool: Pool::Decode, index: j, healthy }));
+                }
             }
             if let Some(deadline) = ready_deadline {
                 if !deadline_reported && Instant::now() >= deadline {
