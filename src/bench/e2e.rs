@@ -143,7 +143,7 @@ fn split_rows(name: &str, splits: &[Split]) -> Vec<Row> {
     ];
     parts
         .iter()
-        .map(|(label, f)| report::row(&format!("{name}: {label}"), Some("tcp"), None, Some(1), Some(148_635_648), &col(*f)))
+        .map(|(label, f)| report::row(&format!("{name}: {label}"), Some("auto"), None, Some(1), Some(148_635_648), &col(*f)))
         .map(|mut r| {
             r.gbps = None;
             r
@@ -168,7 +168,7 @@ pub async fn run(opts: Options, capture: SpanCapture) -> anyhow::Result<()> {
     rows.extend(split_rows(&format!("seed, median of {}", opts.runs), &splits));
     for &c in &opts.concurrency {
         let (samples, wall) = small_load(&cluster, opts.small_requests, c).await?;
-        let mut r = report::row("128-token prompts, max_tokens 4", Some("tcp"), None, Some(c as u32), None, &samples);
+        let mut r = report::row("128-token prompts, max_tokens 4", Some("auto"), None, Some(c as u32), None, &samples);
         r.p99_ms = quantile(&samples, 0.99);
         r.requests_per_s = Some(samples.len() as f64 / wall.as_secs_f64());
         rows.push(r);

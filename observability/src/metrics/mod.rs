@@ -1,0 +1,278 @@
+//! `/metrics`: the step spans as Prometheus metrics (text exposition format 0.0.4).
+//!
+//! [`MetricsLayer`] watches every step span (target `pdflow::step`) close and observes, into one
+//! registry per process ([`global`]):
+//! - `pdflow_step_duration_seconds{service,step,name}` — every step's latency;
+//! - `pdflow_transfer_bytes`, `pdflow_transfer_duration_seconds`, `pdflow_transfer_descriptors`,
+//!   `pdflow_transfer_blocks` `{service,side}` — step 29 on P (`side="p"`, failures included, unlike
+//!   Mooncake which records successes only) and step 34 on D (`side="d"`: the duration runs from
+//!   step 21's start to step 34; bytes are blocks × [`Metrics::set_block_bytes`] when set);
+//! - `pdflow_failures_total{service,step,cause}` — step spans whose `pd.outcome` is not a success;
+//! - `pdflow_pulls_in_flight{service,side}` — D: pulls sent (step 21) not yet settled (step 34);
+//!   P: pulls received (step 22) not yet answered (step 30);
+//! - gauges registered with [`Metrics::register_gauge`], read at scrape time, and per-endpoint
+//!   gauges passed to [`Metrics::render_with`] (the engine's blocks held).
+//!
+//! `service` is the step's side in the catalogue (`proxy`, `prefill`, `decode`), so that in
+//! `pdflow demo`, where every node shares one process, P's and D's series stay apart.
+
+mod expo;
+mod layer;
+#[cfg(test)]
+mod tests;
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+pub use expo::{parse_histogram, ParsedHistogram};
+pub use layer::MetricsLayer;
+
+use crate::steps::{self, Side};
+use expo::{Family, Histogram, Kind};
+
+/// The `Content-Type` of a `/metrics` response.
+pub const CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
+
+/// Latency buckets, in seconds: 100 µs … 60 s.
+pub const DURATION_BUCKETS: &[f64] =
+    &[0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0];
+/// Byte buckets: 1 KiB × 4ⁿ up to 16 GiB.
+pub const BYTES_BUCKETS: &[f64] = &[
+    1024.0, 4096.0, 16384.0, 65536.0, 262144.0, 1048576.0, 4194304.0, 16777216.0, 67108864.0, 268435456.0, 1073741824.0,
+    4294967296.0, 17179869184.0,
+];
+/// Count buckets (descriptors, blocks): 1, 2, 4 … 65536.
+pub const COUNT_BUCKETS: &[f64] =
+    &[1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0, 8192.0, 16384.0, 32768.0, 65536.0];
+
+/// Distinct failure causes kept per step before further ones are counted as `other`.
+const MAX_CAUSES_PER_STEP: usize = 32;
+/// A pull still pending after this long is forgotten (its end was never seen).
+const PENDING_PULL_TTL: Duration = Duration::from_secs(600);
+
+/// `pd.outcome` values that are not failures (besides HTTP 2xx codes).
+const SUCCESS_OUTCOMES: &[&str] =
+    &["ok", "ready", "received", "length", "stop", "LengthCapped", "Stopped", "freed_only"];
+
+/// The service label of a side.
+pub fn service_of(side: Side) -> &'static str {
+    match side {
+        Side::Proxy => "proxy",
+        Side::P => "prefill",
+        Side::D => "decode",
+    }
+}
+
+/// True when `outcome` (a span's `pd.outcome`) is a success.
+pub fn is_success(outcome: &str) -> bool {
+    SUCCESS_OUTCOMES.contains(&outcome) || (outcome.len() == 3 && outcome.starts_with('2') && outcome.bytes().all(|b| b.is_ascii_digit()))
+}
+
+/// One sample of a gauge: its labels and value.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GaugeSample {
+    pub labels: Vec<(&'static str, String)>,
+    pub value: f64,
+}
+
+/// A gauge family read at scrape time.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Gauge {
+    pub name: &'static str,
+    pub help: &'static str,
+    pub samples: Vec<GaugeSample>,
+}
+
+type GaugeFn = Arc<dyn Fn() -> Vec<GaugeSample> + Send + Sync>;
+
+/// What one finished step span tells the metrics.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct StepObservation {
+    pub step: u8,
+    pub start: Option<Instant>,
+    pub duration: Duration,
+    pub transfer_id: Option<String>,
+    pub bytes: Option<u64>,
+    pub descriptors: Option<u64>,
+    pub blocks: Option<u64>,
+    pub outcome: Option<String>,
+}
+
+type StepKey = (&'static str, u8);
+type SideKey = (&'static str, &'static str);
+
+#[derive(Default)]
+struct State {
+    steps: BTreeMap<StepKey, Histogram>,
+    transfer_bytes: BTreeMap<SideKey, Histogram>,
+    transfer_duration: BTreeMap<SideKey, Histogram>,
+    transfer_descriptors: BTreeMap<SideKey, Histogram>,
+    transfer_blocks: BTreeMap<SideKey, Histogram>,
+    failures: BTreeMap<StepKey, BTreeMap<String, u64>>,
+    /// D: transfer_id → when its pull was sent (step 21 start).
+    d_pending: HashMap<String, Instant>,
+    /// P: transfer_id → when its pull arrived (step 22 start).
+    p_pending: HashMap<String, Instant>,
+}
+
+/// The registry: one per process ([`global`]); tests make their own with [`Metrics::new`].
+pub struct Metrics {
+    state: Mutex<State>,
+    gauges: Mutex<Vec<(&'static str, &'static str, GaugeFn)>>,
+    block_bytes: AtomicU64,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self { state: Mutex::new(State::default()), gauges: Mutex::new(Vec::new()), block_bytes: AtomicU64::new(0) }
+    }
+}
+
+/// The process's registry.
+pub fn global() -> &'static Arc<Metrics> {
+    static GLOBAL: OnceLock<Arc<Metrics>> = OnceLock::new();
+    GLOBAL.get_or_init(|| Arc::new(Metrics::default()))
+}
+
+impl Metrics {
+    pub fn new() -> Arc<Self> {
+        Arc::new(Self::default())
+    }
+
+    /// Bytes of one KV block (all layers, K and V), so that D's step-34 observations carry bytes.
+    pub fn set_block_bytes(&self, bytes: u64) {
+        self.block_bytes.store(bytes, Ordering::Relaxed);
+    }
+
+    /// Adds a gauge family read at every scrape (`f` must be quick and must not block).
+    pub fn register_gauge(&self, name: &'static str, help: &'static str, f: impl Fn() -> Vec<GaugeSample> + Send + Sync + 'static) {
+        self.gauges.lock().unwrap_or_else(|p| p.into_inner()).push((name, help, Arc::new(f)));
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// A step span opened: remember when a pull starts (steps 21 and 22).
+    pub(crate) fn on_step_start(&self, step: u8, transfer_id: Option<&str>, at: Instant) {
+        let Some(tid) = transfer_id.filter(|t| !t.is_empty()) else { return };
+        if step == steps::D_SEND_PULL_META.number {
+            self.lock().d_pending.entry(tid.to_owned()).or_insert(at);
+        } else if step == steps::P_PULL_WAIT_READY.number {
+            self.lock().p_pending.entry(tid.to_owned()).or_insert(at);
+        }
+    }
+
+    /// A step span closed.
+    pub(crate) fn observe(&self, o: &StepObservation) {
+        let Some(step) = steps::by_number(o.step) else { return };
+        let service = service_of(step.side);
+        let block_bytes = self.block_bytes.load(Ordering::Relaxed);
+        let mut st = self.lock();
+        let st = &mut *st;
+        st.steps.entry((service, step.number)).or_insert_with(|| Histogram::new(DURATION_BUCKETS)).observe(o.duration.as_secs_f64());
+        if let Some(outcome) = o.outcome.as_deref().filter(|x| !x.is_empty() && !is_success(x)) {
+            let causes = st.failures.entry((service, step.number)).or_default();
+            let cause = if causes.len() < MAX_CAUSES_PER_STEP || causes.contains_key(outcome) { outcome } else { "other" };
+            *causes.entry(cause.to_owned()).or_insert(0) += 1;
+        }
+        let tid = o.transfer_id.as_deref().filter(|t| !t.is_empty());
+        let transfer = if step.number == steps::P_TRANSFER_WRITE.number {
+            Some(("p", o.duration, o.bytes))
+        } else if step.number == steps::D_PULL_RESULT.number && o.outcome.as_deref() != Some("freed_only") {
+            let since = tid.and_then(|t| st.d_pending.get(t).copied());
+            let duration = match (since, o.start) {
+                (Some(since), Some(start)) => start.saturating_duration_since(since) + o.duration,
+                _ => o.duration,
+            };
+            let bytes = o.bytes.or_else(|| o.blocks.filter(|_| block_bytes > 0).map(|b| b * block_bytes));
+            Some(("d", duration, bytes))
+        } else {
+            None
+        };
+        if let Some((side, duration, bytes)) = transfer {
+            let key = (service, side);
+            st.transfer_duration.entry(key).or_insert_with(|| Histogram::new(DURATION_BUCKETS)).observe(duration.as_secs_f64());
+            if let Some(b) = bytes {
+                st.transfer_bytes.entry(key).or_insert_with(|| Histogram::new(BYTES_BUCKETS)).observe(b as f64);
+            }
+            if let Some(d) = o.descriptors {
+                st.transfer_descriptors.entry(key).or_insert_with(|| Histogram::new(COUNT_BUCKETS)).observe(d as f64);
+            }
+            if let Some(b) = o.blocks {
+                st.transfer_blocks.entry(key).or_insert_with(|| Histogram::new(COUNT_BUCKETS)).observe(b as f64);
+            }
+        }
+        if let Some(t) = tid {
+            if step.number == steps::D_PULL_RESULT.number {
+                st.d_pending.remove(t);
+            } else if step.number == steps::P_REPLY_FINISH.number {
+                st.p_pending.remove(t);
+            }
+        }
+    }
+
+    /// The exposition text of everything in the registry.
+    pub fn render(&self) -> String {
+        self.render_with(&[])
+    }
+
+    /// The exposition text, plus `extra` gauges (an endpoint's own, e.g. its engine's blocks).
+    pub fn render_with(&self, extra: &[Gauge]) -> String {
+        let mut families = Vec::new();
+        {
+            let mut st = self.lock();
+            let now = Instant::now();
+            st.d_pending.retain(|_, at| now.saturating_duration_since(*at) < PENDING_PULL_TTL);
+            st.p_pending.retain(|_, at| now.saturating_duration_since(*at) < PENDING_PULL_TTL);
+            let mut step_family = Family::new("pdflow_step_duration_seconds", "Duration of each step of the seed's timeline (one span per step).", Kind::Histogram);
+            for ((service, n), h) in &st.steps {
+                let name = steps::by_number(*n).map(|s| s.short_name).unwrap_or("unknown");
+                step_family.histogram(vec![("service", (*service).to_owned()), ("step", n.to_string()), ("name", name.to_owned())], h);
+            }
+            families.push(step_family);
+            let side_families: [(&str, &str, &BTreeMap<SideKey, Histogram>); 4] = [
+                ("pdflow_transfer_bytes", "KV bytes per transfer (P: step 29; D: step 34, blocks x block bytes).", &st.transfer_bytes),
+                ("pdflow_transfer_duration_seconds", "KV transfer duration (P: step 29; D: step 21 start to step 34).", &st.transfer_duration),
+                ("pdflow_transfer_descriptors", "Coalesced descriptors per transfer (step 29).", &st.transfer_descriptors),
+                ("pdflow_transfer_blocks", "KV blocks per transfer (P: step 29; D: step 34).", &st.transfer_blocks),
+            ];
+            for (name, help, map) in side_families {
+                let mut f = Family::new(name, help, Kind::Histogram);
+                for ((service, side), h) in map {
+                    f.histogram(vec![("service", (*service).to_owned()), ("side", (*side).to_owned())], h);
+                }
+                families.push(f);
+            }
+            let mut failures = Family::new("pdflow_failures_total", "Step spans that ended in failure, by step and cause (pd.outcome).", Kind::Counter);
+            for ((service, n), causes) in &st.failures {
+                for (cause, count) in causes {
+                    failures.sample(vec![("service", (*service).to_owned()), ("step", n.to_string()), ("cause", cause.clone())], *count as f64);
+                }
+            }
+            families.push(failures);
+            let mut pulls = Family::new("pdflow_pulls_in_flight", "Pulls in flight: D sent (step 21) and not settled (34); P received (22) and not answered (30).", Kind::Gauge);
+            pulls.sample(vec![("service", "prefill".to_owned()), ("side", "p".to_owned())], st.p_pending.len() as f64);
+            pulls.sample(vec![("service", "decode".to_owned()), ("side", "d".to_owned())], st.d_pending.len() as f64);
+            families.push(pulls);
+        }
+        let registered: Vec<_> = self.gauges.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        let gauges = registered.iter().map(|(name, help, f)| Gauge { name, help, samples: f() }).chain(extra.iter().cloned());
+        for g in gauges {
+            // Two sources of one gauge (a registered one and an endpoint's) share one family.
+            let at = match families.iter().position(|f| f.name == g.name) {
+                Some(i) => i,
+                None => {
+                    families.push(Family::new(g.name, g.help, Kind::Gauge));
+                    families.len() - 1
+                }
+            };
+            for s in g.samples {
+                families[at].sample(s.labels, s.value);
+            }
+        }
+        expo::render(&families)
+    }
+}
