@@ -78,14 +78,21 @@ pub fn error_response(status: StatusCode, kind: &str, message: String) -> Respon
     (status, Json(body)).into_response()
 }
 
-/// The proxy's routes: `/v1/completions`, `/v1/chat/completions`, `/health`.
+/// The proxy's routes: `/v1/completions`, `/v1/chat/completions`, `/health`, `/metrics`.
 pub fn router(ctx: Arc<FlowContext>) -> Router {
     Router::new()
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/health", get(health))
+        .route("/metrics", get(metrics))
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(ctx)
+}
+
+/// `/metrics`: the process's step metrics (Prometheus text).
+async fn metrics() -> Response {
+    use pdflow_observability::metrics as m;
+    ([(header::CONTENT_TYPE, m::CONTENT_TYPE)], m::global().render()).into_response()
 }
 
 async fn health(State(ctx): State<Arc<FlowContext>>) -> Response {
@@ -111,16 +118,22 @@ async fn chat_completions(State(ctx): State<Arc<FlowContext>>, headers: HeaderMa
     serve(ctx, "/v1/chat/completions", headers, body).await
 }
 
-/// A W3C trace context: the client's if it sent one, else a new one.
-fn traceparent(headers: &HeaderMap) -> String {
+/// The request's W3C trace context, whose span id is the proxy's step-8 span: a child of the
+/// client's context when it sent a valid one (same trace, new span id; returned with the client's
+/// span id, step 8's parent), else a new trace.
+fn traceparent(headers: &HeaderMap) -> (String, Option<String>) {
+    let span = uuid::Uuid::new_v4().simple().to_string();
     if let Some(tp) = headers.get("traceparent").and_then(|v| v.to_str().ok()) {
-        if tp.len() == 55 && tp.split('-').count() == 4 {
-            return tp.to_owned();
+        let parts: Vec<&str> = tp.split('-').collect();
+        if let [version, trace, parent, flags] = parts[..] {
+            let hex = |s: &str, n: usize| s.len() == n && s.bytes().all(|b| b.is_ascii_hexdigit());
+            if hex(version, 2) && hex(trace, 32) && hex(parent, 16) && hex(flags, 2) && trace.bytes().any(|b| b != b'0') {
+                return (format!("00-{}-{}-{flags}", trace.to_ascii_lowercase(), &span[..16]), Some(parent.to_ascii_lowercase()));
+            }
         }
     }
     let trace = uuid::Uuid::new_v4().simple().to_string();
-    let span = uuid::Uuid::new_v4().simple().to_string();
-    format!("00-{trace}-{}-01", &span[..16])
+    (format!("00-{trace}-{}-01", &span[..16]), None)
 }
 
 /// P's body (step 9): one token, not streamed, `do_remote_decode`.
@@ -200,8 +213,11 @@ async fn serve(ctx: Arc<FlowContext>, api: &'static str, headers: HeaderMap, bod
             return error_response(StatusCode::SERVICE_UNAVAILABLE, "service_unavailable", "proxy did not answer".into());
         }
     };
-    let traceparent = traceparent(&headers);
+    let (traceparent, client_parent) = traceparent(&headers);
     step8.record(attrs::TRACEPARENT, traceparent.as_str());
+    if let Some(parent) = &client_parent {
+        step8.record(attrs::CLIENT_PARENT, parent.as_str());
+    }
     step8.record(attrs::ENGINE_ID, route.prefill_engine_id.as_str());
     drop(step8);
     let up_headers = upstream_headers(&headers, &request_id, &traceparent);
@@ -445,5 +461,25 @@ impl Relay {
         } else {
             Err(std::io::Error::other(message))
         }
+    }
+}
+
+#[cfg(test)]
+mod traceparent_tests {
+    use super::*;
+
+    #[test]
+    fn a_client_traceparent_becomes_the_parent_of_a_new_span_in_the_same_trace() {
+        let mut headers = HeaderMap::new();
+        headers.insert("traceparent", "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01".parse().expect("header"));
+        let (tp, parent) = traceparent(&headers);
+        assert!(tp.starts_with("00-0af7651916cd43dd8448eb211c80319c-"), "same trace: {tp}");
+        assert!(!tp.contains("b7ad6b7169203331"), "a new span id, not the client's: {tp}");
+        assert_eq!(parent.as_deref(), Some("b7ad6b7169203331"));
+        headers.insert("traceparent", "00-00000000000000000000000000000000-b7ad6b7169203331-01".parse().expect("header"));
+        let (tp, parent) = traceparent(&headers);
+        assert!(parent.is_none() && !tp.contains("0000000000000000000000000000000"), "an invalid context starts a new trace: {tp}");
+        let (tp, parent) = traceparent(&HeaderMap::new());
+        assert_eq!((tp.len(), parent), (55, None));
     }
 }

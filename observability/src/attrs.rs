@@ -12,3 +12,5 @@ pub const OUTCOME: &str = "pd.outcome";
 pub const TRACEPARENT: &str = "pd.traceparent";
 pub const KV_CHECKSUM: &str = "pd.kv_checksum";
 pub const BACKEND: &str = "pd.backend";
+/// Step 8 only: the span id of the client's own span, when the client sent a traceparent.
+pub const CLIENT_PARENT: &str = "pd.client_parent";

@@ -11,11 +11,13 @@
 //! - [`capture`] — an in-process `tracing` layer that records step spans (the demo's timeline).
 //! - [`trace_context`] — W3C `traceparent` parsing and OpenTelemetry ids.
 //! - [`export`] — exporters chosen at run time: OTLP (gRPC, HTTP/protobuf), a Jaeger JSON file.
+//! - [`metrics`] — `/metrics`: step spans as Prometheus histograms, counters and gauges.
 //! - [`render`] — `pdflow trace render`: one request's timeline as self-contained HTML/SVG.
 
 pub mod attrs;
 pub mod capture;
 pub mod export;
+pub mod metrics;
 pub mod render;
 pub mod steps;
 pub mod trace_context;
@@ -62,6 +64,7 @@ macro_rules! step_span {
             pd.traceparent = tracing::field::Empty,
             pd.kv_checksum = tracing::field::Empty,
             pd.backend = tracing::field::Empty,
+            pd.client_parent = tracing::field::Empty,
         )
     };
 }

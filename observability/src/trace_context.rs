@@ -35,6 +35,18 @@ impl SpanId {
         }
         Self(id)
     }
+    /// Parses 16 lowercase or uppercase hex digits; `None` for anything else or all zeros.
+    pub fn parse_hex(s: &str) -> Option<Self> {
+        if s.len() != 16 {
+            return None;
+        }
+        let mut out = [0u8; 8];
+        for (i, byte) in out.iter_mut().enumerate() {
+            *byte = u8::from_str_radix(s.get(2 * i..2 * i + 2)?, 16).ok()?;
+        }
+        (out != [0; 8]).then_some(Self(out))
+    }
+
     /// Lower-case hex, 16 characters.
     pub fn to_hex(&self) -> String {
         hex(&self.0)
@@ -121,6 +133,15 @@ pub(crate) fn unhex<const N: usize>(s: &str) -> Option<[u8; N]> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn span_ids_parse_from_hex() {
+        let id = SpanId::random();
+        assert_eq!(SpanId::parse_hex(&id.to_hex()), Some(id));
+        assert_eq!(SpanId::parse_hex("0000000000000000"), None);
+        assert_eq!(SpanId::parse_hex("b7ad6b716920333"), None);
+        assert_eq!(SpanId::parse_hex("b7ad6b71692033zz"), None);
+    }
 
     #[test]
     fn parses_and_prints_the_w3c_example() {

@@ -234,7 +234,11 @@ impl<S: Subscriber + for<'a> LookupSpan<'a>> Layer<S> for ExportLayer {
         };
         let (trace_id, parent) = match (context, state.trace) {
             // Step 8 with its traceparent is the request's root: P's and D's spans name it.
-            (Some(tp), _) if state.step == steps::CLIENT_REQUEST.number && state.own.is_some() => (tp.trace_id, None),
+            // Its parent is the client's span when the client sent a traceparent.
+            (Some(tp), _) if state.step == steps::CLIENT_REQUEST.number && state.own.is_some() => {
+                let client = state.text(attrs::CLIENT_PARENT).and_then(|s| SpanId::parse_hex(&s));
+                (tp.trace_id, client)
+            }
             (Some(tp), _) => (tp.trace_id, enclosing_in(tp.trace_id).or(Some(tp.span_id))),
             (None, Some(startup)) => (startup, enclosing_in(startup)),
             (None, None) => match ancestor {
