@@ -12,16 +12,18 @@ use pdflow::demo::{self, DemoOptions};
 use pdflow::node::{BootstrapNode, EngineNode, ProxyNode};
 use pdflow_observability::capture::SpanCapture;
 use pdflow_observability::export::{self, ExportConfig, TraceExport};
+use pdflow_observability::metrics::{self, MetricsLayer};
 use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::util::SubscriberInitExt;
 use tracing_subscriber::EnvFilter;
 
-/// Installs the log output, the demo's capture and the trace exporters (each optional).
-fn init_tracing(capture: Option<SpanCapture>, export: Option<&TraceExport>) {
+/// Installs the log output, the demo's capture, the trace exporters and the `/metrics` layer
+/// (each optional).
+fn init_tracing(capture: Option<SpanCapture>, export: Option<&TraceExport>, metrics: Option<MetricsLayer>) {
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("warn"));
     let fmt = tracing_subscriber::fmt::layer().with_writer(std::io::stderr).with_filter(filter);
     use tracing_subscriber::Layer as _;
-    let _ = tracing_subscriber::registry().with(fmt).with(capture).with(export.and_then(TraceExport::layer)).try_init();
+    let _ = tracing_subscriber::registry().with(fmt).with(capture).with(export.and_then(TraceExport::layer)).with(metrics).try_init();
 }
 
 /// Starts the exporters `args` ask for; `service` names the node (`None`: by step, the demo).
@@ -67,7 +69,8 @@ async fn wait_for_shutdown_signal() {
 async fn run_demo(args: DemoArgs) -> anyhow::Result<bool> {
     let capture = SpanCapture::new();
     let trace_export = start_export(&args.trace, None)?;
-    init_tracing(Some(capture.clone()), Some(&trace_export));
+    init_tracing(Some(capture.clone()), Some(&trace_export), Some(MetricsLayer::global()));
+    metrics::global().set_block_bytes(args.kv_shape.bytes_per_block() as u64);
     let opts = DemoOptions { prompt_tokens: args.prompt_tokens, max_tokens: args.max_tokens, shape: args.kv_shape, num_blocks: args.num_blocks, ..DemoOptions::default() };
     println!(
         "pdflow demo: 1 prefill (P, launches bootstrap) + 1 decode (D) + proxy on 127.0.0.1; one request of {} prompt tokens, max_tokens {}",
@@ -103,7 +106,7 @@ async fn run(cli: Cli) -> anyhow::Result<bool> {
         }
         Command::Bench(cmd) => {
             let capture = SpanCapture::new();
-            init_tracing(Some(capture.clone()), None);
+            init_tracing(Some(capture.clone()), None, None);
             match cmd {
                 BenchCmd::Transfer(o) => pdflow::bench::transfer::run(o).await?,
                 BenchCmd::E2e(o) => pdflow::bench::e2e::run(o, capture).await?,
@@ -113,7 +116,7 @@ async fn run(cli: Cli) -> anyhow::Result<bool> {
         }
         Command::Bootstrap(args) => {
             let trace_export = start_export(&args.trace, Some(export::SERVICE_BOOTSTRAP))?;
-            init_tracing(None, Some(&trace_export));
+            init_tracing(None, Some(&trace_export), None);
             let env = VllmEnv::from_env().map_err(|e| anyhow::anyhow!(e.iter().map(|e| e.to_string()).collect::<Vec<_>>().join("\n")))?;
             let addr = format!("{}:{}", args.host, args.port.unwrap_or(env.bootstrap_port));
             let bind = addr.parse().with_context(|| format!("--host/--port {addr} is not an IP address and port"))?;
@@ -126,7 +129,7 @@ async fn run(cli: Cli) -> anyhow::Result<bool> {
         }
         Command::Proxy(cmd) => {
             let trace_export = start_export(&cmd.trace, Some(export::SERVICE_PROXY))?;
-            init_tracing(None, Some(&trace_export));
+            init_tracing(None, Some(&trace_export), Some(MetricsLayer::global()));
             let args = cmd.to_args().map_err(|e| anyhow::anyhow!("invalid proxy arguments:\n  {}", e.join("\n  ")))?;
             let node = ProxyNode::start(args).await?;
             ready_line(serde_json::json!({"event": "ready", "service": "proxy", "addr": node.addr.to_string()}));
@@ -138,7 +141,8 @@ async fn run(cli: Cli) -> anyhow::Result<bool> {
         Command::Serve(cmd) => {
             let service = if cmd.role == pdflow::cli::RoleArg::Producer { export::SERVICE_PREFILL } else { export::SERVICE_DECODE };
             let trace_export = start_export(&cmd.trace, Some(service))?;
-            init_tracing(None, Some(&trace_export));
+            init_tracing(None, Some(&trace_export), Some(MetricsLayer::global()));
+            metrics::global().set_block_bytes(cmd.kv_shape.bytes_per_block() as u64);
             let env = VllmEnv::from_env().map_err(|e| anyhow::anyhow!(e.iter().map(|e| e.to_string()).collect::<Vec<_>>().join("\n")))?;
             let cfg = cmd.to_config(&env).map_err(|e| anyhow::anyhow!("invalid serve arguments:\n  {}", e.join("\n  ")))?;
             let node = EngineNode::start(cfg).await?;

@@ -123,9 +123,12 @@ pub struct ParsedHistogram {
     pub count: u64,
 }
 
+/// A sample line's series name, labels and value.
+type SampleLine<'a> = (&'a str, Vec<(String, String)>, f64);
+
 /// Splits `name{a="x",b="y"} value` into name, labels and value (no escapes inside values other
 /// than `\\`, `\"`, `\n`).
-fn parse_line(line: &str) -> Option<(&str, Vec<(String, String)>, f64)> {
+fn parse_line(line: &str) -> Option<SampleLine<'_>> {
     let (series, value) = line.rsplit_once(' ')?;
     let value = match value {
         "+Inf" => f64::INFINITY,

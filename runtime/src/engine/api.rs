@@ -29,6 +29,7 @@ pub fn router(handle: EngineHandle) -> Router {
         .route("/health", get(health))
         .route("/v1/models", get(models))
         .route("/pdflow/blocks", get(blocks))
+        .route("/metrics", get(metrics))
         .with_state(handle)
 }
 
@@ -97,6 +98,20 @@ async fn models(State(handle): State<EngineHandle>) -> Response {
 
 async fn blocks(State(handle): State<EngineHandle>) -> Response {
     Json(handle.block_stats()).into_response()
+}
+
+/// `/metrics`: the process's step metrics, plus this engine's blocks held (read now).
+async fn metrics(State(handle): State<EngineHandle>) -> Response {
+    use pdflow_observability::metrics::{self as m, Gauge, GaugeSample};
+    let stats = handle.block_stats();
+    let labels = || vec![("engine_id", handle.config().engine_id.clone())];
+    let gauge = |name, help, value: usize| Gauge { name, help, samples: vec![GaugeSample { labels: labels(), value: value as f64 }] };
+    let extra = [
+        gauge("pdflow_blocks_total", "KV blocks of the engine.", stats.total),
+        gauge("pdflow_blocks_held", "KV blocks allocated, including those held for a transfer (delayed free).", stats.total.saturating_sub(stats.free)),
+        gauge("pdflow_requests_held", "Requests the scheduler holds, including finished ones awaiting a delayed free.", stats.requests),
+    ];
+    ([(header::CONTENT_TYPE, m::CONTENT_TYPE)], m::global().render_with(&extra)).into_response()
 }
 
 /// What both endpoints ask of the engine, once parsed.
