@@ -47,7 +47,7 @@ struct Split {
     d_first_forward: f64,
 }
 
-fn first<'a>(spans: &'a [CapturedSpan], step: u8, after: Instant) -> Option<&'a CapturedSpan> {
+fn first(spans: &[CapturedSpan], step: u8, after: Instant) -> Option<&CapturedSpan> {
     spans.iter().filter(|s| s.step == step && s.start >= after).min_by_key(|s| s.start)
 }
 
@@ -128,10 +128,13 @@ async fn small_load(cluster: &LocalCluster, total: usize, concurrency: usize) ->
     Ok((all, started.elapsed()))
 }
 
+/// A labelled part of the TTFT split.
+type Part = (&'static str, fn(&Split) -> f64);
+
 fn split_rows(name: &str, splits: &[Split]) -> Vec<Row> {
     let col = |f: fn(&Split) -> f64| splits.iter().map(f).filter(|v| v.is_finite()).collect::<Vec<_>>();
     let overhead = |s: &Split| s.ttft - s.p_prefill - s.transfer - s.d_first_forward;
-    let parts: [(&str, fn(&Split) -> f64); 8] = [
+    let parts: [Part; 8] = [
         ("TTFT (client, streaming)", |s| s.ttft),
         ("  proxy (8→9/10)", |s| s.proxy),
         ("  P prefill (11–15)", |s| s.p_prefill),

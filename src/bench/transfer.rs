@@ -114,7 +114,8 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         let engine = Arc::new(AutoTransferEngine::new(p_cache.region_table(), config));
         // One bootstrap per P engine (a bootstrap serves one engine per dp rank).
         let bootstrap = BootstrapNode::start("127.0.0.1:0".parse()?).await?;
-        let measured = measure_backend(&opts, *backend, &engine, &p_cache, &d_cache, &d_addr, &bootstrap, &p_blocks, &mut rows).await;
+        let setup = Setup { engine: &engine, p_cache: &p_cache, d_cache: &d_cache, d_addr: &d_addr, bootstrap: &bootstrap, p_blocks: &p_blocks };
+        let measured = measure_backend(&opts, *backend, &setup, &mut rows).await;
         bootstrap.shutdown().await;
         if let Err(e) = measured {
             result = Err(e.context(format!("backend {backend:?}")));
@@ -151,23 +152,23 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
     Ok(())
 }
 
-#[allow(clippy::too_many_arguments)]
-async fn measure_backend(
-    opts: &Options,
-    backend: Backend,
-    engine: &Arc<AutoTransferEngine>,
-    p_cache: &Arc<KvCache>,
-    d_cache: &Arc<KvCache>,
-    d_addr: &str,
-    bootstrap: &BootstrapNode,
-    p_blocks: &[BlockId],
-    rows: &mut Vec<Row>,
-) -> anyhow::Result<()> {
+/// What one backend's measurements run on.
+struct Setup<'a> {
+    engine: &'a Arc<AutoTransferEngine>,
+    p_cache: &'a Arc<KvCache>,
+    d_cache: &'a Arc<KvCache>,
+    d_addr: &'a str,
+    bootstrap: &'a BootstrapNode,
+    p_blocks: &'a [BlockId],
+}
+
+async fn measure_backend(opts: &Options, backend: Backend, setup: &Setup<'_>, rows: &mut Vec<Row>) -> anyhow::Result<()> {
+    let Setup { engine, p_cache, d_cache, d_addr, p_blocks, .. } = *setup;
     let bytes = (p_blocks.len() * SHAPE.bytes_per_block()) as u64;
     let seed_d: Vec<BlockId> = D_BLOCKS.collect();
     if !opts.engine_only {
         let tag = format!("{backend:?}").to_lowercase();
-        measure_actors(opts, &tag, engine, p_cache, d_cache, d_addr, bootstrap, p_blocks, rows).await?;
+        measure_actors(opts, &tag, setup, rows).await?;
     }
 
     // The engine alone: the coalesced plan, the uncoalesced one, a 32 KiB write.
@@ -189,18 +190,8 @@ async fn measure_backend(
 }
 
 /// The actor rows: concurrency 1 (the cold first pull, then measured runs) and 8.
-#[allow(clippy::too_many_arguments)]
-async fn measure_actors(
-    opts: &Options,
-    tag: &str,
-    engine: &Arc<AutoTransferEngine>,
-    p_cache: &Arc<KvCache>,
-    d_cache: &Arc<KvCache>,
-    d_addr: &str,
-    bootstrap: &BootstrapNode,
-    p_blocks: &[BlockId],
-    rows: &mut Vec<Row>,
-) -> anyhow::Result<()> {
+async fn measure_actors(opts: &Options, tag: &str, setup: &Setup<'_>, rows: &mut Vec<Row>) -> anyhow::Result<()> {
+    let Setup { engine, p_cache, d_cache, d_addr, bootstrap, p_blocks } = *setup;
     let bytes = (p_blocks.len() * SHAPE.bytes_per_block()) as u64;
     let transfer: Arc<dyn TransferEngine> = engine.clone();
     let pair = ActorPair::start(tag, bootstrap, p_cache, transfer, d_cache, d_addr.to_string()).await?;
