@@ -24,6 +24,10 @@ cargo build --locked --bin pdflow
 status=0
 cargo test --locked --workspace -- --test-threads="${PDFLOW_TEST_THREADS:-2}" 2>&1 | tee "$log" || status=$?
 
+# The `cuda` feature builds everywhere (the driver is loaded at run time); without a GPU its tests
+# skip, saying why.
+cargo test --locked -p pdflow-runtime --features cuda --lib transfer::cuda -- --nocapture 2>&1 | tee -a "$log" || status=$?
+
 passed=$(grep -E '^test result:' "$log" | sed -E 's/.* ([0-9]+) passed.*/\1/' | awk '{s+=$1} END {print s+0}')
 failed=$(grep -E '^test result:' "$log" | sed -E 's/.* ([0-9]+) failed.*/\1/' | awk '{s+=$1} END {print s+0}')
 echo

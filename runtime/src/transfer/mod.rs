@@ -12,6 +12,8 @@
 mod auto;
 pub mod same_host;
 pub mod tcp;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 
 pub use auto::AutoTransferEngine;
 

@@ -1,0 +1,51 @@
+//! The cuda path's tests: they need a GPU and NVRTC, and skip with the reason printed otherwise.
+
+use super::*;
+use crate::planner::{Descriptor, TransferPlan};
+
+/// A context on GPU 0, or `None` after printing why the test skips.
+fn gpu0() -> Option<Arc<CudaContext>> {
+    match device_count() {
+        Err(e) => {
+            eprintln!("SKIP cuda test: {e}");
+            return None;
+        }
+        Ok(_) if !nvrtc_available() => {
+            eprintln!("SKIP cuda test: {}", CudaError::NoNvrtc);
+            return None;
+        }
+        Ok(_) => {}
+    }
+    Some(CudaContext::new(0).expect("GPU 0 is visible"))
+}
+
+#[test]
+fn batch_copy_moves_aligned_and_unaligned_descriptors() {
+    let Some(ctx) = gpu0() else { return };
+    let copier = CudaBatchCopy::new(&ctx).expect("kernel compiles");
+    let (src, dst) = (DeviceBuffer::new(&ctx, 1 << 22).expect("alloc"), DeviceBuffer::new(&ctx, 1 << 22).expect("alloc"));
+    copier.fill_pattern(&src, 7).expect("fill");
+    dst.fill(0).expect("memset");
+    let plan = TransferPlan {
+        descriptors: vec![
+            Descriptor { src: src.ptr, dst: dst.ptr + (1 << 21), len: 200_000 },
+            Descriptor { src: src.ptr + 3, dst: dst.ptr + 5, len: 70_001 },
+            Descriptor { src: src.ptr + (1 << 20), dst: dst.ptr + (3 << 20), len: 64 * 1024 * 3 },
+        ],
+    };
+    let up = copier.upload(&plan).expect("upload");
+    copier.execute(&up).expect("launch");
+    assert_eq!(plan_checksum(&ctx, &plan, true).expect("read"), plan_checksum(&ctx, &plan, false).expect("read"));
+    let mut untouched = [1u8; 16];
+    dst.read((1 << 22) - 16, &mut untouched).expect("read");
+    assert_eq!(untouched, [0u8; 16], "bytes outside the plan stay untouched");
+}
+
+#[test]
+fn no_gpu_is_a_typed_error_not_a_panic() {
+    // On a machine without a driver this is the skip reason; with one, a device count.
+    match device_count() {
+        Ok(n) => assert!(n > 0),
+        Err(e) => assert!(matches!(e, CudaError::NoDriver | CudaError::NoDevice | CudaError::Driver(_)), "{e}"),
+    }
+}
