@@ -232,30 +232,32 @@ async fn run(
     cancels: &mut mpsc::UnboundedReceiver<Vec<TransferId>>,
 ) -> Result<(), Stop> {
     let request = &args.request;
-    let first = request.reqs.first();
-    let span = step_span!(
-        steps::D_SEND_PULL_META,
-        request_id = first.map(|r| r.d_req_id.as_str()).unwrap_or(""),
-        transfer_id = first.map(|r| r.transfer_id.as_str()).unwrap_or("")
-    );
-    span.record(attrs::ENGINE_ID, args.remote_engine_id.as_str());
-    span.record(attrs::BLOCKS, request.reqs.iter().map(|r| r.block_ids.len() as u64).sum::<u64>());
-    if let Some(tp) = &request.traceparent {
-        span.record(attrs::TRACEPARENT, tp.as_str());
-    }
+    // Step 21 once per D request of the pull: each request keeps its own trace.
+    let spans: Vec<tracing::Span> = request
+        .reqs
+        .iter()
+        .map(|r| {
+            let span = step_span!(steps::D_SEND_PULL_META, request_id = r.d_req_id.as_str(), transfer_id = r.transfer_id.as_str());
+            span.record(attrs::ENGINE_ID, args.remote_engine_id.as_str());
+            span.record(attrs::BLOCKS, r.block_ids.len() as u64);
+            if let Some(tp) = r.traceparent.as_ref().or(request.traceparent.as_ref()) {
+                span.record(attrs::TRACEPARENT, tp.as_str());
+            }
+            span
+        })
+        .collect();
     let bytes = frame::encode(&SideChannelRequest::Pull(request.clone()))
         .map_err(|e| Stop::Transport(format!("pull {} cannot be encoded: {e}", args.pull_id)))?;
-    span.record(attrs::BYTES, bytes.len() as u64);
-    {
-        let _entered = span.enter();
-        tracing::debug!(pull_id = args.pull_id, worker_addr = %args.worker_addr, reqs = request.reqs.len(), "sending pull");
+    for span in &spans {
+        span.record(attrs::BYTES, bytes.len() as u64);
     }
+    tracing::debug!(pull_id = args.pull_id, worker_addr = %args.worker_addr, reqs = request.reqs.len(), "sending pull");
     socket
         .connect(&args.worker_addr)
         .await
         .map_err(|e| Stop::Transport(format!("connect to {}: {e}", args.worker_addr)))?;
     socket.send(ZmqMessage::from(bytes)).await.map_err(|e| Stop::Transport(format!("send: {e}")))?;
-    drop(span);
+    drop(spans);
 
     let mut cancels_open = true;
     loop {
@@ -366,7 +368,7 @@ mod tests {
             pp_size: 1,
             layout_id: 7,
             layout: None,
-            reqs: reqs.iter().map(|r| PullReq { d_req_id: r.to_string(), transfer_id: format!("xfer-{r}"), block_ids: vec![1, 2] }).collect(),
+            reqs: reqs.iter().map(|r| PullReq { d_req_id: r.to_string(), transfer_id: format!("xfer-{r}"), block_ids: vec![1, 2], traceparent: None }).collect(),
             traceparent: None,
         };
         let task = PullTask::spawn(PullTaskArgs {

@@ -263,7 +263,12 @@ impl Receiver {
             layout: include_layout.then(|| self.layout.clone()),
             reqs: metas
                 .iter()
-                .map(|m| PullReq { d_req_id: m.d_req_id.clone(), transfer_id: m.transfer_id.clone(), block_ids: m.local_block_ids.clone() })
+                .map(|m| PullReq {
+                    d_req_id: m.d_req_id.clone(),
+                    transfer_id: m.transfer_id.clone(),
+                    block_ids: m.local_block_ids.clone(),
+                    traceparent: m.traceparent.clone(),
+                })
                 .collect(),
             traceparent: metas.iter().find_map(|m| m.traceparent.clone()),
         };
@@ -368,14 +373,20 @@ impl Message<StartLoadKv> for Receiver {
     /// Step 19: start this step's pulls (looking engines up first where needed), then the aborts.
     async fn handle(&mut self, msg: StartLoadKv, ctx: &mut Context<Self, Self::Reply>) -> Self::Reply {
         let me = ctx.actor_ref().clone();
-        let first = msg.reqs_to_recv.values().flat_map(|m| m.keys()).next().cloned().unwrap_or_default();
-        let span = step_span!(steps::D_START_LOAD, request_id = %first);
-        span.record(attrs::BLOCKS, msg.reqs_to_recv.values().flat_map(|m| m.values()).map(|m| m.local_block_ids.len() as u64).sum::<u64>());
+        // Step 19 once per request handed over: each keeps its own trace.
+        for meta in msg.reqs_to_recv.values().flat_map(|m| m.values()) {
+            let span = step_span!(steps::D_START_LOAD, request_id = meta.d_req_id.as_str(), transfer_id = meta.transfer_id.as_str());
+            span.record(attrs::BLOCKS, meta.local_block_ids.len() as u64);
+            span.record(attrs::ENGINE_ID, meta.remote_engine_id.as_str());
+            if let Some(tp) = &meta.traceparent {
+                span.record(attrs::TRACEPARENT, tp.as_str());
+            }
+        }
         for (engine_id, metas) in msg.reqs_to_recv {
             let mut fresh = BTreeMap::new();
             for (req, meta) in metas {
                 if self.is_known(&req) {
-                    tracing::warn!(parent: &span, request_id = %req, "pull already in flight for this request: duplicate ignored");
+                    tracing::warn!(request_id = %req, "pull already in flight for this request: duplicate ignored");
                 } else {
                     fresh.insert(req, meta);
                 }

@@ -342,7 +342,7 @@ impl SenderListener {
                 block_ids: req.block_ids,
                 data_addr: pull.data_addr.clone(),
                 layout: layout.clone(),
-                traceparent: pull.traceparent.clone(),
+                traceparent: req.traceparent.clone().or_else(|| pull.traceparent.clone()),
             };
             if let Err(e) = worker.tell(serve).await {
                 let err = PullErr { d_req_id: req.d_req_id.clone(), cause: PullErrorCause::TransferFailed, detail: format!("P's send worker is gone: {e}") };

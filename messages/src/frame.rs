@@ -7,7 +7,8 @@ use serde::{de::DeserializeOwned, Serialize};
 /// The first four bytes of every pdflow frame.
 pub const MAGIC: [u8; 4] = *b"PDFL";
 /// The frame version this build speaks.
-pub const VERSION: u8 = 1;
+/// Version 2: each request of a pull carries its own traceparent.
+pub const VERSION: u8 = 2;
 /// The largest frame pdflow accepts (a pull for thousands of blocks is a few tens of KiB).
 pub const MAX_FRAME_LEN: usize = 16 * 1024 * 1024;
 

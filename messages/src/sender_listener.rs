@@ -18,6 +18,8 @@ pub struct PullReq {
     pub transfer_id: TransferId,
     /// D's block ids, in prompt order (where P must write).
     pub block_ids: Vec<BlockId>,
+    /// W3C traceparent of this D request: several requests share one pull, each keeps its trace.
+    pub traceparent: Option<String>,
 }
 
 /// D → P: "write these requests' KV into these blocks of mine" (seed step 21).
@@ -126,12 +128,12 @@ mod tests {
             pp_size: 1,
             layout_id: 5,
             layout: None,
-            reqs: vec![PullReq { d_req_id: "cmpl-d".into(), transfer_id: "xfer-1".into(), block_ids: (512..575).collect() }],
+            reqs: vec![PullReq { d_req_id: "cmpl-d".into(), transfer_id: "xfer-1".into(), block_ids: (512..575).collect(), traceparent: None }],
             traceparent: None,
         });
         let bytes = frame::encode(&pull).expect("encodes");
         assert_eq!(frame::decode::<SideChannelRequest>(&bytes, "side-channel request"), Ok(pull));
-        assert!(frame::decode::<SideChannelRequest>(b"PDFL\x01\xff\xff", "side-channel request").is_err());
+        assert!(frame::decode::<SideChannelRequest>(b"PDFL\x02\xff\xff", "side-channel request").is_err());
     }
 }
 

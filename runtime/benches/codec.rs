@@ -28,6 +28,7 @@ fn pull(with_layout: bool) -> SideChannelRequest {
             d_req_id: "cmpl-d-ce531e714c002ea4-0".into(),
             transfer_id: "xfer-ce531e714c002ea4".into(),
             block_ids: (512..=574).collect(),
+            traceparent: None,
         }],
         traceparent: Some("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01".into()),
     })

@@ -198,7 +198,15 @@ impl OtlpReceiver {
             }
             if Instant::now() > until {
                 let steps: BTreeSet<u8> = spans.iter().map(|s| s.step).collect();
-                bail!("{what}: not within {deadline:?}; {} spans received, steps {steps:?}", spans.len());
+                let per_trace: Vec<String> = traces(&spans)
+                    .into_iter()
+                    .map(|(id, t)| {
+                        let present: BTreeSet<u8> = t.iter().map(|s| s.step).collect();
+                        let missing: Vec<u8> = (1..=43).filter(|n| !present.contains(n)).collect();
+                        format!("{id}: {} spans, missing {missing:?}", t.len())
+                    })
+                    .collect();
+                bail!("{what}: not within {deadline:?}; {} spans received, steps {steps:?}; per trace: {per_trace:#?}", spans.len());
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
         }

@@ -83,7 +83,7 @@ impl Harness {
             layout: with_layout.then_some(layout),
             reqs: reqs
                 .iter()
-                .map(|(d, t, b)| PullReq { d_req_id: d.to_string(), transfer_id: t.to_string(), block_ids: b.clone() })
+                .map(|(d, t, b)| PullReq { d_req_id: d.to_string(), transfer_id: t.to_string(), block_ids: b.clone(), traceparent: None })
                 .collect(),
             traceparent: None,
         })
