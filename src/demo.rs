@@ -251,8 +251,7 @@ async fn reference_run(opts: &DemoOptions, client: &reqwest::Client, body: &serd
     let engine = Engine::start(cfg.clone(), KvCache::new(cfg.shape, cfg.num_blocks), None);
     let (addr, stop, task) = serve_http("127.0.0.1", 0, api::router(engine.clone())).await?;
     let result = post_json(client, &format!("http://{addr}/v1/completions"), body).await;
-    stop.cancel();
-    let _ = task.await;
+    crate::node::engine_node::stop_http(stop, task).await;
     engine.shutdown().await;
     result
 }

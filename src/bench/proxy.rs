@@ -130,8 +130,7 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
     }
     proxy.shutdown().await;
     for (stop, task) in [(p_stop, p_task), (d_stop, d_task)] {
-        stop.cancel();
-        let _ = task.await;
+        crate::node::engine_node::stop_http(stop, task).await;
     }
     Ok(())
 }

@@ -186,8 +186,7 @@ impl EngineNode {
 
     /// Stops the HTTP server, the engine, the actors and the data server.
     pub async fn shutdown(self) {
-        self.http_stop.cancel();
-        let _ = self.http_task.await;
+        stop_http(self.http_stop, self.http_task).await;
         self.engine.shutdown().await;
         if let Some(b) = self.bootstrap {
             b.shutdown().await;
@@ -218,4 +217,17 @@ pub async fn serve_http(
         }
     });
     Ok((local, stop, task))
+}
+
+/// How long a stopping HTTP server may take to finish its open responses.
+pub const HTTP_STOP_DEADLINE: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Stops a server started by [`serve_http`]: graceful first, aborted after [`HTTP_STOP_DEADLINE`]
+/// (an open stream must not hold a node's shutdown forever).
+pub async fn stop_http(stop: CancellationToken, mut task: tokio::task::JoinHandle<()>) {
+    stop.cancel();
+    if tokio::time::timeout(HTTP_STOP_DEADLINE, &mut task).await.is_err() {
+        tracing::warn!("HTTP server still had open responses after {HTTP_STOP_DEADLINE:?}: aborted");
+        task.abort();
+    }
 }

@@ -255,8 +255,7 @@ pub async fn reference(shape: KvShape, body: &Value) -> anyhow::Result<Value> {
     let engine = Engine::start(cfg.clone(), KvCache::new(cfg.shape, cfg.num_blocks), None);
     let (addr, stop, task) = serve_http("127.0.0.1", 0, api::router(engine.clone())).await?;
     let result = post(&http_client(), &format!("http://{addr}/v1/completions"), body).await;
-    stop.cancel();
-    let _ = task.await;
+    pdflow::node::engine_node::stop_http(stop, task).await;
     engine.shutdown().await;
     let (status, v) = result?;
     anyhow::ensure!(status == 200, "reference run failed: {status} {v}");

@@ -61,7 +61,7 @@ impl Proc {
         format!("http://{}", self.ready["addr"].as_str().unwrap_or_default())
     }
 
-    /// Sends SIGTERM-equivalent (kill) and waits for exit.
+    /// Kills the process (SIGKILL) and waits (bounded) for it to exit.
     pub async fn stop(mut self) {
         let _ = self.child.start_kill();
         let _ = tokio::time::timeout(Duration::from_secs(10), self.child.wait()).await;

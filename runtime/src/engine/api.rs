@@ -183,10 +183,10 @@ async fn completions(State(handle): State<EngineHandle>, headers: HeaderMap, bod
     let s = Sampling {
         prompt: req.prompt,
         max_tokens: req.max_tokens,
-        stream: req.stream,
-        stop_token_ids: req.stop_token_ids,
-        ignore_eos: req.ignore_eos,
-        kv_transfer_params: req.kv_transfer_params,
+        stream: req.sampling.stream,
+        stop_token_ids: req.sampling.stop_token_ids,
+        ignore_eos: req.sampling.ignore_eos,
+        kv_transfer_params: req.sampling.kv_transfer_params,
     };
     match build_generation(&handle, &headers, false, s) {
         Ok(g) => generate(handle, g).await,
@@ -203,10 +203,10 @@ async fn chat_completions(State(handle): State<EngineHandle>, headers: HeaderMap
     let s = Sampling {
         prompt: Prompt::Text(text),
         max_tokens: req.max_completion_tokens.or(req.max_tokens),
-        stream: req.stream,
-        stop_token_ids: req.stop_token_ids,
-        ignore_eos: req.ignore_eos,
-        kv_transfer_params: req.kv_transfer_params,
+        stream: req.sampling.stream,
+        stop_token_ids: req.sampling.stop_token_ids,
+        ignore_eos: req.sampling.ignore_eos,
+        kv_transfer_params: req.sampling.kv_transfer_params,
     };
     match build_generation(&handle, &headers, true, s) {
         Ok(g) => generate(handle, g).await,

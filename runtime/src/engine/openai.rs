@@ -12,14 +12,10 @@ pub enum Prompt {
     Ids(Vec<u32>),
 }
 
-/// `POST /v1/completions`.
-#[derive(Debug, Clone, Deserialize)]
-pub struct CompletionRequest {
-    #[serde(default)]
-    pub model: Option<String>,
-    pub prompt: Prompt,
-    #[serde(default)]
-    pub max_tokens: Option<usize>,
+/// The fields both completion endpoints take besides their prompt and length.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct SamplingFields {
+    /// Ignored: the simulated model is greedy.
     #[serde(default)]
     pub temperature: Option<f64>,
     #[serde(default)]
@@ -30,8 +26,21 @@ pub struct CompletionRequest {
     pub ignore_eos: bool,
     #[serde(default)]
     pub kv_transfer_params: Option<serde_json::Value>,
+    /// Accepted and ignored (usage is always reported on the last chunk).
     #[serde(default)]
     pub stream_options: Option<serde_json::Value>,
+}
+
+/// `POST /v1/completions`.
+#[derive(Debug, Clone, Deserialize)]
+pub struct CompletionRequest {
+    #[serde(default)]
+    pub model: Option<String>,
+    pub prompt: Prompt,
+    #[serde(default)]
+    pub max_tokens: Option<usize>,
+    #[serde(flatten)]
+    pub sampling: SamplingFields,
 }
 
 /// One chat message; `content` is a string or a list of `{"type":"text","text":..}` parts.
@@ -67,18 +76,8 @@ pub struct ChatCompletionRequest {
     pub max_tokens: Option<usize>,
     #[serde(default)]
     pub max_completion_tokens: Option<usize>,
-    #[serde(default)]
-    pub temperature: Option<f64>,
-    #[serde(default)]
-    pub stream: bool,
-    #[serde(default)]
-    pub stop_token_ids: Vec<u32>,
-    #[serde(default)]
-    pub ignore_eos: bool,
-    #[serde(default)]
-    pub kv_transfer_params: Option<serde_json::Value>,
-    #[serde(default)]
-    pub stream_options: Option<serde_json::Value>,
+    #[serde(flatten)]
+    pub sampling: SamplingFields,
 }
 
 /// A completion choice (full response or stream chunk).
