@@ -1,1 +1,52 @@
-//! Placeholder: the PyO3 bridge (`pdflow.vllm.PdflowConnector`) arrives with the bridge issue.
+//! `pdflow._native` — the native half of `pdflow.vllm.PdflowConnector` (PyO3, abi3).
+//!
+//! Python stays thin: `pdflow/vllm.py` converts vLLM's objects and forwards each hook here; this
+//! crate forwards each call to pdflow's actors. [`scheduler`] is the scheduler role, [`worker`]
+//! the worker role, [`convert`] the conversions, [`config`] the extra-config keys and environment.
+
+mod config;
+mod convert;
+mod error;
+mod runtime;
+mod scheduler;
+mod worker;
+
+use pdflow_messages::frame;
+use pdflow_messages::scheduler_connector::ConnectorMetadata;
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+/// Decodes a metadata frame into plain Python data (`reqs_to_send`, `reqs_to_recv`,
+/// `reqs_not_processed`, `reqs_to_abort`), for `PdflowConnectorMetadata`'s attributes.
+#[pyfunction]
+fn decode_metadata<'py>(py: Python<'py>, frame_bytes: &[u8]) -> PyResult<Bound<'py, PyDict>> {
+    let meta: ConnectorMetadata = if frame_bytes.is_empty() {
+        ConnectorMetadata::default()
+    } else {
+        frame::decode(frame_bytes, "connector metadata").map_err(|e| error::BridgeError::Metadata(e.to_string()))?
+    };
+    convert::metadata_to_py(py, &meta)
+}
+
+/// Validates `kv_connector_extra_config` (as JSON) with the environment; raises `ConfigError`.
+#[pyfunction]
+fn check_config(extra_config_json: &str) -> PyResult<()> {
+    config::BridgeConfig::from_json(extra_config_json, &|k| std::env::var(k).ok())?;
+    Ok(())
+}
+
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let py = m.py();
+    m.add_class::<scheduler::SchedulerBridge>()?;
+    m.add_class::<worker::WorkerBridge>()?;
+    m.add_function(wrap_pyfunction!(decode_metadata, m)?)?;
+    m.add_function(wrap_pyfunction!(check_config, m)?)?;
+    m.add("PdflowError", py.get_type::<error::PdflowError>())?;
+    m.add("ConfigError", py.get_type::<error::ConfigError>())?;
+    m.add("RegistrationError", py.get_type::<error::RegistrationError>())?;
+    m.add("ConnectorUnavailable", py.get_type::<error::ConnectorUnavailable>())?;
+    m.add("MetadataError", py.get_type::<error::MetadataError>())?;
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    Ok(())
+}

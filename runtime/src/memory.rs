@@ -64,12 +64,16 @@ pub enum RegionError {
     BlockOutOfRange { block: BlockId, num_blocks: usize },
 }
 
-/// One layer's buffer. `u64` words keep it 8-byte aligned.
+/// One layer's buffer. `u64` words keep owned buffers 8-byte aligned; an external buffer (vLLM's
+/// tensor, registered through the bridge) is kept alive by the cache's `external_owner`.
 struct LayerBuffer {
     ptr: *mut u8,
     len: usize,
-    _owner: Box<[u64]>,
+    _owner: Option<Box<[u64]>>,
 }
+
+/// Whatever keeps externally allocated regions alive (the bridge's torch tensors).
+pub type ExternalOwner = Box<dyn std::any::Any + Send + Sync>;
 
 /// A worker's KV cache: `num_blocks` blocks of `shape`, one region per layer.
 pub struct KvCache {
@@ -77,6 +81,7 @@ pub struct KvCache {
     num_blocks: usize,
     layers: Vec<LayerBuffer>,
     layout_id: u64,
+    _external_owner: Option<ExternalOwner>,
 }
 
 // SAFETY: the buffers are plain bytes owned by the cache for its whole life; concurrent access goes
@@ -97,11 +102,46 @@ impl KvCache {
         let layers = (0..shape.num_layers)
             .map(|_| {
                 let mut owner = vec![0u64; region_len.div_ceil(8)].into_boxed_slice();
-                LayerBuffer { ptr: owner.as_mut_ptr().cast::<u8>(), len: region_len, _owner: owner }
+                LayerBuffer { ptr: owner.as_mut_ptr().cast::<u8>(), len: region_len, _owner: Some(owner) }
             })
             .collect();
-        let layout_id = (uuid::Uuid::new_v4().as_u64_pair().0 >> 1) | 1;
-        Arc::new(Self { shape, num_blocks, layers, layout_id })
+        Arc::new(Self { shape, num_blocks, layers, layout_id: new_layout_id(), _external_owner: None })
+    }
+
+    /// Registers memory that someone else allocated (seed step 3 in vLLM: the worker's per-layer
+    /// KV tensors, handed over by the bridge): one region per entry of `regions`, each
+    /// `num_blocks * shape.block_len()` bytes. `owner` is kept for the cache's whole life.
+    ///
+    /// # Safety
+    /// Each `(ptr, len)` must be valid, writable host memory for as long as `owner` lives, the
+    /// regions must not overlap, and only the holder of a block (the engine's block pool) may touch
+    /// its bytes while pdflow reads or writes them.
+    pub unsafe fn from_external(
+        shape: KvShape,
+        num_blocks: usize,
+        regions: &[(*mut u8, usize)],
+        owner: ExternalOwner,
+    ) -> Result<Arc<Self>, ExternalRegionError> {
+        if regions.len() != shape.num_layers {
+            return Err(ExternalRegionError::RegionCount { expected: shape.num_layers, got: regions.len() });
+        }
+        let expected = num_blocks.checked_mul(shape.block_len()).ok_or(ExternalRegionError::TooLarge { num_blocks })?;
+        let mut layers = Vec::with_capacity(regions.len());
+        for (index, &(ptr, len)) in regions.iter().enumerate() {
+            if ptr.is_null() {
+                return Err(ExternalRegionError::Null { index });
+            }
+            if len != expected {
+                return Err(ExternalRegionError::Length { index, len, expected, num_blocks, block_len: shape.block_len() });
+            }
+            layers.push(LayerBuffer { ptr, len, _owner: None });
+        }
+        let mut sorted: Vec<(usize, usize)> = layers.iter().map(|l| (l.ptr as usize, l.len)).collect();
+        sorted.sort_unstable();
+        if let Some(w) = sorted.windows(2).find(|w| w[0].0 + w[0].1 > w[1].0) {
+            return Err(ExternalRegionError::Overlap { first: w[0].0 as u64, second: w[1].0 as u64 });
+        }
+        Ok(Arc::new(Self { shape, num_blocks, layers, layout_id: new_layout_id(), _external_owner: Some(owner) }))
     }
 
     pub fn shape(&self) -> KvShape {
@@ -170,6 +210,26 @@ impl KvCache {
         }
         Ok(out)
     }
+}
+
+/// A fresh non-zero id for a registered layout (peers cache layouts by it).
+fn new_layout_id() -> u64 {
+    (uuid::Uuid::new_v4().as_u64_pair().0 >> 1) | 1
+}
+
+/// Why externally allocated memory cannot be registered.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ExternalRegionError {
+    #[error("expected {expected} KV regions (one per layer), got {got}")]
+    RegionCount { expected: usize, got: usize },
+    #[error("KV region {index} has a null address")]
+    Null { index: usize },
+    #[error("KV region {index} is {len} bytes; {num_blocks} blocks of {block_len} bytes need {expected}: the tensor's shape does not match the KV shape")]
+    Length { index: usize, len: usize, expected: usize, num_blocks: usize, block_len: usize },
+    #[error("{num_blocks} blocks overflow the address space")]
+    TooLarge { num_blocks: usize },
+    #[error("KV regions at {first:#x} and {second:#x} overlap: each layer needs its own memory")]
+    Overlap { first: u64, second: u64 },
 }
 
 impl KvCache {
@@ -291,6 +351,29 @@ mod tests {
         assert!(table.check(r0.base_addr + 1, r0.len).is_err());
         assert!(table.check(u64::MAX - 1, 4).is_err());
         assert!(table.check(0, 1).is_err());
+    }
+
+    #[test]
+    fn external_regions_are_checked_and_used_in_place() {
+        let shape = KvShape { num_layers: 2, num_kv_heads: 1, head_dim: 4, dtype_bytes: 2, block_size: 2 };
+        let mut a = vec![0u8; 3 * shape.block_len()];
+        let mut b = vec![0u8; 3 * shape.block_len()];
+        let regions = [(a.as_mut_ptr(), a.len()), (b.as_mut_ptr(), b.len())];
+        // SAFETY: both vectors outlive the cache (dropped after it below).
+        let cache = unsafe { KvCache::from_external(shape, 3, &regions, Box::new(())) }.expect("valid regions");
+        assert_eq!(cache.regions()[0].base_addr, a.as_ptr() as u64);
+        let data: Vec<u8> = (0..shape.slot_len() as u8).collect();
+        cache.write_slot(1, 2, 0, 1, &data).expect("in range");
+        drop(cache);
+        let off = 2 * shape.block_len() + shape.slot_offset(0, 1);
+        assert_eq!(&b[off..off + data.len()], &data[..], "the write landed in the caller's memory");
+        let short = [(a.as_mut_ptr(), a.len()), (b.as_mut_ptr(), b.len() - 1)];
+        // SAFETY: as above; refused before use.
+        let err = unsafe { KvCache::from_external(shape, 3, &short, Box::new(())) }.expect_err("short region");
+        assert!(matches!(err, ExternalRegionError::Length { index: 1, .. }), "{err}");
+        let overlap = [(a.as_mut_ptr(), a.len()), (a.as_mut_ptr(), a.len())];
+        // SAFETY: as above; refused before use.
+        assert!(matches!(unsafe { KvCache::from_external(shape, 3, &overlap, Box::new(())) }, Err(ExternalRegionError::Overlap { .. })));
     }
 
     #[test]

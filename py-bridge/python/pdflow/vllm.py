@@ -1,0 +1,318 @@
+"""`PdflowConnector`: pdflow as a vLLM v1 KV connector (vLLM 0.33).
+
+Load it with ``--kv-transfer-config '{"kv_connector": "PdflowConnector",
+"kv_connector_module_path": "pdflow.vllm", "kv_role": "kv_producer" | "kv_consumer",
+"kv_connector_extra_config": {...}}'``.
+
+This module only converts vLLM's objects and forwards each hook to pdflow's Rust actors
+(`pdflow._native`): the scheduler role to the SchedulerConnector actor, the worker role to the
+SenderListener (P) or Receiver (D) and the tcp transfer engine. The GIL is released while the
+actors work. Seed steps: 2–5 (start-up, `register_kv_caches`), 12–13 and 17–18
+(`update_state_after_alloc`, `build_connector_meta`), 14, 19 (`start_load_kv`), 23, 26
+(`request_finished`), 32–33, 35–37 (`get_transfer_results`, `update_connector_output`).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Any, Optional
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
+)
+from vllm.logger import init_logger
+
+from pdflow import _native
+from pdflow._native import ConfigError, RegistrationError
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+logger = init_logger(__name__)
+
+__all__ = ["PdflowConnector", "PdflowConnectorMetadata"]
+
+
+class PdflowConnectorMetadata(KVConnectorMetadata):
+    """One scheduler step's instructions to the workers, as one pdflow frame (`frame`).
+
+    vLLM pickles this object from the scheduler process to the workers; only the frame travels.
+    The attributes below decode it on first use, shaped like vLLM's MooncakeConnectorMetadata:
+    `reqs_to_send` ``{req_id: (transfer_id, [block ids])}``, `reqs_to_recv`
+    ``{remote_engine_id: {req_id: pull}}``, `reqs_not_processed` (transfer ids) and
+    `reqs_to_abort` (request ids whose pull is cancelled).
+    """
+
+    def __init__(self, frame: Optional[bytes] = None) -> None:
+        self.frame: bytes = frame or b""
+        self._view: Optional[dict] = None
+
+    def _decoded(self) -> dict:
+        if self._view is None:
+            self._view = _native.decode_metadata(self.frame)
+        return self._view
+
+    @property
+    def reqs_to_send(self) -> dict[str, tuple[str, list[int]]]:
+        return self._decoded()["reqs_to_send"]
+
+    @property
+    def reqs_to_recv(self) -> dict[str, dict[str, dict[str, Any]]]:
+        return self._decoded()["reqs_to_recv"]
+
+    @property
+    def reqs_not_processed(self) -> set[str]:
+        return self._decoded()["reqs_not_processed"]
+
+    @property
+    def reqs_to_abort(self) -> set[str]:
+        return self._decoded()["reqs_to_abort"]
+
+    def __getstate__(self) -> dict:
+        return {"frame": self.frame}
+
+    def __setstate__(self, state: dict) -> None:
+        self.frame = state["frame"]
+        self._view = None
+
+    def __repr__(self) -> str:
+        if not self.frame:
+            return "PdflowConnectorMetadata(empty)"
+        v = self._decoded()
+        return (
+            f"PdflowConnectorMetadata(reqs_to_send={v['reqs_to_send']!r}, "
+            f"reqs_to_recv={v['reqs_to_recv']!r}, reqs_not_processed={v['reqs_not_processed']!r}, "
+            f"reqs_to_abort={v['reqs_to_abort']!r})"
+        )
+
+
+def _first_group(block_ids: Any) -> list[int]:
+    """vLLM passes one list of block ids per KV-cache group; pdflow serves one group."""
+    if not block_ids:
+        return []
+    first = block_ids[0]
+    return list(first) if isinstance(first, (list, tuple)) else list(block_ids)
+
+
+def _tp_rank_and_size(vllm_config: "VllmConfig") -> tuple[int, int]:
+    size = int(getattr(vllm_config.parallel_config, "tensor_parallel_size", 1) or 1)
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        rank = int(get_tensor_model_parallel_rank())
+    except Exception:  # no distributed group: a single-process engine (or a test)
+        rank = 0
+    return rank, size
+
+
+class PdflowConnector(KVConnectorBase_V1, SupportsHMA):
+    """pdflow's KV connector: P (``kv_producer``) keeps a finished prefill's blocks until D pulls
+    them; D (``kv_consumer``) waits in WAITING_FOR_REMOTE_KVS while its worker pulls the KV."""
+
+    def __init__(
+        self,
+        vllm_config: "VllmConfig",
+        role: KVConnectorRole,
+        kv_cache_config: "KVCacheConfig | None" = None,
+    ) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        ktc = self._kv_transfer_config
+        self.engine_id: str = str(ktc.engine_id)
+        self.kv_role: str = str(ktc.kv_role)
+        extra = dict(ktc.kv_connector_extra_config or {})
+        try:
+            self._extra_json = json.dumps(extra)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"kv_connector_extra_config is not JSON-serialisable: {e}") from e
+        _native.check_config(self._extra_json)
+        groups = getattr(kv_cache_config, "kv_cache_groups", None) if kv_cache_config is not None else None
+        if groups is not None and len(groups) > 1:
+            raise ConfigError(
+                f"this model has {len(groups)} KV-cache groups (hybrid attention); pdflow's connector "
+                "serves models with one group (full attention) so far"
+            )
+        self._scheduler: Optional[_native.SchedulerConnector] = None
+        self._worker: Optional[_native.WorkerConnector] = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = _native.SchedulerConnector(self.engine_id, self.kv_role)
+        elif role == KVConnectorRole.WORKER:
+            self._worker = _native.WorkerConnector(self.engine_id, self.kv_role, self._extra_json)
+        logger.info("pdflow connector: engine %s, %s, role %s", self.engine_id, self.kv_role, role.name)
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: "VllmConfig") -> Optional[str]:
+        model_config = getattr(vllm_config, "model_config", None)
+        if model_config is None or getattr(model_config, "use_mla", False):
+            return None
+        # One contiguous region per layer, K and V side by side in each block: the layout
+        # pdflow's planner coalesces (36 descriptors for the seed's request).
+        return "LBHNC"
+
+    # ---------------------------------------------------------------- scheduler role
+
+    def _sched(self) -> "_native.SchedulerConnector":
+        if self._scheduler is None:
+            raise RuntimeError("a scheduler hook was called on the worker-role PdflowConnector")
+        return self._scheduler
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+        return self._sched().get_num_new_matched_tokens(
+            request.request_id, request.num_prompt_tokens, num_computed_tokens, request.kv_transfer_params
+        )
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+        params = request.kv_transfer_params
+        if not params:
+            return
+        # Only the blocks D's prefix cache did not fill are loaded.
+        block_ids = _first_group(blocks.get_unhashed_block_ids_all_groups()) if num_external_tokens > 0 else []
+        clear = self._sched().update_state_after_alloc(
+            request.request_id, request.num_prompt_tokens, params, block_ids, num_external_tokens
+        )
+        if clear:
+            # Request.kv_transfer_params is the dict the scheduler reads: one pull per request.
+            params["do_remote_prefill"] = False
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> PdflowConnectorMetadata:
+        return PdflowConnectorMetadata(self._sched().build_connector_meta())
+
+    def on_new_request(self, request: "Request") -> None:
+        reason = self._sched().on_new_request(request.request_id, request.kv_transfer_params)
+        if reason is not None:
+            logger.warning("request %s: %s; it is served without KV transfer", request.request_id, reason)
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, Optional[dict[str, Any]]]:
+        return self._finished(request, list(block_ids))
+
+    def request_finished_all_groups(
+        self, request: "Request", block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, Optional[dict[str, Any]]]:
+        return self._finished(request, _first_group(block_ids))
+
+    def _finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, Optional[dict[str, Any]]]:
+        params = request.kv_transfer_params
+        if not params:
+            return False, None
+        delay, out = self._sched().request_finished(
+            request.request_id, request.num_prompt_tokens, params, request.status.name, block_ids
+        )
+        if params.get("do_remote_prefill"):
+            # Aborted before its pull was issued: the (empty) pull is recorded; never twice.
+            params["do_remote_prefill"] = False
+        return delay, out
+
+    def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
+        self._sched().update_connector_output(
+            list(connector_output.finished_sending or ()),
+            list(connector_output.finished_recving or ()),
+            list(getattr(connector_output, "failed_recving", None) or ()),
+        )
+
+    def get_loaded_kv_cache_group_ids(self, request: "Request") -> tuple[int, ...]:
+        groups = getattr(self._kv_cache_config, "transfer_group_ids", None)
+        if groups is not None:
+            return tuple(groups)
+        return super().get_loaded_kv_cache_group_ids(request)
+
+    # ---------------------------------------------------------------- worker role
+
+    def _work(self) -> "_native.WorkerConnector":
+        if self._worker is None:
+            raise RuntimeError("a worker hook was called on the scheduler-role PdflowConnector")
+        return self._worker
+
+    def register_kv_caches(self, kv_caches: dict[str, "torch.Tensor"]) -> None:
+        regions, geometry, owners = _regions_of(kv_caches)
+        num_blocks, heads, block_size, head_dim, dtype_bytes = geometry
+        tp_rank, tp_size = _tp_rank_and_size(self._vllm_config)
+        info = self._work().register_kv_caches(
+            regions, num_blocks, heads, block_size, head_dim, dtype_bytes, owners, tp_rank, tp_size
+        )
+        logger.info("pdflow connector registered %d KV regions of %d blocks: %s", len(regions), num_blocks, info)
+
+    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, PdflowConnectorMetadata):
+            raise TypeError(f"PdflowConnector got {type(meta).__name__} metadata; is another connector configured?")
+        if meta.frame:
+            self._work().start_load_kv(meta.frame)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """KV arrives whole, before the request is scheduled: nothing to wait for per layer."""
+
+    def save_kv_layer(self, layer_name: str, kv_layer: "torch.Tensor", attn_metadata: Any, **kwargs: Any) -> None:
+        """D pulls from P's blocks after the prefill: nothing is saved per layer."""
+
+    def wait_for_save(self) -> None:
+        """Nothing to wait for: P's blocks stay held (delayed free) until D has them."""
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[Optional[set[str]], Optional[set[str]]]:
+        r = self.get_transfer_results(finished_req_ids)
+        return (r.finished_sending or None), (r.finished_recving or None)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        sending, recving, failed = self._work().get_transfer_results()
+        return KVConnectorTransferResults(
+            finished_sending=set(sending), finished_recving=set(recving), failed_recving=set(failed)
+        )
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return set(self._work().get_block_ids_with_load_errors())
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+        if self._scheduler is not None:
+            self._scheduler.shutdown()
+
+
+def _regions_of(kv_caches: dict[str, "torch.Tensor"]) -> tuple[list[tuple[int, int]], tuple[int, int, int, int, int], list]:
+    """One region per layer in the LBHNC layout (``[num_blocks, heads, block_size, 2*head_dim]``);
+    two per layer (K, V) in the split layout ``[2, num_blocks, ...]``."""
+    regions: list[tuple[int, int]] = []
+    owners: list = []
+    geometry: Optional[tuple[int, int, int, int, int]] = None
+    if not kv_caches:
+        raise RegistrationError("register_kv_caches got no KV cache tensors")
+    for name, t in kv_caches.items():
+        if t.device.type != "cpu":
+            raise RegistrationError(
+                f"layer {name}: KV cache on {t.device}; pdflow's vLLM connector registers host memory "
+                "so far (GPU memory needs the cuda backend)"
+            )
+        if not t.is_contiguous():
+            raise RegistrationError(f"layer {name}: KV cache tensor is not contiguous (shape {tuple(t.shape)})")
+        if t.dim() == 4:
+            num_blocks, heads, block_size, kv_dim = (int(x) for x in t.shape)
+            parts = [t]
+        elif t.dim() == 5 and int(t.shape[0]) == 2:
+            _, num_blocks, a, b, d = (int(x) for x in t.shape)
+            heads, block_size, kv_dim = a, b, d  # each of K and V is its own region
+            parts = [t[0], t[1]]
+        else:
+            raise RegistrationError(
+                f"layer {name}: KV cache shape {tuple(t.shape)} is neither LBHNC "
+                "[num_blocks, heads, block_size, 2*head_dim] nor split [2, num_blocks, ...]"
+            )
+        if kv_dim % 2:
+            raise RegistrationError(f"layer {name}: last dimension {kv_dim} is not K and V side by side")
+        g = (num_blocks, heads, block_size, kv_dim // 2, int(t.element_size()))
+        if geometry is not None and g != geometry:
+            raise RegistrationError(f"layer {name}: geometry {g} differs from the first layer's {geometry}")
+        geometry = g
+        for p in parts:
+            regions.append((int(p.data_ptr()), int(p.numel()) * int(p.element_size())))
+        owners.append(t)
+    assert geometry is not None
+    return regions, geometry, owners
