@@ -28,8 +28,34 @@ cargo test --locked --workspace -- --test-threads="${PDFLOW_TEST_THREADS:-2}" 2>
 # skip, saying why.
 cargo test --locked -p pdflow-runtime --features cuda --lib transfer::cuda -- --nocapture 2>&1 | tee -a "$log" || status=$?
 
+# The vLLM bridge: a virtual environment with vLLM 0.33.0 (reused when present; ~9 GB, ~5 min to
+# install), pdflow's Python package built from py-bridge/ by maturin, and its pytest suite, which
+# drives vLLM's real scheduler with PdflowConnector and moves KV between two engine processes.
+pylog=$(mktemp)
+trap 'rm -f "$log" "$pylog"' EXIT
+venv=${PDFLOW_VENV:-.venv}
+py_ok=1
+if [ ! -x "$venv/bin/python" ]; then python3 -m venv "$venv" || py_ok=0; fi
+if [ "$py_ok" = 1 ]; then
+  "$venv/bin/python" -m pip install -q --upgrade pip >/dev/null 2>&1 || true
+  "$venv/bin/python" -m pip install -q "vllm==0.33.0" "pytest>=8" "maturin>=1.7,<2" || py_ok=0
+fi
+if [ "$py_ok" = 1 ]; then
+  "$venv/bin/python" -m pip install -q --no-build-isolation --force-reinstall --no-deps ./py-bridge || py_ok=0
+fi
+if [ "$py_ok" = 1 ]; then
+  "$venv/bin/python" -m pytest -q -p no:cacheprovider py-bridge/tests 2>&1 | tee "$pylog" || status=$?
+else
+  echo "could not set up the Python environment for the vLLM bridge tests" >&2
+  status=1
+fi
+
 passed=$(grep -E '^test result:' "$log" | sed -E 's/.* ([0-9]+) passed.*/\1/' | awk '{s+=$1} END {print s+0}')
 failed=$(grep -E '^test result:' "$log" | sed -E 's/.* ([0-9]+) failed.*/\1/' | awk '{s+=$1} END {print s+0}')
+py_passed=$(grep -oE '[0-9]+ passed' "$pylog" | tail -1 | awk '{print $1+0}')
+py_failed=$(grep -oE '[0-9]+ (failed|error)' "$pylog" | awk '{s+=$1} END {print s+0}')
+passed=$((passed + ${py_passed:-0}))
+failed=$((failed + ${py_failed:-0}))
 echo
 echo "tests: ${passed} passed, ${failed} failed"
 exit "$status"
