@@ -36,12 +36,13 @@ trap 'rm -f "$log" "$pylog"' EXIT
 venv=${PDFLOW_VENV:-.venv}
 py_ok=1
 if [ ! -x "$venv/bin/python" ]; then python3 -m venv "$venv" || py_ok=0; fi
+venv_bin=$(cd "$venv/bin" 2>/dev/null && pwd) || py_ok=0
 if [ "$py_ok" = 1 ]; then
   "$venv/bin/python" -m pip install -q --upgrade pip >/dev/null 2>&1 || true
   "$venv/bin/python" -m pip install -q "vllm==0.33.0" "pytest>=8" "maturin>=1.7,<2" || py_ok=0
 fi
 if [ "$py_ok" = 1 ]; then
-  "$venv/bin/python" -m pip install -q --no-build-isolation --force-reinstall --no-deps ./py-bridge || py_ok=0
+  PATH="$venv_bin:$PATH" "$venv/bin/python" -m pip install -q --no-build-isolation --force-reinstall --no-deps ./py-bridge || py_ok=0
 fi
 if [ "$py_ok" = 1 ]; then
   "$venv/bin/python" -m pytest -q -p no:cacheprovider py-bridge/tests 2>&1 | tee "$pylog" || status=$?

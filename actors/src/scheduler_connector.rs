@@ -18,7 +18,7 @@ use kameo::prelude::*;
 use pdflow_messages::kv_transfer_params::{KvTransferParams, TransferRole};
 use pdflow_messages::scheduler_connector::{
     BuildConnectorMeta, ConnectorMetadata, ConnectorOutput, FinishStatus, GetNumNewMatchedTokens, MatchedTokens,
-    PullMeta, RequestFinished, RequestFinishedReply, SchedRequest, UpdateConnectorOutput, UpdateStateAfterAlloc,
+    OnNewRequest, PullMeta, RequestFinished, RequestFinishedReply, SchedRequest, UpdateConnectorOutput, UpdateStateAfterAlloc,
 };
 use pdflow_messages::{BlockId, RequestId, TransferId};
 use pdflow_observability::{attrs, step_span, steps};
@@ -103,6 +103,26 @@ impl SchedulerConnector {
         if let Some(tp) = &request.traceparent {
             self.traceparents.insert(request.request_id.clone(), tp.clone());
         }
+    }
+}
+
+impl Message<OnNewRequest> for SchedulerConnector {
+    type Reply = Result<Option<String>, ActorError>;
+
+    /// Seed steps 11 and 16: a request arrived with `kv_transfer_params`; say now, once, why they
+    /// cannot be served here (the request then runs locally, as vLLM's connector does).
+    async fn handle(&mut self, msg: OnNewRequest, _ctx: &mut Context<Self, Self::Reply>) -> Self::Reply {
+        let Some(params) = msg.request.kv_transfer_params.as_ref() else { return Ok(None) };
+        Ok(match params.role() {
+            Err(e) => Some(e.to_string()),
+            Ok(TransferRole::Decode { .. }) if !self.role.consumes() => {
+                Some(format!("do_remote_prefill on engine {} (a kv_producer): it prefills locally", self.engine_id))
+            }
+            Ok(TransferRole::Prefill { .. }) if !self.role.produces() => {
+                Some(format!("do_remote_decode on engine {} (a kv_consumer): no KV will be sent", self.engine_id))
+            }
+            Ok(_) => None,
+        })
     }
 }
 
@@ -326,6 +346,20 @@ mod tests {
         let r = SchedulerConnector::spawn(SchedulerConnectorArgs { engine_id: "e".into(), role });
         r.wait_for_startup().await;
         r
+    }
+
+    #[tokio::test]
+    async fn on_new_request_names_params_this_engine_cannot_serve() {
+        let d = spawn(KvRole::Consumer).await;
+        assert_eq!(d.ask(OnNewRequest { request: d_request("d1") }).await.expect("ask delivered"), None);
+        let mut broken = d_request("d2");
+        if let Some(p) = broken.kv_transfer_params.as_mut() {
+            p.remote_engine_id = None;
+        }
+        let reason = d.ask(OnNewRequest { request: broken }).await.expect("ask delivered").expect("refused");
+        assert!(reason.contains("remote_engine_id"), "{reason}");
+        let reason = d.ask(OnNewRequest { request: p_request("p1") }).await.expect("ask delivered").expect("refused");
+        assert!(reason.contains("kv_consumer"), "{reason}");
     }
 
     #[tokio::test]

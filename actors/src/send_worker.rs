@@ -243,7 +243,11 @@ impl SendWorker {
 
         let plan_span = step_span!(steps::P_BUILD_TRANSFER, request_id = p_req_id.as_str(), transfer_id = self.args.transfer_id.as_str());
         let regions = self.args.kv_cache.regions();
-        let plan = plan_span.in_scope(|| build_plan(&regions, &self.local_block_ids, &pull.layout.regions, &pull.block_ids, true));
+        // D's prefix cache may already hold the prompt's first blocks: it then asks only for the
+        // rest, and P sends the tail of its blocks (a D asking for more than P holds is refused).
+        let skip = self.local_block_ids.len().saturating_sub(pull.block_ids.len());
+        let src_blocks = self.local_block_ids[skip..].to_vec();
+        let plan = plan_span.in_scope(|| build_plan(&regions, &src_blocks, &pull.layout.regions, &pull.block_ids, true));
         let plan = match plan {
             Ok(plan) => plan,
             Err(e) => {
@@ -256,13 +260,13 @@ impl SendWorker {
                 return;
             }
         };
-        plan_span.record(attrs::BLOCKS, self.local_block_ids.len() as u64);
+        plan_span.record(attrs::BLOCKS, src_blocks.len() as u64);
         plan_span.record(attrs::DESCRIPTORS, plan.descriptors.len() as u64);
         plan_span.record(attrs::BYTES, plan.total_bytes());
         drop(plan_span);
 
         let write_span = step_span!(steps::P_TRANSFER_WRITE, request_id = p_req_id.as_str(), transfer_id = self.args.transfer_id.as_str());
-        write_span.record(attrs::BLOCKS, self.local_block_ids.len() as u64);
+        write_span.record(attrs::BLOCKS, src_blocks.len() as u64);
         write_span.record(attrs::DESCRIPTORS, plan.descriptors.len() as u64);
         write_span.record(attrs::BYTES, plan.total_bytes());
         if let Some(tp) = &pull.traceparent {
@@ -270,7 +274,7 @@ impl SendWorker {
         }
         if self.args.verify_checksums {
             // Computed before the write: nothing writes P's blocks while they are held for sending.
-            match self.args.kv_cache.blocks_checksum(&self.local_block_ids) {
+            match self.args.kv_cache.blocks_checksum(&src_blocks) {
                 // A plain u64, as the receiver records D's side on step 34 (the demo compares them).
                 Ok(sum) => {
                     write_span.record(attrs::KV_CHECKSUM, sum);

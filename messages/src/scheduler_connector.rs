@@ -1,7 +1,7 @@
 //! The scheduler-side connector: its hooks, the metadata it sends to the workers, and the output
 //! the workers send back (the Rust form of vLLM's `KVConnectorBase_V1` scheduler role).
 //!
-//! Hooks, as the engine calls them (seed steps 12, 17, 23, 33, 37):
+//! Hooks, as the engine calls them (seed steps 11, 12, 16, 17, 23, 33, 37): [`OnNewRequest`],
 //! [`GetNumNewMatchedTokens`], [`UpdateStateAfterAlloc`], [`BuildConnectorMeta`],
 //! [`RequestFinished`], [`UpdateConnectorOutput`]. The metadata is [`ConnectorMetadata`]
 //! (`reqs_to_send`, `reqs_to_recv` grouped by remote engine, `reqs_not_processed`; steps 13, 18, 26);
@@ -35,6 +35,14 @@ pub enum FinishStatus {
     Aborted,
     /// Failed inside the engine (e.g. a KV load failed with policy `fail`).
     Error,
+}
+
+/// Hook: a request arrived (vLLM's `on_new_request`, before it is scheduled). Reply: why its
+/// `kv_transfer_params` cannot be served on this engine (it then runs without a transfer), or
+/// `None` when they can or when it carries none.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct OnNewRequest {
+    pub request: SchedRequest,
 }
 
 /// Hook: how many prompt tokens can come from outside, and whether they load asynchronously.

@@ -14,7 +14,7 @@ use pdflow::node::supervisor::{NodeSupervisor, MAX_RESTARTS, RESTART_WINDOW};
 use pdflow_actors::scheduler_connector::{KvRole, SchedulerConnector, SchedulerConnectorArgs};
 use pdflow_messages::frame;
 use pdflow_messages::scheduler_connector::{
-    BuildConnectorMeta, ConnectorOutput, FinishStatus, GetNumNewMatchedTokens, RequestFinished, UpdateConnectorOutput,
+    BuildConnectorMeta, ConnectorOutput, FinishStatus, GetNumNewMatchedTokens, OnNewRequest, RequestFinished, UpdateConnectorOutput,
     UpdateStateAfterAlloc,
 };
 use pdflow_messages::BlockId;
@@ -110,13 +110,21 @@ impl SchedulerBridge {
         Ok((m.count, m.load_async))
     }
 
-    /// A request arrived: checks its `kv_transfer_params` and returns why it cannot be served
-    /// with a KV transfer (it then runs locally), or None when it can (or carries none).
-    #[pyo3(signature = (request_id, kv_transfer_params))]
-    fn on_new_request(&self, request_id: String, kv_transfer_params: Option<Bound<'_, PyDict>>) -> PyResult<Option<String>> {
-        let Some(d) = kv_transfer_params else { return Ok(None) };
-        let params = crate::convert::params_from_dict(&d)?;
-        Ok(params.role().err().map(|e| format!("{e} (request {request_id})")))
+    /// Steps 11 and 16: a request arrived; returns why its `kv_transfer_params` cannot be served
+    /// here (it then runs locally), or None when they can (or it carries none).
+    #[pyo3(signature = (request_id, num_prompt_tokens, kv_transfer_params))]
+    fn on_new_request(
+        &self,
+        py: Python<'_>,
+        request_id: String,
+        num_prompt_tokens: usize,
+        kv_transfer_params: Option<Bound<'_, PyDict>>,
+    ) -> PyResult<Option<String>> {
+        if kv_transfer_params.is_none() {
+            return Ok(None);
+        }
+        let request = sched_request(request_id, num_prompt_tokens, kv_transfer_params.as_ref())?;
+        Ok(py.detach(|| self.ask("on_new_request", OnNewRequest { request }))?)
     }
 
     /// Steps 12 and 17. Returns True when the caller must set `do_remote_prefill = False` in the

@@ -74,6 +74,7 @@ def _serve(role: str, conn, extra: dict[str, Any], engine_id: str) -> None:
     expected_tokens: dict[str, list[int]] = {}  # P: the stream D must produce from these blocks
     sent_digest: dict[str, str] = {}  # P: digest of the blocks handed to the worker to send
     recv_blocks: dict[str, list[int]] = {}  # D: the blocks each pull fills
+    prompt_blocks: dict[str, list[int]] = {}  # D: all the prompt's blocks, once its KV is complete
     received: dict[str, dict[str, Any]] = {}  # D: what arrived, checked at finished_recving
     d_tokens: dict[str, list[int]] = {}
     failed: set[str] = set()
@@ -89,15 +90,25 @@ def _serve(role: str, conn, extra: dict[str, Any], engine_id: str) -> None:
             t[b_idx, :, s_idx, :] = kv_pattern(torch, tok, pos, layer)
 
     def check_received(req_id: str) -> None:
+        """At finished_recving: the request's blocks on D (any prefix D had cached plus what was
+        loaded) against the model's pattern, and their digest, for the test to compare with P's."""
         req = s.requests[req_id]
-        blocks = recv_blocks[req_id]
+        blocks = s.kv_cache_manager.get_block_ids(req_id)[0][: -(-req.num_prompt_tokens // H.BLOCK_SIZE)]
         n = req.num_prompt_tokens
         pos = torch.arange(n)
         tok = torch.tensor(req.prompt_token_ids[:n], dtype=torch.long)
         b_idx = torch.tensor([blocks[p // H.BLOCK_SIZE] for p in range(n)], dtype=torch.long)
         pattern_ok = all(torch.equal(t[b_idx, :, pos % H.BLOCK_SIZE, :], kv_pattern(torch, tok, pos, layer)) for layer, t in enumerate(kv.values()))
-        nbytes = len(blocks) * sum(t[0].numel() * t.element_size() for t in kv.values())
-        received[req_id] = {"pattern_ok": pattern_ok, "digest": blocks_digest(torch, kv, blocks), "bytes": nbytes, "blocks": len(blocks)}
+        block_bytes = sum(t[0].numel() * t.element_size() for t in kv.values())
+        loaded = recv_blocks[req_id]
+        received[req_id] = {
+            "pattern_ok": pattern_ok,
+            "digest": blocks_digest(torch, kv, blocks),
+            "bytes": len(loaded) * block_bytes,
+            "blocks": len(blocks),
+            "loaded_blocks": len(loaded),
+        }
+        prompt_blocks[req_id] = blocks
 
     def step() -> None:
         out = s.schedule()
@@ -120,8 +131,8 @@ def _serve(role: str, conn, extra: dict[str, Any], engine_id: str) -> None:
             if req.num_computed_tokens < req.num_tokens:
                 sampled.append([])
                 continue
-            if role == "kv_consumer" and req_id in recv_blocks:
-                stream = d_tokens.setdefault(req_id, tokens_from_kv(torch, kv, recv_blocks[req_id], req.num_prompt_tokens, 4096))
+            if role == "kv_consumer" and req_id in prompt_blocks:
+                stream = d_tokens.setdefault(req_id, tokens_from_kv(torch, kv, prompt_blocks[req_id], req.num_prompt_tokens, 4096))
                 sampled.append([stream[len(req.output_token_ids)]])
             else:
                 sampled.append([7])

@@ -86,16 +86,17 @@ def engines():
                 e.proc.kill()
 
 
-def run_request(p, d, bootstrap, n: int, prompt_len: int, max_tokens: int):
+def run_request(p, d, bootstrap, n: int, prompt_len: int, max_tokens: int, salt=None):
     """Proxy's order (seed steps 9-10): P first with max_tokens=1, then D with P's address."""
+    salt = n if salt is None else salt
     transfer_id = f"xfer-datapath-{n}"
     rid = f"dp-{n}"
-    p.call("add", {"request_id": f"{rid}-p", "prompt_len": prompt_len, "salt": n, "max_tokens": 1, "params": p_params(transfer_id)})
+    p.call("add", {"request_id": f"{rid}-p", "prompt_len": prompt_len, "salt": salt, "max_tokens": 1, "params": p_params(transfer_id)})
     p.wait(lambda st: f"{rid}-p" in st["finished"], "P's prefill")
     d.call("add", {
         "request_id": f"{rid}-d",
         "prompt_len": prompt_len,
-        "salt": n,
+        "salt": salt,
         "max_tokens": max_tokens,
         "params": d_params(transfer_id, bootstrap, p.ready["engine_id"]),
     })
@@ -108,7 +109,7 @@ def test_seed_request_kv_moves_p_to_d_byte_for_byte_through_the_actors(engines):
     dst = d.wait(lambda st: d_id in st["finished"], "D's 128 tokens")
     pst = p.wait(lambda st: st["free_blocks"] == st["baseline"] and not st["busy"], "P frees after finished_sending")
     got = dst["received"][d_id]
-    assert got["blocks"] == 63 and got["bytes"] == SEED_BYTES
+    assert got["blocks"] == 63 and got["loaded_blocks"] == 63 and got["bytes"] == SEED_BYTES
     assert got["pattern_ok"], "every prompt slot on D holds P's KV"
     assert got["digest"] == pst["sent_digest"][p_id], "D's blocks equal P's, byte for byte"
     assert dst["finished"][d_id] == pst["expected_tokens"][p_id][:128], "D's 128 tokens come from P's KV"
@@ -129,3 +130,20 @@ def test_concurrent_requests_each_get_their_own_kv(engines):
     assert len(digests) == 4, "four different prompts, four different KVs"
     assert not dst["failed"]
     d.wait(lambda st: st["free_blocks"] == st["baseline"] and not st["busy"], "D frees all four")
+
+
+def test_a_prompt_d_has_cached_loads_only_the_rest(engines):
+    p, d, bootstrap = engines
+    first = run_request(p, d, bootstrap, 20, 600, 2, salt=77)
+    d.wait(lambda st: first[1] in st["finished"], "the first request")
+    p.wait(lambda st: st["free_blocks"] == st["baseline"] and not st["busy"], "P frees the first")
+    # Same prompt again: D's prefix cache holds its full blocks, so it pulls only the last one and
+    # P sends the tail of its blocks.
+    p_id, d_id = run_request(p, d, bootstrap, 21, 600, 8, salt=77)
+    dst = d.wait(lambda st: d_id in st["finished"], "the second request")
+    pst = p.wait(lambda st: st["free_blocks"] == st["baseline"] and not st["busy"], "P frees the second")
+    got = dst["received"][d_id]
+    assert got["loaded_blocks"] < got["blocks"] == 38, got
+    assert got["pattern_ok"] and got["digest"] == pst["sent_digest"][p_id]
+    assert dst["finished"][d_id] == pst["expected_tokens"][p_id][:8]
+    d.wait(lambda st: st["free_blocks"] == st["baseline"] and not st["busy"], "D frees")

@@ -199,6 +199,7 @@ def test_concurrent_requests_on_both_sides_all_end_and_free():
     d, d_base = consumer(max_num_batched_tokens=2048)
     p_reqs = [request(p_params(f"xfer-c{i}"), prompt_len=200 + 37 * i) for i in range(8)]
     d_reqs = [request(d_params(f"xfer-c{i}"), prompt_len=200 + 37 * i, max_tokens=8) for i in range(8)]
+    prompt_lens = {r.request_id: r.num_prompt_tokens for r in p_reqs}
     for r in p_reqs:
         p.add_request(r)
     for r in d_reqs:
@@ -209,7 +210,7 @@ def test_concurrent_requests_on_both_sides_all_end_and_free():
         _, pmeta = prun.step(kv_output(sending=list(to_send)))
         to_send = {k: v for k, v in pmeta.reqs_to_send.items() if v[1]}
         for k, v in to_send.items():
-            assert len(v[1]) == -(-p.requests[k].num_prompt_tokens // 16) if k in p.requests else True
+            assert len(v[1]) == -(-prompt_lens[k] // 16), "every prompt block is sent"
         _, dmeta = drun.step(kv_output(recving=list(pulls)))
         pulls = {k: v for m in dmeta.reqs_to_recv.values() for k, v in m.items()}
         if len(drun.finished) == 8 and len(prun.finished) == 8 and not to_send and not pulls:
@@ -243,3 +244,5 @@ def test_a_request_with_broken_params_is_served_locally():
     while r.request_id not in run.finished:
         run.step()
     assert free_blocks(s) == baseline
+    reason = s.connector._sched().on_new_request(r.request_id, 40, {"do_remote_prefill": True, "transfer_id": "x"})
+    assert reason is not None and "lacks" in reason and "do_remote_prefill" in reason

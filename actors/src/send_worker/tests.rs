@@ -121,6 +121,19 @@ async fn block_count_mismatch_is_a_layout_error_and_frees_p() {
 }
 
 #[tokio::test]
+async fn d_with_a_cached_prefix_gets_the_tail_of_ps_blocks() {
+    let mut rig = rig(memcpy, Duration::from_secs(30));
+    rig.ready(vec![1, 2, 3]).await;
+    // D's prefix cache held the first block: it asks for two.
+    rig.pull(vec![10, 11]).await;
+    let out = rig.next().await;
+    assert_eq!(out.reply.expect("answers the pull").result, Ok(()));
+    let p = filled_cache(8, 1);
+    assert_eq!(rig.d.block_bytes(10).expect("in range"), p.block_bytes(2).expect("in range"));
+    assert_eq!(rig.d.block_bytes(11).expect("in range"), p.block_bytes(3).expect("in range"));
+}
+
+#[tokio::test]
 async fn failed_write_reports_transfer_failed_and_frees_p() {
     let mut rig = rig(|p, d| MemcpyTransfer::failing(p, d, "link down"), Duration::from_secs(30));
     rig.ready(vec![1]).await;

@@ -188,7 +188,7 @@ class PdflowConnector(KVConnectorBase_V1, SupportsHMA):
         return PdflowConnectorMetadata(self._sched().build_connector_meta())
 
     def on_new_request(self, request: "Request") -> None:
-        reason = self._sched().on_new_request(request.request_id, request.kv_transfer_params)
+        reason = self._sched().on_new_request(request.request_id, request.num_prompt_tokens, request.kv_transfer_params)
         if reason is not None:
             logger.warning("request %s: %s; it is served without KV transfer", request.request_id, reason)
 
