@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # Issue 7: the one device call for the cuda transfer bench (nvidia-h200-x2). Builds nothing: runs
 # binaries built on the dev machine and carried:
-#   cargo build --release --features cuda --bin pdflow-cuda-bench     -> target/release/pdflow-cuda-bench
-#   cargo test -p pdflow-runtime --features cuda --lib --no-run       -> copied to target/cuda-carry/runtime-tests
+#   cargo build --release --features cuda --bin pdflow-cuda-bench --bin pdflow-cuda-ipc-bench
+#       -> target/release/pdflow-cuda-bench, target/release/pdflow-cuda-ipc-bench
+#   cargo test -p pdflow-runtime --features cuda --lib --no-run       -> stripped copy in target/cuda-carry/runtime-tests
+# (carry: target/release/pdflow-cuda-bench, target/release/pdflow-cuda-ipc-bench, target/cuda-carry)
 # Writes its log and JSON under $OUT.
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/cuda-bench-out}; mkdir -p "$OUT"
 BENCH=${BENCH:-target/release/pdflow-cuda-bench}
+IPC_BENCH=${IPC_BENCH:-target/release/pdflow-cuda-ipc-bench}
 TESTS=${TESTS:-target/cuda-carry/runtime-tests}
 {
   echo "== machine"; nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv; nvidia-smi topo -m
@@ -23,8 +26,10 @@ TESTS=${TESTS:-target/cuda-carry/runtime-tests}
   ldd "$BENCH" | grep -i 'not found' && echo "missing shared libraries"
   echo "== cuda tests (GPU)"
   timeout 120 "$TESTS" transfer::cuda --nocapture; echo "tests rc=$?"
-  echo "== bench"
+  echo "== bench, one process"
   timeout 300 "$BENCH" --runs 20 --json "$OUT/cuda_bench.json"; echo "bench rc=$?"
+  echo "== bench, P and D in separate processes (CUDA IPC)"
+  timeout 300 "$IPC_BENCH" --runs 30 --json "$OUT/cuda_ipc_bench.json"; echo "ipc bench rc=$?"
   echo "== torch cross-check of the peer-copy ceiling"
   timeout 120 python3 - <<'PY'
 import torch

@@ -7,7 +7,9 @@
 //! engines' KV lives on GPUs of one host. The driver and NVRTC are loaded at run time (cudarc's
 //! dynamic loading), so this builds and its tests skip on machines without CUDA.
 //!
-//! Not yet here: CUDA IPC handles (P and D in separate processes), the `TransferEngine` impl.
+//! [`ipc`] runs the same kernel across processes: D exports its regions as CUDA IPC handles, P
+//! opens them once per peer and writes plans into them after the region checks; [`ipc_peer`] is a
+//! D process for the bench and tests. Not yet here: the `TransferEngine` impl over [`ipc`].
 
 use std::sync::Arc;
 
@@ -16,6 +18,8 @@ use cudarc::driver::{result, sys, CudaFunction, DriverError, LaunchConfig, PushK
 
 use crate::planner::TransferPlan;
 
+pub mod ipc;
+pub mod ipc_peer;
 mod kernel;
 
 /// Why the cuda path cannot run.
@@ -282,38 +286,58 @@ pub fn copy_peer(
     check(unsafe { sys::cuMemcpyPeerAsync(dst, dst_ctx.cu_ctx(), src, src_ctx.cu_ctx(), bytes as usize, stream.cu_stream()) })
 }
 
+/// One driver copy per descriptor within `stream`'s context, addresses as that context sees them
+/// (unified addressing: IPC-mapped peer memory included): the IPC path's baseline.
+pub fn copy_per_descriptor_uva(stream: &CudaStream, plan: &TransferPlan) -> Result<(), CudaError> {
+    stream.context().bind_to_thread()?;
+    for d in &plan.descriptors {
+        // SAFETY: the caller checked the descriptors against both sides' regions.
+        check(unsafe { sys::cuMemcpyAsync(d.dst, d.src, d.len as usize, stream.cu_stream()) })?;
+    }
+    Ok(())
+}
+
 /// Times `work` enqueued on `stream` with CUDA events, in milliseconds.
-pub fn time_ms(
-    stream: &Arc<CudaStream>,
-    work: impl FnOnce() -> Result<(), CudaError>,
-) -> Result<f64, CudaError> {
+pub fn time_ms<E: From<CudaError>>(stream: &Arc<CudaStream>, work: impl FnOnce() -> Result<(), E>) -> Result<f64, E> {
     let ctx = stream.context();
-    let start = ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))?;
-    let end = ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))?;
-    start.record(stream)?;
+    let start = ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT)).map_err(CudaError::from)?;
+    let end = ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT)).map_err(CudaError::from)?;
+    start.record(stream).map_err(CudaError::from)?;
     work()?;
-    end.record(stream)?;
-    Ok(start.elapsed_ms(&end)? as f64)
+    end.record(stream).map_err(CudaError::from)?;
+    Ok(start.elapsed_ms(&end).map_err(CudaError::from)? as f64)
 }
 
 /// FNV-1a over the bytes of every descriptor's source (`src = true`) or destination side, read
 /// back from the device (the bytes-verified check).
 pub fn plan_checksum(ctx: &Arc<CudaContext>, plan: &TransferPlan, src: bool) -> Result<u64, CudaError> {
     ctx.bind_to_thread()?;
-    let mut h = 0xcbf2_9ce4_8422_2325_u64;
+    let mut h = CHECKSUM_BASIS;
     let mut buf = Vec::new();
     for d in &plan.descriptors {
         buf.resize(d.len as usize, 0);
         // SAFETY: the descriptor lies inside an allocation (UVA address, any context's).
         unsafe { result::memcpy_dtoh_sync(&mut buf[..], if src { d.src } else { d.dst }) }?;
-        for chunk in buf.chunks(8) {
-            let mut w = [0u8; 8];
-            w[..chunk.len()].copy_from_slice(chunk);
-            h = (h ^ u64::from_le_bytes(w)).wrapping_mul(0x0100_0000_01b3);
-        }
+        h = checksum_words(h, &buf);
     }
     Ok(h)
 }
 
+/// The FNV-1a basis [`plan_checksum`] starts from.
+pub const CHECKSUM_BASIS: u64 = 0xcbf2_9ce4_8422_2325;
+
+/// Folds `bytes` into `h` as [`plan_checksum`] does for one descriptor (8-byte little-endian words,
+/// the last one zero-padded), so the host can compute an expected checksum.
+pub fn checksum_words(mut h: u64, bytes: &[u8]) -> u64 {
+    for chunk in bytes.chunks(8) {
+        let mut w = [0u8; 8];
+        w[..chunk.len()].copy_from_slice(chunk);
+        h = (h ^ u64::from_le_bytes(w)).wrapping_mul(0x0100_0000_01b3);
+    }
+    h
+}
+
+#[cfg(test)]
+mod ipc_tests;
 #[cfg(test)]
 mod tests;
