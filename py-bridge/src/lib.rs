@@ -9,6 +9,7 @@ mod convert;
 mod error;
 mod runtime;
 mod scheduler;
+mod trace_export;
 mod worker;
 
 use pdflow_messages::frame;
@@ -28,6 +29,20 @@ fn decode_metadata<'py>(py: Python<'py>, frame_bytes: &[u8]) -> PyResult<Bound<'
     convert::metadata_to_py(py, &meta)
 }
 
+/// Installs the process's trace exporter when OpenTelemetry's variables (or `PDFLOW_TRACE_FILE`)
+/// ask for one; idempotent. `PdflowConnector` calls it when it is created.
+#[pyfunction]
+fn install_trace_export() -> PyResult<()> {
+    trace_export::install_from_env()?;
+    Ok(())
+}
+
+/// Sends the spans not yet exported and writes the trace file; `PdflowConnector.shutdown` calls it.
+#[pyfunction]
+fn flush_traces(py: Python<'_>) {
+    py.detach(trace_export::flush);
+}
+
 /// Validates `kv_connector_extra_config` (as JSON) with the environment; raises `ConfigError`.
 #[pyfunction]
 fn check_config(extra_config_json: &str) -> PyResult<()> {
@@ -42,6 +57,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<worker::WorkerBridge>()?;
     m.add_function(wrap_pyfunction!(decode_metadata, m)?)?;
     m.add_function(wrap_pyfunction!(check_config, m)?)?;
+    m.add_function(wrap_pyfunction!(install_trace_export, m)?)?;
+    m.add_function(wrap_pyfunction!(flush_traces, m)?)?;
     m.add("PdflowError", py.get_type::<error::PdflowError>())?;
     m.add("ConfigError", py.get_type::<error::ConfigError>())?;
     m.add("RegistrationError", py.get_type::<error::RegistrationError>())?;

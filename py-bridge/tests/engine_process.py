@@ -45,7 +45,10 @@ def tokens_from_kv(torch, kv: dict, block_ids: list[int], n: int, count: int) ->
     return [100 + (seed + i * 7919) % 50000 for i in range(count)]
 
 
-def main(role: str, conn, extra: dict[str, Any], engine_id: str) -> None:
+def main(role: str, conn, extra: dict[str, Any], engine_id: str, env: dict[str, str] | None = None) -> None:
+    import os
+
+    os.environ.update(env or {})
     try:
         _serve(role, conn, extra, engine_id)
     except BaseException:

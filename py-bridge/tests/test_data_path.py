@@ -5,6 +5,7 @@ against P's blocks as handed to the worker, and every prompt slot against the mo
 and D's 128 tokens, derived from the KV in its blocks, must equal the reference derived from P's.
 """
 
+import json
 import multiprocessing as mp
 import socket
 import time
@@ -26,11 +27,13 @@ def free_port() -> int:
 
 
 class Engine:
-    def __init__(self, ctx, role: str, extra: dict, engine_id: str):
+    def __init__(self, ctx, role: str, extra: dict, engine_id: str, env: dict):
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=engine_process.main, args=(role, child, extra, engine_id), daemon=True)
+        self.proc = ctx.Process(target=engine_process.main, args=(role, child, extra, engine_id, env), daemon=True)
         self.proc.start()
         self.ready = None
+        self.stopped = False
+        self.trace_file = env.get("PDFLOW_TRACE_FILE")
 
     def wait_ready(self, deadline: float) -> dict:
         if not self.conn.poll(max(0.0, deadline - time.monotonic())):
@@ -59,6 +62,9 @@ class Engine:
             time.sleep(0.05)
 
     def stop(self):
+        if self.stopped:
+            return
+        self.stopped = True
         try:
             self.call("stop", timeout=30)
         finally:
@@ -68,11 +74,12 @@ class Engine:
 
 
 @pytest.fixture(scope="module")
-def engines():
+def engines(tmp_path_factory):
     ctx = mp.get_context("spawn")
     port = free_port()
-    p = Engine(ctx, "kv_producer", {"bootstrap_port": port, "transport": "tcp"}, "p-engine-datapath")
-    d = Engine(ctx, "kv_consumer", {"transport": "tcp"}, "d-engine-datapath")
+    traces = tmp_path_factory.mktemp("traces")
+    p = Engine(ctx, "kv_producer", {"bootstrap_port": port, "transport": "tcp"}, "p-engine-datapath", {"PDFLOW_TRACE_FILE": str(traces / "p.json")})
+    d = Engine(ctx, "kv_consumer", {"transport": "tcp"}, "d-engine-datapath", {"PDFLOW_TRACE_FILE": str(traces / "d.json")})
     try:
         deadline = time.monotonic() + READY_DEADLINE_S
         p.wait_ready(deadline)
@@ -147,3 +154,28 @@ def test_a_prompt_d_has_cached_loads_only_the_rest(engines):
     assert got["pattern_ok"] and got["digest"] == pst["sent_digest"][p_id]
     assert dst["finished"][d_id] == pst["expected_tokens"][p_id][:8]
     d.wait(lambda st: st["free_blocks"] == st["baseline"] and not st["busy"], "D frees")
+
+
+def spans_by_step(path) -> dict[int, list[dict]]:
+    out: dict[int, list[dict]] = {}
+    for trace in json.loads(open(path).read())["data"]:
+        for span in trace["spans"]:
+            name = span["operationName"]
+            if name.startswith("step."):
+                tags = {t["key"]: t["value"] for t in span["tags"]}
+                out.setdefault(int(name.split(".")[1]), []).append(tags)
+    return out
+
+
+def test_zz_the_actors_step_spans_are_exported_from_the_engine_processes(engines):
+    """Runs last: stops both engines (their connectors flush PDFLOW_TRACE_FILE on shutdown)."""
+    p, d, _ = engines
+    p.stop()
+    d.stop()
+    p_steps, d_steps = spans_by_step(p.trace_file), spans_by_step(d.trace_file)
+    # P: registration, the pending send, the blocks to send, the plan, the write, the report.
+    assert {4, 13, 26, 28, 29, 32} <= set(p_steps), sorted(p_steps)
+    # D: the pull in the metadata, the load started, its result, the report.
+    assert {18, 19, 34, 35} <= set(d_steps), sorted(d_steps)
+    seed_writes = [t for t in p_steps[29] if t.get("pd.transfer_id") == "xfer-datapath-1"]
+    assert seed_writes and int(seed_writes[0]["pd.bytes"]) == SEED_BYTES, p_steps[29][:2]

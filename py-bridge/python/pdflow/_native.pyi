@@ -17,6 +17,12 @@ def decode_metadata(frame_bytes: bytes) -> dict[str, Any]:
 def check_config(extra_config_json: str) -> None:
     """Raises ConfigError if ``kv_connector_extra_config`` (JSON) or the environment is invalid."""
 
+def install_trace_export() -> None:
+    """Installs the process's step-span exporter if OTEL_* variables or PDFLOW_TRACE_FILE ask for one."""
+
+def flush_traces() -> None:
+    """Sends pending spans and writes the PDFLOW_TRACE_FILE trace file."""
+
 class SchedulerConnector:
     """Scheduler role: each method is one ask to the SchedulerConnector actor."""
 

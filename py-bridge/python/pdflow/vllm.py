@@ -136,6 +136,7 @@ class PdflowConnector(KVConnectorBase_V1, SupportsHMA):
         except (TypeError, ValueError) as e:
             raise ConfigError(f"kv_connector_extra_config is not JSON-serialisable: {e}") from e
         _native.check_config(self._extra_json)
+        _native.install_trace_export()
         groups = getattr(kv_cache_config, "kv_cache_groups", None) if kv_cache_config is not None else None
         if groups is not None and len(groups) > 1:
             raise ConfigError(
@@ -275,6 +276,7 @@ class PdflowConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker.shutdown()
         if self._scheduler is not None:
             self._scheduler.shutdown()
+        _native.flush_traces()
 
 
 def _regions_of(kv_caches: dict[str, "torch.Tensor"]) -> tuple[list[tuple[int, int]], tuple[int, int, int, int, int], list]:
