@@ -54,6 +54,9 @@ struct Running {
     info: Vec<(&'static str, String)>,
 }
 
+/// P's SenderListener or D's Receiver (whichever this worker runs).
+type WorkerRefs = (Option<ActorRef<SenderListener>>, Option<ActorRef<Receiver>>);
+
 #[derive(Default)]
 struct Ledger {
     /// D: the local blocks of every pull not yet settled, by request id.
@@ -87,7 +90,7 @@ where
 }
 
 impl WorkerBridge {
-    fn refs(&self) -> Result<(Option<ActorRef<SenderListener>>, Option<ActorRef<Receiver>>), BridgeError> {
+    fn refs(&self) -> Result<WorkerRefs, BridgeError> {
         let running = lock(&self.running);
         let r = running.as_ref().ok_or_else(|| BridgeError::unavailable("worker connector", "register_kv_caches has not been called"))?;
         Ok((r.sender_listener.clone(), r.receiver.clone()))
