@@ -1,0 +1,63 @@
+"""Configuration: kv_connector_extra_config keys and the VLLM_MOONCAKE_* variables, checked when
+vLLM creates the connector — a bad setting stops the engine at start-up with a message naming it."""
+
+import pytest
+
+import pdflow
+from pdflow import _native
+from vllm_harness import scheduler, vllm_config
+
+
+def test_an_unknown_extra_config_key_is_refused_by_name():
+    with pytest.raises(pdflow.ConfigError, match="hots"):
+        scheduler(vllm_config("kv_producer", extra={"hots": "10.0.0.1"}))
+
+
+@pytest.mark.parametrize(
+    "extra, needle",
+    [
+        ({"transport": "rdma"}, "transport"),
+        ({"tcp_streams": 0}, "tcp_streams"),
+        ({"pull_timeout_s": -1}, "pull_timeout_s"),
+        ({"host": "not-an-ip"}, "host"),
+        ({"bootstrap_url": "127.0.0.1:8998"}, "bootstrap_url"),
+    ],
+)
+def test_bad_values_are_refused_with_the_key(extra, needle):
+    with pytest.raises(pdflow.ConfigError, match=needle):
+        scheduler(vllm_config("kv_consumer", extra=extra))
+
+
+def test_vllm_mooncake_variables_keep_their_meaning(monkeypatch):
+    monkeypatch.setenv("VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT", "soon")
+    with pytest.raises(pdflow.ConfigError, match="VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT"):
+        _native.check_config("{}")
+    monkeypatch.setenv("VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT", "480")
+    monkeypatch.setenv("VLLM_MOONCAKE_BOOTSTRAP_PORT", "0")
+    with pytest.raises(pdflow.ConfigError, match="VLLM_MOONCAKE_BOOTSTRAP_PORT"):
+        _native.check_config("{}")
+    monkeypatch.setenv("VLLM_MOONCAKE_BOOTSTRAP_PORT", "9100")
+    _native.check_config('{"abort_request_timeout_s": 5, "tcp_streams": 2}')
+
+
+def test_worker_registration_refuses_what_it_cannot_serve():
+    import torch
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from pdflow.vllm import PdflowConnector
+    from vllm_harness import kv_cache_config
+
+    config = vllm_config("kv_consumer")
+    worker = PdflowConnector(config, KVConnectorRole.WORKER, kv_cache_config(8))
+    try:
+        with pytest.raises(pdflow.RegistrationError, match="not contiguous"):
+            worker.register_kv_caches({"l0": torch.zeros(8, 8, 16, 256, dtype=torch.bfloat16).transpose(1, 2)})
+        with pytest.raises(pdflow.RegistrationError, match="differs"):
+            worker.register_kv_caches({
+                "l0": torch.zeros(8, 8, 16, 256, dtype=torch.bfloat16),
+                "l1": torch.zeros(9, 8, 16, 256, dtype=torch.bfloat16),
+            })
+        with pytest.raises(pdflow.ConnectorUnavailable, match="register_kv_caches"):
+            worker.get_transfer_results(set())
+    finally:
+        worker.shutdown()
