@@ -23,5 +23,6 @@ pub use server::{DataServerError, TcpDataServer};
 /// Socket buffer size asked of the OS on both ends (it may grant less).
 const SOCKET_BUFFER_BYTES: u32 = 4 << 20;
 
+#[cfg(test)] mod fuzz_tests;
 #[cfg(test)]
 mod tests;

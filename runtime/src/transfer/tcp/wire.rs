@@ -50,6 +50,8 @@ pub const MAX_CANARY_LEN: usize = 64;
 pub const MAX_REGIONS: usize = 1 << 16;
 
 const DESCRIPTOR_WIRE_LEN: usize = 16;
+/// The most bytes of descriptors or regions read (and allocated) at once.
+const READ_CHUNK: usize = 64 * 1024;
 
 /// Why bytes on a data connection are not a valid message.
 #[derive(Debug, thiserror::Error)]
@@ -264,9 +266,10 @@ pub async fn read_host_info<R: AsyncRead + Unpin>(r: &mut R) -> Result<HostInfo,
     if count > MAX_REGIONS {
         return Err(WireError::TooManyRegions { count: count as u64 });
     }
-    let mut raw = vec![0u8; count * 24];
-    r.read_exact(&mut raw).await?;
-    let regions = raw.chunks_exact(24).map(|c| (u64::from_le_bytes(le8(&c[..8])), u64::from_le_bytes(le8(&c[8..16])), u64::from_le_bytes(le8(&c[16..])))).collect();
+    let regions = read_records::<_, 24, _>(r, count, |c| {
+        (u64::from_le_bytes(le8(&c[..8])), u64::from_le_bytes(le8(&c[8..16])), u64::from_le_bytes(le8(&c[16..])))
+    })
+    .await?;
     Ok(HostInfo { offered, pid, host_id: String::from_utf8_lossy(&host).into_owned(), canary_addr, canary, regions })
 }
 
@@ -278,13 +281,32 @@ async fn read_batch_body<R: AsyncRead + Unpin>(r: &mut R) -> Result<BatchHeader,
     if count as usize > MAX_DESCRIPTORS_PER_BATCH {
         return Err(WireError::TooManyDescriptors { count: u64::from(count) });
     }
-    let mut raw = vec![0u8; count as usize * DESCRIPTOR_WIRE_LEN];
-    r.read_exact(&mut raw).await?;
-    let descriptors = raw
-        .chunks_exact(DESCRIPTOR_WIRE_LEN)
-        .map(|c| (u64::from_le_bytes(le8(&c[..8])), u64::from_le_bytes(le8(&c[8..]))))
-        .collect();
+    let descriptors = read_records::<_, DESCRIPTOR_WIRE_LEN, _>(r, count as usize, |c| {
+        (u64::from_le_bytes(le8(&c[..8])), u64::from_le_bytes(le8(&c[8..])))
+    })
+    .await?;
     Ok(BatchHeader { batch_id, descriptors })
+}
+
+/// Reads `count` records of `LEN` bytes, at most [`READ_CHUNK`] bytes at a time, so that memory
+/// grows with the bytes that actually arrive, not with the count a peer claims (issue 5: a 16-byte
+/// header claiming 2^20 descriptors made D allocate 16 MiB before reading one).
+async fn read_records<R: AsyncRead + Unpin, const LEN: usize, T>(
+    r: &mut R,
+    count: usize,
+    parse: impl Fn(&[u8]) -> T,
+) -> Result<Vec<T>, WireError> {
+    let per_chunk = READ_CHUNK / LEN;
+    let mut out = Vec::with_capacity(count.min(per_chunk));
+    let mut chunk = vec![0u8; count.min(per_chunk) * LEN];
+    let mut left = count;
+    while left > 0 {
+        let n = left.min(per_chunk);
+        r.read_exact(&mut chunk[..n * LEN]).await?;
+        out.extend(chunk[..n * LEN].chunks_exact(LEN).map(&parse));
+        left -= n;
+    }
+    Ok(out)
 }
 
 pub async fn write_ack<W: AsyncWrite + Unpin>(w: &mut W, ack: &Ack) -> Result<(), WireError> {
@@ -308,9 +330,12 @@ pub async fn read_ack<R: AsyncRead + Unpin>(r: &mut R) -> Result<Ack, WireError>
     r.read_exact(&mut head).await?;
     expect_magic(&head[..4], ACK_MAGIC)?;
     let batch_id = u64::from_le_bytes(le8(&head[5..13]));
-    let reason_len = usize::from(u16::from_le_bytes([head[13], head[14]])).min(MAX_REASON_LEN);
+    // The whole reason is read (it is at most 64 KiB) so the next ack starts where it should; only
+    // the first MAX_REASON_LEN bytes are kept (issue 5: a longer one desynchronised the stream).
+    let reason_len = usize::from(u16::from_le_bytes([head[13], head[14]]));
     let mut reason = vec![0u8; reason_len];
     r.read_exact(&mut reason).await?;
+    reason.truncate(MAX_REASON_LEN);
     match head[4] {
         0 => Ok(Ack::Ok { batch_id }),
         1 => Ok(Ack::Refused { batch_id, reason: String::from_utf8_lossy(&reason).into_owned() }),
