@@ -208,11 +208,16 @@ async fn serve_connection(mut stream: TcpStream, shared: &Shared) -> Result<(), 
         };
         let batch_id = header.batch_id;
         // Check every descriptor before touching the payload.
-        let refusal = header.descriptors.iter().find_map(|&(dst, len)| shared.regions.check(dst, len).err());
+        let refusal = header
+            .descriptors
+            .iter()
+            .find_map(|&(dst, len)| shared.regions.check(dst, len).err().map(|e| e.to_string()))
+            .or_else(|| overlapping(&header.descriptors));
         match refusal {
             None => {
-                // SAFETY: each checked above to lie wholly inside a registered region; D's block
-                // pool gives the blocks under transfer to this write alone until it is acked.
+                // SAFETY: each checked above to lie wholly inside a registered region, and no two
+                // overlap (so the slices never alias); D's block pool gives the blocks under
+                // transfer to this write alone until it is acked.
                 let dsts = header
                     .descriptors
                     .iter()
@@ -239,6 +244,16 @@ async fn serve_connection(mut stream: TcpStream, shared: &Shared) -> Result<(), 
             }
         }
     }
+}
+
+/// Why a batch's destinations overlap, if they do: a plan never writes one byte twice, and
+/// overlapping destinations would make two live `&mut` slices of the same memory.
+fn overlapping(descriptors: &[(u64, u64)]) -> Option<String> {
+    let mut ranges: Vec<(u64, u64)> = descriptors.iter().copied().filter(|&(_, len)| len > 0).collect();
+    ranges.sort_unstable();
+    ranges.windows(2).find(|w| w[0].0.saturating_add(w[0].1) > w[1].0).map(|w| {
+        format!("descriptors {:#x}+{} and {:#x}+{} overlap in D's memory (a transfer plan writes each byte once)", w[0].0, w[0].1, w[1].0, w[1].1)
+    })
 }
 
 /// Reads exactly the bytes of every slice of `dsts`, in order, straight into them: vectored reads

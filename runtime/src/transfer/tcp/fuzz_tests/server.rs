@@ -106,6 +106,26 @@ async fn a_descriptor_count_above_the_limit_is_refused_with_a_clear_error() {
 }
 
 #[tokio::test]
+async fn overlapping_destinations_are_refused_and_nothing_is_written() {
+    let (dst, _server, peer) = d_server(None).await;
+    let (mut raw, ack) = hello(&peer, b"").await;
+    assert_eq!(ack.expect("hello ack"), Ack::Ok { batch_id: 0 });
+    let base = dst.regions()[1].base_addr;
+    // Two in-region descriptors whose destinations share 8 bytes (aliased `&mut` before the fix).
+    let descriptors = [(base + 64, 32), (base + 88, 32)];
+    let mut bytes = batch_bytes(9, &descriptors);
+    bytes.extend(std::iter::repeat_n(0xabu8, 64));
+    raw.write_all(&bytes).await.expect("sends");
+    let ack = tokio::time::timeout(BOUND, wire::read_ack(&mut raw)).await.expect("answers in time").expect("an ack");
+    match ack {
+        Ack::Refused { batch_id: 9, reason } => assert!(reason.contains("overlap"), "{reason}"),
+        other => panic!("expected a refusal, got {other:?}"),
+    }
+    assert_all_zero(&dst);
+    still_serves(&dst, &peer, None).await;
+}
+
+#[tokio::test]
 async fn a_refused_batch_too_large_to_drain_is_refused_and_closed_with_a_clear_error() {
     let (dst, _server, peer) = d_server(None).await;
     let r = dst.regions()[0];
