@@ -9,7 +9,10 @@
 //!
 //! [`ipc`] runs the same kernel across processes: D exports its regions as CUDA IPC handles, P
 //! opens them once per peer and writes plans into them after the region checks; [`ipc_peer`] is a
-//! D process for the bench and tests. Not yet here: the `TransferEngine` impl over [`ipc`].
+//! D process for the bench and tests; [`ipc_engine`] is the `TransferEngine` over it (`cuda-ipc`).
+//! [`staged`] is the cross-host path: tcp with pinned host staging, device→host, send and
+//! host→device overlapped per chunk (`cuda-staged`). Not yet: the serving stack choosing these
+//! engines (D's export or staged address in its hello).
 
 use std::sync::Arc;
 
@@ -19,8 +22,10 @@ use cudarc::driver::{result, sys, CudaFunction, DriverError, LaunchConfig, PushK
 use crate::planner::TransferPlan;
 
 pub mod ipc;
+pub mod ipc_engine;
 pub mod ipc_peer;
 mod kernel;
+pub mod staged;
 
 /// Why the cuda path cannot run.
 #[derive(Debug, thiserror::Error)]
@@ -337,6 +342,8 @@ pub fn checksum_words(mut h: u64, bytes: &[u8]) -> u64 {
     h
 }
 
+#[cfg(test)]
+mod ipc_engine_tests;
 #[cfg(test)]
 mod ipc_tests;
 #[cfg(test)]

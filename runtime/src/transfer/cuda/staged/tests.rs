@@ -1,0 +1,145 @@
+//! Tests of the staged path. Chunking, splitting, the wire format and D's region check are
+//! CPU-only and run everywhere; the round trip through a real TCP socket on 127.0.0.1 (P on GPU 0,
+//! D on GPU 1 when there are two) needs a GPU and skips, saying why, otherwise. It needs no NVRTC.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use cudarc::driver::result;
+use pdflow_messages::layout::RegionDesc;
+
+use super::receiver::check_destinations;
+use super::wire::{self, Reply, WireError};
+use super::*;
+use crate::planner::{build_plan, TransferPlan};
+use crate::transfer::cuda::{checksum_words, device_count, plan_checksum, DeviceBuffer, CHECKSUM_BASIS};
+use crate::transfer::{TransferEngine, TransferError};
+
+fn d(src: u64, dst: u64, len: u64) -> Descriptor {
+    Descriptor { src, dst, len }
+}
+
+#[test]
+fn chunks_cut_across_descriptors_and_cover_every_byte_once() {
+    let chunks = chunk_pieces([(0x1000, 300), (0x9000, 50), (0x20000, 700)], 256);
+    assert_eq!(chunks.len(), 5, "1,050 bytes in chunks of 256");
+    assert_eq!(chunks[0], vec![Piece { addr: 0x1000, offset: 0, len: 256 }]);
+    assert_eq!(chunks[1], vec![Piece { addr: 0x1100, offset: 0, len: 44 }, Piece { addr: 0x9000, offset: 44, len: 50 }, Piece { addr: 0x20000, offset: 94, len: 162 }]);
+    assert_eq!(chunks.iter().map(|c| chunk_len(c)).collect::<Vec<_>>(), vec![256, 256, 256, 256, 26]);
+    let mut covered: Vec<(u64, u64)> = chunks.iter().flatten().map(|p| (p.addr, p.len)).collect();
+    covered.sort();
+    let bytes: u64 = covered.iter().map(|c| c.1).sum();
+    assert_eq!(bytes, 1050);
+    assert!(chunk_pieces([(0x1000, 0)], 256).is_empty());
+}
+
+#[test]
+fn a_plan_splits_into_parts_of_nearly_equal_bytes_on_4k_cuts() {
+    let plan = [d(0, 0x100000, 3 * 4096), d(0x10000, 0x200000, 5 * 4096), d(0x40000, 0x300000, 4096)];
+    let parts = split_parts(&plan, 3);
+    assert_eq!(parts.len(), 3);
+    assert_eq!(parts[0], vec![d(0, 0x100000, 3 * 4096)]);
+    assert_eq!(parts[1], vec![d(0x10000, 0x200000, 3 * 4096)]);
+    assert_eq!(parts[2], vec![d(0x13000, 0x203000, 2 * 4096), d(0x40000, 0x300000, 4096)]);
+    let total = |ps: &[Vec<Descriptor>]| ps.iter().flatten().map(|d| d.len).sum::<u64>();
+    assert_eq!(total(&split_parts(&plan, 7)), 9 * 4096);
+    assert!(split_parts(&plan, 7).len() <= 7);
+    assert_eq!(split_parts(&plan, 1), vec![plan.to_vec()]);
+    assert!(split_parts(&[], 4).is_empty());
+}
+
+#[test]
+fn requests_and_replies_survive_the_wire_and_bad_input_is_refused() {
+    let plan = [d(1, 0xdead_beef_0000, 4096), d(2, 0x10, 1)];
+    let bytes = wire::encode_request(&plan);
+    let back = wire::read_request(&mut &bytes[..]).expect("reads").expect("a request");
+    assert_eq!(back, vec![(0xdead_beef_0000, 4096), (0x10, 1)]);
+    assert!(wire::read_request(&mut &[][..]).expect("clean end").is_none());
+    assert!(matches!(wire::read_request(&mut &b"HTTP/1.1"[..]), Err(WireError::BadMagic(_))));
+    let mut huge = bytes[..6].to_vec();
+    huge.extend_from_slice(&(wire::MAX_DESCRIPTORS + 1).to_le_bytes());
+    assert!(matches!(wire::read_request(&mut &huge[..]), Err(WireError::TooManyDescriptors(_))));
+    assert!(matches!(wire::read_request(&mut &bytes[..bytes.len() - 3]), Err(WireError::Io(_))), "truncated");
+    for reply in [Reply::Accepted, Reply::Refused("no".into()), Reply::Done, Reply::Failed("cuda".into())] {
+        let mut out = Vec::new();
+        wire::write_reply(&mut out, &reply).expect("writes");
+        assert_eq!(wire::read_reply(&mut &out[..]).expect("reads"), reply);
+    }
+    assert!(matches!(wire::read_reply(&mut &[9u8][..]), Err(WireError::BadStatus(9))));
+    assert!(wire::read_go(&mut &[wire::GO][..]).expect("go"));
+    assert!(!wire::read_go(&mut &[wire::ABORT][..]).expect("abort"));
+}
+
+#[test]
+fn destinations_outside_ds_regions_are_refused() {
+    let regions = [RegionDesc { base_addr: 0x10000, len: 0x4000, block_len: 0x1000 }, RegionDesc { base_addr: 0x20000, len: 0x4000, block_len: 0x1000 }];
+    assert!(check_destinations(&regions, &[(0x10000, 0x4000), (0x21000, 0x1000)]).is_ok());
+    let reason = check_destinations(&regions, &[(0x10000, 0x1000), (0x13000, 0x2000)]).expect_err("crosses the end of region 0");
+    assert!(reason.starts_with("descriptor 1:"), "{reason}");
+    assert!(check_destinations(&regions, &[(u64::MAX - 4, 0x1000)]).is_err(), "overflow");
+}
+
+/// 4 regions × 32 blocks × 4 KiB, as the IPC tests.
+fn regions_at(base: u64) -> Vec<RegionDesc> {
+    (0..4).map(|i| RegionDesc { base_addr: base + i * 32 * 4096, len: 32 * 4096, block_len: 4096 }).collect()
+}
+
+const BYTES: usize = 4 * 32 * 4096;
+
+#[test]
+fn staged_round_trip_through_loopback_tcp() {
+    let n = match device_count() {
+        Ok(n) => n,
+        Err(e) => return eprintln!("SKIP cuda staged test: {e}"),
+    };
+    let ctx_p = CudaContext::new(0).expect("GPU 0");
+    let ctx_d = CudaContext::new(if n >= 2 { 1 } else { 0 }).expect("D's GPU");
+    let p_mem = DeviceBuffer::new(&ctx_p, BYTES).expect("alloc P");
+    let d_mem = DeviceBuffer::new(&ctx_d, BYTES).expect("alloc D");
+    d_mem.fill(0).expect("zero D");
+    let pattern: Vec<u8> = (0..BYTES).map(|i| (i as u64).wrapping_mul(0x9e37_79b9).to_le_bytes()[2]).collect();
+    ctx_p.bind_to_thread().expect("bind");
+    // SAFETY: `p_mem` holds BYTES bytes.
+    unsafe { result::memcpy_htod_sync(p_mem.ptr, &pattern[..]) }.expect("upload the pattern");
+    let (p_regions, d_regions) = (regions_at(p_mem.ptr), regions_at(d_mem.ptr));
+
+    // Small chunks and a shallow ring, so that buffers are reused many times within one part.
+    let config = StagedConfig { chunk_bytes: 12 * 1024, depth: 2, streams: 3, deadline: Duration::from_secs(20) };
+    let receiver = StagedReceiver::bind(&ctx_d, d_regions.clone(), "127.0.0.1:0", StagedConfig { chunk_bytes: 20 * 1024, ..config }).expect("D listens");
+    let peer = receiver.local_addr().to_string();
+    let sender = Arc::new(StagedSender::new(&ctx_p, p_regions.clone(), config));
+
+    let plan = build_plan(&p_regions, &[1, 2, 3, 9, 30, 31], &d_regions, &[20, 21, 22, 4, 0, 7], true).expect("plan");
+    let zeros = |plan: &TransferPlan| plan.descriptors.iter().fold(CHECKSUM_BASIS, |h, d| checksum_words(h, &vec![0u8; d.len as usize]));
+    let expected = plan_checksum(&ctx_p, &plan, true).expect("source checksum");
+    assert_ne!(expected, zeros(&plan), "the pattern is not all zeros");
+
+    // One descriptor past D's last region refuses the whole plan, across all three connections.
+    let mut bad = plan.clone();
+    let last = d_regions[3];
+    bad.descriptors.push(d(p_mem.ptr, last.base_addr + last.len - 8, 4096));
+    assert!(matches!(sender.write(&peer, &bad), Err(StagedError::Refused { .. })));
+    assert_eq!(plan_checksum(&ctx_d, &plan, false).expect("D checksum"), zeros(&plan), "a refused plan wrote bytes");
+    // A source outside P's regions is refused by P before anything is sent.
+    let mut bad_src = plan.clone();
+    bad_src.descriptors[0].src = p_mem.ptr + BYTES as u64;
+    assert!(matches!(sender.write(&peer, &bad_src), Err(StagedError::SourceOutOfRegion { index: 0, .. })));
+
+    // The pooled connections are still in step after the refusal.
+    let stats = sender.write(&peer, &plan).expect("write");
+    assert_eq!((stats.bytes, stats.descriptors), (plan.total_bytes(), plan.descriptors.len()));
+    assert_eq!(plan_checksum(&ctx_d, &plan, false).expect("D checksum"), expected, "D's bytes differ from P's");
+
+    // Through the TransferEngine trait.
+    d_mem.fill(0).expect("zero D");
+    let engine = StagedEngine(sender.clone());
+    let rt = tokio::runtime::Builder::new_current_thread().enable_time().build().expect("runtime");
+    let stats = rt.block_on(engine.write(&peer, &plan)).expect("engine write");
+    assert_eq!(stats.bytes, plan.total_bytes());
+    assert_eq!(plan_checksum(&ctx_d, &plan, false).expect("D checksum"), expected);
+    assert_eq!(engine.backend_for(&peer), "cuda-staged");
+    assert!(matches!(rt.block_on(engine.write(&peer, &bad)), Err(TransferError::Refused { .. })));
+
+    drop(receiver);
+    assert!(matches!(rt.block_on(engine.write("127.0.0.1:1", &plan)), Err(TransferError::Connect { .. })));
+}
