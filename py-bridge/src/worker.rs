@@ -102,78 +102,78 @@ impl WorkerBridge {
         let events = Arc::new(Notify::new());
         let mut info = vec![("engine_id", self.engine_id.clone())];
         let (mut sender_listener, mut receiver, mut bootstrap, mut data_server) = (None, None, None, None);
-        match self.role {
-            KvRole::Producer | KvRole::Both => {
-                let bootstrap_url = match &cfg.bootstrap_url {
-                    Some(url) => url.clone(),
-                    None if tp_rank == 0 => {
-                        let bind: SocketAddr = format!("{}:{}", cfg.host, cfg.bootstrap_port)
-                            .parse()
-                            .map_err(|e| BridgeError::Config(format!("bootstrap address {}:{}: {e}", cfg.host, cfg.bootstrap_port)))?;
-                        let node = BootstrapNode::start_under(&supervisor, bind)
-                            .await
-                            .map_err(|e| BridgeError::Config(format!("{e} (set VLLM_MOONCAKE_BOOTSTRAP_PORT or kv_connector_extra_config[\"bootstrap_port\"])")))?;
-                        let url = node.url();
-                        bootstrap = Some(node);
-                        url
-                    }
-                    None => format!("http://{}:{}", cfg.host, cfg.bootstrap_port),
-                };
-                info.push(("bootstrap_url", bootstrap_url.clone()));
-                let transfer = Arc::new(AutoTransferEngine::new(kv_cache.region_table(), cfg.tcp.clone()));
-                let args = SenderListenerArgs {
-                    engine_id: self.engine_id.clone(),
-                    dp_rank: 0,
-                    tp_rank,
-                    pp_rank: 0,
-                    bind_host: cfg.host.clone(),
-                    side_channel_port: Arc::new(AtomicU16::new(0)),
-                    bootstrap_url: Some(bootstrap_url),
-                    kv_cache: kv_cache.clone(),
-                    transfer,
-                    ready_timeout: cfg.deadlines.ready_timeout,
-                    send_expiry: cfg.deadlines.send_expiry,
-                    register_attempts: 8,
-                    register_backoff: Duration::from_millis(100),
-                    events: events.clone(),
-                    verify_checksums: cfg.verify_checksums,
-                };
-                let listener = SenderListener::supervise(&supervisor, args)
-                    .restart_policy(RestartPolicy::Transient)
-                    .restart_limit(MAX_RESTARTS, RESTART_WINDOW)
-                    .spawn()
-                    .await;
-                started("SenderListener", &listener).await?;
-                sender_listener = Some(listener);
-            }
-            KvRole::Consumer => {
-                let bind: SocketAddr =
-                    format!("{}:0", cfg.host).parse().map_err(|e| BridgeError::Config(format!("data server address {}:0: {e}", cfg.host)))?;
-                let server = TcpDataServer::bind_with(bind, kv_cache.region_table(), cfg.tcp.auth_token.clone(), cfg.tcp.same_host != SameHostMode::Off)
-                    .await
-                    .map_err(|e| BridgeError::unavailable("KV data server", e))?;
-                info.push(("data_addr", server.local_addr().to_string()));
-                let args = ReceiverArgs {
-                    engine_id: self.engine_id.clone(),
-                    tp_rank,
-                    tp_size: 1,
-                    pp_size: 1,
-                    kv_cache: kv_cache.clone(),
-                    data_addr: server.local_addr().to_string(),
-                    pull_timeout: cfg.deadlines.pull_timeout,
-                    bootstrap_timeout: cfg.deadlines.bootstrap_timeout,
-                    events: events.clone(),
-                    verify_checksums: cfg.verify_checksums,
-                };
-                data_server = Some(server);
-                let r = Receiver::supervise(&supervisor, args)
-                    .restart_policy(RestartPolicy::Transient)
-                    .restart_limit(MAX_RESTARTS, RESTART_WINDOW)
-                    .spawn()
-                    .await;
-                started("Receiver", &r).await?;
-                receiver = Some(r);
-            }
+        // kv_both runs both halves: it may prefill for a peer and load from one.
+        let (produces, consumes) = (matches!(self.role, KvRole::Producer | KvRole::Both), matches!(self.role, KvRole::Consumer | KvRole::Both));
+        if produces {
+            let bootstrap_url = match &cfg.bootstrap_url {
+                Some(url) => url.clone(),
+                None if tp_rank == 0 => {
+                    let bind: SocketAddr = format!("{}:{}", cfg.host, cfg.bootstrap_port)
+                        .parse()
+                        .map_err(|e| BridgeError::Config(format!("bootstrap address {}:{}: {e}", cfg.host, cfg.bootstrap_port)))?;
+                    let node = BootstrapNode::start_under(&supervisor, bind)
+                        .await
+                        .map_err(|e| BridgeError::Config(format!("{e} (set VLLM_MOONCAKE_BOOTSTRAP_PORT or kv_connector_extra_config[\"bootstrap_port\"])")))?;
+                    let url = node.url();
+                    bootstrap = Some(node);
+                    url
+                }
+                None => format!("http://{}:{}", cfg.host, cfg.bootstrap_port),
+            };
+            info.push(("bootstrap_url", bootstrap_url.clone()));
+            let transfer = Arc::new(AutoTransferEngine::new(kv_cache.region_table(), cfg.tcp.clone()));
+            let args = SenderListenerArgs {
+                engine_id: self.engine_id.clone(),
+                dp_rank: 0,
+                tp_rank,
+                pp_rank: 0,
+                bind_host: cfg.host.clone(),
+                side_channel_port: Arc::new(AtomicU16::new(0)),
+                bootstrap_url: Some(bootstrap_url),
+                kv_cache: kv_cache.clone(),
+                transfer,
+                ready_timeout: cfg.deadlines.ready_timeout,
+                send_expiry: cfg.deadlines.send_expiry,
+                register_attempts: 8,
+                register_backoff: Duration::from_millis(100),
+                events: events.clone(),
+                verify_checksums: cfg.verify_checksums,
+            };
+            let listener = SenderListener::supervise(&supervisor, args)
+                .restart_policy(RestartPolicy::Transient)
+                .restart_limit(MAX_RESTARTS, RESTART_WINDOW)
+                .spawn()
+                .await;
+            started("SenderListener", &listener).await?;
+            sender_listener = Some(listener);
+        }
+        if consumes {
+            let bind: SocketAddr =
+                format!("{}:0", cfg.host).parse().map_err(|e| BridgeError::Config(format!("data server address {}:0: {e}", cfg.host)))?;
+            let server = TcpDataServer::bind_with(bind, kv_cache.region_table(), cfg.tcp.auth_token.clone(), cfg.tcp.same_host != SameHostMode::Off)
+                .await
+                .map_err(|e| BridgeError::unavailable("KV data server", e))?;
+            info.push(("data_addr", server.local_addr().to_string()));
+            let args = ReceiverArgs {
+                engine_id: self.engine_id.clone(),
+                tp_rank,
+                tp_size: 1,
+                pp_size: 1,
+                kv_cache: kv_cache.clone(),
+                data_addr: server.local_addr().to_string(),
+                pull_timeout: cfg.deadlines.pull_timeout,
+                bootstrap_timeout: cfg.deadlines.bootstrap_timeout,
+                events: events.clone(),
+                verify_checksums: cfg.verify_checksums,
+            };
+            data_server = Some(server);
+            let r = Receiver::supervise(&supervisor, args)
+                .restart_policy(RestartPolicy::Transient)
+                .restart_limit(MAX_RESTARTS, RESTART_WINDOW)
+                .spawn()
+                .await;
+            started("Receiver", &r).await?;
+            receiver = Some(r);
         }
         Ok(Running { supervisor, kv_cache, sender_listener, receiver, bootstrap, data_server, info })
     }
@@ -260,6 +260,13 @@ impl WorkerBridge {
                         .map_err(|_| BridgeError::unavailable("SenderListener", "mailbox did not accept the sends in time"))?
                         .map_err(|e| BridgeError::unavailable("SenderListener", e))?;
                 }
+            }
+            if receiver.is_none() && !meta.reqs_to_recv.is_empty() {
+                return Err(BridgeError::Config(format!(
+                    "this worker is a kv_producer but the scheduler asked it to load {} request(s) from remote engines: \
+                     the scheduler and worker roles disagree (check kv_role)",
+                    meta.reqs_to_recv.values().map(|m| m.len()).sum::<usize>()
+                )));
             }
             if let Some(receiver) = receiver {
                 if !meta.reqs_to_recv.is_empty() || !meta.reqs_to_abort.is_empty() {

@@ -61,3 +61,28 @@ def test_worker_registration_refuses_what_it_cannot_serve():
             worker.get_transfer_results(set())
     finally:
         worker.shutdown()
+
+
+def test_a_kv_both_worker_runs_both_halves():
+    import socket
+
+    import torch
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from pdflow.vllm import PdflowConnector
+    from vllm_harness import kv_cache_config
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    config = vllm_config("kv_both", extra={"bootstrap_port": port})
+    worker = PdflowConnector(config, KVConnectorRole.WORKER, kv_cache_config(8))
+    try:
+        worker.register_kv_caches({f"l{i}": torch.zeros(8, 8, 16, 256, dtype=torch.bfloat16) for i in range(2)})
+        info = worker._work().info()
+        assert info["bootstrap_url"] == f"http://127.0.0.1:{port}", info
+        assert info["data_addr"].startswith("127.0.0.1:"), info
+        r = worker.get_transfer_results(set())
+        assert not r.finished_sending and not r.finished_recving
+    finally:
+        worker.shutdown()
