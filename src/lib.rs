@@ -16,12 +16,14 @@
 //! - [`timeline`] — the seed's 43-step timeline rebuilt from captured spans.
 //! - [`demo`] — `pdflow demo`: the seed scenario end to end, verified.
 //! - [`bench`] — `pdflow bench …`: transfer, end-to-end and proxy benchmarks.
+//! - [`netns`] — network namespaces, veth links and cuts, for network-fault tests (issue 5).
 //! - [`cli`] — the command line.
 
 pub mod bench;
 pub mod cli;
 pub mod config;
 pub mod demo;
+pub mod netns;
 pub mod node;
 pub mod ports;
 pub mod timeline;
