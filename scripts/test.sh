@@ -51,10 +51,11 @@ else
   status=1
 fi
 
-passed=$(grep -E '^test result:' "$log" | sed -E 's/.* ([0-9]+) passed.*/\1/' | awk '{s+=$1} END {print s+0}')
-failed=$(grep -E '^test result:' "$log" | sed -E 's/.* ([0-9]+) failed.*/\1/' | awk '{s+=$1} END {print s+0}')
-py_passed=$(grep -oE '[0-9]+ passed' "$pylog" | tail -1 | awk '{print $1+0}')
-py_failed=$(grep -oE '[0-9]+ (failed|error)' "$pylog" | awk '{s+=$1} END {print s+0}')
+passed=$( (grep -E '^test result:' "$log" || true) | sed -E 's/.* ([0-9]+) passed.*/\1/' | awk '{s+=$1} END {print s+0}')
+failed=$( (grep -E '^test result:' "$log" || true) | sed -E 's/.* ([0-9]+) failed.*/\1/' | awk '{s+=$1} END {print s+0}')
+# (grep finds nothing when nothing failed: `|| true` keeps `set -e -o pipefail` from stopping here)
+py_passed=$( (grep -oE '[0-9]+ passed' "$pylog" || true) | tail -1 | awk '{print $1+0}')
+py_failed=$( (grep -oE '[0-9]+ (failed|errors?)' "$pylog" || true) | awk '{s+=$1} END {print s+0}')
 passed=$((passed + ${py_passed:-0}))
 failed=$((failed + ${py_failed:-0}))
 echo
