@@ -19,6 +19,9 @@ pub struct Descriptor {
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct TransferPlan {
     pub descriptors: Vec<Descriptor>,
+    /// D's write-fence token for the pull this plan serves (0: none). The tcp engine names it
+    /// before the plan's batches; D's data server writes them only while the token is open.
+    pub fence: u64,
 }
 
 impl TransferPlan {
@@ -73,7 +76,7 @@ pub fn build_plan(
             });
         }
     }
-    Ok(TransferPlan { descriptors })
+    Ok(TransferPlan { descriptors, fence: 0 })
 }
 
 /// Runs `(start index, length)` over which both id lists advance by exactly one.

@@ -10,6 +10,7 @@
 //!   it and the kernel allows it, tcp otherwise; [`TransferEngine::backend_for`] tells which.
 
 mod auto;
+pub mod fence;
 pub mod same_host;
 pub mod tcp;
 #[cfg(feature = "cuda")]

@@ -32,6 +32,7 @@ fn batch_copy_moves_aligned_and_unaligned_descriptors() {
             Descriptor { src: src.ptr + 3, dst: dst.ptr + 5, len: 70_001 },
             Descriptor { src: src.ptr + (1 << 20), dst: dst.ptr + (3 << 20), len: 64 * 1024 * 3 },
         ],
+        fence: 0,
     };
     let up = copier.upload(&plan).expect("upload");
     copier.execute(&up).expect("launch");

@@ -138,7 +138,7 @@ impl TcpTransferEngine {
             let deadline = tokio::time::Instant::now() + inner.config.write_timeout;
             if streams == 1 {
                 let pooled = inner.checkout(peer);
-                inner.write_share(peer, pooled, &descriptors, deadline).await?;
+                inner.write_share(peer, pooled, &descriptors, plan.fence, deadline).await?;
             } else {
                 // One task per share: the kernel copies of the streams run on every core. Each
                 // share gets its own connection (checked out here, so shares never queue behind
@@ -148,8 +148,8 @@ impl TcpTransferEngine {
                 let pooled: Vec<Option<TcpStream>> = split.iter().map(|_| inner.checkout(peer)).collect();
                 let mut shares = tokio::task::JoinSet::new();
                 for (share, pooled) in split.into_iter().zip(pooled) {
-                    let (inner, peer) = (inner.clone(), peer.to_string());
-                    shares.spawn(async move { inner.write_share(&peer, pooled, &share, deadline).await });
+                    let (inner, peer, fence) = (inner.clone(), peer.to_string(), plan.fence);
+                    shares.spawn(async move { inner.write_share(&peer, pooled, &share, fence, deadline).await });
                 }
                 while let Some(done) = shares.join_next().await {
                     match done {
@@ -175,13 +175,13 @@ impl Inner {
 
     /// Sends one share over `pooled` (or a fresh connection); retries once on a fresh connection if
     /// a pooled one failed.
-    async fn write_share(&self, peer: &str, pooled: Option<TcpStream>, share: &[Descriptor], deadline: tokio::time::Instant) -> Result<(), TransferError> {
+    async fn write_share(&self, peer: &str, pooled: Option<TcpStream>, share: &[Descriptor], fence: u64, deadline: tokio::time::Instant) -> Result<(), TransferError> {
         let (mut stream, mut reused) = match pooled {
             Some(stream) => (stream, true),
             None => (self.connect(peer, deadline).await?, false),
         };
         loop {
-            let sent = tokio::time::timeout_at(deadline, self.send_share(peer, &mut stream, share)).await;
+            let sent = tokio::time::timeout_at(deadline, self.send_share(peer, &mut stream, share, fence)).await;
             match sent {
                 Ok(Ok(())) => {
                     self.checkin(peer, stream);
@@ -198,15 +198,24 @@ impl Inner {
         }
     }
 
-    async fn send_share(&self, peer: &str, stream: &mut TcpStream, share: &[Descriptor]) -> Result<(), TransferError> {
+    async fn send_share(&self, peer: &str, stream: &mut TcpStream, share: &[Descriptor], fence: u64) -> Result<(), TransferError> {
         let io = |source: std::io::Error| TransferError::Io { peer: peer.to_string(), source };
+        // D's fence token (0: none) goes in the same write as the share's first batch, always: a
+        // pooled connection must not carry the previous plan's token over.
+        let fence_msg = wire::encode_fence(fence);
+        let mut name_fence = true;
         for batch in share.chunks(MAX_DESCRIPTORS_PER_BATCH) {
             let batch_id = self.next_batch_id.fetch_add(1, Ordering::Relaxed);
             let header = wire::encode_batch_header(batch_id, batch).map_err(|e| io(e.into_io()))?;
             // SAFETY: P's blocks under transfer are held (delayed free) and not written until
             // the transfer finishes; every range was checked against P's regions in `write_plan`.
             let payloads = batch.iter().map(|d| unsafe { self.local.slice(d.src, d.len) }).collect::<Result<Vec<&[u8]>, _>>()?;
-            let mut slices: Vec<IoSlice<'_>> = std::iter::once(IoSlice::new(&header)).chain(payloads.iter().map(|p| IoSlice::new(p))).collect();
+            let fence_slice = if std::mem::take(&mut name_fence) { &fence_msg[..] } else { &[][..] };
+            let mut slices: Vec<IoSlice<'_>> = std::iter::once(IoSlice::new(fence_slice))
+                .chain(std::iter::once(IoSlice::new(&header)))
+                .chain(payloads.iter().map(|p| IoSlice::new(p)))
+                .filter(|s| !s.is_empty())
+                .collect();
             write_all_vectored(stream, &mut slices).await.map_err(io)?;
             stream.flush().await.map_err(io)?;
             match wire::read_ack(stream).await.map_err(|e| io(e.into_io()))? {

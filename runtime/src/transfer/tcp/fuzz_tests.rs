@@ -229,7 +229,7 @@ fn wire_readers_on_arbitrary_bytes_give_typed_errors() {
     let inputs = prop_oneof![
         prop::collection::vec(any::<u8>(), 0..256),
         // A valid magic, then anything: the parsers get past the first check.
-        (prop::sample::select(vec![HELLO_MAGIC, BATCH_MAGIC, wire::INFO_MAGIC, HOST_MAGIC, ACK_MAGIC]), prop::collection::vec(any::<u8>(), 0..256))
+        (prop::sample::select(vec![HELLO_MAGIC, BATCH_MAGIC, wire::INFO_MAGIC, wire::FENCE_MAGIC, HOST_MAGIC, ACK_MAGIC]), prop::collection::vec(any::<u8>(), 0..256))
             .prop_map(|(magic, rest)| [magic.to_vec(), rest].concat()),
     ];
     runner
@@ -250,7 +250,7 @@ fn mutated_wire_messages_never_panic_and_fail_as_they_must() {
             let parsed = rt.block_on(parse_all(&bytes));
             check_parsed(&bytes, &parsed)?;
             match m {
-                Mutation::WrongMagic(..) if ![HELLO_MAGIC, BATCH_MAGIC, wire::INFO_MAGIC, HOST_MAGIC, ACK_MAGIC].iter().any(|m| bytes[..4] == m[..]) => {
+                Mutation::WrongMagic(..) if ![HELLO_MAGIC, BATCH_MAGIC, wire::INFO_MAGIC, wire::FENCE_MAGIC, HOST_MAGIC, ACK_MAGIC].iter().any(|m| bytes[..4] == m[..]) => {
                     prop_assert!(matches!(parsed.request, Err(WireError::BadMagic { .. })), "{:?}", parsed.request);
                     prop_assert!(matches!(parsed.batch, Err(WireError::BadMagic { .. })), "{:?}", parsed.batch);
                 }
@@ -286,6 +286,7 @@ fn valid_wire_messages_round_trip_back_to_back() {
                 let mut stream = wire::encode_hello(Some(&token)).expect("short token");
                 stream.extend(batch_bytes(batch_id, &descs));
                 stream.extend(wire::encode_info_request(7));
+                stream.extend(wire::encode_fence(batch_id));
                 stream.extend(wire::encode_host_info(&info).expect("small answer"));
                 stream.extend(raw_ack(u8::from(refused), ack_id, &reason));
                 stream.extend(raw_ack(0, ack_id.wrapping_add(1), b""));
@@ -295,6 +296,8 @@ fn valid_wire_messages_round_trip_back_to_back() {
                 prop_assert_eq!(&header, &BatchHeader { batch_id, descriptors: descs.clone() });
                 let info_request = wire::read_request(&mut r).await;
                 prop_assert!(matches!(info_request, Ok(Some(Request::HostInfo { p_pid: 7 }))), "{:?}", info_request);
+                let fence = wire::read_request(&mut r).await;
+                prop_assert!(matches!(fence, Ok(Some(Request::Fence { token })) if token == batch_id), "{:?}", fence);
                 prop_assert_eq!(wire::read_host_info(&mut r).await.expect("host info"), info);
                 match wire::read_ack(&mut r).await.expect("first ack") {
                     Ack::Ok { batch_id } => prop_assert!(!refused && batch_id == ack_id),

@@ -28,6 +28,7 @@ use tracing::Instrument;
 use super::wire::{self, Ack, HostInfo, Request, WireError};
 use super::SOCKET_BUFFER_BYTES;
 use crate::memory::RegionTable;
+use crate::transfer::fence::WriteFence;
 use crate::transfer::same_host;
 
 /// How long a new connection may take to send its hello.
@@ -71,6 +72,8 @@ struct Shared {
     /// The same-host answer, when offered; its canary lives in `_canary`.
     host_info: Option<HostInfo>,
     _canary: Box<[u8]>,
+    /// When set, a batch is written only under an open fence token (no write-after-free).
+    fence: Option<WriteFence>,
 }
 
 /// D's data server. Dropping it (or [`TcpDataServer::shutdown`]) stops every task it started.
@@ -92,6 +95,19 @@ impl TcpDataServer {
     /// As [`TcpDataServer::bind`]; with `offer_same_host = false` the server tells P that the
     /// same-host path is not offered, so P always writes over TCP.
     pub async fn bind_with(addr: SocketAddr, regions: RegionTable, auth_token: Option<String>, offer_same_host: bool) -> Result<Self, DataServerError> {
+        Self::bind_fenced(addr, regions, auth_token, offer_same_host, None).await
+    }
+
+    /// As [`TcpDataServer::bind_with`], and with `fence` every batch must follow a
+    /// [`wire::Request::Fence`] naming a token open in it (D's Receiver opens one per pull and
+    /// closes it when the pull ends): a write for a pull D gave up on is refused, never landed.
+    pub async fn bind_fenced(
+        addr: SocketAddr,
+        regions: RegionTable,
+        auth_token: Option<String>,
+        offer_same_host: bool,
+        fence: Option<WriteFence>,
+    ) -> Result<Self, DataServerError> {
         let listener = listen(addr).map_err(|source| DataServerError::Bind { addr, source })?;
         let local_addr = listener.local_addr().map_err(|source| DataServerError::Bind { addr, source })?;
         let canary = same_host::new_canary();
@@ -104,7 +120,7 @@ impl TcpDataServer {
             regions: regions.regions().iter().map(|r| (r.base_addr, r.len, r.block_len)).collect(),
         });
         let auth_token = auth_token.filter(|t| !t.is_empty()).map(String::into_bytes);
-        let shared = Arc::new(Shared { regions, auth_token, host_info, _canary: canary });
+        let shared = Arc::new(Shared { regions, auth_token, host_info, _canary: canary, fence });
         let cancel = CancellationToken::new();
         let tracker = TaskTracker::new();
         tracker.spawn(accept_loop(listener, shared, cancel.clone(), tracker.clone()));
@@ -194,11 +210,17 @@ async fn serve_connection(mut stream: TcpStream, shared: &Shared) -> Result<(), 
     }
     wire::write_ack(&mut stream, &Ack::Ok { batch_id: 0 }).await?;
 
+    // The fence token the batches on this connection currently serve (P names it per plan).
+    let mut fence_token: Option<u64> = None;
     loop {
         let header = match tokio::time::timeout(IDLE_TIMEOUT, wire::read_request(&mut stream)).await {
             Err(_) | Ok(Ok(None)) => return Ok(()),
             Ok(Err(e)) => return Err(refuse_and_close(&mut stream, 0, e.into()).await),
             Ok(Ok(Some(Request::Batch(header)))) => header,
+            Ok(Ok(Some(Request::Fence { token }))) => {
+                fence_token = (token != 0).then_some(token);
+                continue;
+            }
             Ok(Ok(Some(Request::HostInfo { p_pid }))) => {
                 tracing::debug!(p_pid, offered = shared.host_info.is_some(), "P asked for the same-host details");
                 let answer = wire::encode_host_info(shared.host_info.as_ref().unwrap_or(&HostInfo::default()))?;
@@ -213,6 +235,21 @@ async fn serve_connection(mut stream: TcpStream, shared: &Shared) -> Result<(), 
             .iter()
             .find_map(|&(dst, len)| shared.regions.check(dst, len).err().map(|e| e.to_string()))
             .or_else(|| overlapping(&header.descriptors));
+        // Held while the payload lands: D's Receiver waits for it before freeing the blocks.
+        let mut fence_guard = None;
+        let refusal = refusal.or_else(|| {
+            let fence = shared.fence.as_ref()?;
+            match fence_token.and_then(|t| fence.enter(t)) {
+                Some(guard) => {
+                    fence_guard = Some(guard);
+                    None
+                }
+                None => Some(match fence_token {
+                    Some(t) => format!("fence {t} is closed: D no longer expects this transfer (its pull ended)"),
+                    None => "no fence named: this data server only accepts writes for a pull it opened".to_string(),
+                }),
+            }
+        });
         match refusal {
             None => {
                 // SAFETY: each checked above to lie wholly inside a registered region, and no two
@@ -226,6 +263,7 @@ async fn serve_connection(mut stream: TcpStream, shared: &Shared) -> Result<(), 
                     .collect::<Result<Vec<&mut [u8]>, _>>()
                     .map_err(|e| WireError::Io(invalid(e)))?;
                 read_into(&mut stream, dsts).await?;
+                drop(fence_guard);
                 wire::write_ack(&mut stream, &Ack::Ok { batch_id }).await?;
             }
             Some(e) => {

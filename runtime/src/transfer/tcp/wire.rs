@@ -30,7 +30,7 @@ pub const BATCH_MAGIC: [u8; 4] = *b"PDFB";
 /// First bytes of every ack.
 pub const ACK_MAGIC: [u8; 4] = *b"PDFA";
 /// The protocol version this build speaks.
-pub const PROTOCOL_VERSION: u8 = 1;
+pub const PROTOCOL_VERSION: u8 = 2;
 /// The longest auth token accepted.
 pub const MAX_TOKEN_LEN: usize = 1024;
 /// The most descriptors one batch header may list (16 MiB of header).
@@ -40,6 +40,8 @@ pub const MAX_REASON_LEN: usize = 1024;
 
 /// First bytes of P's same-host info request.
 pub const INFO_MAGIC: [u8; 4] = *b"PDFI";
+/// Names D's write-fence token for the batches that follow on this connection (P → D).
+pub const FENCE_MAGIC: [u8; 4] = *b"PDFW";
 /// First bytes of D's answer to it.
 pub const HOST_MAGIC: [u8; 4] = *b"PDFH";
 /// The longest host identity accepted.
@@ -103,6 +105,8 @@ impl BatchHeader {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Request {
     Batch(BatchHeader),
+    /// The batches that follow serve the pull D opened fence `token` for.
+    Fence { token: u64 },
     /// P (process `p_pid`) asks whether the same-host path is possible.
     HostInfo { p_pid: u32 },
 }
@@ -176,6 +180,14 @@ pub fn encode_batch_header(batch_id: u64, descriptors: &[Descriptor]) -> Result<
     Ok(out)
 }
 
+/// Names fence `token` for the batches that follow (12 bytes).
+pub fn encode_fence(token: u64) -> [u8; 12] {
+    let mut out = [0u8; 12];
+    out[..4].copy_from_slice(&FENCE_MAGIC);
+    out[4..].copy_from_slice(&token.to_le_bytes());
+    out
+}
+
 /// Reads the next batch header; `Ok(None)` when the peer closed the connection between batches.
 pub async fn read_batch_header<R: AsyncRead + Unpin>(r: &mut R) -> Result<Option<BatchHeader>, WireError> {
     let Some(magic) = read_magic(r).await? else { return Ok(None) };
@@ -187,6 +199,11 @@ pub async fn read_batch_header<R: AsyncRead + Unpin>(r: &mut R) -> Result<Option
 /// connection between requests.
 pub async fn read_request<R: AsyncRead + Unpin>(r: &mut R) -> Result<Option<Request>, WireError> {
     let Some(magic) = read_magic(r).await? else { return Ok(None) };
+    if magic == FENCE_MAGIC {
+        let mut token = [0u8; 8];
+        r.read_exact(&mut token).await?;
+        return Ok(Some(Request::Fence { token: u64::from_le_bytes(token) }));
+    }
     if magic == INFO_MAGIC {
         let mut pid = [0u8; 4];
         r.read_exact(&mut pid).await?;

@@ -106,6 +106,35 @@ async fn a_descriptor_count_above_the_limit_is_refused_with_a_clear_error() {
 }
 
 #[tokio::test]
+async fn a_fenced_server_writes_only_for_open_pulls() {
+    use crate::transfer::fence::WriteFence;
+    let dst = KvCache::new(SMALL, NUM_BLOCKS);
+    let fence = WriteFence::new();
+    let addr = "127.0.0.1:0".parse().expect("valid address");
+    let server = TcpDataServer::bind_fenced(addr, dst.region_table(), None, false, Some(fence.clone())).await.expect("binds");
+    let peer = server.local_addr().to_string();
+    let (src, engine) = p_engine(0x77, None);
+    let mut plan = build_plan(&src.regions(), &[1], &dst.regions(), &[2], true).expect("plannable");
+    // No fence named: refused, nothing written.
+    let err = engine.write(&peer, &plan).await.expect_err("no fence");
+    assert!(matches!(&err, TransferError::Refused { reason, .. } if reason.contains("no fence")), "{err}");
+    assert_all_zero(&dst);
+    // D opened the pull's fence: the write lands.
+    fence.open(41);
+    plan.fence = 41;
+    engine.write(&peer, &plan).await.expect("fence open");
+    assert!(dst.block_bytes(2).expect("in range").iter().all(|&b| b == 0x77));
+    // D gave the pull up (deadline): a late write of the same pull is refused, D's block untouched
+    // even though a new owner may have written it meanwhile.
+    fence.close(41, BOUND).await.expect("nothing in flight");
+    let late = build_plan(&src.regions(), &[1], &dst.regions(), &[3], true).expect("plannable");
+    let late = crate::planner::TransferPlan { fence: 41, ..late };
+    let err = engine.write(&peer, &late).await.expect_err("fence closed");
+    assert!(matches!(&err, TransferError::Refused { reason, .. } if reason.contains("fence 41 is closed")), "{err}");
+    assert!(dst.block_bytes(3).expect("in range").iter().all(|&b| b == 0), "the late write did not land");
+}
+
+#[tokio::test]
 async fn overlapping_destinations_are_refused_and_nothing_is_written() {
     let (dst, _server, peer) = d_server(None).await;
     let (mut raw, ack) = hello(&peer, b"").await;

@@ -1,0 +1,159 @@
+//! D's write fence (seed steps 29 and 34: no write-after-free). D opens a fence token for each
+//! pull before asking P for the KV; P's data connection names the token before the pull's batches;
+//! D's data server writes a batch only while its token is open, and counts it in flight while the
+//! payload lands. When a pull ends — its KV arrived, or D gave up at a deadline — D closes the
+//! token and waits for the batches in flight to finish before the blocks go back to the pool, so
+//! a late write (a stalled link that comes back) is refused instead of landing in freed blocks.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::sync::Notify;
+
+#[derive(Debug, Default)]
+struct State {
+    /// Open tokens → batches being written under them.
+    open: HashMap<u64, usize>,
+    /// Closed tokens whose last batches are still landing → their count.
+    draining: HashMap<u64, usize>,
+}
+
+/// The fence table, shared by D's Receiver (opens and closes) and data server (enters batches).
+#[derive(Debug, Clone, Default)]
+pub struct WriteFence {
+    state: Arc<Mutex<State>>,
+    drained: Arc<Notify>,
+}
+
+/// A batch in flight under a token; dropping it ends the batch.
+#[derive(Debug)]
+pub struct FenceGuard {
+    fence: WriteFence,
+    token: u64,
+}
+
+/// Why [`WriteFence::close`] gave up waiting.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("fence {token}: {in_flight} batch(es) still landing after {waited:?}")]
+pub struct FenceStuck {
+    pub token: u64,
+    pub in_flight: usize,
+    pub waited: Duration,
+}
+
+impl WriteFence {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        // Counters only: a panicking holder leaves nothing half-done worth refusing over.
+        self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Opens `token` (before the pull that names it is sent).
+    pub fn open(&self, token: u64) {
+        self.lock().open.entry(token).or_insert(0);
+    }
+
+    /// Whether `token` is open.
+    pub fn is_open(&self, token: u64) -> bool {
+        self.lock().open.contains_key(&token)
+    }
+
+    /// Starts a batch under `token`: `None` when the token is not open (closed, or never opened).
+    pub fn enter(&self, token: u64) -> Option<FenceGuard> {
+        let mut state = self.lock();
+        let count = state.open.get_mut(&token)?;
+        *count += 1;
+        Some(FenceGuard { fence: self.clone(), token })
+    }
+
+    fn exit(&self, token: u64) {
+        let mut state = self.lock();
+        if let Some(count) = state.open.get_mut(&token) {
+            *count = count.saturating_sub(1);
+        } else if let Some(count) = state.draining.get_mut(&token) {
+            *count = count.saturating_sub(1);
+            if *count == 0 {
+                state.draining.remove(&token);
+            }
+        }
+        drop(state);
+        self.drained.notify_waiters();
+    }
+
+    /// Closes `token`: no new batch is written under it; waits (at most `deadline`) for the batches
+    /// already landing. `Ok` means no byte of the pull can land any more.
+    pub async fn close(&self, token: u64, deadline: Duration) -> Result<(), FenceStuck> {
+        {
+            let mut state = self.lock();
+            match state.open.remove(&token) {
+                Some(0) | None => return Ok(()),
+                Some(n) => {
+                    state.draining.insert(token, n);
+                }
+            }
+        }
+        let wait = async {
+            loop {
+                let notified = self.drained.notified();
+                if !self.lock().draining.contains_key(&token) {
+                    return;
+                }
+                notified.await;
+            }
+        };
+        match tokio::time::timeout(deadline, wait).await {
+            Ok(()) => Ok(()),
+            Err(_) => {
+                let in_flight = self.lock().draining.get(&token).copied().unwrap_or(0);
+                if in_flight == 0 {
+                    Ok(())
+                } else {
+                    Err(FenceStuck { token, in_flight, waited: deadline })
+                }
+            }
+        }
+    }
+}
+
+impl Drop for FenceGuard {
+    fn drop(&mut self) {
+        self.fence.exit(self.token);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn batches_enter_only_while_open_and_close_waits_for_them() {
+        let fence = WriteFence::new();
+        assert!(fence.enter(7).is_none(), "never opened");
+        fence.open(7);
+        let guard = fence.enter(7).expect("open");
+        let closing = {
+            let fence = fence.clone();
+            tokio::spawn(async move { fence.close(7, Duration::from_secs(5)).await })
+        };
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert!(!closing.is_finished(), "close waits for the batch in flight");
+        assert!(fence.enter(7).is_none(), "closed: no new batch");
+        drop(guard);
+        assert_eq!(closing.await.expect("joins"), Ok(()));
+        assert!(fence.enter(7).is_none());
+    }
+
+    #[tokio::test]
+    async fn close_reports_a_batch_that_never_ends() {
+        let fence = WriteFence::new();
+        fence.open(1);
+        let _stuck = fence.enter(1).expect("open");
+        let err = fence.close(1, Duration::from_millis(30)).await.expect_err("stuck");
+        assert_eq!(err.in_flight, 1);
+        assert_eq!(fence.close(2, Duration::from_millis(1)).await, Ok(()), "unknown tokens close at once");
+    }
+}
