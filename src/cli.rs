@@ -44,6 +44,36 @@ pub enum Command {
     /// Trace files: `pdflow trace render TRACE.json --out timeline.html`.
     #[command(subcommand)]
     Trace(TraceCmd),
+    /// The fault matrix (issue #5) on the simulated engines in this process: every actor kind ×
+    /// every step at which it is alive × the faults that apply, node kills of P, D and bootstrap;
+    /// prints one row per cell (outcome, correctness, time to terminal, leaked blocks).
+    Chaos(ChaosArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct ChaosArgs {
+    /// Write `{"cells": [...], "passed", "failed"}` to this file.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+    /// A reduced matrix: a few cells per actor kind and fault kind.
+    #[arg(long)]
+    pub quick: bool,
+    /// D's kv_load_failure_policy in every cell.
+    #[arg(long, value_enum, default_value = "recompute")]
+    pub policy: PolicyArg,
+    /// Only the cells whose name (`actor/step/fault`, e.g. `send_worker/29`) contains this.
+    #[arg(long)]
+    pub only: Option<String>,
+}
+
+impl ChaosArgs {
+    pub fn to_options(&self) -> crate::chaos::ChaosOptions {
+        let policy = match self.policy {
+            PolicyArg::Recompute => LoadFailurePolicy::Recompute,
+            PolicyArg::Fail => LoadFailurePolicy::Fail,
+        };
+        crate::chaos::ChaosOptions { quick: self.quick, policy, filter: self.only.clone() }
+    }
 }
 
 #[derive(Debug, Subcommand)]

@@ -16,14 +16,15 @@
 //! - [`timeline`] — the seed's 43-step timeline rebuilt from captured spans.
 //! - [`demo`] — `pdflow demo`: the seed scenario end to end, verified.
 //! - [`bench`] — `pdflow bench …`: transfer, end-to-end and proxy benchmarks.
-//! - [`netns`] — network namespaces, veth links and cuts, for network-fault tests (issue 5).
+//! - [`chaos`] — `pdflow chaos`: issue #5's fault matrix on the simulated engines.
 //! - [`cli`] — the command line.
 
 pub mod bench;
+pub mod chaos;
 pub mod cli;
 pub mod config;
 pub mod demo;
-pub mod netns;
 pub mod node;
 pub mod ports;
 pub mod timeline;
+pub mod netns;

@@ -11,6 +11,7 @@ use pdflow::config::VllmEnv;
 use pdflow::demo::{self, DemoOptions};
 use pdflow::node::{BootstrapNode, EngineNode, ProxyNode};
 use pdflow_observability::capture::SpanCapture;
+use pdflow_observability::fault::{self, FaultPlan, NodeKind};
 use pdflow_observability::export::{self, ExportConfig, TraceExport};
 use pdflow_observability::metrics::{self, MetricsLayer};
 use tracing_subscriber::layer::SubscriberExt;
@@ -23,7 +24,55 @@ fn init_tracing(capture: Option<SpanCapture>, export: Option<&TraceExport>, metr
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("warn"));
     let fmt = tracing_subscriber::fmt::layer().with_writer(std::io::stderr).with_filter(filter);
     use tracing_subscriber::Layer as _;
-    let _ = tracing_subscriber::registry().with(fmt).with(capture).with(export.and_then(TraceExport::layer)).with(metrics).try_init();
+    // The fault layer only when a plan was armed (load_fault_plan), so that no fault code runs otherwise.
+    let faults = fault::enabled().then_some(fault::FaultLayer);
+    let _ = tracing_subscriber::registry().with(fmt).with(capture).with(export.and_then(TraceExport::layer)).with(metrics).with(faults).try_init();
+}
+
+/// Issue #5: `PDFLOW_FAULT_PLAN` (JSON or `@path`), checked before anything binds and armed.
+fn load_fault_plan() -> anyhow::Result<()> {
+    match FaultPlan::from_env() {
+        Ok(None) => Ok(()),
+        Ok(Some(plan)) => {
+            eprintln!("pdflow: fault plan armed ({} faults from {})", plan.faults.len(), fault::ENV_FAULT_PLAN);
+            fault::arm(plan);
+            Ok(())
+        }
+        Err(errors) => anyhow::bail!("invalid fault plan:\n  {}", errors.iter().map(|e| e.to_string()).collect::<Vec<_>>().join("\n  ")),
+    }
+}
+
+/// Registers this process as the `kill_node` target `node`: the process exits at once (137, as
+/// after SIGKILL), without shutting anything down.
+fn register_process_kill(node: NodeKind) {
+    fault::register(fault::Registration {
+        target: fault::Target::Node(node),
+        role: None,
+        transfer_ids: Vec::new(),
+        alive: Box::new(|| true),
+        kill: std::sync::Arc::new(move || {
+            eprintln!("pdflow: fault plan: killing this {} node", node.name());
+            std::process::exit(137);
+        }),
+    });
+}
+
+async fn run_chaos(args: pdflow::cli::ChaosArgs) -> anyhow::Result<bool> {
+    let capture = pdflow::chaos::install_layers();
+    let opts = args.to_options();
+    println!("pdflow chaos: {} matrix, D's kv_load_failure_policy {:?}; one fresh P + D + bootstrap + proxy per cell", if opts.quick { "quick" } else { "full" }, opts.policy);
+    println!("{}", pdflow::chaos::render_header());
+    let report = pdflow::chaos::run(&opts, &capture, |i, n, r| {
+        println!("{}  [{i}/{n}]", pdflow::chaos::render_row(r));
+    })
+    .await?;
+    println!("\n{}", pdflow::chaos::render_summary(&report));
+    if let Some(path) = &args.json {
+        let json = serde_json::to_string_pretty(&report).context("serialising the report")?;
+        std::fs::write(path, json).with_context(|| format!("writing {}", path.display()))?;
+        println!("report written to {}", path.display());
+    }
+    Ok(report.failed == 0)
 }
 
 /// Starts the exporters `args` ask for; `service` names the node (`None`: by step, the demo).
@@ -114,13 +163,16 @@ async fn run(cli: Cli) -> anyhow::Result<bool> {
             }
             Ok(true)
         }
+        Command::Chaos(args) => run_chaos(args).await,
         Command::Bootstrap(args) => {
+            load_fault_plan()?;
             let trace_export = start_export(&args.trace, Some(export::SERVICE_BOOTSTRAP))?;
             init_tracing(None, Some(&trace_export), None);
             let env = VllmEnv::from_env().map_err(|e| anyhow::anyhow!(e.iter().map(|e| e.to_string()).collect::<Vec<_>>().join("\n")))?;
             let addr = format!("{}:{}", args.host, args.port.unwrap_or(env.bootstrap_port));
             let bind = addr.parse().with_context(|| format!("--host/--port {addr} is not an IP address and port"))?;
             let node = BootstrapNode::start(bind).await?;
+            register_process_kill(NodeKind::Bootstrap);
             ready_line(serde_json::json!({"event": "ready", "service": "bootstrap", "addr": node.addr.to_string()}));
             wait_for_shutdown_signal().await;
             node.shutdown().await;
@@ -128,10 +180,12 @@ async fn run(cli: Cli) -> anyhow::Result<bool> {
             Ok(true)
         }
         Command::Proxy(cmd) => {
+            load_fault_plan()?;
             let trace_export = start_export(&cmd.trace, Some(export::SERVICE_PROXY))?;
             init_tracing(None, Some(&trace_export), Some(MetricsLayer::global()));
             let args = cmd.to_args().map_err(|e| anyhow::anyhow!("invalid proxy arguments:\n  {}", e.join("\n  ")))?;
             let node = ProxyNode::start(args).await?;
+            register_process_kill(NodeKind::Proxy);
             ready_line(serde_json::json!({"event": "ready", "service": "proxy", "addr": node.addr.to_string()}));
             wait_for_shutdown_signal().await;
             node.shutdown().await;
@@ -139,6 +193,7 @@ async fn run(cli: Cli) -> anyhow::Result<bool> {
             Ok(true)
         }
         Command::Serve(cmd) => {
+            load_fault_plan()?;
             let service = if cmd.role == pdflow::cli::RoleArg::Producer { export::SERVICE_PREFILL } else { export::SERVICE_DECODE };
             let trace_export = start_export(&cmd.trace, Some(service))?;
             init_tracing(None, Some(&trace_export), Some(MetricsLayer::global()));
@@ -146,6 +201,10 @@ async fn run(cli: Cli) -> anyhow::Result<bool> {
             let env = VllmEnv::from_env().map_err(|e| anyhow::anyhow!(e.iter().map(|e| e.to_string()).collect::<Vec<_>>().join("\n")))?;
             let cfg = cmd.to_config(&env).map_err(|e| anyhow::anyhow!("invalid serve arguments:\n  {}", e.join("\n  ")))?;
             let node = EngineNode::start(cfg).await?;
+            register_process_kill(if node.role == pdflow_actors::scheduler_connector::KvRole::Consumer { NodeKind::D } else { NodeKind::P });
+            if node.bootstrap.is_some() {
+                register_process_kill(NodeKind::Bootstrap);
+            }
             ready_line(serde_json::json!({
                 "event": "ready",
                 "service": "engine",

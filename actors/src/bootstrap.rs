@@ -69,11 +69,8 @@ impl Actor for Bootstrap {
     async fn on_start(args: Self::Args, actor_ref: ActorRef<Self>) -> Result<Self, Self::Error> {
         let span = step_span!(steps::BOOTSTRAP_START);
         async move {
-            let listener = tokio::net::TcpListener::bind(args.bind).await.map_err(|source| ActorError::Bind {
-                what: "the bootstrap HTTP server",
-                addr: args.bind.to_string(),
-                source,
-            })?;
+            // A restarted bootstrap re-binds its port: retried while the old socket closes.
+            let listener = crate::rebind::bind_http(args.bind, "the bootstrap HTTP server").await?;
             let addr = listener.local_addr().map_err(|source| ActorError::Bind {
                 what: "the bootstrap HTTP server",
                 addr: args.bind.to_string(),

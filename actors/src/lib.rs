@@ -12,14 +12,17 @@
 //! - [`send_worker`] — one per transfer on P: wait for ready, plan, write, reply (14, 22, 27–29, 31).
 //! - [`receiver`] — D's pulls in flight and bootstrap look-ups (steps 5, 19, 20, 34).
 //! - [`pull_task`] — one side-channel exchange (ZeroMQ DEALER) with a deadline (steps 21, 30 receive).
+//! - [`fault_hooks`] — registers actors as targets of issue #5's fault plan (no-op without one).
 //! - [`error`] — the crate's error type.
 
 pub mod bootstrap;
 pub mod error;
+pub mod fault_hooks;
 pub mod proxy;
 pub mod proxy_flow;
 pub mod pull_task;
 pub mod receiver;
+mod rebind;
 pub mod scheduler_connector;
 pub mod send_worker;
 pub mod sender_listener;

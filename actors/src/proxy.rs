@@ -146,11 +146,8 @@ impl Actor for Proxy {
             .build()
             .map_err(|e| ActorError::Other(format!("cannot build the proxy's HTTP client: {e}")))?;
 
-        let listener = tokio::net::TcpListener::bind(args.bind).await.map_err(|source| ActorError::Bind {
-            what: "the proxy HTTP server",
-            addr: args.bind.to_string(),
-            source,
-        })?;
+        // A restarted proxy re-binds its port (fixed by the node): retried while the old socket closes.
+        let listener = crate::rebind::bind_http(args.bind, "the proxy HTTP server").await?;
         let addr = listener.local_addr().map_err(|source| ActorError::Bind {
             what: "the proxy HTTP server",
             addr: args.bind.to_string(),

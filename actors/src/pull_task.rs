@@ -16,6 +16,7 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
+use futures::StreamExt;
 use kameo::prelude::*;
 use pdflow_messages::frame;
 use pdflow_messages::receiver::{CancelTransfers, PullOutcome, PullTransportFailed};
@@ -23,10 +24,10 @@ use pdflow_messages::sender_listener::{
     AbortPull, PullErr, PullErrorCause, PullRequest, PullResponse, PullStatus, SideChannelRequest,
 };
 use pdflow_messages::{EngineId, RequestId, TransferId};
-use pdflow_observability::{attrs, step_span, steps};
+use pdflow_observability::{attrs, fault, step_span, steps};
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
-use zeromq::{DealerSocket, Socket, SocketOptions, SocketRecv, SocketSend, ZmqMessage};
+use zeromq::{DealerSocket, Socket, SocketEvent, SocketOptions, SocketRecv, SocketSend, ZmqMessage};
 
 use crate::ActorError;
 
@@ -131,6 +132,13 @@ impl Tally {
 
     /// Applies one response; true when the exchange is over.
     fn apply(&mut self, resp: PullResponse) -> bool {
+        if resp.pull_id == 0 && resp.status == PullStatus::Error && self.pull_id != 0 {
+            // P could not read the frame at all, so it could not know the pull's id: this socket
+            // carries only this pull, so the pull failed (not someone else's).
+            let error = resp.error.unwrap_or_else(|| "no reason given".into());
+            self.fail_unsettled(PullErrorCause::TransferFailed, &format!("P could not read the pull: {error}"));
+            return true;
+        }
         if resp.pull_id != self.pull_id {
             tracing::warn!(pull_id = self.pull_id, got = resp.pull_id, "P answered another pull id on this socket: ignored");
             return false;
@@ -169,6 +177,9 @@ enum Stop {
     Transport(String),
     /// P's reply is not a valid `PullResponse` frame.
     Garbage(String),
+    /// P's side of the connection went away after the pull was sent (its listener restarted or
+    /// its process died): whatever it had of this pull is lost, no answer will come.
+    PeerLost,
 }
 
 /// Runs the exchange under its deadline and always produces a report.
@@ -187,8 +198,11 @@ async fn exchange(args: &PullTaskArgs, mut cancels: mpsc::UnboundedReceiver<Vec<
     // its stale bootstrap answer dropped) rather than as a silent P.
     options.connect_timeout(args.deadline / 2);
     let mut socket = DealerSocket::with_options(options);
+    // ZeroMQ hides peer loss (a DEALER reconnects silently): the monitor is how a restarted P
+    // listener, which forgot this pull, is noticed before the deadline.
+    let mut monitor = socket.monitor();
 
-    let result = tokio::time::timeout(args.deadline, run(args, &mut socket, &mut tally, &mut cancels)).await;
+    let result = tokio::time::timeout(args.deadline, run(args, &mut socket, &mut monitor, &mut tally, &mut cancels)).await;
     match result {
         Ok(Ok(())) => {}
         Ok(Err(Stop::Transport(reason))) => {
@@ -198,6 +212,16 @@ async fn exchange(args: &PullTaskArgs, mut cancels: mpsc::UnboundedReceiver<Vec<
         }
         Ok(Err(Stop::Garbage(reason))) => {
             let detail = format!("P worker {} sent a reply that is not a pull response: {reason}", args.worker_addr);
+            tally.fail_unsettled(PullErrorCause::TransferFailed, &detail);
+        }
+        Ok(Err(Stop::PeerLost)) => {
+            // P may still write if only the connection dropped: tell it to stop (best effort,
+            // the DEALER reconnects) before D gives the blocks up, as after a deadline.
+            let transfer_ids: Vec<TransferId> = tally.unsettled.values().cloned().collect();
+            if !transfer_ids.is_empty() {
+                send_abort(&mut socket, args.pull_id, transfer_ids).await;
+            }
+            let detail = format!("P worker {}'s side channel closed while the pull was in flight (P restarted?): no answer will come", args.worker_addr);
             tally.fail_unsettled(PullErrorCause::TransferFailed, &detail);
         }
         Err(_elapsed) => {
@@ -228,6 +252,7 @@ async fn exchange(args: &PullTaskArgs, mut cancels: mpsc::UnboundedReceiver<Vec<
 async fn run(
     args: &PullTaskArgs,
     socket: &mut DealerSocket,
+    monitor: &mut futures::channel::mpsc::Receiver<SocketEvent>,
     tally: &mut Tally,
     cancels: &mut mpsc::UnboundedReceiver<Vec<TransferId>>,
 ) -> Result<(), Stop> {
@@ -256,12 +281,27 @@ async fn run(
         .connect(&args.worker_addr)
         .await
         .map_err(|e| Stop::Transport(format!("connect to {}: {e}", args.worker_addr)))?;
-    socket.send(ZmqMessage::from(bytes)).await.map_err(|e| Stop::Transport(format!("send: {e}")))?;
+    let first_req = request.reqs.first().map(|r| r.d_req_id.as_str()).unwrap_or_default();
+    match fault::message_fault(steps::D_SEND_PULL_META.number, first_req) {
+        None => socket.send(ZmqMessage::from(bytes)).await.map_err(|e| Stop::Transport(format!("send: {e}")))?,
+        Some(fault::MessageFault::Drop) => {}
+        Some(fault::MessageFault::Corrupt) => {
+            let mut bytes = bytes;
+            fault::corrupt_frame(&mut bytes);
+            socket.send(ZmqMessage::from(bytes)).await.map_err(|e| Stop::Transport(format!("send: {e}")))?;
+        }
+    }
     drop(spans);
 
     let mut cancels_open = true;
+    let mut monitor_open = true;
     loop {
         tokio::select! {
+            event = monitor.next(), if monitor_open => match event {
+                Some(SocketEvent::Disconnected(_)) => return Err(Stop::PeerLost),
+                Some(_) => {}
+                None => monitor_open = false,
+            },
             ids = cancels.recv(), if cancels_open => match ids {
                 Some(ids) => {
                     let ids: Vec<TransferId> = ids.into_iter().filter(|t| tally.unsettled.values().any(|u| u == t)).collect();
@@ -368,7 +408,7 @@ mod tests {
             pp_size: 1,
             layout_id: 7,
             layout: None,
-            reqs: reqs.iter().map(|r| PullReq { d_req_id: r.to_string(), transfer_id: format!("xfer-{r}"), block_ids: vec![1, 2], traceparent: None }).collect(),
+            reqs: reqs.iter().map(|r| PullReq { d_req_id: r.to_string(), transfer_id: format!("xfer-{r}"), block_ids: vec![1, 2], traceparent: None, fence: 0 }).collect(),
             traceparent: None,
         };
         let task = PullTask::spawn(PullTaskArgs {
@@ -431,6 +471,34 @@ mod tests {
         let Reported::Outcome(outcome) = next(&mut rx).await else { panic!("expected an outcome") };
         assert!(outcome.err_reqs[0].detail.contains(&addr), "{:?}", outcome.err_reqs);
         assert!(started.elapsed() < Duration::from_secs(2));
+    }
+
+    #[tokio::test]
+    async fn an_error_p_could_not_address_to_the_pull_fails_it_at_once() {
+        let mut p = FakeP::start().await;
+        let started = std::time::Instant::now();
+        let (_task, mut rx) = spawn(&p.addr, &["a"], Duration::from_secs(20));
+        let (id, _) = p.next_request().await;
+        // What P's listener answers to a frame it cannot decode (a damaged pull).
+        p.reply(&id, &PullResponse::error(0, "frame magic mismatch"));
+        let Reported::Outcome(outcome) = next(&mut rx).await else { panic!("expected an outcome") };
+        assert!(outcome.err_reqs[0].detail.contains("could not read the pull"), "{:?}", outcome.err_reqs);
+        assert!(started.elapsed() < Duration::from_secs(5));
+    }
+
+    #[tokio::test]
+    async fn a_p_side_that_goes_away_after_the_pull_fails_it_before_the_deadline() {
+        let mut p = FakeP::start().await;
+        let deadline = Duration::from_secs(20);
+        let started = std::time::Instant::now();
+        let (_task, mut rx) = spawn(&p.addr, &["a"], deadline);
+        let _ = p.next_request().await;
+        // P's listener restarts: its socket (and what it knew of the pull) is gone.
+        drop(p);
+        let Reported::Outcome(outcome) = next(&mut rx).await else { panic!("expected an outcome") };
+        assert_eq!(outcome.err_reqs.len(), 1);
+        assert!(outcome.err_reqs[0].detail.contains("closed while the pull was in flight"), "{:?}", outcome.err_reqs);
+        assert!(started.elapsed() < deadline / 4, "noticed at {:?}, not at the deadline", started.elapsed());
     }
 
     #[tokio::test]

@@ -16,6 +16,7 @@
 //! answers or the pull's deadline passes (no write-after-free); a PullTask that dies without
 //! reporting fails its requests (it is linked; best-effort `AbortPull` to P).
 
+#[cfg(test)] mod bad_input_tests;
 #[cfg(test)]
 pub(crate) mod fake_peers;
 mod lookup;
@@ -36,6 +37,7 @@ use pdflow_messages::sender_listener::{PullErrorCause, PullReq, PullRequest};
 use pdflow_messages::{EngineId, RequestId};
 use pdflow_observability::{attrs, step_span, steps};
 use pdflow_runtime::memory::KvCache;
+use pdflow_runtime::transfer::fence::WriteFence;
 use tokio::task::{JoinHandle, JoinSet};
 use tracing::Instrument;
 
@@ -44,6 +46,10 @@ use crate::ActorError;
 
 /// How long a best-effort `AbortPull` for a dead PullTask's transfers may take.
 const ORPHAN_ABORT_BOUND: Duration = Duration::from_secs(2);
+
+/// Longest a failed request's report waits for its fenced batches to stop (they are told to at
+/// once; this bounds a data server that does not answer).
+const FENCE_DRAIN_DEADLINE: Duration = Duration::from_secs(5);
 
 /// Arguments of [`Receiver`].
 #[derive(Debug, Clone)]
@@ -63,6 +69,10 @@ pub struct ReceiverArgs {
     pub events: Arc<tokio::sync::Notify>,
     /// Record `pd.kv_checksum` of D's blocks on step 34.
     pub verify_checksums: bool,
+    /// D's data server's write fence (the node binds the server with it): each request's blocks
+    /// get a token, open while its pull runs; a failed request is reported only once no byte of
+    /// its pull can land any more (no write-after-free). `None`: unfenced (tests of the actor alone).
+    pub fence: Option<WriteFence>,
 }
 
 /// One D request whose pull has been issued.
@@ -75,6 +85,8 @@ struct Recv {
     failure: Option<String>,
     aborted: bool,
     layout_retried: bool,
+    /// This request's write-fence token (non-zero).
+    fence: u64,
 }
 
 /// One PullTask in flight.
@@ -118,16 +130,23 @@ pub struct Receiver {
     next_pull_id: u64,
     finished_recving: BTreeSet<RequestId>,
     failed_recving: BTreeMap<RequestId, String>,
-    /// Best-effort aborts of orphaned pulls.
+    /// Best-effort aborts of orphaned pulls, and failures waiting for their fence to drain.
     helpers: JoinSet<()>,
+    /// This actor, for the tasks it owns (a failure reported once its fence has drained).
+    me: ActorRef<Self>,
+    next_fence: u64,
 }
 
 impl Actor for Receiver {
     type Args = ReceiverArgs;
     type Error = ActorError;
 
-    async fn on_start(args: Self::Args, _actor_ref: ActorRef<Self>) -> Result<Self, Self::Error> {
+    async fn on_start(args: Self::Args, actor_ref: ActorRef<Self>) -> Result<Self, Self::Error> {
         let span = step_span!(steps::CONSUMER_INIT);
+        if let Some(fence) = &args.fence {
+            // A restarted Receiver forgot the pulls its predecessor opened: none may land now.
+            fence.close_all();
+        }
         span.record(attrs::ENGINE_ID, args.engine_id.as_str());
         span.record(attrs::BLOCKS, args.kv_cache.num_blocks() as u64);
         let http = reqwest::Client::builder()
@@ -151,6 +170,8 @@ impl Actor for Receiver {
             finished_recving: BTreeSet::new(),
             failed_recving: BTreeMap::new(),
             helpers: JoinSet::new(),
+            me: actor_ref,
+            next_fence: next_pull_id | 1,
         })
     }
 
@@ -230,6 +251,32 @@ impl Receiver {
         self.notify();
     }
 
+    /// A fresh write-fence token (non-zero, unique per Receiver incarnation).
+    fn new_fence(&mut self) -> u64 {
+        let token = self.next_fence;
+        self.next_fence = self.next_fence.wrapping_add(2) | 1;
+        token
+    }
+
+    /// [`Receiver::complete`] for a request whose pull ran under fence `token`: the token is
+    /// closed first, and a failure is reported (the engine then frees or reuses the blocks) only
+    /// once no batch of the pull is still landing — a stalled write that resumes is refused.
+    fn complete_fenced(&mut self, meta: &PullMeta, failure: Option<String>, token: u64) {
+        let Some(fence) = self.args.fence.clone() else { return self.complete(meta, failure) };
+        let landing = fence.close_now(token);
+        if landing == 0 || failure.is_none() {
+            return self.complete(meta, failure);
+        }
+        tracing::info!(request_id = %meta.d_req_id, landing, "pull ended with its KV still landing: reporting once the fence drains");
+        let (me, meta, reason) = (self.me.clone(), meta.clone(), failure.unwrap_or_default());
+        self.helpers.spawn(async move {
+            if let Err(e) = fence.close(token, FENCE_DRAIN_DEADLINE).await {
+                tracing::error!(error = %e, "a fenced batch did not stop; reporting the failure anyway");
+            }
+            let _ = me.tell(FenceDrained { meta, reason }).await;
+        });
+    }
+
     /// One pull of `req` has answered (with `failure` or not).
     fn settle(&mut self, req: &RequestId, pull_id: u64, failure: Option<String>) {
         let Some(recv) = self.in_flight.get_mut(req) else { return };
@@ -241,7 +288,7 @@ impl Receiver {
         }
         if recv.pending.is_empty() {
             if let Some(recv) = self.in_flight.remove(req) {
-                self.complete(&recv.meta, recv.failure);
+                self.complete_fenced(&recv.meta, recv.failure, recv.fence);
             }
         }
     }
@@ -268,6 +315,7 @@ impl Receiver {
                     transfer_id: m.transfer_id.clone(),
                     block_ids: m.local_block_ids.clone(),
                     traceparent: m.traceparent.clone(),
+                    fence: self.in_flight.get(&m.d_req_id).map_or(0, |r| r.fence),
                 })
                 .collect(),
             traceparent: metas.iter().find_map(|m| m.traceparent.clone()),
@@ -281,7 +329,16 @@ impl Receiver {
             outcomes: me.clone().recipient(),
             transport_failures: me.clone().recipient(),
         };
+        if let Some(fence) = &self.args.fence {
+            for r in reqs {
+                if let Some(recv) = self.in_flight.get(r).filter(|r| !r.meta.local_block_ids.is_empty()) {
+                    fence.open(recv.fence);
+                }
+            }
+        }
         let task = PullTask::spawn_link(me, args).await;
+        let transfer_ids = metas.iter().map(|m| m.transfer_id.clone()).collect();
+        crate::fault_hooks::register_actor(pdflow_observability::fault::ActorKind::PullTask, pdflow_observability::fault::Role::D, transfer_ids, &task);
         self.pull_of_task.insert(task.id(), pull_id);
         for r in reqs {
             if let Some(recv) = self.in_flight.get_mut(r) {
@@ -310,7 +367,8 @@ impl Receiver {
         };
         let reqs: Vec<RequestId> = metas.iter().map(|m| m.d_req_id.clone()).collect();
         for meta in metas {
-            let recv = Recv { meta, pending: BTreeSet::new(), failure: None, aborted: false, layout_retried: false };
+            let fence = self.new_fence();
+            let recv = Recv { meta, pending: BTreeSet::new(), failure: None, aborted: false, layout_retried: false, fence };
             self.in_flight.insert(recv.meta.d_req_id.clone(), recv);
         }
         for peer in peers {
@@ -496,6 +554,20 @@ impl Message<PullTransportFailed> for Receiver {
                 "side channel to P failed: its cached bootstrap answer is dropped, the next pull looks it up again");
             self.remote_agents.remove(&msg.remote_engine_id);
         }
+    }
+}
+
+/// Internal: a failed request's fence has drained; report it now.
+struct FenceDrained {
+    meta: PullMeta,
+    reason: String,
+}
+
+impl Message<FenceDrained> for Receiver {
+    type Reply = ();
+
+    async fn handle(&mut self, msg: FenceDrained, _ctx: &mut Context<Self, Self::Reply>) -> Self::Reply {
+        self.complete(&msg.meta, Some(msg.reason));
     }
 }
 

@@ -249,7 +249,8 @@ impl SendWorker {
         let src_blocks = self.local_block_ids[skip..].to_vec();
         let plan = plan_span.in_scope(|| build_plan(&regions, &src_blocks, &pull.layout.regions, &pull.block_ids, true));
         let plan = match plan {
-            Ok(plan) => plan,
+            // D's fence for these blocks: its data server writes them only while D expects them.
+            Ok(plan) => pdflow_runtime::planner::TransferPlan { fence: pull.fence, ..plan },
             Err(e) => {
                 plan_span.record(attrs::OUTCOME, "layout_mismatch");
                 drop(plan_span);

@@ -38,7 +38,7 @@ use pdflow_messages::sender_listener::{
     SideChannelAddr, SideChannelRequest,
 };
 use pdflow_messages::{RequestId, TransferId};
-use pdflow_observability::{attrs, step_span, steps};
+use pdflow_observability::{attrs, fault, step_span, steps};
 use pdflow_runtime::memory::KvCache;
 use pdflow_runtime::transfer::TransferEngine;
 use tokio::sync::{mpsc, Notify};
@@ -116,6 +116,9 @@ pub struct SenderListener {
     pulls: HashMap<u64, InFlightPull>,
     next_pull_key: u64,
     finished_sending: BTreeSet<RequestId>,
+    /// Transfers whose KV P has released (sent, or expired), with when: a later pull for one is
+    /// refused at once (`Expired`) instead of waiting `ready_timeout` for a ready that never comes.
+    retired: HashMap<TransferId, std::time::Instant>,
 }
 
 impl Actor for SenderListener {
@@ -148,6 +151,7 @@ impl Actor for SenderListener {
             pulls: HashMap::new(),
             next_pull_key: 0,
             finished_sending: BTreeSet::new(),
+            retired: HashMap::new(),
             args,
         };
         if let Some(url) = listener.args.bootstrap_url.clone() {
@@ -160,6 +164,7 @@ impl Actor for SenderListener {
                 pp_rank: listener.args.pp_rank,
                 addr: listener.addr.clone(),
             };
+            let body_again = body.clone();
             let registered = register::register_with_bootstrap(&url, &body, listener.args.register_attempts, listener.args.register_backoff)
                 .instrument(span.clone())
                 .await;
@@ -169,6 +174,11 @@ impl Actor for SenderListener {
                 return Err(e);
             }
             span.record(attrs::OUTCOME, "ok");
+            let mut listener = listener;
+            listener.tasks.push(tokio::spawn(register::keep_registered(url, body_again, listener.cancel.clone())));
+            tracing::info!(engine_id = %listener.args.engine_id, addr = %listener.addr, "sender listener serving the side channel");
+            drop(init);
+            return Ok(listener);
         }
         tracing::info!(engine_id = %listener.args.engine_id, addr = %listener.addr, "sender listener serving the side channel");
         drop(init);
@@ -237,6 +247,7 @@ impl SenderListener {
         };
         // Unbounded: the listener never waits on a worker's mailbox (workers wait on the listener's).
         let actor = SendWorker::spawn_link_with_mailbox(me, args, mailbox::unbounded()).await;
+        crate::fault_hooks::register_actor(fault::ActorKind::SendWorker, fault::Role::P, vec![transfer_id.clone()], &actor);
         self.workers.insert(
             transfer_id.clone(),
             WorkerEntry { actor: actor.clone(), generation: self.next_generation, ready_p_req: None, counted: false },
@@ -294,7 +305,17 @@ impl SenderListener {
         if last {
             self.pulls.remove(&key);
         }
-        span.in_scope(|| self.send(identity, &response));
+        match fault::message_fault(steps::P_REPLY_FINISH.number, d_req_id) {
+            None => span.in_scope(|| self.send(identity, &response)),
+            Some(fault::MessageFault::Drop) => {}
+            Some(fault::MessageFault::Corrupt) => span.in_scope(|| match frame::encode(&response) {
+                Ok(mut body) => {
+                    fault::corrupt_frame(&mut body);
+                    let _ = self.replies.send((identity, body));
+                }
+                Err(e) => tracing::error!(error = %e, "cannot encode a side-channel response"),
+            }),
+        }
     }
 
     /// Steps 21 (receive) and 22 (routing): check, track and route one pull.
@@ -334,6 +355,12 @@ impl SenderListener {
         self.pulls.insert(key, InFlightPull { identity, pull_id: pull.pull_id, layout_id: pull.layout_id, remaining });
         tracing::debug!(pull_id = pull.pull_id, engine_id = %pull.engine_id, reqs = pull.reqs.len(), "pull received");
         for req in pull.reqs {
+            if self.is_retired(&req.transfer_id) {
+                let detail = format!("P no longer holds the KV of transfer {}: it was sent already or expired before this pull", req.transfer_id);
+                let err = PullErr { d_req_id: req.d_req_id.clone(), cause: PullErrorCause::Expired, detail };
+                self.settle(key, &req.d_req_id, Err(err));
+                continue;
+            }
             let worker = self.worker(&req.transfer_id, me).await;
             let serve = ServePull {
                 pull_id: key,
@@ -343,12 +370,21 @@ impl SenderListener {
                 data_addr: pull.data_addr.clone(),
                 layout: layout.clone(),
                 traceparent: req.traceparent.clone().or_else(|| pull.traceparent.clone()),
+                fence: req.fence,
             };
             if let Err(e) = worker.tell(serve).await {
                 let err = PullErr { d_req_id: req.d_req_id.clone(), cause: PullErrorCause::TransferFailed, detail: format!("P's send worker is gone: {e}") };
                 self.settle(key, &req.d_req_id, Err(err));
             }
         }
+    }
+
+    /// Whether `transfer_id`'s KV was released recently (tombstones older than `ready_timeout`
+    /// are dropped: by then a pull would have failed its wait for ready anyway).
+    fn is_retired(&mut self, transfer_id: &TransferId) -> bool {
+        let keep = self.args.ready_timeout;
+        self.retired.retain(|_, at| at.elapsed() < keep);
+        self.retired.contains_key(transfer_id)
     }
 
     async fn tell_worker<M>(&mut self, transfer_id: &TransferId, msg: M, me: &ActorRef<Self>)
@@ -480,6 +516,9 @@ impl Message<SendOutcome> for SenderListener {
         }
         if msg.finished && current {
             if let Some(entry) = self.workers.remove(&msg.transfer_id) {
+                if entry.counted || msg.counts_as_sent {
+                    self.retired.insert(msg.transfer_id.clone(), std::time::Instant::now());
+                }
                 // Messages already queued to it are still handled (a finished worker answers them).
                 if entry.actor.stop_gracefully().await.is_err() {
                     tracing::debug!(transfer_id = %msg.transfer_id, "send worker already stopped");

@@ -8,7 +8,7 @@ use serde::{de::DeserializeOwned, Serialize};
 pub const MAGIC: [u8; 4] = *b"PDFL";
 /// The frame version this build speaks.
 /// Version 2: each request of a pull carries its own traceparent.
-pub const VERSION: u8 = 2;
+pub const VERSION: u8 = 3;
 /// The largest frame pdflow accepts (a pull for thousands of blocks is a few tens of KiB).
 pub const MAX_FRAME_LEN: usize = 16 * 1024 * 1024;
 

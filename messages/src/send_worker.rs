@@ -34,6 +34,8 @@ pub struct ServePull {
     pub data_addr: String,
     pub layout: KvLayout,
     pub traceparent: Option<String>,
+    /// D's write-fence token for these blocks (0: none), named before the data.
+    pub fence: u64,
 }
 
 /// Who gave the transfer up.

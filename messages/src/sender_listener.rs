@@ -20,6 +20,9 @@ pub struct PullReq {
     pub block_ids: Vec<BlockId>,
     /// W3C traceparent of this D request: several requests share one pull, each keeps its trace.
     pub traceparent: Option<String>,
+    /// D's write-fence token for this request's blocks (0: none): P names it before the data, and
+    /// D's data server writes only while it is open — a write D gave up on never lands.
+    pub fence: u64,
 }
 
 /// D → P: "write these requests' KV into these blocks of mine" (seed step 21).
@@ -82,6 +85,9 @@ pub enum PullErrorCause {
     UnknownLayout,
     /// D aborted the transfer itself.
     CancelledByPeer,
+    /// P no longer holds this transfer's KV: it was sent already, or D's pull came after P's
+    /// send expiry (issue #5's negative acknowledgement, instead of a wait for ready).
+    Expired,
 }
 
 /// One failed request of a pull.
@@ -128,7 +134,7 @@ mod tests {
             pp_size: 1,
             layout_id: 5,
             layout: None,
-            reqs: vec![PullReq { d_req_id: "cmpl-d".into(), transfer_id: "xfer-1".into(), block_ids: (512..575).collect(), traceparent: None }],
+            reqs: vec![PullReq { d_req_id: "cmpl-d".into(), transfer_id: "xfer-1".into(), block_ids: (512..575).collect(), traceparent: None, fence: 9 }],
             traceparent: None,
         });
         let bytes = frame::encode(&pull).expect("encodes");

@@ -95,7 +95,7 @@ fn layout() -> impl Strategy<Value = KvLayout> {
 
 fn pull_req() -> impl Strategy<Value = PullReq> {
     (text(), text(), prop::collection::vec(any::<u32>(), 0..40), prop::option::of(text()))
-        .prop_map(|(d_req_id, transfer_id, block_ids, traceparent)| PullReq { d_req_id, transfer_id, block_ids, traceparent })
+        .prop_map(|(d_req_id, transfer_id, block_ids, traceparent)| PullReq { d_req_id, transfer_id, block_ids, traceparent, fence: 3 })
 }
 
 fn pull_request() -> impl Strategy<Value = PullRequest> {

@@ -6,6 +6,8 @@ use std::net::SocketAddr;
 use kameo::prelude::*;
 use kameo::supervision::RestartPolicy;
 use pdflow_actors::bootstrap::{Bootstrap, BootstrapArgs};
+use pdflow_actors::fault_hooks::register_actor;
+use pdflow_observability::fault::{ActorKind, Role};
 use pdflow_messages::bootstrap::BootstrapAddr;
 
 use super::supervisor::{NodeSupervisor, MAX_RESTARTS, RESTART_WINDOW};
@@ -29,11 +31,13 @@ impl BootstrapNode {
 
     /// Starts a bootstrap server under an existing node's supervisor.
     pub async fn start_under(supervisor: &ActorRef<NodeSupervisor>, bind: SocketAddr) -> Result<Self, NodeError> {
+        let bind = super::fixed_port(bind, "bootstrap HTTP server")?;
         let bootstrap = Bootstrap::supervise(supervisor, BootstrapArgs { bind })
             .restart_policy(RestartPolicy::Transient).restart_limit(MAX_RESTARTS, RESTART_WINDOW)
             .spawn()
             .await;
         started("Bootstrap", &bootstrap).await?;
+        register_actor(ActorKind::Bootstrap, Role::P, Vec::new(), &bootstrap);
         let addr = bootstrap
             .ask(BootstrapAddr)
             .await
@@ -44,6 +48,18 @@ impl BootstrapNode {
     /// `http://host:port`, as P registers and D queries it.
     pub fn url(&self) -> String {
         format!("http://{}", self.addr)
+    }
+
+    /// Stops the node at once, as a process kill would (its table is lost).
+    pub async fn kill(self) {
+        if let Some(s) = &self.supervisor {
+            s.kill();
+        }
+        self.bootstrap.kill();
+        let _ = tokio::time::timeout(std::time::Duration::from_secs(5), self.bootstrap.wait_for_shutdown()).await;
+        if let Some(s) = self.supervisor {
+            let _ = tokio::time::timeout(std::time::Duration::from_secs(5), s.wait_for_shutdown()).await;
+        }
     }
 
     /// Stops the node.

@@ -12,12 +12,15 @@ use std::sync::Arc;
 
 use kameo::prelude::*;
 use kameo::supervision::RestartPolicy;
+use pdflow_actors::fault_hooks::register_actor;
 use pdflow_actors::receiver::{Receiver, ReceiverArgs};
 use pdflow_actors::scheduler_connector::{KvRole, SchedulerConnector, SchedulerConnectorArgs};
 use pdflow_actors::sender_listener::{SenderListener, SenderListenerArgs};
+use pdflow_observability::fault::{ActorKind, Role};
 use pdflow_runtime::engine::ports::{Connector, WorkerConnectorPort};
 use pdflow_runtime::engine::{api, Engine, EngineConfig, EngineHandle};
 use pdflow_runtime::memory::KvCache;
+use pdflow_runtime::transfer::fence::WriteFence;
 use pdflow_runtime::transfer::same_host::SameHostMode;
 use pdflow_runtime::transfer::tcp::{TcpConfig, TcpDataServer};
 use pdflow_runtime::transfer::AutoTransferEngine;
@@ -72,11 +75,19 @@ pub struct EngineNode {
     supervisor: ActorRef<NodeSupervisor>,
     http_stop: CancellationToken,
     http_task: tokio::task::JoinHandle<()>,
+    side_channel: Arc<AtomicU16>,
 }
 
 impl EngineNode {
     pub async fn start(cfg: EngineNodeConfig) -> Result<Self, NodeError> {
+        Self::start_on(cfg, 0).await
+    }
+
+    /// Starts the node with P's side channel on `side_channel_port` (0: any), so that a node
+    /// started again after a crash binds and registers the same address (`pdflow chaos`).
+    pub async fn start_on(cfg: EngineNodeConfig, side_channel_port: u16) -> Result<Self, NodeError> {
         let engine_id = cfg.engine.engine_id.clone();
+        let side_channel = Arc::new(AtomicU16::new(side_channel_port));
         let kv_cache = KvCache::new(cfg.engine.shape, cfg.engine.num_blocks);
         let supervisor = NodeSupervisor::spawn(format!("engine-{engine_id}"));
         let connector = SchedulerConnector::supervise(&supervisor, SchedulerConnectorArgs { engine_id: engine_id.clone(), role: cfg.role })
@@ -84,6 +95,8 @@ impl EngineNode {
             .spawn()
             .await;
         started("SchedulerConnector", &connector).await?;
+        let role = if cfg.role == KvRole::Consumer { Role::D } else { Role::P };
+        register_actor(ActorKind::SchedulerConnector, role, Vec::new(), &connector);
         let events = Arc::new(Notify::new());
         let (mut sender_listener, mut receiver, mut bootstrap, mut data_server) = (None, None, None, None);
         let worker: Arc<dyn WorkerConnectorPort> = match cfg.role {
@@ -109,7 +122,7 @@ impl EngineNode {
                     tp_rank: 0,
                     pp_rank: 0,
                     bind_host: cfg.host.clone(),
-                    side_channel_port: Arc::new(AtomicU16::new(0)),
+                    side_channel_port: side_channel.clone(),
                     bootstrap_url,
                     kv_cache: kv_cache.clone(),
                     transfer,
@@ -122,6 +135,7 @@ impl EngineNode {
                 };
                 let listener = SenderListener::supervise(&supervisor, args).restart_policy(RestartPolicy::Transient).restart_limit(MAX_RESTARTS, RESTART_WINDOW).spawn().await;
                 started("SenderListener", &listener).await?;
+                register_actor(ActorKind::SenderListener, Role::P, Vec::new(), &listener);
                 sender_listener = Some(listener.clone());
                 Arc::new(ProducerWorkerPort { listener, events: events.clone() })
             }
@@ -129,7 +143,9 @@ impl EngineNode {
                 let bind = format!("{}:0", cfg.host);
                 let bind_addr: SocketAddr = bind.parse().map_err(|e| NodeError::Config(format!("data server address {bind}: {e}")))?;
                 let offer_same_host = cfg.tcp.same_host != SameHostMode::Off;
-                let server = TcpDataServer::bind_with(bind_addr, kv_cache.region_table(), cfg.tcp.auth_token.clone(), offer_same_host)
+                // Each pull's blocks are fenced: a write D gave up on is refused, never landed.
+                let fence = WriteFence::new();
+                let server = TcpDataServer::bind_fenced(bind_addr, kv_cache.region_table(), cfg.tcp.auth_token.clone(), offer_same_host, Some(fence.clone()))
                     .await
                     .map_err(|e| NodeError::Transfer(e.to_string()))?;
                 let args = ReceiverArgs {
@@ -143,16 +159,20 @@ impl EngineNode {
                     bootstrap_timeout: cfg.deadlines.bootstrap_timeout,
                     events: events.clone(),
                     verify_checksums: cfg.verify_checksums,
+                    fence: Some(fence),
                 };
                 data_server = Some(server);
                 let r = Receiver::supervise(&supervisor, args).restart_policy(RestartPolicy::Transient).restart_limit(MAX_RESTARTS, RESTART_WINDOW).spawn().await;
                 started("Receiver", &r).await?;
+                register_actor(ActorKind::Receiver, Role::D, Vec::new(), &r);
                 receiver = Some(r.clone());
                 Arc::new(ConsumerWorkerPort { receiver: r, events: events.clone() })
             }
         };
+        let mut engine_cfg = cfg.engine.clone();
+        engine_cfg.kv_state_timeout.get_or_insert(kv_state_timeout(&cfg.deadlines));
         let engine = Engine::start(
-            cfg.engine.clone(),
+            engine_cfg,
             kv_cache.clone(),
             Some(Connector { scheduler: Arc::new(SchedulerPort(connector.clone())), worker }),
         );
@@ -171,7 +191,36 @@ impl EngineNode {
             supervisor,
             http_stop,
             http_task,
+            side_channel,
         })
+    }
+
+    /// P's side-channel port (0 on D).
+    pub fn side_channel_port(&self) -> u16 {
+        self.side_channel.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    /// Stops the node at once, as a process kill would: open HTTP responses are cut, the actors
+    /// are killed (not stopped), the engine loop and the data server end. Nothing is handed over.
+    pub async fn kill(self) {
+        self.http_stop.cancel();
+        self.http_task.abort();
+        self.supervisor.kill();
+        self.connector.kill();
+        if let Some(l) = &self.sender_listener {
+            l.kill();
+        }
+        if let Some(r) = &self.receiver {
+            r.kill();
+        }
+        if let Some(b) = self.bootstrap {
+            b.kill().await;
+        }
+        self.engine.shutdown().await;
+        let _ = tokio::time::timeout(HTTP_STOP_DEADLINE, self.supervisor.wait_for_shutdown()).await;
+        if let Some(d) = self.data_server {
+            d.shutdown().await;
+        }
     }
 
     /// `http://host:port` of the engine's API.
@@ -197,6 +246,13 @@ impl EngineNode {
             d.shutdown().await;
         }
     }
+}
+
+/// The engine's deadline for holding blocks on the connector's behalf (issue #5): longer than
+/// every deadline of the transfer path (a pull's bootstrap look-up and exchange on D; P's send
+/// expiry or a pull's exchange), so that when it passes no write can still land.
+pub fn kv_state_timeout(d: &Deadlines) -> std::time::Duration {
+    d.send_expiry.max(d.pull_timeout) + d.bootstrap_timeout + std::time::Duration::from_secs(2)
 }
 
 /// Serves `router` on `host:port` until the returned token is cancelled.

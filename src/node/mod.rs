@@ -31,3 +31,14 @@ where
 {
     r.wait_for_startup_with_result(|res| res.map_err(|e| NodeError::ActorStart { actor, reason: e.to_string() })).await
 }
+
+/// Resolves port 0 to a concrete free port, so that an actor its supervisor restarts binds the
+/// same address as before (clients and registrations keep working). A port already given is
+/// returned as is.
+pub(crate) fn fixed_port(addr: std::net::SocketAddr, what: &'static str) -> Result<std::net::SocketAddr, NodeError> {
+    if addr.port() != 0 {
+        return Ok(addr);
+    }
+    let probe = std::net::TcpListener::bind(addr).map_err(|source| NodeError::Bind { what, addr: addr.to_string(), source })?;
+    probe.local_addr().map_err(|source| NodeError::Bind { what, addr: addr.to_string(), source })
+}

@@ -65,6 +65,7 @@ impl Harness {
             bootstrap_timeout: BOOTSTRAP_TIMEOUT,
             events: events.clone(),
             verify_checksums: false,
+            fence: None,
         });
         Self { receiver, events, p, bootstrap, bootstrap_addr: format!("http://{addr}"), collected: ConnectorOutput::default(), next_req: 0 }
     }

@@ -43,6 +43,7 @@ impl Harness {
             bootstrap_timeout: Duration::from_secs(2),
             events: events.clone(),
             verify_checksums: true,
+            fence: None,
         });
         Self { receiver, events, p, bootstrap, collected: ConnectorOutput::default() }
     }

@@ -82,6 +82,7 @@ impl Rig {
             data_addr: "127.0.0.1:1".into(),
             layout: self.d.layout(),
             traceparent: None,
+            fence: 0,
         };
         self.worker.tell(serve).await.expect("worker alive");
     }

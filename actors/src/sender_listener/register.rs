@@ -1,6 +1,10 @@
 //! Seed step 4: a P worker registers its side-channel address with bootstrap (`POST /register`),
 //! retrying with exponential back-off as vLLM's Mooncake connector does. A 400 (conflict) is not
 //! retried: the registration itself is wrong.
+//!
+//! Beyond vLLM (issue #5): once registered, the worker repeats the (identical, idempotent)
+//! registration every [`REREGISTER_INTERVAL`], so that a bootstrap that restarted with an empty
+//! table learns the worker again within that interval instead of never.
 
 use std::time::Duration;
 
@@ -12,6 +16,8 @@ use crate::ActorError;
 const ATTEMPT_TIMEOUT: Duration = Duration::from_secs(5);
 /// The back-off never grows past this.
 const MAX_BACKOFF: Duration = Duration::from_secs(10);
+/// How often a registered worker repeats its registration.
+pub(super) const REREGISTER_INTERVAL: Duration = Duration::from_secs(1);
 
 /// Posts `body` to `{bootstrap_url}/register` up to `attempts` times.
 pub(super) async fn register_with_bootstrap(
@@ -48,4 +54,25 @@ pub(super) async fn register_with_bootstrap(
         }
     }
     Err(ActorError::BootstrapUnreachable { url: bootstrap_url.to_string(), attempts, reason: last_reason })
+}
+
+/// Repeats `body`'s registration every [`REREGISTER_INTERVAL`] until `cancel`; a failure is
+/// logged once per outage (the bootstrap may be restarting) and retried at the next tick.
+pub(super) async fn keep_registered(bootstrap_url: String, body: RegisterWorker, cancel: tokio_util::sync::CancellationToken) {
+    let Ok(client) = reqwest::Client::builder().timeout(ATTEMPT_TIMEOUT).build() else { return };
+    let endpoint = format!("{}/register", bootstrap_url.trim_end_matches('/'));
+    let mut failing = false;
+    loop {
+        tokio::select! {
+            _ = cancel.cancelled() => return,
+            _ = tokio::time::sleep(REREGISTER_INTERVAL) => {}
+        }
+        let ok = matches!(client.post(&endpoint).json(&body).send().await, Ok(r) if r.status().is_success());
+        if ok && failing {
+            tracing::info!(url = %endpoint, engine_id = %body.engine_id, "bootstrap reachable again: worker registered");
+        } else if !ok && !failing {
+            tracing::warn!(url = %endpoint, engine_id = %body.engine_id, "repeating the bootstrap registration failed; retrying every {REREGISTER_INTERVAL:?}");
+        }
+        failing = !ok;
+    }
 }

@@ -83,7 +83,7 @@ impl Harness {
             layout: with_layout.then_some(layout),
             reqs: reqs
                 .iter()
-                .map(|(d, t, b)| PullReq { d_req_id: d.to_string(), transfer_id: t.to_string(), block_ids: b.clone(), traceparent: None })
+                .map(|(d, t, b)| PullReq { d_req_id: d.to_string(), transfer_id: t.to_string(), block_ids: b.clone(), traceparent: None, fence: 0 })
                 .collect(),
             traceparent: None,
         })
@@ -161,6 +161,25 @@ async fn ready_before_pull_writes_and_finishes_once() {
     let resp = h.recv().await;
     assert_eq!((resp.pull_id, resp.status, resp.ok_reqs.len()), (12, PullStatus::Finish, 1));
     h.assert_copied(&[8], &[30]);
+}
+
+#[tokio::test]
+async fn a_pull_for_a_transfer_already_sent_or_expired_is_refused_at_once() {
+    let mut h = harness(Duration::from_secs(30)).await;
+    h.record(&[("cmpl-p1", "xfer-1", vec![3])], &[]).await;
+    h.send(&h.pull(1, &[("cmpl-d1", "xfer-1", vec![20])], true)).await;
+    assert_eq!(h.recv().await.ok_reqs, vec!["cmpl-d1".to_string()]);
+    h.wait_finished("cmpl-p1").await;
+    // A second pull of the same transfer (a late or repeated one): P's blocks are gone, so it
+    // gets a negative acknowledgement now, not a wait of ready_timeout (30 s here).
+    let started = Instant::now();
+    h.send(&h.pull(2, &[("cmpl-d1", "xfer-1", vec![20])], false)).await;
+    let resp = h.recv().await;
+    assert!(started.elapsed() < Duration::from_secs(2), "took {:?}", started.elapsed());
+    assert_eq!((resp.pull_id, resp.status), (2, PullStatus::Finish));
+    assert_eq!(resp.err_reqs.len(), 1, "{resp:?}");
+    assert_eq!(resp.err_reqs[0].cause, PullErrorCause::Expired);
+    assert_eq!(h.listener.ask(InFlightPulls).await.expect("alive"), 0);
 }
 
 #[tokio::test]
@@ -301,6 +320,24 @@ async fn registers_its_side_channel_address_with_bootstrap() {
     let body = tokio::time::timeout(WAIT, registrations.recv()).await.expect("in time").expect("one registration");
     assert_eq!(body.engine_id, "engine-p");
     assert_eq!(body.addr, listener.ask(SideChannelAddr).await.expect("alive"));
+}
+
+#[tokio::test]
+async fn repeats_its_registration_so_a_restarted_bootstrap_learns_it_again() {
+    let (url, mut registrations) = fake_bootstrap(axum::http::StatusCode::OK).await;
+    let p = filled_cache(4, 1);
+    let d = KvCache::new(SHAPE, 4);
+    let listener = SenderListener::spawn(args(&p, &d, Duration::from_secs(1), Some(url)));
+    startup(&listener).await.expect("registers and starts");
+    let first = tokio::time::timeout(WAIT, registrations.recv()).await.expect("in time").expect("registered");
+    // The bootstrap lost its table (restarted): the same registration comes again, unasked.
+    let again = tokio::time::timeout(super::register::REREGISTER_INTERVAL * 3, registrations.recv()).await.expect("repeated in time").expect("registered");
+    assert_eq!(again, first, "identical, so a bootstrap that still has it answers 200");
+    // Stopped listeners stop repeating.
+    listener.stop_gracefully().await.expect("stops");
+    listener.wait_for_shutdown().await;
+    while registrations.try_recv().is_ok() {}
+    assert!(tokio::time::timeout(super::register::REREGISTER_INTERVAL * 2, registrations.recv()).await.is_err(), "no registration after stop");
 }
 
 #[tokio::test]

@@ -27,6 +27,13 @@ pub struct EngineConfig {
     pub vocab_size: u32,
     pub eos_token_id: u32,
     pub kv_load_failure_policy: LoadFailurePolicy,
+    /// Deadline of the states in which the engine holds blocks for the connector
+    /// (`WAITING_FOR_REMOTE_KVS` and aborted-while-receiving on D, finished-with-delayed-free on
+    /// P): past it, D treats the load as failed (then `kv_load_failure_policy`) and P frees the
+    /// blocks — even if the connector lost track of the request (an actor restarted). Set it
+    /// longer than every deadline of the transfer path, so that no write can still land.
+    /// `None`: no deadline.
+    pub kv_state_timeout: Option<std::time::Duration>,
 }
 
 impl Default for EngineConfig {
@@ -41,6 +48,7 @@ impl Default for EngineConfig {
             vocab_size: 32000,
             eos_token_id: 2,
             kv_load_failure_policy: LoadFailurePolicy::Recompute,
+            kv_state_timeout: None,
         }
     }
 }

@@ -147,6 +147,9 @@ pub(crate) struct Request {
     pub first_token_pending: bool,
     /// D: the span of the decode loop (step 40), from after the first token to the finish.
     pub decode_span: Option<tracing::Span>,
+    /// When the request entered the state in which it holds blocks for the connector
+    /// (`WaitingForRemoteKvs`, `FinishedDelayFree`, `AbortedAwaitingRecv`): `kv_state_timeout`.
+    pub held_since: Option<std::time::Instant>,
     pub output_tx: mpsc::UnboundedSender<RequestOutput>,
 }
 
@@ -170,6 +173,7 @@ impl Request {
             connector_matched: false,
             first_token_pending: false,
             decode_span: None,
+            held_since: None,
             output_tx,
         }
     }

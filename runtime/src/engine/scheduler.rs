@@ -331,6 +331,7 @@ impl Scheduler {
                         r.kv_transfer_params = Some(p);
                     }
                     r.status = Status::WaitingForRemoteKvs;
+                    r.held_since = Some(std::time::Instant::now());
                     r.num_computed_tokens = tokens;
                 }
                 WaitingOutcome::Skip
@@ -463,9 +464,11 @@ impl Scheduler {
         drop(span);
         let keep = if r.status == Status::WaitingForRemoteKvs {
             r.status = Status::AbortedAwaitingRecv;
+            r.held_since.get_or_insert_with(std::time::Instant::now);
             true
         } else if delay && !r.block_ids.is_empty() {
             r.status = Status::FinishedDelayFree;
+            r.held_since = Some(std::time::Instant::now());
             true
         } else {
             self.pool.free(std::mem::take(&mut r.block_ids));
@@ -498,6 +501,31 @@ impl Scheduler {
         self.finish_request(id, FinishStatus::Aborted, Vec::new(), None).await;
     }
 
+    /// `kv_state_timeout`: a request held for the connector past its deadline is settled as if
+    /// the connector had said so — D's load failed (then the policy), P's blocks were sent — so
+    /// that a connector that lost track of it (an actor restarted) cannot strand its blocks.
+    fn expire_held_states(&mut self, out: &mut ConnectorOutput) {
+        let Some(timeout) = self.config.kv_state_timeout else { return };
+        for (id, r) in &self.requests {
+            if r.held_since.is_none_or(|t| t.elapsed() < timeout) {
+                continue;
+            }
+            match r.status {
+                Status::WaitingForRemoteKvs | Status::AbortedAwaitingRecv if !out.finished_recving.contains(id) => {
+                    let state = if r.status == Status::WaitingForRemoteKvs { "WAITING_FOR_REMOTE_KVS" } else { "aborted, awaiting the receive" };
+                    let reason = format!("no KV received within {timeout:?} in state {state} (kv_state_timeout)");
+                    tracing::warn!(request_id = %id, "{reason}");
+                    out.failed_recving.entry(id.clone()).or_insert(reason);
+                }
+                Status::FinishedDelayFree if !out.finished_sending.contains(id) => {
+                    tracing::warn!(request_id = %id, "P held the blocks {timeout:?} for a send never reported (kv_state_timeout): freed");
+                    out.finished_sending.insert(id.clone());
+                }
+                _ => {}
+            }
+        }
+    }
+
     fn release(&mut self, id: &str) -> usize {
         let Some(mut r) = self.requests.remove(id) else { return 0 };
         let n = r.block_ids.len();
@@ -506,7 +534,8 @@ impl Scheduler {
     }
 
     /// The workers' output of one step (steps 33, 35–36; failed loads by policy).
-    pub async fn process_kv_output(&mut self, out: ConnectorOutput) {
+    pub async fn process_kv_output(&mut self, mut out: ConnectorOutput) {
+        self.expire_held_states(&mut out);
         let engine_id = self.config.engine_id.clone();
         for id in &out.finished_sending {
             let Some(r) = self.requests.get(id) else { continue };

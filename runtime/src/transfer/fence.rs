@@ -10,11 +10,12 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
 
 #[derive(Debug, Default)]
 struct State {
-    /// Open tokens → batches being written under them.
-    open: HashMap<u64, usize>,
+    /// Open tokens → (batches being written under them, cancelled when the token closes).
+    open: HashMap<u64, (usize, CancellationToken)>,
     /// Closed tokens whose last batches are still landing → their count.
     draining: HashMap<u64, usize>,
 }
@@ -26,11 +27,21 @@ pub struct WriteFence {
     drained: Arc<Notify>,
 }
 
-/// A batch in flight under a token; dropping it ends the batch.
+/// A batch in flight under a token; dropping it ends the batch. The data server stops reading
+/// the batch when [`FenceGuard::revoked`] fires (D closed the token: the link may be stalled and
+/// the rest must never land).
 #[derive(Debug)]
 pub struct FenceGuard {
     fence: WriteFence,
     token: u64,
+    revoked: CancellationToken,
+}
+
+impl FenceGuard {
+    /// Completes when D closes this batch's token.
+    pub fn revoked(&self) -> tokio_util::sync::WaitForCancellationFuture<'_> {
+        self.revoked.cancelled()
+    }
 }
 
 /// Why [`WriteFence::close`] gave up waiting.
@@ -54,7 +65,7 @@ impl WriteFence {
 
     /// Opens `token` (before the pull that names it is sent).
     pub fn open(&self, token: u64) {
-        self.lock().open.entry(token).or_insert(0);
+        self.lock().open.entry(token).or_insert_with(|| (0, CancellationToken::new()));
     }
 
     /// Whether `token` is open.
@@ -65,14 +76,14 @@ impl WriteFence {
     /// Starts a batch under `token`: `None` when the token is not open (closed, or never opened).
     pub fn enter(&self, token: u64) -> Option<FenceGuard> {
         let mut state = self.lock();
-        let count = state.open.get_mut(&token)?;
+        let (count, revoked) = state.open.get_mut(&token)?;
         *count += 1;
-        Some(FenceGuard { fence: self.clone(), token })
+        Some(FenceGuard { fence: self.clone(), token, revoked: revoked.clone() })
     }
 
     fn exit(&self, token: u64) {
         let mut state = self.lock();
-        if let Some(count) = state.open.get_mut(&token) {
+        if let Some((count, _)) = state.open.get_mut(&token) {
             *count = count.saturating_sub(1);
         } else if let Some(count) = state.draining.get_mut(&token) {
             *count = count.saturating_sub(1);
@@ -84,17 +95,36 @@ impl WriteFence {
         self.drained.notify_waiters();
     }
 
-    /// Closes `token`: no new batch is written under it; waits (at most `deadline`) for the batches
-    /// already landing. `Ok` means no byte of the pull can land any more.
-    pub async fn close(&self, token: u64, deadline: Duration) -> Result<(), FenceStuck> {
-        {
-            let mut state = self.lock();
-            match state.open.remove(&token) {
-                Some(0) | None => return Ok(()),
-                Some(n) => {
+    /// Closes `token` without waiting: no new batch is written under it and the batches landing
+    /// are told to stop. Returns how many are still landing (0: no byte can land any more).
+    pub fn close_now(&self, token: u64) -> usize {
+        let mut state = self.lock();
+        match state.open.remove(&token) {
+            None => state.draining.get(&token).copied().unwrap_or(0),
+            Some((n, revoked)) => {
+                revoked.cancel();
+                if n > 0 {
                     state.draining.insert(token, n);
                 }
+                n
             }
+        }
+    }
+
+    /// Closes every open token (a restarted Receiver forgot the pulls they served).
+    pub fn close_all(&self) {
+        let tokens: Vec<u64> = self.lock().open.keys().copied().collect();
+        for token in tokens {
+            self.close_now(token);
+        }
+    }
+
+    /// Closes `token`: no new batch is written under it; the batches already landing are told to
+    /// stop, and this waits (at most `deadline`) for them. `Ok` means no byte of the pull can land
+    /// any more.
+    pub async fn close(&self, token: u64, deadline: Duration) -> Result<(), FenceStuck> {
+        if self.close_now(token) == 0 {
+            return Ok(());
         }
         let wait = async {
             loop {
@@ -142,6 +172,7 @@ mod tests {
         tokio::time::sleep(Duration::from_millis(20)).await;
         assert!(!closing.is_finished(), "close waits for the batch in flight");
         assert!(fence.enter(7).is_none(), "closed: no new batch");
+        tokio::time::timeout(Duration::from_secs(5), guard.revoked()).await.expect("the batch is told to stop");
         drop(guard);
         assert_eq!(closing.await.expect("joins"), Ok(()));
         assert!(fence.enter(7).is_none());

@@ -78,6 +78,7 @@ impl ActorPair {
             bootstrap_timeout: Duration::from_secs(5),
             events: d_events.clone(),
             verify_checksums: false,
+            fence: None,
         });
         crate::node::started("Receiver", &receiver).await?;
         Ok(Self { p_engine_id, listener, receiver, d_events, bootstrap_url: bootstrap.url(), next_id: AtomicU64::new(0) })

@@ -64,6 +64,8 @@ enum ConnectionError {
     Stalled(Duration),
     #[error("refused batch declares {0:?} payload bytes, too many to drain")]
     UndrainableBatch(Option<u64>),
+    #[error("D closed the pull's fence while its batch was landing (the pull ended): connection dropped")]
+    Fenced,
 }
 
 struct Shared {
@@ -262,7 +264,15 @@ async fn serve_connection(mut stream: TcpStream, shared: &Shared) -> Result<(), 
                     .map(|&(dst, len)| unsafe { shared.regions.slice_mut(dst, len) })
                     .collect::<Result<Vec<&mut [u8]>, _>>()
                     .map_err(|e| WireError::Io(invalid(e)))?;
-                read_into(&mut stream, dsts).await?;
+                match &fence_guard {
+                    // D closed the pull's token while its bytes were landing (it gave up at a
+                    // deadline): stop here and drop the connection; nothing more lands.
+                    Some(guard) => tokio::select! {
+                        read = read_into(&mut stream, dsts) => read?,
+                        () = guard.revoked() => return Err(ConnectionError::Fenced),
+                    },
+                    None => read_into(&mut stream, dsts).await?,
+                }
                 drop(fence_guard);
                 wire::write_ack(&mut stream, &Ack::Ok { batch_id }).await?;
             }
