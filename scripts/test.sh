@@ -22,7 +22,7 @@ trap 'rm -f "$log"' EXIT
 # The process-level tests run target/debug/pdflow.
 cargo build --locked --bin pdflow
 status=0
-cargo test --locked --workspace -- --test-threads="${PDFLOW_TEST_THREADS:-2}" 2>&1 | tee "$log" || status=$?
+cargo test --locked --workspace --no-fail-fast -- --test-threads="${PDFLOW_TEST_THREADS:-2}" 2>&1 | tee "$log" || status=$?
 
 # The `cuda` feature builds everywhere (the driver is loaded at run time); without a GPU its tests
 # skip, saying why.

@@ -26,6 +26,7 @@ use pdflow_messages::scheduler_connector::ConnectorMetadata;
 use pdflow_messages::sender_listener::{GetFinishedSending, RecordSendReqs};
 use pdflow_messages::{BlockId, RequestId};
 use pdflow_runtime::memory::{KvCache, KvShape};
+use pdflow_runtime::transfer::fence::WriteFence;
 use pdflow_runtime::transfer::same_host::SameHostMode;
 use pdflow_runtime::transfer::tcp::TcpDataServer;
 use pdflow_runtime::transfer::AutoTransferEngine;
@@ -150,7 +151,8 @@ impl WorkerBridge {
         if consumes {
             let bind: SocketAddr =
                 format!("{}:0", cfg.host).parse().map_err(|e| BridgeError::Config(format!("data server address {}:0: {e}", cfg.host)))?;
-            let server = TcpDataServer::bind_with(bind, kv_cache.region_table(), cfg.tcp.auth_token.clone(), cfg.tcp.same_host != SameHostMode::Off)
+            let fence = WriteFence::new();
+            let server = TcpDataServer::bind_fenced(bind, kv_cache.region_table(), cfg.tcp.auth_token.clone(), cfg.tcp.same_host != SameHostMode::Off, Some(fence.clone()))
                 .await
                 .map_err(|e| BridgeError::unavailable("KV data server", e))?;
             info.push(("data_addr", server.local_addr().to_string()));
@@ -165,6 +167,7 @@ impl WorkerBridge {
                 bootstrap_timeout: cfg.deadlines.bootstrap_timeout,
                 events: events.clone(),
                 verify_checksums: cfg.verify_checksums,
+                fence: Some(fence),
             };
             data_server = Some(server);
             let r = Receiver::supervise(&supervisor, args)
