@@ -37,9 +37,25 @@ venv=${PDFLOW_VENV:-.venv}
 py_ok=1
 if [ ! -x "$venv/bin/python" ]; then python3 -m venv "$venv" || py_ok=0; fi
 venv_bin=$(cd "$venv/bin" 2>/dev/null && pwd) || py_ok=0
+# The registry's downloads are sometimes cut mid-file (vLLM's wheel is 336 MB, torch's larger): pip
+# resumes within one run, and a whole run that still fails is tried again after a pause; wheels that
+# did arrive stay in pip's cache, so a retry fetches only what is missing.
+pip_install_retrying() {
+  local attempt resume=()
+  if "$venv/bin/python" -m pip install --help 2>/dev/null | grep -q -- --resume-retries; then
+    resume=(--resume-retries 20)
+  fi
+  for attempt in 1 2 3 4 5 6; do
+    "$venv/bin/python" -m pip install -q --retries 10 "${resume[@]}" "$@" && return 0
+    [ "$attempt" = 6 ] && break
+    echo "pip install $* failed (attempt $attempt of 6); trying again in $((attempt * 20)) s" >&2
+    sleep $((attempt * 20))
+  done
+  return 1
+}
 if [ "$py_ok" = 1 ]; then
-  "$venv/bin/python" -m pip install -q --upgrade pip >/dev/null 2>&1 || true
-  "$venv/bin/python" -m pip install -q "vllm==0.33.0" "pytest>=8" "maturin>=1.7,<2" || py_ok=0
+  pip_install_retrying --upgrade pip >/dev/null 2>&1 || true
+  pip_install_retrying "vllm==0.33.0" "pytest>=8" "maturin>=1.7,<2" || py_ok=0
 fi
 if [ "$py_ok" = 1 ]; then
   PATH="$venv_bin:$PATH" "$venv/bin/python" -m pip install -q --no-build-isolation --force-reinstall --no-deps ./py-bridge || py_ok=0
