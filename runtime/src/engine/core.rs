@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use pdflow_messages::kv_transfer_params::TransferRole;
-use pdflow_messages::scheduler_connector::{ConnectorMetadata, ConnectorOutput, FinishStatus};
+use pdflow_messages::scheduler_connector::{ConnectorMetadata, ConnectorOutput, FinishStatus, SchedRequest};
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
@@ -33,6 +33,8 @@ const ADD_DEADLINE: Duration = Duration::from_secs(30);
 pub(crate) enum Command {
     Add { request: Box<Request>, ack: oneshot::Sender<Result<(), EngineError>> },
     Abort(String),
+    /// A request refused at admission that names a transfer (see `EngineHandle::report_rejected`).
+    Rejected(SchedRequest),
 }
 
 /// Starts engines.
@@ -93,7 +95,13 @@ impl std::fmt::Debug for EngineHandle {
 impl EngineHandle {
     /// Validates and submits a request; its outputs arrive on the returned stream.
     pub async fn add_request(&self, req: EngineRequest) -> Result<RequestStream, EngineError> {
-        let role = validate(&self.inner.config, self.inner.has_connector, &req)?;
+        let role = match validate(&self.inner.config, self.inner.has_connector, &req) {
+            Ok(role) => role,
+            Err(e) => {
+                self.report_rejected(&req);
+                return Err(e);
+            }
+        };
         let (tx, rx) = mpsc::unbounded_channel();
         let (ack, ack_rx) = oneshot::channel();
         let request_id = req.request_id.clone();
@@ -104,6 +112,28 @@ impl EngineHandle {
             Ok(Ok(Err(e))) => Err(e),
             Ok(Err(_)) | Err(_) => Err(EngineError::EngineStopped),
         }
+    }
+
+    /// A request refused at admission that names a transfer still concerns the peer engine: D's
+    /// pull for a P request that never ran, or P's blocks held for a D request that never ran. The
+    /// connector hears of it as a request finished with an error and no blocks, so that P answers
+    /// D's pull at once (`reqs_not_processed`) and D releases P's blocks (an empty pull), instead
+    /// of the peer waiting for its deadline.
+    fn report_rejected(&self, req: &EngineRequest) {
+        if !self.inner.has_connector {
+            return;
+        }
+        let Some(params) = &req.kv_transfer_params else { return };
+        if !matches!(params.role(), Ok(TransferRole::Prefill { .. } | TransferRole::Decode { .. })) {
+            return;
+        }
+        let request = SchedRequest {
+            request_id: req.request_id.clone(),
+            prompt_len: req.prompt_token_ids.len(),
+            kv_transfer_params: Some(params.clone()),
+            traceparent: req.traceparent.clone(),
+        };
+        let _ = self.inner.commands.send(Command::Rejected(request));
     }
 
     /// Aborts a request (as a client disconnect does).
@@ -182,6 +212,7 @@ async fn handle_command(scheduler: &mut Scheduler, cmd: Command) {
             }
         }
         Command::Abort(id) => scheduler.abort(&id).await,
+        Command::Rejected(request) => scheduler.reject(request).await,
     }
 }
 

@@ -16,7 +16,7 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::{Arc, Mutex};
 
 use pdflow_messages::scheduler_connector::{
-    ConnectorOutput, FinishStatus, GetNumNewMatchedTokens, RequestFinished, UpdateStateAfterAlloc,
+    ConnectorOutput, FinishStatus, GetNumNewMatchedTokens, RequestFinished, SchedRequest, UpdateStateAfterAlloc,
 };
 use pdflow_observability::{attrs, steps};
 use tracing::Span;
@@ -483,6 +483,19 @@ impl Scheduler {
             self.requests.insert(id.to_owned(), r);
         }
         self.publish_stats();
+    }
+
+    /// A request refused at admission (never queued, no blocks) that names a transfer: the
+    /// connector is told it finished with an error and no blocks, and one more step runs so that
+    /// its metadata (`reqs_not_processed` on P, an empty pull on D) reaches the workers.
+    pub async fn reject(&mut self, request: SchedRequest) {
+        let Some(conn) = &self.connector else { return };
+        let id = request.request_id.clone();
+        let msg = RequestFinished { request, status: FinishStatus::Error, block_ids: Vec::new() };
+        if let Err(e) = conn.scheduler.request_finished(msg).await {
+            tracing::warn!(request_id = %id, error = %e, "request_finished for a rejected request failed; the peer waits for its deadline");
+        }
+        self.finished_since_schedule = true;
     }
 
     /// Aborts a request (client gone, or `EngineHandle::abort`).

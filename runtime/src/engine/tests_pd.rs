@@ -360,3 +360,31 @@ async fn p_blocks_of_a_send_nobody_reports_are_freed_at_the_kv_state_deadline() 
     wait_stats(&p.engine, p.baseline()).await;
     assert!(started.elapsed() >= timeout, "freed before the deadline");
 }
+
+#[tokio::test]
+async fn a_request_refused_at_admission_still_tells_the_connector_about_its_transfer() {
+    // P: the prompt is longer than max_model_len (256): refused, and D's pull must be answered at
+    // once — the transfer goes out as not processed in the next step's metadata.
+    let mut p = side(small_config(32, 8192));
+    let refused = p.engine.add_request(p_request("r", prompt(300))).await;
+    assert!(matches!(refused, Err(EngineError::TooLong { .. })), "{refused:?}");
+    let not_processed = p.meta(|m| m.reqs_not_processed.contains("xfer-r").then_some(())).await;
+    assert_eq!(not_processed, ());
+    assert_eq!(p.sched.0.lock().expect("lock").finished, vec![("r".to_owned(), FinishStatus::Error)]);
+    wait_stats(&p.engine, p.baseline()).await;
+
+    // D: refused too; its connector hears of the request (finished with an error, no blocks), so
+    // that P's blocks held for it are released rather than waiting for P's send expiry.
+    let mut d = side(small_config(32, 8192));
+    let refused = d.engine.add_request(d_request("q", prompt(300), 8, "p-engine")).await;
+    assert!(matches!(refused, Err(EngineError::TooLong { .. })), "{refused:?}");
+    let aborted = d.meta(|m| m.reqs_to_abort.contains("q").then_some(())).await;
+    assert_eq!(aborted, ());
+    assert_eq!(d.sched.0.lock().expect("lock").finished, vec![("q".to_owned(), FinishStatus::Error)]);
+
+    // A request without a transfer is refused without bothering the connector.
+    let refused = d.engine.add_request(request("local", prompt(300), 8)).await;
+    assert!(refused.is_err());
+    assert_eq!(d.sched.0.lock().expect("lock").finished.len(), 1);
+    wait_stats(&d.engine, d.baseline()).await;
+}
