@@ -49,8 +49,15 @@ pub struct BootstrapArgs {
 #[derive(Debug, Clone)]
 struct DpEntry {
     engine_id: String,
-    /// tp_rank → pp_rank → side-channel address.
-    workers: BTreeMap<u32, BTreeMap<u32, String>>,
+    /// tp_rank → pp_rank → the worker.
+    workers: BTreeMap<u32, BTreeMap<u32, Worker>>,
+}
+
+/// One registered P worker: its side-channel address and generation (0: not given).
+#[derive(Debug, Clone)]
+struct Worker {
+    addr: String,
+    generation: u64,
 }
 
 /// The bootstrap registry and its HTTP server.
@@ -104,7 +111,9 @@ impl Actor for Bootstrap {
 }
 
 impl Bootstrap {
-    /// Records a worker; identical re-registrations are accepted, conflicting ones refused.
+    /// Records a worker; identical re-registrations are accepted, conflicting ones refused. A
+    /// worker of a newer generation replaces its previous incarnation (a restart, on the same
+    /// address or another); an older generation is refused (a stale process still running).
     fn register(&mut self, w: RegisterWorker) -> Result<(), RegisterRejected> {
         if let Some(entry) = self.engines.get(&w.dp_rank) {
             if entry.engine_id != w.engine_id {
@@ -115,25 +124,42 @@ impl Bootstrap {
                 });
             }
             if let Some(registered) = entry.workers.get(&w.tp_rank).and_then(|pps| pps.get(&w.pp_rank)) {
-                if *registered != w.addr {
-                    return Err(RegisterRejected::AddrConflict {
-                        dp_rank: w.dp_rank,
-                        tp_rank: w.tp_rank,
-                        pp_rank: w.pp_rank,
-                        registered: registered.clone(),
-                        offered: w.addr,
-                    });
+                let generations = (registered.generation, w.generation);
+                match generations {
+                    (old, new) if old != 0 && new != 0 && new < old => {
+                        return Err(RegisterRejected::StaleGeneration {
+                            dp_rank: w.dp_rank,
+                            tp_rank: w.tp_rank,
+                            pp_rank: w.pp_rank,
+                            registered: old,
+                            offered: new,
+                        });
+                    }
+                    (old, new) if new > old && old != 0 => {
+                        tracing::info!(engine_id = %w.engine_id, tp_rank = w.tp_rank, pp_rank = w.pp_rank, addr = %w.addr,
+                            previous_addr = %registered.addr, generation = new, "worker restarted: its new generation replaces the previous one");
+                    }
+                    _ if registered.addr != w.addr => {
+                        return Err(RegisterRejected::AddrConflict {
+                            dp_rank: w.dp_rank,
+                            tp_rank: w.tp_rank,
+                            pp_rank: w.pp_rank,
+                            registered: registered.addr.clone(),
+                            offered: w.addr,
+                        });
+                    }
+                    _ if w.generation == registered.generation => return Ok(()),
+                    _ => {}
                 }
-                return Ok(());
             }
         }
         tracing::info!(engine_id = %w.engine_id, dp_rank = w.dp_rank, tp_rank = w.tp_rank, pp_rank = w.pp_rank,
-            addr = %w.addr, "worker registered");
+            addr = %w.addr, generation = w.generation, "worker registered");
         let entry = self
             .engines
             .entry(w.dp_rank)
             .or_insert_with(|| DpEntry { engine_id: w.engine_id.clone(), workers: BTreeMap::new() });
-        entry.workers.entry(w.tp_rank).or_default().insert(w.pp_rank, w.addr);
+        entry.workers.entry(w.tp_rank).or_default().insert(w.pp_rank, Worker { addr: w.addr, generation: w.generation });
         Ok(())
     }
 
@@ -145,9 +171,18 @@ impl Bootstrap {
                 let worker_addr = e
                     .workers
                     .iter()
-                    .map(|(tp, pps)| (tp.to_string(), pps.iter().map(|(pp, a)| (pp.to_string(), a.clone())).collect()))
+                    .map(|(tp, pps)| (tp.to_string(), pps.iter().map(|(pp, w)| (pp.to_string(), w.addr.clone())).collect()))
                     .collect();
-                (dp.to_string(), EngineEntry { engine_id: e.engine_id.clone(), worker_addr })
+                let worker_generation = e
+                    .workers
+                    .iter()
+                    .map(|(tp, pps)| {
+                        let known = pps.iter().filter(|(_, w)| w.generation != 0).map(|(pp, w)| (pp.to_string(), w.generation));
+                        (tp.to_string(), known.collect::<BTreeMap<_, _>>())
+                    })
+                    .filter(|(_, pps)| !pps.is_empty())
+                    .collect();
+                (dp.to_string(), EngineEntry { engine_id: e.engine_id.clone(), worker_addr, worker_generation })
             })
             .collect()
     }
@@ -333,6 +368,38 @@ mod tests {
         let q: QueryResponse = client.get(format!("{base}/query")).send().await.expect("query").json().await.expect("json");
         assert_eq!(q["0"].workers().expect("ranks")[&0][&0], "tcp://10.0.0.1:41235", "conflicts change nothing");
         assert_eq!(q["0"].worker_addr.len(), 1);
+    }
+
+    #[tokio::test]
+    async fn a_restarted_worker_of_a_newer_generation_replaces_its_predecessor_and_an_older_one_is_refused() {
+        let (_actor, base) = start().await;
+        let client = reqwest::Client::new();
+        let mut first = seed_worker();
+        first["generation"] = 100.into();
+        assert_eq!(post(&client, &base, first.to_string()).await.0, 200);
+        assert_eq!(post(&client, &base, first.to_string()).await.0, 200, "its periodic re-registration is idempotent");
+
+        // Restarted on another port: the newer generation wins.
+        let mut restarted = seed_worker();
+        restarted["addr"] = "tcp://10.0.0.1:50000".into();
+        restarted["generation"] = 200.into();
+        assert_eq!(post(&client, &base, restarted.to_string()).await.0, 200);
+
+        // The previous incarnation, still running, repeats its registration: refused, table kept.
+        let (status, body) = post(&client, &base, first.to_string()).await;
+        assert_eq!(status, 400);
+        let reason = body["error"].as_str().expect("error string");
+        assert!(reason.contains("generation 100 is older than the registered generation 200"), "{reason}");
+
+        let q: QueryResponse = client.get(format!("{base}/query")).send().await.expect("query").json().await.expect("json");
+        assert_eq!(q["0"].workers().expect("ranks")[&0][&0], "tcp://10.0.0.1:50000");
+        assert_eq!(q["0"].generation_of("tcp://10.0.0.1:50000"), 200, "D learns the generation it addresses");
+
+        // Restarted on the same port: the generation is updated in place.
+        restarted["generation"] = 300.into();
+        assert_eq!(post(&client, &base, restarted.to_string()).await.0, 200);
+        let q: QueryResponse = client.get(format!("{base}/query")).send().await.expect("query").json().await.expect("json");
+        assert_eq!(q["0"].generation_of("tcp://10.0.0.1:50000"), 300);
     }
 
     #[tokio::test]

@@ -121,6 +121,8 @@ struct Tally {
     ok_reqs: Vec<RequestId>,
     err_reqs: Vec<PullErr>,
     layout_acked: Option<u64>,
+    /// P's generation, from its last answer that gave one.
+    p_generation: u64,
 }
 
 impl Tally {
@@ -145,6 +147,9 @@ impl Tally {
         }
         if resp.layout_id.is_some() {
             self.layout_acked = resp.layout_id;
+        }
+        if resp.p_generation != 0 {
+            self.p_generation = resp.p_generation;
         }
         for d_req_id in resp.ok_reqs {
             if self.unsettled.remove(&d_req_id).is_some() {
@@ -191,6 +196,7 @@ async fn exchange(args: &PullTaskArgs, mut cancels: mpsc::UnboundedReceiver<Vec<
         ok_reqs: Vec::new(),
         err_reqs: Vec::new(),
         layout_acked: None,
+        p_generation: 0,
     };
     let mut transport_error = None;
     let mut options = SocketOptions::default();
@@ -244,6 +250,7 @@ async fn exchange(args: &PullTaskArgs, mut cancels: mpsc::UnboundedReceiver<Vec<
         ok_reqs: tally.ok_reqs,
         err_reqs: tally.err_reqs,
         layout_acked: tally.layout_acked,
+        p_generation: tally.p_generation,
     };
     Report { outcome, transport_error }
 }
@@ -410,6 +417,7 @@ mod tests {
             layout: None,
             reqs: reqs.iter().map(|r| PullReq { d_req_id: r.to_string(), transfer_id: format!("xfer-{r}"), block_ids: vec![1, 2], traceparent: None, fence: 0 }).collect(),
             traceparent: None,
+            p_generation: 0,
         };
         let task = PullTask::spawn(PullTaskArgs {
             pull_id: 42,
@@ -428,7 +436,7 @@ mod tests {
     }
 
     fn response(status: PullStatus, ok: &[&str]) -> PullResponse {
-        PullResponse { pull_id: 42, status, ok_reqs: ok.iter().map(|s| s.to_string()).collect(), err_reqs: vec![], layout_id: None, error: None }
+        PullResponse { pull_id: 42, status, ok_reqs: ok.iter().map(|s| s.to_string()).collect(), err_reqs: vec![], layout_id: None, error: None, p_generation: 0 }
     }
 
     #[tokio::test]

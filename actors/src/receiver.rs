@@ -109,7 +109,7 @@ struct Lookup {
 /// Internal: a look-up task's answer.
 struct LookupDone {
     engine_id: EngineId,
-    result: Result<BTreeMap<EngineId, WorkerAddrs>, String>,
+    result: Result<lookup::Answer, String>,
 }
 
 /// A D worker's receiver.
@@ -123,6 +123,9 @@ pub struct Receiver {
     lookups: HashMap<EngineId, Lookup>,
     /// P worker address → the layout id it acknowledged.
     layout_acks: HashMap<String, u64>,
+    /// P worker address → its generation, from bootstrap or its last answer (issue #5): every
+    /// pull names it, so that a restarted worker refuses at once what its predecessor held.
+    p_generations: HashMap<String, u64>,
     in_flight: HashMap<RequestId, Recv>,
     pulls: HashMap<u64, Pull>,
     /// Every linked PullTask's id → its pull (kept until its link death arrives).
@@ -163,6 +166,7 @@ impl Actor for Receiver {
             remote_agents: HashMap::new(),
             lookups: HashMap::new(),
             layout_acks: HashMap::new(),
+            p_generations: HashMap::new(),
             in_flight: HashMap::new(),
             pulls: HashMap::new(),
             pull_of_task: HashMap::new(),
@@ -319,6 +323,7 @@ impl Receiver {
                 })
                 .collect(),
             traceparent: metas.iter().find_map(|m| m.traceparent.clone()),
+            p_generation: self.p_generations.get(worker_addr).copied().unwrap_or(0),
         };
         let args = PullTaskArgs {
             pull_id,
@@ -475,9 +480,10 @@ impl Message<LookupDone> for Receiver {
         let Some(lookup) = self.lookups.remove(&msg.engine_id) else { return };
         let engine_id = msg.engine_id;
         let failure = match msg.result {
-            Ok(engines) => {
-                let named: Vec<String> = engines.keys().cloned().collect();
-                self.remote_agents.extend(engines);
+            Ok(answer) => {
+                let named: Vec<String> = answer.engines.keys().cloned().collect();
+                self.remote_agents.extend(answer.engines);
+                self.p_generations.extend(answer.generations);
                 if self.remote_agents.contains_key(&engine_id) {
                     let me = ctx.actor_ref().clone();
                     self.start_pulls(&engine_id, lookup.queued.into_values().collect(), &me).await;
@@ -506,6 +512,14 @@ impl Message<PullOutcome> for Receiver {
             return;
         };
         let pull_id = msg.pull_id;
+        if msg.p_generation != 0 {
+            let known = self.p_generations.insert(pull.worker_addr.clone(), msg.p_generation);
+            if known.is_some_and(|g| g != msg.p_generation) {
+                // A new incarnation forgot every layout its predecessor had cached.
+                tracing::info!(worker_addr = %pull.worker_addr, generation = msg.p_generation, "P worker restarted: later pulls address its new generation");
+                self.layout_acks.remove(&pull.worker_addr);
+            }
+        }
         if let Some(acked) = msg.layout_acked.filter(|id| *id == self.layout.layout_id) {
             self.layout_acks.insert(pull.worker_addr.clone(), acked);
         }

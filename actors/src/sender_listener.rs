@@ -23,7 +23,7 @@ mod tests;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::ops::ControlFlow;
-use std::sync::atomic::{AtomicU16, Ordering};
+use std::sync::atomic::{AtomicU16, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -34,7 +34,7 @@ use pdflow_messages::frame;
 use pdflow_messages::layout::KvLayout;
 use pdflow_messages::send_worker::{AbortSend, AbortSource, RecordSendPending, RecordSendReady, SendOutcome, ServePull};
 use pdflow_messages::sender_listener::{
-    GetFinishedSending, InFlightPulls, PullErr, PullErrorCause, PullRequest, PullResponse, PullStatus, RecordSendReqs,
+    GetFinishedSending, InFlightPulls, PullErr, PullErrorCause, PullReq, PullRequest, PullResponse, PullStatus, RecordSendReqs,
     SideChannelAddr, SideChannelRequest,
 };
 use pdflow_messages::{RequestId, TransferId};
@@ -119,6 +119,19 @@ pub struct SenderListener {
     /// Transfers whose KV P has released (sent, or expired), with when: a later pull for one is
     /// refused at once (`Expired`) instead of waiting `ready_timeout` for a ready that never comes.
     retired: HashMap<TransferId, std::time::Instant>,
+    /// This incarnation's generation (registered with bootstrap, sent in every answer): a pull
+    /// addressed to another generation for a transfer this one does not know is refused at once.
+    p_generation: u64,
+}
+
+/// A new worker generation: the wall clock in nanoseconds, and strictly larger than any this
+/// process handed out before (a listener restarted by its supervisor within the same nanosecond,
+/// or after the clock stepped back, still counts up; across processes the clock orders them).
+fn new_generation() -> u64 {
+    static LAST: AtomicU64 = AtomicU64::new(0);
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(1, |d| d.as_nanos() as u64).max(1);
+    let prev = LAST.fetch_update(Ordering::AcqRel, Ordering::Acquire, |last| Some(now.max(last + 1))).unwrap_or(0);
+    now.max(prev + 1)
 }
 
 impl Actor for SenderListener {
@@ -152,6 +165,7 @@ impl Actor for SenderListener {
             next_pull_key: 0,
             finished_sending: BTreeSet::new(),
             retired: HashMap::new(),
+            p_generation: new_generation(),
             args,
         };
         if let Some(url) = listener.args.bootstrap_url.clone() {
@@ -163,6 +177,7 @@ impl Actor for SenderListener {
                 tp_rank: listener.args.tp_rank,
                 pp_rank: listener.args.pp_rank,
                 addr: listener.addr.clone(),
+                generation: listener.p_generation,
             };
             let body_again = body.clone();
             let registered = register::register_with_bootstrap(&url, &body, listener.args.register_attempts, listener.args.register_backoff)
@@ -256,6 +271,7 @@ impl SenderListener {
     }
 
     fn send(&self, identity: Bytes, response: &PullResponse) {
+        let response = &PullResponse { p_generation: self.p_generation, ..response.clone() };
         match frame::encode(response) {
             Ok(body) => {
                 if self.replies.send((identity, body)).is_err() {
@@ -300,6 +316,7 @@ impl SenderListener {
             err_reqs,
             layout_id: Some(pull.layout_id),
             error: None,
+            p_generation: self.p_generation,
         };
         let identity = pull.identity.clone();
         if last {
@@ -338,10 +355,18 @@ impl SenderListener {
                 None => {
                     let why = format!("P has no cached layout {:#x} for engine {}: resend the pull with the full layout", pull.layout_id, pull.engine_id);
                     tracing::warn!(pull_id = pull.pull_id, "{why}");
+                    // A restarted worker also forgot D's layout: its predecessor's transfers are
+                    // refused as such, not sent round again with the full layout.
                     let err_reqs = pull
                         .reqs
                         .iter()
-                        .map(|r| PullErr { d_req_id: r.d_req_id.clone(), cause: PullErrorCause::UnknownLayout, detail: why.clone() })
+                        .map(|r| {
+                            self.stale_generation(pull.p_generation, r).unwrap_or_else(|| PullErr {
+                                d_req_id: r.d_req_id.clone(),
+                                cause: PullErrorCause::UnknownLayout,
+                                detail: why.clone(),
+                            })
+                        })
                         .collect();
                     let response = PullResponse { err_reqs, ..PullResponse::error(pull.pull_id, why) };
                     self.send(identity, &response);
@@ -355,6 +380,10 @@ impl SenderListener {
         self.pulls.insert(key, InFlightPull { identity, pull_id: pull.pull_id, layout_id: pull.layout_id, remaining });
         tracing::debug!(pull_id = pull.pull_id, engine_id = %pull.engine_id, reqs = pull.reqs.len(), "pull received");
         for req in pull.reqs {
+            if let Some(err) = self.stale_generation(pull.p_generation, &req) {
+                self.settle(key, &req.d_req_id, Err(err));
+                continue;
+            }
             if self.is_retired(&req.transfer_id) {
                 let detail = format!("P no longer holds the KV of transfer {}: it was sent already or expired before this pull", req.transfer_id);
                 let err = PullErr { d_req_id: req.d_req_id.clone(), cause: PullErrorCause::Expired, detail };
@@ -377,6 +406,20 @@ impl SenderListener {
                 self.settle(key, &req.d_req_id, Err(err));
             }
         }
+    }
+
+    /// The refusal of `req` when its pull addressed another generation of this worker and this
+    /// incarnation does not know the transfer: its KV went with the previous incarnation.
+    fn stale_generation(&self, addressed: u64, req: &PullReq) -> Option<PullErr> {
+        let elsewhere = addressed != 0 && addressed != self.p_generation;
+        if !elsewhere || self.workers.contains_key(&req.transfer_id) || self.retired.contains_key(&req.transfer_id) {
+            return None;
+        }
+        let detail = format!(
+            "P worker {} is generation {}, the pull addressed generation {addressed}: transfer {} is unknown to this incarnation, its KV went with the previous one (the worker restarted)",
+            self.addr, self.p_generation, req.transfer_id
+        );
+        Some(PullErr { d_req_id: req.d_req_id.clone(), cause: PullErrorCause::StaleGeneration, detail })
     }
 
     /// Whether `transfer_id`'s KV was released recently (tombstones older than `ready_timeout`

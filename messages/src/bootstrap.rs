@@ -16,6 +16,11 @@ pub struct RegisterWorker {
     pub pp_rank: u32,
     /// The worker's side-channel address, `tcp://host:port`.
     pub addr: String,
+    /// The worker's generation (issue #5): a new, larger one each time the worker starts, so that
+    /// a restarted worker replaces its previous incarnation here and D's pulls addressed to the
+    /// previous one are refused at once. 0: not given (vLLM's Mooncake workers), never replaces.
+    #[serde(default)]
+    pub generation: u64,
 }
 
 /// One data-parallel engine's entry in `/query`.
@@ -24,6 +29,10 @@ pub struct EngineEntry {
     pub engine_id: String,
     /// tp_rank → pp_rank → side-channel address (keys are decimal strings, as in vLLM's JSON).
     pub worker_addr: BTreeMap<String, BTreeMap<String, String>>,
+    /// tp_rank → pp_rank → the worker's generation (pdflow's addition: absent from vLLM's JSON
+    /// when no worker gave one).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub worker_generation: BTreeMap<String, BTreeMap<String, u64>>,
 }
 
 /// `GET /query`: dp_rank (decimal string) → entry.
@@ -52,6 +61,15 @@ impl EngineEntry {
         }
         Ok(out)
     }
+
+    /// The generation of the worker at `addr` (0: not given).
+    pub fn generation_of(&self, addr: &str) -> u64 {
+        self.worker_addr
+            .iter()
+            .flat_map(|(tp, pps)| pps.iter().filter(|(_, a)| a.as_str() == addr).map(move |(pp, _)| (tp, pp)))
+            .find_map(|(tp, pp)| self.worker_generation.get(tp).and_then(|g| g.get(pp)).copied())
+            .unwrap_or(0)
+    }
 }
 
 #[cfg(test)]
@@ -64,6 +82,20 @@ mod tests {
         let q: QueryResponse = serde_json::from_str(body).expect("seed body parses");
         let workers = q["0"].workers().expect("numeric ranks");
         assert_eq!(workers[&0][&0], "tcp://10.0.0.1:41235");
+        assert_eq!(q["0"].generation_of("tcp://10.0.0.1:41235"), 0, "vLLM's bodies carry no generation");
+    }
+
+    #[test]
+    fn generations_travel_beside_the_addresses_and_stay_out_of_vllm_shaped_bodies() {
+        let body = r#"{"0": {"engine_id": "p", "worker_addr": {"0": {"0": "tcp://h:1"}}, "worker_generation": {"0": {"0": 7}}}}"#;
+        let q: QueryResponse = serde_json::from_str(body).expect("parses");
+        assert_eq!(q["0"].generation_of("tcp://h:1"), 7);
+        assert_eq!(q["0"].generation_of("tcp://h:2"), 0);
+        let plain = EngineEntry { engine_id: "p".into(), worker_addr: q["0"].worker_addr.clone(), worker_generation: BTreeMap::new() };
+        assert!(!serde_json::to_string(&plain).expect("json").contains("generation"));
+        let w: RegisterWorker = serde_json::from_str(r#"{"engine_id": "p", "dp_rank": 0, "tp_rank": 0, "pp_rank": 0, "addr": "tcp://h:1"}"#)
+            .expect("a vLLM registration parses");
+        assert_eq!(w.generation, 0);
     }
 }
 
@@ -84,4 +116,6 @@ pub enum RegisterRejected {
     EngineIdMismatch { dp_rank: u32, registered: String, offered: String },
     #[error("worker dp_rank={dp_rank} tp_rank={tp_rank} pp_rank={pp_rank} is already registered at {registered}, not {offered} (two workers with the same ranks?)")]
     AddrConflict { dp_rank: u32, tp_rank: u32, pp_rank: u32, registered: String, offered: String },
+    #[error("worker dp_rank={dp_rank} tp_rank={tp_rank} pp_rank={pp_rank} of generation {offered} is older than the registered generation {registered}: a previous incarnation of a restarted worker is still running — stop it")]
+    StaleGeneration { dp_rank: u32, tp_rank: u32, pp_rank: u32, registered: u64, offered: u64 },
 }

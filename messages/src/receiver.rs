@@ -24,6 +24,8 @@ pub struct PullOutcome {
     pub err_reqs: Vec<PullErr>,
     /// P acknowledged D's layout (later pulls may omit it).
     pub layout_acked: Option<u64>,
+    /// The P worker's generation as its answers gave it (0: none came or none was given).
+    pub p_generation: u64,
 }
 
 /// Step 35: the worker collects what finished since the last call.

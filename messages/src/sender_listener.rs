@@ -43,6 +43,11 @@ pub struct PullRequest {
     pub reqs: Vec<PullReq>,
     /// W3C traceparent of the D request that started the pull.
     pub traceparent: Option<String>,
+    /// The generation of the P worker D believes it addresses (from bootstrap, or P's last
+    /// answer); 0: unknown. A transfer P does not know, in a pull addressed to another
+    /// generation, belonged to a previous incarnation of the worker: refused at once
+    /// (`StaleGeneration`) instead of waited for.
+    pub p_generation: u64,
 }
 
 /// D → P: D has given these transfers up (abort, deadline); P must not write them any more.
@@ -88,6 +93,9 @@ pub enum PullErrorCause {
     /// P no longer holds this transfer's KV: it was sent already, or D's pull came after P's
     /// send expiry (issue #5's negative acknowledgement, instead of a wait for ready).
     Expired,
+    /// The pull addressed a previous generation of this P worker (it restarted) and the transfer
+    /// is unknown to the current one: its KV went with the previous incarnation.
+    StaleGeneration,
 }
 
 /// One failed request of a pull.
@@ -109,12 +117,14 @@ pub struct PullResponse {
     pub layout_id: Option<u64>,
     /// Set with `PullStatus::Error`.
     pub error: Option<String>,
+    /// The answering P worker's generation (0: not known), so that D addresses it from now on.
+    pub p_generation: u64,
 }
 
 impl PullResponse {
     /// A response that fails the whole pull.
     pub fn error(pull_id: u64, error: impl Into<String>) -> Self {
-        Self { pull_id, status: PullStatus::Error, ok_reqs: vec![], err_reqs: vec![], layout_id: None, error: Some(error.into()) }
+        Self { pull_id, status: PullStatus::Error, ok_reqs: vec![], err_reqs: vec![], layout_id: None, error: Some(error.into()), p_generation: 0 }
     }
 }
 
@@ -136,6 +146,7 @@ mod tests {
             layout: None,
             reqs: vec![PullReq { d_req_id: "cmpl-d".into(), transfer_id: "xfer-1".into(), block_ids: (512..575).collect(), traceparent: None, fence: 9 }],
             traceparent: None,
+            p_generation: 3,
         });
         let bytes = frame::encode(&pull).expect("encodes");
         assert_eq!(frame::decode::<SideChannelRequest>(&bytes, "side-channel request"), Ok(pull));

@@ -101,10 +101,10 @@ fn pull_req() -> impl Strategy<Value = PullReq> {
 fn pull_request() -> impl Strategy<Value = PullRequest> {
     (
         (any::<u64>(), text(), text(), any::<u32>(), any::<u32>(), any::<u32>(), any::<u64>()),
-        (prop::option::of(layout()), prop::collection::vec(pull_req(), 0..5), prop::option::of(text())),
+        (prop::option::of(layout()), prop::collection::vec(pull_req(), 0..5), prop::option::of(text()), any::<u64>()),
     )
-        .prop_map(|((pull_id, engine_id, data_addr, tp_size, tp_rank, pp_size, layout_id), (layout, reqs, traceparent))| {
-            PullRequest { pull_id, engine_id, data_addr, tp_size, tp_rank, pp_size, layout_id, layout, reqs, traceparent }
+        .prop_map(|((pull_id, engine_id, data_addr, tp_size, tp_rank, pp_size, layout_id), (layout, reqs, traceparent, p_generation))| {
+            PullRequest { pull_id, engine_id, data_addr, tp_size, tp_rank, pp_size, layout_id, layout, reqs, traceparent, p_generation }
         })
 }
 
@@ -125,6 +125,8 @@ fn pull_response() -> impl Strategy<Value = PullResponse> {
         Just(PullErrorCause::TransferFailed),
         Just(PullErrorCause::UnknownLayout),
         Just(PullErrorCause::CancelledByPeer),
+        Just(PullErrorCause::Expired),
+        Just(PullErrorCause::StaleGeneration),
     ];
     let err = (text(), cause, text()).prop_map(|(d_req_id, cause, detail)| PullErr { d_req_id, cause, detail });
     (
@@ -134,8 +136,17 @@ fn pull_response() -> impl Strategy<Value = PullResponse> {
         prop::collection::vec(err, 0..4),
         prop::option::of(any::<u64>()),
         prop::option::of(text()),
+        any::<u64>(),
     )
-        .prop_map(|(pull_id, status, ok_reqs, err_reqs, layout_id, error)| PullResponse { pull_id, status, ok_reqs, err_reqs, layout_id, error })
+        .prop_map(|(pull_id, status, ok_reqs, err_reqs, layout_id, error, p_generation)| PullResponse {
+            pull_id,
+            status,
+            ok_reqs,
+            err_reqs,
+            layout_id,
+            error,
+            p_generation,
+        })
 }
 
 /// A valid frame of either message type, with its index in [`decode_both`]'s answer.

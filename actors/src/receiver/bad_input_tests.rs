@@ -139,7 +139,7 @@ impl Harness {
         assert_eq!(pull.reqs[0].d_req_id, req);
         self.p.reply(
             &id,
-            &PullResponse { pull_id: pull.pull_id, status: PullStatus::Finish, ok_reqs: vec![req.clone()], err_reqs: vec![], layout_id: Some(pull.layout_id), error: None },
+            &PullResponse { pull_id: pull.pull_id, status: PullStatus::Finish, ok_reqs: vec![req.clone()], err_reqs: vec![], layout_id: Some(pull.layout_id), error: None, p_generation: 0 },
         );
         assert_eq!(self.outcome(&req, WAIT).await, None, "the valid pull completes");
         assert!(self.receiver.is_alive());
@@ -147,7 +147,7 @@ impl Harness {
 }
 
 async fn register(bootstrap: &ActorRef<Bootstrap>, engine_id: &str, dp_rank: u32, addr: &str) {
-    let w = RegisterWorker { engine_id: engine_id.into(), dp_rank, tp_rank: 0, pp_rank: 0, addr: addr.into() };
+    let w = RegisterWorker { engine_id: engine_id.into(), dp_rank, tp_rank: 0, pp_rank: 0, addr: addr.into(), generation: 0 };
     tokio::time::timeout(WAIT, bootstrap.ask(w)).await.expect("in time").expect("registered");
 }
 
@@ -332,6 +332,7 @@ fn mutated_or_garbage_pull_responses_settle_the_request_and_the_receiver_keeps_s
                     err_reqs: vec![],
                     layout_id: Some(pull.layout_id),
                     error: None,
+                    p_generation: 0,
                 };
                 let bytes = mutate(&frame::encode(&valid).expect("encodes"), &m);
                 let decoded = frame::decode::<PullResponse>(&bytes, "pull response");

@@ -7,12 +7,16 @@ use std::time::Duration;
 use pdflow_messages::bootstrap::{QueryResponse, WorkerAddrs};
 use pdflow_messages::EngineId;
 
+/// What one `/query` answered: every engine with its workers, and each worker's generation by
+/// its address (workers that gave none are absent).
+#[derive(Debug, Default)]
+pub(crate) struct Answer {
+    pub engines: BTreeMap<EngineId, WorkerAddrs>,
+    pub generations: BTreeMap<String, u64>,
+}
+
 /// `GET {bootstrap_addr}/query`: every engine of the answer with its workers.
-pub(crate) async fn query_bootstrap(
-    http: &reqwest::Client,
-    bootstrap_addr: &str,
-    timeout: Duration,
-) -> Result<BTreeMap<EngineId, WorkerAddrs>, String> {
+pub(crate) async fn query_bootstrap(http: &reqwest::Client, bootstrap_addr: &str, timeout: Duration) -> Result<Answer, String> {
     let base = bootstrap_addr.trim_end_matches('/');
     let url = if base.starts_with("http://") || base.starts_with("https://") {
         format!("{base}/query")
@@ -26,12 +30,18 @@ pub(crate) async fn query_bootstrap(
             return Err(format!("GET {url} answered HTTP {status}"));
         }
         let body: QueryResponse = resp.json().await.map_err(|e| format!("GET {url}: body is not a /query answer: {e}"))?;
-        let mut engines = BTreeMap::new();
+        let mut answer = Answer::default();
         for entry in body.values() {
             let workers = entry.workers().map_err(|e| format!("GET {url}: {e}"))?;
-            engines.insert(entry.engine_id.clone(), workers);
+            for addr in workers.values().flat_map(|pps| pps.values()) {
+                let generation = entry.generation_of(addr);
+                if generation != 0 {
+                    answer.generations.insert(addr.clone(), generation);
+                }
+            }
+            answer.engines.insert(entry.engine_id.clone(), workers);
         }
-        Ok(engines)
+        Ok(answer)
     };
     tokio::time::timeout(timeout, call)
         .await

@@ -113,6 +113,7 @@ fn finish(pull: &PullRequest, ok: &[&str]) -> PullResponse {
         err_reqs: vec![],
         layout_id: Some(pull.layout_id),
         error: None,
+        p_generation: 0,
     }
 }
 

@@ -86,6 +86,7 @@ impl Harness {
                 .map(|(d, t, b)| PullReq { d_req_id: d.to_string(), transfer_id: t.to_string(), block_ids: b.clone(), traceparent: None, fence: 0 })
                 .collect(),
             traceparent: None,
+            p_generation: 0,
         })
     }
 
@@ -365,4 +366,64 @@ async fn unreachable_bootstrap_fails_start_after_its_attempts() {
     let listener = SenderListener::spawn(args(&p, &d, Duration::from_secs(1), Some(url)));
     let err = startup(&listener).await.expect_err("unreachable");
     assert!(err.contains("BootstrapUnreachable"), "{err}");
+}
+
+/// `pull` addressed to generation `p_generation`.
+fn addressed(mut pull: SideChannelRequest, p_generation: u64) -> SideChannelRequest {
+    if let SideChannelRequest::Pull(p) = &mut pull {
+        p.p_generation = p_generation;
+    }
+    pull
+}
+
+#[tokio::test]
+async fn a_pull_addressed_to_a_previous_generation_is_refused_at_once_unless_this_one_holds_the_transfer() {
+    let mut h = harness(Duration::from_secs(30)).await;
+    h.record(&[("cmpl-p1", "xfer-1", vec![3])], &[]).await;
+    h.send(&h.pull(1, &[("cmpl-d1", "xfer-1", vec![20])], true)).await;
+    let first = h.recv().await;
+    let current = first.p_generation;
+    assert_ne!(current, 0, "every answer names the worker's generation");
+
+    // A transfer this incarnation never heard of, addressed to its predecessor: refused now, not
+    // after ready_timeout (30 s here).
+    let started = Instant::now();
+    h.send(&addressed(h.pull(2, &[("cmpl-d2", "xfer-old", vec![21])], false), current - 1)).await;
+    let resp = h.recv().await;
+    assert!(started.elapsed() < Duration::from_secs(2), "took {:?}", started.elapsed());
+    assert_eq!((resp.pull_id, resp.status, resp.p_generation), (2, PullStatus::Finish, current));
+    assert_eq!(resp.err_reqs.len(), 1, "{resp:?}");
+    assert_eq!(resp.err_reqs[0].cause, PullErrorCause::StaleGeneration);
+    assert!(resp.err_reqs[0].detail.contains("xfer-old"), "{}", resp.err_reqs[0].detail);
+
+    // A transfer this incarnation holds is served whatever generation D believed in.
+    h.record(&[("cmpl-p3", "xfer-3", vec![5])], &[]).await;
+    h.send(&addressed(h.pull(3, &[("cmpl-d3", "xfer-3", vec![22])], false), current - 1)).await;
+    assert_eq!(h.recv().await.ok_reqs, vec!["cmpl-d3".to_string()]);
+    h.assert_copied(&[5], &[22]);
+
+    // Addressed to this generation, an unknown transfer is one whose prefill has not been
+    // recorded yet: it waits for it, as before.
+    h.send(&addressed(h.pull(4, &[("cmpl-d4", "xfer-4", vec![23])], false), current)).await;
+    h.wait_in_flight(1).await;
+    h.record(&[("cmpl-p4", "xfer-4", vec![6])], &[]).await;
+    assert_eq!(h.recv().await.ok_reqs, vec!["cmpl-d4".to_string()]);
+}
+
+#[tokio::test]
+async fn every_incarnation_registers_a_larger_generation() {
+    let (url, mut registrations) = fake_bootstrap(axum::http::StatusCode::OK).await;
+    let p = filled_cache(4, 1);
+    let d = KvCache::new(SHAPE, 4);
+    let mut generations = Vec::new();
+    for _ in 0..2 {
+        let listener = SenderListener::spawn(args(&p, &d, Duration::from_secs(1), Some(url.clone())));
+        startup(&listener).await.expect("registers and starts");
+        let body = tokio::time::timeout(WAIT, registrations.recv()).await.expect("in time").expect("registered");
+        generations.push(body.generation);
+        listener.stop_gracefully().await.expect("stops");
+        listener.wait_for_shutdown().await;
+        while registrations.try_recv().is_ok() {}
+    }
+    assert!(generations[0] != 0 && generations[1] > generations[0], "{generations:?}");
 }
