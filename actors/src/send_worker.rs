@@ -283,6 +283,11 @@ impl SendWorker {
                 Err(e) => tracing::warn!(transfer_id = %self.args.transfer_id, error = %e, "cannot checksum P's blocks"),
             }
         }
+        // Fault injection (issue #5, `cut_data`): returns at once unless a fault plan is armed.
+        let plan = match pdflow_observability::fault::data_cut(&p_req_id) {
+            Some(after_bytes) => pdflow_runtime::planner::TransferPlan { cut_after: Some(after_bytes), ..plan },
+            None => plan,
+        };
         let transfer = self.args.transfer.clone();
         let peer = pull.data_addr.clone();
         let me = me.clone();

@@ -246,9 +246,10 @@ fn run() -> anyhow::Result<bool> {
             .map(|i| Descriptor { src: p_mem.ptr + i * region_len, dst: d_regions[0].base_addr + i * region_len, len: region_len.min(bytes - i * region_len) })
             .collect(),
         fence: 0,
+        cut_after: None,
     };
     let dst_local = peer.map().translate(d_regions[0].base_addr, 1)?;
-    let one_copy = TransferPlan { descriptors: vec![Descriptor { src: p_mem.ptr, dst: dst_local, len: bytes }], fence: 0 };
+    let one_copy = TransferPlan { descriptors: vec![Descriptor { src: p_mem.ptr, dst: dst_local, len: bytes }], fence: 0, cut_after: None };
     verify("single copy via IPC", &whole, &|| Ok(cuda::copy_per_descriptor_uva(&stream0, &one_copy)?))?;
     let s = time_runs(args.runs, || Ok(cuda::time_ms(&stream0, || cuda::copy_per_descriptor_uva(&stream0, &one_copy))?))?;
     rows.push(report::row("single copy via IPC mapping (ceiling)", Some("cuda-ipc"), Some("1 x 148635648"), None, Some(bytes), &s));

@@ -1,6 +1,7 @@
 //! The chaos matrix (issue #5): every actor kind × every request step at which it is alive × the
 //! fault kinds that apply, plus node kills of P, D and bootstrap mid-request, and the side-channel
-//! message faults. `quick` is a reduced subset with at least one cell per actor kind and fault kind.
+//! message faults, and cuts of P's data connection during its write (step 29) after K payload
+//! bytes. `quick` is a reduced subset with at least one cell per actor kind and fault kind.
 //!
 //! When an actor is alive (request steps 8–43): the long-lived ones (proxy, bootstrap, both
 //! scheduler connectors, sender listener, receiver) throughout; a SendWorker from P's record of
@@ -25,7 +26,8 @@ pub struct CellSpec {
     /// What is hit: `send_worker`, `p.scheduler_connector`, `node.p`, …
     pub actor: String,
     pub step: u8,
-    /// `kill@begin`, `kill@end`, `drop`, `corrupt`, `delay_ms@begin`, `kill_node@begin`.
+    /// `kill@begin`, `kill@end`, `drop`, `corrupt`, `delay_ms@begin`, `kill_node@begin`,
+    /// `cut_data@<K>`.
     pub fault: String,
     #[serde(skip)]
     pub plan: FaultPlan,
@@ -103,6 +105,23 @@ fn delay(actor: &str, step: u8, ms: u64) -> CellSpec {
     CellSpec::new(actor.to_string(), format!("delay_{ms}ms@begin"), Fault::new(step, When::Begin, FaultAction::Delay { ms }))
 }
 
+/// The data connection of P's write (step 29) is cut after `after_bytes` payload bytes.
+fn cut_data(after_bytes: u64) -> CellSpec {
+    let f = Fault::new(steps::P_TRANSFER_WRITE.number, When::Begin, FaultAction::CutData { after_bytes });
+    CellSpec::new("send_worker".into(), format!("cut_data@{after_bytes}"), f)
+}
+
+/// The prompt length of a chaos request (`chaos::run` and the chaos tests send 40 tokens).
+const CHAOS_PROMPT_TOKENS: usize = 40;
+
+/// Where the data cuts fall in a chaos request's plan: before the first payload byte, inside the
+/// first layer's descriptor, half-way, and after the last byte (D's ack is never read).
+pub fn cut_points() -> [u64; 4] {
+    let shape = super::CHAOS_SHAPE;
+    let request_bytes = (CHAOS_PROMPT_TOKENS.div_ceil(shape.block_size) * shape.bytes_per_block()) as u64;
+    [0, 4096, request_bytes / 2, request_bytes]
+}
+
 /// Steps at which node kills are tried in the full matrix (mid-request, each phase).
 const NODE_KILL_STEPS: [u8; 13] = [9, 11, 15, 17, 19, 21, 22, 27, 29, 30, 34, 37, 40];
 
@@ -147,6 +166,7 @@ pub fn cells(quick: bool, deadlines: &Deadlines) -> Vec<CellSpec> {
         out.push(node(NodeKind::P, steps::P_PULL_WAIT_READY.number));
         out.push(node(NodeKind::D, steps::P_TRANSFER_WRITE.number));
         out.push(node(NodeKind::Bootstrap, steps::D_BOOTSTRAP_QUERY.number));
+        out.push(cut_data(cut_points()[1]));
         return out;
     }
     for (kind, role, label) in targets() {
@@ -173,6 +193,7 @@ pub fn cells(quick: bool, deadlines: &Deadlines) -> Vec<CellSpec> {
             out.push(node(n, step));
         }
     }
+    out.extend(cut_points().into_iter().map(cut_data));
     out
 }
 
@@ -190,7 +211,7 @@ mod tests {
             for (_, _, label) in targets() {
                 assert!(cells.iter().any(|c| c.actor == label), "{label} missing (quick: {quick})");
             }
-            for fault in ["kill@begin", "kill@end", "drop", "corrupt", "kill_node@begin"] {
+            for fault in ["kill@begin", "kill@end", "drop", "corrupt", "kill_node@begin", "cut_data@4096"] {
                 assert!(cells.iter().any(|c| c.fault == fault), "{fault} missing (quick: {quick})");
             }
             let mut names: Vec<String> = cells.iter().map(CellSpec::name).collect();
@@ -200,5 +221,9 @@ mod tests {
         }
         assert_eq!(owned_steps(ActorKind::SchedulerConnector, Role::D), vec![16, 17, 18, 35, 36, 37, 41]);
         assert_eq!(owned_steps(ActorKind::SendWorker, Role::P), vec![14, 22, 27, 28, 29, 31]);
+        // 40 tokens in blocks of 16: 3 blocks of 8 KiB.
+        assert_eq!(cut_points(), [0, 4096, 12_288, 24_576]);
+        let full = cells(false, &crate::chaos::chaos_deadlines());
+        assert_eq!(full.iter().filter(|c| c.fault.starts_with("cut_data@") && c.step == 29).count(), 4);
     }
 }

@@ -154,3 +154,13 @@ async fn a_fault_plan_in_the_environment_kills_a_serve_process_at_its_step() {
     proxy.stop().await;
     d.stop().await;
 }
+
+/// `cut_data`: P's data connection is cut 4 KiB into its write (step 29), as a crash of P's link
+/// mid-transfer: D must not take the torn KV (recompute, or a clean error under `fail`), and
+/// neither side keeps a block. (A plan carrying a cut always goes by tcp, also in one process.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_data_connection_cut_mid_write_ends_cleanly() {
+    let cut = || cell("send_worker", Fault::new(29, When::Begin, FaultAction::CutData { after_bytes: 4096 }));
+    run(LoadFailurePolicy::Recompute, vec![(cut(), &[Outcome::Recomputed])]).await;
+    run(LoadFailurePolicy::Fail, vec![(cut(), &[Outcome::FailedClean])]).await;
+}

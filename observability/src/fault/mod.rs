@@ -3,13 +3,17 @@
 //! actions through a registry in which each node registers its actors by kind and role.
 //!
 //! Nothing here runs unless a plan is given: nodes register only once [`enable`] was called (a
-//! plan was loaded, or `pdflow chaos` runs), the layer is installed only with a plan, and the two
-//! message hooks the actors call ([`message_fault`]) return at once while no plan is armed.
+//! plan was loaded, or `pdflow chaos` runs), the layer is installed only with a plan, and the
+//! hooks the actors call ([`message_fault`], [`data_cut`]) return at once while no plan is armed.
 //!
 //! - kill: the registered actor's kameo `kill()` (its supervisor restarts the long-lived ones);
 //! - delay: the thread that runs the step stalls (`std::thread::sleep`, a pause or slow peer);
 //! - drop / corrupt: the side-channel message of steps 21 and 30 is not sent / sent with its frame
 //!   header damaged — the sending actor asks [`message_fault`] just before it sends;
+//! - cut_data: P's data connection is cut after K payload bytes of the step-29 write — the
+//!   SendWorker asks [`data_cut`] just before it starts the write and hands K to the transfer
+//!   engine in the plan (`TransferPlan::cut_after`); the tcp writer sends K bytes and shuts the
+//!   connection down both ways;
 //! - kill_node: the node's registered node handle (`pdflow serve|proxy|bootstrap`: the process
 //!   exits at once; `pdflow chaos`: the runner stops the node hard and starts it again).
 //!
@@ -24,7 +28,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 pub use layer::FaultLayer;
-pub use plan::{ActorKind, Fault, FaultAction, FaultPlan, FaultPlanError, NodeKind, Role, When, ENV_FAULT_PLAN, MESSAGE_STEPS};
+pub use plan::{ActorKind, Fault, FaultAction, FaultPlan, FaultPlanError, NodeKind, Role, When, DATA_STEPS, ENV_FAULT_PLAN, MESSAGE_STEPS};
 pub use registry::{register, Registration, Target};
 
 /// Registrations are recorded (a plan was loaded or a chaos run started).
@@ -87,6 +91,27 @@ pub fn message_fault(step: u8, request_id: &str) -> Option<MessageFault> {
         tracing::warn!(step, request_id, fault = ?f, "fault injected");
         Some(f)
     })
+}
+
+/// Asked by P's SendWorker just before it starts the step-29 write for the request `request_id`:
+/// `Some(k)` means the data connection must be cut after `k` payload bytes of the plan (the
+/// smallest `k` when several faults apply); `None` (no plan armed, or no fault for it) means write
+/// normally.
+pub fn data_cut(request_id: &str) -> Option<u64> {
+    let injector = active()?;
+    let step = plan::DATA_STEPS[0];
+    let claimed = injector.take(step, None, request_id, |a| matches!(a, FaultAction::CutData { .. }));
+    let mut cut: Option<u64> = None;
+    for (index, action) in claimed {
+        if let FaultAction::CutData { after_bytes } = action {
+            injector.record(index, step, When::Begin, request_id, 0);
+            cut = Some(cut.map_or(after_bytes, |c| c.min(after_bytes)));
+        }
+    }
+    if let Some(after_bytes) = cut {
+        tracing::warn!(step, request_id, after_bytes, "fault injected: the data connection will be cut");
+    }
+    cut
 }
 
 /// Damages a frame so that its receiver must refuse it (the magic's first byte is flipped).
@@ -159,7 +184,8 @@ impl FaultInjector {
 
     /// The layer's entry point: fire the kill / delay / kill_node faults of this step edge.
     fn on_step(&self, step: u8, when: When, request_id: &str, transfer_id: &str) {
-        let claimed = self.take(step, Some(when), request_id, |a| !matches!(a, FaultAction::Drop | FaultAction::Corrupt));
+        // Message faults and data cuts are claimed by the actor that sends (message_fault, data_cut).
+        let claimed = self.take(step, Some(when), request_id, |a| !matches!(a, FaultAction::Drop | FaultAction::Corrupt | FaultAction::CutData { .. }));
         for (index, action) in claimed {
             let killed = match &action {
                 FaultAction::Kill { actor, role } => {
@@ -172,7 +198,7 @@ impl FaultInjector {
                     std::thread::sleep(std::time::Duration::from_millis(*ms));
                     continue;
                 }
-                FaultAction::Drop | FaultAction::Corrupt => 0,
+                FaultAction::Drop | FaultAction::Corrupt | FaultAction::CutData { .. } => 0,
             };
             // Recorded, not logged: a `tracing` event emitted from inside a layer callback would
             // corrupt the per-layer filter state of the span being created or closed.

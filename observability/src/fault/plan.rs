@@ -1,6 +1,7 @@
 //! The fault plan (issue #5): a typed, serde (JSON) description of the faults to inject — kill an
 //! actor when a step begins or ends, drop / delay / corrupt the side-channel message of a step,
-//! kill a whole node — loaded from `PDFLOW_FAULT_PLAN` (JSON text, or `@path` to a JSON file).
+//! cut P's data connection after K payload bytes, kill a whole node — loaded from
+//! `PDFLOW_FAULT_PLAN` (JSON text, or `@path` to a JSON file).
 //!
 //! ```json
 //! {"faults": [
@@ -9,9 +10,15 @@
 //!   {"step": 21, "fault": "drop"},
 //!   {"step": 30, "fault": "corrupt", "request_id": "cmpl-42"},
 //!   {"step": 22, "fault": "delay", "ms": 300},
-//!   {"step": 27, "when": "end", "fault": "kill_node", "node": "p"}
+//!   {"step": 27, "when": "end", "fault": "kill_node", "node": "p"},
+//!   {"step": 29, "fault": "cut_data", "after_bytes": 65536}
 //! ]}
 //! ```
+//!
+//! `cut_data` acts on step 29 only (P's write into D's memory): P's tcp writer sends the first
+//! `after_bytes` payload bytes of the transfer plan — counted over the whole plan, in plan order,
+//! whichever streams carry them — then shuts every data connection of that write down hard, as a
+//! network cut or a crash of P mid-transfer would (see `pdflow_runtime::transfer::tcp`).
 //!
 //! Every fault fires once unless `times` says otherwise; `request_id` (a substring of the step
 //! span's `pd.request_id`) limits it to one request. The plan is validated as a whole: every bad
@@ -27,6 +34,10 @@ pub const ENV_FAULT_PLAN: &str = "PDFLOW_FAULT_PLAN";
 /// The steps whose span sends one side-channel message that `drop` / `corrupt` can act on:
 /// 21 (D's pull request) and 30 (P's answer).
 pub const MESSAGE_STEPS: [u8; 2] = [steps::D_SEND_PULL_META.number, steps::P_REPLY_FINISH.number];
+
+/// The steps whose span moves KV bytes over the data connection, where `cut_data` acts: 29 (P's
+/// write into D's memory).
+pub const DATA_STEPS: [u8; 1] = [steps::P_TRANSFER_WRITE.number];
 
 /// An actor kind (DESIGN §2); per-request kinds (SendWorker, PullTask) are matched by transfer_id.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -137,10 +148,13 @@ pub enum FaultAction {
     Delay { ms: u64 },
     /// The whole node stops at once (a process kill).
     KillNode { node: NodeKind },
+    /// P's data connection is cut after this many payload bytes of the step's transfer plan
+    /// (step 29): the bytes before the cut are sent, then the connection is shut down both ways.
+    CutData { after_bytes: u64 },
 }
 
 impl FaultAction {
-    /// Short label for reports: `kill`, `drop`, `corrupt`, `delay`, `kill_node`.
+    /// Short label for reports: `kill`, `drop`, `corrupt`, `delay`, `kill_node`, `cut_data`.
     pub fn label(&self) -> &'static str {
         match self {
             FaultAction::Kill { .. } => "kill",
@@ -148,6 +162,7 @@ impl FaultAction {
             FaultAction::Corrupt => "corrupt",
             FaultAction::Delay { .. } => "delay",
             FaultAction::KillNode { .. } => "kill_node",
+            FaultAction::CutData { .. } => "cut_data",
         }
     }
 }
@@ -225,7 +240,8 @@ impl FaultPlan {
         Self::from_lookup(&|k| std::env::var(k).ok())
     }
 
-    /// Every fault names a real step, a message step for drop/corrupt, a role where one is needed.
+    /// Every fault names a real step, a message step for drop/corrupt, step 29 (at its beginning)
+    /// for cut_data, a role where one is needed.
     pub fn validate(&self) -> Result<(), Vec<FaultPlanError>> {
         let mut errors = Vec::new();
         for (index, f) in self.faults.iter().enumerate() {
@@ -247,6 +263,12 @@ impl FaultPlan {
                     bad(format!("{} does not run on role {role:?}", actor.name()))
                 }
                 FaultAction::Delay { ms } if *ms > 600_000 => bad(format!("delay of {ms} ms is longer than 10 minutes")),
+                FaultAction::CutData { .. } if !DATA_STEPS.contains(&f.step) => {
+                    bad(format!("cut_data acts on the data connection: only steps {DATA_STEPS:?} write over it"))
+                }
+                FaultAction::CutData { .. } if f.when == When::End => {
+                    bad("cut_data acts while the write runs: use \"when\": \"begin\" (the default)".into())
+                }
                 _ => {}
             }
         }
@@ -270,10 +292,13 @@ mod tests {
           {"step": 21, "fault": "drop"},
           {"step": 30, "fault": "corrupt", "request_id": "cmpl-42"},
           {"step": 22, "fault": "delay", "ms": 300},
-          {"step": 27, "when": "end", "fault": "kill_node", "node": "p", "times": 2}
+          {"step": 27, "when": "end", "fault": "kill_node", "node": "p", "times": 2},
+          {"step": 29, "fault": "cut_data", "after_bytes": 65536}
         ]}"#;
         let plan = FaultPlan::from_json(text).expect("valid");
-        assert_eq!(plan.faults.len(), 6);
+        assert_eq!(plan.faults.len(), 7);
+        assert_eq!(plan.faults[6], Fault::new(29, When::Begin, FaultAction::CutData { after_bytes: 65536 }));
+        assert_eq!(plan.faults[6].action.label(), "cut_data");
         assert_eq!(plan.faults[0], Fault::new(29, When::Begin, FaultAction::Kill { actor: ActorKind::SendWorker, role: None }));
         assert_eq!(plan.faults[3].request_id.as_deref(), Some("cmpl-42"));
         assert_eq!(plan.faults[5].times, 2);

@@ -37,15 +37,17 @@ pub fn register(registration: Registration) {
     all.push(registration);
 }
 
-/// Kills every live target of `target` (and `role`, if given) that serves `transfer_id` (or all
-/// when `transfer_id` is empty or names none of them); returns how many were killed.
+/// Kills every live target of `target` (and `role`, if given) that serves `transfer_id`: a
+/// long-lived actor (registered with no transfer ids) always does; a per-request one (SendWorker,
+/// PullTask) only when it serves that transfer — a fault aimed at one request never kills the
+/// workers of the others (all of them only when `transfer_id` is empty). Returns how many were
+/// killed.
 pub(super) fn kill(target: Target, role: Option<Role>, transfer_id: &str) -> usize {
     let mut all = REGISTRY.lock().unwrap_or_else(|p| p.into_inner());
     all.retain(|r| (r.alive)());
-    let matching: Vec<&Registration> = all.iter().filter(|r| r.target == target && (role.is_none() || r.role == role)).collect();
-    let by_transfer: Vec<&Registration> =
-        matching.iter().copied().filter(|r| !transfer_id.is_empty() && r.transfer_ids.iter().any(|t| t == transfer_id)).collect();
-    let victims = if by_transfer.is_empty() { matching } else { by_transfer };
+    let serves = |r: &Registration| transfer_id.is_empty() || r.transfer_ids.is_empty() || r.transfer_ids.iter().any(|t| t == transfer_id);
+    let victims: Vec<&Registration> =
+        all.iter().filter(|r| r.target == target && (role.is_none() || r.role == role) && serves(r)).collect();
     let kills: Vec<Arc<dyn Fn() + Send + Sync>> = victims.iter().map(|r| r.kill.clone()).collect();
     drop(all);
     // Outside the lock: a kill may close spans, which come back through the layer.

@@ -37,6 +37,7 @@ fn plan_edges_fire_kills_and_message_faults_once_and_only_when_armed() {
         // No plan: nothing fires, no message fault.
         drop(step_span!(steps::P_TRANSFER_WRITE, request_id = "r1", transfer_id = "x1"));
         assert_eq!(message_fault(21, "r1"), None);
+        assert_eq!(data_cut("r1"), None);
         assert_eq!(w1.load(Ordering::SeqCst), 0);
 
         let plan = FaultPlan::from_json(
@@ -44,7 +45,10 @@ fn plan_edges_fire_kills_and_message_faults_once_and_only_when_armed() {
               {"step": 29, "fault": "kill", "actor": "send_worker"},
               {"step": 17, "when": "end", "fault": "kill", "actor": "scheduler_connector", "role": "d"},
               {"step": 21, "fault": "drop", "request_id": "r2"},
-              {"step": 30, "fault": "corrupt", "times": 2}
+              {"step": 30, "fault": "corrupt", "times": 2},
+              {"step": 29, "fault": "cut_data", "after_bytes": 4096, "request_id": "r3"},
+              {"step": 29, "fault": "cut_data", "after_bytes": 100, "request_id": "r3", "times": 2},
+              {"step": 31, "fault": "kill", "actor": "send_worker"}
             ]}"#,
         )
         .expect("valid plan");
@@ -65,9 +69,22 @@ fn plan_edges_fire_kills_and_message_faults_once_and_only_when_armed() {
         assert_eq!(message_fault(30, "a"), Some(MessageFault::Corrupt));
         assert_eq!(message_fault(30, "b"), Some(MessageFault::Corrupt));
         assert_eq!(message_fault(30, "c"), None);
+        // Data cuts: claimed by the writer, not by the layer; the smallest K wins, each `times` once.
+        drop(step_span!(steps::P_TRANSFER_WRITE, request_id = "r3", transfer_id = "x3"));
+        assert_eq!(data_cut("r1"), None, "another request");
+        assert_eq!(data_cut("cmpl-r3"), Some(100));
+        assert_eq!(data_cut("cmpl-r3"), Some(100));
+        assert_eq!(data_cut("cmpl-r3"), None, "every fault used up");
+        // A per-request kill for a transfer no worker serves kills no other request's worker.
+        drop(step_span!(steps::P_MARK_SENT, request_id = "r9", transfer_id = "x9"));
+        assert_eq!((w1.load(Ordering::SeqCst), w2.load(Ordering::SeqCst)), (1, 0));
         let fired = injector.fired();
-        assert_eq!(fired.iter().map(|f| (f.index, f.step)).collect::<Vec<_>>(), vec![(0, 29), (1, 17), (2, 21), (3, 30), (3, 30)]);
+        assert_eq!(
+            fired.iter().map(|f| (f.index, f.step)).collect::<Vec<_>>(),
+            vec![(0, 29), (1, 17), (2, 21), (3, 30), (3, 30), (4, 29), (5, 29), (5, 29), (6, 31)]
+        );
         assert_eq!(fired[0].killed, 1);
+        assert_eq!(fired[8].killed, 0);
         disarm();
         drop(step_span!(steps::D_SCHEDULE_REMOTE, request_id = "r1"));
         assert_eq!(d_conn.load(Ordering::SeqCst), 1);
@@ -76,4 +93,20 @@ fn plan_edges_fire_kills_and_message_faults_once_and_only_when_armed() {
     corrupt_frame(&mut frame);
     assert_ne!(frame[0], b'P');
     registry::clear();
+}
+
+#[test]
+fn cut_data_is_valid_only_at_the_beginning_of_step_29() {
+    let ok = FaultPlan::from_json(r#"{"faults": [{"step": 29, "fault": "cut_data", "after_bytes": 0, "request_id": "cmpl-7"}]}"#).expect("valid");
+    assert_eq!(ok.faults[0].action, FaultAction::CutData { after_bytes: 0 });
+    assert_eq!(ok.faults[0].request_id.as_deref(), Some("cmpl-7"));
+    let text = r#"{"faults": [
+      {"step": 30, "fault": "cut_data", "after_bytes": 1},
+      {"step": 29, "when": "end", "fault": "cut_data", "after_bytes": 1}
+    ]}"#;
+    let errors = FaultPlan::from_json(text).expect_err("invalid");
+    assert_eq!(errors.len(), 2, "{errors:?}");
+    assert!(errors[0].to_string().contains("[29]"), "{}", errors[0]);
+    assert!(errors[1].to_string().contains("begin"), "{}", errors[1]);
+    assert!(FaultPlan::from_json(r#"{"faults": [{"step": 29, "fault": "cut_data"}]}"#).is_err(), "after_bytes is required");
 }

@@ -107,6 +107,10 @@ impl AutoTransferEngine {
         for d in &descriptors {
             self.local.check(d.src, d.len)?;
         }
+        // Fault injection (`cut_data`) cuts the tcp data connection: such a plan always goes by tcp.
+        if plan.cut_after.is_some() {
+            return self.tcp.write(peer, plan).await;
+        }
         let mut route = self.route(peer).await?;
         if let Route::SameHost(p) = &route {
             // The cached pid must still be D (a restarted D gets a new canary).

@@ -105,7 +105,7 @@ async fn an_out_of_region_destination_is_refused_and_nothing_is_written() {
     p.assert_untouched(&[5, 6]);
 
     // Destinations entirely outside D's memory (P's own memory, say) are refused too.
-    let plan = TransferPlan { descriptors: vec![Descriptor { src: p.src.regions()[0].base_addr, dst: p.src.regions()[1].base_addr, len: 64 }], fence: 0 };
+    let plan = TransferPlan { descriptors: vec![Descriptor { src: p.src.regions()[0].base_addr, dst: p.src.regions()[1].base_addr, len: 64 }], fence: 0, cut_after: None };
     let err = bounded("refused write", p.engine.write(&p.peer, &plan)).await.expect_err("refused");
     assert!(matches!(err, TransferError::Refused { .. }), "got {err:?}");
 

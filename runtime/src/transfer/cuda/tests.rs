@@ -33,6 +33,7 @@ fn batch_copy_moves_aligned_and_unaligned_descriptors() {
             Descriptor { src: src.ptr + (1 << 20), dst: dst.ptr + (3 << 20), len: 64 * 1024 * 3 },
         ],
         fence: 0,
+        cut_after: None,
     };
     let up = copier.upload(&plan).expect("upload");
     copier.execute(&up).expect("launch");

@@ -153,7 +153,7 @@ async fn an_out_of_region_descriptor_is_refused_and_the_server_keeps_serving() {
 #[tokio::test]
 async fn a_source_outside_local_regions_is_refused_before_connecting() {
     let p = pair(SMALL, 8, None, TcpConfig::default()).await;
-    let plan = TransferPlan { descriptors: vec![Descriptor { src: 8, dst: p.dst.regions()[0].base_addr, len: 8 }], fence: 0 };
+    let plan = TransferPlan { descriptors: vec![Descriptor { src: 8, dst: p.dst.regions()[0].base_addr, len: 8 }], fence: 0, cut_after: None };
     let err = bounded("write", p.engine.write(&p.peer, &plan)).await.expect_err("refused locally");
     assert!(matches!(err, TransferError::LocalRegion(_)), "got {err:?}");
     assert_eq!(p.engine.pooled_connections(&p.peer), 0);
@@ -214,7 +214,7 @@ async fn connecting_to_a_closed_port_fails_fast_with_connect() {
     let cache = filled_cache(SMALL, 4, 1);
     let engine = TcpTransferEngine::new(cache.region_table(), TcpConfig::default());
     let r = cache.regions()[0];
-    let plan = TransferPlan { descriptors: vec![Descriptor { src: r.base_addr, dst: 0x1000, len: 16 }], fence: 0 };
+    let plan = TransferPlan { descriptors: vec![Descriptor { src: r.base_addr, dst: 0x1000, len: 16 }], fence: 0, cut_after: None };
     let started = Instant::now();
     let err = bounded("write", engine.write(&closed.to_string(), &plan)).await.expect_err("nobody listens");
     assert!(matches!(err, TransferError::Connect { .. }), "got {err:?}");
@@ -257,4 +257,152 @@ fn split_by_bytes_balances_and_covers_exactly_the_plan() {
         }
         assert_eq!(glued, descriptors, "{streams} streams");
     }
+}
+
+// --- Fault injection: `cut_data` (issue #5) — the plan's `cut_after` cuts P's data connection. ---
+
+/// Whether D's bytes at plan offsets `range` equal P's (`true`) or are all zero (`false`).
+fn plan_bytes_match(p: &Pair, plan: &TransferPlan, range: std::ops::Range<u64>, landed: bool) -> bool {
+    let (src, dst) = (p.src.region_table(), p.dst.region_table());
+    let mut at = 0u64;
+    for d in &plan.descriptors {
+        let (lo, hi) = (range.start.max(at), range.end.min(at + d.len));
+        if lo < hi {
+            // SAFETY: test only; the ranges come from a plan checked against both caches.
+            let want = unsafe { src.slice(d.src + (lo - at), hi - lo) }.expect("in P's regions");
+            let got = unsafe { dst.slice(d.dst + (lo - at), hi - lo) }.expect("in D's regions");
+            let ok = if landed { got == want } else { got.iter().all(|&b| b == 0) };
+            if !ok {
+                return false;
+            }
+        }
+        at += d.len;
+    }
+    true
+}
+
+async fn fenced_pair(shape: KvShape, num_blocks: usize, config: TcpConfig) -> (Pair, crate::transfer::fence::WriteFence) {
+    let fence = crate::transfer::fence::WriteFence::new();
+    let src = filled_cache(shape, num_blocks, 1);
+    let dst = KvCache::new(shape, num_blocks);
+    let addr = "127.0.0.1:0".parse().expect("valid address");
+    let server = TcpDataServer::bind_fenced(addr, dst.region_table(), None, false, Some(fence.clone())).await.expect("binds");
+    let peer = server.local_addr().to_string();
+    let engine = TcpTransferEngine::new(src.region_table(), config);
+    (Pair { src, dst, server, engine, peer }, fence)
+}
+
+fn assert_cut(err: &TransferError) {
+    assert!(
+        matches!(err, TransferError::Io { source, .. } if source.kind() == std::io::ErrorKind::ConnectionAborted && source.to_string().contains("cut_data")),
+        "expected the typed cut error, got {err:?}"
+    );
+}
+
+/// A raw data server: answers the hello, then records every byte P sends until P closes.
+async fn recording_server() -> (String, tokio::task::JoinHandle<Vec<u8>>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("binds");
+    let addr = listener.local_addr().expect("address").to_string();
+    let task = tokio::spawn(async move {
+        let (mut stream, _) = listener.accept().await.expect("P connects");
+        wire::read_hello(&mut stream).await.expect("hello");
+        wire::write_ack(&mut stream, &Ack::Ok { batch_id: 0 }).await.expect("hello ack");
+        let mut got = Vec::new();
+        stream.read_to_end(&mut got).await.expect("P closes cleanly (shutdown, not reset)");
+        got
+    });
+    (addr, task)
+}
+
+#[tokio::test]
+async fn a_cut_sends_exactly_k_payload_bytes_after_the_fence_and_header_then_closes() {
+    let src = filled_cache(SMALL, 8, 1);
+    let dst = KvCache::new(SMALL, 8);
+    let plan = build_plan(&src.regions(), &[1, 2, 3], &dst.regions(), &[4, 5, 6], true).expect("plannable");
+    let total = plan.total_bytes();
+    for k in [0, 5, plan.descriptors[0].len + 3, total, total + 10] {
+        let (peer, server) = recording_server().await;
+        let engine = TcpTransferEngine::new(src.region_table(), TcpConfig::default());
+        let cut = TransferPlan { fence: 9, cut_after: Some(k), ..plan.clone() };
+        let err = bounded("cut write", engine.write(&peer, &cut)).await.expect_err("a cut write fails");
+        assert_cut(&err);
+        assert_eq!(engine.pooled_connections(&peer), 0, "a cut connection is never pooled");
+        let got = bounded("server sees the close", server).await.expect("server task");
+        let mut r = &got[..];
+        assert!(matches!(wire::read_request(&mut r).await, Ok(Some(wire::Request::Fence { token: 9 }))), "fence first");
+        let Ok(Some(wire::Request::Batch(header))) = wire::read_request(&mut r).await else { panic!("a batch header follows") };
+        assert_eq!(header.total_len(), Some(total), "the header declares the whole batch");
+        assert_eq!(r.len() as u64, k.min(total), "exactly the first K payload bytes (k = {k})");
+        // Those bytes are the plan's first K bytes, in order.
+        let mut want = Vec::new();
+        for d in &plan.descriptors {
+            want.extend_from_slice(unsafe { src.region_table().slice(d.src, d.len) }.expect("in P's regions"));
+        }
+        assert_eq!(r, &want[..r.len()]);
+    }
+}
+
+#[tokio::test]
+async fn a_cut_write_fails_typed_d_keeps_nothing_past_k_and_its_closed_fence_refuses_the_rest() {
+    let (p, fence) = fenced_pair(SMALL, 32, TcpConfig::default()).await;
+    let (src_blocks, dst_blocks): (Vec<BlockId>, Vec<BlockId>) = ((1..5).collect(), (10..14).collect());
+    // Warm the pool: the cut must also apply on a reused connection (and not be retried).
+    fence.open(1);
+    let warm = TransferPlan { fence: 1, ..p.plan(&[20], &[20], true) };
+    bounded("warm-up write", p.engine.write(&p.peer, &warm)).await.expect("write succeeds");
+    assert_eq!(p.engine.pooled_connections(&p.peer), 1);
+
+    let plan = p.plan(&src_blocks, &dst_blocks, true);
+    let k = plan.descriptors[0].len + plan.descriptors[1].len / 2;
+    fence.open(7);
+    let cut = TransferPlan { fence: 7, cut_after: Some(k), ..plan.clone() };
+    let err = bounded("cut write", p.engine.write(&p.peer, &cut)).await.expect_err("a cut write fails");
+    assert_cut(&err);
+    assert_eq!(p.engine.pooled_connections(&p.peer), 0, "the cut connection is dropped, not pooled");
+    // D reads the bytes before the cut (a torn batch: never acked), then end-of-stream.
+    let until = Instant::now() + BOUND;
+    while !plan_bytes_match(&p, &plan, 0..k, true) {
+        assert!(Instant::now() < until, "the bytes before the cut never landed");
+        tokio::task::yield_now().await;
+    }
+    assert!(plan_bytes_match(&p, &plan, k..plan.total_bytes(), false), "D holds bytes past the cut");
+    // The torn batch is no longer in flight: D's pull can close its fence at once.
+    bounded("fence close", fence.close(7, Duration::from_secs(2))).await.expect("no batch left in flight");
+    // A late write for the closed pull is refused whole: nothing more lands.
+    let late = TransferPlan { fence: 7, ..plan.clone() };
+    let err = bounded("late write", p.engine.write(&p.peer, &late)).await.expect_err("fence closed");
+    assert!(matches!(&err, TransferError::Refused { reason, .. } if reason.contains("fence 7 is closed")), "got {err:?}");
+    assert!(plan_bytes_match(&p, &plan, k..plan.total_bytes(), false), "a refused write landed");
+    // The server keeps serving: a new pull's write arrives whole.
+    fence.open(8);
+    let next = TransferPlan { fence: 8, ..p.plan(&[6, 7], &[16, 17], true) };
+    bounded("next write", p.engine.write(&p.peer, &next)).await.expect("the next write succeeds");
+    p.assert_copied(&[6, 7], &[16, 17]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cut_spread_over_streams_counts_k_over_the_whole_plan() {
+    let (p, fence) = fenced_pair(LARGE, 16, TcpConfig { streams_per_peer: 4, ..TcpConfig::default() }).await;
+    let (src_blocks, dst_blocks): (Vec<BlockId>, Vec<BlockId>) = ((0..12).collect(), (3..15).collect());
+    let plan = p.plan(&src_blocks, &dst_blocks, true);
+    let k = plan.total_bytes() / 2 + 4096;
+    fence.open(3);
+    let cut = TransferPlan { fence: 3, cut_after: Some(k), ..plan.clone() };
+    let err = bounded("cut write", p.engine.write(&p.peer, &cut)).await.expect_err("a cut write fails");
+    assert_cut(&err);
+    bounded("fence close", fence.close(3, Duration::from_secs(5))).await.expect("every torn batch ended");
+    assert!(plan_bytes_match(&p, &plan, k..plan.total_bytes(), false), "D holds bytes past the cut");
+    assert!(p.engine.pooled_connections(&p.peer) <= 2, "cut streams are not pooled");
+}
+
+#[test]
+fn cut_budgets_follow_plan_order() {
+    // Three shares of 100 bytes (plan bytes 0..300).
+    let budgets = |k| [0, 100, 200].map(|off| super::engine::cut_budget(Some(k), off, 100, 300));
+    assert_eq!(budgets(0), [Some(0), Some(0), Some(0)]);
+    assert_eq!(budgets(150), [None, Some(50), Some(0)]);
+    assert_eq!(budgets(100), [None, Some(0), Some(0)]);
+    assert_eq!(budgets(300), [None, None, Some(100)], "k = the plan's bytes: the last stream is cut before its ack");
+    assert_eq!(budgets(999), [None, None, Some(100)]);
+    assert_eq!(super::engine::cut_budget(None, 0, 100, 300), None);
 }
