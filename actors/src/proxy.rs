@@ -1,5 +1,6 @@
 //! The Proxy actor: the P and D pools, their health, P's engine ids and the round-robin counters;
-//! the proxy's HTTP server and its health poller are tasks it owns.
+//! its health poller is a task it owns. The HTTP server is not the actor's ([`ProxyServer`]): it
+//! outlives the actor's restarts.
 //!
 //! Seed steps: 6 (`GET /health` of each P until it answers) and 7 (`GET /query` on P's bootstrap,
 //! dp rank → engine id) run in the poller ([`poller`]); 8–10, 25 and 42–43 run per request in
@@ -12,17 +13,19 @@
 //! came back from being unhealthy, and after a failed prefill ([`PrefillFailed`]).
 
 mod poller;
+mod server;
 #[cfg(test)]
 mod tests;
 
+pub use server::ProxyServer;
+
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
-use std::sync::Arc;
 use std::time::Duration;
 
 use kameo::prelude::*;
 use pdflow_messages::proxy::{
-    NotReady, Pool, PrefillDiscovered, PrefillFailed, ProxyAddr, ProxyReadiness, ProxyStatus, ReadyDeadlinePassed, Route,
+    NotReady, Pool, PrefillDiscovered, PrefillFailed, ProxyReadiness, ProxyStatus, ReadyDeadlinePassed, Route,
     RouteDecision, TargetHealth,
 };
 use pdflow_messages::EngineId;
@@ -30,15 +33,12 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::AbortOnDropHandle;
 
-use crate::proxy_flow::{self, FlowContext};
 use crate::ActorError;
 
 /// vLLM's default bootstrap port (`VLLM_MOONCAKE_BOOTSTRAP_PORT`).
 pub const DEFAULT_BOOTSTRAP_PORT: u16 = 8998;
 /// The poller re-queries every P's engine ids once per this many health rounds.
 pub const REQUERY_EVERY: u64 = 10;
-/// How long `on_stop` waits for open connections to finish.
-const SHUTDOWN_DEADLINE: Duration = Duration::from_secs(5);
 
 /// One prefill instance: its HTTP URL and the port of its bootstrap server.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -57,6 +57,7 @@ impl PrefillTarget {
 /// The proxy's configuration (parsed by the CLI).
 #[derive(Debug, Clone)]
 pub struct ProxyArgs {
+    /// Where the proxy's HTTP server listens ([`ProxyServer`]; the actor itself binds nothing).
     pub bind: SocketAddr,
     pub prefill: Vec<PrefillTarget>,
     pub decode: Vec<String>,
@@ -84,9 +85,8 @@ struct DecodeState {
     healthy: bool,
 }
 
-/// The proxy: pools, readiness, round robin; owner of the HTTP server and the poller.
+/// The proxy: pools, readiness, round robin; owner of the health poller.
 pub struct Proxy {
-    addr: SocketAddr,
     prefill: Vec<PrefillState>,
     decode: Vec<DecodeState>,
     ready: bool,
@@ -94,7 +94,6 @@ pub struct Proxy {
     next_decode: usize,
     requery_tx: mpsc::UnboundedSender<usize>,
     shutdown: CancellationToken,
-    server: Option<AbortOnDropHandle<std::io::Result<()>>>,
     _poller: AbortOnDropHandle<()>,
 }
 
@@ -142,29 +141,9 @@ impl Actor for Proxy {
             .collect::<Result<Vec<_>, ActorError>>()?;
 
         let client = reqwest::Client::builder()
-            .pool_idle_timeout(Duration::from_secs(90))
             .build()
-            .map_err(|e| ActorError::Other(format!("cannot build the proxy's HTTP client: {e}")))?;
-
-        // A restarted proxy re-binds its port (fixed by the node): retried while the old socket closes.
-        let listener = crate::rebind::bind_http(args.bind, "the proxy HTTP server").await?;
-        let addr = listener.local_addr().map_err(|source| ActorError::Bind {
-            what: "the proxy HTTP server",
-            addr: args.bind.to_string(),
-            source,
-        })?;
-
+            .map_err(|e| ActorError::Other(format!("cannot build the proxy's health-check client: {e}")))?;
         let shutdown = CancellationToken::new();
-        let flow = Arc::new(FlowContext {
-            // Strong refs: weak refs taken in `on_start` of a supervisor-restarted kameo actor do
-            // not upgrade. Both tasks are owned by the actor and stopped in `on_stop`.
-            proxy: actor_ref.clone(),
-            client: client.clone(),
-            upstream_timeout: args.upstream_timeout,
-        });
-        let app = proxy_flow::router(flow);
-        let stop = shutdown.clone().cancelled_owned();
-        let server = tokio::spawn(async move { axum::serve(listener, app).with_graceful_shutdown(stop).await });
 
         let (requery_tx, requery_rx) = mpsc::unbounded_channel();
         let poller = poller::Poller {
@@ -177,10 +156,9 @@ impl Actor for Proxy {
             ready_timeout: args.ready_timeout,
         };
         let poller = tokio::spawn(poller.run(requery_rx, shutdown.clone()));
-        tracing::info!(%addr, prefill = prefill.len(), decode = decode.len(), "proxy listening");
+        tracing::info!(prefill = prefill.len(), decode = decode.len(), "proxy routing");
 
         Ok(Proxy {
-            addr,
             prefill,
             decode,
             ready: false,
@@ -188,28 +166,19 @@ impl Actor for Proxy {
             next_decode: 0,
             requery_tx,
             shutdown,
-            server: Some(AbortOnDropHandle::new(server)),
             _poller: AbortOnDropHandle::new(poller),
         })
     }
 
     async fn on_stop(&mut self, _actor_ref: WeakActorRef<Self>, _reason: ActorStopReason) -> Result<(), Self::Error> {
         self.shutdown.cancel();
-        if let Some(server) = self.server.take() {
-            match tokio::time::timeout(SHUTDOWN_DEADLINE, server).await {
-                Ok(Ok(Ok(()))) => {}
-                Ok(Ok(Err(e))) => tracing::warn!(error = %e, "proxy server ended with an error"),
-                Ok(Err(e)) => tracing::warn!(error = %e, "proxy server task failed"),
-                Err(_) => tracing::warn!("proxy server did not stop within {SHUTDOWN_DEADLINE:?}; aborted"),
-            }
-        }
         Ok(())
     }
 }
 
 impl Drop for Proxy {
     fn drop(&mut self) {
-        // The tasks are aborted by their handles; this only stops the server accepting first.
+        // The poller is aborted by its handle; this only tells it to stop first.
         self.shutdown.cancel();
     }
 }
@@ -281,14 +250,6 @@ impl Message<ProxyStatus> for Proxy {
 
     async fn handle(&mut self, _msg: ProxyStatus, _ctx: &mut Context<Self, Self::Reply>) -> Self::Reply {
         Ok(ProxyReadiness { ready: self.ready, waiting_for: self.waiting_for() })
-    }
-}
-
-impl Message<ProxyAddr> for Proxy {
-    type Reply = Result<SocketAddr, std::convert::Infallible>;
-
-    async fn handle(&mut self, _msg: ProxyAddr, _ctx: &mut Context<Self, Self::Reply>) -> Self::Reply {
-        Ok(self.addr)
     }
 }
 

@@ -60,10 +60,6 @@ pub struct ProxyReadiness {
     pub waiting_for: Vec<String>,
 }
 
-/// Ask the Proxy for the address its HTTP server is bound to.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct ProxyAddr;
-
 /// Poller → Proxy: one health probe's outcome (step 6).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TargetHealth {

@@ -63,3 +63,48 @@ async fn killed_actors_are_restarted_and_the_node_keeps_serving() {
     cluster.assert_blocks_at_baseline().await;
     cluster.shutdown().await;
 }
+
+/// The proxy's HTTP server outlives its actor: clients arriving while the Proxy actor is killed and
+/// restarted get an HTTP answer (served once the restarted actor routes them, or a clean 503),
+/// never a refused or cut connection — found by `pdflow chaos --load`, when the actor owned the
+/// socket and every client of its restart window was refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn killing_the_proxy_actor_refuses_no_client() {
+    let cluster = Cluster::start(ClusterSpec::one_p_one_d()).await.expect("cluster starts");
+    served(&cluster, 1).await;
+    let clients: Vec<_> = (0..24u64)
+        .map(|i| {
+            // A fresh connection each: a pooled one would hide a closed listening socket.
+            let client = reqwest::Client::builder().no_proxy().pool_max_idle_per_host(0).build().expect("client");
+            let url = format!("{}/v1/completions", cluster.proxy.url());
+            let body = completion(&prompt(40, 100 + i), 2);
+            tokio::spawn(async move {
+                let resp = client.post(&url).json(&body).timeout(Duration::from_secs(30)).send().await.map_err(|e| e.to_string())?;
+                Ok::<u16, String>(resp.status().as_u16())
+            })
+        })
+        .collect();
+    cluster.proxy.proxy.kill();
+    let mut statuses = Vec::new();
+    for client in clients {
+        let answer = client.await.expect("client task");
+        let status = answer.unwrap_or_else(|e| panic!("a client got no HTTP answer while the proxy actor restarted: {e}"));
+        assert!(status == 200 || status == 503, "status {status}");
+        statuses.push(status);
+    }
+    // Restarted with the same ref: the next request is served.
+    let answered = tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            let (status, _) = cluster.post("/v1/completions", &completion(&prompt(130, 7), 6)).await.expect("request");
+            if status == 200 {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    assert!(answered.is_ok(), "the proxy did not serve again within 10 s: {statuses:?}");
+    served(&cluster, 8).await;
+    cluster.assert_blocks_at_baseline().await;
+    cluster.shutdown().await;
+}

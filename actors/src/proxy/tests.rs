@@ -131,17 +131,27 @@ async fn bootstrap_stub(engine_id: &str) -> u16 {
     serve(app).await.port()
 }
 
-async fn start_proxy(prefill: Vec<PrefillTarget>, decode: Vec<String>) -> (ActorRef<Proxy>, String) {
-    let proxy = Proxy::spawn(ProxyArgs {
+/// The Proxy actor and its HTTP server, as a node runs them (dropped at the end of a test).
+struct RunningProxy {
+    _actor: ActorRef<Proxy>,
+    _server: ProxyServer,
+}
+
+async fn start_proxy(prefill: Vec<PrefillTarget>, decode: Vec<String>) -> (RunningProxy, String) {
+    let args = ProxyArgs {
         bind: "127.0.0.1:0".parse().expect("addr"),
         prefill,
         decode,
         health_interval: Duration::from_millis(20),
         upstream_timeout: Duration::from_secs(10),
         ready_timeout: None,
-    });
-    let addr = tokio::time::timeout(WAIT, proxy.ask(ProxyAddr)).await.expect("in time").expect("proxy started");
-    (proxy, format!("http://{addr}"))
+    };
+    let (bind, upstream_timeout) = (args.bind, args.upstream_timeout);
+    let actor = Proxy::spawn(args);
+    tokio::time::timeout(WAIT, actor.wait_for_startup()).await.expect("proxy started");
+    let server = ProxyServer::start(bind, actor.clone(), upstream_timeout).await.expect("server binds");
+    let url = format!("http://{}", server.addr);
+    (RunningProxy { _actor: actor, _server: server }, url)
 }
 
 /// Polls the proxy's `/health` until 200, for at most [`WAIT`].
@@ -158,7 +168,7 @@ async fn wait_ready(client: &reqwest::Client, base: &str) {
 }
 
 /// A 1P1D proxy, ready.
-async fn one_p_one_d(p_mode: Mode, d_mode: Mode) -> (ActorRef<Proxy>, String, StubHandle, StubHandle, u16) {
+async fn one_p_one_d(p_mode: Mode, d_mode: Mode) -> (RunningProxy, String, StubHandle, StubHandle, u16) {
     let p = stub("P", p_mode).await;
     let d = stub("D", d_mode).await;
     let bport = bootstrap_stub("6c1f").await;
@@ -368,4 +378,46 @@ async fn ready_timeout_stops_the_proxy_with_the_reason() {
         ready_timeout: Some(Duration::from_millis(100)),
     });
     tokio::time::timeout(WAIT, proxy.wait_for_shutdown()).await.expect("the proxy stops after its ready timeout");
+}
+
+#[tokio::test]
+async fn a_client_request_id_is_adopted_with_a_suffix_and_echoed_and_a_bad_one_replaced() {
+    let (_proxy, base, p, _d, _) = one_p_one_d(Mode::Completion, Mode::Completion).await;
+    let client = reqwest::Client::new();
+    let post = |id: Option<&str>| {
+        let mut req = client.post(format!("{base}/v1/completions")).json(&seed_request());
+        if let Some(id) = id {
+            req = req.header("x-request-id", id);
+        }
+        req.send()
+    };
+    let echoed = |resp: &reqwest::Response| resp.headers().get("x-request-id").expect("x-request-id echoed").to_str().expect("ascii").to_owned();
+
+    let resp = post(Some("load-00042")).await.expect("request");
+    assert_eq!(resp.status(), 200);
+    let id = echoed(&resp);
+    let suffix = id.strip_prefix("load-00042-").unwrap_or_else(|| panic!("client id kept as prefix: {id}"));
+    assert!(suffix.len() == 8 && suffix.bytes().all(|b| b.is_ascii_hexdigit()), "8 hex of a fresh uuid: {id}");
+    let p_headers = p.state.bodies.lock().expect("lock")[0].0.clone();
+    assert_eq!(p_headers["x-request-id"], id.as_str(), "P sees the flow's id");
+    assert_eq!(p.state.bodies.lock().expect("lock")[0].1["kv_transfer_params"]["transfer_id"], format!("xfer-{id}"));
+
+    let again = echoed(&post(Some("load-00042")).await.expect("request"));
+    assert!(again.starts_with("load-00042-") && again != id, "a reused client id still gives a unique id: {again}");
+
+    for bad in ["has space", "semi;colon", &"x".repeat(65)] {
+        let id = echoed(&post(Some(bad)).await.expect("request"));
+        assert!(uuid::Uuid::parse_str(&id).is_ok() && !id.contains(bad), "{bad:?} replaced by a uuid: {id}");
+    }
+    let id = echoed(&post(None).await.expect("request"));
+    assert!(uuid::Uuid::parse_str(&id).is_ok(), "no header: a fresh uuid: {id}");
+}
+
+#[tokio::test]
+async fn an_error_answer_carries_the_request_id_too() {
+    let (_proxy, base, _p, _d, _) = one_p_one_d(Mode::Fail(500), Mode::Slow).await;
+    let resp = reqwest::Client::new().post(format!("{base}/v1/completions")).header("x-request-id", "err.1").json(&seed_request()).send().await.expect("request");
+    assert_eq!(resp.status(), 502);
+    let id = resp.headers().get("x-request-id").expect("echoed on errors").to_str().expect("ascii");
+    assert!(id.starts_with("err.1-"), "{id}");
 }
