@@ -62,8 +62,33 @@ pub struct ChaosArgs {
     #[arg(long, value_enum, default_value = "recompute")]
     pub policy: PolicyArg,
     /// Only the cells whose name (`actor/step/fault`, e.g. `send_worker/29`) contains this.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "load")]
     pub only: Option<String>,
+    /// Load with faults instead of the matrix: many requests at once through the proxy and 2P2D,
+    /// a few of them given one random per-request fault (actor kills, message drop / corrupt /
+    /// delay; no node kills); checks every request ends clean and correct, no block leaks, flat
+    /// memory, and every node serving after.
+    #[arg(long, conflicts_with = "quick")]
+    pub load: bool,
+    /// `--load`: how many requests.
+    #[arg(long, requires = "load", default_value_t = 2000)]
+    pub requests: usize,
+    /// `--load`: how many requests in flight at once.
+    #[arg(long, requires = "load", default_value_t = 64)]
+    pub concurrency: usize,
+    /// `--load`: share of requests given a fault, ceil(requests × rate) of them (0.01 = 1 %).
+    #[arg(long, requires = "load", default_value_t = 0.01)]
+    pub fault_rate: f64,
+    /// `--load`: seed of the prompts, of which requests are faulted and how.
+    #[arg(long, requires = "load", default_value_t = 1)]
+    pub seed: u64,
+    /// `--load`: un-faulted requests first, at the same concurrency (the memory baseline).
+    #[arg(long, requires = "load", default_value_t = 200)]
+    pub warmup: usize,
+    /// `--load`: leave out the faults whose label (`actor/step/fault`) starts with this
+    /// (repeatable; e.g. `proxy/` for every proxy actor kill).
+    #[arg(long, requires = "load")]
+    pub exclude: Vec<String>,
 }
 
 impl ChaosArgs {
@@ -73,6 +98,21 @@ impl ChaosArgs {
             PolicyArg::Fail => LoadFailurePolicy::Fail,
         };
         crate::chaos::ChaosOptions { quick: self.quick, policy, filter: self.only.clone() }
+    }
+
+    /// The options of `--load`, every bad value reported.
+    pub fn to_load_options(&self) -> Result<crate::chaos::load::LoadOptions, Vec<String>> {
+        let opts = crate::chaos::load::LoadOptions {
+            requests: self.requests,
+            concurrency: self.concurrency,
+            fault_rate: self.fault_rate,
+            seed: self.seed,
+            policy: self.to_options().policy,
+            warmup: self.warmup,
+            exclude: self.exclude.clone(),
+            ..crate::chaos::load::LoadOptions::default()
+        };
+        opts.validate().map(|()| opts)
     }
 }
 
@@ -250,6 +290,25 @@ pub struct ServeCmd {
     /// (default VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT, else 30).
     #[arg(long)]
     pub abort_request_timeout: Option<u64>,
+    /// Producer: seconds a pull waits for its request's prefill to be ready — seed step 22
+    /// (`p_pull_wait_ready`: regions prepared, waiting for ready) — before P answers D with an
+    /// error (default: the abort-request timeout).
+    #[arg(long, value_name = "SECONDS", allow_negative_numbers = true)]
+    pub ready_timeout: Option<f64>,
+    /// Producer: seconds sent-ready blocks wait for D's pull — from seed step 27
+    /// (`p_record_send_ready`: block ids and expiry recorded) — before P frees them anyway
+    /// (default: the abort-request timeout).
+    #[arg(long, value_name = "SECONDS", allow_negative_numbers = true)]
+    pub send_expiry: Option<f64>,
+    /// Consumer: seconds one side-channel exchange may take — seed step 21 (`d_send_pull_meta`)
+    /// until P's FINISH, step 30 (`p_reply_finish`) — before D fails the load (default: the
+    /// abort-request timeout + 5).
+    #[arg(long, value_name = "SECONDS", allow_negative_numbers = true)]
+    pub pull_timeout: Option<f64>,
+    /// Consumer: seconds one bootstrap look-up may take — seed step 20 (`d_bootstrap_query`:
+    /// GET /query for P's worker addresses) (default 5).
+    #[arg(long, value_name = "SECONDS", allow_negative_numbers = true)]
+    pub bootstrap_timeout: Option<f64>,
     /// Consumer: what to do when the KV cannot be loaded.
     #[arg(long, value_enum, default_value = "recompute")]
     pub kv_load_failure_policy: PolicyArg,
@@ -265,6 +324,9 @@ pub struct ServeCmd {
     #[command(flatten)]
     pub trace: TraceArgs,
 }
+
+/// The largest value `pdflow serve` takes for a deadline flag, in seconds (one day).
+pub const MAX_DEADLINE_S: f64 = 86_400.0;
 
 /// Parses `qwen3-8b` or `LAYERS,KV_HEADS,HEAD_DIM,BLOCK_SIZE`.
 pub fn parse_shape(s: &str) -> Result<KvShape, String> {
@@ -356,6 +418,20 @@ impl ServeCmd {
         if self.abort_request_timeout == Some(0) {
             errors.push("--abort-request-timeout 0 would fail every transfer; use at least 1".to_string());
         }
+        let mut seconds = |flag: &str, value: Option<f64>| -> Option<Duration> {
+            let v = value?;
+            // A day bounds every deadline of the transfer path (and keeps Duration from overflowing).
+            if v.is_finite() && v > 0.0 && v <= MAX_DEADLINE_S {
+                Some(Duration::from_secs_f64(v))
+            } else {
+                errors.push(format!("{flag} {v}: expected a number of seconds above 0 and at most {MAX_DEADLINE_S} (e.g. 2.5)"));
+                None
+            }
+        };
+        let ready_timeout = seconds("--ready-timeout", self.ready_timeout);
+        let send_expiry = seconds("--send-expiry", self.send_expiry);
+        let pull_timeout = seconds("--pull-timeout", self.pull_timeout);
+        let bootstrap_timeout = seconds("--bootstrap-timeout", self.bootstrap_timeout);
         if self.role == RoleArg::Consumer && (self.bootstrap_url.is_some() || self.bootstrap_port.is_some()) {
             errors.push("--bootstrap-url/--bootstrap-port are for producers: a consumer finds P's bootstrap in each request's kv_transfer_params".to_string());
         }
@@ -372,6 +448,13 @@ impl ServeCmd {
             (_, None) => BootstrapPlacement::Launch { port: self.bootstrap_port.unwrap_or(env.bootstrap_port) },
         };
         let abort = self.abort_request_timeout.map(Duration::from_secs).unwrap_or(env.abort_request_timeout);
+        let defaults = Deadlines::from_abort_timeout(abort);
+        let deadlines = Deadlines {
+            ready_timeout: ready_timeout.unwrap_or(defaults.ready_timeout),
+            send_expiry: send_expiry.unwrap_or(defaults.send_expiry),
+            pull_timeout: pull_timeout.unwrap_or(defaults.pull_timeout),
+            bootstrap_timeout: bootstrap_timeout.unwrap_or(defaults.bootstrap_timeout),
+        };
         Ok(EngineNodeConfig {
             role,
             host: self.host.clone(),
@@ -390,7 +473,7 @@ impl ServeCmd {
                 ..EngineConfig::default()
             },
             bootstrap,
-            deadlines: Deadlines::from_abort_timeout(abort),
+            deadlines,
             tcp: TcpConfig { streams_per_peer: self.streams_per_peer, auth_token: self.transfer_token.clone(), ..TcpConfig::default() },
             verify_checksums: self.verify_checksums,
         })
@@ -424,6 +507,45 @@ mod tests {
         assert!(parse_shape("36,8,128,16").is_ok());
         assert!(parse_shape("36,8,x,16").is_err());
         assert!(parse_shape("36,8,128").is_err());
+    }
+
+    #[test]
+    fn chaos_load_flags_parse_and_need_load() {
+        let cli = Cli::try_parse_from(["pdflow", "chaos", "--load", "--requests", "240", "--concurrency", "16", "--fault-rate", "0.05", "--seed", "9", "--policy", "fail"]).expect("parses");
+        let Command::Chaos(c) = cli.command else { panic!("not chaos") };
+        let o = c.to_load_options().expect("valid");
+        assert_eq!((o.requests, o.concurrency, o.fault_rate, o.seed, o.policy), (240, 16, 0.05, 9, LoadFailurePolicy::Fail));
+        assert!(Cli::try_parse_from(["pdflow", "chaos", "--requests", "10"]).is_err(), "--requests needs --load");
+        let cli = Cli::try_parse_from(["pdflow", "chaos", "--load", "--fault-rate", "2", "--concurrency", "0"]).expect("parses");
+        let Command::Chaos(c) = cli.command else { panic!("not chaos") };
+        assert_eq!(c.to_load_options().expect_err("invalid").len(), 2);
+        let cli = Cli::try_parse_from(["pdflow", "chaos", "--quick"]).expect("the matrix is unchanged");
+        let Command::Chaos(c) = cli.command else { panic!("not chaos") };
+        assert!(!c.load && c.quick);
+    }
+
+    #[test]
+    fn serve_deadline_flags_map_onto_deadlines_and_bad_values_name_the_flag() {
+        let env = VllmEnv::from_lookup(&|_| None).expect("defaults");
+        let parse = |extra: &[&str]| {
+            let mut argv = vec!["pdflow", "serve", "--role", "consumer", "--abort-request-timeout", "10"];
+            argv.extend_from_slice(extra);
+            let Command::Serve(s) = Cli::try_parse_from(argv).expect("parses").command else { panic!("not serve") };
+            s.to_config(&env)
+        };
+        let cfg = parse(&["--pull-timeout", "2.5", "--bootstrap-timeout", "0.5", "--ready-timeout", "3", "--send-expiry", "4"]).expect("valid");
+        assert_eq!(cfg.deadlines, Deadlines {
+            ready_timeout: Duration::from_secs(3),
+            send_expiry: Duration::from_secs(4),
+            pull_timeout: Duration::from_millis(2500),
+            bootstrap_timeout: Duration::from_millis(500),
+        });
+        assert_eq!(parse(&[]).expect("valid").deadlines, Deadlines::from_abort_timeout(Duration::from_secs(10)), "unset flags keep the derived defaults");
+        let errors = parse(&["--pull-timeout", "0", "--send-expiry", "-1", "--ready-timeout", "NaN", "--bootstrap-timeout", "1e9"]).expect_err("invalid");
+        assert_eq!(errors.len(), 4, "{errors:?}");
+        for (e, flag) in errors.iter().zip(["--ready-timeout", "--send-expiry", "--pull-timeout", "--bootstrap-timeout"]) {
+            assert!(e.starts_with(flag), "{e} names {flag}");
+        }
     }
 
     #[test]

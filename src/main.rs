@@ -58,6 +58,10 @@ fn register_process_kill(node: NodeKind) {
 }
 
 async fn run_chaos(args: pdflow::cli::ChaosArgs) -> anyhow::Result<bool> {
+    if args.load {
+        let opts = args.to_load_options().map_err(|e| anyhow::anyhow!("invalid chaos --load arguments:\n  {}", e.join("\n  ")))?;
+        return Ok(pdflow::chaos::load::run_cli(&opts, args.json.as_deref()).await?);
+    }
     let capture = pdflow::chaos::install_layers();
     let opts = args.to_options();
     println!("pdflow chaos: {} matrix, D's kv_load_failure_policy {:?}; one fresh P + D + bootstrap + proxy per cell", if opts.quick { "quick" } else { "full" }, opts.policy);

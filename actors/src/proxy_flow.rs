@@ -181,9 +181,37 @@ fn upstream_headers(client: &HeaderMap, request_id: &str, traceparent: &str) -> 
     h
 }
 
-/// The flow of one request (steps 8–10, 25, 43).
+/// Longest client `X-Request-Id` the proxy adopts.
+const MAX_CLIENT_REQUEST_ID: usize = 64;
+
+/// The request's id (step 8): `{client id}-{8 hex}` when the client sent a sane `X-Request-Id`
+/// (1..=64 chars of `[A-Za-z0-9._-]`; the suffix keeps it unique when a client reuses ids, and a
+/// fault plan's `request_id` filter — a substring — still matches), else a fresh uuid.
+pub fn flow_request_id(headers: &HeaderMap) -> String {
+    let fresh = uuid::Uuid::new_v4();
+    let Some(value) = headers.get("x-request-id") else { return fresh.to_string() };
+    let sane = |s: &str| (1..=MAX_CLIENT_REQUEST_ID).contains(&s.len()) && s.bytes().all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b));
+    match value.to_str().ok().filter(|s| sane(s)) {
+        Some(client_id) => format!("{client_id}-{}", &fresh.simple().to_string()[..8]),
+        None => {
+            tracing::debug!(header = ?value, "client X-Request-Id ignored: expected 1-64 characters of [A-Za-z0-9._-]");
+            fresh.to_string()
+        }
+    }
+}
+
+/// The flow of one request (steps 8–10, 25, 43); every answer carries the request's id in
+/// `x-request-id` (streamed ones too: headers go first).
 async fn serve(ctx: Arc<FlowContext>, api: &'static str, headers: HeaderMap, body: Bytes) -> Response {
-    let request_id = uuid::Uuid::new_v4().to_string();
+    let request_id = flow_request_id(&headers);
+    let mut response = flow(ctx, api, headers, body, request_id.clone()).await;
+    if let Ok(v) = HeaderValue::from_str(&request_id) {
+        response.headers_mut().insert("x-request-id", v);
+    }
+    response
+}
+
+async fn flow(ctx: Arc<FlowContext>, api: &'static str, headers: HeaderMap, body: Bytes, request_id: String) -> Response {
     let transfer_id = format!("xfer-{request_id}");
     let step8 = step_span!(steps::CLIENT_REQUEST, request_id = %request_id, transfer_id = %transfer_id);
 

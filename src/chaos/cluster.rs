@@ -54,7 +54,9 @@ pub struct ChaosCluster {
     pub restarted: Vec<NodeKind>,
 }
 
-fn node_cfg(spec: &ChaosSpec, role: KvRole, id: String, bootstrap: BootstrapPlacement) -> EngineNodeConfig {
+/// One engine node's config for a chaos cluster (loopback, port 0, the spec's shape, blocks, policy
+/// and deadlines).
+pub fn node_cfg(spec: &ChaosSpec, role: KvRole, id: String, bootstrap: BootstrapPlacement) -> EngineNodeConfig {
     EngineNodeConfig {
         role,
         host: "127.0.0.1".into(),

@@ -10,9 +10,11 @@
 //! - [`matrix`] — which cells exist (actor × step × fault, node kills, message faults).
 //! - [`cluster`] — the cluster of one cell; node kills and restarts.
 //! - [`cell`] — one cell's run and checks.
+//! - [`load`] — `--load`: many requests at once through 2P2D, a few of them faulted.
 
 pub mod cell;
 pub mod cluster;
+pub mod load;
 pub mod matrix;
 
 use std::collections::BTreeMap;
