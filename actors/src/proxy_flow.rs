@@ -25,7 +25,7 @@ use axum::{Json, Router};
 use futures::stream::{BoxStream, StreamExt};
 use kameo::prelude::*;
 use pdflow_messages::kv_transfer_params::KvTransferParams;
-use pdflow_messages::proxy::{PrefillFailed, ProxyStatus, Route, RouteDecision};
+use pdflow_messages::proxy::{NotReady, PrefillFailed, ProxyStatus, Route, RouteDecision};
 use pdflow_observability::{attrs, step_span, steps};
 use tokio_util::task::AbortOnDropHandle;
 use tracing::Instrument;
@@ -38,12 +38,17 @@ const MAX_BODY_BYTES: usize = 64 * 1024 * 1024;
 const ASK_DEADLINE: Duration = Duration::from_secs(5);
 /// How much of an upstream error body is read for its message.
 const MAX_ERROR_BODY: usize = 64 * 1024;
+/// How often a flow asks a restarted Proxy actor again for a route.
+const RESTART_POLL: Duration = Duration::from_millis(10);
 
 /// What every request's flow shares: the actor, one pooled HTTP client, the upstream deadline.
 pub struct FlowContext {
     pub proxy: ActorRef<Proxy>,
     pub client: reqwest::Client,
     pub upstream_timeout: Duration,
+    /// The proxy has routed a request before: a later "not ready yet" is a restarted actor
+    /// re-discovering its pools (one health round), which a flow waits out rather than fails.
+    pub routed_before: std::sync::atomic::AtomicBool,
 }
 
 /// Why an upstream call failed.
@@ -200,6 +205,28 @@ pub fn flow_request_id(headers: &HeaderMap) -> String {
     }
 }
 
+/// Asks the Proxy actor for a route within [`ASK_DEADLINE`]. If it routed requests before and now
+/// answers "not ready yet", it was restarted (a kill, a panic) and is re-discovering P's engine ids
+/// and the pools' health: asked again until it is ready or the deadline passes, so that clients
+/// of the restart window are served instead of refused.
+async fn route(ctx: &FlowContext, proxy: &ActorRef<Proxy>) -> Result<Result<RouteDecision, SendError<Route, NotReady>>, tokio::time::error::Elapsed> {
+    use std::sync::atomic::Ordering;
+    let deadline = tokio::time::Instant::now() + ASK_DEADLINE;
+    loop {
+        let answer = tokio::time::timeout_at(deadline, proxy.ask(Route)).await?;
+        match answer {
+            Err(SendError::HandlerError(NotReady::Starting { .. })) if ctx.routed_before.load(Ordering::Acquire) && tokio::time::Instant::now() < deadline => {
+                tokio::time::sleep(RESTART_POLL).await;
+            }
+            Ok(route) => {
+                ctx.routed_before.store(true, Ordering::Release);
+                return Ok(Ok(route));
+            }
+            other => return Ok(other),
+        }
+    }
+}
+
 /// The flow of one request (steps 8–10, 25, 43); every answer carries the request's id in
 /// `x-request-id` (streamed ones too: headers go first).
 async fn serve(ctx: Arc<FlowContext>, api: &'static str, headers: HeaderMap, body: Bytes) -> Response {
@@ -230,7 +257,7 @@ async fn flow(ctx: Arc<FlowContext>, api: &'static str, headers: HeaderMap, body
     let Some(proxy) = Some(ctx.proxy.clone()).filter(|p| p.is_alive()) else {
         return error_response(StatusCode::SERVICE_UNAVAILABLE, "service_unavailable", "proxy is stopping".into());
     };
-    let route = match tokio::time::timeout(ASK_DEADLINE, proxy.ask(Route)).instrument(step8.clone()).await {
+    let route = match route(&ctx, &proxy).instrument(step8.clone()).await {
         Ok(Ok(route)) => route,
         Ok(Err(SendError::HandlerError(not_ready))) => {
             step8.record(attrs::OUTCOME, "not_ready");

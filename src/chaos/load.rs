@@ -209,25 +209,25 @@ fn spawn_drain(capture: SpanCapture, log: Arc<Mutex<SpanLog>>, stop: Cancellatio
 struct Answer {
     request: usize,
     request_id: Option<String>,
-    /// `Ok(true)`: 200 with the reference's tokens; `Ok(false)`: a clean error (non-200 with an
-    /// error body); `Err`: why it is neither.
-    verdict: Result<bool, Problem>,
+    /// `Ok(None)`: 200 with the reference's tokens; `Ok(Some(error))`: a clean error (non-200
+    /// with an error body); `Err`: why it is neither.
+    verdict: Result<Option<String>, Problem>,
     terminal: Duration,
 }
 
 /// Reduces a response to its verdict against the reference tokens `want`.
-fn verdict(result: &Result<(u16, Value), String>, want: &[u64]) -> Result<bool, Problem> {
+fn verdict(result: &Result<(u16, Value), String>, want: &[u64]) -> Result<Option<String>, Problem> {
     match result {
         Ok((200, v)) if v.get("error").is_none() => {
             let tokens = token_ids(v);
             if tokens == want {
-                Ok(true)
+                Ok(None)
             } else {
                 Err(Problem::Incorrect(format!("{tokens:?} instead of the reference {want:?}")))
             }
         }
         Ok((200, v)) => Err(Problem::ErrorInside(truncate(&v.to_string()))),
-        Ok((_, v)) if v.get("error").is_some() => Ok(false),
+        Ok((s, v)) if v.get("error").is_some() => Ok(Some(truncate(&format!("HTTP {s}: {}", v["error"])))),
         Ok((s, v)) => Err(Problem::NoErrorBody(*s, truncate(&v.to_string()))),
         Err(e) => Err(Problem::NoTerminal(e.clone())),
     }
@@ -390,7 +390,7 @@ async fn drive(
     let warm_ids: Vec<String> = (0..opts.warmup).map(|i| format!("wu-{i:05}")).collect();
     let warm_prompts: Vec<usize> = (0..opts.warmup).map(|_| rng.below(prompts.bodies.len())).collect();
     let warm = blast(client, &url, prompts, &warm_ids, &warm_prompts, opts.concurrency, client_deadline, |n| progress(Phase::Warmup, n, opts.warmup)).await;
-    let warm_bad = warm.iter().filter(|a| !matches!(a.verdict, Ok(true))).count();
+    let warm_bad = warm.iter().filter(|a| !matches!(a.verdict, Ok(None))).count();
     if warm_bad > 0 {
         problems.push(format!("{warm_bad} of {} un-faulted warm-up requests were not served correctly", opts.warmup));
     }
@@ -426,6 +426,8 @@ async fn drive(
     let mut outcomes: BTreeMap<String, usize> = BTreeMap::new();
     let (mut incorrect, mut unclean, mut late) = (0, 0, 0);
     let mut bad = Vec::new();
+    // Clean errors of requests no fault was planned for: the faults' blast radius.
+    let (mut collateral, mut failed_samples) = (0usize, Vec::new());
     {
         let log = log.lock().unwrap_or_else(|p| p.into_inner());
         for a in &answers {
@@ -437,6 +439,15 @@ async fn drive(
                 late += 1;
             }
             *outcomes.entry(outcome_name(outcome)).or_default() += 1;
+            if let Ok(Some(error)) = &a.verdict {
+                let fault = fault_of.get(&a.request).map(|p| p.fault.clone());
+                if fault.is_none() {
+                    collateral += 1;
+                }
+                if failed_samples.len() < MAX_BAD {
+                    failed_samples.push(BadRequest { request: a.request, request_id: a.request_id.clone(), fault, detail: error.clone() });
+                }
+            }
             if let Some(p) = problem {
                 unclean += 1;
                 if bad.len() < MAX_BAD {
@@ -452,6 +463,16 @@ async fn drive(
     }
     if unclean > 0 {
         problems.push(format!("{unclean} requests did not end clean and correct ({incorrect} with wrong tokens)"));
+    }
+    // A fault may fail the requests in flight where it hits (a killed connector or receiver takes
+    // its engine's requests with it), at most `concurrency` of them; more is an outage.
+    let collateral_bound = fired.len() * opts.concurrency;
+    if collateral > collateral_bound {
+        problems.push(format!(
+            "{collateral} requests with no fault of their own failed, more than the {} fired faults × concurrency {} could have hit in flight: the cluster stopped serving for a while (see failed_samples)",
+            fired.len(),
+            opts.concurrency
+        ));
     }
     let leaked_blocks: BTreeMap<String, usize> = held.iter().map(|(k, h)| (k.clone(), h.blocks)).collect();
     let stuck_requests: BTreeMap<String, usize> = held.iter().map(|(k, h)| (k.clone(), h.requests)).collect();
@@ -509,6 +530,9 @@ async fn drive(
         planned,
         fired: fired.iter().map(|f| format!("{}@{:?} {} killed={}", f.step, f.when, f.request_id, f.killed)).collect(),
         bad,
+        collateral_failures: collateral,
+        collateral_bound,
+        failed_samples,
         passed: problems.is_empty(),
         problems,
     }
@@ -541,8 +565,8 @@ fn truncate(s: &str) -> String {
 /// A request's outcome (as `cell.rs` classifies one) and, when it is not clean and correct, why.
 fn classify<'a>(a: &'a Answer, log: &SpanLog) -> (Outcome, Option<&'a Problem>) {
     match &a.verdict {
-        Ok(true) => (a.request_id.as_deref().map_or(Outcome::Recomputed, |id| log.outcome(id)), None),
-        Ok(false) => (Outcome::FailedClean, None),
+        Ok(None) => (a.request_id.as_deref().map_or(Outcome::Recomputed, |id| log.outcome(id)), None),
+        Ok(Some(_)) => (Outcome::FailedClean, None),
         Err(p) => (Outcome::FailedUnclean, Some(p)),
     }
 }

@@ -65,9 +65,9 @@ async fn killed_actors_are_restarted_and_the_node_keeps_serving() {
 }
 
 /// The proxy's HTTP server outlives its actor: clients arriving while the Proxy actor is killed and
-/// restarted get an HTTP answer (served once the restarted actor routes them, or a clean 503),
-/// never a refused or cut connection — found by `pdflow chaos --load`, when the actor owned the
-/// socket and every client of its restart window was refused.
+/// restarted are served — never refused or cut (the actor owned the socket once), nor answered
+/// 503 while the restarted actor re-discovers its pools (flows wait for it). Both found by
+/// `pdflow chaos --load`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn killing_the_proxy_actor_refuses_no_client() {
     let cluster = Cluster::start(ClusterSpec::one_p_one_d()).await.expect("cluster starts");
@@ -89,7 +89,7 @@ async fn killing_the_proxy_actor_refuses_no_client() {
     for client in clients {
         let answer = client.await.expect("client task");
         let status = answer.unwrap_or_else(|e| panic!("a client got no HTTP answer while the proxy actor restarted: {e}"));
-        assert!(status == 200 || status == 503, "status {status}");
+        assert_eq!(status, 200, "a client of the restart window was not served");
         statuses.push(status);
     }
     // Restarted with the same ref: the next request is served.

@@ -93,6 +93,12 @@ pub struct LoadReport {
     pub fired: Vec<String>,
     /// The first bad requests (at most 20).
     pub bad: Vec<BadRequest>,
+    /// Clean errors of requests that had no fault of their own (a fault's blast radius).
+    pub collateral_failures: usize,
+    /// Their bound: faults fired × concurrency (each may fail the requests in flight where it hits).
+    pub collateral_bound: usize,
+    /// The first clean errors (at most 20), with the fault planned for the request if any.
+    pub failed_samples: Vec<BadRequest>,
     /// Why the run did not pass (empty when it passed).
     pub problems: Vec<String>,
     pub passed: bool,
@@ -110,6 +116,10 @@ pub fn render(r: &LoadReport) -> String {
     let outcomes: Vec<String> = r.outcomes.iter().map(|(k, v)| format!("{k} {v}")).collect();
     let _ = writeln!(s, "outcomes        : {}", outcomes.join(", "));
     let _ = writeln!(s, "incorrect       : {}   unclean: {}   late (> {:.0} ms): {}", r.incorrect, r.unclean, r.terminal_deadline_ms, r.late);
+    let _ = writeln!(s, "collateral      : {} clean errors of requests with no fault of their own (bound {})", r.collateral_failures, r.collateral_bound);
+    if let Some(first) = r.failed_samples.first() {
+        let _ = writeln!(s, "first error     : request {} (fault {}): {}", first.request, first.fault.as_deref().unwrap_or("none"), first.detail);
+    }
     let leaks: Vec<String> = r.leaked_blocks.iter().map(|(k, v)| format!("{k} {v}")).collect();
     let stuck: usize = r.stuck_requests.values().sum();
     let _ = writeln!(s, "leaked blocks   : {} (requests still tracked: {stuck})", leaks.join(", "));
