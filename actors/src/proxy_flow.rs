@@ -46,9 +46,10 @@ pub struct FlowContext {
     pub proxy: ActorRef<Proxy>,
     pub client: reqwest::Client,
     pub upstream_timeout: Duration,
-    /// The proxy has routed a request before: a later "not ready yet" is a restarted actor
-    /// re-discovering its pools (one health round), which a flow waits out rather than fails.
-    pub routed_before: std::sync::atomic::AtomicBool,
+    /// The proxy was ready before (it routed a request or said so on `/health`): a later "not
+    /// ready yet" is a restarted actor re-discovering its pools (one health round), which a flow
+    /// waits out rather than fails.
+    pub was_ready: std::sync::atomic::AtomicBool,
 }
 
 /// Why an upstream call failed.
@@ -105,7 +106,10 @@ async fn health(State(ctx): State<Arc<FlowContext>>) -> Response {
         return error_response(StatusCode::SERVICE_UNAVAILABLE, "service_unavailable", "proxy is stopping".into());
     };
     match tokio::time::timeout(ASK_DEADLINE, proxy.ask(ProxyStatus)).await {
-        Ok(Ok(r)) if r.ready => Json(serde_json::json!({"status": "ok"})).into_response(),
+        Ok(Ok(r)) if r.ready => {
+            ctx.was_ready.store(true, std::sync::atomic::Ordering::Release);
+            Json(serde_json::json!({"status": "ok"})).into_response()
+        }
         Ok(Ok(r)) => error_response(
             StatusCode::SERVICE_UNAVAILABLE,
             "service_unavailable",
@@ -205,21 +209,26 @@ pub fn flow_request_id(headers: &HeaderMap) -> String {
     }
 }
 
-/// Asks the Proxy actor for a route within [`ASK_DEADLINE`]. If it routed requests before and now
-/// answers "not ready yet", it was restarted (a kill, a panic) and is re-discovering P's engine ids
-/// and the pools' health: asked again until it is ready or the deadline passes, so that clients
-/// of the restart window are served instead of refused.
+/// Asks the Proxy actor for a route within [`ASK_DEADLINE`]. If it stopped while holding the ask,
+/// or routed requests before and now answers "not ready yet", it is being restarted (a kill, a
+/// panic) and re-discovering P's engine ids and the pools' health: asked again until it is ready
+/// or the deadline passes, so that clients of the restart window are served instead of refused.
 async fn route(ctx: &FlowContext, proxy: &ActorRef<Proxy>) -> Result<Result<RouteDecision, SendError<Route, NotReady>>, tokio::time::error::Elapsed> {
     use std::sync::atomic::Ordering;
     let deadline = tokio::time::Instant::now() + ASK_DEADLINE;
     loop {
         let answer = tokio::time::timeout_at(deadline, proxy.ask(Route)).await?;
+        let restarting = match &answer {
+            // Killed while this ask was in its mailbox or in hand, or drained by the restart: the
+            // next incarnation reads the same mailbox.
+            Err(SendError::ActorStopped | SendError::ActorRestarting(_)) => true,
+            Err(SendError::HandlerError(NotReady::Starting { .. })) => ctx.was_ready.load(Ordering::Acquire),
+            _ => false,
+        };
         match answer {
-            Err(SendError::HandlerError(NotReady::Starting { .. })) if ctx.routed_before.load(Ordering::Acquire) && tokio::time::Instant::now() < deadline => {
-                tokio::time::sleep(RESTART_POLL).await;
-            }
+            _ if restarting && tokio::time::Instant::now() < deadline => tokio::time::sleep(RESTART_POLL).await,
             Ok(route) => {
-                ctx.routed_before.store(true, Ordering::Release);
+                ctx.was_ready.store(true, Ordering::Release);
                 return Ok(Ok(route));
             }
             other => return Ok(other),

@@ -37,7 +37,7 @@ impl ProxyServer {
             .pool_idle_timeout(Duration::from_secs(90))
             .build()
             .map_err(|e| ActorError::Other(format!("cannot build the proxy's HTTP client: {e}")))?;
-        let app = proxy_flow::router(Arc::new(FlowContext { proxy, client, upstream_timeout, routed_before: Default::default() }));
+        let app = proxy_flow::router(Arc::new(FlowContext { proxy, client, upstream_timeout, was_ready: Default::default() }));
         let shutdown = CancellationToken::new();
         let stop = shutdown.clone().cancelled_owned();
         let task = tokio::spawn(async move { axum::serve(listener, app).with_graceful_shutdown(stop).await });
