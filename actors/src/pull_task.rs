@@ -20,6 +20,7 @@ use futures::StreamExt;
 use kameo::prelude::*;
 use pdflow_messages::frame;
 use pdflow_messages::receiver::{CancelTransfers, PullOutcome, PullTransportFailed};
+use pdflow_messages::lifecycle::TransferState;
 use pdflow_messages::sender_listener::{
     AbortPull, PullErr, PullErrorCause, PullRequest, PullResponse, PullStatus, SideChannelRequest,
 };
@@ -236,11 +237,7 @@ async fn exchange(args: &PullTaskArgs, mut cancels: mpsc::UnboundedReceiver<Vec<
             if !transfer_ids.is_empty() {
                 send_abort(&mut socket, args.pull_id, transfer_ids).await;
             }
-            let detail = format!(
-                "no answer from P worker {} within {:.1}s (pull_timeout)",
-                args.worker_addr,
-                args.deadline.as_secs_f64()
-            );
+            let detail = TransferState::Pulling.passed(args.deadline, format!("no answer from P worker {}", args.worker_addr)).to_string();
             tally.fail_unsettled(PullErrorCause::TransferFailed, &detail);
         }
     }

@@ -31,7 +31,8 @@ use std::time::Duration;
 use kameo::prelude::*;
 use pdflow_messages::bootstrap::WorkerAddrs;
 use pdflow_messages::layout::KvLayout;
-use pdflow_messages::receiver::{CancelTransfers, GetFinishedRecving, PullOutcome, PullTransportFailed, StartLoadKv};
+use pdflow_messages::lifecycle::TransferState;
+use pdflow_messages::receiver::{CancelTransfers, GetFinishedRecving, PullOutcome, PullTransportFailed, StartLoadKv, TransferStates};
 use pdflow_messages::scheduler_connector::{ConnectorOutput, PullMeta};
 use pdflow_messages::sender_listener::{PullErrorCause, PullReq, PullRequest};
 use pdflow_messages::{EngineId, RequestId};
@@ -133,6 +134,8 @@ pub struct Receiver {
     next_pull_id: u64,
     finished_recving: BTreeSet<RequestId>,
     failed_recving: BTreeMap<RequestId, String>,
+    /// Failed requests whose fence is draining before they are reported (`draining_fence`).
+    draining: BTreeSet<RequestId>,
     /// Best-effort aborts of orphaned pulls, and failures waiting for their fence to drain.
     helpers: JoinSet<()>,
     /// This actor, for the tasks it owns (a failure reported once its fence has drained).
@@ -173,6 +176,7 @@ impl Actor for Receiver {
             next_pull_id,
             finished_recving: BTreeSet::new(),
             failed_recving: BTreeMap::new(),
+            draining: BTreeSet::new(),
             helpers: JoinSet::new(),
             me: actor_ref,
             next_fence: next_pull_id | 1,
@@ -272,10 +276,12 @@ impl Receiver {
             return self.complete(meta, failure);
         }
         tracing::info!(request_id = %meta.d_req_id, landing, "pull ended with its KV still landing: reporting once the fence drains");
+        self.draining.insert(meta.d_req_id.clone());
         let (me, meta, reason) = (self.me.clone(), meta.clone(), failure.unwrap_or_default());
         self.helpers.spawn(async move {
             if let Err(e) = fence.close(token, FENCE_DRAIN_DEADLINE).await {
-                tracing::error!(error = %e, "a fenced batch did not stop; reporting the failure anyway");
+                let passed = TransferState::DrainingFence.passed(FENCE_DRAIN_DEADLINE, format!("a fenced batch did not stop ({e})"));
+                tracing::error!("{passed}; reporting the failure anyway");
             }
             let _ = me.tell(FenceDrained { meta, reason }).await;
         });
@@ -581,7 +587,20 @@ impl Message<FenceDrained> for Receiver {
     type Reply = ();
 
     async fn handle(&mut self, msg: FenceDrained, _ctx: &mut Context<Self, Self::Reply>) -> Self::Reply {
+        self.draining.remove(&msg.meta.d_req_id);
         self.complete(&msg.meta, Some(msg.reason));
+    }
+}
+
+impl Message<TransferStates> for Receiver {
+    type Reply = BTreeMap<RequestId, TransferState>;
+
+    /// Every request this Receiver tracks, in its lifecycle state.
+    async fn handle(&mut self, _msg: TransferStates, _ctx: &mut Context<Self, Self::Reply>) -> Self::Reply {
+        let looking_up = self.lookups.values().flat_map(|l| l.queued.keys()).map(|r| (r.clone(), TransferState::LookingUp));
+        let pulling = self.in_flight.keys().map(|r| (r.clone(), TransferState::Pulling));
+        let draining = self.draining.iter().map(|r| (r.clone(), TransferState::DrainingFence));
+        looking_up.chain(pulling).chain(draining).collect()
     }
 }
 

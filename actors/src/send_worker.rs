@@ -24,6 +24,7 @@ use kameo::prelude::*;
 use pdflow_messages::send_worker::{
     AbortSend, AbortSource, PullReply, RecordSendPending, RecordSendReady, SendOutcome, ServePull,
 };
+use pdflow_messages::lifecycle::TransferState;
 use pdflow_messages::sender_listener::{PullErr, PullErrorCause};
 use pdflow_messages::{BlockId, RequestId, TransferId};
 use pdflow_observability::{attrs, step_span, steps};
@@ -53,17 +54,30 @@ pub struct SendWorkerArgs {
     pub verify_checksums: bool,
 }
 
-/// Where the transfer stands.
+/// Where the transfer stands (the P side of [`TransferState`], plus the end).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Phase {
-    /// P's blocks are not final yet (or P's request is not known yet).
+    /// P's blocks are not final yet (or P's request is not known yet); a pull waits here for
+    /// `ready_timeout`.
     Waiting,
-    /// Ready (step 27): P's block ids are known and held.
+    /// Ready (step 27): P's block ids are known and held, for `send_expiry` if D never pulls.
     Ready,
-    /// The write task runs.
+    /// The write task runs, under the transfer engine's write deadline.
     Writing,
     /// Reported `finished`; the listener is about to stop this worker.
     Finished,
+}
+
+impl Phase {
+    /// The lifecycle state this phase is, and so its deadline (`Finished` is terminal: the
+    /// `Writing` entry stands for it, never used).
+    fn state(self) -> TransferState {
+        match self {
+            Phase::Waiting => TransferState::WaitingForPrefill,
+            Phase::Ready => TransferState::HeldForPull,
+            Phase::Writing | Phase::Finished => TransferState::Writing,
+        }
+    }
 }
 
 /// A scheduled self-message (a timer); aborted when no longer wanted.
@@ -420,10 +434,10 @@ impl Message<ReadyDeadline> for SendWorker {
         waiting.span.record(attrs::OUTCOME, "ready_timeout");
         drop(waiting.span);
         tracing::warn!(transfer_id = %self.args.transfer_id, d_req_id = %msg.d_req_id, timeout = ?self.args.ready_timeout, "P's prefill was not ready in time for D's pull");
-        let detail = format!(
-            "P's prefill for transfer {} did not finish within {:?} (raise the ready timeout, VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT, if prefills are slow)",
-            self.args.transfer_id, self.args.ready_timeout
-        );
+        let detail = Phase::Waiting
+            .state()
+            .passed(self.args.ready_timeout, format!("P's prefill for transfer {} did not finish", self.args.transfer_id))
+            .to_string();
         let err = Self::err(&msg.d_req_id, PullErrorCause::ReadyTimeout, detail);
         self.reply_err(&waiting.pull, err, false, false).await;
         if self.pulls.is_empty() {
@@ -444,7 +458,8 @@ impl Message<ExpiryDue> for SendWorker {
             return;
         }
         self.expiry = None;
-        tracing::warn!(transfer_id = %self.args.transfer_id, p_req_id = ?self.p_req_id, expiry = ?self.args.send_expiry, "D never pulled this transfer: P's blocks are freed");
+        let expired = Phase::Ready.state().passed(self.args.send_expiry, "D never pulled this transfer: P's blocks are freed");
+        tracing::warn!(transfer_id = %self.args.transfer_id, p_req_id = ?self.p_req_id, "{expired}");
         self.report(None, true, true).await;
     }
 }

@@ -18,6 +18,7 @@ pub mod bootstrap;
 pub mod frame;
 pub mod kv_transfer_params;
 pub mod layout;
+pub mod lifecycle;
 pub mod proxy;
 pub mod receiver;
 pub mod scheduler_connector;

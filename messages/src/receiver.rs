@@ -32,6 +32,11 @@ pub struct PullOutcome {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 pub struct GetFinishedRecving;
 
+/// Ask a D worker's Receiver where each request it tracks stands (its lifecycle state:
+/// `looking_up`, `pulling` or `draining_fence`); empty once every request has been reported.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct TransferStates;
+
 /// Receiver → PullTask: D gave these transfers up while their pull is in flight; the PullTask sends
 /// an `AbortPull` on its side channel and keeps waiting for P's final answer (no write-after-free).
 #[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]

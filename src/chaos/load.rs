@@ -474,6 +474,11 @@ async fn drive(
             opts.concurrency
         ));
     }
+    // The actors too: no pull in flight on P, no request in any lifecycle state on D.
+    let tracked_transfers = cluster.tracked_transfers().await;
+    if tracked_transfers.values().any(|n| *n > 0) {
+        problems.push(format!("transfers still tracked by the actors (P: pulls in flight, D: requests in a state): {tracked_transfers:?}"));
+    }
     let leaked_blocks: BTreeMap<String, usize> = held.iter().map(|(k, h)| (k.clone(), h.blocks)).collect();
     let stuck_requests: BTreeMap<String, usize> = held.iter().map(|(k, h)| (k.clone(), h.requests)).collect();
     if held.values().any(|h| h.blocks > 0 || h.requests > 0) {
@@ -516,6 +521,7 @@ async fn drive(
         terminal_deadline_ms: terminal_deadline.as_secs_f64() * 1e3,
         leaked_blocks,
         stuck_requests,
+        tracked_transfers,
         rss_before_bytes: rss_before,
         rss_end_of_run_bytes: rss_end_of_run,
         rss_after_bytes: rss_after,

@@ -5,6 +5,7 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use pdflow_messages::bootstrap::{QueryResponse, WorkerAddrs};
+use pdflow_messages::lifecycle::TransferState;
 use pdflow_messages::EngineId;
 
 /// What one `/query` answered: every engine with its workers, and each worker's generation by
@@ -45,7 +46,7 @@ pub(crate) async fn query_bootstrap(http: &reqwest::Client, bootstrap_addr: &str
     };
     tokio::time::timeout(timeout, call)
         .await
-        .map_err(|_| format!("GET {url} got no answer within {:.1}s (bootstrap_timeout)", timeout.as_secs_f64()))?
+        .map_err(|_| TransferState::LookingUp.passed(timeout, format!("GET {url} got no answer")).to_string())?
 }
 
 /// One P worker this D worker pulls from.

@@ -7,7 +7,8 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use kameo::prelude::*;
-use pdflow_messages::receiver::{GetFinishedRecving, StartLoadKv};
+use pdflow_messages::lifecycle::TransferState;
+use pdflow_messages::receiver::{GetFinishedRecving, StartLoadKv, TransferStates};
 use pdflow_messages::scheduler_connector::{ConnectorOutput, PullMeta};
 use pdflow_messages::sender_listener::{PullErr, PullErrorCause, PullRequest, PullResponse, PullStatus, SideChannelRequest};
 use pdflow_runtime::memory::{KvCache, KvShape};
@@ -127,9 +128,13 @@ async fn pull_completes_into_finished_recving() {
     assert_eq!(pull.reqs[0].transfer_id, "xfer-cmpl-d-1");
     assert!(pull.layout.is_some(), "first pull carries the full layout");
     assert_eq!(pull.data_addr, "127.0.0.1:9");
+    // The request's lifecycle state while P has not answered.
+    let states = h.receiver.ask(TransferStates).await.expect("alive");
+    assert_eq!(states, BTreeMap::from([("cmpl-d-1".to_string(), TransferState::Pulling)]));
     h.p.reply(&id, &finish(&pull, &["cmpl-d-1"]));
     let out = h.settled("cmpl-d-1", WAIT).await;
     assert!(out.finished_recving.contains("cmpl-d-1") && out.failed_recving.is_empty(), "{out:?}");
+    assert!(h.receiver.ask(TransferStates).await.expect("alive").is_empty(), "nothing tracked once reported");
 
     // P acknowledged the layout: the next pull to that worker omits it and needs no new look-up.
     h.pull(vec![h.meta("cmpl-d-2", vec![6])]).await;
@@ -202,7 +207,8 @@ async fn silent_p_fails_after_pull_timeout_not_later() {
     let _ = h.next_pull().await;
     let out = h.settled("a", Duration::from_secs(3)).await;
     let elapsed = started.elapsed();
-    assert!(out.failed_recving["a"].contains("pull_timeout"), "{out:?}");
+    // The error names the state and its deadline (issue #5's lifecycle).
+    assert!(out.failed_recving["a"].contains("state `pulling` past its pull_timeout"), "{out:?}");
     assert!(elapsed >= timeout - Duration::from_millis(50) && elapsed < Duration::from_secs(2), "{elapsed:?}");
     // D told P to stop before giving the blocks up.
     match h.p.next_request().await.1 {

@@ -210,6 +210,8 @@ async fn ready_timeout_answers_well_before_any_big_deadline_and_frees_p_later() 
     assert!(resp.ok_reqs.is_empty());
     assert_eq!(resp.err_reqs.len(), 1);
     assert_eq!(resp.err_reqs[0].cause, PullErrorCause::ReadyTimeout);
+    let detail = &resp.err_reqs[0].detail;
+    assert!(detail.contains("state `waiting_for_prefill` past its ready_timeout of 0.3s"), "{detail}");
     // P finishes later: nobody will pull, so its blocks are freed at once.
     h.record(&[("cmpl-p", "xfer-t", vec![2])], &[]).await;
     h.wait_finished("cmpl-p").await;

@@ -18,6 +18,7 @@ use std::sync::{Arc, Mutex};
 use pdflow_messages::scheduler_connector::{
     ConnectorOutput, FinishStatus, GetNumNewMatchedTokens, RequestFinished, SchedRequest, UpdateStateAfterAlloc,
 };
+use pdflow_messages::lifecycle::TransferState;
 use pdflow_observability::{attrs, steps};
 use tracing::Span;
 
@@ -525,13 +526,14 @@ impl Scheduler {
             }
             match r.status {
                 Status::WaitingForRemoteKvs | Status::AbortedAwaitingRecv if !out.finished_recving.contains(id) => {
-                    let state = if r.status == Status::WaitingForRemoteKvs { "WAITING_FOR_REMOTE_KVS" } else { "aborted, awaiting the receive" };
-                    let reason = format!("no KV received within {timeout:?} in state {state} (kv_state_timeout)");
+                    let what = if r.status == Status::WaitingForRemoteKvs { "no KV received" } else { "aborted, and no end of its receive reported" };
+                    let reason = TransferState::WaitingForRemoteKvs.passed(timeout, what).to_string();
                     tracing::warn!(request_id = %id, "{reason}");
                     out.failed_recving.entry(id.clone()).or_insert(reason);
                 }
                 Status::FinishedDelayFree if !out.finished_sending.contains(id) => {
-                    tracing::warn!(request_id = %id, "P held the blocks {timeout:?} for a send never reported (kv_state_timeout): freed");
+                    let freed = TransferState::DelayedFree.passed(timeout, "P held the blocks for a send never reported: freed");
+                    tracing::warn!(request_id = %id, "{freed}");
                     out.finished_sending.insert(id.clone());
                 }
                 _ => {}

@@ -340,7 +340,8 @@ async fn a_load_nobody_reports_ends_at_the_kv_state_deadline_by_policy() {
             LoadFailurePolicy::Recompute => assert_eq!((tokens, status), (want.clone(), FinishStatus::LengthCapped)),
             LoadFailurePolicy::Fail => {
                 assert_eq!(status, FinishStatus::Error);
-                assert!(error.unwrap_or_default().contains("WAITING_FOR_REMOTE_KVS"), "the error names the state");
+                let error = error.unwrap_or_default();
+                assert!(error.contains("state `waiting_for_remote_kvs` past its kv_state_timeout"), "the error names the state and the deadline: {error}");
             }
         }
         wait_stats(&d.engine, d.baseline()).await;

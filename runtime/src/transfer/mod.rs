@@ -44,7 +44,7 @@ pub enum TransferError {
     Refused { peer: String, reason: String },
     #[error("a source descriptor is not in this worker's registered memory: {0}")]
     LocalRegion(#[from] RegionError),
-    #[error("write to {peer} did not finish within {deadline:?}")]
+    #[error("{}", pdflow_messages::lifecycle::TransferState::Writing.passed(*deadline, format!("the write to {peer} did not finish")))]
     Timeout { peer: String, deadline: Duration },
     #[error("the same-host path to {peer} is required but unavailable: {reason}")]
     SameHostUnavailable { peer: String, reason: String },

@@ -13,6 +13,8 @@ use std::time::{Duration, Instant};
 
 use pdflow_actors::proxy::{PrefillTarget, ProxyArgs};
 use pdflow_actors::scheduler_connector::KvRole;
+use pdflow_messages::receiver::TransferStates;
+use pdflow_messages::sender_listener::InFlightPulls;
 use pdflow_runtime::engine::scheduler::BlockStats;
 
 use crate::chaos::cluster::{node_cfg, ChaosSpec};
@@ -105,6 +107,26 @@ impl LoadCluster {
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
+    }
+
+    /// Transfers the actors still track, by engine label: P's side-channel pulls in flight (the
+    /// SenderListener), D's requests in a lifecycle state (the Receiver). `usize::MAX`: the actor
+    /// did not answer within 2 s.
+    pub async fn tracked_transfers(&self) -> BTreeMap<String, usize> {
+        const ASK: Duration = Duration::from_secs(2);
+        let mut out = BTreeMap::new();
+        for (label, node) in self.engines() {
+            let mut n = 0usize;
+            if let Some(listener) = &node.sender_listener {
+                n += tokio::time::timeout(ASK, listener.ask(InFlightPulls)).await.ok().and_then(Result::ok).unwrap_or(usize::MAX);
+            }
+            if let Some(receiver) = &node.receiver {
+                let tracked = tokio::time::timeout(ASK, receiver.ask(TransferStates)).await.ok().and_then(Result::ok);
+                n = n.saturating_add(tracked.map_or(usize::MAX, |t| t.len()));
+            }
+            out.insert(label, n);
+        }
+        out
     }
 
     pub async fn shutdown(self) {

@@ -71,6 +71,9 @@ pub struct LoadReport {
     pub leaked_blocks: BTreeMap<String, usize>,
     /// Requests each engine still tracked after that wait.
     pub stuck_requests: BTreeMap<String, usize>,
+    /// Transfers the actors still track after the run (P: pulls in flight; D: requests in a
+    /// lifecycle state), by engine.
+    pub tracked_transfers: BTreeMap<String, usize>,
     /// RSS of this process after the warm-up (the cluster, pools and arenas at full concurrency).
     pub rss_before_bytes: u64,
     /// RSS right after the last request of the run answered.
@@ -122,7 +125,8 @@ pub fn render(r: &LoadReport) -> String {
     }
     let leaks: Vec<String> = r.leaked_blocks.iter().map(|(k, v)| format!("{k} {v}")).collect();
     let stuck: usize = r.stuck_requests.values().sum();
-    let _ = writeln!(s, "leaked blocks   : {} (requests still tracked: {stuck})", leaks.join(", "));
+    let tracked: usize = r.tracked_transfers.values().fold(0usize, |a, n| a.saturating_add(*n));
+    let _ = writeln!(s, "leaked blocks   : {} (requests still tracked: {stuck}; transfers still tracked by the actors: {tracked})", leaks.join(", "));
     let _ = writeln!(
         s,
         "memory (RSS)    : {:.1} MiB after warm-up, {:.1} MiB at end of run, {:.1} MiB after settle: growth {:+.1} MiB (bound {:.1} MiB) → {}",
