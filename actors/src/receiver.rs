@@ -395,7 +395,7 @@ impl Receiver {
         let (http, addr, timeout, me) = (self.http.clone(), bootstrap_addr.to_string(), self.args.bootstrap_timeout, me.clone());
         let engine = engine_id.to_string();
         let task = tokio::spawn(async move {
-            let result = lookup::query_bootstrap(&http, &addr, timeout).instrument(span).await;
+            let result = lookup::query_until_registered(&http, &addr, &engine, timeout).instrument(span).await;
             if let Err(e) = me.tell(LookupDone { engine_id: engine, result }).await {
                 tracing::debug!(error = %e, "receiver gone before its bootstrap look-up answered");
             }
@@ -495,10 +495,11 @@ impl Message<LookupDone> for Receiver {
                     self.start_pulls(&engine_id, lookup.queued.into_values().collect(), &me).await;
                     return;
                 }
-                format!(
-                    "P engine {engine_id} is not registered at bootstrap {} (its /query names {named:?}): is that P up and registered?",
+                let what = format!(
+                    "P engine {engine_id} is not registered at bootstrap {} (its /query names {named:?}; is that P up and registered?)",
                     lookup.bootstrap_addr
-                )
+                );
+                TransferState::LookingUp.passed(self.args.bootstrap_timeout, what).to_string()
             }
             Err(reason) => format!("bootstrap look-up of P engine {engine_id} at {} failed: {reason}", lookup.bootstrap_addr),
         };

@@ -49,6 +49,26 @@ pub(crate) async fn query_bootstrap(http: &reqwest::Client, bootstrap_addr: &str
         .map_err(|_| TransferState::LookingUp.passed(timeout, format!("GET {url} got no answer")).to_string())?
 }
 
+/// [`query_bootstrap`] until its answer names `engine_id`, within `timeout` in all: a bootstrap
+/// that restarted (refusing connections, or with an empty table until P's next periodic
+/// re-registration) is asked again every [`RETRY_EVERY`] rather than failing the requests queued
+/// behind the look-up. Returns the last answer (or error) when the time is up.
+pub(crate) async fn query_until_registered(http: &reqwest::Client, bootstrap_addr: &str, engine_id: &str, timeout: Duration) -> Result<Answer, String> {
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+        let result = query_bootstrap(http, bootstrap_addr, left.max(Duration::from_millis(1))).await;
+        let done = matches!(&result, Ok(answer) if answer.engines.contains_key(engine_id));
+        if done || tokio::time::Instant::now() + RETRY_EVERY >= deadline {
+            return result;
+        }
+        tokio::time::sleep(RETRY_EVERY).await;
+    }
+}
+
+/// Pause between two look-ups of an engine the bootstrap does not (yet) name.
+const RETRY_EVERY: Duration = Duration::from_millis(50);
+
 /// One P worker this D worker pulls from.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Peer {

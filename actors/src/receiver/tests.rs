@@ -218,6 +218,27 @@ async fn silent_p_fails_after_pull_timeout_not_later() {
 }
 
 #[tokio::test]
+async fn an_engine_registered_while_its_look_up_runs_is_pulled_from() {
+    // The bootstrap restarted with an empty table; P registers again a moment later.
+    let mut h = Harness::start(Duration::from_secs(5)).await;
+    let registered = h.bootstrap.body.lock().await.clone();
+    *h.bootstrap.body.lock().await = serde_json::json!({});
+    h.pull(vec![h.meta("a", vec![1])]).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(
+        h.receiver.ask(TransferStates).await.expect("alive"),
+        BTreeMap::from([("a".to_string(), TransferState::LookingUp)]),
+        "still looking P up, within its bootstrap_timeout"
+    );
+    *h.bootstrap.body.lock().await = registered;
+    let (id, pull) = h.next_pull().await;
+    h.p.reply(&id, &finish(&pull, &["a"]));
+    let out = h.settled("a", WAIT).await;
+    assert!(out.finished_recving.contains("a"), "{out:?}");
+    assert!(h.bootstrap.calls() > 1, "asked again");
+}
+
+#[tokio::test]
 async fn engine_missing_from_query_fails_naming_it() {
     let mut h = Harness::start(Duration::from_secs(5)).await;
     let mut meta = h.meta("a", vec![1]);
@@ -229,6 +250,7 @@ async fn engine_missing_from_query_fails_naming_it() {
     h.receiver.tell(msg).await.expect("receiver alive");
     let reason = h.settled("a", WAIT).await.failed_recving["a"].clone();
     assert!(reason.contains("ghost-engine") && reason.contains(&h.bootstrap.addr), "{reason}");
+    assert!(reason.contains("state `looking_up` past its bootstrap_timeout"), "{reason}");
     assert!(h.p.quiet_for(Duration::from_millis(100)).await, "no pull was sent");
 }
 
