@@ -415,6 +415,7 @@ mod tests {
             reqs: reqs.iter().map(|r| PullReq { d_req_id: r.to_string(), transfer_id: format!("xfer-{r}"), block_ids: vec![1, 2], traceparent: None, fence: 0 }).collect(),
             traceparent: None,
             p_generation: 0,
+            deadline_ms: 0,
         };
         let task = PullTask::spawn(PullTaskArgs {
             pull_id: 42,

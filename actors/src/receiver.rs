@@ -330,6 +330,7 @@ impl Receiver {
                 .collect(),
             traceparent: metas.iter().find_map(|m| m.traceparent.clone()),
             p_generation: self.p_generations.get(worker_addr).copied().unwrap_or(0),
+            deadline_ms: u64::try_from(self.args.pull_timeout.as_millis()).unwrap_or(u64::MAX),
         };
         let args = PullTaskArgs {
             pull_id,

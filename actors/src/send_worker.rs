@@ -297,6 +297,8 @@ impl SendWorker {
                 Err(e) => tracing::warn!(transfer_id = %self.args.transfer_id, error = %e, "cannot checksum P's blocks"),
             }
         }
+        // No byte after D's pull deadline (less a margin): D gives the blocks up then.
+        let plan = pdflow_runtime::planner::TransferPlan { write_by: pull.write_by, ..plan };
         // Fault injection (issue #5, `cut_data`): returns at once unless a fault plan is armed.
         let plan = match pdflow_observability::fault::data_cut(&p_req_id) {
             Some(after_bytes) => pdflow_runtime::planner::TransferPlan { cut_after: Some(after_bytes), ..plan },

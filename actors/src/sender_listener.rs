@@ -124,6 +124,11 @@ pub struct SenderListener {
     p_generation: u64,
 }
 
+/// How long before D's pull deadline P stops writing D's blocks (at most half the deadline): a
+/// system call of the same-host path in progress then (at most 32 MiB) ends long before D gives
+/// the blocks up.
+const WRITE_MARGIN: Duration = Duration::from_secs(1);
+
 /// A new worker generation: the wall clock in nanoseconds, and strictly larger than any this
 /// process handed out before (a listener restarted by its supervisor within the same nanosecond,
 /// or after the clock stepped back, still counts up; across processes the clock orders them).
@@ -337,6 +342,7 @@ impl SenderListener {
 
     /// Steps 21 (receive) and 22 (routing): check, track and route one pull.
     async fn on_pull(&mut self, identity: Bytes, pull: PullRequest, me: &ActorRef<Self>) {
+        let received = std::time::Instant::now();
         let mut d_reqs = BTreeSet::new();
         if pull.reqs.is_empty() || !pull.reqs.iter().all(|r| d_reqs.insert(r.d_req_id.clone())) {
             let why = "a pull must name at least one request, each d_req_id once";
@@ -374,6 +380,12 @@ impl SenderListener {
                 }
             },
         };
+        // D gives the blocks up `deadline_ms` after it sent the pull (so at the latest that long
+        // after now): P stops writing a margin before.
+        let write_by = (pull.deadline_ms > 0).then(|| {
+            let deadline = Duration::from_millis(pull.deadline_ms);
+            received + deadline - WRITE_MARGIN.min(deadline / 2)
+        });
         self.next_pull_key += 1;
         let key = self.next_pull_key;
         let remaining = pull.reqs.iter().map(|r| (r.d_req_id.clone(), r.transfer_id.clone())).collect();
@@ -400,6 +412,7 @@ impl SenderListener {
                 layout: layout.clone(),
                 traceparent: req.traceparent.clone().or_else(|| pull.traceparent.clone()),
                 fence: req.fence,
+                write_by,
             };
             if let Err(e) = worker.tell(serve).await {
                 let err = PullErr { d_req_id: req.d_req_id.clone(), cause: PullErrorCause::TransferFailed, detail: format!("P's send worker is gone: {e}") };

@@ -81,6 +81,7 @@ fn pull(pull_id: u64, layout_id: u64) -> SideChannelRequest {
         reqs: vec![PullReq { d_req_id: "cmpl-d".into(), transfer_id: "xfer-1".into(), block_ids: vec![1, 2], traceparent: None, fence: 0 }],
         traceparent: None,
         p_generation: 0,
+        deadline_ms: 0,
     })
 }
 

@@ -36,6 +36,10 @@ pub struct ServePull {
     pub traceparent: Option<String>,
     /// D's write-fence token for these blocks (0: none), named before the data.
     pub fence: u64,
+    /// No byte of D's blocks may be written after this (D's pull deadline, less a margin, from
+    /// the pull's arrival); `None`: no limit. Local to P, never sent.
+    #[serde(skip)]
+    pub write_by: Option<std::time::Instant>,
 }
 
 /// Who gave the transfer up.

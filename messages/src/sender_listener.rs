@@ -48,6 +48,11 @@ pub struct PullRequest {
     /// generation, belonged to a previous incarnation of the worker: refused at once
     /// (`StaleGeneration`) instead of waited for.
     pub p_generation: u64,
+    /// How long D waits for this pull's answer from when it sends it (its pull deadline), in
+    /// milliseconds; 0: no limit. P writes none of D's blocks after that long (less a margin)
+    /// from the pull's arrival: past it D gives the blocks up, so a later byte could land in
+    /// blocks D reuses (the same-host path has no data-server fence to refuse it).
+    pub deadline_ms: u64,
 }
 
 /// D → P: D has given these transfers up (abort, deadline); P must not write them any more.
@@ -147,6 +152,7 @@ mod tests {
             reqs: vec![PullReq { d_req_id: "cmpl-d".into(), transfer_id: "xfer-1".into(), block_ids: (512..575).collect(), traceparent: None, fence: 9 }],
             traceparent: None,
             p_generation: 3,
+            deadline_ms: 35_000,
         });
         let bytes = frame::encode(&pull).expect("encodes");
         assert_eq!(frame::decode::<SideChannelRequest>(&bytes, "side-channel request"), Ok(pull));

@@ -101,10 +101,10 @@ fn pull_req() -> impl Strategy<Value = PullReq> {
 fn pull_request() -> impl Strategy<Value = PullRequest> {
     (
         (any::<u64>(), text(), text(), any::<u32>(), any::<u32>(), any::<u32>(), any::<u64>()),
-        (prop::option::of(layout()), prop::collection::vec(pull_req(), 0..5), prop::option::of(text()), any::<u64>()),
+        (prop::option::of(layout()), prop::collection::vec(pull_req(), 0..5), prop::option::of(text()), any::<u64>(), any::<u64>()),
     )
-        .prop_map(|((pull_id, engine_id, data_addr, tp_size, tp_rank, pp_size, layout_id), (layout, reqs, traceparent, p_generation))| {
-            PullRequest { pull_id, engine_id, data_addr, tp_size, tp_rank, pp_size, layout_id, layout, reqs, traceparent, p_generation }
+        .prop_map(|((pull_id, engine_id, data_addr, tp_size, tp_rank, pp_size, layout_id), (layout, reqs, traceparent, p_generation, deadline_ms))| {
+            PullRequest { pull_id, engine_id, data_addr, tp_size, tp_rank, pp_size, layout_id, layout, reqs, traceparent, p_generation, deadline_ms }
         })
 }
 

@@ -33,6 +33,7 @@ fn pull(with_layout: bool) -> SideChannelRequest {
         }],
         traceparent: Some("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01".into()),
         p_generation: 0,
+        deadline_ms: 0,
     })
 }
 

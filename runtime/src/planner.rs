@@ -27,6 +27,11 @@ pub struct TransferPlan {
     /// fails the write. `None` (always, unless a fault plan is armed): write everything. Never
     /// sent on the wire.
     pub cut_after: Option<u64>,
+    /// No byte may be written after this instant (D's pull deadline, less a margin): the
+    /// same-host path, which no data-server fence guards, stops between system calls there, so a
+    /// late write never lands in blocks D gave up. `None`: the engine's write deadline only.
+    /// Never sent on the wire.
+    pub write_by: Option<std::time::Instant>,
 }
 
 impl TransferPlan {
@@ -81,7 +86,7 @@ pub fn build_plan(
             });
         }
     }
-    Ok(TransferPlan { descriptors, fence: 0, cut_after: None })
+    Ok(TransferPlan { descriptors, fence: 0, cut_after: None, write_by: None })
 }
 
 /// Runs `(start index, length)` over which both id lists advance by exactly one.

@@ -201,7 +201,7 @@ fn run() -> anyhow::Result<bool> {
 
     // The ceiling: one peer copy of the seed's bytes.
     let bytes = plans[0].1.total_bytes();
-    let whole = TransferPlan { descriptors: vec![Descriptor { src: p_mem.ptr, dst: d_mem.ptr, len: bytes }], fence: 0, cut_after: None };
+    let whole = TransferPlan { descriptors: vec![Descriptor { src: p_mem.ptr, dst: d_mem.ptr, len: bytes }], fence: 0, cut_after: None, write_by: None };
     verify("single peer copy", &whole, &|| Ok(cuda::copy_peer(&stream0, &ctx0, p_mem.ptr, &ctx1, d_mem.ptr, bytes)?))?;
     let s = time_runs(args.runs, || Ok(cuda::time_ms(&stream0, || cuda::copy_peer(&stream0, &ctx0, p_mem.ptr, &ctx1, d_mem.ptr, bytes))?))?;
     rows.push(report::row("single peer copy (ceiling)", Some("cuda"), Some("1 x 148635648"), None, Some(bytes), &s));

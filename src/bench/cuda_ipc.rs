@@ -247,9 +247,10 @@ fn run() -> anyhow::Result<bool> {
             .collect(),
         fence: 0,
         cut_after: None,
+        write_by: None,
     };
     let dst_local = peer.map().translate(d_regions[0].base_addr, 1)?;
-    let one_copy = TransferPlan { descriptors: vec![Descriptor { src: p_mem.ptr, dst: dst_local, len: bytes }], fence: 0, cut_after: None };
+    let one_copy = TransferPlan { descriptors: vec![Descriptor { src: p_mem.ptr, dst: dst_local, len: bytes }], fence: 0, cut_after: None, write_by: None };
     verify("single copy via IPC", &whole, &|| Ok(cuda::copy_per_descriptor_uva(&stream0, &one_copy)?))?;
     let s = time_runs(args.runs, || Ok(cuda::time_ms(&stream0, || cuda::copy_per_descriptor_uva(&stream0, &one_copy))?))?;
     rows.push(report::row("single copy via IPC mapping (ceiling)", Some("cuda-ipc"), Some("1 x 148635648"), None, Some(bytes), &s));

@@ -68,7 +68,7 @@ async fn scenario(cluster: &Endpoints) {
     let local = KvCache::new(SMALL, 4);
     let engine = TcpTransferEngine::new(local.region_table(), TcpConfig::default());
     let src = local.regions()[0];
-    let plan = TransferPlan { descriptors: vec![Descriptor { src: src.base_addr, dst: 0x1000, len: src.block_len }], fence: 0, cut_after: None };
+    let plan = TransferPlan { descriptors: vec![Descriptor { src: src.base_addr, dst: 0x1000, len: src.block_len }], fence: 0, cut_after: None, write_by: None };
     let data_addr = cluster.decode[0].data_addr.clone().expect("D has a data server");
     match engine.write(&data_addr, &plan).await {
         Err(TransferError::Refused { reason, .. }) => assert!(!reason.is_empty()),

@@ -83,6 +83,7 @@ impl Rig {
             layout: self.d.layout(),
             traceparent: None,
             fence: 0,
+            write_by: None,
         };
         self.worker.tell(serve).await.expect("worker alive");
     }

@@ -87,6 +87,7 @@ impl Harness {
                 .collect(),
             traceparent: None,
             p_generation: 0,
+            deadline_ms: 0,
         })
     }
 

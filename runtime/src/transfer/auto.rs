@@ -122,20 +122,29 @@ impl AutoTransferEngine {
         let Route::SameHost(p) = route else {
             return self.tcp.write(peer, plan).await;
         };
-        let timeout = self.tcp.config().write_timeout;
-        let written = tokio::time::timeout(timeout, same_host::write(&p, &self.local, &descriptors, self.threads)).await;
-        match written {
-            Ok(Ok(bytes)) => Ok(TransferStats { bytes, descriptors: plan.descriptors.len(), duration: started.elapsed() }),
-            Ok(Err(SameHostError::OutOfRegion(e))) => {
+        // The write deadline, or D's pull deadline (less a margin) if sooner: the same-host path
+        // has no data-server fence, so it stops (between system calls) before D can give the
+        // blocks up — a late byte never lands in blocks D reuses.
+        let now = tokio::time::Instant::now();
+        let mut timeout = self.tcp.config().write_timeout;
+        if let Some(write_by) = plan.write_by {
+            timeout = timeout.min(write_by.saturating_duration_since(now.into_std()));
+        }
+        if timeout.is_zero() {
+            return Err(TransferError::Timeout { peer: peer.to_string(), deadline: timeout });
+        }
+        match same_host::write(&p, &self.local, &descriptors, self.threads, now + timeout).await {
+            Ok(bytes) => Ok(TransferStats { bytes, descriptors: plan.descriptors.len(), duration: started.elapsed() }),
+            Err(SameHostError::OutOfRegion(e)) => {
                 Err(TransferError::Refused { peer: peer.to_string(), reason: format!("{e}; nothing of the plan was written") })
             }
-            Ok(Err(e @ SameHostError::Unavailable { .. })) if self.mode == SameHostMode::Auto => {
+            Err(e @ SameHostError::Unavailable { .. }) if self.mode == SameHostMode::Auto => {
                 tracing::warn!(%peer, "{e}");
                 self.set_route(peer, Route::Tcp);
                 self.tcp.write(peer, plan).await
             }
-            Ok(Err(e)) => Err(TransferError::SameHostUnavailable { peer: peer.to_string(), reason: e.to_string() }),
-            Err(_) => Err(TransferError::Timeout { peer: peer.to_string(), deadline: timeout }),
+            Err(SameHostError::DeadlinePassed { .. }) => Err(TransferError::Timeout { peer: peer.to_string(), deadline: timeout }),
+            Err(e) => Err(TransferError::SameHostUnavailable { peer: peer.to_string(), reason: e.to_string() }),
         }
     }
 }

@@ -54,6 +54,8 @@ pub enum SameHostError {
     Failed { pid: i32, done: u64, source: std::io::Error },
     #[error("the write was cancelled")]
     Cancelled,
+    #[error("the write to pid {pid} passed its deadline after {done} bytes; every writing thread has stopped")]
+    DeadlinePassed { pid: i32, done: u64 },
 }
 
 /// This host's identity as far as pids are concerned: boot id, hostname and pid namespace. Two
@@ -120,8 +122,18 @@ pub fn check_destinations(regions: &[RegionDesc], descriptors: &[Descriptor]) ->
 }
 
 /// Writes `descriptors` (sources checked against `local`, destinations against the peer's
-/// regions, here) into the peer, over up to `threads` blocking threads. Returns the bytes written.
-pub async fn write(peer: &SameHostPeer, local: &RegionTable, descriptors: &[Descriptor], threads: usize) -> Result<u64, SameHostError> {
+/// regions, here) into the peer, over up to `threads` blocking threads, until `deadline`. Returns
+/// the bytes written. It returns only once every thread has stopped — at the deadline or after an
+/// error, the others stop between system calls and are waited for — so that when it reports a
+/// failure, no byte of this write can land in the peer any more (no data-server fence guards this
+/// path: D gives its blocks up on that report, or at its own deadline, which `deadline` precedes).
+pub async fn write(
+    peer: &SameHostPeer,
+    local: &RegionTable,
+    descriptors: &[Descriptor],
+    threads: usize,
+    deadline: tokio::time::Instant,
+) -> Result<u64, SameHostError> {
     check_destinations(&peer.regions, descriptors)?;
     for d in descriptors {
         local.check(d.src, d.len).map_err(SameHostError::OutOfRegion)?;
@@ -147,14 +159,33 @@ pub async fn write(peer: &SameHostPeer, local: &RegionTable, descriptors: &[Desc
             write_blocking(pid, &share, &cancel)
         });
     }
-    let mut written = 0;
-    while let Some(done) = tasks.join_next().await {
-        match done {
-            Ok(result) => written += result?,
-            Err(e) => return Err(SameHostError::Failed { pid: peer.pid, done: written, source: std::io::Error::other(e.to_string()) }),
+    let (mut written, mut first_error, mut timed_out) = (0, None, false);
+    loop {
+        let done = tokio::select! {
+            done = tasks.join_next() => done,
+            _ = tokio::time::sleep_until(deadline), if !timed_out => {
+                timed_out = true;
+                cancel.store(true, Ordering::Release);
+                continue;
+            }
+        };
+        let Some(done) = done else { break };
+        let result = done.map_err(|e| SameHostError::Failed { pid: peer.pid, done: written, source: std::io::Error::other(e.to_string()) });
+        match result.and_then(|r| r) {
+            Ok(n) => written += n,
+            Err(SameHostError::Cancelled) => {}
+            Err(e) => {
+                // Stop the other threads too, and wait for them before reporting.
+                cancel.store(true, Ordering::Release);
+                first_error.get_or_insert(e);
+            }
         }
     }
-    Ok(written)
+    match first_error {
+        Some(e) => Err(e),
+        None if timed_out => Err(SameHostError::DeadlinePassed { pid: peer.pid, done: written }),
+        None => Ok(written),
+    }
 }
 
 /// The system-call loop: up to [`MAX_IOVECS`] descriptors (and [`MAX_BYTES_PER_CALL`]) a call,

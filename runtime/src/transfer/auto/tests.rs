@@ -105,13 +105,51 @@ async fn an_out_of_region_destination_is_refused_and_nothing_is_written() {
     p.assert_untouched(&[5, 6]);
 
     // Destinations entirely outside D's memory (P's own memory, say) are refused too.
-    let plan = TransferPlan { descriptors: vec![Descriptor { src: p.src.regions()[0].base_addr, dst: p.src.regions()[1].base_addr, len: 64 }], fence: 0, cut_after: None };
+    let plan = TransferPlan { descriptors: vec![Descriptor { src: p.src.regions()[0].base_addr, dst: p.src.regions()[1].base_addr, len: 64 }], fence: 0, cut_after: None, write_by: None };
     let err = bounded("refused write", p.engine.write(&p.peer, &plan)).await.expect_err("refused");
     assert!(matches!(err, TransferError::Refused { .. }), "got {err:?}");
 
     let plan = p.plan(&[1, 2], &[5, 6], true);
     bounded("next write", p.engine.write(&p.peer, &plan)).await.expect("the next valid write succeeds");
     p.assert_copied(&[1, 2], &[5, 6]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_same_host_path_writes_nothing_past_d_s_pull_deadline() {
+    let p = pair(32, true, SameHostMode::Auto).await;
+    // Route the peer by the same-host path first.
+    bounded("first write", p.engine.write(&p.peer, &p.plan(&[1], &[4], true))).await.expect("written");
+    assert_eq!(p.engine.backend_for(&p.peer), BACKEND_SAME_HOST);
+    // D gives its blocks up at its pull deadline; a plan whose write-by instant has passed (P got
+    // to it too late) writes no byte of them, and says which state and deadline it passed.
+    let late = TransferPlan { write_by: Some(std::time::Instant::now()), ..p.plan(&[2, 3], &[10, 11], true) };
+    let err = bounded("late write", p.engine.write(&p.peer, &late)).await.expect_err("refused");
+    assert!(matches!(err, TransferError::Timeout { .. }), "got {err:?}");
+    assert!(err.to_string().contains("state `writing`"), "{err}");
+    p.assert_untouched(&[10, 11]);
+    // With time left, the same plan is written.
+    let in_time = TransferPlan { write_by: Some(std::time::Instant::now() + std::time::Duration::from_secs(30)), ..late };
+    bounded("write in time", p.engine.write(&p.peer, &in_time)).await.expect("written");
+    p.assert_copied(&[2, 3], &[10, 11]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_same_host_write_that_passes_its_deadline_returns_only_once_its_threads_stopped() {
+    let p = pair(4096, true, SameHostMode::Auto).await;
+    bounded("route", p.engine.write(&p.peer, &p.plan(&[1], &[4], true))).await.expect("written");
+    let blocks: Vec<BlockId> = (0..2048).collect();
+    let dst: Vec<BlockId> = (2048..4096).collect();
+    // Uncoalesced, many MiB: many system calls, between which the threads look at the deadline,
+    // which passes long before the plan could be written.
+    let plan = TransferPlan { write_by: Some(std::time::Instant::now() + std::time::Duration::from_micros(300)), ..p.plan(&blocks, &dst, false) };
+    let bytes = plan.total_bytes();
+    let err = bounded("deadline write", p.engine.write(&p.peer, &plan)).await.expect_err("the deadline passes first");
+    assert!(matches!(err, TransferError::Timeout { .. }), "{bytes} bytes: {err:?}");
+    // Every thread has stopped before the failure was reported: D's memory changes no more.
+    let snapshot: Vec<u8> = dst.iter().flat_map(|b| p.dst.block_bytes(*b).expect("a block of D")).collect();
+    std::thread::sleep(std::time::Duration::from_millis(50));
+    let again: Vec<u8> = dst.iter().flat_map(|b| p.dst.block_bytes(*b).expect("a block of D")).collect();
+    assert!(snapshot == again, "a byte landed after the write reported its deadline");
 }
 
 #[tokio::test]

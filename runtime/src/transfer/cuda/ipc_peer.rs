@@ -124,7 +124,7 @@ fn verify(ctx: &Arc<CudaContext>, regions: &[RegionDesc], dst: Vec<Descriptor>, 
     for (index, d) in dst.iter().enumerate() {
         region_of(regions, d.dst, d.len).map_err(|source| IpcError::DestinationOutOfRegion { index, source })?;
     }
-    let checksum = plan_checksum(ctx, &TransferPlan { descriptors: dst, fence: 0, cut_after: None }, false)?;
+    let checksum = plan_checksum(ctx, &TransferPlan { descriptors: dst, fence: 0, cut_after: None, write_by: None }, false)?;
     Ok((checksum, checksum == expected))
 }
 

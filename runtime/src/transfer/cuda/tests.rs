@@ -34,6 +34,7 @@ fn batch_copy_moves_aligned_and_unaligned_descriptors() {
         ],
         fence: 0,
         cut_after: None,
+        write_by: None,
     };
     let up = copier.upload(&plan).expect("upload");
     copier.execute(&up).expect("launch");

@@ -153,7 +153,7 @@ async fn an_out_of_region_descriptor_is_refused_and_the_server_keeps_serving() {
 #[tokio::test]
 async fn a_source_outside_local_regions_is_refused_before_connecting() {
     let p = pair(SMALL, 8, None, TcpConfig::default()).await;
-    let plan = TransferPlan { descriptors: vec![Descriptor { src: 8, dst: p.dst.regions()[0].base_addr, len: 8 }], fence: 0, cut_after: None };
+    let plan = TransferPlan { descriptors: vec![Descriptor { src: 8, dst: p.dst.regions()[0].base_addr, len: 8 }], fence: 0, cut_after: None, write_by: None };
     let err = bounded("write", p.engine.write(&p.peer, &plan)).await.expect_err("refused locally");
     assert!(matches!(err, TransferError::LocalRegion(_)), "got {err:?}");
     assert_eq!(p.engine.pooled_connections(&p.peer), 0);
@@ -214,7 +214,7 @@ async fn connecting_to_a_closed_port_fails_fast_with_connect() {
     let cache = filled_cache(SMALL, 4, 1);
     let engine = TcpTransferEngine::new(cache.region_table(), TcpConfig::default());
     let r = cache.regions()[0];
-    let plan = TransferPlan { descriptors: vec![Descriptor { src: r.base_addr, dst: 0x1000, len: 16 }], fence: 0, cut_after: None };
+    let plan = TransferPlan { descriptors: vec![Descriptor { src: r.base_addr, dst: 0x1000, len: 16 }], fence: 0, cut_after: None, write_by: None };
     let started = Instant::now();
     let err = bounded("write", engine.write(&closed.to_string(), &plan)).await.expect_err("nobody listens");
     assert!(matches!(err, TransferError::Connect { .. }), "got {err:?}");
