@@ -67,11 +67,13 @@ pub struct CellEnv<'a> {
     pub max_tokens: usize,
 }
 
-fn body(prompt: &str, max_tokens: usize) -> Value {
+/// A completion request body (greedy) for the chaos runs.
+pub(super) fn body(prompt: &str, max_tokens: usize) -> Value {
     serde_json::json!({"model": "Qwen/Qwen3-8B", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
 }
 
-fn token_ids(v: &Value) -> Vec<u64> {
+/// The `token_ids` of a completion answer (empty when there are none).
+pub(super) fn token_ids(v: &Value) -> Vec<u64> {
     v["choices"][0]["token_ids"].as_array().map(|a| a.iter().filter_map(Value::as_u64).collect()).unwrap_or_default()
 }
 
@@ -269,6 +271,7 @@ fn classify(env: &CellEnv<'_>) -> Outcome {
     }
 }
 
-fn truncate(s: &str) -> String {
+/// The first 300 characters, for reports.
+pub(super) fn truncate(s: &str) -> String {
     s.chars().take(300).collect()
 }

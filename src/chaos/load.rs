@@ -5,9 +5,10 @@
 //!
 //! Pass: every request reaches a clean terminal state before the client's deadline (200 with the
 //! single-engine reference's tokens, or a non-200 with an error body); 0 blocks leaked and 0
-//! requests stuck on every engine after a bounded wait; the process's RSS flat between the end of
-//! a warm-up and the end of the run ([`memory_bound`]); and afterwards requests go through every
-//! P and every D again, correct and not recomputed.
+//! requests stuck on every engine, and no transfer still tracked by an actor, after a bounded
+//! wait; clean errors of requests with no fault of their own at most faults fired × concurrency;
+//! the process's RSS flat between the end of a warm-up and the end of the run ([`memory_bound`]);
+//! and afterwards requests go through every P and every D again, correct and not recomputed.
 //!
 //! Each request is sent with `X-Request-Id: ld-NNNNN` (its client id, the fault filter) and
 //! classified by the id the proxy echoes back: `completed` when D resumed from P's KV (step 37)
@@ -21,10 +22,12 @@
 //! - [`faults`] — the per-request fault menu, the seeded RNG, the plan.
 //! - [`cluster`] — the 2P2D cluster.
 //! - [`report`] — the report and its rendering.
+//! - `verdict` — each request's answer reduced to its verdict and outcome.
 
 pub mod cluster;
 pub mod faults;
 pub mod report;
+mod verdict;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::{Arc, Mutex};
@@ -41,7 +44,8 @@ pub use cluster::LoadCluster;
 pub use faults::{per_request_faults, PlannedFault, SplitMix64};
 pub use report::{render, BadRequest, LoadReport, TerminalMs};
 
-use super::cell::Outcome;
+use super::cell::{body, token_ids, truncate, Outcome};
+use verdict::{classify, outcome_name, verdict, Answer, Problem};
 use super::cluster::ChaosSpec;
 use super::Reference;
 use crate::node::NodeError;
@@ -207,44 +211,6 @@ fn spawn_drain(capture: SpanCapture, log: Arc<Mutex<SpanLog>>, stop: Cancellatio
             log.lock().unwrap_or_else(|p| p.into_inner()).drain(&capture);
         }
     })
-}
-
-/// One request's answer as the client saw it, reduced at arrival to what the checks need (a
-/// run must not hold every response body: that would be the growth it measures).
-#[derive(Debug)]
-struct Answer {
-    request: usize,
-    request_id: Option<String>,
-    /// `Ok(None)`: 200 with the reference's tokens; `Ok(Some(error))`: a clean error (non-200
-    /// with an error body); `Err`: why it is neither.
-    verdict: Result<Option<String>, Problem>,
-    terminal: Duration,
-}
-
-/// Reduces a response to its verdict against the reference tokens `want`.
-fn verdict(result: &Result<(u16, Value), String>, want: &[u64]) -> Result<Option<String>, Problem> {
-    match result {
-        Ok((200, v)) if v.get("error").is_none() => {
-            let tokens = token_ids(v);
-            if tokens == want {
-                Ok(None)
-            } else {
-                Err(Problem::Incorrect(format!("{tokens:?} instead of the reference {want:?}")))
-            }
-        }
-        Ok((200, v)) => Err(Problem::ErrorInside(truncate(&v.to_string()))),
-        Ok((s, v)) if v.get("error").is_some() => Ok(Some(truncate(&format!("HTTP {s}: {}", v["error"])))),
-        Ok((s, v)) => Err(Problem::NoErrorBody(*s, truncate(&v.to_string()))),
-        Err(e) => Err(Problem::NoTerminal(e.clone())),
-    }
-}
-
-fn body(prompt: &str, max_tokens: usize) -> Value {
-    serde_json::json!({"model": "Qwen/Qwen3-8B", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
-}
-
-fn token_ids(v: &Value) -> Vec<u64> {
-    v["choices"][0]["token_ids"].as_array().map(|a| a.iter().filter_map(Value::as_u64).collect()).unwrap_or_default()
 }
 
 async fn post(client: &reqwest::Client, url: &str, id: &str, body: &Value, deadline: Duration) -> (Option<String>, Result<(u16, Value), String>) {
@@ -548,43 +514,6 @@ async fn drive(
         passed: problems.is_empty(),
         problems,
     }
-}
-
-/// Why a request is not clean and correct.
-#[derive(Debug, Clone)]
-enum Problem {
-    NoTerminal(String),
-    ErrorInside(String),
-    NoErrorBody(u16, String),
-    Incorrect(String),
-}
-
-impl std::fmt::Display for Problem {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Problem::NoTerminal(e) => write!(f, "no terminal state: {e}"),
-            Problem::ErrorInside(v) => write!(f, "HTTP 200 with an error inside: {v}"),
-            Problem::NoErrorBody(s, v) => write!(f, "HTTP {s} without an error body: {v}"),
-            Problem::Incorrect(d) => write!(f, "wrong tokens: {d}"),
-        }
-    }
-}
-
-fn truncate(s: &str) -> String {
-    s.chars().take(300).collect()
-}
-
-/// A request's outcome (as `cell.rs` classifies one) and, when it is not clean and correct, why.
-fn classify<'a>(a: &'a Answer, log: &SpanLog) -> (Outcome, Option<&'a Problem>) {
-    match &a.verdict {
-        Ok(None) => (a.request_id.as_deref().map_or(Outcome::Recomputed, |id| log.outcome(id)), None),
-        Ok(Some(_)) => (Outcome::FailedClean, None),
-        Err(p) => (Outcome::FailedUnclean, Some(p)),
-    }
-}
-
-fn outcome_name(o: Outcome) -> String {
-    serde_json::to_value(o).ok().and_then(|v| v.as_str().map(str::to_string)).unwrap_or_default()
 }
 
 /// After the run: requests go through every P and every D again, correct and completed from P's

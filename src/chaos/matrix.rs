@@ -44,8 +44,8 @@ impl CellSpec {
     }
 }
 
-/// The actors a kill can target, with their role (scheduler connector twice).
-fn targets() -> Vec<(ActorKind, Role, String)> {
+/// The actors a kill can target, with their role and label (scheduler connector twice).
+pub fn targets() -> Vec<(ActorKind, Role, String)> {
     ActorKind::ALL
         .iter()
         .flat_map(|&k| match k.natural_role() {

@@ -11,10 +11,10 @@
 //!
 //! Owns no seed step.
 
-use pdflow_observability::fault::{ActorKind, Fault, FaultAction, FaultPlan, Role, When, MESSAGE_STEPS};
+use pdflow_observability::fault::{Fault, FaultAction, FaultPlan, When, MESSAGE_STEPS};
 use serde::Serialize;
 
-use crate::chaos::matrix::{alive_steps, owned_steps};
+use crate::chaos::matrix::{alive_steps, owned_steps, targets};
 
 /// How long a delayed side-channel message is held (the matrix's delay cells use the same).
 pub const MESSAGE_DELAY_MS: u64 = 300;
@@ -38,22 +38,11 @@ pub struct PlannedFault {
     pub fault: String,
 }
 
-/// Every actor a kill can target, with its role and label (the scheduler connector twice).
-fn kill_targets() -> Vec<(ActorKind, Role, String)> {
-    ActorKind::ALL
-        .iter()
-        .flat_map(|&k| match k.natural_role() {
-            Some(role) => vec![(k, role, k.name().to_string())],
-            None => vec![(k, Role::P, format!("p.{}", k.name())), (k, Role::D, format!("d.{}", k.name()))],
-        })
-        .collect()
-}
-
 /// The per-request faults, in a fixed order (so a seed always picks the same ones).
 pub fn per_request_faults() -> Vec<RequestFault> {
     let mut out = Vec::new();
     let mut push = |label: String, step: u8, when: When, action: FaultAction| out.push(RequestFault { label, fault: Fault::new(step, when, action) });
-    for (kind, role, label) in kill_targets() {
+    for (kind, role, label) in targets() {
         let action = FaultAction::Kill { actor: kind, role: Some(role) };
         for step in alive_steps(kind) {
             push(format!("{label}/{step:02}/kill@begin"), step, When::Begin, action.clone());
@@ -143,7 +132,7 @@ mod tests {
     #[test]
     fn the_menu_has_every_actor_kill_and_message_fault_and_no_node_kill() {
         let menu = per_request_faults();
-        for (_, _, label) in kill_targets() {
+        for (_, _, label) in targets() {
             assert!(menu.iter().any(|f| f.label.starts_with(&format!("{label}/"))), "{label} missing");
         }
         for kind in ["kill@begin", "kill@end", "drop", "corrupt", "delay_300ms@begin"] {
