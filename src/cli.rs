@@ -64,6 +64,13 @@ pub struct ChaosArgs {
     /// Only the cells whose name (`actor/step/fault`, e.g. `send_worker/29`) contains this.
     #[arg(long, conflicts_with = "load")]
     pub only: Option<String>,
+    /// Only the network cells: P, D and the proxy as processes in their own network namespaces,
+    /// one link cut per cell (root and `ip netns` needed; the full run includes them where it can).
+    #[arg(long, conflicts_with_all = ["load", "quick", "no_netns"])]
+    pub netns: bool,
+    /// The full matrix without its network cells.
+    #[arg(long, conflicts_with = "load")]
+    pub no_netns: bool,
     /// Load with faults instead of the matrix: many requests at once through the proxy and 2P2D,
     /// a few of them given one random per-request fault (actor kills, message drop / corrupt /
     /// delay; no node kills); checks every request ends clean and correct, no block leaks, flat
@@ -97,7 +104,14 @@ impl ChaosArgs {
             PolicyArg::Recompute => LoadFailurePolicy::Recompute,
             PolicyArg::Fail => LoadFailurePolicy::Fail,
         };
-        crate::chaos::ChaosOptions { quick: self.quick, policy, filter: self.only.clone() }
+        let network = if self.netns {
+            crate::chaos::NetworkCells::Only
+        } else if self.quick || self.no_netns {
+            crate::chaos::NetworkCells::Off
+        } else {
+            crate::chaos::NetworkCells::WhereAvailable
+        };
+        crate::chaos::ChaosOptions { quick: self.quick, policy, filter: self.only.clone(), network }
     }
 
     /// The options of `--load`, every bad value reported.
@@ -522,6 +536,24 @@ mod tests {
         let cli = Cli::try_parse_from(["pdflow", "chaos", "--quick"]).expect("the matrix is unchanged");
         let Command::Chaos(c) = cli.command else { panic!("not chaos") };
         assert!(!c.load && c.quick);
+    }
+
+    #[test]
+    fn chaos_network_cells_are_in_the_full_run_only_alone_or_left_out() {
+        use crate::chaos::NetworkCells;
+        let network = |args: &[&str]| {
+            let cli = Cli::try_parse_from(["pdflow", "chaos"].iter().chain(args)).expect("parses");
+            let Command::Chaos(c) = cli.command else { panic!("not chaos") };
+            c.to_options().network
+        };
+        assert_eq!(network(&[]), NetworkCells::WhereAvailable);
+        assert_eq!(network(&["--netns"]), NetworkCells::Only);
+        assert_eq!(network(&["--netns", "--only", "link:p-d"]), NetworkCells::Only);
+        assert_eq!(network(&["--no-netns"]), NetworkCells::Off);
+        assert_eq!(network(&["--quick"]), NetworkCells::Off);
+        for bad in [&["--netns", "--quick"][..], &["--netns", "--no-netns"], &["--netns", "--load"]] {
+            assert!(Cli::try_parse_from(["pdflow", "chaos"].iter().chain(bad)).is_err(), "{bad:?} must be refused");
+        }
     }
 
     #[test]

@@ -54,6 +54,55 @@ pub struct CellResult {
     pub detail: String,
 }
 
+impl CellResult {
+    /// A cell's row before it ran: failed unclean until its run says otherwise.
+    pub fn new(actor: &str, step: u8, fault: &str) -> Self {
+        Self {
+            actor: actor.to_string(),
+            step,
+            fault: fault.to_string(),
+            outcome: Outcome::FailedUnclean,
+            correct: false,
+            terminal_ms: 0.0,
+            leaked_blocks_p: 0,
+            leaked_blocks_d: 0,
+            next_ok: false,
+            recovery_ms: 0.0,
+            hit: false,
+            fired: Vec::new(),
+            passed: false,
+            detail: String::new(),
+        }
+    }
+}
+
+/// Judges the faulted request's terminal answer against the reference tokens `want`: a 200 with
+/// the reference tokens is completed or recomputed (`served` tells which), a non-200 with an error
+/// body is failed_clean; anything else — a 200 with an error or wrong tokens, an error status with
+/// no error body, no answer — is a problem. Sets the row's outcome and correctness.
+pub(super) fn judge(answer: &Result<(u16, Value), String>, want: &[u64], served: impl FnOnce() -> Outcome, result: &mut CellResult, problems: &mut Vec<String>) {
+    match answer {
+        Ok((200, v)) if v.get("error").is_none() => {
+            let tokens = token_ids(v);
+            result.correct = tokens == want;
+            result.outcome = served();
+            if !result.correct {
+                problems.push(format!("tokens {tokens:?} differ from the reference {want:?}"));
+            }
+        }
+        Ok((200, v)) => problems.push(format!("HTTP 200 with an error inside: {}", truncate(&v.to_string()))),
+        Ok((status, v)) => {
+            result.correct = true;
+            result.outcome = Outcome::FailedClean;
+            if !(v["error"].is_object() || v["error"].is_string()) {
+                result.outcome = Outcome::FailedUnclean;
+                problems.push(format!("HTTP {status} without an error body: {}", truncate(&v.to_string())));
+            }
+        }
+        Err(e) => problems.push(format!("no terminal state: {e}")),
+    }
+}
+
 /// What a cell run needs besides its spec.
 pub struct CellEnv<'a> {
     pub spec: ChaosSpec,
@@ -78,7 +127,7 @@ pub(super) fn token_ids(v: &Value) -> Vec<u64> {
 }
 
 /// POST with a deadline; `Err` is a transport failure or the deadline.
-async fn post(client: &reqwest::Client, url: &str, body: &Value, deadline: Duration) -> Result<(u16, Value), String> {
+pub(super) async fn post(client: &reqwest::Client, url: &str, body: &Value, deadline: Duration) -> Result<(u16, Value), String> {
     let resp = client.post(url).json(body).timeout(deadline).send().await.map_err(|e| format!("POST {url}: {e}"))?;
     let status = resp.status().as_u16();
     let text = resp.text().await.map_err(|e| format!("body of POST {url}: {e}"))?;
@@ -86,7 +135,12 @@ async fn post(client: &reqwest::Client, url: &str, body: &Value, deadline: Durat
 }
 
 async fn reference(env: &CellEnv<'_>, body: &Value) -> Result<Vec<u64>, String> {
-    match post(env.client, &format!("{}/v1/completions", env.reference_url), body, Duration::from_secs(30)).await? {
+    reference_tokens(env.client, env.reference_url, body).await
+}
+
+/// The tokens the single reference engine at `reference_url` answers `body` with.
+pub(super) async fn reference_tokens(client: &reqwest::Client, reference_url: &str, body: &Value) -> Result<Vec<u64>, String> {
+    match post(client, &format!("{reference_url}/v1/completions"), body, Duration::from_secs(30)).await? {
         (200, v) => Ok(token_ids(&v)),
         (s, v) => Err(format!("reference engine answered {s}: {v}")),
     }
@@ -94,22 +148,7 @@ async fn reference(env: &CellEnv<'_>, body: &Value) -> Result<Vec<u64>, String> 
 
 /// Runs one cell; a cluster that cannot start is a failed cell, not an error.
 pub async fn run_cell(cell: &CellSpec, seed: u64, env: &CellEnv<'_>) -> CellResult {
-    let mut result = CellResult {
-        actor: cell.actor.clone(),
-        step: cell.step,
-        fault: cell.fault.clone(),
-        outcome: Outcome::FailedUnclean,
-        correct: false,
-        terminal_ms: 0.0,
-        leaked_blocks_p: 0,
-        leaked_blocks_d: 0,
-        next_ok: false,
-        recovery_ms: 0.0,
-        hit: false,
-        fired: Vec::new(),
-        passed: false,
-        detail: String::new(),
-    };
+    let mut result = CellResult::new(&cell.actor, cell.step, &cell.fault);
     let mut cluster = match ChaosCluster::start(env.spec).await {
         Ok(c) => c,
         Err(e) => {
@@ -156,26 +195,7 @@ async fn drive(cell: &CellSpec, seed: u64, env: &CellEnv<'_>, cluster: &mut Chao
     result.terminal_ms = (terminal.as_secs_f64() * 1e6).round() / 1e3;
     restart_killed(cluster, &mut problems).await;
     let answer = answer.unwrap_or_else(|e| Err(format!("request task failed: {e}")));
-    match &answer {
-        Ok((200, v)) if v.get("error").is_none() => {
-            let tokens = token_ids(v);
-            result.correct = tokens == want;
-            result.outcome = classify(env);
-            if !result.correct {
-                problems.push(format!("tokens {tokens:?} differ from the reference {want:?}"));
-            }
-        }
-        Ok((200, v)) => problems.push(format!("HTTP 200 with an error inside: {v}")),
-        Ok((status, v)) => {
-            result.correct = true;
-            result.outcome = Outcome::FailedClean;
-            if v.get("error").is_none() {
-                result.outcome = Outcome::FailedUnclean;
-                problems.push(format!("HTTP {status} without an error body: {v}"));
-            }
-        }
-        Err(e) => problems.push(format!("no terminal state: {e}")),
-    }
+    judge(&answer, &want, || classify(env), result, &mut problems);
     if terminal > env.terminal_deadline {
         problems.push(format!("terminal after {:.0} ms, past the {:?} deadline", result.terminal_ms, env.terminal_deadline));
     }

@@ -11,11 +11,14 @@
 //! - [`cluster`] — the cluster of one cell; node kills and restarts.
 //! - [`cell`] — one cell's run and checks.
 //! - [`load`] — `--load`: many requests at once through 2P2D, a few of them faulted.
+//! - [`net`] — network cuts between P, D and the proxy as processes in their own network
+//!   namespaces (root only): part of the full run, or alone with `--netns`.
 
 pub mod cell;
 pub mod cluster;
 pub mod load;
 pub mod matrix;
+pub mod net;
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -54,6 +57,19 @@ pub struct ChaosOptions {
     pub policy: LoadFailurePolicy,
     /// Only cells whose name (`actor/step/fault`) contains this.
     pub filter: Option<String>,
+    /// Whether the network cells ([`net`]) run.
+    pub network: NetworkCells,
+}
+
+/// Whether a run includes the network cells (processes in network namespaces, root only).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NetworkCells {
+    /// After the in-process matrix, where namespaces can be used; the report says why not otherwise.
+    WhereAvailable,
+    /// Only the network cells; a run where namespaces cannot be used is an error.
+    Only,
+    /// Not at all (`--quick`, `--no-netns`).
+    Off,
 }
 
 /// The whole run (`--json`).
@@ -67,6 +83,9 @@ pub struct ChaosReport {
     pub wall_s: f64,
     /// Worst time to each terminal state, in ms.
     pub worst_terminal_ms: BTreeMap<String, f64>,
+    /// Why the network cells did not run, when a run that includes them could not (not root, no
+    /// `ip netns`); `None` when they ran or were not asked for.
+    pub network_skipped: Option<String>,
 }
 
 /// The spec every cell's cluster uses.
@@ -148,6 +167,7 @@ pub fn report(cells: Vec<CellResult>, wall: Duration) -> ChaosReport {
         wall_s: (wall.as_secs_f64() * 10.0).round() / 10.0,
         worst_terminal_ms: worst,
         cells,
+        network_skipped: None,
     }
 }
 
@@ -176,6 +196,9 @@ pub fn render_header() -> String {
 /// The summary lines under the table.
 pub fn render_summary(r: &ChaosReport) -> String {
     let mut s = format!("cells: {} passed, {} failed ({} missed: nothing alive to hit) in {:.1} s\n", r.passed, r.failed, r.missed, r.wall_s);
+    if let Some(why) = &r.network_skipped {
+        let _ = writeln!(s, "network cells skipped: {why}");
+    }
     for (state, ms) in &r.worst_terminal_ms {
         let _ = writeln!(s, "worst time to {state}: {ms:.1} ms");
     }
