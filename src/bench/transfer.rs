@@ -11,7 +11,8 @@
 //!   uncoalesced one (2,268 × 64 KiB — the SendWorker always coalesces, so this plan is measured at
 //!   the engine level), and one 32 KiB write's latency;
 //! - same-run ceilings: single-thread memcpy of the same bytes, plain loopback TCP (1 and 4
-//!   streams);
+//!   streams), and for the 32 KiB write one round trip (32 KiB out, a 15-byte answer back)
+//!   between two blocking threads;
 //! - with `--compare-mooncake`, Mooncake's TransferEngine over TCP (`tests/peers/mooncake_tcp.py`)
 //!   and the ratios pdflow/Mooncake.
 
@@ -136,6 +137,12 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         let samples = ceilings::loopback_tcp_ms(bytes as usize, streams, opts.warmup, opts.runs).await?;
         rows.push(report::row(&format!("ceiling loopback tcp ({streams} stream{})", if streams > 1 { "s" } else { "" }), Some("tokio-tcp"), None, Some(1), Some(bytes), &samples));
     }
+    let round_trip = tokio::task::spawn_blocking({
+        let (warmup, runs) = (opts.warmup.max(10), (opts.runs * 10).max(100));
+        move || ceilings::loopback_round_trip_ms(SMALL_WRITE as usize, warmup, runs)
+    })
+    .await??;
+    rows.push(report::row("ceiling loopback round trip 32 KiB + ack", Some("blocking-tcp"), Some("single"), Some(1), Some(SMALL_WRITE), &round_trip));
 
     if opts.compare_mooncake {
         eprintln!("bench transfer: mooncake …");

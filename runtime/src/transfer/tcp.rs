@@ -12,6 +12,7 @@
 //! Step spans (`step.29.p_transfer_write`) belong to the caller (the send worker), which knows the
 //! request and transfer ids; this module only logs at debug level.
 
+mod ack_wait;
 mod engine;
 mod server;
 pub mod wire;

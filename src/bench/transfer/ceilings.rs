@@ -66,3 +66,39 @@ pub async fn loopback_tcp_ms(bytes: usize, streams: usize, warmup: usize, runs: 
     }
     Ok(samples)
 }
+
+/// Milliseconds of `runs` round trips of `bytes` bytes and a 15-byte answer (a small write and
+/// its ack) over one loopback TCP connection between two blocking threads: the floor of a small
+/// write over TCP on this machine without busy-polling on either side.
+pub fn loopback_round_trip_ms(bytes: usize, warmup: usize, runs: usize) -> anyhow::Result<Vec<f64>> {
+    use std::io::{Read, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").context("binding the round-trip ceiling's listener")?;
+    let addr = listener.local_addr()?;
+    let rounds = warmup + runs;
+    let server = std::thread::spawn(move || -> std::io::Result<()> {
+        let (mut s, _) = listener.accept()?;
+        s.set_nodelay(true)?;
+        s.set_read_timeout(Some(RUN_DEADLINE))?;
+        let mut buf = vec![0u8; bytes];
+        for _ in 0..rounds {
+            s.read_exact(&mut buf)?;
+            s.write_all(&[0u8; 15])?;
+        }
+        Ok(())
+    });
+    let mut c = std::net::TcpStream::connect(addr).context("connecting the round-trip ceiling")?;
+    c.set_nodelay(true)?;
+    c.set_read_timeout(Some(RUN_DEADLINE))?;
+    let (msg, mut ack) = (vec![7u8; bytes], [0u8; 15]);
+    let mut samples = Vec::with_capacity(runs);
+    for i in 0..rounds {
+        let started = Instant::now();
+        c.write_all(&msg)?;
+        c.read_exact(&mut ack)?;
+        if i >= warmup {
+            samples.push(started.elapsed().as_secs_f64() * 1e3);
+        }
+    }
+    server.join().map_err(|_| anyhow::anyhow!("the round-trip ceiling's server thread panicked"))??;
+    Ok(samples)
+}

@@ -30,6 +30,7 @@ use futures::future::BoxFuture;
 use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpSocket, TcpStream};
 
+use super::ack_wait;
 use super::wire::{self, Ack, HostInfo, MAX_DESCRIPTORS_PER_BATCH};
 use crate::transfer::same_host::SameHostMode;
 use super::SOCKET_BUFFER_BYTES;
@@ -266,7 +267,7 @@ impl Inner {
             }
             sent += batch_bytes;
             cut = cut.map(|left| left - batch_bytes);
-            match wire::read_ack(stream).await.map_err(|e| io(e.into_io()))? {
+            match ack_wait::read_ack(stream, batch_bytes).await.map_err(|e| io(e.into_io()))? {
                 Ack::Ok { batch_id: acked } if acked == batch_id => {}
                 Ack::Ok { batch_id: acked } => {
                     let msg = format!("ack for batch {acked} while waiting for batch {batch_id}");
