@@ -184,8 +184,13 @@ async fn run(cli: Cli) -> anyhow::Result<bool> {
             Ok(true)
         }
         Command::Bench(cmd) => {
+            // The e2e bench reads the step spans back (a capture keeps every one); the others
+            // run what a `pdflow proxy` / `serve` process runs: the `/metrics` layer.
             let capture = SpanCapture::new();
-            init_tracing(Some(capture.clone()), None, None);
+            match &cmd {
+                BenchCmd::E2e(_) => init_tracing(Some(capture.clone()), None, None),
+                BenchCmd::Transfer(_) | BenchCmd::Proxy(_) => init_tracing(None, None, Some(MetricsLayer::global())),
+            }
             match cmd {
                 BenchCmd::Transfer(o) => pdflow::bench::transfer::run(o).await?,
                 BenchCmd::E2e(o) => pdflow::bench::e2e::run(o, capture).await?,

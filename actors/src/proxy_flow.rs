@@ -38,6 +38,8 @@ const MAX_BODY_BYTES: usize = 64 * 1024 * 1024;
 const ASK_DEADLINE: Duration = Duration::from_secs(5);
 /// How much of an upstream error body is read for its message.
 const MAX_ERROR_BODY: usize = 64 * 1024;
+/// D's non-streamed answers up to this length are relayed whole (longer ones chunk by chunk).
+const MAX_WHOLE_BODY: u64 = 1 << 20;
 /// How often a flow asks a restarted Proxy actor again for a route.
 const RESTART_POLL: Duration = Duration::from_millis(10);
 
@@ -344,6 +346,7 @@ async fn flow(ctx: Arc<FlowContext>, api: &'static str, headers: HeaderMap, body
     let status = d_resp.status();
     let content_type = d_resp.headers().get(header::CONTENT_TYPE).cloned();
     let sse = content_type.as_ref().and_then(|v| v.to_str().ok()).is_some_and(|v| v.starts_with("text/event-stream"));
+    let whole = !sse && d_resp.content_length().is_some_and(|n| n <= MAX_WHOLE_BODY);
     if !status.is_success() {
         p_task = None;
     }
@@ -359,7 +362,17 @@ async fn flow(ctx: Arc<FlowContext>, api: &'static str, headers: HeaderMap, body
         d_url,
         span: step43,
     };
-    let mut response = Response::new(Body::from_stream(relay.into_stream()));
+    let mut response = if whole {
+        // A whole answer of known, small length (a non-streamed completion): relayed as one body
+        // with its length, so the client reads it in one go; a prefill failure meanwhile is a
+        // clean 502 instead of a cut body.
+        match relay.collect().await {
+            Ok(bytes) => Response::new(Body::from(bytes)),
+            Err(message) => return error_response(StatusCode::BAD_GATEWAY, "upstream_error", message),
+        }
+    } else {
+        Response::new(Body::from_stream(relay.into_stream()))
+    };
     *response.status_mut() = status;
     if let Some(ct) = content_type {
         response.headers_mut().insert(header::CONTENT_TYPE, ct);
@@ -476,6 +489,16 @@ impl Relay {
             Some((item, relay))
         })
         .boxed()
+    }
+
+    /// The whole body, while watching P's task as [`Relay::next_chunk`] does; `Err` says why it
+    /// could not be read to its end.
+    async fn collect(mut self) -> Result<Bytes, String> {
+        let mut body = Vec::new();
+        while let Some(chunk) = self.next_chunk().await {
+            body.extend_from_slice(&chunk.map_err(|e| e.to_string())?);
+        }
+        Ok(Bytes::from(body))
     }
 
     /// The next chunk for the client; `None` ends the body.

@@ -48,6 +48,10 @@ enum Mode {
     Slow,
     /// SSE: one event, then the rest once the test releases it.
     Sse,
+    /// Fails with this status after 300 ms.
+    FailLate(u16),
+    /// A completion whose headers (with its length) come at once and whose body comes after 3 s.
+    SlowBody,
 }
 
 struct Stub {
@@ -106,6 +110,24 @@ async fn stub_completion(State(s): State<Arc<Stub>>, headers: HeaderMap, Json(bo
             tokio::time::sleep(Duration::from_secs(5)).await;
             guard.finished = true;
             Json(completion).into_response()
+        }
+        Mode::FailLate(code) => {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            let status = StatusCode::from_u16(code).expect("status");
+            (status, Json(json!({"object": "error", "message": format!("{} failed late", s.name), "code": code}))).into_response()
+        }
+        Mode::SlowBody => {
+            let bytes = Bytes::from(completion.to_string());
+            let len = bytes.len();
+            let body = futures::stream::once(async move {
+                tokio::time::sleep(Duration::from_secs(3)).await;
+                Ok::<_, std::io::Error>(bytes)
+            });
+            Response::builder()
+                .header("content-type", "application/json")
+                .header("content-length", len)
+                .body(Body::from_stream(body))
+                .expect("response")
         }
         Mode::Sse => {
             let release = s.release.lock().expect("lock").take();
@@ -321,6 +343,34 @@ async fn failed_prefill_cancels_decode_and_answers_at_once() {
     assert!(body["error"]["message"].as_str().expect("message").contains("P refused"), "{body}");
     let seen = tokio::time::timeout(Duration::from_secs(3), d.cancelled.recv()).await;
     assert_eq!(seen.expect("D saw its request cancelled before it answered"), Some("cancelled"));
+}
+
+/// A non-streamed answer of known length reaches the client whole, with its length (one read,
+/// no chunked framing).
+#[tokio::test]
+async fn a_non_streamed_answer_is_relayed_whole_with_its_length() {
+    let (_proxy, base, _p, _d, _) = one_p_one_d(Mode::Completion, Mode::Completion).await;
+    let resp = reqwest::Client::new().post(format!("{base}/v1/completions")).json(&seed_request()).send().await.expect("request");
+    assert_eq!(resp.status(), 200);
+    assert!(resp.headers().get("transfer-encoding").is_none(), "chunked: {:?}", resp.headers());
+    let len: usize = resp.headers()["content-length"].to_str().expect("length").parse().expect("a number");
+    let body = resp.bytes().await.expect("body");
+    assert_eq!(body.len(), len);
+    assert_eq!(serde_json::from_slice::<Value>(&body).expect("json")["choices"][0]["text"], "from D");
+}
+
+/// P fails after D's headers came but before its body did: the client gets a clean 502 with
+/// P's reason at once (not a cut body after D's 3 s), and D's request is dropped.
+#[tokio::test]
+async fn a_prefill_failing_while_d_s_body_is_on_its_way_is_a_clean_502() {
+    let (_proxy, base, _p, _d, _) = one_p_one_d(Mode::FailLate(500), Mode::SlowBody).await;
+    let started = Instant::now();
+    let resp = reqwest::Client::new().post(format!("{base}/v1/completions")).json(&seed_request()).send().await.expect("request");
+    assert_eq!(resp.status(), 502);
+    let body: Value = resp.json().await.expect("a JSON error body");
+    assert!(started.elapsed() < Duration::from_secs(2), "the client waited for D's body: {:?}", started.elapsed());
+    assert_eq!(body["error"]["type"], "upstream_error");
+    assert!(body["error"]["message"].as_str().expect("message").contains("P failed late"), "{body}");
 }
 
 #[tokio::test]
