@@ -4,7 +4,8 @@
 //! The [`crate::sender_listener::SenderListener`] spawns one SendWorker per transfer_id, either when
 //! P's scheduler first names the request (step 14, [`RecordSendPending`]) or when D's pull arrives
 //! first (step 22, a placeholder). The worker then:
-//! - waits for [`RecordSendReady`] (step 27) with a deadline (`ready_timeout`) for each waiting pull;
+//! - waits for [`RecordSendReady`] (step 27) with a deadline (`ready_timeout`) for each waiting pull,
+//!   while the transfer engine makes the data channel to D ready (connections, handshakes);
 //! - builds the transfer plan (step 28, coalesced descriptors) and writes it into D's memory through
 //!   the [`TransferEngine`] in a task it owns (step 29); the mailbox never waits on the write;
 //! - marks the request sent (step 31) and reports a [`SendOutcome`] to the listener, which answers
@@ -114,6 +115,8 @@ pub struct SendWorker {
     timer_epoch: u64,
     expiry: Option<(u64, Timer<ExpiryDue>)>,
     linger: Option<(u64, Timer<LingerDue>)>,
+    /// The data channel to D made ready while P still prefills (see [`SendWorker::prepare`]).
+    preparing: Option<JoinHandle<()>>,
 }
 
 /// Timer: a waiting pull's ready deadline passed.
@@ -155,6 +158,7 @@ impl Actor for SendWorker {
             timer_epoch: 0,
             expiry: None,
             linger: None,
+            preparing: None,
         })
     }
 
@@ -164,6 +168,9 @@ impl Actor for SendWorker {
             if let Some(d) = p.deadline {
                 d.abort();
             }
+        }
+        if let Some(p) = self.preparing.take() {
+            p.abort();
         }
         if let Some(w) = self.writing.take() {
             tracing::warn!(transfer_id = %self.args.transfer_id, "send worker stopped while writing: the write is aborted");
@@ -240,6 +247,21 @@ impl SendWorker {
     async fn reply_err(&mut self, pull: &ServePull, err: PullErr, counts_as_sent: bool, finished: bool) {
         let reply = PullReply { pull_id: pull.pull_id, d_req_id: pull.d_req_id.clone(), result: Err(err) };
         self.report(Some(reply), counts_as_sent, finished).await;
+    }
+
+    /// A pull came before P's prefill finished (step 22): the transfer engine gets the data channel
+    /// to D ready meanwhile (connections, handshakes, the path), in a task this actor owns and
+    /// bounded by the engine's connect deadline, so that the write starts at once at ready.
+    fn prepare(&mut self, peer: &str) {
+        if self.preparing.as_ref().is_some_and(|p| !p.is_finished()) {
+            return;
+        }
+        let (transfer, peer, transfer_id) = (self.args.transfer.clone(), peer.to_string(), self.args.transfer_id.clone());
+        self.preparing = Some(tokio::spawn(async move {
+            if let Err(e) = transfer.prepare(&peer).await {
+                tracing::debug!(%transfer_id, %peer, error = %e, "could not prepare the data channel ahead of the write (the write connects itself)");
+            }
+        }));
     }
 
     /// Steps 28 and 29: plan the write and start it in a task this actor owns.
@@ -414,6 +436,7 @@ impl Message<ServePull> for SendWorker {
                 let deadline = me
                     .tell(ReadyDeadline { pull_id: pull.pull_id, d_req_id: pull.d_req_id.clone() })
                     .send_after(self.args.ready_timeout);
+                self.prepare(&pull.data_addr);
                 self.pulls.push_back(WaitingPull { pull, span, deadline: Some(deadline) });
             }
             // A second pull while the first writes: answered when the write ends.

@@ -35,15 +35,28 @@ pub(crate) struct MemcpyTransfer {
     src: RegionTable,
     dst: RegionTable,
     fail: Option<String>,
+    /// What was asked of the engine, in order: `prepare <peer>` and `write <peer>`.
+    calls: std::sync::Mutex<Vec<String>>,
 }
 
 impl MemcpyTransfer {
     pub(crate) fn new(src: &Arc<KvCache>, dst: &Arc<KvCache>) -> Arc<Self> {
-        Arc::new(Self { src: src.region_table(), dst: dst.region_table(), fail: None })
+        Arc::new(Self { src: src.region_table(), dst: dst.region_table(), fail: None, calls: Default::default() })
     }
 
     pub(crate) fn failing(src: &Arc<KvCache>, dst: &Arc<KvCache>, reason: &str) -> Arc<Self> {
-        Arc::new(Self { src: src.region_table(), dst: dst.region_table(), fail: Some(reason.to_string()) })
+        Arc::new(Self { src: src.region_table(), dst: dst.region_table(), fail: Some(reason.to_string()), calls: Default::default() })
+    }
+
+    /// The calls made so far (`prepare <peer>`, `write <peer>`), in order.
+    pub(crate) fn calls(&self) -> Vec<String> {
+        self.calls.lock().map(|c| c.clone()).unwrap_or_default()
+    }
+
+    fn note(&self, call: String) {
+        if let Ok(mut calls) = self.calls.lock() {
+            calls.push(call);
+        }
     }
 }
 
@@ -52,7 +65,13 @@ impl TransferEngine for MemcpyTransfer {
         "memcpy-test"
     }
 
+    fn prepare<'a>(&'a self, peer: &'a str) -> BoxFuture<'a, Result<(), TransferError>> {
+        self.note(format!("prepare {peer}"));
+        Box::pin(async { Ok(()) })
+    }
+
     fn write<'a>(&'a self, peer: &'a str, plan: &'a TransferPlan) -> BoxFuture<'a, Result<TransferStats, TransferError>> {
+        self.note(format!("write {peer}"));
         Box::pin(async move {
             if let Some(reason) = &self.fail {
                 return Err(TransferError::Refused { peer: peer.to_string(), reason: reason.clone() });

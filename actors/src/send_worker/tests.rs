@@ -101,6 +101,45 @@ async fn ready_then_pull_writes_and_counts_as_sent() {
     assert_eq!(out.reply.expect("answers the pull").result, Ok(()));
 }
 
+/// A rig whose memcpy engine records what it is asked to do.
+fn recording_rig() -> (Rig, Arc<MemcpyTransfer>) {
+    let engine = std::sync::OnceLock::new();
+    let rig = rig(
+        |p, d| {
+            let m = MemcpyTransfer::new(p, d);
+            let _ = engine.set(m.clone());
+            m
+        },
+        Duration::from_secs(30),
+    );
+    let engine = engine.get().expect("the rig made its engine").clone();
+    (rig, engine)
+}
+
+/// A pull that comes while P still prefills has the engine prepare the data channel to D at
+/// once (connections, handshakes), so the write at ready starts on it; a pull after ready writes
+/// straight away, with nothing to prepare.
+#[tokio::test]
+async fn a_pull_before_ready_prepares_the_data_channel_while_p_prefills() {
+    let (mut rig, engine) = recording_rig();
+    rig.pull(vec![10, 11, 12]).await;
+    let until = std::time::Instant::now() + Duration::from_secs(5);
+    while engine.calls().is_empty() {
+        assert!(std::time::Instant::now() < until, "the pull before ready did not prepare the data channel");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert_eq!(engine.calls(), vec!["prepare 127.0.0.1:1".to_string()], "prepared, nothing written before ready");
+    rig.ready(vec![2, 3, 5]).await;
+    assert_eq!(rig.next().await.reply.expect("answers the pull").result, Ok(()));
+    assert_eq!(engine.calls(), vec!["prepare 127.0.0.1:1".to_string(), "write 127.0.0.1:1".to_string()]);
+
+    let (mut later, engine) = recording_rig();
+    later.ready(vec![2, 3, 5]).await;
+    later.pull(vec![10, 11, 12]).await;
+    assert_eq!(later.next().await.reply.expect("answers the pull").result, Ok(()));
+    assert_eq!(engine.calls(), vec!["write 127.0.0.1:1".to_string()], "nothing to prepare after ready");
+}
+
 #[tokio::test]
 async fn ready_without_pull_expires_and_counts_as_sent() {
     let mut rig = rig(memcpy, Duration::from_millis(50));

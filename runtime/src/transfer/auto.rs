@@ -161,6 +161,16 @@ impl TransferEngine for AutoTransferEngine {
         }
     }
 
+    /// Chooses the path now (the same-host probe) and, for tcp, opens the data connections.
+    fn prepare<'a>(&'a self, peer: &'a str) -> BoxFuture<'a, Result<(), TransferError>> {
+        Box::pin(async move {
+            match self.route(peer).await? {
+                Route::Tcp => self.tcp.prepare(peer).await,
+                Route::SameHost(_) => Ok(()),
+            }
+        })
+    }
+
     fn write<'a>(&'a self, peer: &'a str, plan: &'a TransferPlan) -> BoxFuture<'a, Result<TransferStats, TransferError>> {
         Box::pin(self.write_plan(peer, plan))
     }

@@ -62,6 +62,16 @@ pub trait TransferEngine: Send + Sync + 'static {
         self.name()
     }
 
+    /// Gets ready to write to `peer` — connections made, handshakes done, the path chosen — so
+    /// that a write that follows starts at once. Called while P still prefills (a pull that came
+    /// early): the data channel's handshake overlaps the prefill instead of preceding the write.
+    /// Best effort and bounded by the engine's connect deadline; a failure here costs nothing, as
+    /// the write makes its own connections. The default does nothing.
+    fn prepare<'a>(&'a self, peer: &'a str) -> BoxFuture<'a, Result<(), TransferError>> {
+        let _ = peer;
+        Box::pin(async { Ok(()) })
+    }
+
     /// Writes every descriptor of `plan` (src: this worker's memory, dst: the peer's) to the peer
     /// whose data server listens at `peer` (`host:port`). Returns once every byte is in the
     /// peer's memory (the peer acknowledged), or with an error.

@@ -182,3 +182,19 @@ fn a_wrong_canary_or_a_missing_pid_is_never_trusted() {
     assert!(matches!(same_host::verify_canary(&gone), Err(SameHostError::Unavailable { .. })), "got {:?}", same_host::verify_canary(&gone));
     assert!(same_host::host_identity().contains("pid:["), "{}", same_host::host_identity());
 }
+
+/// `prepare` chooses the path before any write: the same-host path where D offers it, tcp (with
+/// its connections opened) where it is off.
+#[tokio::test]
+async fn prepare_chooses_the_path_before_the_first_write() {
+    let p = pair(32, true, SameHostMode::Auto).await;
+    bounded("prepare", p.engine.prepare(&p.peer)).await.expect("prepared");
+    assert_eq!(p.engine.backend_for(&p.peer), BACKEND_SAME_HOST);
+    bounded("write", p.engine.write(&p.peer, &p.plan(&[1, 2], &[5, 6], true))).await.expect("written");
+    p.assert_copied(&[1, 2], &[5, 6]);
+
+    let p = pair(32, true, SameHostMode::Off).await;
+    bounded("prepare", p.engine.prepare(&p.peer)).await.expect("prepared");
+    assert_eq!(p.engine.backend_for(&p.peer), BACKEND_TCP);
+    assert_eq!(p.engine.tcp().pooled_connections(&p.peer), TcpConfig::default().streams_per_peer);
+}

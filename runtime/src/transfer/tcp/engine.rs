@@ -6,7 +6,8 @@
 //! straight from the source memory with vectored writes (`writev`, up to [`MAX_IOVECS`] slices a
 //! call, no copy on P's side) — and waits for D's one ack. Each share runs as its own task, so on a
 //! multi-core host the streams' kernel copies run in parallel. Connections are made
-//! lazily, reused across writes, and dropped after any error; a failure on a reused connection (D
+//! lazily — or ahead of the write by [`TcpTransferEngine::prepare_peer`], while P still prefills —
+//! reused across writes, and dropped after any error; a failure on a reused connection (D
 //! may have closed it while idle) is retried once on a fresh one, which is safe because a write only
 //! ever rewrites the same bytes into blocks D holds for this transfer.
 //!
@@ -19,7 +20,7 @@
 //! write fails with [`TransferError::Io`] (kind `ConnectionAborted`), as a real cut does; a cut
 //! connection is never pooled and a cut is never retried.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::io::IoSlice;
 use std::net::Shutdown;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -88,6 +89,8 @@ struct Inner {
     local: RegionTable,
     config: TcpConfig,
     pool: Mutex<HashMap<String, Vec<PooledConnection>>>,
+    /// Peers a [`TcpTransferEngine::prepare_peer`] is opening connections to.
+    preparing: Mutex<HashSet<String>>,
     next_batch_id: AtomicU64,
 }
 
@@ -100,7 +103,7 @@ impl std::fmt::Debug for TcpTransferEngine {
 impl TcpTransferEngine {
     /// An engine reading from `local` (P's registered memory).
     pub fn new(local: RegionTable, config: TcpConfig) -> Self {
-        Self { inner: Arc::new(Inner { local, config, pool: Mutex::new(HashMap::new()), next_batch_id: AtomicU64::new(1) }) }
+        Self { inner: Arc::new(Inner { local, config, pool: Mutex::new(HashMap::new()), preparing: Mutex::new(HashSet::new()), next_batch_id: AtomicU64::new(1) }) }
     }
 
     pub fn config(&self) -> &TcpConfig {
@@ -134,6 +137,36 @@ impl TcpTransferEngine {
             Ok(Err(e)) => Err(e),
             Err(_) => Err(TransferError::Timeout { peer: peer.to_string(), deadline: inner.config.connect_timeout }),
         }
+    }
+
+    /// Opens, in parallel and within `connect_timeout`, the connections a large write to `peer`
+    /// would use — up to `streams_per_peer`, less those already pooled — hello included, and pools
+    /// them. A prepare already running for `peer` makes this one return at once.
+    pub async fn prepare_peer(&self, peer: &str) -> Result<(), TransferError> {
+        let inner = &self.inner;
+        let missing = inner.config.streams_per_peer.max(1).saturating_sub(self.pooled_connections(peer));
+        if missing == 0 || !inner.lock_preparing().insert(peer.to_string()) {
+            return Ok(());
+        }
+        struct Prepared<'a>(&'a Inner, &'a str);
+        impl Drop for Prepared<'_> {
+            fn drop(&mut self) {
+                self.0.lock_preparing().remove(self.1);
+            }
+        }
+        let _prepared = Prepared(inner, peer);
+        let deadline = tokio::time::Instant::now() + inner.config.connect_timeout;
+        let opened = futures::future::join_all((0..missing).map(|_| inner.connect(peer, deadline))).await;
+        let mut first_error = None;
+        for stream in opened {
+            match stream {
+                Ok(stream) => inner.checkin(peer, stream),
+                Err(e) => {
+                    first_error.get_or_insert(e);
+                }
+            }
+        }
+        first_error.map_or(Ok(()), Err)
     }
 
     async fn write_plan(&self, peer: &str, plan: &TransferPlan) -> Result<TransferStats, TransferError> {
@@ -183,6 +216,11 @@ impl TcpTransferEngine {
 }
 
 impl Inner {
+
+    fn lock_preparing(&self) -> std::sync::MutexGuard<'_, HashSet<String>> {
+        // A set of names: a panicking holder cannot break it.
+        self.preparing.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
 
     fn lock_pool(&self) -> std::sync::MutexGuard<'_, HashMap<String, Vec<PooledConnection>>> {
         // The map holds no invariant a panicking holder could break: keep using it.
@@ -378,6 +416,11 @@ async fn write_all_vectored(stream: &mut TcpStream, mut slices: &mut [IoSlice<'_
 impl TransferEngine for TcpTransferEngine {
     fn name(&self) -> &'static str {
         "tcp"
+    }
+
+    /// Opens the connections a write to `peer` would use (see [`TcpTransferEngine::prepare_peer`]).
+    fn prepare<'a>(&'a self, peer: &'a str) -> BoxFuture<'a, Result<(), TransferError>> {
+        Box::pin(self.prepare_peer(peer))
     }
 
     fn write<'a>(&'a self, peer: &'a str, plan: &'a TransferPlan) -> BoxFuture<'a, Result<TransferStats, TransferError>> {

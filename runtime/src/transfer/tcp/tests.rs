@@ -406,3 +406,38 @@ fn cut_budgets_follow_plan_order() {
     assert_eq!(budgets(999), [None, None, Some(100)]);
     assert_eq!(super::engine::cut_budget(None, 0, 100, 300), None);
 }
+
+/// `prepare` opens the connections a large write uses (one per stream, hello included) ahead of
+/// it, and only those: prepares at once or again open no more; the write that follows is
+/// byte-exact and leaves the pool as it found it.
+#[tokio::test]
+async fn prepare_opens_the_connections_of_a_write_ahead_of_it() {
+    let p = pair(LARGE, 64, None, TcpConfig { streams_per_peer: 4, ..TcpConfig::default() }).await;
+    assert_eq!(p.engine.pooled_connections(&p.peer), 0);
+    let (a, b) = tokio::join!(p.engine.prepare(&p.peer), p.engine.prepare(&p.peer));
+    a.expect("prepared");
+    b.expect("a prepare already running returns");
+    assert_eq!(p.engine.pooled_connections(&p.peer), 4);
+    bounded("prepare again", p.engine.prepare(&p.peer)).await.expect("nothing to do");
+    assert_eq!(p.engine.pooled_connections(&p.peer), 4);
+    let blocks: Vec<BlockId> = (0..32).collect();
+    let plan = p.plan(&blocks, &blocks, true);
+    assert!(plan.total_bytes() >= 4 * 64 * 1024, "large enough for four streams");
+    bounded("write", p.engine.write(&p.peer, &plan)).await.expect("written");
+    p.assert_copied(&blocks, &blocks);
+    assert_eq!(p.engine.pooled_connections(&p.peer), 4);
+}
+
+/// `prepare` towards a data server that refuses P's token, or a port nobody listens on, fails
+/// with the connect error and pools nothing.
+#[tokio::test]
+async fn prepare_towards_a_refusing_or_absent_server_fails_and_pools_nothing() {
+    let p = pair(SMALL, 8, Some("right"), TcpConfig { auth_token: Some("wrong".into()), ..TcpConfig::default() }).await;
+    let err = bounded("prepare", p.engine.prepare(&p.peer)).await.expect_err("the token is refused");
+    assert!(matches!(err, TransferError::Refused { .. }), "{err:?}");
+    assert_eq!(p.engine.pooled_connections(&p.peer), 0);
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").to_string();
+    let err = bounded("prepare", p.engine.prepare(&closed)).await.expect_err("nobody listens");
+    assert!(matches!(err, TransferError::Connect { .. }), "{err:?}");
+    assert_eq!(p.engine.pooled_connections(&closed), 0);
+}
