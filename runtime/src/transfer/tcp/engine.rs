@@ -7,9 +7,12 @@
 //! call, no copy on P's side) — and waits for D's one ack. Each share runs as its own task, so on a
 //! multi-core host the streams' kernel copies run in parallel. Connections are made
 //! lazily — or ahead of the write by [`TcpTransferEngine::prepare_peer`], while P still prefills —
-//! reused across writes, and dropped after any error; a failure on a reused connection (D
-//! may have closed it while idle) is retried once on a fresh one, which is safe because a write only
-//! ever rewrites the same bytes into blocks D holds for this transfer.
+//! reused across writes, and dropped after any error. A pooled connection is checked before it is
+//! reused (a peer that closed it — restarted, or dropped it when its pull ended — shows as
+//! end-of-stream or a reset) and dropped if dead. A failed share is never resent: D may have given
+//! the pull up and closed its fence, and the whole share again into refused batches would only
+//! load the link (a network-namespace chaos cell measures the bytes D gets after it freed the
+//! blocks).
 //!
 //! Fault injection (issue #5, `cut_data`): a plan with `cut_after = Some(k)` is sent up to its
 //! k-th payload byte — counted over the whole plan in plan order, whichever stream carries it — and
@@ -239,34 +242,26 @@ impl Inner {
         cut: Option<u64>,
         deadline: tokio::time::Instant,
     ) -> Result<(), TransferError> {
-        let (mut stream, mut reused) = match pooled {
-            Some(stream) => (stream, true),
-            None => (self.connect(peer, deadline).await?, false),
+        let mut stream = match pooled {
+            Some(stream) => stream,
+            None => self.connect(peer, deadline).await?,
         };
-        loop {
-            let sent = tokio::time::timeout_at(deadline, self.send_share(peer, &mut stream, share, fence, cut)).await;
-            match sent {
-                Ok(Ok(ShareEnd::Acked)) => {
-                    self.checkin(peer, stream);
-                    return Ok(());
-                }
-                Ok(Ok(ShareEnd::Cut { sent })) => {
-                    cut_connection(stream);
-                    tracing::warn!(%peer, sent, "fault injected: data connection cut after {sent} payload bytes of this stream");
-                    let source = std::io::Error::new(
-                        std::io::ErrorKind::ConnectionAborted,
-                        format!("the data connection was cut after {sent} payload bytes of this stream (fault injection: cut_data)"),
-                    );
-                    return Err(TransferError::Io { peer: peer.to_string(), source });
-                }
-                Ok(Err(TransferError::Io { peer: _, source })) if reused => {
-                    tracing::debug!(%peer, "pooled data connection failed ({source}); retrying on a fresh one");
-                    stream = self.connect(peer, deadline).await?;
-                    reused = false;
-                }
-                Ok(Err(e)) => return Err(e),
-                Err(_) => return Err(TransferError::Timeout { peer: peer.to_string(), deadline: self.config.write_timeout }),
+        match tokio::time::timeout_at(deadline, self.send_share(peer, &mut stream, share, fence, cut)).await {
+            Ok(Ok(ShareEnd::Acked)) => {
+                self.checkin(peer, stream);
+                Ok(())
             }
+            Ok(Ok(ShareEnd::Cut { sent })) => {
+                cut_connection(stream);
+                tracing::warn!(%peer, sent, "fault injected: data connection cut after {sent} payload bytes of this stream");
+                let source = std::io::Error::new(
+                    std::io::ErrorKind::ConnectionAborted,
+                    format!("the data connection was cut after {sent} payload bytes of this stream (fault injection: cut_data)"),
+                );
+                Err(TransferError::Io { peer: peer.to_string(), source })
+            }
+            Ok(Err(e)) => Err(e),
+            Err(_) => Err(TransferError::Timeout { peer: peer.to_string(), deadline: self.config.write_timeout }),
         }
     }
 
@@ -317,13 +312,16 @@ impl Inner {
         Ok(ShareEnd::Acked)
     }
 
+    /// A pooled connection to `peer` that is young and still open, if there is one; dead or old
+    /// ones met on the way are dropped.
     fn checkout(&self, peer: &str) -> Option<TcpStream> {
         let mut pool = self.lock_pool();
         let idle = pool.get_mut(peer)?;
         while let Some(conn) = idle.pop() {
-            if conn.idle_since.elapsed() < POOL_IDLE {
+            if conn.idle_since.elapsed() < POOL_IDLE && still_open(&conn.stream) {
                 return Some(conn.stream);
             }
+            tracing::debug!(%peer, "pooled data connection dropped: idle too long or closed by the peer");
         }
         None
     }
@@ -357,6 +355,18 @@ impl Inner {
             Ack::Refused { reason, .. } => Err(TransferError::Refused { peer: peer.to_string(), reason }),
         }
     }
+}
+
+/// Whether an idle pooled connection is still open: nothing to read and no end-of-stream or error
+/// pending. Anything else — the peer closed or reset it, or sent bytes nobody asked for (the
+/// stream's framing could not be trusted) — means it must not carry another batch.
+fn still_open(stream: &TcpStream) -> bool {
+    use std::os::fd::AsRawFd;
+    let mut byte = 0u8;
+    // SAFETY: the socket is open for the call (`stream` owns it); one writable byte; MSG_PEEK and
+    // MSG_DONTWAIT: consumes nothing and never blocks.
+    let n = unsafe { libc::recv(stream.as_raw_fd(), (&mut byte as *mut u8).cast(), 1, libc::MSG_PEEK | libc::MSG_DONTWAIT) };
+    n < 0 && std::io::Error::last_os_error().kind() == std::io::ErrorKind::WouldBlock
 }
 
 /// How a share's sending ended (when it did not fail).

@@ -229,7 +229,7 @@ async fn shutdown_closes_pooled_connections_and_later_writes_fail_cleanly() {
     bounded("write", p.engine.write(&p.peer, &plan)).await.expect("write succeeds");
     assert_eq!(p.engine.pooled_connections(&p.peer), 1);
     bounded("shutdown", p.server.shutdown()).await;
-    // The pooled connection is dead; the retry on a fresh one finds nobody listening.
+    // The pooled connection is dead: it is dropped at checkout, and a fresh one finds nobody listening.
     let err = bounded("write after shutdown", p.engine.write(&p.peer, &plan)).await.expect_err("server is gone");
     assert!(matches!(err, TransferError::Connect { .. }), "got {err:?}");
 }
@@ -440,4 +440,61 @@ async fn prepare_towards_a_refusing_or_absent_server_fails_and_pools_nothing() {
     let err = bounded("prepare", p.engine.prepare(&closed)).await.expect_err("nobody listens");
     assert!(matches!(err, TransferError::Connect { .. }), "{err:?}");
     assert_eq!(p.engine.pooled_connections(&closed), 0);
+}
+
+/// D restarted at the same address: the connection pooled to its previous incarnation is found
+/// closed before it carries a batch, and the write goes over a fresh connection to the new one.
+#[tokio::test]
+async fn a_connection_the_peer_closed_is_not_reused() {
+    let p = pair(SMALL, 8, None, TcpConfig::default()).await;
+    bounded("write", p.engine.write(&p.peer, &p.plan(&[1], &[2], true))).await.expect("write succeeds");
+    assert_eq!(p.engine.pooled_connections(&p.peer), 1);
+    let Pair { src, dst, server, engine, peer } = p;
+    bounded("shutdown", server.shutdown()).await;
+    let until = Instant::now() + BOUND;
+    let server = loop {
+        match TcpDataServer::bind(peer.parse().expect("address"), dst.region_table(), None).await {
+            Ok(server) => break server,
+            Err(e) => assert!(Instant::now() < until, "cannot bind the same port again: {e}"),
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    let p = Pair { src, dst, server, engine, peer };
+    bounded("write to the restarted D", p.engine.write(&p.peer, &p.plan(&[3], &[4], true))).await.expect("a fresh connection");
+    p.assert_copied(&[3], &[4]);
+}
+
+/// A D that drops the connection while a share lands (its pull ended and its fence closed): the
+/// write fails, and the share is not sent again on another connection — even on a pooled one,
+/// which used to be retried — so the link does not carry the whole share once more into batches
+/// D would refuse.
+#[tokio::test]
+async fn a_share_d_dropped_is_not_resent() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let peer = listener.local_addr().expect("addr").to_string();
+    let accepted = Arc::new(AtomicUsize::new(0));
+    let counted = accepted.clone();
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = listener.accept().await {
+            counted.fetch_add(1, Ordering::SeqCst);
+            tokio::spawn(async move {
+                wire::read_hello(&mut s).await.expect("hello");
+                wire::write_ack(&mut s, &Ack::Ok { batch_id: 0 }).await.expect("hello ack");
+                // Takes a little of the first batch, then drops the connection.
+                let mut some = [0u8; 4096];
+                let _ = s.read(&mut some).await;
+            });
+        }
+    });
+    let src = filled_cache(LARGE, 8, 1);
+    let engine = TcpTransferEngine::new(src.region_table(), TcpConfig { streams_per_peer: 1, ..TcpConfig::default() });
+    bounded("prepare", engine.prepare(&peer)).await.expect("prepared");
+    assert_eq!((accepted.load(Ordering::SeqCst), engine.pooled_connections(&peer)), (1, 1));
+    let r = src.regions()[0];
+    let plan = TransferPlan { descriptors: vec![Descriptor { src: r.base_addr, dst: 0x10_0000, len: r.len }], fence: 0, cut_after: None, write_by: None };
+    let err = bounded("write", engine.write(&peer, &plan)).await.expect_err("D dropped the connection");
+    assert!(matches!(err, TransferError::Io { .. }), "{err:?}");
+    assert_eq!(accepted.load(Ordering::SeqCst), 1, "the share was sent again on a new connection");
+    assert_eq!(engine.pooled_connections(&peer), 0, "a failed connection is not pooled");
 }
