@@ -11,8 +11,9 @@
 //! opens them once per peer and writes plans into them after the region checks; [`ipc_peer`] is a
 //! D process for the bench and tests; [`ipc_engine`] is the `TransferEngine` over it (`cuda-ipc`).
 //! [`staged`] is the cross-host path: tcp with pinned host staging, device→host, send and
-//! host→device overlapped per chunk (`cuda-staged`). Not yet: the serving stack choosing these
-//! engines (D's export or staged address in its hello).
+//! host→device overlapped per chunk (`cuda-staged`). [`model_kv`] writes the simulated model's KV
+//! into device regions with one kernel launch (the device half of prefill). Not yet: the serving
+//! stack choosing these engines (D's export or staged address in its hello).
 
 use std::sync::Arc;
 
@@ -25,6 +26,7 @@ pub mod ipc;
 pub mod ipc_engine;
 pub mod ipc_peer;
 mod kernel;
+pub mod model_kv;
 pub mod staged;
 
 /// Why the cuda path cannot run.
