@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use clap::Parser;
-use pdflow::chaos::NetworkCells;
+use pdflow::chaos::Progress;
 use pdflow::cli::{BenchCmd, Cli, Command, DemoArgs, TraceArgs, TraceCmd};
 use pdflow::config::VllmEnv;
 use pdflow::demo::{self, DemoOptions};
@@ -65,37 +65,12 @@ async fn run_chaos(args: pdflow::cli::ChaosArgs) -> anyhow::Result<bool> {
     }
     let capture = pdflow::chaos::install_layers();
     let opts = args.to_options();
-    let started = std::time::Instant::now();
-    let mut cells = Vec::new();
-    let mut network_skipped = None;
-    if opts.network != NetworkCells::Only {
-        println!("pdflow chaos: {} matrix, D's kv_load_failure_policy {:?}; one fresh P + D + bootstrap + proxy per cell", if opts.quick { "quick" } else { "full" }, opts.policy);
-        println!("{}", pdflow::chaos::render_header());
-        let report = pdflow::chaos::run(&opts, &capture, |i, n, r| {
-            println!("{}  [{i}/{n}]", pdflow::chaos::render_row(r));
-        })
-        .await?;
-        cells = report.cells;
-    }
-    if opts.network != NetworkCells::Off {
-        match pdflow::chaos::net::available() {
-            Ok(()) => {
-                let net_cells = pdflow::chaos::net::cells(opts.filter.as_deref());
-                let bin = std::env::current_exe().context("locating the pdflow binary the network cells start")?;
-                println!("\npdflow chaos: {} network cells, P, D and the proxy as processes in their own network namespaces (policy per cell)", net_cells.len());
-                println!("{}", pdflow::chaos::render_header());
-                let report = pdflow::chaos::net::run(&bin, &net_cells, |i, n, r| {
-                    println!("{}  [{i}/{n}]", pdflow::chaos::render_row(r));
-                })
-                .await?;
-                cells.extend(report.cells);
-            }
-            Err(why) if opts.network == NetworkCells::Only => anyhow::bail!("the network cells cannot run here: {why}"),
-            Err(why) => network_skipped = Some(why),
-        }
-    }
-    let mut report = pdflow::chaos::report(cells, started.elapsed());
-    report.network_skipped = network_skipped;
+    let bin = std::env::current_exe().context("locating the pdflow binary the network cells start")?;
+    let report = pdflow::chaos::run_selected(&opts, &capture, &bin, |p| match p {
+        Progress::Section(title) => println!("\npdflow chaos: {title}\n{}", pdflow::chaos::render_header()),
+        Progress::Cell { index, of, row } => println!("{}  [{index}/{of}]", pdflow::chaos::render_row(row)),
+    })
+    .await?;
     println!("\n{}", pdflow::chaos::render_summary(&report));
     if let Some(path) = &args.json {
         let json = serde_json::to_string_pretty(&report).context("serialising the report")?;

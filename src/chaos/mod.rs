@@ -151,6 +151,43 @@ pub async fn run(opts: &ChaosOptions, capture: &SpanCapture, mut progress: impl 
     Ok(report(results, started.elapsed()))
 }
 
+/// What a run reports as it goes.
+pub enum Progress<'a> {
+    /// A part of the run starts (the in-process matrix, the network cells): its title.
+    Section(String),
+    /// A cell's row, the `index`-th of `of` in its part.
+    Cell { index: usize, of: usize, row: &'a CellResult },
+}
+
+/// Runs what `opts` selects — the in-process matrix, the network cells (their nodes started from
+/// `bin`, the `pdflow` binary), or both — and tallies one report. Where the network cells were
+/// asked for alongside the matrix but cannot run here, the report says why
+/// (`network_skipped`); asked for alone, that is an error.
+pub async fn run_selected(opts: &ChaosOptions, capture: &SpanCapture, bin: &std::path::Path, mut progress: impl FnMut(Progress<'_>)) -> Result<ChaosReport, NodeError> {
+    let started = Instant::now();
+    let mut cells = Vec::new();
+    if opts.network != NetworkCells::Only {
+        let kind = if opts.quick { "quick" } else { "full" };
+        progress(Progress::Section(format!("{kind} matrix, D's kv_load_failure_policy {:?}; one fresh P + D + bootstrap + proxy per cell", opts.policy)));
+        cells = run(opts, capture, |index, of, row| progress(Progress::Cell { index, of, row })).await?.cells;
+    }
+    let mut network_skipped = None;
+    if opts.network != NetworkCells::Off {
+        match net::available() {
+            Ok(()) => {
+                let selected = net::cells(opts.filter.as_deref());
+                progress(Progress::Section(format!("{} network cells, P, D and the proxy as processes in their own network namespaces (policy per cell)", selected.len())));
+                cells.extend(net::run(bin, &selected, |index, of, row| progress(Progress::Cell { index, of, row })).await?.cells);
+            }
+            Err(why) if opts.network == NetworkCells::Only => return Err(NodeError::Config(format!("the network cells cannot run here: {why}"))),
+            Err(why) => network_skipped = Some(why),
+        }
+    }
+    let mut report = report(cells, started.elapsed());
+    report.network_skipped = network_skipped;
+    Ok(report)
+}
+
 /// Tallies results into a report.
 pub fn report(cells: Vec<CellResult>, wall: Duration) -> ChaosReport {
     let passed = cells.iter().filter(|c| c.passed).count();

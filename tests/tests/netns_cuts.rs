@@ -90,6 +90,42 @@ async fn harness_without_a_cut_the_kv_crosses_the_pd_link() {
     check(NetCell::NoCut).await;
 }
 
+/// `pdflow chaos`'s selection: a full run whose filter matches only a network cell runs that
+/// cell (as root) and no matrix cell, in one report; where namespaces cannot be used the report
+/// says why instead, and asking for the network cells alone is an error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_full_run_reports_the_network_cells_or_why_they_did_not_run() {
+    use pdflow::chaos::{self, ChaosOptions, NetworkCells};
+    use pdflow_runtime::engine::LoadFailurePolicy;
+    let _serial = SERIAL.lock().await;
+    let capture = chaos::install_layers();
+    let bin = pdflow_bin().expect("the pdflow binary");
+    let opts = |network| ChaosOptions { quick: false, policy: LoadFailurePolicy::Recompute, filter: Some("no_cut".into()), network };
+    let mut sections = Vec::new();
+    let report = chaos::run_selected(&opts(NetworkCells::WhereAvailable), &capture, &bin, |p| {
+        if let chaos::Progress::Section(title) = p {
+            sections.push(title);
+        }
+    })
+    .await;
+    let report = report.expect("the run");
+    assert!(sections[0].contains("matrix"), "{sections:?}");
+    match net::available() {
+        Ok(()) => {
+            assert_eq!(report.cells.len(), 1, "{:?}", report.cells);
+            assert_eq!(report.cells[0].actor, "link:p-d");
+            assert!(report.cells[0].passed, "{}", report.cells[0].detail);
+            assert_eq!((report.passed, report.failed, report.network_skipped.as_deref()), (1, 0, None));
+        }
+        Err(why) => {
+            assert!(report.cells.is_empty());
+            assert_eq!(report.network_skipped, Some(why));
+            let alone = chaos::run_selected(&opts(NetworkCells::Only), &capture, &bin, |_| {}).await;
+            assert!(alone.is_err_and(|e| e.to_string().contains("cannot run here")), "asked for alone, they must fail");
+        }
+    }
+}
+
 /// Every network cell has its own name, and the filter of `pdflow chaos --only` selects by it.
 #[test]
 fn network_cells_are_named_and_filtered_like_the_matrix() {

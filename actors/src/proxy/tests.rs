@@ -119,8 +119,13 @@ async fn stub_completion(State(s): State<Arc<Stub>>, headers: HeaderMap, Json(bo
         Mode::SlowBody => {
             let bytes = Bytes::from(completion.to_string());
             let len = bytes.len();
+            // Notes "cancelled" if the body is dropped before it was sent (the proxy went away).
+            let guard = CancelGuard { tx: s.cancelled.clone(), finished: false };
             let body = futures::stream::once(async move {
+                // The whole guard moves into the body (not just its field), so it lives as long.
+                let mut guard = guard;
                 tokio::time::sleep(Duration::from_secs(3)).await;
+                guard.finished = true;
                 Ok::<_, std::io::Error>(bytes)
             });
             Response::builder()
@@ -331,18 +336,29 @@ async fn round_robin_over_two_p_and_two_d() {
     }
 }
 
-#[tokio::test]
-async fn failed_prefill_cancels_decode_and_answers_at_once() {
-    let (_proxy, base, _p, mut d, _) = one_p_one_d(Mode::Fail(500), Mode::Slow).await;
+/// Sends the seed request through the proxy at `base` and checks the answer is a 502 upstream
+/// error naming `reason`, well before D's slow answer would have come.
+async fn assert_clean_502_at_once(base: &str, reason: &str) {
     let started = Instant::now();
     let resp = reqwest::Client::new().post(format!("{base}/v1/completions")).json(&seed_request()).send().await.expect("request");
     assert_eq!(resp.status(), 502);
-    let body: Value = resp.json().await.expect("json error");
+    let body: Value = resp.json().await.expect("a JSON error body");
     assert!(started.elapsed() < Duration::from_secs(2), "the client waited for D: {:?}", started.elapsed());
     assert_eq!(body["error"]["type"], "upstream_error");
-    assert!(body["error"]["message"].as_str().expect("message").contains("P refused"), "{body}");
+    assert!(body["error"]["message"].as_str().expect("message").contains(reason), "{body}");
+}
+
+/// D's stub noted its request (or its answer's body) dropped before it was done.
+async fn assert_d_cancelled(d: &mut StubHandle) {
     let seen = tokio::time::timeout(Duration::from_secs(3), d.cancelled.recv()).await;
     assert_eq!(seen.expect("D saw its request cancelled before it answered"), Some("cancelled"));
+}
+
+#[tokio::test]
+async fn failed_prefill_cancels_decode_and_answers_at_once() {
+    let (_proxy, base, _p, mut d, _) = one_p_one_d(Mode::Fail(500), Mode::Slow).await;
+    assert_clean_502_at_once(&base, "P refused").await;
+    assert_d_cancelled(&mut d).await;
 }
 
 /// A non-streamed answer of known length reaches the client whole, with its length (one read,
@@ -363,14 +379,9 @@ async fn a_non_streamed_answer_is_relayed_whole_with_its_length() {
 /// P's reason at once (not a cut body after D's 3 s), and D's request is dropped.
 #[tokio::test]
 async fn a_prefill_failing_while_d_s_body_is_on_its_way_is_a_clean_502() {
-    let (_proxy, base, _p, _d, _) = one_p_one_d(Mode::FailLate(500), Mode::SlowBody).await;
-    let started = Instant::now();
-    let resp = reqwest::Client::new().post(format!("{base}/v1/completions")).json(&seed_request()).send().await.expect("request");
-    assert_eq!(resp.status(), 502);
-    let body: Value = resp.json().await.expect("a JSON error body");
-    assert!(started.elapsed() < Duration::from_secs(2), "the client waited for D's body: {:?}", started.elapsed());
-    assert_eq!(body["error"]["type"], "upstream_error");
-    assert!(body["error"]["message"].as_str().expect("message").contains("P failed late"), "{body}");
+    let (_proxy, base, _p, mut d, _) = one_p_one_d(Mode::FailLate(500), Mode::SlowBody).await;
+    assert_clean_502_at_once(&base, "P failed late").await;
+    assert_d_cancelled(&mut d).await;
 }
 
 #[tokio::test]

@@ -75,8 +75,10 @@ pub fn loopback_round_trip_ms(bytes: usize, warmup: usize, runs: usize) -> anyho
     let listener = std::net::TcpListener::bind("127.0.0.1:0").context("binding the round-trip ceiling's listener")?;
     let addr = listener.local_addr()?;
     let rounds = warmup + runs;
+    // Connected first, so the accept finds the connection queued and returns at once.
+    let mut c = std::net::TcpStream::connect(addr).context("connecting the round-trip ceiling")?;
+    let (mut s, _) = listener.accept().context("accepting the round-trip ceiling's connection")?;
     let server = std::thread::spawn(move || -> std::io::Result<()> {
-        let (mut s, _) = listener.accept()?;
         s.set_nodelay(true)?;
         s.set_read_timeout(Some(RUN_DEADLINE))?;
         let mut buf = vec![0u8; bytes];
@@ -86,7 +88,6 @@ pub fn loopback_round_trip_ms(bytes: usize, warmup: usize, runs: usize) -> anyho
         }
         Ok(())
     });
-    let mut c = std::net::TcpStream::connect(addr).context("connecting the round-trip ceiling")?;
     c.set_nodelay(true)?;
     c.set_read_timeout(Some(RUN_DEADLINE))?;
     let (msg, mut ack) = (vec![7u8; bytes], [0u8; 15]);

@@ -18,6 +18,7 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
+use tokio_util::task::AbortOnDropHandle;
 
 use super::cluster::{deadlines, kv_state_timeout, write_timeout, NetCluster, NetSpec, UPSTREAM_LONG_S, UPSTREAM_S};
 use crate::chaos::cell::{body, judge, reference_tokens, token_ids, truncate, CellResult, Outcome};
@@ -192,7 +193,7 @@ async fn drive(cell: NetCell, c: &NetCluster, run: &mut Run<'_>) -> Result<(), S
         NetCell::NoCut => {
             let before = c.p_sent()?;
             run.request(c, &faulted, &want, d.pull_timeout + SLACK).await;
-            let sent = c.p_sent()? - before;
+            let sent = c.p_sent()?.saturating_sub(before);
             run.result.hit = sent > 140_000_000;
             if !run.result.hit {
                 run.problems.push(format!("the seed request's 148 MB of KV did not cross the P↔D link ({sent} bytes): the harness does not test the network"));
@@ -228,16 +229,17 @@ async fn drive(cell: NetCell, c: &NetCluster, run: &mut Run<'_>) -> Result<(), S
             run.cut_mid_write(c, &faulted, &want).await?;
             // D's view, over the proxy↔D link (intact): the request is over and its blocks are free.
             if let Err(held) = c.wait_engine_baseline(&c.d_url, kv_state_timeout() + SLACK).await {
-                run.problems.push(format!("D still holds {held} blocks {:?} after the cut", kv_state_timeout() + SLACK));
-                run.result.leaked_blocks_d = usize::try_from(held).unwrap_or(usize::MAX);
+                run.problems.push(format!("D {:?} after the cut: {held}", kv_state_timeout() + SLACK));
+                run.result.leaked_blocks_d = held.blocks();
             }
             let sent_when_d_freed = c.p_sent()?;
             c.topo.unthrottle(c.pd).map_err(|e| e.to_string())?;
             c.topo.restore(c.pd).map_err(|e| e.to_string())?;
             if let Err(held) = c.wait_engine_baseline(&c.p_url, write_timeout() + SLACK).await {
-                run.problems.push(format!("P still holds {held} blocks {:?} after the restore", write_timeout() + SLACK));
+                run.problems.push(format!("P {:?} after the restore: {held}", write_timeout() + SLACK));
+                run.result.leaked_blocks_p = held.blocks();
             }
-            let late = c.p_sent()? - sent_when_d_freed;
+            let late = c.p_sent()?.saturating_sub(sent_when_d_freed);
             if late >= LATE_BYTES_BOUND {
                 run.problems.push(format!("{late} bytes of KV reached D's data server after D had freed the blocks they target (write-after-free)"));
             }
@@ -274,12 +276,13 @@ async fn drive(cell: NetCell, c: &NetCluster, run: &mut Run<'_>) -> Result<(), S
     }
 }
 
-type RequestTask = tokio::task::JoinHandle<Result<(u16, Value), String>>;
+/// The faulted request in flight; dropped (a cell that gave up early), it is aborted.
+type RequestTask = AbortOnDropHandle<Result<(u16, Value), String>>;
 
 /// Sends `body` through the proxy in a task, with a client deadline of `deadline`.
 fn spawn_request(c: &NetCluster, body: &Value, deadline: Duration) -> RequestTask {
     let (client, url, body) = (c.client.clone(), format!("{}/v1/completions", c.proxy_url), body.clone());
-    tokio::spawn(async move { crate::chaos::cell::post(&client, &url, &body, deadline).await })
+    AbortOnDropHandle::new(tokio::spawn(async move { crate::chaos::cell::post(&client, &url, &body, deadline).await }))
 }
 
 fn ms(d: Duration) -> f64 {
@@ -322,7 +325,7 @@ impl Run<'_> {
         let request = spawn_request(c, body, Duration::from_secs(20) + bound + SLACK * 2);
         let watch = Instant::now();
         loop {
-            let sent = c.p_sent()? - sent_before;
+            let sent = c.p_sent()?.saturating_sub(sent_before);
             if sent > MID_WRITE_BYTES {
                 break;
             }
@@ -362,9 +365,12 @@ impl Run<'_> {
     /// Waits for P's and D's baseline; blocks still held at `bound` are leaked.
     async fn settle(&mut self, c: &NetCluster, bound: Duration) {
         if let Err((p, d)) = c.wait_baseline(bound).await {
-            self.problems.push(format!("blocks held {bound:?} after the restore: P {p}, D {d}"));
-            self.result.leaked_blocks_p = self.result.leaked_blocks_p.max(usize::try_from(p).unwrap_or(usize::MAX));
-            self.result.leaked_blocks_d = self.result.leaked_blocks_d.max(usize::try_from(d).unwrap_or(usize::MAX));
+            for (name, not_idle, leaked) in [("P", p, &mut self.result.leaked_blocks_p), ("D", d, &mut self.result.leaked_blocks_d)] {
+                if let Some(n) = not_idle {
+                    self.problems.push(format!("{name} {bound:?} after the restore: {n}"));
+                    *leaked = (*leaked).max(n.blocks());
+                }
+            }
         }
     }
 

@@ -79,6 +79,34 @@ impl Blocks {
     }
 }
 
+/// An engine not back at its baseline when a wait for it ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NotIdle {
+    /// It still held blocks or tracked requests: leaked.
+    Held { blocks: u64, requests: u64 },
+    /// Its `/pdflow/blocks` did not answer: nothing is known of its blocks.
+    Unreachable,
+}
+
+impl NotIdle {
+    /// The blocks known to be leaked (none known when unreachable).
+    pub fn blocks(self) -> usize {
+        match self {
+            NotIdle::Held { blocks, .. } => usize::try_from(blocks).unwrap_or(usize::MAX),
+            NotIdle::Unreachable => 0,
+        }
+    }
+}
+
+impl std::fmt::Display for NotIdle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            NotIdle::Held { blocks, requests } => write!(f, "{blocks} blocks and {requests} requests held"),
+            NotIdle::Unreachable => write!(f, "its /pdflow/blocks did not answer"),
+        }
+    }
+}
+
 /// The three nodes in their namespaces.
 pub struct NetCluster {
     pub topo: Topology,
@@ -160,21 +188,21 @@ impl NetCluster {
         Blocks::from_json(&r.json::<Value>().await.ok()?)
     }
 
-    /// Waits (bounded) until P and D hold no block and no request. `Ok(how long)`, or the blocks
-    /// each engine still held at the bound (P, D): leaked.
-    pub async fn wait_baseline(&self, bound: Duration) -> Result<Duration, (u64, u64)> {
+    /// Waits (bounded) until P and D hold no block and no request. `Ok(how long)`, or what each
+    /// engine still held at the bound (P, D; `None`: that one was idle).
+    pub async fn wait_baseline(&self, bound: Duration) -> Result<Duration, (Option<NotIdle>, Option<NotIdle>)> {
         let start = Instant::now();
         let p = self.wait_engine_baseline(&self.p_url, bound).await;
         let d = self.wait_engine_baseline(&self.d_url, bound.saturating_sub(start.elapsed())).await;
         match (p, d) {
             (Ok(()), Ok(())) => Ok(start.elapsed()),
-            (p, d) => Err((p.err().unwrap_or(0), d.err().unwrap_or(0))),
+            (p, d) => Err((p.err(), d.err())),
         }
     }
 
-    /// Waits (bounded) until one engine holds no block and no request; `Err(blocks held)` at the
-    /// bound (an engine that cannot be reached counts as holding all its blocks).
-    pub async fn wait_engine_baseline(&self, url: &str, bound: Duration) -> Result<(), u64> {
+    /// Waits (bounded) until one engine holds no block and no request; at the bound, what it
+    /// still held (or that it could not be asked).
+    pub async fn wait_engine_baseline(&self, url: &str, bound: Duration) -> Result<(), NotIdle> {
         let start = Instant::now();
         loop {
             let s = self.blocks(url).await;
@@ -182,8 +210,7 @@ impl NetCluster {
                 return Ok(());
             }
             if start.elapsed() >= bound {
-                // A request still tracked without blocks is a leak too: count it as one block.
-                return Err(s.map_or(u64::MAX, |s| s.held().max(u64::from(s.requests > 0))));
+                return Err(s.map_or(NotIdle::Unreachable, |s| NotIdle::Held { blocks: s.held(), requests: s.requests }));
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
