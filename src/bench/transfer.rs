@@ -9,7 +9,8 @@
 //!   `StartLoadKv` to `GetFinishedRecving` reporting them; the first (cold) pull separately;
 //! - `engine …` rows call `TransferEngine::write` directly: the coalesced plan (36 descriptors), the
 //!   uncoalesced one (2,268 × 64 KiB — the SendWorker always coalesces, so this plan is measured at
-//!   the engine level), and one 32 KiB write's latency;
+//!   the engine level), and one 32 KiB write's latency, back to back and after 1 ms idle (D's
+//!   connection thread then sleeps in the kernel instead of polling);
 //! - same-run ceilings: single-thread memcpy of the same bytes, plain loopback TCP (1 and 4
 //!   streams), and for the 32 KiB write one round trip (32 KiB out, a 15-byte answer back)
 //!   between two blocking threads;
@@ -43,6 +44,8 @@ const P_NUM_BLOCKS: usize = 80;
 const D_NUM_BLOCKS: usize = 1024;
 const CONCURRENT: usize = 8;
 const SMALL_WRITE: u64 = 32 * 1024;
+/// The pause before each write of the "after idle" row: longer than D's busy-poll window.
+const IDLE_GAP: Duration = Duration::from_millis(1);
 
 /// Which transfer backend P uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -193,6 +196,14 @@ async fn measure_backend(opts: &Options, backend: Backend, setup: &Setup<'_>, ro
     let small_opts = Options { runs: (opts.runs * 10).max(100), warmup: opts.warmup.max(10), ..opts.clone() };
     let samples = repeat(&small_opts, || timed_write(engine, d_addr, &small)).await?;
     rows.push(report::row("engine 32 KiB write", Some(&label(engine)), Some("single"), Some(1), Some(SMALL_WRITE), &samples));
+    // The same write after the connections sat idle for a millisecond: D's connection thread has
+    // stopped polling and sleeps in the kernel, so this one pays its wake-up.
+    let samples = repeat(&small_opts, || async {
+        tokio::time::sleep(IDLE_GAP).await;
+        timed_write(engine, d_addr, &small).await
+    })
+    .await?;
+    rows.push(report::row("engine 32 KiB write after 1 ms idle", Some(&label(engine)), Some("single"), Some(1), Some(SMALL_WRITE), &samples));
     Ok(())
 }
 

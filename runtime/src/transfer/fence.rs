@@ -42,6 +42,11 @@ impl FenceGuard {
     pub fn revoked(&self) -> tokio_util::sync::WaitForCancellationFuture<'_> {
         self.revoked.cancelled()
     }
+
+    /// Whether D closed this batch's token (for a data connection on a blocking thread).
+    pub fn is_revoked(&self) -> bool {
+        self.revoked.is_cancelled()
+    }
 }
 
 /// Why [`WriteFence::close`] gave up waiting.

@@ -13,6 +13,8 @@
 //! request and transfer ids; this module only logs at debug level.
 
 mod ack_wait;
+mod busy_poll;
+mod connection;
 mod engine;
 mod server;
 pub mod wire;

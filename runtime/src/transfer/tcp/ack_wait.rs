@@ -70,7 +70,9 @@ fn poll_for_ack(stream: &TcpStream, budget: Duration) -> Option<Result<Ack, Wire
         if Instant::now() >= until {
             return None;
         }
-        std::hint::spin_loop();
+        // Yield rather than spin: the thread this poll waits for may have been woken onto this
+        // very core (loopback wakes the receiver where the sender runs).
+        std::thread::yield_now();
     }
 }
 

@@ -498,3 +498,74 @@ async fn a_share_d_dropped_is_not_resent() {
     assert_eq!(accepted.load(Ordering::SeqCst), 1, "the share was sent again on a new connection");
     assert_eq!(engine.pooled_connections(&peer), 0, "a failed connection is not pooled");
 }
+
+/// A raw connection that has said hello to `peer`.
+async fn hello(peer: &str) -> TcpStream {
+    let mut raw = TcpStream::connect(peer).await.expect("connects");
+    raw.write_all(&wire::encode_hello(None).expect("hello")).await.expect("sends the hello");
+    assert_eq!(bounded("hello ack", wire::read_ack(&mut raw)).await.expect("hello ack"), Ack::Ok { batch_id: 0 });
+    raw
+}
+
+/// Sends a fence (when not 0) and a batch header for one descriptor of `len` bytes at `dst`,
+/// then the first `sent` payload bytes.
+async fn start_batch(raw: &mut TcpStream, fence: u64, dst: u64, len: u64, sent: usize) {
+    if fence != 0 {
+        raw.write_all(&wire::encode_fence(fence)).await.expect("sends the fence");
+    }
+    let header = wire::encode_batch_header(1, &[Descriptor { src: 0, dst, len }]).expect("header");
+    raw.write_all(&header).await.expect("sends the header");
+    raw.write_all(&vec![0xAB; sent]).await.expect("sends part of the payload");
+}
+
+#[tokio::test]
+async fn a_batch_stalled_mid_payload_stops_landing_when_d_closes_its_fence() {
+    let (p, fence) = fenced_pair(SMALL, 8, TcpConfig::default()).await;
+    let region = p.dst.regions()[0];
+    let (dst, len) = (region.block_addr(3), region.block_len);
+    fence.open(5);
+    let mut raw = hello(&p.peer).await;
+    let half = usize::try_from(len / 2).expect("small");
+    start_batch(&mut raw, 5, dst, len, half).await;
+    // The first half lands; then P's link stalls.
+    let until = Instant::now() + BOUND;
+    while p.dst.block_bytes(3).expect("block")[..half].iter().any(|&b| b != 0xAB) {
+        assert!(Instant::now() < until, "the first half never landed");
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    // D's pull ends: closing the fence must not wait for the stalled batch's remaining bytes.
+    bounded("fence close", fence.close(5, Duration::from_secs(5))).await.expect("the stalled batch stops and leaves the fence");
+    read_until_closed(&mut raw).await;
+    // Whatever P sends now never lands.
+    let _ = raw.write_all(&vec![0xCD; half]).await;
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    assert!(p.dst.block_bytes(3).expect("block")[half..].iter().all(|&b| b == 0), "bytes landed after the fence closed");
+    // The server keeps serving the next pull.
+    fence.open(6);
+    let next = TransferPlan { fence: 6, ..p.plan(&[1], &[2], true) };
+    bounded("next write", p.engine.write(&p.peer, &next)).await.expect("the next write succeeds");
+    p.assert_copied(&[1], &[2]);
+}
+
+#[tokio::test]
+async fn stopping_the_server_ends_idle_and_stalled_connections_at_once() {
+    for stop_by_shutdown in [true, false] {
+        let p = pair(SMALL, 8, None, TcpConfig::default()).await;
+        let region = p.dst.regions()[0];
+        // One connection idle after its hello (its thread sleeps in recv for up to 5 minutes),
+        // one stalled in the middle of a batch's payload.
+        let mut idle = hello(&p.peer).await;
+        let mut stalled = hello(&p.peer).await;
+        start_batch(&mut stalled, 0, region.block_addr(1), region.block_len, 8).await;
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        let Pair { server, .. } = p;
+        if stop_by_shutdown {
+            bounded("shutdown", server.shutdown()).await;
+        } else {
+            drop(server);
+        }
+        // Both see their connection closed now, not after the idle or stall deadline.
+        read_until_closed(&mut idle).await;
+        read_until_closed(&mut stalled).await;
+    }
+}
