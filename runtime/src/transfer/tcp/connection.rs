@@ -42,6 +42,9 @@ const FENCE_CHECK: Duration = Duration::from_millis(5);
 const MAX_IOVECS: usize = 1024;
 /// The most payload bytes drained from a refused batch; beyond that the connection is closed.
 const MAX_DRAIN_BYTES: u64 = 4 << 30;
+/// How many bytes of P's next requests are peeked at once: a fence and a batch header of up to
+/// 60 descriptors (a larger header is read the blocking way).
+const PEEK_BYTES: usize = 1024;
 /// How long a refusal's last ack may take to leave.
 const REFUSAL_WRITE_TIMEOUT: Duration = Duration::from_secs(1);
 
@@ -105,23 +108,41 @@ fn serve_requests(stream: &TcpStream, shared: &Shared) -> Result<(), ConnectionE
 
     // The fence token the batches on this connection currently serve (P names it per plan).
     let mut fence_token: Option<u64> = None;
+    let mut peeked = [0u8; PEEK_BYTES];
+    let mut pending: std::collections::VecDeque<Request> = std::collections::VecDeque::new();
     loop {
         if shared.cancel.is_cancelled() {
             return Err(ConnectionError::Stopping);
         }
-        // P's next request usually follows an ack at once: poll for it before sleeping.
-        busy_poll::readable_within(stream.as_raw_fd(), SPIN_AFTER_ACK);
-        timeout.set(IDLE_TIMEOUT)?;
-        let header = match now(wire::read_request(&mut Blocking(stream))) {
-            Ok(None) => return Ok(()),
-            Err(e) if is_timeout(&e) => return Ok(()),
-            Err(e) => return Err(refuse_and_close(stream, 0, e.into())),
-            Ok(Some(Request::Batch(header))) => header,
-            Ok(Some(Request::Fence { token })) => {
+        if pending.is_empty() {
+            // P's next request usually follows an ack at once: poll for it before sleeping, and
+            // take every request that is already queued whole in one go.
+            if busy_poll::readable_within(stream.as_raw_fd(), SPIN_AFTER_ACK) {
+                match queued_requests(stream, &mut peeked) {
+                    Ok(requests) => pending.extend(requests),
+                    Err(e) => return Err(refuse_and_close(stream, 0, e.into())),
+                }
+            }
+        }
+        let request = match pending.pop_front() {
+            Some(request) => request,
+            None => {
+                timeout.set(IDLE_TIMEOUT)?;
+                match now(wire::read_request(&mut Blocking(stream))) {
+                    Ok(None) => return Ok(()),
+                    Err(e) if is_timeout(&e) => return Ok(()),
+                    Err(e) => return Err(refuse_and_close(stream, 0, e.into())),
+                    Ok(Some(request)) => request,
+                }
+            }
+        };
+        let header = match request {
+            Request::Batch(header) => header,
+            Request::Fence { token } => {
                 fence_token = (token != 0).then_some(token);
                 continue;
             }
-            Ok(Some(Request::HostInfo { p_pid })) => {
+            Request::HostInfo { p_pid } => {
                 tracing::debug!(p_pid, offered = shared.host_info.is_some(), "P asked for the same-host details");
                 let answer = wire::encode_host_info(shared.host_info.as_ref().unwrap_or(&HostInfo::default()))?;
                 (&*stream).write_all(&answer).map_err(WireError::from)?;
@@ -184,6 +205,62 @@ fn serve_requests(stream: &TcpStream, shared: &Shared) -> Result<(), ConnectionE
     }
 }
 
+/// P's requests that are already queued whole on the socket, up to and including the first one
+/// that is not a fence (a batch's payload follows its header): peeked, parsed by the same codec,
+/// then consumed with one `recv`. Empty when the first request is not whole yet — its bytes stay
+/// queued for the blocking read. A malformed first request is an error; one after a whole
+/// request is left for the next round to report.
+fn queued_requests(stream: &TcpStream, buf: &mut [u8]) -> Result<Vec<Request>, WireError> {
+    let fd = stream.as_raw_fd();
+    // SAFETY: `fd` is the socket `stream` owns, open for the call; `buf` is writable for its
+    // length. MSG_PEEK consumes nothing, MSG_DONTWAIT never blocks.
+    let n = unsafe { libc::recv(fd, buf.as_mut_ptr().cast(), buf.len(), libc::MSG_PEEK | libc::MSG_DONTWAIT) };
+    let Ok(n) = usize::try_from(n) else { return Ok(Vec::new()) };
+    let mut rest = &buf[..n];
+    let mut requests = Vec::new();
+    let mut consumed = 0;
+    loop {
+        match now(wire::read_request(&mut rest)) {
+            Ok(Some(request)) => {
+                consumed = n - rest.len();
+                let fence = matches!(request, Request::Fence { .. });
+                requests.push(request);
+                if !fence {
+                    break;
+                }
+            }
+            // The peeked bytes ended at a request's boundary.
+            Ok(None) => break,
+            // The next request is not whole yet: it stays queued.
+            Err(WireError::Io(e)) if e.kind() == std::io::ErrorKind::UnexpectedEof => break,
+            Err(e) if requests.is_empty() => return Err(e),
+            Err(_) => break,
+        }
+    }
+    if consumed > 0 {
+        // SAFETY: as above; the `consumed` bytes were just peeked on a stream only this thread
+        // reads, so this returns exactly them without blocking.
+        let got = unsafe { libc::recv(fd, buf.as_mut_ptr().cast(), consumed, libc::MSG_DONTWAIT) };
+        if usize::try_from(got).ok() != Some(consumed) {
+            return Err(WireError::Io(std::io::Error::other(format!("read {got} of {consumed} peeked request bytes"))));
+        }
+    }
+    Ok(requests)
+}
+
+/// One `readv` that never blocks (`recvmsg` with `MSG_DONTWAIT`): a batch whose payload is already
+/// queued lands without touching the socket's timeout.
+fn read_vectored_now(stream: &TcpStream, slices: &mut [IoSliceMut<'_>]) -> std::io::Result<usize> {
+    // SAFETY: a zeroed msghdr is valid (no name, no control data); `IoSliceMut` is ABI-compatible
+    // with `iovec` on Unix, and the slices are writable for their lengths for the whole call.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = slices.as_mut_ptr().cast();
+    msg.msg_iovlen = slices.len() as _;
+    // SAFETY: `stream` owns the open socket for the call; `msg` is valid as set up above.
+    let n = unsafe { libc::recvmsg(stream.as_raw_fd(), &mut msg, libc::MSG_DONTWAIT) };
+    usize::try_from(n).map_err(|_| std::io::Error::last_os_error())
+}
+
 /// Why a batch's destinations overlap, if they do: a plan never writes one byte twice, and
 /// overlapping destinations would make two live `&mut` slices of the same memory.
 fn overlapping(descriptors: &[(u64, u64)]) -> Option<String> {
@@ -204,22 +281,29 @@ fn read_into(
     fence: Option<&FenceGuard>,
     cancel: &CancellationToken,
 ) -> Result<(), ConnectionError> {
-    timeout.set(if fence.is_some() { FENCE_CHECK } else { STALL_TIMEOUT })?;
     let mut slices: Vec<IoSliceMut<'_>> = dsts.iter_mut().map(|d| IoSliceMut::new(d)).collect();
     let mut rest: &mut [IoSliceMut<'_>] = &mut slices;
     let mut progress = Instant::now();
+    // The first read takes what is queued without blocking; the timeout is set only when a read
+    // has to wait.
+    let mut blocking = false;
     while !rest.is_empty() {
         if fence.is_some_and(FenceGuard::is_revoked) {
             return Err(ConnectionError::Fenced);
         }
         let window = rest.len().min(MAX_IOVECS);
-        match (&*stream).read_vectored(&mut rest[..window]) {
+        let read = if blocking { (&*stream).read_vectored(&mut rest[..window]) } else { read_vectored_now(stream, &mut rest[..window]) };
+        match read {
             Ok(0) => return Err(WireError::Io(std::io::ErrorKind::UnexpectedEof.into()).into()),
             Ok(n) => {
                 IoSliceMut::advance_slices(&mut rest, n);
                 progress = Instant::now();
             }
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) if !blocking && e.kind() == std::io::ErrorKind::WouldBlock => {
+                blocking = true;
+                timeout.set(if fence.is_some() { FENCE_CHECK } else { STALL_TIMEOUT })?;
+            }
             Err(e) if is_timeout_io(&e) => {
                 if cancel.is_cancelled() {
                     return Err(ConnectionError::Stopping);

@@ -569,3 +569,25 @@ async fn stopping_the_server_ends_idle_and_stalled_connections_at_once() {
         read_until_closed(&mut stalled).await;
     }
 }
+
+#[tokio::test]
+async fn requests_trickling_in_byte_by_byte_are_read_whole() {
+    // D takes requests already queued whole in one go and reads the others the blocking way:
+    // a fence, a batch header and its payload sent a few bytes at a time must still land.
+    let (p, fence) = fenced_pair(SMALL, 8, TcpConfig::default()).await;
+    let region = p.dst.regions()[0];
+    let (dst, len) = (region.block_addr(2), region.block_len);
+    fence.open(4);
+    let mut raw = hello(&p.peer).await;
+    raw.set_nodelay(true).expect("nodelay");
+    let mut bytes = wire::encode_fence(4).to_vec();
+    bytes.extend(wire::encode_batch_header(77, &[Descriptor { src: 0, dst, len }]).expect("header"));
+    bytes.extend((0..len).map(|i| (i % 251) as u8 + 1));
+    for piece in bytes.chunks(7) {
+        raw.write_all(piece).await.expect("sends");
+        tokio::time::sleep(Duration::from_micros(300)).await;
+    }
+    assert_eq!(bounded("ack", wire::read_ack(&mut raw)).await.expect("ack"), Ack::Ok { batch_id: 77 });
+    let got = p.dst.block_bytes(2).expect("block");
+    assert!(got[..len as usize].iter().enumerate().all(|(i, &b)| b == (i as u64 % 251) as u8 + 1), "the payload landed whole and in order");
+}
