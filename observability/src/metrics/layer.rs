@@ -52,6 +52,7 @@ impl Visitor<'_> {
         match field.name() {
             attrs::TRANSFER_ID => self.0.transfer_id = Some(value),
             attrs::OUTCOME => self.0.outcome = Some(value),
+            attrs::BACKEND => self.0.backend = Some(value),
             _ => {}
         }
     }
@@ -59,7 +60,7 @@ impl Visitor<'_> {
 
 impl Visit for Visitor<'_> {
     fn record_debug(&mut self, field: &Field, value: &dyn std::fmt::Debug) {
-        if matches!(field.name(), attrs::TRANSFER_ID | attrs::OUTCOME) {
+        if matches!(field.name(), attrs::TRANSFER_ID | attrs::OUTCOME | attrs::BACKEND) {
             self.text(field, format!("{value:?}"));
         } else if matches!(field.name(), attrs::STEP | attrs::BYTES | attrs::DESCRIPTORS | attrs::BLOCKS) {
             if let Ok(n) = format!("{value:?}").parse() {

@@ -8,6 +8,8 @@
 //!   Mooncake which records successes only) and step 34 on D (`side="d"`: the duration runs from
 //!   step 21's start to step 34; bytes are blocks × [`Metrics::set_block_bytes`] when set);
 //! - `pdflow_failures_total{service,step,cause}` — step spans whose `pd.outcome` is not a success;
+//! - `pdflow_transfer_writes_total{service,backend,outcome}` — P's step-29 writes by the transfer
+//!   backend that carried them (`tcp`, `same-host`, `cuda-peer`, `cuda-ipc`);
 //! - `pdflow_pulls_in_flight{service,side}` — D: pulls sent (step 21) not yet settled (step 34);
 //!   P: pulls received (step 22) not yet answered (step 30);
 //! - gauges registered with [`Metrics::register_gauge`], read at scrape time, and per-endpoint
@@ -98,6 +100,8 @@ pub(crate) struct StepObservation {
     pub descriptors: Option<u64>,
     pub blocks: Option<u64>,
     pub outcome: Option<String>,
+    /// Step 29's transfer backend (`tcp`, `same-host`, `cuda-peer`, …).
+    pub backend: Option<String>,
 }
 
 type StepKey = (&'static str, u8);
@@ -111,6 +115,8 @@ struct State {
     transfer_descriptors: BTreeMap<SideKey, Histogram>,
     transfer_blocks: BTreeMap<SideKey, Histogram>,
     failures: BTreeMap<StepKey, BTreeMap<String, u64>>,
+    /// P's step-29 writes by (service, backend, outcome).
+    writes: BTreeMap<(&'static str, String, String), u64>,
     /// D: transfer_id → when its pull was sent (step 21 start).
     d_pending: HashMap<String, Instant>,
     /// P: transfer_id → when its pull arrived (step 22 start).
@@ -128,6 +134,11 @@ impl Default for Metrics {
     fn default() -> Self {
         Self { state: Mutex::new(State::default()), gauges: Mutex::new(Vec::new()), block_bytes: AtomicU64::new(0) }
     }
+}
+
+/// A label value from a span field, cut to a sane length.
+fn truncate_label(s: &str) -> String {
+    s.chars().take(64).collect()
 }
 
 /// The process's registry.
@@ -192,6 +203,14 @@ impl Metrics {
         } else {
             None
         };
+        if step.number == steps::P_TRANSFER_WRITE.number {
+            let backend = o.backend.as_deref().filter(|b| !b.is_empty()).unwrap_or("unknown");
+            let outcome = o.outcome.as_deref().filter(|x| !x.is_empty()).unwrap_or("unknown");
+            // A handful of backends and outcomes: the label set stays small.
+            let outcome = if is_success(outcome) { "ok" } else { outcome };
+            let key = (service, truncate_label(backend), truncate_label(outcome));
+            *st.writes.entry(key).or_insert(0) += 1;
+        }
         if let Some((side, duration, bytes)) = transfer {
             let key = (service, side);
             st.transfer_duration.entry(key).or_insert_with(|| Histogram::new(DURATION_BUCKETS)).observe(duration.as_secs_f64());
@@ -253,6 +272,11 @@ impl Metrics {
                 }
             }
             families.push(failures);
+            let mut writes = Family::new("pdflow_transfer_writes_total", "P's KV writes (step 29) by transfer backend and outcome.", Kind::Counter);
+            for ((service, backend, outcome), count) in &st.writes {
+                writes.sample(vec![("service", (*service).to_owned()), ("backend", backend.clone()), ("outcome", outcome.clone())], *count as f64);
+            }
+            families.push(writes);
             let mut pulls = Family::new("pdflow_pulls_in_flight", "Pulls in flight: D sent (step 21) and not settled (34); P received (22) and not answered (30).", Kind::Gauge);
             pulls.sample(vec![("service", "prefill".to_owned()), ("side", "p".to_owned())], st.p_pending.len() as f64);
             pulls.sample(vec![("service", "decode".to_owned()), ("side", "d".to_owned())], st.d_pending.len() as f64);

@@ -124,3 +124,25 @@ fn outcomes_classified() {
         assert!(!is_success(bad), "{bad}");
     }
 }
+
+#[test]
+fn step_29_writes_are_counted_by_backend_and_outcome() {
+    let metrics = Metrics::new();
+    with_layer(&metrics, || {
+        for (backend, outcome) in [(Some("tcp"), "ok"), (Some("tcp"), "ok"), (Some("cuda-peer"), "ok"), (Some("tcp"), "refused"), (None, "ok")] {
+            let write = step_span!(steps::P_TRANSFER_WRITE, request_id = "p1", transfer_id = "t1");
+            if let Some(b) = backend {
+                write.record(attrs::BACKEND, b);
+            }
+            write.record(attrs::OUTCOME, outcome);
+        }
+        // Other steps are not writes.
+        drop(step_span!(steps::P_BUILD_TRANSFER, request_id = "p1", transfer_id = "t1"));
+    });
+    let text = metrics.render();
+    for (labels, count) in [("backend=\"tcp\",outcome=\"ok\"", 2), ("backend=\"cuda-peer\",outcome=\"ok\"", 1), ("backend=\"tcp\",outcome=\"refused\"", 1), ("backend=\"unknown\",outcome=\"ok\"", 1)] {
+        let line = format!("pdflow_transfer_writes_total{{service=\"prefill\",{labels}}} {count}\n");
+        assert!(text.contains(&line), "missing {line:?} in\n{text}");
+    }
+    assert_eq!(text.matches("pdflow_transfer_writes_total{").count(), 4, "{text}");
+}
