@@ -221,9 +221,20 @@ pub struct DemoArgs {
     /// KV shape: `qwen3-8b` or `LAYERS,KV_HEADS,HEAD_DIM,BLOCK_SIZE` (bf16).
     #[arg(long, default_value = "qwen3-8b", value_parser = parse_shape)]
     pub kv_shape: KvShape,
+    /// Where the engines keep their KV: `cpu` (host memory), or `cuda` (P on GPU 0, D on GPU 1 —
+    /// both on GPU 0 when it is the only one; needs a build with `--features cuda`).
+    #[arg(long, value_enum, default_value = "cpu")]
+    pub device: DemoDevice,
     /// `--trace-file PATH` writes the seed request's trace and the start-up traces.
     #[command(flatten)]
     pub trace: TraceArgs,
+}
+
+/// `pdflow demo --device`, `pdflow bench transfer --device`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum DemoDevice {
+    Cpu,
+    Cuda,
 }
 
 #[derive(Debug, Args)]
@@ -490,6 +501,7 @@ impl ServeCmd {
             deadlines,
             tcp: TcpConfig { streams_per_peer: self.streams_per_peer, auth_token: self.transfer_token.clone(), ..TcpConfig::default() },
             verify_checksums: self.verify_checksums,
+            kv_device: None,
         })
     }
 }

@@ -4,7 +4,10 @@
 //! consumer engine and the proxy; sends the seed request (a 1000-token prompt, max_tokens 128,
 //! greedy) through the proxy; rebuilds the 43-step timeline from the step spans; then checks that
 //! D received exactly the bytes P sent (checksums of the request's blocks on both sides, steps 29
-//! and 34) and that the output equals a single engine's run of the same prompt.
+//! and 34) and that the output equals a single engine's run of the same prompt. With
+//! `--device cuda` both engines keep their KV on GPUs (the model writes it with a kernel, step 29
+//! moves it by the cuda-peer engine) and the output is still checked against the reference run on
+//! host memory.
 
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
@@ -33,11 +36,45 @@ pub struct DemoOptions {
     /// Blocks per engine.
     pub num_blocks: usize,
     pub deadlines: Deadlines,
+    /// Where P's and D's KV caches live.
+    pub device: KvPlacement,
 }
 
 impl Default for DemoOptions {
     fn default() -> Self {
-        Self { prompt_tokens: 1000, max_tokens: 128, shape: KvShape::QWEN3_8B, num_blocks: 96, deadlines: Deadlines::default() }
+        Self { prompt_tokens: 1000, max_tokens: 128, shape: KvShape::QWEN3_8B, num_blocks: 96, deadlines: Deadlines::default(), device: KvPlacement::Host }
+    }
+}
+
+/// Where the demo's engines keep their KV.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KvPlacement {
+    /// Host memory: P writes D's memory by the same-host path (or tcp).
+    Host,
+    /// GPU memory: P on GPU `p`, D on GPU `d` (the same GPU when only one is visible); P writes
+    /// D's memory by the cuda-peer engine, one kernel launch per plan (feature `cuda`).
+    Cuda { p: usize, d: usize },
+}
+
+impl KvPlacement {
+    /// The GPUs for `--device cuda`: P on GPU 0, D on GPU 1, or both on GPU 0 when it is the
+    /// only one.
+    pub fn cuda() -> Result<Self, DemoError> {
+        #[cfg(feature = "cuda")]
+        {
+            let count = pdflow_runtime::transfer::cuda::device_count().map_err(|e| DemoError::Device(e.to_string()))?;
+            Ok(KvPlacement::Cuda { p: 0, d: usize::from(count > 1) })
+        }
+        #[cfg(not(feature = "cuda"))]
+        Err(DemoError::Device("this pdflow was built without GPU support: build it with `cargo build --release --features cuda`".into()))
+    }
+
+    fn of(self, role: KvRole) -> Option<usize> {
+        match (self, role) {
+            (KvPlacement::Host, _) => None,
+            (KvPlacement::Cuda { d, .. }, KvRole::Consumer) => Some(d),
+            (KvPlacement::Cuda { p, .. }, _) => Some(p),
+        }
     }
 }
 
@@ -55,6 +92,11 @@ pub struct DemoReport {
     pub transfer_ms: f64,
     pub kv_checksum_p: Option<String>,
     pub kv_checksum_d: Option<String>,
+    /// The transfer backend step 29 reports (`same-host`, `tcp`, `cuda-peer`).
+    pub backend: Option<String>,
+    /// Where P's and D's KV lived (`host`, `cuda:N`).
+    pub kv_memory_p: String,
+    pub kv_memory_d: String,
     pub steps: Vec<StepTiming>,
     pub missing_steps: Vec<u8>,
     /// Why `verified` is false, if it is.
@@ -72,6 +114,8 @@ pub enum DemoError {
     Http { url: String, reason: String },
     #[error("the proxy at {url} was not ready within {deadline:?}")]
     NotReady { url: String, deadline: Duration },
+    #[error("--device cuda: {0}")]
+    Device(String),
 }
 
 /// The demo's prompt: `n` deterministic words.
@@ -145,6 +189,7 @@ impl LocalCluster {
             deadlines: opts.deadlines,
             tcp: TcpConfig::default(),
             verify_checksums,
+            kv_device: opts.device.of(role),
         };
         let prefill = EngineNode::start(node_cfg(KvRole::Producer, BootstrapPlacement::Launch { port: 0 }, &format!("prefill-{}", uuid::Uuid::new_v4()))).await?;
         let decode = EngineNode::start(node_cfg(KvRole::Consumer, BootstrapPlacement::None, &format!("decode-{}", uuid::Uuid::new_v4()))).await?;
@@ -177,9 +222,20 @@ impl LocalCluster {
 pub async fn run(opts: DemoOptions, capture: SpanCapture) -> Result<DemoReport, DemoError> {
     capture.clear();
     let cluster = LocalCluster::start(&opts, true).await?;
-    let result = drive(&opts, &cluster.client, &cluster.proxy, &capture).await;
+    let result = drive(&opts, &cluster.client, &cluster.proxy, &capture).await.map(|mut report| {
+        report.kv_memory_p = cluster.prefill.kv_cache.memory().to_string();
+        report.kv_memory_d = cluster.decode.kv_cache.memory().to_string();
+        report
+    });
     let (p_free, d_free) = cluster.shutdown().await;
     let mut report = result?;
+    if let Some(backend) = report.backend.as_deref() {
+        let expected = if opts.device == KvPlacement::Host { backend != "cuda-peer" } else { backend == "cuda-peer" };
+        if !expected {
+            report.problems.push(format!("step 29 used the {backend} backend, not the one for {} KV", report.kv_memory_p));
+            report.verified = false;
+        }
+    }
     for (side, stats) in [("P", p_free), ("D", d_free)] {
         if stats.free != stats.total {
             report.problems.push(format!("{side} holds {} of {} blocks after the request (leak)", stats.total - stats.free, stats.total));
@@ -238,6 +294,9 @@ async fn drive(opts: &DemoOptions, client: &reqwest::Client, proxy: &ProxyNode, 
         transfer_ms: timeline.step(29).map(|s| s.duration_ms).unwrap_or(0.0),
         kv_checksum_p: sum_p,
         kv_checksum_d: sum_d,
+        backend: timeline.step(29).and_then(|s| s.figures.get(attrs::BACKEND).cloned()),
+        kv_memory_p: String::new(),
+        kv_memory_d: String::new(),
         timeline_table: timeline.render(),
         missing_steps: timeline.missing.clone(),
         steps: timeline.steps,

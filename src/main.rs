@@ -7,9 +7,9 @@ use std::time::Duration;
 use anyhow::Context as _;
 use clap::Parser;
 use pdflow::chaos::Progress;
-use pdflow::cli::{BenchCmd, Cli, Command, DemoArgs, TraceArgs, TraceCmd};
+use pdflow::cli::{BenchCmd, Cli, Command, DemoArgs, DemoDevice, TraceArgs, TraceCmd};
 use pdflow::config::VllmEnv;
-use pdflow::demo::{self, DemoOptions};
+use pdflow::demo::{self, DemoOptions, KvPlacement};
 use pdflow::node::{BootstrapNode, EngineNode, ProxyNode};
 use pdflow_observability::capture::SpanCapture;
 use pdflow_observability::fault::{self, FaultPlan, NodeKind};
@@ -125,15 +125,24 @@ async fn run_demo(args: DemoArgs) -> anyhow::Result<bool> {
     let trace_export = start_export(&args.trace, None)?;
     init_tracing(Some(capture.clone()), Some(&trace_export), Some(MetricsLayer::global()));
     metrics::global().set_block_bytes(args.kv_shape.bytes_per_block() as u64);
-    let opts = DemoOptions { prompt_tokens: args.prompt_tokens, max_tokens: args.max_tokens, shape: args.kv_shape, num_blocks: args.num_blocks, ..DemoOptions::default() };
+    let device = match args.device {
+        DemoDevice::Cpu => KvPlacement::Host,
+        DemoDevice::Cuda => KvPlacement::cuda()?,
+    };
+    let opts = DemoOptions { prompt_tokens: args.prompt_tokens, max_tokens: args.max_tokens, shape: args.kv_shape, num_blocks: args.num_blocks, device, ..DemoOptions::default() };
+    let placement = match device {
+        KvPlacement::Host => "KV in host memory".to_string(),
+        KvPlacement::Cuda { p, d } => format!("KV on GPUs: P on GPU {p}, D on GPU {d}"),
+    };
     println!(
-        "pdflow demo: 1 prefill (P, launches bootstrap) + 1 decode (D) + proxy on 127.0.0.1; one request of {} prompt tokens, max_tokens {}",
+        "pdflow demo: 1 prefill (P, launches bootstrap) + 1 decode (D) + proxy on 127.0.0.1; one request of {} prompt tokens, max_tokens {}; {placement}",
         opts.prompt_tokens, opts.max_tokens
     );
     let report = demo::run(opts, capture).await.context("the demo could not run")?;
     println!("\n{}", report.timeline_table);
     println!("KV transferred : {} bytes in {} blocks, {} descriptors, {:.3} ms (step 29)", report.kv_bytes, report.blocks, report.descriptors, report.transfer_ms);
     println!("KV checksum    : P sent {:?}, D holds {:?}", report.kv_checksum_p, report.kv_checksum_d);
+    println!("KV path        : {} (step 29), P's KV in {}, D's in {}", report.backend.as_deref().unwrap_or("?"), report.kv_memory_p, report.kv_memory_d);
     println!("tokens         : {} prompt, {} completion; TTFT {:.3} ms", report.prompt_tokens, report.completion_tokens, report.ttft_ms);
     println!("output matches single-engine reference: {}", report.output_matches_reference);
     for p in &report.problems {

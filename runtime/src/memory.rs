@@ -62,6 +62,29 @@ pub enum RegionError {
     OutOfRegion { addr: u64, len: u64 },
     #[error("block {block} is outside the {num_blocks}-block KV cache")]
     BlockOutOfRange { block: BlockId, num_blocks: usize },
+    #[error("range {addr:#x}+{len} is GPU memory (device {device}): host code cannot touch it (the tcp and same-host paths carry host KV only; GPU KV moves by the cuda engines)")]
+    OnDevice { addr: u64, len: u64, device: usize },
+    #[error("GPU {device} could not read or write the KV: {reason}")]
+    Device { device: usize, reason: String },
+}
+
+/// Where a cache's bytes live.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
+pub enum MemoryKind {
+    /// Host memory (the default, and vLLM's CPU tensors).
+    #[default]
+    Host,
+    /// Memory of CUDA device `device`: addresses are device (unified virtual) addresses.
+    Cuda { device: usize },
+}
+
+impl std::fmt::Display for MemoryKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            MemoryKind::Host => f.write_str("host"),
+            MemoryKind::Cuda { device } => write!(f, "cuda:{device}"),
+        }
+    }
 }
 
 /// One layer's buffer. `u64` words keep owned buffers 8-byte aligned; an external buffer (vLLM's
@@ -82,6 +105,10 @@ pub struct KvCache {
     layers: Vec<LayerBuffer>,
     layout_id: u64,
     _external_owner: Option<ExternalOwner>,
+    /// The device allocations when the cache lives on a GPU (`layers` then hold device addresses,
+    /// never dereferenced on the host).
+    #[cfg(feature = "cuda")]
+    device: Option<Arc<crate::transfer::cuda::device_kv::DeviceKv>>,
 }
 
 // SAFETY: the buffers are plain bytes owned by the cache for its whole life; concurrent access goes
@@ -105,7 +132,51 @@ impl KvCache {
                 LayerBuffer { ptr: owner.as_mut_ptr().cast::<u8>(), len: region_len, _owner: Some(owner) }
             })
             .collect();
-        Arc::new(Self { shape, num_blocks, layers, layout_id: new_layout_id(), _external_owner: None })
+        Arc::new(Self {
+            shape,
+            num_blocks,
+            layers,
+            layout_id: new_layout_id(),
+            _external_owner: None,
+            #[cfg(feature = "cuda")]
+            device: None,
+        })
+    }
+
+    /// A zeroed cache in the memory of CUDA device `device` (issue 7: GPU-resident KV): the
+    /// model writes it with a kernel and the cuda engines move it; host paths refuse it.
+    #[cfg(feature = "cuda")]
+    pub fn new_cuda(shape: KvShape, num_blocks: usize, device: usize) -> Result<Arc<Self>, crate::transfer::cuda::CudaError> {
+        let kv = crate::transfer::cuda::device_kv::DeviceKv::new(shape, num_blocks, device)?;
+        let region_len = num_blocks * shape.block_len();
+        let layers = kv.layer_bases().iter().map(|&base| LayerBuffer { ptr: base as *mut u8, len: region_len, _owner: None }).collect();
+        Ok(Arc::new(Self { shape, num_blocks, layers, layout_id: new_layout_id(), _external_owner: None, device: Some(Arc::new(kv)) }))
+    }
+
+    /// The device allocations, when this cache lives on a GPU.
+    #[cfg(feature = "cuda")]
+    pub fn device(&self) -> Option<&Arc<crate::transfer::cuda::device_kv::DeviceKv>> {
+        self.device.as_ref()
+    }
+
+    /// Where this cache's bytes live.
+    pub fn memory(&self) -> MemoryKind {
+        #[cfg(feature = "cuda")]
+        if let Some(kv) = &self.device {
+            return MemoryKind::Cuda { device: kv.ordinal() };
+        }
+        MemoryKind::Host
+    }
+
+    /// Refuses host access to a cache on a GPU.
+    fn host_only(&self, layer: usize, block: BlockId) -> Result<(), RegionError> {
+        match self.memory() {
+            MemoryKind::Host => Ok(()),
+            MemoryKind::Cuda { device } => {
+                let addr = self.layers.get(layer).map_or(0, |l| l.ptr as u64) + u64::from(block) * self.shape.block_len() as u64;
+                Err(RegionError::OnDevice { addr, len: self.shape.block_len() as u64, device })
+            }
+        }
     }
 
     /// Registers memory that someone else allocated (seed step 3 in vLLM: the worker's per-layer
@@ -141,7 +212,15 @@ impl KvCache {
         if let Some(w) = sorted.windows(2).find(|w| w[0].0 + w[0].1 > w[1].0) {
             return Err(ExternalRegionError::Overlap { first: w[0].0 as u64, second: w[1].0 as u64 });
         }
-        Ok(Arc::new(Self { shape, num_blocks, layers, layout_id: new_layout_id(), _external_owner: Some(owner) }))
+        Ok(Arc::new(Self {
+            shape,
+            num_blocks,
+            layers,
+            layout_id: new_layout_id(),
+            _external_owner: Some(owner),
+            #[cfg(feature = "cuda")]
+            device: None,
+        }))
     }
 
     pub fn shape(&self) -> KvShape {
@@ -166,7 +245,7 @@ impl KvCache {
 
     /// A region table over this cache, for checking and performing raw transfers.
     pub fn region_table(self: &Arc<Self>) -> RegionTable {
-        RegionTable { regions: self.regions(), _owner: Some(self.clone()) }
+        RegionTable { regions: self.regions(), memory: self.memory(), _owner: Some(self.clone()) }
     }
 
     fn check_block(&self, block: BlockId) -> Result<usize, RegionError> {
@@ -180,6 +259,7 @@ impl KvCache {
     /// Writes one token slot (layer, block, head, slot). `bytes.len()` must be `shape.slot_len()`.
     pub fn write_slot(&self, layer: usize, block: BlockId, head: usize, slot: usize, bytes: &[u8]) -> Result<(), RegionError> {
         let b = self.check_block(block)?;
+        self.host_only(layer, block)?;
         let len = self.shape.slot_len();
         assert!(layer < self.layers.len() && head < self.shape.num_kv_heads && slot < self.shape.block_size && bytes.len() == len);
         let off = b * self.shape.block_len() + self.shape.slot_offset(head, slot);
@@ -191,6 +271,7 @@ impl KvCache {
     /// Reads one token slot into `out` (`shape.slot_len()` bytes).
     pub fn read_slot(&self, layer: usize, block: BlockId, head: usize, slot: usize, out: &mut [u8]) -> Result<(), RegionError> {
         let b = self.check_block(block)?;
+        self.host_only(layer, block)?;
         let len = self.shape.slot_len();
         assert!(layer < self.layers.len() && head < self.shape.num_kv_heads && slot < self.shape.block_size && out.len() == len);
         let off = b * self.shape.block_len() + self.shape.slot_offset(head, slot);
@@ -202,6 +283,10 @@ impl KvCache {
     /// A copy of one whole block over all layers (layer-major): for verification in tests and the demo.
     pub fn block_bytes(&self, block: BlockId) -> Result<Vec<u8>, RegionError> {
         let b = self.check_block(block)?;
+        #[cfg(feature = "cuda")]
+        if let Some(kv) = &self.device {
+            return kv.read_blocks(&[block]);
+        }
         let bl = self.shape.block_len();
         let mut out = Vec::with_capacity(self.shape.bytes_per_block());
         for l in &self.layers {
@@ -238,6 +323,17 @@ impl KvCache {
     pub fn blocks_checksum(&self, blocks: &[BlockId]) -> Result<u64, RegionError> {
         let bl = self.shape.block_len();
         let mut h = Checksum::default();
+        #[cfg(feature = "cuda")]
+        if let Some(kv) = &self.device {
+            for &block in blocks {
+                self.check_block(block)?;
+            }
+            // Read back region-major, as the host loop below walks it.
+            for chunk in kv.read_blocks(blocks)?.chunks(bl) {
+                h.update(chunk);
+            }
+            return Ok(h.finish());
+        }
         for l in &self.layers {
             for &block in blocks {
                 let b = self.check_block(block)?;
@@ -282,6 +378,8 @@ impl Checksum {
 #[derive(Clone)]
 pub struct RegionTable {
     regions: Vec<RegionDesc>,
+    /// Where the regions' bytes live: only host regions can be sliced.
+    memory: MemoryKind,
     /// Keeps the memory alive as long as the table is.
     _owner: Option<Arc<KvCache>>,
 }
@@ -295,6 +393,27 @@ impl std::fmt::Debug for RegionTable {
 impl RegionTable {
     pub fn regions(&self) -> &[RegionDesc] {
         &self.regions
+    }
+
+    /// Where the regions' bytes live.
+    pub fn memory(&self) -> MemoryKind {
+        self.memory
+    }
+
+    /// As [`RegionTable::check`], and the range must be host memory (what a socket or
+    /// `process_vm_writev` can write).
+    pub fn check_host(&self, addr: u64, len: u64) -> Result<usize, RegionError> {
+        let index = self.check(addr, len)?;
+        self.host_range(addr, len)?;
+        Ok(index)
+    }
+
+    /// Refuses a host slice of device memory.
+    fn host_range(&self, addr: u64, len: u64) -> Result<(), RegionError> {
+        match self.memory {
+            MemoryKind::Host => Ok(()),
+            MemoryKind::Cuda { device } => Err(RegionError::OnDevice { addr, len, device }),
+        }
     }
 
     /// The index of the region that wholly contains `addr..addr+len`.
@@ -314,6 +433,7 @@ impl RegionTable {
     #[allow(clippy::mut_from_ref)]
     pub unsafe fn slice_mut(&self, addr: u64, len: u64) -> Result<&mut [u8], RegionError> {
         self.check(addr, len)?;
+        self.host_range(addr, len)?;
         Ok(std::slice::from_raw_parts_mut(addr as *mut u8, len as usize))
     }
 
@@ -323,6 +443,7 @@ impl RegionTable {
     /// Nobody may write those bytes while the slice is used (P's blocks are held by delayed free).
     pub unsafe fn slice(&self, addr: u64, len: u64) -> Result<&[u8], RegionError> {
         self.check(addr, len)?;
+        self.host_range(addr, len)?;
         Ok(std::slice::from_raw_parts(addr as *const u8, len as usize))
     }
 }

@@ -7,8 +7,11 @@
 //! - [`e2e`] — the seed request through proxy, P and D: TTFT split as the seed splits it, and
 //!   requests/s for small prompts.
 //! - [`proxy`] — the proxy alone against in-memory stub upstreams.
+//! - `gpu` (feature `cuda`) — `bench transfer --device cuda`: the same request GPU to GPU.
 
 pub mod e2e;
+#[cfg(feature = "cuda")]
+pub mod gpu;
 pub mod proxy;
 pub mod report;
 pub mod transfer;

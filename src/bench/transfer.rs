@@ -92,12 +92,22 @@ pub struct Options {
     /// Skip the actor rows (engine rows and ceilings only).
     #[arg(long)]
     pub engine_only: bool,
+    /// `cuda`: the same request GPU to GPU (one process, separate processes over CUDA IPC, and
+    /// the staged cross-host path), each with its same-run ceiling (feature `cuda`).
+    #[arg(long, value_enum, default_value = "cpu")]
+    pub device: crate::cli::DemoDevice,
+    /// Internal: run as the CUDA IPC part's D process on this GPU.
+    #[arg(long, hide = true)]
+    pub ipc_peer: Option<usize>,
 }
 
 /// Runs the benchmark; prints the table; writes the JSON.
 pub async fn run(opts: Options) -> anyhow::Result<()> {
     if opts.runs == 0 {
         bail!("--runs must be at least 1");
+    }
+    if opts.device == crate::cli::DemoDevice::Cuda || opts.ipc_peer.is_some() {
+        return run_on_gpus(opts).await;
     }
     let backends = match opts.backend {
         Some(b) => vec![b],
@@ -205,6 +215,22 @@ async fn measure_backend(opts: &Options, backend: Backend, setup: &Setup<'_>, ro
     .await?;
     rows.push(report::row("engine 32 KiB write after 1 ms idle", Some(&label(engine)), Some("single"), Some(1), Some(SMALL_WRITE), &samples));
     Ok(())
+}
+
+/// `--device cuda`: the GPU benches, on a blocking thread (they wait on the GPU).
+#[cfg(feature = "cuda")]
+async fn run_on_gpus(opts: Options) -> anyhow::Result<()> {
+    tokio::task::spawn_blocking(move || match opts.ipc_peer {
+        Some(device) => super::gpu::serve_peer(device),
+        None => super::gpu::run(opts.runs.max(20), opts.json.as_deref()).map(|_| ()),
+    })
+    .await
+    .context("the GPU bench's thread ended abnormally")?
+}
+
+#[cfg(not(feature = "cuda"))]
+async fn run_on_gpus(_opts: Options) -> anyhow::Result<()> {
+    bail!("--device cuda: this pdflow was built without GPU support (build it with `cargo build --release --features cuda`)")
 }
 
 /// The actor rows: concurrency 1 (the cold first pull, then measured runs) and 8.

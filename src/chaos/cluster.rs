@@ -72,6 +72,7 @@ pub fn node_cfg(spec: &ChaosSpec, role: KvRole, id: String, bootstrap: Bootstrap
         deadlines: spec.deadlines,
         tcp: TcpConfig::default(),
         verify_checksums: false,
+        kv_device: None,
     }
 }
 

@@ -19,11 +19,11 @@ use pdflow_actors::sender_listener::{SenderListener, SenderListenerArgs};
 use pdflow_observability::fault::{ActorKind, Role};
 use pdflow_runtime::engine::ports::{Connector, WorkerConnectorPort};
 use pdflow_runtime::engine::{api, Engine, EngineConfig, EngineHandle};
-use pdflow_runtime::memory::KvCache;
+use pdflow_runtime::memory::{KvCache, MemoryKind};
 use pdflow_runtime::transfer::fence::WriteFence;
 use pdflow_runtime::transfer::same_host::SameHostMode;
 use pdflow_runtime::transfer::tcp::{TcpConfig, TcpDataServer};
-use pdflow_runtime::transfer::AutoTransferEngine;
+use pdflow_runtime::transfer::{AutoTransferEngine, TransferEngine};
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
@@ -58,6 +58,9 @@ pub struct EngineNodeConfig {
     pub tcp: TcpConfig,
     /// Record KV checksums on both sides of every transfer (steps 29 and 34).
     pub verify_checksums: bool,
+    /// Keep the KV cache on this CUDA device instead of host memory (feature `cuda`; P and D
+    /// must then run in one process: the cuda-peer engine).
+    pub kv_device: Option<usize>,
 }
 
 /// A running engine node.
@@ -72,6 +75,8 @@ pub struct EngineNode {
     pub receiver: Option<ActorRef<Receiver>>,
     pub bootstrap: Option<BootstrapNode>,
     data_server: Option<TcpDataServer>,
+    /// D's registration as a GPU peer of this process, while it serves (GPU KV only).
+    _local_peer: Option<Box<dyn std::any::Any + Send + Sync>>,
     supervisor: ActorRef<NodeSupervisor>,
     http_stop: CancellationToken,
     http_task: tokio::task::JoinHandle<()>,
@@ -88,7 +93,7 @@ impl EngineNode {
     pub async fn start_on(cfg: EngineNodeConfig, side_channel_port: u16) -> Result<Self, NodeError> {
         let engine_id = cfg.engine.engine_id.clone();
         let side_channel = Arc::new(AtomicU16::new(side_channel_port));
-        let kv_cache = KvCache::new(cfg.engine.shape, cfg.engine.num_blocks);
+        let kv_cache = new_kv_cache(&cfg)?;
         let supervisor = NodeSupervisor::spawn(format!("engine-{engine_id}"));
         let connector = SchedulerConnector::supervise(&supervisor, SchedulerConnectorArgs { engine_id: engine_id.clone(), role: cfg.role })
             .restart_policy(RestartPolicy::Transient).restart_limit(MAX_RESTARTS, RESTART_WINDOW)
@@ -99,6 +104,7 @@ impl EngineNode {
         register_actor(ActorKind::SchedulerConnector, role, Vec::new(), &connector);
         let events = Arc::new(Notify::new());
         let (mut sender_listener, mut receiver, mut bootstrap, mut data_server) = (None, None, None, None);
+        let mut local_peer: Option<Box<dyn std::any::Any + Send + Sync>> = None;
         let worker: Arc<dyn WorkerConnectorPort> = match cfg.role {
             KvRole::Producer | KvRole::Both => {
                 let bootstrap_url = match &cfg.bootstrap {
@@ -114,8 +120,7 @@ impl EngineNode {
                     BootstrapPlacement::External { url } => Some(url.clone()),
                     BootstrapPlacement::None => None,
                 };
-                // Same-host (process_vm_writev) when D shares this host and the kernel allows it, tcp otherwise.
-                let transfer = Arc::new(AutoTransferEngine::new(kv_cache.region_table(), cfg.tcp.clone()));
+                let transfer = producer_engine(&cfg, &kv_cache)?;
                 let args = SenderListenerArgs {
                     engine_id: engine_id.clone(),
                     dp_rank: 0,
@@ -142,12 +147,14 @@ impl EngineNode {
             KvRole::Consumer => {
                 let bind = format!("{}:0", cfg.host);
                 let bind_addr: SocketAddr = bind.parse().map_err(|e| NodeError::Config(format!("data server address {bind}: {e}")))?;
-                let offer_same_host = cfg.tcp.same_host != SameHostMode::Off;
+                // P writes GPU KV by the cuda engines, never through D's host memory.
+                let offer_same_host = cfg.tcp.same_host != SameHostMode::Off && kv_cache.memory() == MemoryKind::Host;
                 // Each pull's blocks are fenced: a write D gave up on is refused, never landed.
                 let fence = WriteFence::new();
                 let server = TcpDataServer::bind_fenced(bind_addr, kv_cache.region_table(), cfg.tcp.auth_token.clone(), offer_same_host, Some(fence.clone()))
                     .await
                     .map_err(|e| NodeError::Transfer(e.to_string()))?;
+                local_peer = register_gpu_peer(&server.local_addr().to_string(), &kv_cache, &fence)?;
                 let args = ReceiverArgs {
                     engine_id: engine_id.clone(),
                     tp_rank: 0,
@@ -188,6 +195,7 @@ impl EngineNode {
             receiver,
             bootstrap,
             data_server,
+            _local_peer: local_peer,
             supervisor,
             http_stop,
             http_task,
@@ -285,5 +293,51 @@ pub async fn stop_http(stop: CancellationToken, mut task: tokio::task::JoinHandl
     if tokio::time::timeout(HTTP_STOP_DEADLINE, &mut task).await.is_err() {
         tracing::warn!("HTTP server still had open responses after {HTTP_STOP_DEADLINE:?}: aborted");
         task.abort();
+    }
+}
+
+/// The node's KV cache: host memory, or GPU memory with `kv_device` (feature `cuda`).
+fn new_kv_cache(cfg: &EngineNodeConfig) -> Result<Arc<KvCache>, NodeError> {
+    let (shape, blocks) = (cfg.engine.shape, cfg.engine.num_blocks);
+    match cfg.kv_device {
+        None => Ok(KvCache::new(shape, blocks)),
+        #[cfg(feature = "cuda")]
+        Some(device) => KvCache::new_cuda(shape, blocks, device).map_err(|e| NodeError::Config(format!("KV cache on GPU {device}: {e}"))),
+        #[cfg(not(feature = "cuda"))]
+        Some(device) => Err(NodeError::Config(format!(
+            "KV cache on GPU {device}: this pdflow was built without GPU support (build it with `cargo build --release --features cuda`)"
+        ))),
+    }
+}
+
+/// P's transfer engine for seed step 29: for host KV, same-host (`process_vm_writev`) when D
+/// shares this host and the kernel allows it, tcp otherwise; for GPU KV, the cuda-peer engine.
+fn producer_engine(cfg: &EngineNodeConfig, kv_cache: &Arc<KvCache>) -> Result<Arc<dyn TransferEngine>, NodeError> {
+    match kv_cache.memory() {
+        MemoryKind::Host => Ok(Arc::new(AutoTransferEngine::new(kv_cache.region_table(), cfg.tcp.clone()))),
+        #[cfg(feature = "cuda")]
+        MemoryKind::Cuda { device } => pdflow_runtime::transfer::cuda::peer_engine::CudaPeerEngine::new(kv_cache, cfg.tcp.write_timeout)
+            .map(|e| Arc::new(e) as Arc<dyn TransferEngine>)
+            .map_err(|e| NodeError::Config(format!("cuda-peer transfer engine on GPU {device}: {e}"))),
+        #[cfg(not(feature = "cuda"))]
+        MemoryKind::Cuda { device } => Err(NodeError::Config(format!("KV cache on GPU {device} in a build without GPU support"))),
+    }
+}
+
+/// Registers D's GPU cache as a peer of this process's P engines (nothing for host KV).
+fn register_gpu_peer(data_addr: &str, kv_cache: &Arc<KvCache>, fence: &WriteFence) -> Result<Option<Box<dyn std::any::Any + Send + Sync>>, NodeError> {
+    if kv_cache.memory() == MemoryKind::Host {
+        return Ok(None);
+    }
+    #[cfg(feature = "cuda")]
+    {
+        let guard = pdflow_runtime::transfer::cuda::peer_engine::register_local_peer(data_addr, kv_cache, Some(fence.clone()))
+            .map_err(|e| NodeError::Config(e.to_string()))?;
+        Ok(Some(Box::new(guard)))
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (data_addr, fence);
+        Err(NodeError::Config("a GPU KV cache in a build without GPU support".into()))
     }
 }

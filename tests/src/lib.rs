@@ -152,6 +152,7 @@ impl Cluster {
             deadlines: spec.deadlines,
             tcp: TcpConfig::default(),
             verify_checksums: spec.verify_checksums,
+            kv_device: None,
         };
         let mut prefill = Vec::new();
         for (i, o) in spec.prefill.iter().enumerate() {

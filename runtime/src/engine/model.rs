@@ -122,6 +122,10 @@ impl Model {
     /// Writes the KV of `item`'s tokens, folds every position not yet in the digest (reading the KV
     /// back from `cache`), and samples if asked. Updates `item.digest`.
     pub fn forward(&self, cache: &KvCache, item: &mut ForwardItem) -> Result<Option<u32>, RegionError> {
+        #[cfg(feature = "cuda")]
+        if let Some(kv) = cache.device() {
+            return self.forward_on_device(kv, item);
+        }
         let mut slot = vec![0u8; self.shape.slot_len()];
         for (i, &token) in item.tokens.iter().enumerate() {
             let pos = item.start + i;
@@ -152,6 +156,38 @@ impl Model {
             }
         }
         Ok(h.finish())
+    }
+
+    /// [`Model::forward`] on a cache in GPU memory: the KV written by one kernel launch, then the
+    /// blocks holding the positions not yet in the digest read back once and hashed on the host,
+    /// slot by slot in the order [`Model::position_hash`] reads them — the same digest, the same
+    /// tokens as on the host.
+    #[cfg(feature = "cuda")]
+    fn forward_on_device(&self, kv: &crate::transfer::cuda::device_kv::DeviceKv, item: &mut ForwardItem) -> Result<Option<u32>, RegionError> {
+        kv.fill(&item.tokens, item.start, &item.block_ids)?;
+        let end = item.start + item.tokens.len();
+        if item.digest.upto < end {
+            let bs = self.shape.block_size;
+            let first = item.digest.upto / bs;
+            // `locate` refuses positions past the request's blocks.
+            self.locate(&item.block_ids, end - 1)?;
+            let blocks = &item.block_ids[first..=(end - 1) / bs];
+            let bytes = kv.read_blocks(blocks)?;
+            let (block_len, slot_len) = (self.shape.block_len(), self.shape.slot_len());
+            while item.digest.upto < end {
+                let pos = item.digest.upto;
+                let (index, s) = (pos / bs - first, pos % bs);
+                let mut h = Checksum::default();
+                for layer in 0..self.shape.num_layers {
+                    for head in 0..self.shape.num_kv_heads {
+                        let at = (layer * blocks.len() + index) * block_len + self.shape.slot_offset(head, s);
+                        h.update(&bytes[at..at + slot_len]);
+                    }
+                }
+                item.digest.fold(h.finish());
+            }
+        }
+        Ok(item.sample.then(|| item.digest.next_token(self.vocab_size)))
     }
 }
 

@@ -105,7 +105,7 @@ impl AutoTransferEngine {
         let started = Instant::now();
         let descriptors: Vec<Descriptor> = plan.descriptors.iter().copied().filter(|d| d.len > 0).collect();
         for d in &descriptors {
-            self.local.check(d.src, d.len)?;
+            self.local.check_host(d.src, d.len)?;
         }
         // Fault injection (`cut_data`) cuts the tcp data connection: such a plan always goes by tcp.
         if plan.cut_after.is_some() {

@@ -140,7 +140,7 @@ pub async fn write(
 ) -> Result<u64, SameHostError> {
     check_destinations(&peer.regions, descriptors)?;
     for d in descriptors {
-        local.check(d.src, d.len).map_err(SameHostError::OutOfRegion)?;
+        local.check_host(d.src, d.len).map_err(SameHostError::OutOfRegion)?;
     }
     let bytes: u64 = descriptors.iter().map(|d| d.len).sum();
     if bytes <= INLINE_MAX_BYTES {

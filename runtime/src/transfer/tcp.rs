@@ -21,7 +21,7 @@ pub mod wire;
 
 pub(crate) use engine::split_by_bytes;
 pub use engine::{TcpConfig, TcpTransferEngine};
-pub use server::{DataServerError, TcpDataServer};
+pub use server::{DataServerError, DataServerOptions, TcpDataServer};
 
 /// Socket buffer size asked of the OS on both ends (it may grant less).
 const SOCKET_BUFFER_BYTES: u32 = 4 << 20;

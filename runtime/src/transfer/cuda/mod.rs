@@ -12,8 +12,11 @@
 //! D process for the bench and tests; [`ipc_engine`] is the `TransferEngine` over it (`cuda-ipc`).
 //! [`staged`] is the cross-host path: tcp with pinned host staging, device→host, send and
 //! host→device overlapped per chunk (`cuda-staged`). [`model_kv`] writes the simulated model's KV
-//! into device regions with one kernel launch (the device half of prefill). Not yet: the serving
-//! stack choosing these engines (D's export or staged address in its hello).
+//! into device regions with one kernel launch (the device half of prefill); [`device_kv`] is a KV
+//! cache in GPU memory built on it, and [`peer_engine`] (`cuda-peer`) the engine that moves such
+//! caches between engines of one process (`pdflow demo --device cuda`). Not yet: the serving stack
+//! choosing `cuda-ipc` or `cuda-staged` for engines in other processes (D's export or staged
+//! address in its hello).
 
 use std::sync::Arc;
 
@@ -22,11 +25,13 @@ use cudarc::driver::{result, sys, CudaFunction, DriverError, LaunchConfig, PushK
 
 use crate::planner::TransferPlan;
 
+pub mod device_kv;
 pub mod ipc;
 pub mod ipc_engine;
 pub mod ipc_peer;
 mod kernel;
 pub mod model_kv;
+pub mod peer_engine;
 pub mod staged;
 
 /// Why the cuda path cannot run.
@@ -46,6 +51,8 @@ pub enum CudaError {
     OutOfBounds { offset: u64, len: u64, size: u64 },
     #[error("GPU {src} cannot access GPU {dst} as a peer: no NVLink/PCIe peer path between them")]
     NoPeerAccess { src: usize, dst: usize },
+    #[error("GPU {ordinal} does not exist: the driver sees {count} GPU(s) (check --device and CUDA_VISIBLE_DEVICES)")]
+    NoSuchDevice { ordinal: usize, count: usize },
 }
 
 /// The number of GPUs, or why the cuda path cannot run here (tests skip on `Err`).
@@ -344,6 +351,8 @@ pub fn checksum_words(mut h: u64, bytes: &[u8]) -> u64 {
     h
 }
 
+#[cfg(test)]
+mod device_kv_tests;
 #[cfg(test)]
 mod ipc_engine_tests;
 #[cfg(test)]

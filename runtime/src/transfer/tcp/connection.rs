@@ -56,6 +56,8 @@ pub(super) struct Shared {
     pub(super) host_info: Option<HostInfo>,
     /// When set, a batch is written only under an open fence token (no write-after-free).
     pub(super) fence: Option<WriteFence>,
+    /// D's device export (GPU KV), answered to [`Request::DeviceExport`]; empty when none.
+    pub(super) device_export: Vec<u8>,
     /// Cancelled when the server stops; the server also shuts every socket down to wake reads.
     pub(super) cancel: CancellationToken,
 }
@@ -142,6 +144,11 @@ fn serve_requests(stream: &TcpStream, shared: &Shared) -> Result<(), ConnectionE
                 fence_token = (token != 0).then_some(token);
                 continue;
             }
+            Request::DeviceExport => {
+                tracing::debug!(offered = !shared.device_export.is_empty(), "P asked for the device export");
+                (&*stream).write_all(&wire::encode_device_export(&shared.device_export)?).map_err(WireError::from)?;
+                continue;
+            }
             Request::HostInfo { p_pid } => {
                 tracing::debug!(p_pid, offered = shared.host_info.is_some(), "P asked for the same-host details");
                 let answer = wire::encode_host_info(shared.host_info.as_ref().unwrap_or(&HostInfo::default()))?;
@@ -154,7 +161,7 @@ fn serve_requests(stream: &TcpStream, shared: &Shared) -> Result<(), ConnectionE
         let refusal = header
             .descriptors
             .iter()
-            .find_map(|&(dst, len)| shared.regions.check(dst, len).err().map(|e| e.to_string()))
+            .find_map(|&(dst, len)| shared.regions.check_host(dst, len).err().map(|e| e.to_string()))
             .or_else(|| overlapping(&header.descriptors));
         // Held while the payload lands: D's Receiver waits for it before freeing the blocks.
         let mut fence_guard = None;

@@ -35,7 +35,7 @@ use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpSocket, TcpStream};
 
 use super::ack_wait;
-use super::wire::{self, Ack, HostInfo, MAX_DESCRIPTORS_PER_BATCH};
+use super::wire::{self, Ack, HostInfo, WireError, MAX_DESCRIPTORS_PER_BATCH};
 use crate::transfer::same_host::SameHostMode;
 use super::SOCKET_BUFFER_BYTES;
 use crate::memory::RegionTable;
@@ -121,6 +121,23 @@ impl TcpTransferEngine {
     /// Asks the peer's data server for its same-host details (pid, host identity, canary,
     /// regions) on a pooled connection, within `connect_timeout`.
     pub async fn host_info(&self, peer: &str) -> Result<HostInfo, TransferError> {
+        self.ask(peer, &wire::encode_info_request(std::process::id()), |s| Box::pin(wire::read_host_info(s))).await
+    }
+
+    /// Asks D's data server at `peer` for its device export (how to write D's GPU KV directly;
+    /// empty when D offers none), within `connect_timeout`.
+    pub async fn device_export(&self, peer: &str) -> Result<Vec<u8>, TransferError> {
+        self.ask(peer, &wire::DEVICE_MAGIC, |s| Box::pin(wire::read_device_export(s))).await
+    }
+
+    /// Sends `request` on a pooled (or new) connection to `peer` and reads the answer with `read`,
+    /// within `connect_timeout`; the connection goes back to the pool after a whole answer.
+    async fn ask<T>(
+        &self,
+        peer: &str,
+        request: &[u8],
+        read: for<'s> fn(&'s mut TcpStream) -> BoxFuture<'s, Result<T, WireError>>,
+    ) -> Result<T, TransferError> {
         let inner = &self.inner;
         let deadline = tokio::time::Instant::now() + inner.config.connect_timeout;
         let mut stream = match inner.checkout(peer) {
@@ -129,13 +146,13 @@ impl TcpTransferEngine {
         };
         let io = |source: std::io::Error| TransferError::Io { peer: peer.to_string(), source };
         let exchange = async {
-            stream.write_all(&wire::encode_info_request(std::process::id())).await.map_err(io)?;
-            wire::read_host_info(&mut stream).await.map_err(|e| io(e.into_io()))
+            stream.write_all(request).await.map_err(io)?;
+            read(&mut stream).await.map_err(|e| io(e.into_io()))
         };
         match tokio::time::timeout_at(deadline, exchange).await {
-            Ok(Ok(info)) => {
+            Ok(Ok(answer)) => {
                 inner.checkin(peer, stream);
-                Ok(info)
+                Ok(answer)
             }
             Ok(Err(e)) => Err(e),
             Err(_) => Err(TransferError::Timeout { peer: peer.to_string(), deadline: inner.config.connect_timeout }),
@@ -177,7 +194,7 @@ impl TcpTransferEngine {
         let inner = &self.inner;
         let descriptors: Vec<Descriptor> = plan.descriptors.iter().copied().filter(|d| d.len > 0).collect();
         for d in &descriptors {
-            inner.local.check(d.src, d.len)?;
+            inner.local.check_host(d.src, d.len)?;
         }
         let bytes: u64 = descriptors.iter().map(|d| d.len).sum();
         if bytes > 0 {

@@ -26,7 +26,7 @@ use tokio_util::task::TaskTracker;
 use super::connection::{self, Shared};
 use super::wire::HostInfo;
 use super::SOCKET_BUFFER_BYTES;
-use crate::memory::RegionTable;
+use crate::memory::{MemoryKind, RegionTable};
 use crate::transfer::fence::WriteFence;
 use crate::transfer::same_host;
 
@@ -38,6 +38,20 @@ const SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(5);
 pub enum DataServerError {
     #[error("cannot listen for KV data on {addr}: {source} (is the port free and the address local?)")]
     Bind { addr: SocketAddr, source: std::io::Error },
+}
+
+/// How a data server serves (see [`TcpDataServer::bind_options`]).
+#[derive(Debug, Clone, Default)]
+pub struct DataServerOptions {
+    /// P's connections must present this token.
+    pub auth_token: Option<String>,
+    /// Offer the same-host path (host memory only).
+    pub offer_same_host: bool,
+    /// Write a batch only under an open fence token.
+    pub fence: Option<WriteFence>,
+    /// What P gets when it asks how to write D's GPU KV directly (the cuda backend's serialised
+    /// export); empty: nothing offered.
+    pub device_export: Vec<u8>,
 }
 
 /// The sockets of the connections being served, so stopping the server can wake their threads.
@@ -96,9 +110,17 @@ impl TcpDataServer {
         offer_same_host: bool,
         fence: Option<WriteFence>,
     ) -> Result<Self, DataServerError> {
+        Self::bind_options(addr, regions, DataServerOptions { auth_token, offer_same_host, fence, device_export: Vec::new() }).await
+    }
+
+    /// Listens on `addr` and serves writes into `regions` as `options` say.
+    pub async fn bind_options(addr: SocketAddr, regions: RegionTable, options: DataServerOptions) -> Result<Self, DataServerError> {
+        let DataServerOptions { auth_token, offer_same_host, fence, device_export } = options;
         let listener = listen(addr).map_err(|source| DataServerError::Bind { addr, source })?;
         let local_addr = listener.local_addr().map_err(|source| DataServerError::Bind { addr, source })?;
         let canary = same_host::new_canary();
+        // GPU memory is never offered to the same-host path (P would write D's host address space).
+        let offer_same_host = offer_same_host && regions.memory() == MemoryKind::Host;
         let host_info = offer_same_host.then(|| HostInfo {
             offered: true,
             pid: std::process::id(),
@@ -109,7 +131,7 @@ impl TcpDataServer {
         });
         let auth_token = auth_token.filter(|t| !t.is_empty()).map(String::into_bytes);
         let cancel = CancellationToken::new();
-        let shared = Arc::new(Shared { regions, auth_token, host_info, fence, cancel: cancel.clone() });
+        let shared = Arc::new(Shared { regions, auth_token, host_info, fence, device_export, cancel: cancel.clone() });
         let tracker = TaskTracker::new();
         let connections = Arc::new(Connections::default());
         tracker.spawn(accept_loop(listener, shared, tracker.clone(), connections.clone()));

@@ -591,3 +591,24 @@ async fn requests_trickling_in_byte_by_byte_are_read_whole() {
     let got = p.dst.block_bytes(2).expect("block");
     assert!(got[..len as usize].iter().enumerate().all(|(i, &b)| b == (i as u64 % 251) as u8 + 1), "the payload landed whole and in order");
 }
+
+#[tokio::test]
+async fn p_gets_d_s_device_export_or_nothing_and_the_connection_stays_usable() {
+    let dst = KvCache::new(SMALL, 8);
+    let src = filled_cache(SMALL, 8, 1);
+    let export = b"opaque export of the cuda backend".to_vec();
+    for offered in [Some(export.clone()), None] {
+        let options = DataServerOptions { device_export: offered.clone().unwrap_or_default(), ..DataServerOptions::default() };
+        let server = TcpDataServer::bind_options("127.0.0.1:0".parse().expect("addr"), dst.region_table(), options).await.expect("binds");
+        let peer = server.local_addr().to_string();
+        let engine = TcpTransferEngine::new(src.region_table(), TcpConfig::default());
+        let got = bounded("device export", engine.device_export(&peer)).await.expect("answered");
+        assert_eq!(got, offered.unwrap_or_default());
+        // The same pooled connection then carries a batch.
+        assert_eq!(engine.pooled_connections(&peer), 1);
+        let plan = build_plan(&src.regions(), &[1], &dst.regions(), &[2], true).expect("plan");
+        bounded("write", engine.write(&peer, &plan)).await.expect("write after the question");
+        assert_eq!(engine.pooled_connections(&peer), 1, "one connection served both");
+    }
+    assert!(wire::encode_device_export(&vec![0u8; wire::MAX_DEVICE_EXPORT_LEN + 1]).is_err(), "an oversize export is refused");
+}

@@ -30,7 +30,7 @@ pub const BATCH_MAGIC: [u8; 4] = *b"PDFB";
 /// First bytes of every ack.
 pub const ACK_MAGIC: [u8; 4] = *b"PDFA";
 /// The protocol version this build speaks.
-pub const PROTOCOL_VERSION: u8 = 2;
+pub const PROTOCOL_VERSION: u8 = 3;
 /// The longest auth token accepted.
 pub const MAX_TOKEN_LEN: usize = 1024;
 /// The most descriptors one batch header may list (16 MiB of header).
@@ -50,6 +50,11 @@ pub const MAX_HOST_ID_LEN: usize = 1024;
 pub const MAX_CANARY_LEN: usize = 64;
 /// The most regions a host answer may list.
 pub const MAX_REGIONS: usize = 1 << 16;
+/// P asks for D's device export (GPU KV: CUDA IPC handles), and D's answer.
+pub const DEVICE_MAGIC: [u8; 4] = *b"PDFG";
+pub const DEVICE_ANSWER_MAGIC: [u8; 4] = *b"PDFX";
+/// The largest device export D may answer with (a few KiB for a model's regions).
+pub const MAX_DEVICE_EXPORT_LEN: usize = 1 << 20;
 
 const DESCRIPTOR_WIRE_LEN: usize = 16;
 /// The most bytes of descriptors or regions read (and allocated) at once.
@@ -109,6 +114,8 @@ pub enum Request {
     Fence { token: u64 },
     /// P (process `p_pid`) asks whether the same-host path is possible.
     HostInfo { p_pid: u32 },
+    /// P asks for D's device export: how to write D's GPU KV directly (empty: none).
+    DeviceExport,
 }
 
 /// D's answer to [`Request::HostInfo`].
@@ -204,6 +211,9 @@ pub async fn read_request<R: AsyncRead + Unpin>(r: &mut R) -> Result<Option<Requ
         r.read_exact(&mut token).await?;
         return Ok(Some(Request::Fence { token: u64::from_le_bytes(token) }));
     }
+    if magic == DEVICE_MAGIC {
+        return Ok(Some(Request::DeviceExport));
+    }
     if magic == INFO_MAGIC {
         let mut pid = [0u8; 4];
         r.read_exact(&mut pid).await?;
@@ -220,6 +230,32 @@ async fn read_magic<R: AsyncRead + Unpin>(r: &mut R) -> Result<Option<[u8; 4]>, 
         Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => Ok(None),
         Err(e) => Err(e.into()),
     }
+}
+
+/// D's answer to [`Request::DeviceExport`]: opaque bytes (the backend's serialised export; empty
+/// when D's KV is not on a GPU or it offers no direct path).
+pub fn encode_device_export(export: &[u8]) -> Result<Vec<u8>, WireError> {
+    if export.len() > MAX_DEVICE_EXPORT_LEN {
+        return Err(WireError::FieldTooLong { field: "device export", len: export.len() });
+    }
+    let mut out = Vec::with_capacity(8 + export.len());
+    out.extend_from_slice(&DEVICE_ANSWER_MAGIC);
+    out.extend_from_slice(&(export.len() as u32).to_le_bytes());
+    out.extend_from_slice(export);
+    Ok(out)
+}
+
+pub async fn read_device_export<R: AsyncRead + Unpin>(r: &mut R) -> Result<Vec<u8>, WireError> {
+    let mut head = [0u8; 8];
+    r.read_exact(&mut head).await?;
+    expect_magic(&head[..4], DEVICE_ANSWER_MAGIC)?;
+    let len = u32::from_le_bytes([head[4], head[5], head[6], head[7]]) as usize;
+    if len > MAX_DEVICE_EXPORT_LEN {
+        return Err(WireError::FieldTooLong { field: "device export", len });
+    }
+    let mut export = vec![0u8; len];
+    r.read_exact(&mut export).await?;
+    Ok(export)
 }
 
 pub fn encode_info_request(p_pid: u32) -> Vec<u8> {

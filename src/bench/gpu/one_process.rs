@@ -1,4 +1,4 @@
-//! `pdflow-cuda-bench` (feature `cuda`, issue 7): the transfer bench on GPUs. GPU 0 holds P's KV
+//! The GPU transfer bench in one process (feature `cuda`, issue 7). GPU 0 holds P's KV
 //! regions and GPU 1 D's (peer access on; one GPU plays both when only one is visible), in
 //! Qwen3-8B's layout (36 regions × 1,024 blocks × 64 KiB). For the seed request's plan (seed step
 //! 28: blocks 17..=79 → 512..=574, 36 descriptors), the uncoalesced plan (2,268 × 64 KiB) and a plan
@@ -7,53 +7,18 @@
 //! per descriptor, and one peer copy of the same bytes (the ceiling); every path's bytes are
 //! verified once (checksums of both sides read back). Exit status 1 if any check fails.
 //!
-//! Usage: `pdflow-cuda-bench [--runs N] [--json PATH]`.
+//! Part of `pdflow bench transfer --device cuda`.
 
-use std::process::ExitCode;
 use std::time::Instant;
 
-use anyhow::{bail, Context as _};
-use pdflow::bench::report::{self, Row};
+use anyhow::bail;
+use super::{bench_plans, sweep_launch_shape, time_runs, NUM_BLOCKS};
+use crate::bench::report::{self, Row};
 use pdflow_messages::layout::RegionDesc;
-use pdflow_messages::BlockId;
 use pdflow_runtime::memory::KvShape;
-use pdflow_runtime::planner::{build_plan, Descriptor, TransferPlan};
+use pdflow_runtime::planner::{Descriptor, TransferPlan};
 use pdflow_runtime::transfer::cuda::{self, CudaBatchCopy, CudaContext, DeviceBuffer};
 
-const NUM_BLOCKS: u64 = 1024;
-const WARMUP: usize = 3;
-
-fn main() -> ExitCode {
-    match run() {
-        Ok(true) => ExitCode::SUCCESS,
-        Ok(false) => {
-            eprintln!("FAIL: a byte check failed (see above)");
-            ExitCode::from(1)
-        }
-        Err(e) => {
-            eprintln!("pdflow-cuda-bench: {e:#}");
-            ExitCode::from(2)
-        }
-    }
-}
-
-struct Args {
-    runs: usize,
-    json: Option<std::path::PathBuf>,
-}
-
-fn parse_args() -> anyhow::Result<Args> {
-    let mut args = Args { runs: 20, json: None };
-    let mut it = std::env::args().skip(1);
-    while let Some(a) = it.next() {
-        match a.as_str() {
-            "--runs" => args.runs = it.next().context("--runs needs a number")?.parse().context("--runs needs a number")?,
-            "--json" => args.json = Some(it.next().context("--json needs a path")?.into()),
-            other => bail!("unknown argument {other:?}; usage: pdflow-cuda-bench [--runs N] [--json PATH]"),
-        }
-    }
-    Ok(args)
-}
 
 /// `count` regions laid out back to back from `base`.
 fn regions(base: u64, count: usize, block_len: u64) -> Vec<RegionDesc> {
@@ -65,28 +30,8 @@ fn regions_of(base: u64, count: usize, num_blocks: u64, block_len: u64) -> Vec<R
     (0..count as u64).map(|i| RegionDesc { base_addr: base + i * num_blocks * block_len, len: num_blocks * block_len, block_len }).collect()
 }
 
-/// `n` distinct block ids in 0..NUM_BLOCKS in a pseudo-random order (no two consecutive).
-fn scattered_ids(n: usize, mut x: u64) -> Vec<BlockId> {
-    let mut all: Vec<BlockId> = (0..NUM_BLOCKS as BlockId).collect();
-    for i in (1..all.len()).rev() {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        all.swap(i, (x % (i as u64 + 1)) as usize);
-    }
-    all.truncate(n);
-    all
-}
-
-fn time_runs(runs: usize, mut one: impl FnMut() -> anyhow::Result<f64>) -> anyhow::Result<Vec<f64>> {
-    for _ in 0..WARMUP {
-        one()?;
-    }
-    (0..runs).map(|_| one()).collect()
-}
-
-fn run() -> anyhow::Result<bool> {
-    let args = parse_args()?;
+/// Runs this part; returns its rows and whether every byte check passed.
+pub(super) fn run(runs: usize) -> anyhow::Result<(Vec<Row>, bool)> {
     let gpus = match cuda::device_count() {
         Ok(n) => n,
         Err(e) => bail!("cannot run on GPUs: {e}"),
@@ -111,51 +56,20 @@ fn run() -> anyhow::Result<bool> {
     println!("NVRTC compile + load: {:.1} ms", t.elapsed().as_secs_f64() * 1e3);
     push.fill_pattern(&p_mem, 0x5eed)?;
 
-    let (src_seed, dst_seed): (Vec<BlockId>, Vec<BlockId>) = ((17..=79).collect(), (512..=574).collect());
-    let (src_sc, dst_sc) = (scattered_ids(63, 0x2545_f491_4f6c_dd1d), scattered_ids(63, 0x9e37_79b9_7f4a_7c15));
-    let plans: Vec<(&str, TransferPlan)> = vec![
-        ("seed 36x4128768", build_plan(&p_regions, &src_seed, &d_regions, &dst_seed, true)?),
-        ("uncoalesced 2268x64KiB", build_plan(&p_regions, &src_seed, &d_regions, &dst_seed, false)?),
-        ("scattered both sides", build_plan(&p_regions, &src_sc, &d_regions, &dst_sc, true)?),
-        // The same regions seen as 2,048 blocks of 32 KiB (block_size 8): 4,536 descriptors.
-        (
-            "uncoalesced 4536x32KiB",
-            build_plan(
-                &regions_of(p_mem.ptr, shape.num_layers, 2 * NUM_BLOCKS, block_len / 2),
-                &(34..=159).collect::<Vec<BlockId>>(),
-                &regions_of(d_mem.ptr, shape.num_layers, 2 * NUM_BLOCKS, block_len / 2),
-                &(1024..=1149).collect::<Vec<BlockId>>(),
-                false,
-            )?,
-        ),
-    ];
+    let plans = bench_plans(&p_regions, &d_regions)?;
     let mut rows: Vec<Row> = Vec::new();
     let mut all_ok = true;
     let stream0 = push.stream().clone();
 
     // The kernel's launch shape: a short sweep on the seed and uncoalesced plans, best kept.
-    let (mut best, mut best_ms) = ((push.threads, push.blocks_per_sm), f64::MAX);
-    {
+    let best = {
         let mut sweep = CudaBatchCopy::new(&ctx0)?;
         let ups: Vec<_> = plans[..2].iter().map(|(_, p)| sweep.upload(p)).collect::<Result<_, _>>()?;
-        for threads in [256u32, 512, 1024] {
-            for bps in [1u32, 2, 4, 8] {
-                (sweep.threads, sweep.blocks_per_sm) = (threads, bps);
-                let mut line = format!("sweep threads={threads:4} blocks/SM={bps}:");
-                let mut worst = 0f64;
-                for up in &ups {
-                    let s = time_runs(5, || Ok(cuda::time_ms(&stream0, || sweep.launch(up))?))?;
-                    let m = report::summarize(&s).map(|s| s.0).unwrap_or(f64::MAX);
-                    line += &format!(" {m:.3} ms");
-                    worst = worst.max(m);
-                }
-                println!("{line}");
-                if worst < best_ms {
-                    (best, best_ms) = ((threads, bps), worst);
-                }
-            }
-        }
-    }
+        sweep_launch_shape(ups.len(), |threads, bps, i| {
+            (sweep.threads, sweep.blocks_per_sm) = (threads, bps);
+            Ok(cuda::time_ms(&stream0, || sweep.launch(&ups[i]))?)
+        })?
+    };
     println!("kernel launch shape kept: {} threads, {} blocks/SM", best.0, best.1);
     let mut push = push;
     (push.threads, push.blocks_per_sm) = best;
@@ -184,18 +98,18 @@ fn run() -> anyhow::Result<bool> {
         println!("{plan_name}: {} descriptors, {} bytes, {} work items, upload {upload_ms:.2} ms", plan.descriptors.len(), bytes, up_push.chunks);
 
         verify(&format!("{plan_name} kernel push"), plan, &|| Ok(push.execute(&up_push)?))?;
-        let s = time_runs(args.runs, || Ok(cuda::time_ms(&stream0, || push.launch(&up_push))?))?;
+        let s = time_runs(runs, || Ok(cuda::time_ms(&stream0, || push.launch(&up_push))?))?;
         rows.push(report::row("kernel push (1 launch)", Some("cuda"), Some(plan_name), None, Some(bytes), &s));
 
         if let Some(pull) = &pull {
             let up_pull = pull.upload(plan)?;
             verify(&format!("{plan_name} kernel pull"), plan, &|| Ok(pull.execute(&up_pull)?))?;
-            let s = time_runs(args.runs, || Ok(cuda::time_ms(pull.stream(), || pull.launch(&up_pull))?))?;
+            let s = time_runs(runs, || Ok(cuda::time_ms(pull.stream(), || pull.launch(&up_pull))?))?;
             rows.push(report::row("kernel pull (1 launch)", Some("cuda"), Some(plan_name), None, Some(bytes), &s));
         }
 
         verify(&format!("{plan_name} copy per descriptor"), plan, &|| Ok(cuda::copy_per_descriptor(&stream0, &ctx0, &ctx1, plan)?))?;
-        let s = time_runs(args.runs, || Ok(cuda::time_ms(&stream0, || cuda::copy_per_descriptor(&stream0, &ctx0, &ctx1, plan))?))?;
+        let s = time_runs(runs, || Ok(cuda::time_ms(&stream0, || cuda::copy_per_descriptor(&stream0, &ctx0, &ctx1, plan))?))?;
         rows.push(report::row("driver copy per descriptor", Some("cuda"), Some(plan_name), None, Some(bytes), &s));
     }
 
@@ -203,13 +117,12 @@ fn run() -> anyhow::Result<bool> {
     let bytes = plans[0].1.total_bytes();
     let whole = TransferPlan { descriptors: vec![Descriptor { src: p_mem.ptr, dst: d_mem.ptr, len: bytes }], fence: 0, cut_after: None, write_by: None };
     verify("single peer copy", &whole, &|| Ok(cuda::copy_peer(&stream0, &ctx0, p_mem.ptr, &ctx1, d_mem.ptr, bytes)?))?;
-    let s = time_runs(args.runs, || Ok(cuda::time_ms(&stream0, || cuda::copy_peer(&stream0, &ctx0, p_mem.ptr, &ctx1, d_mem.ptr, bytes))?))?;
+    let s = time_runs(runs, || Ok(cuda::time_ms(&stream0, || cuda::copy_peer(&stream0, &ctx0, p_mem.ptr, &ctx1, d_mem.ptr, bytes))?))?;
     rows.push(report::row("single peer copy (ceiling)", Some("cuda"), Some("1 x 148635648"), None, Some(bytes), &s));
     let up_whole = push.upload(&whole)?;
-    let s = time_runs(args.runs, || Ok(cuda::time_ms(&stream0, || push.launch(&up_whole))?))?;
+    let s = time_runs(runs, || Ok(cuda::time_ms(&stream0, || push.launch(&up_whole))?))?;
     rows.push(report::row("kernel push, one contiguous range", Some("cuda"), Some("1 x 148635648"), None, Some(bytes), &s));
 
-    println!("\n{}", report::render(&rows));
     let med = |name: &str, plan: &str| rows.iter().find(|r| r.name == name && r.plan.as_deref() == Some(plan)).and_then(|r| r.median_ms);
     if let (Some(c), Some(k)) = (med("single peer copy (ceiling)", "1 x 148635648"), med("kernel push (1 launch)", "seed 36x4128768")) {
         println!("seed plan, kernel push: {:.1}% of the single-copy ceiling", 100.0 * c / k);
@@ -217,8 +130,5 @@ fn run() -> anyhow::Result<bool> {
     if let (Some(b), Some(k)) = (med("driver copy per descriptor", "uncoalesced 2268x64KiB"), med("kernel push (1 launch)", "uncoalesced 2268x64KiB")) {
         println!("uncoalesced plan: one launch is {:.1}x faster than one driver copy per descriptor", b / k);
     }
-    if let Some(path) = &args.json {
-        report::write_json(path, &rows)?;
-    }
-    Ok(all_ok)
+    Ok((rows, all_ok))
 }

@@ -1,5 +1,4 @@
-//! `pdflow-cuda-staged-bench` (feature `cuda`, issue 7): the cross-host GPU path measured on one
-//! host. P's KV on GPU 0, D's on GPU 1 (GPU 0 when only one is visible), each in Qwen3-8B's layout
+//! The cross-host GPU path measured on one host (feature `cuda`, issue 7). P's KV on GPU 0, D's on GPU 1 (GPU 0 when only one is visible), each in Qwen3-8B's layout
 //! (36 regions × 1,024 blocks × 64 KiB); P writes the seed request (seed step 28's plan: blocks
 //! 17..=79 → 512..=574, coalesced 36 × 4,128,768 B = 148,635,648 B; and uncoalesced, 2,268 × 64 KiB)
 //! through pinned host staging and a real TCP socket on 127.0.0.1 (seed step 29 on the staged
@@ -13,15 +12,15 @@
 //! every configuration's bytes verified on D (checksum of D's destination blocks against P's
 //! source blocks, after D's regions were zeroed). Exit status 1 if a check fails.
 //!
-//! Usage: `pdflow-cuda-staged-bench [--runs N] [--json PATH]`.
+//! Part of `pdflow bench transfer --device cuda`.
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
-use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, Context as _};
-use pdflow::bench::report::{self, Row};
+use anyhow::bail;
+use super::{time_runs, NUM_BLOCKS};
+use crate::bench::report::{self, Row};
 use pdflow_messages::BlockId;
 use pdflow_runtime::memory::KvShape;
 use pdflow_runtime::planner::{build_plan, Descriptor, TransferPlan};
@@ -29,43 +28,7 @@ use pdflow_runtime::transfer::cuda::ipc_peer::PeerLayout;
 use pdflow_runtime::transfer::cuda::staged::{PinnedBuffer, StagedConfig, StagedError, StagedReceiver, StagedSender};
 use pdflow_runtime::transfer::cuda::{self, CudaBatchCopy, CudaContext, DeviceBuffer};
 
-const NUM_BLOCKS: u64 = 1024;
-const WARMUP: usize = 3;
 const MIB: usize = 1 << 20;
-
-fn main() -> ExitCode {
-    match run() {
-        Ok(true) => ExitCode::SUCCESS,
-        Ok(false) => {
-            eprintln!("FAIL: a check failed (see above)");
-            ExitCode::from(1)
-        }
-        Err(e) => {
-            eprintln!("pdflow-cuda-staged-bench: {e:#}");
-            ExitCode::from(2)
-        }
-    }
-}
-
-fn parse_args() -> anyhow::Result<(usize, Option<std::path::PathBuf>)> {
-    let (mut runs, mut json) = (20, None);
-    let mut it = std::env::args().skip(1);
-    while let Some(a) = it.next() {
-        match a.as_str() {
-            "--runs" => runs = it.next().context("--runs needs a number")?.parse().context("--runs needs a number")?,
-            "--json" => json = Some(it.next().context("--json needs a path")?.into()),
-            other => bail!("unknown argument {other:?}; usage: pdflow-cuda-staged-bench [--runs N] [--json PATH]"),
-        }
-    }
-    Ok((runs.max(1), json))
-}
-
-fn time_runs(runs: usize, mut one: impl FnMut() -> anyhow::Result<f64>) -> anyhow::Result<Vec<f64>> {
-    for _ in 0..WARMUP {
-        one()?;
-    }
-    (0..runs).map(|_| one()).collect()
-}
 
 /// Byte counts of `streams` parts of `total`, as the staged path splits a plan (4 KiB cuts).
 fn shares(total: usize, streams: usize) -> Vec<usize> {
@@ -149,8 +112,8 @@ fn loopback_ceiling(bytes: usize, streams: usize, chunk: usize, runs: usize) -> 
     Ok(samples)
 }
 
-fn run() -> anyhow::Result<bool> {
-    let (runs, json) = parse_args()?;
+/// Runs this part; returns its rows and whether every byte check passed.
+pub(super) fn run(runs: usize) -> anyhow::Result<(Vec<Row>, bool)> {
     let gpus = match cuda::device_count() {
         Ok(n) => n,
         Err(e) => bail!("cannot run on GPUs: {e}"),
@@ -245,7 +208,6 @@ fn run() -> anyhow::Result<bool> {
         }
     }
 
-    println!("\n{}", report::render(&rows));
     let med = |name: &str| rows.iter().find(|r| r.name == name && r.plan.as_deref() != Some("uncoalesced 2268x64KiB")).and_then(|r| r.median_ms);
     let one = med("loopback TCP host->host ceiling, 1 stream(s)");
     for config in &configs {
@@ -263,8 +225,5 @@ fn run() -> anyhow::Result<bool> {
             );
         }
     }
-    if let Some(path) = &json {
-        report::write_json(path, &rows)?;
-    }
-    Ok(all_ok)
+    Ok((rows, all_ok))
 }

@@ -1,5 +1,5 @@
-//! `pdflow-cuda-ipc-bench` (feature `cuda`, issue 7): the transfer bench with P and D in separate
-//! processes. The bench is P on GPU 0; it starts itself again as D (`--role d`) on GPU 1 (GPU 0 when
+//! The GPU transfer bench with P and D in separate processes (feature `cuda`, issue 7). The bench
+//! is P on GPU 0; it starts pdflow again as D (`--ipc-peer`) on GPU 1 (GPU 0 when
 //! only one is visible). D allocates its KV regions in Qwen3-8B's layout (36 regions × 1,024
 //! blocks × 64 KiB), exports them as CUDA IPC handles and writes nothing; P opens them, fills its
 //! own regions with a deterministic pattern and writes each plan (seed step 29) into D's memory in
@@ -11,114 +11,46 @@
 //! seed's bytes through the IPC mapping and one in-process `cuMemcpyPeerAsync`. Exit status 1 if
 //! any check fails.
 //!
-//! Usage: `pdflow-cuda-ipc-bench [--runs N] [--json PATH]` (D: `--role d --device N`).
+//! Part of `pdflow bench transfer --device cuda`; D is `pdflow bench transfer --device cuda
+//! --ipc-peer N`.
 
-use std::process::{Command, ExitCode};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context as _};
-use pdflow::bench::report::{self, Row};
-use pdflow_messages::layout::RegionDesc;
-use pdflow_messages::BlockId;
+use super::{bench_plans, sweep_launch_shape, time_runs, NUM_BLOCKS};
+use crate::bench::report::{self, Row};
 use pdflow_runtime::memory::KvShape;
-use pdflow_runtime::planner::{build_plan, Descriptor, TransferPlan};
+use pdflow_runtime::planner::{Descriptor, TransferPlan};
 use pdflow_runtime::transfer::cuda::ipc::{CudaIpcWriter, ImportedKv, IpcError};
 use pdflow_runtime::transfer::cuda::ipc_peer::{serve_d, DPeerProcess, PeerLayout};
 use pdflow_runtime::transfer::cuda::{self, CudaBatchCopy, CudaContext, DeviceBuffer};
 
-const NUM_BLOCKS: u64 = 1024;
-const WARMUP: usize = 3;
 /// How long P waits for each answer of D (its start includes a 2.25 GiB allocation).
 const PEER_DEADLINE: Duration = Duration::from_secs(120);
-
-fn main() -> ExitCode {
-    match run() {
-        Ok(true) => ExitCode::SUCCESS,
-        Ok(false) => {
-            eprintln!("FAIL: a check failed (see above)");
-            ExitCode::from(1)
-        }
-        Err(e) => {
-            eprintln!("pdflow-cuda-ipc-bench: {e:#}");
-            ExitCode::from(2)
-        }
-    }
-}
-
-struct Args {
-    runs: usize,
-    json: Option<std::path::PathBuf>,
-    /// `Some(device)`: run as D on that GPU.
-    d_device: Option<usize>,
-}
-
-fn parse_args() -> anyhow::Result<Args> {
-    let mut args = Args { runs: 30, json: None, d_device: None };
-    let (mut role_d, mut device) = (false, 1usize);
-    let mut it = std::env::args().skip(1);
-    while let Some(a) = it.next() {
-        match a.as_str() {
-            "--runs" => args.runs = it.next().context("--runs needs a number")?.parse().context("--runs needs a number")?,
-            "--json" => args.json = Some(it.next().context("--json needs a path")?.into()),
-            "--role" => match it.next().as_deref() {
-                Some("d") => role_d = true,
-                Some("p") => role_d = false,
-                other => bail!("--role takes p or d, not {other:?}"),
-            },
-            "--device" => device = it.next().context("--device needs a GPU ordinal")?.parse().context("--device needs a GPU ordinal")?,
-            other => bail!("unknown argument {other:?}; usage: pdflow-cuda-ipc-bench [--runs N] [--json PATH]"),
-        }
-    }
-    if role_d {
-        args.d_device = Some(device);
-    }
-    Ok(args)
-}
 
 fn layout() -> PeerLayout {
     let shape = KvShape::QWEN3_8B;
     PeerLayout { regions: shape.num_layers as u64, blocks: NUM_BLOCKS, block_len: shape.block_len() as u64 }
 }
 
-/// `n` distinct block ids in 0..NUM_BLOCKS in a pseudo-random order (xorshift shuffle).
-fn scattered_ids(n: usize, mut x: u64) -> Vec<BlockId> {
-    let mut all: Vec<BlockId> = (0..NUM_BLOCKS as BlockId).collect();
-    for i in (1..all.len()).rev() {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        all.swap(i, (x % (i as u64 + 1)) as usize);
-    }
-    all.truncate(n);
-    all
+/// D's process (`pdflow bench transfer --device cuda --ipc-peer N`): allocates and exports its
+/// regions on GPU `device`, then answers P over stdin/stdout until told to quit.
+pub fn serve_peer(device: usize) -> anyhow::Result<()> {
+    serve_d(device, layout(), std::io::stdin().lock(), std::io::stdout().lock())?;
+    Ok(())
 }
 
-/// The same regions seen as blocks of half the length (block_size 8 instead of 16).
-fn halved(regions: &[RegionDesc]) -> Vec<RegionDesc> {
-    regions.iter().map(|r| RegionDesc { block_len: r.block_len / 2, ..*r }).collect()
-}
-
-fn time_runs(runs: usize, mut one: impl FnMut() -> anyhow::Result<f64>) -> anyhow::Result<Vec<f64>> {
-    for _ in 0..WARMUP {
-        one()?;
-    }
-    (0..runs).map(|_| one()).collect()
-}
-
-fn run() -> anyhow::Result<bool> {
-    let args = parse_args()?;
+/// Runs this part; returns its rows and whether every check passed.
+pub(super) fn run(runs: usize) -> anyhow::Result<(Vec<Row>, bool)> {
     let gpus = match cuda::device_count() {
         Ok(n) => n,
         Err(e) => bail!("cannot run on GPUs: {e}"),
     };
-    if let Some(device) = args.d_device {
-        serve_d(device, layout(), std::io::stdin().lock(), std::io::stdout().lock())?;
-        return Ok(true);
-    }
     let d_device = if gpus >= 2 { 1 } else { 0 };
     let t = Instant::now();
-    let mut cmd = Command::new(std::env::current_exe().context("the bench's own path, to start D")?);
-    cmd.args(["--role", "d", "--device", &d_device.to_string()]);
+    let mut cmd = Command::new(std::env::current_exe().context("pdflow's own path, to start D")?);
+    cmd.args(["bench", "transfer", "--device", "cuda", "--ipc-peer", &d_device.to_string()]);
     let (mut d, export) = DPeerProcess::spawn(cmd, PEER_DEADLINE)?;
     println!(
         "D: pid {} on GPU {}, {} regions in {} allocation(s), exported in {:.1} ms; P: pid {} on GPU 0",
@@ -144,17 +76,7 @@ fn run() -> anyhow::Result<bool> {
     let stream0 = writer.copier().stream().clone();
     let d_regions = export.regions.clone();
 
-    let (src_seed, dst_seed): (Vec<BlockId>, Vec<BlockId>) = ((17..=79).collect(), (512..=574).collect());
-    let (src_sc, dst_sc) = (scattered_ids(63, 0x2545_f491_4f6c_dd1d), scattered_ids(63, 0x9e37_79b9_7f4a_7c15));
-    let plans: Vec<(&str, TransferPlan)> = vec![
-        ("seed 36x4128768", build_plan(&p_regions, &src_seed, &d_regions, &dst_seed, true)?),
-        ("uncoalesced 2268x64KiB", build_plan(&p_regions, &src_seed, &d_regions, &dst_seed, false)?),
-        ("scattered both sides", build_plan(&p_regions, &src_sc, &d_regions, &dst_sc, true)?),
-        (
-            "uncoalesced 4536x32KiB",
-            build_plan(&halved(&p_regions), &(34..=159).collect::<Vec<BlockId>>(), &halved(&d_regions), &(1024..=1149).collect::<Vec<BlockId>>(), false)?,
-        ),
-    ];
+    let plans = bench_plans(&p_regions, &d_regions)?;
     let mut all_ok = true;
 
     // The region checks apply across processes: one descriptor past D's last region refuses the plan.
@@ -166,28 +88,14 @@ fn run() -> anyhow::Result<bool> {
     all_ok &= refused;
 
     // The kernel's launch shape: a short sweep on the seed and uncoalesced plans, best kept.
-    let (mut best, mut best_ms) = ((writer.copier().threads, writer.copier().blocks_per_sm), f64::MAX);
-    {
+    let best = {
         let preps: Vec<_> = plans[..2].iter().map(|(_, p)| writer.prepare(&peer, p)).collect::<Result<_, _>>()?;
-        for threads in [256u32, 512, 1024] {
-            for bps in [1u32, 2, 4, 8] {
-                let c = writer.copier_mut();
-                (c.threads, c.blocks_per_sm) = (threads, bps);
-                let mut line = format!("sweep threads={threads:4} blocks/SM={bps}:");
-                let mut worst = 0f64;
-                for prep in &preps {
-                    let s = time_runs(5, || Ok(cuda::time_ms(&stream0, || writer.launch(prep))?))?;
-                    let m = report::summarize(&s).map(|s| s.0).unwrap_or(f64::MAX);
-                    line += &format!(" {m:.3} ms");
-                    worst = worst.max(m);
-                }
-                println!("{line}");
-                if worst < best_ms {
-                    (best, best_ms) = ((threads, bps), worst);
-                }
-            }
-        }
-    }
+        sweep_launch_shape(preps.len(), |threads, bps, i| {
+            let c = writer.copier_mut();
+            (c.threads, c.blocks_per_sm) = (threads, bps);
+            Ok(cuda::time_ms(&stream0, || writer.launch(&preps[i]))?)
+        })?
+    };
     let c = writer.copier_mut();
     (c.threads, c.blocks_per_sm) = best;
     println!("kernel launch shape kept: {} threads, {} blocks/SM", best.0, best.1);
@@ -216,9 +124,9 @@ fn run() -> anyhow::Result<bool> {
         println!("{plan_name}: {} descriptors, {bytes} bytes, checks + translation + upload {prep_ms:.2} ms", plan.descriptors.len());
 
         verify(&format!("{plan_name} ipc kernel"), plan, &|| Ok(writer.launch(&prep)?))?;
-        let s = time_runs(args.runs, || Ok(cuda::time_ms(&stream0, || writer.launch(&prep))?))?;
+        let s = time_runs(runs, || Ok(cuda::time_ms(&stream0, || writer.launch(&prep))?))?;
         rows.push(report::row("ipc kernel push (1 launch), P/D processes", Some("cuda-ipc"), Some(plan_name), None, Some(bytes), &s));
-        let s = time_runs(args.runs, || {
+        let s = time_runs(runs, || {
             let t = Instant::now();
             writer.launch(&prep)?;
             writer.wait_complete()?;
@@ -228,7 +136,7 @@ fn run() -> anyhow::Result<bool> {
 
         let translated = peer.map().translate_plan(&p_regions, plan)?;
         verify(&format!("{plan_name} copy per descriptor"), plan, &|| Ok(cuda::copy_per_descriptor_uva(&stream0, &translated)?))?;
-        let s = time_runs(args.runs, || Ok(cuda::time_ms(&stream0, || cuda::copy_per_descriptor_uva(&stream0, &translated))?))?;
+        let s = time_runs(runs, || Ok(cuda::time_ms(&stream0, || cuda::copy_per_descriptor_uva(&stream0, &translated))?))?;
         rows.push(report::row("driver copy per descriptor, via IPC", Some("cuda-ipc"), Some(plan_name), None, Some(bytes), &s));
     }
 
@@ -252,11 +160,11 @@ fn run() -> anyhow::Result<bool> {
     let dst_local = peer.map().translate(d_regions[0].base_addr, 1)?;
     let one_copy = TransferPlan { descriptors: vec![Descriptor { src: p_mem.ptr, dst: dst_local, len: bytes }], fence: 0, cut_after: None, write_by: None };
     verify("single copy via IPC", &whole, &|| Ok(cuda::copy_per_descriptor_uva(&stream0, &one_copy)?))?;
-    let s = time_runs(args.runs, || Ok(cuda::time_ms(&stream0, || cuda::copy_per_descriptor_uva(&stream0, &one_copy))?))?;
+    let s = time_runs(runs, || Ok(cuda::time_ms(&stream0, || cuda::copy_per_descriptor_uva(&stream0, &one_copy))?))?;
     rows.push(report::row("single copy via IPC mapping (ceiling)", Some("cuda-ipc"), Some("1 x 148635648"), None, Some(bytes), &s));
     let prep_whole = writer.prepare(&peer, &whole)?;
     verify("ipc kernel, contiguous ranges", &whole, &|| Ok(writer.launch(&prep_whole)?))?;
-    let s = time_runs(args.runs, || Ok(cuda::time_ms(&stream0, || writer.launch(&prep_whole))?))?;
+    let s = time_runs(runs, || Ok(cuda::time_ms(&stream0, || writer.launch(&prep_whole))?))?;
     rows.push(report::row("ipc kernel push, contiguous ranges", Some("cuda-ipc"), Some("3 ranges, 148635648"), None, Some(bytes), &s));
     if gpus >= 2 {
         let ctx1 = CudaContext::new(1)?;
@@ -264,11 +172,10 @@ fn run() -> anyhow::Result<bool> {
         let local_d = DeviceBuffer::new(&ctx1, bytes as usize)?;
         cuda::copy_peer(&stream0, &ctx0, p_mem.ptr, &ctx1, local_d.ptr, bytes)?;
         writer.wait_complete()?;
-        let s = time_runs(args.runs, || Ok(cuda::time_ms(&stream0, || cuda::copy_peer(&stream0, &ctx0, p_mem.ptr, &ctx1, local_d.ptr, bytes))?))?;
+        let s = time_runs(runs, || Ok(cuda::time_ms(&stream0, || cuda::copy_peer(&stream0, &ctx0, p_mem.ptr, &ctx1, local_d.ptr, bytes))?))?;
         rows.push(report::row("single peer copy in-process (ceiling)", Some("cuda"), Some("1 x 148635648"), None, Some(bytes), &s));
     }
 
-    println!("\n{}", report::render(&rows));
     let med = |name: &str, plan: &str| rows.iter().find(|r| r.name == name && r.plan.as_deref() == Some(plan)).and_then(|r| r.median_ms);
     let kernel = "ipc kernel push (1 launch), P/D processes";
     for ceiling in ["single copy via IPC mapping (ceiling)", "single peer copy in-process (ceiling)"] {
@@ -281,10 +188,7 @@ fn run() -> anyhow::Result<bool> {
             println!("{plan}: one launch {k:.3} ms, {:.1}x faster than one driver copy per descriptor ({b:.3} ms)", b / k);
         }
     }
-    if let Some(path) = &args.json {
-        report::write_json(path, &rows)?;
-    }
     drop(peer);
     d.quit()?;
-    Ok(all_ok)
+    Ok((rows, all_ok))
 }

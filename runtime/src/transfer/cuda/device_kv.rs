@@ -1,0 +1,121 @@
+//! A KV cache in GPU memory (issue 7: "the simulated engine can keep its KV on a GPU"):
+//! [`DeviceKv`] owns one device allocation per layer in vLLM 0.33's layout and the two bulk
+//! operations the host needs of it — the model's KV written by one kernel launch per forward item
+//! ([`CudaKvFill`], seed steps 15 and 39) and blocks read back to the host by one gather launch
+//! and one device→host copy (the model's digest, and the checksums of steps 29 and 34).
+//!
+//! [`crate::memory::KvCache::new_cuda`] wraps it: the cache's regions are then device addresses,
+//! which host code refuses to touch, and only the cuda engines move them.
+
+use std::sync::{Arc, Mutex, PoisonError};
+
+use pdflow_messages::BlockId;
+
+use super::model_kv::CudaKvFill;
+use super::{CudaBatchCopy, CudaContext, CudaError, DeviceBuffer};
+use crate::memory::{KvShape, RegionError};
+use crate::planner::{Descriptor, TransferPlan};
+
+/// The device side of a GPU-resident KV cache (see the module docs).
+pub struct DeviceKv {
+    ordinal: usize,
+    shape: KvShape,
+    num_blocks: usize,
+    layers: Vec<DeviceBuffer>,
+    /// The kernels, serialised: the engine's forward and the actors' checksums share the stream.
+    kernels: Mutex<Kernels>,
+}
+
+struct Kernels {
+    fill: CudaKvFill,
+    gather: CudaBatchCopy,
+}
+
+impl std::fmt::Debug for DeviceKv {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DeviceKv").field("device", &self.ordinal).field("num_blocks", &self.num_blocks).finish()
+    }
+}
+
+impl DeviceKv {
+    /// Allocates `num_blocks` zeroed blocks of `shape` per layer on device `ordinal` and compiles
+    /// the kernels there.
+    pub fn new(shape: KvShape, num_blocks: usize, ordinal: usize) -> Result<Self, CudaError> {
+        let count = super::device_count()?;
+        if ordinal >= count {
+            return Err(CudaError::NoSuchDevice { ordinal, count });
+        }
+        let ctx = CudaContext::new(ordinal)?;
+        let region_len = num_blocks * shape.block_len();
+        let layers = (0..shape.num_layers)
+            .map(|_| {
+                let buf = DeviceBuffer::new(&ctx, region_len)?;
+                buf.fill(0)?;
+                Ok(buf)
+            })
+            .collect::<Result<Vec<_>, CudaError>>()?;
+        let kernels = Kernels { fill: CudaKvFill::new(&ctx)?, gather: CudaBatchCopy::new(&ctx)? };
+        Ok(Self { ordinal, shape, num_blocks, layers, kernels: Mutex::new(kernels) })
+    }
+
+    /// The GPU this cache lives on.
+    pub fn ordinal(&self) -> usize {
+        self.ordinal
+    }
+
+    /// The device address of each layer's region.
+    pub fn layer_bases(&self) -> Vec<u64> {
+        self.layers.iter().map(|l| l.ptr).collect()
+    }
+
+    /// The context the allocations belong to.
+    pub fn context(&self) -> Arc<CudaContext> {
+        self.lock().gather.context().clone()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Kernels> {
+        // The kernels hold no state a panicking launch could leave half-done.
+        self.kernels.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Writes the model's KV of `tokens` at positions `start..` of a request holding `block_ids`
+    /// (one launch; nothing written when a position falls outside the blocks or the cache).
+    pub fn fill(&self, tokens: &[u32], start: usize, block_ids: &[BlockId]) -> Result<(), RegionError> {
+        let bases = self.layer_bases();
+        self.lock().fill.fill(&bases, self.num_blocks, self.shape, tokens, start, block_ids).map_err(|e| self.refusal(e))
+    }
+
+    /// The bytes of `blocks` over every layer, region-major (layer 0's blocks in order, then layer
+    /// 1's, …): one gather launch into a staging buffer, then one copy to the host.
+    pub fn read_blocks(&self, blocks: &[BlockId]) -> Result<Vec<u8>, RegionError> {
+        let block_len = self.shape.block_len() as u64;
+        if let Some(&block) = blocks.iter().find(|&&b| b as usize >= self.num_blocks) {
+            return Err(RegionError::BlockOutOfRange { block, num_blocks: self.num_blocks });
+        }
+        let total = block_len * (blocks.len() * self.layers.len()) as u64;
+        let mut out = vec![0u8; total as usize];
+        if total == 0 {
+            return Ok(out);
+        }
+        let kernels = self.lock();
+        let staging = DeviceBuffer::new(kernels.gather.context(), total as usize).map_err(|e| self.refusal(e))?;
+        let descriptors = self
+            .layers
+            .iter()
+            .flat_map(|layer| blocks.iter().map(move |&b| layer.ptr + u64::from(b) * block_len))
+            .enumerate()
+            .map(|(i, src)| Descriptor { src, dst: staging.ptr + i as u64 * block_len, len: block_len })
+            .collect();
+        let plan = TransferPlan { descriptors, fence: 0, cut_after: None, write_by: None };
+        let uploaded = kernels.gather.upload(&plan).map_err(|e| self.refusal(e))?;
+        kernels.gather.execute(&uploaded).map_err(|e| self.refusal(e))?;
+        staging.read(0, &mut out).map_err(|e| self.refusal(e))?;
+        Ok(out)
+    }
+
+    /// A device failure, as the cache's callers see it (the range could not be used).
+    fn refusal(&self, e: CudaError) -> RegionError {
+        tracing::warn!(device = self.ordinal, "GPU KV operation failed: {e}");
+        RegionError::Device { device: self.ordinal, reason: e.to_string() }
+    }
+}

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Issue 7: GPU-resident KV on the device machine, in one call (one GPU is enough; with two, P's KV
+# is on GPU 0 and D's on GPU 1). Builds nothing: runs binaries built on the dev machine and carried:
+#   cargo build --release --features cuda --bin pdflow          -> target/cuda-carry/pdflow (stripped copy)
+#   cargo test -p pdflow-runtime --features cuda --lib --no-run -> target/cuda-carry/runtime-tests (stripped copy)
+# (carry: target/cuda-carry). Writes its log, the demo's report and trace under $OUT.
+set -u
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+OUT=${OUT:-/tmp/gpu-kv-out}; mkdir -p "$OUT"
+CARRY=${CARRY:-target/cuda-carry}
+T0=$SECONDS
+elapsed() { echo "-- $1 done at +$((SECONDS - T0)) s"; }
+{
+  echo "== machine"; nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv
+  . "$(dirname "$0")/nvrtc_env.sh"
+  echo "== cuda tests (GPU)"
+  timeout 150 "$CARRY/runtime-tests" transfer::cuda --nocapture --test-threads 1; echo "tests rc=$?"; elapsed tests
+  echo "== pdflow demo --device cuda"
+  timeout 150 "$CARRY/pdflow" demo --device cuda --json "$OUT/demo_cuda.json" --trace-file "$OUT/demo_cuda_trace.json"; echo "demo rc=$?"; elapsed demo
+  echo "== pdflow demo (host KV, same machine, for comparison)"
+  timeout 150 "$CARRY/pdflow" demo --json "$OUT/demo_host.json"; echo "demo host rc=$?"; elapsed "demo host"
+  for extra in "$@"; do echo "== $extra"; timeout 200 bash -c "$extra"; echo "rc=$?"; elapsed "$extra"; done
+} 2>&1 | tee "$OUT/gpu_kv.txt"
