@@ -37,7 +37,7 @@ pub enum Command {
     /// The proxy alone; accepts vLLM's proxy arguments.
     Proxy(ProxyCmd),
     /// One engine (the simulated engine with pdflow's connector), producer or consumer.
-    Serve(ServeCmd),
+    Serve(Box<ServeCmd>),
     /// Benchmarks: each prints a table and can write `--json PATH`.
     #[command(subcommand)]
     Bench(BenchCmd),
@@ -346,6 +346,10 @@ pub struct ServeCmd {
     /// Record KV checksums on both sides of every transfer (costs a pass over the bytes).
     #[arg(long)]
     pub verify_checksums: bool,
+    /// Keep this engine's KV on CUDA device N (a build with `--features cuda`): P then writes a D
+    /// with GPU KV in another process on this host through CUDA IPC, one kernel launch per plan.
+    #[arg(long, value_name = "N")]
+    pub kv_device: Option<usize>,
     #[command(flatten)]
     pub trace: TraceArgs,
 }
@@ -501,7 +505,7 @@ impl ServeCmd {
             deadlines,
             tcp: TcpConfig { streams_per_peer: self.streams_per_peer, auth_token: self.transfer_token.clone(), ..TcpConfig::default() },
             verify_checksums: self.verify_checksums,
-            kv_device: None,
+            kv_device: self.kv_device,
         })
     }
 }

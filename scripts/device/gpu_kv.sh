@@ -3,6 +3,7 @@
 # is on GPU 0 and D's on GPU 1). Builds nothing: runs binaries built on the dev machine and carried:
 #   cargo build --release --features cuda --bin pdflow          -> target/cuda-carry/pdflow (stripped copy)
 #   cargo test -p pdflow-runtime --features cuda --lib --no-run -> target/cuda-carry/runtime-tests (stripped copy)
+#   cargo test -p pdflow-tests --test gpu_kv_processes --no-run  -> target/cuda-carry/gpu-kv-processes (stripped copy)
 # (carry: target/cuda-carry). Writes its log, the demo's report and trace under $OUT.
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -15,6 +16,10 @@ elapsed() { echo "-- $1 done at +$((SECONDS - T0)) s"; }
   . "$(dirname "$0")/nvrtc_env.sh"
   echo "== cuda tests (GPU)"
   timeout 150 "$CARRY/runtime-tests" transfer::cuda --nocapture --test-threads 1; echo "tests rc=$?"; elapsed tests
+  echo "== GPU KV with P and D as separate pdflow serve processes (cuda-ipc)"
+  GPUS=$(nvidia-smi --query-gpu=index --format=csv,noheader | wc -l)
+  PDFLOW_TEST_GPUS=$([ "$GPUS" -ge 2 ] && echo 0,1 || echo 0,0) PDFLOW_BIN="$PWD/$CARRY/pdflow" PDFLOW_TEST_LOG=1 \
+    timeout 200 "$CARRY/gpu-kv-processes" --nocapture --test-threads 1; echo "processes rc=$?"; elapsed processes
   echo "== pdflow demo --device cuda"
   timeout 150 "$CARRY/pdflow" demo --device cuda --json "$OUT/demo_cuda.json" --trace-file "$OUT/demo_cuda_trace.json"; echo "demo rc=$?"; elapsed demo
   echo "== pdflow demo (host KV, same machine, for comparison)"

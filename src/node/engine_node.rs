@@ -22,7 +22,7 @@ use pdflow_runtime::engine::{api, Engine, EngineConfig, EngineHandle};
 use pdflow_runtime::memory::{KvCache, MemoryKind};
 use pdflow_runtime::transfer::fence::WriteFence;
 use pdflow_runtime::transfer::same_host::SameHostMode;
-use pdflow_runtime::transfer::tcp::{TcpConfig, TcpDataServer};
+use pdflow_runtime::transfer::tcp::{DataServerOptions, TcpConfig, TcpDataServer};
 use pdflow_runtime::transfer::{AutoTransferEngine, TransferEngine};
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
@@ -151,9 +151,13 @@ impl EngineNode {
                 let offer_same_host = cfg.tcp.same_host != SameHostMode::Off && kv_cache.memory() == MemoryKind::Host;
                 // Each pull's blocks are fenced: a write D gave up on is refused, never landed.
                 let fence = WriteFence::new();
-                let server = TcpDataServer::bind_fenced(bind_addr, kv_cache.region_table(), cfg.tcp.auth_token.clone(), offer_same_host, Some(fence.clone()))
-                    .await
-                    .map_err(|e| NodeError::Transfer(e.to_string()))?;
+                let options = DataServerOptions {
+                    auth_token: cfg.tcp.auth_token.clone(),
+                    offer_same_host,
+                    fence: Some(fence.clone()),
+                    device_export: device_export(&kv_cache)?,
+                };
+                let server = TcpDataServer::bind_options(bind_addr, kv_cache.region_table(), options).await.map_err(|e| NodeError::Transfer(e.to_string()))?;
                 local_peer = register_gpu_peer(&server.local_addr().to_string(), &kv_cache, &fence)?;
                 let args = ReceiverArgs {
                     engine_id: engine_id.clone(),
@@ -311,14 +315,15 @@ fn new_kv_cache(cfg: &EngineNodeConfig) -> Result<Arc<KvCache>, NodeError> {
 }
 
 /// P's transfer engine for seed step 29: for host KV, same-host (`process_vm_writev`) when D
-/// shares this host and the kernel allows it, tcp otherwise; for GPU KV, the cuda-peer engine.
+/// shares this host and the kernel allows it, tcp otherwise; for GPU KV, cuda-peer for a D in this
+/// process and cuda-ipc for a D in another process on this host.
 fn producer_engine(cfg: &EngineNodeConfig, kv_cache: &Arc<KvCache>) -> Result<Arc<dyn TransferEngine>, NodeError> {
     match kv_cache.memory() {
         MemoryKind::Host => Ok(Arc::new(AutoTransferEngine::new(kv_cache.region_table(), cfg.tcp.clone()))),
         #[cfg(feature = "cuda")]
-        MemoryKind::Cuda { device } => pdflow_runtime::transfer::cuda::peer_engine::CudaPeerEngine::new(kv_cache, cfg.tcp.write_timeout)
+        MemoryKind::Cuda { device } => pdflow_runtime::transfer::cuda::gpu_engine::GpuTransferEngine::new(kv_cache, cfg.tcp.clone())
             .map(|e| Arc::new(e) as Arc<dyn TransferEngine>)
-            .map_err(|e| NodeError::Config(format!("cuda-peer transfer engine on GPU {device}: {e}"))),
+            .map_err(|e| NodeError::Config(format!("GPU transfer engine on GPU {device}: {e}"))),
         #[cfg(not(feature = "cuda"))]
         MemoryKind::Cuda { device } => Err(NodeError::Config(format!("KV cache on GPU {device} in a build without GPU support"))),
     }
@@ -339,5 +344,17 @@ fn register_gpu_peer(data_addr: &str, kv_cache: &Arc<KvCache>, fence: &WriteFenc
     {
         let _ = (data_addr, fence);
         Err(NodeError::Config("a GPU KV cache in a build without GPU support".into()))
+    }
+}
+
+/// What D's data server tells P that asks how to write D's GPU KV directly: the CUDA IPC export
+/// of D's KV allocations and regions (empty for host KV).
+fn device_export(kv_cache: &Arc<KvCache>) -> Result<Vec<u8>, NodeError> {
+    #[cfg(feature = "cuda")]
+    return pdflow_runtime::transfer::cuda::gpu_engine::device_export(kv_cache).map_err(|e| NodeError::Config(format!("exporting D's GPU KV for CUDA IPC: {e}")));
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = kv_cache;
+        Ok(Vec::new())
     }
 }

@@ -14,9 +14,9 @@
 //! host→device overlapped per chunk (`cuda-staged`). [`model_kv`] writes the simulated model's KV
 //! into device regions with one kernel launch (the device half of prefill); [`device_kv`] is a KV
 //! cache in GPU memory built on it, and [`peer_engine`] (`cuda-peer`) the engine that moves such
-//! caches between engines of one process (`pdflow demo --device cuda`). Not yet: the serving stack
-//! choosing `cuda-ipc` or `cuda-staged` for engines in other processes (D's export or staged
-//! address in its hello).
+//! caches between engines of one process (`pdflow demo --device cuda`); [`gpu_engine`] is a GPU
+//! node's engine, choosing `cuda-peer` or `cuda-ipc` (D's export fetched from its data server) per
+//! peer. Not yet: the serving stack choosing `cuda-staged` for a D on another host.
 
 use std::sync::Arc;
 
@@ -26,6 +26,7 @@ use cudarc::driver::{result, sys, CudaFunction, DriverError, LaunchConfig, PushK
 use crate::planner::TransferPlan;
 
 pub mod device_kv;
+pub mod gpu_engine;
 pub mod ipc;
 pub mod ipc_engine;
 pub mod ipc_peer;

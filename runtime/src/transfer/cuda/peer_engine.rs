@@ -68,6 +68,11 @@ pub fn register_local_peer(addr: &str, cache: &Arc<KvCache>, fence: Option<Write
     Ok(LocalPeerGuard { addr: addr.to_string() })
 }
 
+/// Whether a GPU cache of this process is registered at `addr`.
+pub fn is_local_peer(addr: &str) -> bool {
+    peers().contains_key(addr)
+}
+
 /// P's engine over GPU caches of this process (see the module docs).
 pub struct CudaPeerEngine {
     local: RegionTable,
