@@ -29,6 +29,10 @@ pub struct DeviceKv {
 struct Kernels {
     fill: CudaKvFill,
     gather: CudaBatchCopy,
+    /// Reused by every read-back: the gather's descriptor table and its staging buffer (grown
+    /// when a read needs more), so a read allocates and frees nothing once warm.
+    table: Option<super::UploadedPlan>,
+    staging: Option<DeviceBuffer>,
 }
 
 impl std::fmt::Debug for DeviceKv {
@@ -54,7 +58,7 @@ impl DeviceKv {
                 Ok(buf)
             })
             .collect::<Result<Vec<_>, CudaError>>()?;
-        let kernels = Kernels { fill: CudaKvFill::new(&ctx)?, gather: CudaBatchCopy::new(&ctx)? };
+        let kernels = Kernels { fill: CudaKvFill::new(&ctx)?, gather: CudaBatchCopy::new(&ctx)?, table: None, staging: None };
         Ok(Self { ordinal, shape, num_blocks, layers, kernels: Mutex::new(kernels) })
     }
 
@@ -97,8 +101,13 @@ impl DeviceKv {
         if total == 0 {
             return Ok(out);
         }
-        let kernels = self.lock();
-        let staging = DeviceBuffer::new(kernels.gather.context(), total as usize).map_err(|e| self.refusal(e))?;
+        let mut guard = self.lock();
+        let kernels = &mut *guard;
+        let staging = match kernels.staging.take() {
+            Some(buf) if buf.len as u64 >= total => buf,
+            // Too small (or none yet): freed before the larger one is allocated.
+            _ => DeviceBuffer::new(kernels.gather.context(), total as usize).map_err(|e| self.refusal(e))?,
+        };
         let descriptors = self
             .layers
             .iter()
@@ -107,9 +116,12 @@ impl DeviceKv {
             .map(|(i, src)| Descriptor { src, dst: staging.ptr + i as u64 * block_len, len: block_len })
             .collect();
         let plan = TransferPlan { descriptors, fence: 0, cut_after: None, write_by: None };
-        let uploaded = kernels.gather.upload(&plan).map_err(|e| self.refusal(e))?;
+        let uploaded = kernels.gather.upload_reusing(&plan, kernels.table.take()).map_err(|e| self.refusal(e))?;
         kernels.gather.execute(&uploaded).map_err(|e| self.refusal(e))?;
-        staging.read(0, &mut out).map_err(|e| self.refusal(e))?;
+        kernels.table = Some(uploaded);
+        let read = staging.read(0, &mut out).map_err(|e| self.refusal(e));
+        kernels.staging = Some(staging);
+        read?;
         Ok(out)
     }
 

@@ -276,12 +276,14 @@ pub struct CudaIpcWriter {
     copier: CudaBatchCopy,
     local_regions: Vec<RegionDesc>,
     pub deadline: Duration,
+    /// The descriptor table of the last finished write, reused by the next one.
+    spare: std::sync::Mutex<Option<UploadedPlan>>,
 }
 
 impl CudaIpcWriter {
     /// `local_regions`: P's KV regions (device memory of the copier's GPU), the only valid sources.
     pub fn new(copier: CudaBatchCopy, local_regions: Vec<RegionDesc>) -> Self {
-        Self { copier, local_regions, deadline: DEFAULT_WRITE_DEADLINE }
+        Self { copier, local_regions, deadline: DEFAULT_WRITE_DEADLINE, spare: std::sync::Mutex::new(None) }
     }
 
     pub fn copier(&self) -> &CudaBatchCopy {
@@ -299,7 +301,8 @@ impl CudaIpcWriter {
             return Err(IpcError::WrongDevice { mapped, copier });
         }
         let translated = peer.map.translate_plan(&self.local_regions, plan)?;
-        Ok(PreparedWrite { plan: self.copier.upload(&translated)?, _peer: peer })
+        let spare = self.spare.lock().unwrap_or_else(std::sync::PoisonError::into_inner).take();
+        Ok(PreparedWrite { plan: self.copier.upload_reusing(&translated, spare)?, _peer: peer })
     }
 
     /// Enqueues one launch of a prepared plan (asynchronous; time it with [`super::time_ms`]).
@@ -335,6 +338,9 @@ impl CudaIpcWriter {
         let prepared = self.prepare(peer, plan)?;
         self.launch(&prepared)?;
         self.wait_complete()?;
-        Ok(TransferStats { bytes: prepared.bytes(), descriptors: prepared.descriptors(), duration: start.elapsed() })
+        let stats = TransferStats { bytes: prepared.bytes(), descriptors: prepared.descriptors(), duration: start.elapsed() };
+        // The launch has finished: its descriptor table can carry the next write.
+        *self.spare.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(prepared.plan);
+        Ok(stats)
     }
 }

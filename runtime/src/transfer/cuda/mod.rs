@@ -151,14 +151,28 @@ impl Drop for DeviceBuffer {
     }
 }
 
-/// A plan's descriptor arrays on the device, cut into chunks of at most `CHUNK` bytes.
+/// A plan's descriptor arrays on the device, cut into chunks of at most `CHUNK` bytes: one
+/// allocation of `3 × capacity` words (sources, destinations, lengths), reusable for any later
+/// plan of at most `capacity` chunks ([`CudaBatchCopy::upload_reusing`]) — no device allocation
+/// or free (which synchronises the GPU) on a write's path once it is warm.
 pub struct UploadedPlan {
-    src: DeviceBuffer,
-    dst: DeviceBuffer,
-    len: DeviceBuffer,
+    table: DeviceBuffer,
+    capacity: u32,
     pub chunks: u32,
     pub descriptors: usize,
     pub bytes: u64,
+}
+
+impl UploadedPlan {
+    fn src(&self) -> u64 {
+        self.table.ptr
+    }
+    fn dst(&self) -> u64 {
+        self.table.ptr + 8 * u64::from(self.capacity)
+    }
+    fn len(&self) -> u64 {
+        self.table.ptr + 16 * u64::from(self.capacity)
+    }
 }
 
 /// The largest slice of one descriptor that one thread block copies.
@@ -210,6 +224,13 @@ impl CudaBatchCopy {
 
     /// Uploads the plan's descriptors once (cut into `CHUNK`-sized work items).
     pub fn upload(&self, plan: &TransferPlan) -> Result<UploadedPlan, CudaError> {
+        self.upload_reusing(plan, None)
+    }
+
+    /// As [`CudaBatchCopy::upload`], into `spare`'s device memory when it holds enough room (a
+    /// plan uploaded earlier on this copier, no longer in flight); else into a new allocation
+    /// with room to spare for the next plans.
+    pub fn upload_reusing(&self, plan: &TransferPlan, spare: Option<UploadedPlan>) -> Result<UploadedPlan, CudaError> {
         let (mut src, mut dst, mut len) = (Vec::new(), Vec::new(), Vec::new());
         for d in &plan.descriptors {
             let mut off = 0;
@@ -221,20 +242,24 @@ impl CudaBatchCopy {
                 off += n;
             }
         }
-        let put = |v: &[u64]| -> Result<DeviceBuffer, CudaError> {
-            let b = DeviceBuffer::new(&self.ctx, v.len() * 8)?;
-            // SAFETY: `b` holds exactly `v.len()` u64s.
-            unsafe { result::memcpy_htod_sync(b.ptr, v) }?;
-            Ok(b)
+        let chunks = u32::try_from(src.len()).map_err(|_| CudaError::OutOfBounds { offset: 0, len: src.len() as u64, size: u64::from(u32::MAX) })?;
+        let (table, capacity) = match spare {
+            Some(s) if s.capacity >= chunks && Arc::ptr_eq(&s.table.ctx, &self.ctx) => (s.table, s.capacity),
+            _ => {
+                let capacity = chunks.max(64).checked_next_power_of_two().unwrap_or(chunks);
+                (DeviceBuffer::new(&self.ctx, 3 * capacity as usize * 8)?, capacity)
+            }
         };
-        Ok(UploadedPlan {
-            chunks: src.len() as u32,
-            src: put(&src)?,
-            dst: put(&dst)?,
-            len: put(&len)?,
-            descriptors: plan.descriptors.len(),
-            bytes: plan.total_bytes(),
-        })
+        let mut uploaded = UploadedPlan { table, capacity, chunks, descriptors: plan.descriptors.len(), bytes: plan.total_bytes() };
+        self.ctx.bind_to_thread()?;
+        for (at, words) in [(uploaded.src(), &src), (uploaded.dst(), &dst), (uploaded.len(), &len)] {
+            if !words.is_empty() {
+                // SAFETY: each array holds `capacity >= chunks` words of the table.
+                unsafe { result::memcpy_htod_sync(at, &words[..]) }?;
+            }
+        }
+        uploaded.chunks = chunks;
+        Ok(uploaded)
     }
 
     /// Enqueues the whole plan as one launch on this copier's stream (asynchronous).
@@ -245,7 +270,8 @@ impl CudaBatchCopy {
         let grid = plan.chunks.min(self.sms * self.blocks_per_sm);
         let cfg = LaunchConfig { grid_dim: (grid, 1, 1), block_dim: (self.threads, 1, 1), shared_mem_bytes: 0 };
         let mut b = self.stream.launch_builder(&self.copy);
-        b.arg(&plan.src.ptr).arg(&plan.dst.ptr).arg(&plan.len.ptr).arg(&plan.chunks);
+        let (src, dst, len) = (plan.src(), plan.dst(), plan.len());
+        b.arg(&src).arg(&dst).arg(&len).arg(&plan.chunks);
         // SAFETY: the descriptor arrays hold `chunks` entries; the caller built the plan from
         // regions it allocated (the region checks happen when the plan is built).
         unsafe { b.launch(cfg) }?;

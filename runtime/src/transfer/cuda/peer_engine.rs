@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use futures::future::BoxFuture;
 
 use super::device_kv::DeviceKv;
-use super::{enable_peer_access, CudaBatchCopy, CudaError};
+use super::{enable_peer_access, CudaBatchCopy, CudaError, UploadedPlan};
 use crate::memory::{KvCache, MemoryKind, RegionTable};
 use crate::planner::TransferPlan;
 use crate::transfer::fence::WriteFence;
@@ -77,7 +77,8 @@ pub fn is_local_peer(addr: &str) -> bool {
 pub struct CudaPeerEngine {
     local: RegionTable,
     device: Arc<DeviceKv>,
-    copy: Arc<Mutex<CudaBatchCopy>>,
+    /// The copier, and the descriptor table of its last finished write (reused by the next).
+    copy: Arc<Mutex<(CudaBatchCopy, Option<UploadedPlan>)>>,
     write_timeout: Duration,
 }
 
@@ -92,7 +93,7 @@ impl CudaPeerEngine {
     pub fn new(cache: &Arc<KvCache>, write_timeout: Duration) -> Result<Self, CudaError> {
         let device = cache.device().cloned().ok_or(CudaError::NoDevice)?;
         let copy = CudaBatchCopy::new(&device.context())?;
-        Ok(Self { local: cache.region_table(), device, copy: Arc::new(Mutex::new(copy)), write_timeout })
+        Ok(Self { local: cache.region_table(), device, copy: Arc::new(Mutex::new((copy, None))), write_timeout })
     }
 
     async fn write_plan(&self, peer: &str, plan: &TransferPlan) -> Result<TransferStats, TransferError> {
@@ -126,9 +127,12 @@ impl CudaPeerEngine {
             if p_device.ordinal() != d_device.ordinal() {
                 enable_peer_access(&p_device.context(), &d_device.context())?;
             }
-            let copy = copy.lock().unwrap_or_else(PoisonError::into_inner);
-            let uploaded = copy.upload(&plan_owned)?;
-            copy.execute(&uploaded)
+            let mut guard = copy.lock().unwrap_or_else(PoisonError::into_inner);
+            let (copy, spare) = &mut *guard;
+            let uploaded = copy.upload_reusing(&plan_owned, spare.take())?;
+            copy.execute(&uploaded)?;
+            *spare = Some(uploaded);
+            Ok(())
         });
         let result = tokio::time::timeout(timeout, work).await;
         let io = |e: String| TransferError::Io { peer: peer.to_string(), source: std::io::Error::other(e) };
