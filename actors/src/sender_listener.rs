@@ -16,6 +16,7 @@
 //!   step 30) and collects finished_sending (step 31), which P's worker fetches with
 //!   `GetFinishedSending` (step 32 is the scheduler connector's).
 
+pub mod lineage;
 mod register;
 mod side_channel;
 #[cfg(test)]
@@ -78,6 +79,9 @@ pub struct SenderListenerArgs {
     pub events: Arc<Notify>,
     /// Record `pd.kv_checksum` of the sent blocks on step 29.
     pub verify_checksums: bool,
+    /// Shared by every incarnation of this listener (restarts clone the args): the generations
+    /// registered and which one recorded each transfer ready (see [`lineage`]).
+    pub lineage: Arc<lineage::ListenerLineage>,
 }
 
 /// One SendWorker in the routing table.
@@ -173,6 +177,7 @@ impl Actor for SenderListener {
             p_generation: new_generation(),
             args,
         };
+        listener.args.lineage.started(listener.p_generation);
         if let Some(url) = listener.args.bootstrap_url.clone() {
             let span = step_span!(steps::BOOTSTRAP_REGISTER);
             span.record(attrs::ENGINE_ID, listener.args.engine_id.as_str());
@@ -421,15 +426,22 @@ impl SenderListener {
         }
     }
 
-    /// The refusal of `req` when its pull addressed another generation of this worker and this
-    /// incarnation does not know the transfer: its KV went with the previous incarnation.
+    /// The refusal of `req` when its pull addressed another generation of this worker, this
+    /// incarnation does not know the transfer, and its record is gone: its ready went to an earlier
+    /// incarnation, or the generation is not this engine's (the node restarted). A transfer an
+    /// earlier incarnation never recorded ready is still to come: the pull waits (see [`lineage`]).
     fn stale_generation(&self, addressed: u64, req: &PullReq) -> Option<PullErr> {
         let elsewhere = addressed != 0 && addressed != self.p_generation;
         if !elsewhere || self.workers.contains_key(&req.transfer_id) || self.retired.contains_key(&req.transfer_id) {
             return None;
         }
+        let why = match self.args.lineage.unknown(&req.transfer_id, addressed, self.p_generation) {
+            lineage::Unknown::NotReadyYet => return None,
+            lineage::Unknown::Lost { generation } => format!("its ready went to generation {generation}, whose record went with it (the listener restarted)"),
+            lineage::Unknown::ForeignGeneration => "its KV went with the previous one (the worker restarted)".to_string(),
+        };
         let detail = format!(
-            "P worker {} is generation {}, the pull addressed generation {addressed}: transfer {} is unknown to this incarnation, its KV went with the previous one (the worker restarted)",
+            "P worker {} is generation {}, the pull addressed generation {addressed}: transfer {} is unknown to this incarnation, {why}",
             self.addr, self.p_generation, req.transfer_id
         );
         Some(PullErr { d_req_id: req.d_req_id.clone(), cause: PullErrorCause::StaleGeneration, detail })
@@ -493,6 +505,8 @@ impl Message<RecordSendReqs> for SenderListener {
                 if let Some(entry) = self.workers.get_mut(&transfer_id) {
                     entry.ready_p_req = Some(p_req_id.clone());
                 }
+                let ttl = self.args.ready_timeout + self.args.send_expiry;
+                self.args.lineage.ready(&transfer_id, self.p_generation, ttl);
                 self.tell_worker(&transfer_id, RecordSendReady { p_req_id, transfer_id: transfer_id.clone(), block_ids }, &me).await;
             }
         }
@@ -574,6 +588,7 @@ impl Message<SendOutcome> for SenderListener {
             if let Some(entry) = self.workers.remove(&msg.transfer_id) {
                 if entry.counted || msg.counts_as_sent {
                     self.retired.insert(msg.transfer_id.clone(), std::time::Instant::now());
+                    self.args.lineage.retired(&msg.transfer_id);
                 }
                 // Messages already queued to it are still handled (a finished worker answers them).
                 if entry.actor.stop_gracefully().await.is_err() {

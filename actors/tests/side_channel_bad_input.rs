@@ -51,6 +51,7 @@ async fn listener() -> (ActorRef<SenderListener>, String) {
         register_backoff: Duration::from_millis(10),
         events: Arc::new(Notify::new()),
         verify_checksums: false,
+        lineage: Default::default(),
     });
     let addr = tokio::time::timeout(BOUND, listener.ask(SideChannelAddr)).await.expect("in time").expect("listener started");
     (listener, addr)

@@ -139,6 +139,7 @@ impl WorkerBridge {
                 register_backoff: Duration::from_millis(100),
                 events: events.clone(),
                 verify_checksums: cfg.verify_checksums,
+                lineage: Default::default(),
             };
             let listener = SenderListener::supervise(&supervisor, args)
                 .restart_policy(RestartPolicy::Transient)

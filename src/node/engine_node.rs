@@ -137,6 +137,7 @@ impl EngineNode {
                     register_backoff: std::time::Duration::from_millis(100),
                     events: events.clone(),
                     verify_checksums: cfg.verify_checksums,
+                    lineage: Default::default(),
                 };
                 let listener = SenderListener::supervise(&supervisor, args).restart_policy(RestartPolicy::Transient).restart_limit(MAX_RESTARTS, RESTART_WINDOW).spawn().await;
                 started("SenderListener", &listener).await?;

@@ -47,6 +47,7 @@ fn args(p: &Arc<KvCache>, d: &Arc<KvCache>, ready_timeout: Duration, bootstrap_u
         register_backoff: Duration::from_millis(10),
         events: Arc::new(Notify::new()),
         verify_checksums: true,
+        lineage: Default::default(),
     }
 }
 
@@ -429,4 +430,54 @@ async fn every_incarnation_registers_a_larger_generation() {
         while registrations.try_recv().is_ok() {}
     }
     assert!(generations[0] != 0 && generations[1] > generations[0], "{generations:?}");
+}
+
+#[tokio::test]
+async fn after_a_restart_a_pull_addressed_to_the_old_incarnation_waits_unless_its_ready_went_with_it() {
+    let p = filled_cache(16, 1);
+    let d = KvCache::new(SHAPE, 32);
+    let args = args(&p, &d, Duration::from_secs(30), None);
+    let events = args.events.clone();
+    let old = SenderListener::spawn(args.clone());
+    startup(&old).await.expect("listener starts");
+    let addr = old.ask(SideChannelAddr).await.expect("address");
+    let mut dealer = DealerSocket::new();
+    tokio::time::timeout(WAIT, dealer.connect(&addr)).await.expect("connects in time").expect("connects");
+    let mut h = Harness { listener: old, p, d, dealer, events, seen_finished: BTreeSet::new() };
+    h.record(&[("cmpl-p1", "xfer-1", vec![3])], &[]).await;
+    h.send(&h.pull(1, &[("cmpl-d1", "xfer-1", vec![20])], true)).await;
+    let old_generation = h.recv().await.p_generation;
+    // The old incarnation records a ready it will never serve: its record dies with it.
+    h.record(&[("cmpl-p2", "xfer-lost", vec![4])], &[]).await;
+
+    // The supervisor's restart: the same args (the same port and lineage), a new incarnation.
+    h.listener.kill();
+    h.listener.wait_for_shutdown().await;
+    let new = SenderListener::spawn(args);
+    startup(&new).await.expect("restarted");
+    assert_eq!(new.ask(SideChannelAddr).await.expect("address"), addr, "the same side-channel address");
+    h.listener = new;
+    // D's next pull comes over a new connection (as D's pull tasks connect per pull).
+    let mut dealer = DealerSocket::new();
+    tokio::time::timeout(WAIT, dealer.connect(&addr)).await.expect("connects in time").expect("connects");
+    h.dealer = dealer;
+
+    // A request the engine prefills right now (its ready not recorded by anyone yet), pulled by a
+    // D that still addresses the old incarnation: it waits, and is served once the ready comes.
+    h.send(&addressed(h.pull(2, &[("cmpl-d3", "xfer-new", vec![21])], true), old_generation)).await;
+    h.wait_in_flight(1).await;
+    h.record(&[("cmpl-p3", "xfer-new", vec![5])], &[]).await;
+    let resp = h.recv().await;
+    assert_eq!(resp.ok_reqs, vec!["cmpl-d3".to_string()], "{resp:?}");
+    assert_ne!(resp.p_generation, old_generation, "answered by the new incarnation");
+    h.assert_copied(&[5], &[21]);
+
+    // The transfer whose ready went to the old incarnation is refused at once.
+    let started = Instant::now();
+    h.send(&addressed(h.pull(3, &[("cmpl-d2", "xfer-lost", vec![22])], false), old_generation)).await;
+    let resp = h.recv().await;
+    assert!(started.elapsed() < Duration::from_secs(2), "took {:?}", started.elapsed());
+    assert_eq!(resp.err_reqs.len(), 1, "{resp:?}");
+    assert_eq!(resp.err_reqs[0].cause, PullErrorCause::StaleGeneration);
+    assert!(resp.err_reqs[0].detail.contains("xfer-lost") && resp.err_reqs[0].detail.contains(&old_generation.to_string()), "{}", resp.err_reqs[0].detail);
 }

@@ -64,6 +64,7 @@ impl ActorPair {
             register_backoff: Duration::from_millis(50),
             events: Arc::new(Notify::new()),
             verify_checksums: false,
+            lineage: Default::default(),
         });
         crate::node::started("SenderListener", &listener).await?;
         let d_events = Arc::new(Notify::new());
