@@ -291,7 +291,8 @@ def _regions_of(kv_caches: dict[str, "torch.Tensor"]) -> tuple[list[tuple[int, i
         if t.device.type != "cpu":
             raise RegistrationError(
                 f"layer {name}: KV cache on {t.device}; pdflow's vLLM connector registers host memory "
-                "so far (GPU memory needs the cuda backend)"
+                "so far (GPU KV is served by `pdflow serve --kv-device N`, built with --features cuda; "
+                "the bridge does not take CUDA tensors yet)"
             )
         if not t.is_contiguous():
             raise RegistrationError(f"layer {name}: KV cache tensor is not contiguous (shape {tuple(t.shape)})")
