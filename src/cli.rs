@@ -425,7 +425,6 @@ impl ProxyCmd {
                 health_interval: Duration::from_millis(self.health_interval_ms.max(10)),
                 upstream_timeout: Duration::from_secs(self.upstream_timeout.max(1)),
                 ready_timeout: None,
-                routes: Default::default(),
             }),
             _ => Err(errors),
         }

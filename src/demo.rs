@@ -201,7 +201,6 @@ impl LocalCluster {
             health_interval: Duration::from_millis(50),
             upstream_timeout: Duration::from_secs(120),
             ready_timeout: None,
-            routes: Default::default(),
         })
         .await?;
         let client = reqwest::Client::builder().no_proxy().build().map_err(|e| DemoError::Http { url: String::new(), reason: e.to_string() })?;

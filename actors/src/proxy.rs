@@ -13,7 +13,6 @@
 //! came back from being unhealthy, and after a failed prefill ([`PrefillFailed`]).
 
 mod poller;
-pub mod route_board;
 mod server;
 #[cfg(test)]
 mod tests;
@@ -35,7 +34,6 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::AbortOnDropHandle;
 
 use crate::ActorError;
-use route_board::{PrefillCandidate, RouteTable};
 
 /// vLLM's default bootstrap port (`VLLM_MOONCAKE_BOOTSTRAP_PORT`).
 pub const DEFAULT_BOOTSTRAP_PORT: u16 = 8998;
@@ -69,9 +67,6 @@ pub struct ProxyArgs {
     pub upstream_timeout: Duration,
     /// If set, the proxy stops with an error when it is not ready after this long.
     pub ready_timeout: Option<Duration>,
-    /// Where every incarnation of the actor publishes its routes for the request flows (the
-    /// HTTP server reads the same board: give it to [`ProxyServer::start`]).
-    pub routes: std::sync::Arc<route_board::RouteBoard>,
 }
 
 #[derive(Debug)]
@@ -95,10 +90,11 @@ pub struct Proxy {
     prefill: Vec<PrefillState>,
     decode: Vec<DecodeState>,
     ready: bool,
+    next_prefill: usize,
+    next_decode: usize,
     requery_tx: mpsc::UnboundedSender<usize>,
     shutdown: CancellationToken,
     _poller: AbortOnDropHandle<()>,
-    routes: std::sync::Arc<route_board::RouteBoard>,
 }
 
 /// `http://{host}:{port}` for the host of `url` (IPv6 hosts keep their brackets).
@@ -162,16 +158,15 @@ impl Actor for Proxy {
         let poller = tokio::spawn(poller.run(requery_rx, shutdown.clone()));
         tracing::info!(prefill = prefill.len(), decode = decode.len(), "proxy routing");
 
-        // A new incarnation knows no healthy target yet: flows ask it (and wait for its discovery).
-        args.routes.publish(None);
         Ok(Proxy {
             prefill,
             decode,
             ready: false,
+            next_prefill: 0,
+            next_decode: 0,
             requery_tx,
             shutdown,
             _poller: AbortOnDropHandle::new(poller),
-            routes: args.routes.clone(),
         })
     }
 
@@ -207,45 +202,38 @@ impl Proxy {
         }
     }
 
-    /// The routes of the current view: every healthy P × dp rank, every healthy D.
-    fn table(&self) -> Result<RouteTable, NotReady> {
+    fn route(&mut self) -> Result<RouteDecision, NotReady> {
         if !self.ready {
             return Err(NotReady::Starting { waiting_for: self.waiting_for() });
         }
-        let prefill: Vec<PrefillCandidate> = self
+        let candidates: Vec<(usize, u32, &EngineId)> = self
             .prefill
             .iter()
             .enumerate()
             .filter(|(_, p)| p.healthy)
-            .flat_map(|(i, p)| {
-                p.dp_engine_id.iter().map(move |(dp, id)| PrefillCandidate {
-                    index: i,
-                    url: p.url.clone(),
-                    bootstrap_addr: p.bootstrap_addr.clone(),
-                    dp_rank: *dp,
-                    engine_id: id.clone(),
-                })
-            })
+            .flat_map(|(i, p)| p.dp_engine_id.iter().map(move |(dp, id)| (i, *dp, id)))
             .collect();
-        if prefill.is_empty() {
+        if candidates.is_empty() {
             return Err(NotReady::NoHealthy { pool: Pool::Prefill });
         }
-        let decode: Vec<(usize, String)> = self.decode.iter().enumerate().filter(|(_, d)| d.healthy).map(|(j, d)| (j, d.url.clone())).collect();
-        if decode.is_empty() {
+        let decodes: Vec<usize> = (0..self.decode.len()).filter(|&j| self.decode[j].healthy).collect();
+        if decodes.is_empty() {
             return Err(NotReady::NoHealthy { pool: Pool::Decode });
         }
-        Ok(RouteTable { prefill, decode })
-    }
-
-    fn route(&mut self) -> Result<RouteDecision, NotReady> {
-        let table = self.table()?;
-        self.routes.decide(&table).ok_or(NotReady::NoHealthy { pool: Pool::Prefill })
-    }
-
-    /// Publishes the current routes for the flows (none while not ready or a pool has no
-    /// healthy target: the flows then ask, and learn why).
-    fn publish(&self) {
-        self.routes.publish(self.table().ok());
+        let (pi, dp, engine_id) = candidates[self.next_prefill % candidates.len()];
+        let dj = decodes[self.next_decode % decodes.len()];
+        let decision = RouteDecision {
+            prefill_index: pi,
+            prefill_url: self.prefill[pi].url.clone(),
+            prefill_bootstrap_addr: self.prefill[pi].bootstrap_addr.clone(),
+            prefill_dp_rank: dp,
+            prefill_engine_id: engine_id.clone(),
+            decode_index: dj,
+            decode_url: self.decode[dj].url.clone(),
+        };
+        self.next_prefill = self.next_prefill.wrapping_add(1);
+        self.next_decode = self.next_decode.wrapping_add(1);
+        Ok(decision)
     }
 }
 
@@ -289,7 +277,6 @@ impl Message<TargetHealth> for Proxy {
             }
         }
         self.update_ready();
-        self.publish();
     }
 }
 
@@ -305,7 +292,6 @@ impl Message<PrefillDiscovered> for Proxy {
             p.healthy = !p.dp_engine_id.is_empty();
         }
         self.update_ready();
-        self.publish();
     }
 }
 

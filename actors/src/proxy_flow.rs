@@ -46,8 +46,6 @@ const RESTART_POLL: Duration = Duration::from_millis(10);
 /// What every request's flow shares: the actor, one pooled HTTP client, the upstream deadline.
 pub struct FlowContext {
     pub proxy: ActorRef<Proxy>,
-    /// The routes the actor publishes: read without asking it when it has some.
-    pub routes: std::sync::Arc<crate::proxy::route_board::RouteBoard>,
     pub client: reqwest::Client,
     pub upstream_timeout: Duration,
     /// The proxy was ready before (it routed a request or said so on `/health`): a later "not
@@ -270,15 +268,7 @@ async fn flow(ctx: Arc<FlowContext>, api: &'static str, headers: HeaderMap, body
     let Some(proxy) = Some(ctx.proxy.clone()).filter(|p| p.is_alive()) else {
         return error_response(StatusCode::SERVICE_UNAVAILABLE, "service_unavailable", "proxy is stopping".into());
     };
-    // The routes the actor published, without a round trip to it; it is asked when it has none.
-    let route = match ctx.routes.next() {
-        Some(decided) => {
-            ctx.was_ready.store(true, std::sync::atomic::Ordering::Release);
-            Ok(Ok(decided))
-        }
-        None => route(&ctx, &proxy).instrument(step8.clone()).await,
-    };
-    let route = match route {
+    let route = match route(&ctx, &proxy).instrument(step8.clone()).await {
         Ok(Ok(route)) => route,
         Ok(Err(SendError::HandlerError(not_ready))) => {
             step8.record(attrs::OUTCOME, "not_ready");

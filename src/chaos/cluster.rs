@@ -110,7 +110,6 @@ impl ChaosCluster {
             health_interval: Duration::from_millis(25),
             upstream_timeout: spec.upstream_timeout,
             ready_timeout: None,
-            routes: Default::default(),
         })
         .await?;
         let client = reqwest::Client::builder().no_proxy().build().map_err(|e| NodeError::Config(format!("HTTP client: {e}")))?;

@@ -26,12 +26,11 @@ impl ProxyNode {
     pub async fn start(args: ProxyArgs) -> Result<Self, NodeError> {
         let bind = args.bind;
         let upstream_timeout = args.upstream_timeout;
-        let routes = args.routes.clone();
         let supervisor = NodeSupervisor::spawn("proxy".to_string());
         let proxy = Proxy::supervise(&supervisor, args).restart_policy(RestartPolicy::Transient).restart_limit(MAX_RESTARTS, RESTART_WINDOW).spawn().await;
         started("Proxy", &proxy).await?;
         register_actor(ActorKind::Proxy, Role::Proxy, Vec::new(), &proxy);
-        let server = match ProxyServer::start(bind, proxy.clone(), routes, upstream_timeout).await {
+        let server = match ProxyServer::start(bind, proxy.clone(), upstream_timeout).await {
             Ok(server) => server,
             Err(e) => {
                 let _ = proxy.stop_gracefully().await;

@@ -172,7 +172,6 @@ impl Cluster {
             health_interval: Duration::from_millis(25),
             upstream_timeout: Duration::from_secs(60),
             ready_timeout: None,
-            routes: Default::default(),
         })
         .await?;
         let endpoint = |n: &EngineNode| EngineEndpoint {

@@ -172,12 +172,11 @@ async fn start_proxy(prefill: Vec<PrefillTarget>, decode: Vec<String>) -> (Runni
         health_interval: Duration::from_millis(20),
         upstream_timeout: Duration::from_secs(10),
         ready_timeout: None,
-        routes: Default::default(),
     };
-    let (bind, upstream_timeout, routes) = (args.bind, args.upstream_timeout, args.routes.clone());
+    let (bind, upstream_timeout) = (args.bind, args.upstream_timeout);
     let actor = Proxy::spawn(args);
     tokio::time::timeout(WAIT, actor.wait_for_startup()).await.expect("proxy started");
-    let server = ProxyServer::start(bind, actor.clone(), routes, upstream_timeout).await.expect("server binds");
+    let server = ProxyServer::start(bind, actor.clone(), upstream_timeout).await.expect("server binds");
     let url = format!("http://{}", server.addr);
     (RunningProxy { _actor: actor, _server: server }, url)
 }
@@ -438,7 +437,6 @@ async fn ready_timeout_stops_the_proxy_with_the_reason() {
         health_interval: Duration::from_millis(20),
         upstream_timeout: Duration::from_secs(1),
         ready_timeout: Some(Duration::from_millis(100)),
-        routes: Default::default(),
     });
     tokio::time::timeout(WAIT, proxy.wait_for_shutdown()).await.expect("the proxy stops after its ready timeout");
 }

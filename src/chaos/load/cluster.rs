@@ -68,7 +68,6 @@ impl LoadCluster {
             health_interval: Duration::from_millis(25),
             upstream_timeout: spec.upstream_timeout,
             ready_timeout: None,
-            routes: Default::default(),
         })
         .await?;
         let cluster = Self { prefill, decode, proxy };
