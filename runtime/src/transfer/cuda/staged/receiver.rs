@@ -12,7 +12,7 @@ use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::JoinHandle;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use cudarc::driver::{sys, CudaStream};
 use pdflow_messages::layout::RegionDesc;
@@ -21,12 +21,15 @@ use super::wire::{self, Reply};
 use super::{chunk_len, chunk_pieces, ring, wait_event, Slot, StagedConfig, StagedError};
 use crate::transfer::cuda::ipc::region_of;
 use crate::transfer::cuda::{check, CudaContext, CudaError};
+use crate::transfer::fence::{FenceGuard, WriteFence};
 
 /// What a receiver shares with its connection threads.
 struct Shared {
     ctx: Arc<CudaContext>,
     regions: Vec<RegionDesc>,
     config: StagedConfig,
+    /// When set, a part is received only under an open fence token (no write-after-free).
+    fence: Option<WriteFence>,
     stop: AtomicBool,
     /// Clones of the live connections, shut down on stop.
     conns: Mutex<Vec<TcpStream>>,
@@ -44,12 +47,21 @@ impl StagedReceiver {
     /// Listens on `addr` (e.g. `127.0.0.1:0`) for writes into `regions` (device memory of `ctx`'s
     /// GPU). `config.chunk_bytes` and `config.depth` size D's own staging rings.
     pub fn bind(ctx: &Arc<CudaContext>, regions: Vec<RegionDesc>, addr: &str, config: StagedConfig) -> Result<Self, StagedError> {
+        Self::bind_fenced(ctx, regions, addr, config, None)
+    }
+
+    /// As [`StagedReceiver::bind`], and with `fence` a part is received only under a token open in
+    /// it (D's Receiver opens one per pull): held while the part lands, so D waits for it before
+    /// freeing the blocks; when D closes it mid-part, the part stops (the copies already enqueued
+    /// finish first) and the connection is dropped — nothing more lands.
+    pub fn bind_fenced(ctx: &Arc<CudaContext>, regions: Vec<RegionDesc>, addr: &str, config: StagedConfig, fence: Option<WriteFence>) -> Result<Self, StagedError> {
         let listener = TcpListener::bind(addr).map_err(|source| StagedError::Io { peer: addr.to_string(), source })?;
         let local_addr = listener.local_addr().map_err(|source| StagedError::Io { peer: addr.to_string(), source })?;
         let shared = Arc::new(Shared {
             ctx: ctx.clone(),
             regions,
             config: config.sane(),
+            fence,
             stop: AtomicBool::new(false),
             conns: Mutex::default(),
             threads: Mutex::default(),
@@ -109,6 +121,38 @@ fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
     }
 }
 
+/// How often a payload read that waits looks whether D revoked the part's fence.
+const FENCE_CHECK: Duration = Duration::from_millis(5);
+
+enum ChunkError {
+    Fenced,
+    Timeout,
+    Io(std::io::Error),
+}
+
+/// Reads exactly `buf` (the socket's read timeout is [`FENCE_CHECK`]): between waits, stops when
+/// D revoked the fence or the part's deadline passed.
+fn read_chunk(tcp: &mut TcpStream, buf: &mut [u8], fence: Option<&FenceGuard>, until: Instant) -> Result<(), ChunkError> {
+    let mut got = 0;
+    while got < buf.len() {
+        if fence.is_some_and(FenceGuard::is_revoked) {
+            return Err(ChunkError::Fenced);
+        }
+        match tcp.read(&mut buf[got..]) {
+            Ok(0) => return Err(ChunkError::Io(std::io::ErrorKind::UnexpectedEof.into())),
+            Ok(n) => got += n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {
+                if Instant::now() >= until {
+                    return Err(ChunkError::Timeout);
+                }
+            }
+            Err(e) => return Err(ChunkError::Io(e)),
+        }
+    }
+    Ok(())
+}
+
 /// Why a part is refused: the first destination outside D's regions.
 pub fn check_destinations(regions: &[RegionDesc], offered: &[(u64, u64)]) -> Result<(), String> {
     for (index, &(dst, len)) in offered.iter().enumerate() {
@@ -129,8 +173,8 @@ fn serve_conn(mut tcp: TcpStream, shared: &Shared) -> Result<(), StagedError> {
     loop {
         // Idle between requests: no deadline until one begins.
         tcp.set_read_timeout(None).map_err(io)?;
-        let offered = match wire::read_request(&mut tcp) {
-            Ok(Some(offered)) => offered,
+        let (token, offered) = match wire::read_request(&mut tcp) {
+            Ok(Some(offer)) => offer,
             Ok(None) => return Ok(()),
             Err(e) => return Err(StagedError::Protocol(e.to_string())),
         };
@@ -139,12 +183,28 @@ fn serve_conn(mut tcp: TcpStream, shared: &Shared) -> Result<(), StagedError> {
             wire::write_reply(&mut tcp, &Reply::Refused(reason)).map_err(io)?;
             continue;
         }
+        // Held while the part lands: D's Receiver waits for it before freeing the blocks.
+        let guard = match &shared.fence {
+            None => None,
+            Some(fence) => match fence.enter(token) {
+                Some(guard) => Some(guard),
+                None => {
+                    let reason = format!("fence {token} is closed: D no longer expects this transfer (its pull ended); nothing will be received");
+                    wire::write_reply(&mut tcp, &Reply::Refused(reason)).map_err(io)?;
+                    continue;
+                }
+            },
+        };
         wire::write_reply(&mut tcp, &Reply::Accepted).map_err(io)?;
         if !wire::read_go(&mut tcp).map_err(|e| StagedError::Protocol(e.to_string()))? {
             continue;
         }
         let until = Instant::now() + shared.config.deadline;
-        match receive(&mut tcp, &peer, &stream, &mut ring, &offered, shared, until) {
+        // Short reads while the payload lands, so that a revoked fence is seen within FENCE_CHECK.
+        tcp.set_read_timeout(Some(FENCE_CHECK)).map_err(io)?;
+        let received = receive(&mut tcp, &peer, &stream, &mut ring, &offered, shared, until, guard.as_ref());
+        drop(guard);
+        match received {
             Ok(()) => wire::write_reply(&mut tcp, &Reply::Done).map_err(io)?,
             // The payload's remainder is still on the wire: report, then close the connection.
             Err(e @ (StagedError::Cuda(_) | StagedError::Timeout { .. })) => {
@@ -157,7 +217,17 @@ fn serve_conn(mut tcp: TcpStream, shared: &Shared) -> Result<(), StagedError> {
 }
 
 /// Receives one accepted part's payload into D's regions (pipelined), and waits for the copies.
-fn receive(tcp: &mut TcpStream, peer: &str, stream: &Arc<CudaStream>, ring: &mut [Slot], offered: &[(u64, u64)], shared: &Shared, until: Instant) -> Result<(), StagedError> {
+#[allow(clippy::too_many_arguments)]
+fn receive(
+    tcp: &mut TcpStream,
+    peer: &str,
+    stream: &Arc<CudaStream>,
+    ring: &mut [Slot],
+    offered: &[(u64, u64)],
+    shared: &Shared,
+    until: Instant,
+    fence: Option<&FenceGuard>,
+) -> Result<(), StagedError> {
     let deadline = shared.config.deadline;
     let chunks = chunk_pieces(offered.iter().copied(), shared.config.chunk_bytes as u64);
     let depth = ring.len();
@@ -168,7 +238,15 @@ fn receive(tcp: &mut TcpStream, peer: &str, stream: &Arc<CudaStream>, ring: &mut
             wait_event(&slot.done, until, deadline)?;
         }
         let len = chunk_len(pieces) as usize;
-        tcp.read_exact(slot.buf.bytes_mut(len)).map_err(|source| StagedError::Io { peer: peer.to_string(), source })?;
+        if let Err(e) = read_chunk(tcp, slot.buf.bytes_mut(len), fence, until) {
+            // The copies already enqueued land before the guard is released (the caller drops it).
+            let _ = stream.synchronize();
+            return Err(match e {
+                ChunkError::Fenced => StagedError::Fenced,
+                ChunkError::Timeout => StagedError::Timeout { deadline },
+                ChunkError::Io(source) => StagedError::Io { peer: peer.to_string(), source },
+            });
+        }
         let base = slot.buf.as_mut_ptr();
         for p in pieces {
             // SAFETY: the destination lies in D's regions (checked before ACCEPTED); the source

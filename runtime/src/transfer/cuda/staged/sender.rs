@@ -89,8 +89,8 @@ impl StagedSender {
                 .iter_mut()
                 .zip(&parts)
                 .map(|(conn, part)| {
-                    let (refused, barrier, config, ctx) = (&refused, &barrier, &self.config, &self.ctx);
-                    s.spawn(move || send_part(ctx, conn, peer, part, config, until, refused, barrier))
+                    let (refused, barrier, config, ctx, fence) = (&refused, &barrier, &self.config, &self.ctx, plan.fence);
+                    s.spawn(move || send_part(ctx, conn, peer, part, fence, config, until, refused, barrier))
                 })
                 .collect();
             handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(StagedError::Protocol("a send thread panicked".into())))).collect()
@@ -124,13 +124,14 @@ fn send_part(
     conn: &mut SendConn,
     peer: &str,
     part: &[Descriptor],
+    fence: u64,
     config: &StagedConfig,
     until: Instant,
     refused: &AtomicBool,
     barrier: &Barrier,
 ) -> Result<(), StagedError> {
     let io = |source| StagedError::Io { peer: peer.to_string(), source };
-    let offered = offer(conn, peer, part);
+    let offered = offer(conn, peer, fence, part);
     if offered.is_err() {
         refused.store(true, Ordering::SeqCst);
     }
@@ -175,8 +176,8 @@ fn send_part(
 }
 
 /// Sends the part's destinations and reads D's verdict.
-fn offer(conn: &mut SendConn, peer: &str, part: &[Descriptor]) -> Result<(), StagedError> {
-    conn.tcp.write_all(&wire::encode_request(part)).map_err(|source| StagedError::Io { peer: peer.to_string(), source })?;
+fn offer(conn: &mut SendConn, peer: &str, fence: u64, part: &[Descriptor]) -> Result<(), StagedError> {
+    conn.tcp.write_all(&wire::encode_request(fence, part)).map_err(|source| StagedError::Io { peer: peer.to_string(), source })?;
     match wire::read_reply(&mut conn.tcp).map_err(|e| wire_error(peer, e))? {
         Reply::Accepted => Ok(()),
         Reply::Refused(reason) => Err(StagedError::Refused { peer: peer.to_string(), reason }),

@@ -51,12 +51,12 @@ fn a_plan_splits_into_parts_of_nearly_equal_bytes_on_4k_cuts() {
 #[test]
 fn requests_and_replies_survive_the_wire_and_bad_input_is_refused() {
     let plan = [d(1, 0xdead_beef_0000, 4096), d(2, 0x10, 1)];
-    let bytes = wire::encode_request(&plan);
+    let bytes = wire::encode_request(77, &plan);
     let back = wire::read_request(&mut &bytes[..]).expect("reads").expect("a request");
-    assert_eq!(back, vec![(0xdead_beef_0000, 4096), (0x10, 1)]);
+    assert_eq!(back, (77, vec![(0xdead_beef_0000, 4096), (0x10, 1)]));
     assert!(wire::read_request(&mut &[][..]).expect("clean end").is_none());
     assert!(matches!(wire::read_request(&mut &b"HTTP/1.1"[..]), Err(WireError::BadMagic(_))));
-    let mut huge = bytes[..6].to_vec();
+    let mut huge = bytes[..14].to_vec();
     huge.extend_from_slice(&(wire::MAX_DESCRIPTORS + 1).to_le_bytes());
     assert!(matches!(wire::read_request(&mut &huge[..]), Err(WireError::TooManyDescriptors(_))));
     assert!(matches!(wire::read_request(&mut &bytes[..bytes.len() - 3]), Err(WireError::Io(_))), "truncated");
@@ -142,4 +142,44 @@ fn staged_round_trip_through_loopback_tcp() {
 
     drop(receiver);
     assert!(matches!(rt.block_on(engine.write("127.0.0.1:1", &plan)), Err(TransferError::Connect { .. })));
+}
+
+#[test]
+fn a_fenced_receiver_takes_a_part_only_under_an_open_token() {
+    let n = match device_count() {
+        Ok(n) => n,
+        Err(e) => return eprintln!("SKIP cuda staged test: {e}"),
+    };
+    let ctx_p = CudaContext::new(0).expect("GPU 0");
+    let ctx_d = CudaContext::new(if n >= 2 { 1 } else { 0 }).expect("D's GPU");
+    let p_mem = DeviceBuffer::new(&ctx_p, BYTES).expect("alloc P");
+    let d_mem = DeviceBuffer::new(&ctx_d, BYTES).expect("alloc D");
+    d_mem.fill(0).expect("zero D");
+    let pattern: Vec<u8> = (0..BYTES).map(|i| (i as u64 * 7 + 3) as u8).collect();
+    ctx_p.bind_to_thread().expect("bind");
+    // SAFETY: `p_mem` holds BYTES bytes.
+    unsafe { result::memcpy_htod_sync(p_mem.ptr, &pattern[..]) }.expect("upload the pattern");
+    let (p_regions, d_regions) = (regions_at(p_mem.ptr), regions_at(d_mem.ptr));
+    let config = StagedConfig { chunk_bytes: 16 * 1024, depth: 2, streams: 2, deadline: Duration::from_secs(20) };
+    let fence = crate::transfer::fence::WriteFence::new();
+    let receiver = StagedReceiver::bind_fenced(&ctx_d, d_regions.clone(), "127.0.0.1:0", config, Some(fence.clone())).expect("D listens");
+    let peer = receiver.local_addr().to_string();
+    let sender = StagedSender::new(&ctx_p, p_regions.clone(), config);
+    let plan = TransferPlan { fence: 5, ..build_plan(&p_regions, &[1, 2, 3], &d_regions, &[10, 11, 12], true).expect("plan") };
+    let zeros = plan.descriptors.iter().fold(CHECKSUM_BASIS, |h, d| checksum_words(h, &vec![0u8; d.len as usize]));
+
+    // Never opened: refused whole, nothing lands.
+    let err = sender.write(&peer, &plan).expect_err("fence 5 is not open");
+    assert!(matches!(&err, StagedError::Refused { reason, .. } if reason.contains("fence 5")), "{err:?}");
+    assert_eq!(plan_checksum(&ctx_d, &plan, false).expect("D checksum"), zeros, "a refused part landed");
+    // Open: it lands, and the fence is free again after it.
+    fence.open(5);
+    sender.write(&peer, &plan).expect("write under an open fence");
+    assert_eq!(plan_checksum(&ctx_d, &plan, false).expect("D"), plan_checksum(&ctx_p, &plan, true).expect("P"));
+    let rt = tokio::runtime::Builder::new_current_thread().enable_time().build().expect("runtime");
+    rt.block_on(fence.close(5, Duration::from_secs(2))).expect("no part left in flight");
+    // Closed: a late write for the ended pull is refused.
+    d_mem.fill(0).expect("zero D");
+    assert!(matches!(sender.write(&peer, &plan), Err(StagedError::Refused { .. })));
+    assert_eq!(plan_checksum(&ctx_d, &plan, false).expect("D checksum"), zeros, "a write after the pull ended landed");
 }

@@ -1,7 +1,7 @@
 //! The staged path's framing (one TCP connection, little-endian), minimal and of its own:
 //!
-//! - P → D, request: `b"PDSG"`, version `u16`, `n: u32`, then `n` × (`dst: u64`, `len: u64`) in
-//!   D's addresses (the order of the payload).
+//! - P → D, request: `b"PDSG"`, version `u16`, D's fence token `u64` (0: none), `n: u32`, then
+//!   `n` × (`dst: u64`, `len: u64`) in D's addresses (the order of the payload).
 //! - D → P: `ACCEPTED`, or `REFUSED` + reason (the region check failed; nothing will be received).
 //! - P → D: `GO` then the payload (the sum of the lengths, in order), or `ABORT` (another part of
 //!   the same plan was refused) and nothing.
@@ -14,7 +14,7 @@ use std::io::{Read, Write};
 use crate::planner::Descriptor;
 
 pub const MAGIC: [u8; 4] = *b"PDSG";
-pub const VERSION: u16 = 1;
+pub const VERSION: u16 = 2;
 /// The most descriptors one request may carry (16 MiB of header).
 pub const MAX_DESCRIPTORS: u32 = 1 << 20;
 /// The longest reason a reply may carry.
@@ -53,11 +53,16 @@ pub enum Reply {
     Failed(String),
 }
 
-/// The request for `descriptors` (their destinations and lengths; sources stay on P).
-pub fn encode_request(descriptors: &[Descriptor]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(10 + descriptors.len() * 16);
+/// One request: the fence token of D's pull it serves (0: none) and the `(dst, len)` pairs.
+pub type Offer = (u64, Vec<(u64, u64)>);
+
+/// The request for `descriptors` (their destinations and lengths; sources stay on P), serving
+/// the pull D opened fence `fence` for.
+pub fn encode_request(fence: u64, descriptors: &[Descriptor]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(18 + descriptors.len() * 16);
     out.extend_from_slice(&MAGIC);
     out.extend_from_slice(&VERSION.to_le_bytes());
+    out.extend_from_slice(&fence.to_le_bytes());
     out.extend_from_slice(&(descriptors.len() as u32).to_le_bytes());
     for d in descriptors {
         out.extend_from_slice(&d.dst.to_le_bytes());
@@ -72,9 +77,9 @@ fn read_u32(r: &mut impl Read) -> std::io::Result<u32> {
     Ok(u32::from_le_bytes(b))
 }
 
-/// Reads one request: `(dst, len)` pairs. `Ok(None)` when the peer closed the connection cleanly
-/// before a request began.
-pub fn read_request(r: &mut impl Read) -> Result<Option<Vec<(u64, u64)>>, WireError> {
+/// Reads one request: its fence token and `(dst, len)` pairs. `Ok(None)` when the peer closed the
+/// connection cleanly before a request began.
+pub fn read_request(r: &mut impl Read) -> Result<Option<Offer>, WireError> {
     let mut magic = [0u8; 4];
     let mut got = 0;
     while got < 4 {
@@ -95,13 +100,17 @@ pub fn read_request(r: &mut impl Read) -> Result<Option<Vec<(u64, u64)>>, WireEr
     if version != VERSION {
         return Err(WireError::BadVersion(version));
     }
+    let mut fence = [0u8; 8];
+    r.read_exact(&mut fence)?;
+    let fence = u64::from_le_bytes(fence);
     let n = read_u32(r)?;
     if n > MAX_DESCRIPTORS {
         return Err(WireError::TooManyDescriptors(n));
     }
     let mut body = vec![0u8; n as usize * 16];
     r.read_exact(&mut body)?;
-    Ok(Some(
+    Ok(Some((
+        fence,
         body.chunks_exact(16)
             .map(|c| {
                 let (dst, len) = c.split_at(8);
@@ -109,7 +118,7 @@ pub fn read_request(r: &mut impl Read) -> Result<Option<Vec<(u64, u64)>>, WireEr
                 (word(dst), word(len))
             })
             .collect(),
-    ))
+    )))
 }
 
 /// Writes one reply.
