@@ -86,21 +86,31 @@ fn regions_at(base: u64) -> Vec<RegionDesc> {
 
 const BYTES: usize = 4 * 32 * 4096;
 
-#[test]
-fn staged_round_trip_through_loopback_tcp() {
+/// P's and D's device memory (GPU 0 and GPU 1, or GPU 0 twice), P's holding `pattern(i)` at byte
+/// `i` and D's zeroed; `None` after saying why the test skips.
+fn two_sides(pattern: impl Fn(usize) -> u8) -> Option<(Arc<CudaContext>, Arc<CudaContext>, DeviceBuffer, DeviceBuffer)> {
     let n = match device_count() {
         Ok(n) => n,
-        Err(e) => return eprintln!("SKIP cuda staged test: {e}"),
+        Err(e) => {
+            eprintln!("SKIP cuda staged test: {e}");
+            return None;
+        }
     };
     let ctx_p = CudaContext::new(0).expect("GPU 0");
     let ctx_d = CudaContext::new(if n >= 2 { 1 } else { 0 }).expect("D's GPU");
     let p_mem = DeviceBuffer::new(&ctx_p, BYTES).expect("alloc P");
     let d_mem = DeviceBuffer::new(&ctx_d, BYTES).expect("alloc D");
     d_mem.fill(0).expect("zero D");
-    let pattern: Vec<u8> = (0..BYTES).map(|i| (i as u64).wrapping_mul(0x9e37_79b9).to_le_bytes()[2]).collect();
+    let bytes: Vec<u8> = (0..BYTES).map(pattern).collect();
     ctx_p.bind_to_thread().expect("bind");
     // SAFETY: `p_mem` holds BYTES bytes.
-    unsafe { result::memcpy_htod_sync(p_mem.ptr, &pattern[..]) }.expect("upload the pattern");
+    unsafe { result::memcpy_htod_sync(p_mem.ptr, &bytes[..]) }.expect("upload the pattern");
+    Some((ctx_p, ctx_d, p_mem, d_mem))
+}
+
+#[test]
+fn staged_round_trip_through_loopback_tcp() {
+    let Some((ctx_p, ctx_d, p_mem, d_mem)) = two_sides(|i| (i as u64).wrapping_mul(0x9e37_79b9).to_le_bytes()[2]) else { return };
     let (p_regions, d_regions) = (regions_at(p_mem.ptr), regions_at(d_mem.ptr));
 
     // Small chunks and a shallow ring, so that buffers are reused many times within one part.
@@ -146,19 +156,7 @@ fn staged_round_trip_through_loopback_tcp() {
 
 #[test]
 fn a_fenced_receiver_takes_a_part_only_under_an_open_token() {
-    let n = match device_count() {
-        Ok(n) => n,
-        Err(e) => return eprintln!("SKIP cuda staged test: {e}"),
-    };
-    let ctx_p = CudaContext::new(0).expect("GPU 0");
-    let ctx_d = CudaContext::new(if n >= 2 { 1 } else { 0 }).expect("D's GPU");
-    let p_mem = DeviceBuffer::new(&ctx_p, BYTES).expect("alloc P");
-    let d_mem = DeviceBuffer::new(&ctx_d, BYTES).expect("alloc D");
-    d_mem.fill(0).expect("zero D");
-    let pattern: Vec<u8> = (0..BYTES).map(|i| (i as u64 * 7 + 3) as u8).collect();
-    ctx_p.bind_to_thread().expect("bind");
-    // SAFETY: `p_mem` holds BYTES bytes.
-    unsafe { result::memcpy_htod_sync(p_mem.ptr, &pattern[..]) }.expect("upload the pattern");
+    let Some((ctx_p, ctx_d, p_mem, d_mem)) = two_sides(|i| (i as u64 * 7 + 3) as u8) else { return };
     let (p_regions, d_regions) = (regions_at(p_mem.ptr), regions_at(d_mem.ptr));
     let config = StagedConfig { chunk_bytes: 16 * 1024, depth: 2, streams: 2, deadline: Duration::from_secs(20) };
     let fence = crate::transfer::fence::WriteFence::new();
