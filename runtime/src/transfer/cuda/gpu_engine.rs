@@ -106,7 +106,11 @@ impl GpuTransferEngine {
         let pid = export.pid;
         let ipc = self.ipc.clone();
         let owned = peer.to_string();
-        let opened = tokio::task::spawn_blocking(move || ipc.register_peer(&owned, &export)).await;
+        let limit = self.control.config().connect_timeout;
+        let opened = tokio::time::timeout(limit, tokio::task::spawn_blocking(move || ipc.register_peer(&owned, &export))).await;
+        let Ok(opened) = opened else {
+            return Err(TransferError::Timeout { peer: peer.to_string(), deadline: limit });
+        };
         match opened {
             Ok(Ok(())) => {
                 tracing::debug!(%peer, pid, "cuda-ipc: D's KV handles opened");
@@ -142,7 +146,7 @@ impl GpuTransferEngine {
 pub fn device_export(cache: &Arc<KvCache>) -> Result<Vec<u8>, super::ipc::IpcError> {
     let Some(kv) = cache.device() else { return Ok(Vec::new()) };
     let export = ExportedKv::export(&kv.context(), &cache.regions())?;
-    postcard::to_allocvec(&export).map_err(|e| super::ipc::IpcError::Cuda(CudaError::Compile(format!("encoding the export: {e}"))))
+    postcard::to_allocvec(&export).map_err(|e| super::ipc::IpcError::Encode(e.to_string()))
 }
 
 /// Whether process `pid` still exists (signal 0 checks without signalling).

@@ -49,6 +49,8 @@ pub enum IpcError {
     WrongDevice { mapped: usize, copier: usize },
     #[error("the copy kernel did not finish within {deadline:?}")]
     Timeout { deadline: Duration },
+    #[error("the export could not be encoded: {0}")]
+    Encode(String),
 }
 
 /// One CUDA IPC memory handle (the driver's opaque 64 bytes).
