@@ -20,7 +20,7 @@ mod server;
 pub mod wire;
 
 pub(crate) use engine::split_by_bytes;
-pub use engine::{TcpConfig, TcpTransferEngine};
+pub use engine::{FenceHold, TcpConfig, TcpTransferEngine};
 pub use server::{DataServerError, DataServerOptions, TcpDataServer};
 
 /// Socket buffer size asked of the OS on both ends (it may grant less).

@@ -1,6 +1,6 @@
 //! One of P's data connections as D serves it (the receiving half of seed step 29), on a thread
-//! of its own: hello and auth, then requests — fence tokens, same-host questions, batches —
-//! until P closes, the connection idles out, or D's server stops.
+//! of its own: hello and auth, then requests — fence tokens, same-host and device questions,
+//! fence holds for P's own (cuda-ipc) writes, batches — until P closes, the connection idles out, or D's server stops.
 //!
 //! The connection runs on a dedicated thread with blocking reads, not as a task of D's runtime:
 //! a batch's bytes are copied straight into D's registered memory by `readv` without occupying a
@@ -45,6 +45,8 @@ const MAX_DRAIN_BYTES: u64 = 4 << 30;
 /// How many bytes of P's next requests are peeked at once: a fence and a batch header of up to
 /// 60 descriptors (a larger header is read the blocking way).
 const PEEK_BYTES: usize = 1024;
+/// How long P may hold a fence for its own write (a cuda-ipc launch takes well under 1 ms).
+const HOLD_LIMIT: Duration = Duration::from_secs(30);
 /// How long a refusal's last ack may take to leave.
 const REFUSAL_WRITE_TIMEOUT: Duration = Duration::from_secs(1);
 
@@ -110,6 +112,9 @@ fn serve_requests(stream: &TcpStream, shared: &Shared) -> Result<(), ConnectionE
 
     // The fence token the batches on this connection currently serve (P names it per plan).
     let mut fence_token: Option<u64> = None;
+    // A write P makes itself into D's memory (cuda-ipc), counted under its fence token until P
+    // releases it (or the connection ends).
+    let mut held: Option<Held> = None;
     let mut peeked = [0u8; PEEK_BYTES];
     let mut pending: std::collections::VecDeque<Request> = std::collections::VecDeque::new();
     loop {
@@ -129,17 +134,43 @@ fn serve_requests(stream: &TcpStream, shared: &Shared) -> Result<(), ConnectionE
         let request = match pending.pop_front() {
             Some(request) => request,
             None => {
-                timeout.set(IDLE_TIMEOUT)?;
+                timeout.set(if held.is_some() { HOLD_LIMIT } else { IDLE_TIMEOUT })?;
                 match now(wire::read_request(&mut Blocking(stream))) {
                     Ok(None) => return Ok(()),
-                    Err(e) if is_timeout(&e) => return Ok(()),
+                    Err(e) if is_timeout(&e) => {
+                        if let Some(h) = &held {
+                            tracing::warn!(token = h.token, "P held a fence for {HOLD_LIMIT:?} without releasing it: released, connection closed");
+                        }
+                        return Ok(());
+                    }
                     Err(e) => return Err(refuse_and_close(stream, 0, e.into())),
                     Ok(Some(request)) => request,
                 }
             }
         };
+        if held.is_some() && request != Request::Release {
+            let e = WireError::Io(std::io::Error::other("a request other than release while a fence is held"));
+            return Err(refuse_and_close(stream, 0, e.into()));
+        }
         let header = match request {
             Request::Batch(header) => header,
+            Request::Hold { token } => {
+                let ack = match hold(shared.fence.as_ref(), token) {
+                    Ok(guard) => {
+                        held = Some(Held { token, _guard: guard });
+                        Ack::Ok { batch_id: 0 }
+                    }
+                    Err(reason) => Ack::Refused { batch_id: 0, reason },
+                };
+                now(wire::write_ack(&mut Blocking(stream), &ack))?;
+                continue;
+            }
+            Request::Release => {
+                if held.take().is_none() {
+                    tracing::debug!("P released a fence it did not hold");
+                }
+                continue;
+            }
             Request::Fence { token } => {
                 fence_token = (token != 0).then_some(token);
                 continue;
@@ -212,6 +243,23 @@ fn serve_requests(stream: &TcpStream, shared: &Shared) -> Result<(), ConnectionE
     }
 }
 
+/// A fence held for P's own write into D's memory ([`Request::Hold`]).
+struct Held {
+    token: u64,
+    /// `None` when D's server has no fence (nothing to count the write under).
+    _guard: Option<FenceGuard>,
+}
+
+/// Enters fence `token` for a write P makes itself; the refusal's reason when it is not open.
+fn hold(fence: Option<&WriteFence>, token: u64) -> Result<Option<FenceGuard>, String> {
+    let Some(fence) = fence else { return Ok(None) };
+    match fence.enter(token) {
+        Some(guard) => Ok(Some(guard)),
+        None if token == 0 => Err("no fence named: this data server only accepts writes for a pull it opened".into()),
+        None => Err(format!("fence {token} is closed: D no longer expects this transfer (its pull ended); do not write")),
+    }
+}
+
 /// P's requests that are already queued whole on the socket, up to and including the first one
 /// that is not a fence (a batch's payload follows its header): peeked, parsed by the same codec,
 /// then consumed with one `recv`. Empty when the first request is not whole yet — its bytes stay
@@ -230,7 +278,7 @@ fn queued_requests(stream: &TcpStream, buf: &mut [u8]) -> Result<Vec<Request>, W
         match now(wire::read_request(&mut rest)) {
             Ok(Some(request)) => {
                 consumed = n - rest.len();
-                let fence = matches!(request, Request::Fence { .. });
+                let fence = matches!(request, Request::Fence { .. } | Request::Release);
                 requests.push(request);
                 if !fence {
                     break;

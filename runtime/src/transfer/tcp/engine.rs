@@ -77,6 +77,37 @@ impl Default for TcpConfig {
     }
 }
 
+/// A fence D's data server holds open for a write P makes itself ([`TcpTransferEngine::hold_fence`]).
+/// [`FenceHold::release`] ends it and pools the connection again; dropped unreleased, the
+/// connection closes and D releases the fence then — so only drop it once P's write has ended.
+pub struct FenceHold {
+    inner: Arc<Inner>,
+    peer: String,
+    stream: Option<TcpStream>,
+}
+
+impl FenceHold {
+    /// Tells D that P's write has ended (no answer is awaited) and pools the connection.
+    pub async fn release(mut self) -> Result<(), TransferError> {
+        let Some(mut stream) = self.stream.take() else { return Ok(()) };
+        let deadline = self.inner.config.connect_timeout;
+        match tokio::time::timeout(deadline, stream.write_all(&wire::RELEASE_MAGIC)).await {
+            Ok(Ok(())) => {
+                self.inner.checkin(&self.peer, stream);
+                Ok(())
+            }
+            Ok(Err(source)) => Err(TransferError::Io { peer: self.peer.clone(), source }),
+            Err(_) => Err(TransferError::Timeout { peer: self.peer.clone(), deadline }),
+        }
+    }
+}
+
+impl std::fmt::Debug for FenceHold {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FenceHold").field("peer", &self.peer).field("held", &self.stream.is_some()).finish()
+    }
+}
+
 struct PooledConnection {
     stream: TcpStream,
     idle_since: Instant,
@@ -130,6 +161,21 @@ impl TcpTransferEngine {
         self.ask(peer, &wire::DEVICE_MAGIC, |s| Box::pin(wire::read_device_export(s))).await
     }
 
+    /// Asks D's data server at `peer` to hold fence `token` open while P writes D's memory itself
+    /// (cuda-ipc), within `connect_timeout`: once this returns, D's Receiver waits for the hold's
+    /// release before it frees the pull's blocks. Refused when the token is not open (the pull
+    /// ended, or was never D's): then nothing may be written.
+    pub async fn hold_fence(&self, peer: &str, token: u64) -> Result<FenceHold, TransferError> {
+        let (ack, stream) = self.ask_keeping(peer, &wire::encode_hold(token), |s| Box::pin(wire::read_ack(s))).await?;
+        match ack {
+            Ack::Ok { .. } => Ok(FenceHold { inner: self.inner.clone(), peer: peer.to_string(), stream: Some(stream) }),
+            Ack::Refused { reason, .. } => {
+                self.inner.checkin(peer, stream);
+                Err(TransferError::Refused { peer: peer.to_string(), reason })
+            }
+        }
+    }
+
     /// Sends `request` on a pooled (or new) connection to `peer` and reads the answer with `read`,
     /// within `connect_timeout`; the connection goes back to the pool after a whole answer.
     async fn ask<T>(
@@ -138,6 +184,18 @@ impl TcpTransferEngine {
         request: &[u8],
         read: for<'s> fn(&'s mut TcpStream) -> BoxFuture<'s, Result<T, WireError>>,
     ) -> Result<T, TransferError> {
+        let (answer, stream) = self.ask_keeping(peer, request, read).await?;
+        self.inner.checkin(peer, stream);
+        Ok(answer)
+    }
+
+    /// As [`Self::ask`], handing the connection back to the caller with the answer.
+    async fn ask_keeping<T>(
+        &self,
+        peer: &str,
+        request: &[u8],
+        read: for<'s> fn(&'s mut TcpStream) -> BoxFuture<'s, Result<T, WireError>>,
+    ) -> Result<(T, TcpStream), TransferError> {
         let inner = &self.inner;
         let deadline = tokio::time::Instant::now() + inner.config.connect_timeout;
         let mut stream = match inner.checkout(peer) {
@@ -150,10 +208,7 @@ impl TcpTransferEngine {
             read(&mut stream).await.map_err(|e| io(e.into_io()))
         };
         match tokio::time::timeout_at(deadline, exchange).await {
-            Ok(Ok(answer)) => {
-                inner.checkin(peer, stream);
-                Ok(answer)
-            }
+            Ok(Ok(answer)) => Ok((answer, stream)),
             Ok(Err(e)) => Err(e),
             Err(_) => Err(TransferError::Timeout { peer: peer.to_string(), deadline: inner.config.connect_timeout }),
         }

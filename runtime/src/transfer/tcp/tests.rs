@@ -612,3 +612,51 @@ async fn p_gets_d_s_device_export_or_nothing_and_the_connection_stays_usable() {
     }
     assert!(wire::encode_device_export(&vec![0u8; wire::MAX_DEVICE_EXPORT_LEN + 1]).is_err(), "an oversize export is refused");
 }
+
+#[tokio::test]
+async fn a_held_fence_makes_d_s_close_wait_until_p_releases_it_and_a_closed_one_is_refused() {
+    // cuda-ipc: P's kernel writes D's memory itself, so D's data server counts the write in
+    // flight under the pull's fence from P's hold to P's release.
+    let (p, fence) = fenced_pair(SMALL, 8, TcpConfig::default()).await;
+    fence.open(5);
+    let hold = bounded("hold", p.engine.hold_fence(&p.peer, 5)).await.expect("an open token is held");
+    let closing = {
+        let fence = fence.clone();
+        tokio::spawn(async move { fence.close(5, Duration::from_secs(5)).await })
+    };
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert!(!closing.is_finished(), "D's close waits while P's write is held");
+    let released = Instant::now();
+    bounded("release", hold.release()).await.expect("released");
+    bounded("close", closing).await.expect("joins").expect("the close ends once released");
+    assert!(released.elapsed() < Duration::from_secs(2), "the release ended the wait, not the close's deadline");
+    // The closed token is refused; the connection carries the next request.
+    let err = bounded("late hold", p.engine.hold_fence(&p.peer, 5)).await.expect_err("closed");
+    assert!(matches!(&err, TransferError::Refused { reason, .. } if reason.contains("fence 5 is closed")), "got {err:?}");
+    let err = bounded("unnamed hold", p.engine.hold_fence(&p.peer, 0)).await.expect_err("never opened");
+    assert!(matches!(&err, TransferError::Refused { reason, .. } if reason.contains("no fence named")), "got {err:?}");
+    assert_eq!(p.engine.pooled_connections(&p.peer), 1, "refusals and the release keep the one connection");
+    fence.open(6);
+    let plan = TransferPlan { fence: 6, ..p.plan(&[1], &[2], true) };
+    bounded("write", p.engine.write(&p.peer, &plan)).await.expect("a batch after the holds");
+}
+
+#[tokio::test]
+async fn a_hold_dropped_unreleased_ends_with_its_connection_and_no_other_request_rides_on_it() {
+    let (p, fence) = fenced_pair(SMALL, 8, TcpConfig::default()).await;
+    fence.open(3);
+    let hold = bounded("hold", p.engine.hold_fence(&p.peer, 3)).await.expect("held");
+    drop(hold);
+    // D sees the connection close and releases: the close drains promptly.
+    bounded("close", fence.close(3, Duration::from_secs(5))).await.expect("released by the closed connection");
+
+    // A peer that sends a batch while holding is cut off, and the hold goes with it.
+    fence.open(4);
+    let mut raw = hello(&p.peer).await;
+    raw.write_all(&wire::encode_hold(4)).await.expect("sends");
+    assert_eq!(bounded("ack", wire::read_ack(&mut raw)).await.expect("ack"), Ack::Ok { batch_id: 0 });
+    raw.write_all(&wire::encode_fence(4)).await.expect("sends");
+    let mut rest = Vec::new();
+    let _ = bounded("closed", raw.read_to_end(&mut rest)).await;
+    bounded("close", fence.close(4, Duration::from_secs(5))).await.expect("the hold ended with the connection");
+}

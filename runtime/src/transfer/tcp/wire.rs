@@ -8,6 +8,10 @@
 //! ack     D → P   "PDFA" status:u8 batch_id:u64 reason_len:u16 reason[reason_len]
 //!                 (status 0 ok, 1 refused; the hello is answered with batch_id 0)
 //! info    P → D   "PDFI" p_pid:u32                     (optional, after the hello: "are we on one host?")
+//! fence   P → D   "PDFW" token:u64                     (the batches that follow serve this pull)
+//! device  P → D   "PDFG"; D → P "PDFX" len:u32 export[len]  (D's GPU KV export; len 0 = none)
+//! hold    P → D   "PDFL" token:u64, acked; then "PDFR" (release, not acked) once P's own write
+//!                 into D's memory (cuda-ipc) has ended: D's fence counts it in flight meanwhile
 //! host    D → P   "PDFH" offered:u8 pid:u32 host_len:u16 host[host_len] canary_addr:u64
 //!                 canary_len:u16 canary[canary_len] count:u32 (base:u64 len:u64 block_len:u64)×count
 //! ```
@@ -55,6 +59,11 @@ pub const DEVICE_MAGIC: [u8; 4] = *b"PDFG";
 pub const DEVICE_ANSWER_MAGIC: [u8; 4] = *b"PDFX";
 /// The largest device export D may answer with (a few KiB for a model's regions).
 pub const MAX_DEVICE_EXPORT_LEN: usize = 1 << 20;
+/// P asks D to hold fence `token` open for a write P makes outside this connection (cuda-ipc:
+/// P's kernel writes D's GPU memory directly); D acks, then holds it until [`RELEASE_MAGIC`].
+pub const HOLD_MAGIC: [u8; 4] = *b"PDFL";
+/// P's write under the hold ended (no answer: the connection goes on with P's next request).
+pub const RELEASE_MAGIC: [u8; 4] = *b"PDFR";
 
 const DESCRIPTOR_WIRE_LEN: usize = 16;
 /// The most bytes of descriptors or regions read (and allocated) at once.
@@ -116,6 +125,11 @@ pub enum Request {
     HostInfo { p_pid: u32 },
     /// P asks for D's device export: how to write D's GPU KV directly (empty: none).
     DeviceExport,
+    /// P is about to write D's memory itself (cuda-ipc) for the pull of fence `token`: D counts
+    /// a write in flight under it, or refuses when the token is not open.
+    Hold { token: u64 },
+    /// P's write under the hold has ended.
+    Release,
 }
 
 /// D's answer to [`Request::HostInfo`].
@@ -195,6 +209,14 @@ pub fn encode_fence(token: u64) -> [u8; 12] {
     out
 }
 
+/// Asks D to hold fence `token` (12 bytes).
+pub fn encode_hold(token: u64) -> [u8; 12] {
+    let mut out = [0u8; 12];
+    out[..4].copy_from_slice(&HOLD_MAGIC);
+    out[4..].copy_from_slice(&token.to_le_bytes());
+    out
+}
+
 /// Reads the next batch header; `Ok(None)` when the peer closed the connection between batches.
 pub async fn read_batch_header<R: AsyncRead + Unpin>(r: &mut R) -> Result<Option<BatchHeader>, WireError> {
     let Some(magic) = read_magic(r).await? else { return Ok(None) };
@@ -213,6 +235,14 @@ pub async fn read_request<R: AsyncRead + Unpin>(r: &mut R) -> Result<Option<Requ
     }
     if magic == DEVICE_MAGIC {
         return Ok(Some(Request::DeviceExport));
+    }
+    if magic == HOLD_MAGIC {
+        let mut token = [0u8; 8];
+        r.read_exact(&mut token).await?;
+        return Ok(Some(Request::Hold { token: u64::from_le_bytes(token) }));
+    }
+    if magic == RELEASE_MAGIC {
+        return Ok(Some(Request::Release));
     }
     if magic == INFO_MAGIC {
         let mut pid = [0u8; 4];
