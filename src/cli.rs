@@ -225,9 +225,33 @@ pub struct DemoArgs {
     /// both on GPU 0 when it is the only one; needs a build with `--features cuda`).
     #[arg(long, value_enum, default_value = "cpu")]
     pub device: DemoDevice,
+    /// With `--device cuda`: the path of step 29 (`staged`: tcp through pinned host buffers, the
+    /// cross-host path, instead of the in-process peer copy).
+    #[arg(long, value_enum, default_value = "auto")]
+    pub gpu_path: GpuPathArg,
     /// `--trace-file PATH` writes the seed request's trace and the start-up traces.
     #[command(flatten)]
     pub trace: TraceArgs,
+}
+
+/// `--gpu-path`: how P with GPU KV writes a D with GPU KV.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum GpuPathArg {
+    /// cuda-peer in one process, cuda-ipc on one host, cuda-staged across hosts (or when D's
+    /// CUDA IPC handles cannot be opened here).
+    #[default]
+    Auto,
+    /// Always cuda-staged: tcp through pinned host buffers, as to a D on another host.
+    Staged,
+}
+
+impl From<GpuPathArg> for pdflow_runtime::transfer::GpuPath {
+    fn from(a: GpuPathArg) -> Self {
+        match a {
+            GpuPathArg::Auto => Self::Auto,
+            GpuPathArg::Staged => Self::Staged,
+        }
+    }
 }
 
 /// `pdflow demo --device`, `pdflow bench transfer --device`.
@@ -350,6 +374,10 @@ pub struct ServeCmd {
     /// with GPU KV in another process on this host through CUDA IPC, one kernel launch per plan.
     #[arg(long, value_name = "N")]
     pub kv_device: Option<usize>,
+    /// Producer with `--kv-device`: the path to a D with GPU KV (`auto`: CUDA IPC on this host,
+    /// staged tcp across hosts; `staged`: staged tcp always).
+    #[arg(long, value_enum, default_value = "auto")]
+    pub gpu_path: GpuPathArg,
     #[command(flatten)]
     pub trace: TraceArgs,
 }
@@ -503,7 +531,7 @@ impl ServeCmd {
             },
             bootstrap,
             deadlines,
-            tcp: TcpConfig { streams_per_peer: self.streams_per_peer, auth_token: self.transfer_token.clone(), ..TcpConfig::default() },
+            tcp: TcpConfig { streams_per_peer: self.streams_per_peer, auth_token: self.transfer_token.clone(), gpu_path: self.gpu_path.into(), ..TcpConfig::default() },
             verify_checksums: self.verify_checksums,
             kv_device: self.kv_device,
         })

@@ -20,6 +20,7 @@ use pdflow_runtime::engine::scheduler::BlockStats;
 use pdflow_runtime::engine::{api, Engine, EngineConfig};
 use pdflow_runtime::memory::{KvCache, KvShape};
 use pdflow_runtime::transfer::tcp::TcpConfig;
+use pdflow_runtime::transfer::GpuPath;
 use serde::Serialize;
 
 use crate::config::Deadlines;
@@ -38,11 +39,13 @@ pub struct DemoOptions {
     pub deadlines: Deadlines,
     /// Where P's and D's KV caches live.
     pub device: KvPlacement,
+    /// With GPU KV: the path of step 29.
+    pub gpu_path: GpuPath,
 }
 
 impl Default for DemoOptions {
     fn default() -> Self {
-        Self { prompt_tokens: 1000, max_tokens: 128, shape: KvShape::QWEN3_8B, num_blocks: 96, deadlines: Deadlines::default(), device: KvPlacement::Host }
+        Self { prompt_tokens: 1000, max_tokens: 128, shape: KvShape::QWEN3_8B, num_blocks: 96, deadlines: Deadlines::default(), device: KvPlacement::Host, gpu_path: GpuPath::Auto }
     }
 }
 
@@ -187,7 +190,7 @@ impl LocalCluster {
             engine: engine_config(opts, id),
             bootstrap,
             deadlines: opts.deadlines,
-            tcp: TcpConfig::default(),
+            tcp: TcpConfig { gpu_path: opts.gpu_path, ..TcpConfig::default() },
             verify_checksums,
             kv_device: opts.device.of(role),
         };
@@ -230,7 +233,11 @@ pub async fn run(opts: DemoOptions, capture: SpanCapture) -> Result<DemoReport, 
     let (p_free, d_free) = cluster.shutdown().await;
     let mut report = result?;
     if let Some(backend) = report.backend.as_deref() {
-        let expected = if opts.device == KvPlacement::Host { backend != "cuda-peer" } else { backend == "cuda-peer" };
+        let expected = match (opts.device, opts.gpu_path) {
+            (KvPlacement::Host, _) => !backend.starts_with("cuda"),
+            (KvPlacement::Cuda { .. }, GpuPath::Auto) => backend == "cuda-peer",
+            (KvPlacement::Cuda { .. }, GpuPath::Staged) => backend == "cuda-staged",
+        };
         if !expected {
             report.problems.push(format!("step 29 used the {backend} backend, not the one for {} KV", report.kv_memory_p));
             report.verified = false;

@@ -7,7 +7,7 @@ use std::time::Duration;
 use anyhow::Context as _;
 use clap::Parser;
 use pdflow::chaos::Progress;
-use pdflow::cli::{BenchCmd, Cli, Command, DemoArgs, DemoDevice, TraceArgs, TraceCmd};
+use pdflow::cli::{BenchCmd, Cli, Command, DemoArgs, DemoDevice, GpuPathArg, TraceArgs, TraceCmd};
 use pdflow::config::VllmEnv;
 use pdflow::demo::{self, DemoOptions, KvPlacement};
 use pdflow::node::{BootstrapNode, EngineNode, ProxyNode};
@@ -129,10 +129,14 @@ async fn run_demo(args: DemoArgs) -> anyhow::Result<bool> {
         DemoDevice::Cpu => KvPlacement::Host,
         DemoDevice::Cuda => KvPlacement::cuda()?,
     };
-    let opts = DemoOptions { prompt_tokens: args.prompt_tokens, max_tokens: args.max_tokens, shape: args.kv_shape, num_blocks: args.num_blocks, device, ..DemoOptions::default() };
+    if args.gpu_path != GpuPathArg::Auto && device == KvPlacement::Host {
+        anyhow::bail!("--gpu-path {:?} needs --device cuda (the path is between GPU KV caches)", args.gpu_path);
+    }
+    let gpu_path = args.gpu_path.into();
+    let opts = DemoOptions { prompt_tokens: args.prompt_tokens, max_tokens: args.max_tokens, shape: args.kv_shape, num_blocks: args.num_blocks, device, gpu_path, ..DemoOptions::default() };
     let placement = match device {
         KvPlacement::Host => "KV in host memory".to_string(),
-        KvPlacement::Cuda { p, d } => format!("KV on GPUs: P on GPU {p}, D on GPU {d}"),
+        KvPlacement::Cuda { p, d } => format!("KV on GPUs: P on GPU {p}, D on GPU {d}, path {}", opts.gpu_path.as_str()),
     };
     println!(
         "pdflow demo: 1 prefill (P, launches bootstrap) + 1 decode (D) + proxy on 127.0.0.1; one request of {} prompt tokens, max_tokens {}; {placement}",

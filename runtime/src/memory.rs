@@ -193,25 +193,8 @@ impl KvCache {
         regions: &[(*mut u8, usize)],
         owner: ExternalOwner,
     ) -> Result<Arc<Self>, ExternalRegionError> {
-        if regions.len() != shape.num_layers {
-            return Err(ExternalRegionError::RegionCount { expected: shape.num_layers, got: regions.len() });
-        }
-        let expected = num_blocks.checked_mul(shape.block_len()).ok_or(ExternalRegionError::TooLarge { num_blocks })?;
-        let mut layers = Vec::with_capacity(regions.len());
-        for (index, &(ptr, len)) in regions.iter().enumerate() {
-            if ptr.is_null() {
-                return Err(ExternalRegionError::Null { index });
-            }
-            if len != expected {
-                return Err(ExternalRegionError::Length { index, len, expected, num_blocks, block_len: shape.block_len() });
-            }
-            layers.push(LayerBuffer { ptr, len, _owner: None });
-        }
-        let mut sorted: Vec<(usize, usize)> = layers.iter().map(|l| (l.ptr as usize, l.len)).collect();
-        sorted.sort_unstable();
-        if let Some(w) = sorted.windows(2).find(|w| w[0].0 + w[0].1 > w[1].0) {
-            return Err(ExternalRegionError::Overlap { first: w[0].0 as u64, second: w[1].0 as u64 });
-        }
+        check_external(shape, num_blocks, regions)?;
+        let layers = regions.iter().map(|&(ptr, len)| LayerBuffer { ptr, len, _owner: None }).collect();
         Ok(Arc::new(Self {
             shape,
             num_blocks,
@@ -221,6 +204,30 @@ impl KvCache {
             #[cfg(feature = "cuda")]
             device: None,
         }))
+    }
+
+    /// Registers GPU memory that someone else allocated on CUDA device `device` (the bridge:
+    /// vLLM's per-layer KV tensors on the GPU), as [`KvCache::from_external`] does host memory;
+    /// every region is checked to lie in one live allocation of that device.
+    ///
+    /// # Safety
+    /// As [`KvCache::from_external`], for device memory of GPU `device`.
+    #[cfg(feature = "cuda")]
+    pub unsafe fn from_external_cuda(
+        shape: KvShape,
+        num_blocks: usize,
+        device: usize,
+        regions: &[(*mut u8, usize)],
+        owner: ExternalOwner,
+    ) -> Result<Arc<Self>, ExternalRegionError> {
+        check_external(shape, num_blocks, regions)?;
+        let bases = regions.iter().map(|&(ptr, _)| ptr as u64).collect();
+        // SAFETY: the caller vouches for the memory's life and ownership; `external` checks that
+        // each region lies in an allocation of `device`.
+        let kv = unsafe { crate::transfer::cuda::device_kv::DeviceKv::external(shape, num_blocks, device, bases) }
+            .map_err(|e| ExternalRegionError::Device { device, reason: e.to_string() })?;
+        let layers = regions.iter().map(|&(ptr, len)| LayerBuffer { ptr, len, _owner: None }).collect();
+        Ok(Arc::new(Self { shape, num_blocks, layers, layout_id: new_layout_id(), _external_owner: Some(owner), device: Some(Arc::new(kv)) }))
     }
 
     pub fn shape(&self) -> KvShape {
@@ -315,6 +322,31 @@ pub enum ExternalRegionError {
     TooLarge { num_blocks: usize },
     #[error("KV regions at {first:#x} and {second:#x} overlap: each layer needs its own memory")]
     Overlap { first: u64, second: u64 },
+    #[error("KV on GPU {device}: {reason}")]
+    Device { device: usize, reason: String },
+}
+
+/// The checks of memory registered from outside: one region per layer, each of `num_blocks`
+/// blocks, none null, none overlapping another.
+fn check_external(shape: KvShape, num_blocks: usize, regions: &[(*mut u8, usize)]) -> Result<(), ExternalRegionError> {
+    if regions.len() != shape.num_layers {
+        return Err(ExternalRegionError::RegionCount { expected: shape.num_layers, got: regions.len() });
+    }
+    let expected = num_blocks.checked_mul(shape.block_len()).ok_or(ExternalRegionError::TooLarge { num_blocks })?;
+    for (index, &(ptr, len)) in regions.iter().enumerate() {
+        if ptr.is_null() {
+            return Err(ExternalRegionError::Null { index });
+        }
+        if len != expected {
+            return Err(ExternalRegionError::Length { index, len, expected, num_blocks, block_len: shape.block_len() });
+        }
+    }
+    let mut sorted: Vec<(usize, usize)> = regions.iter().map(|&(ptr, len)| (ptr as usize, len)).collect();
+    sorted.sort_unstable();
+    if let Some(w) = sorted.windows(2).find(|w| w[0].0 + w[0].1 > w[1].0) {
+        return Err(ExternalRegionError::Overlap { first: w[0].0 as u64, second: w[1].0 as u64 });
+    }
+    Ok(())
 }
 
 impl KvCache {

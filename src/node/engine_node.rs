@@ -2,9 +2,11 @@
 //! with the connector's actors under the node's supervisor.
 //!
 //! P (producer): SchedulerConnector, SenderListener (side channel + registration, steps 1, 3, 4)
-//! with the automatic transfer engine (same-host `process_vm_writev` when D is on this host and
-//! the kernel allows it, tcp otherwise), and — when P's TP0 launches it — the Bootstrap (step 2).
-//! D (consumer): SchedulerConnector, Receiver (step 5) and the tcp data server that P writes into.
+//! with the transfer engine for its KV memory ([`super::gpu_kv::producer_engine`]: same-host or
+//! tcp for host KV; cuda-peer, cuda-ipc or cuda-staged for GPU KV), and — when P's TP0 launches
+//! it — the Bootstrap (step 2).
+//! D (consumer): SchedulerConnector, Receiver (step 5) and the tcp data server that P writes into
+//! (with GPU KV also the device offer and the staged receiver, [`super::gpu_kv::serve_gpu_kv`]).
 
 use std::net::SocketAddr;
 use std::sync::atomic::AtomicU16;
@@ -23,11 +25,11 @@ use pdflow_runtime::memory::{KvCache, MemoryKind};
 use pdflow_runtime::transfer::fence::WriteFence;
 use pdflow_runtime::transfer::same_host::SameHostMode;
 use pdflow_runtime::transfer::tcp::{DataServerOptions, TcpConfig, TcpDataServer};
-use pdflow_runtime::transfer::{AutoTransferEngine, TransferEngine};
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
 use super::bootstrap_node::BootstrapNode;
+use super::gpu_kv::{producer_engine, register_local_peer, serve_gpu_kv, Held};
 use super::supervisor::{NodeSupervisor, MAX_RESTARTS, RESTART_WINDOW};
 use super::{started, NodeError};
 use crate::config::Deadlines;
@@ -58,8 +60,9 @@ pub struct EngineNodeConfig {
     pub tcp: TcpConfig,
     /// Record KV checksums on both sides of every transfer (steps 29 and 34).
     pub verify_checksums: bool,
-    /// Keep the KV cache on this CUDA device instead of host memory (feature `cuda`; P and D
-    /// must then run in one process: the cuda-peer engine).
+    /// Keep the KV cache on this CUDA device instead of host memory (feature `cuda`): P writes a
+    /// D in this process by cuda-peer, on this host by cuda-ipc, elsewhere by cuda-staged
+    /// (`tcp.gpu_path` chooses).
     pub kv_device: Option<usize>,
 }
 
@@ -75,8 +78,9 @@ pub struct EngineNode {
     pub receiver: Option<ActorRef<Receiver>>,
     pub bootstrap: Option<BootstrapNode>,
     data_server: Option<TcpDataServer>,
-    /// D's registration as a GPU peer of this process, while it serves (GPU KV only).
-    _local_peer: Option<Box<dyn std::any::Any + Send + Sync>>,
+    /// D's serving of GPU KV, while it serves: its registration as a GPU peer of this process
+    /// and its staged receiver (GPU KV only).
+    _gpu_serving: Vec<Held>,
     supervisor: ActorRef<NodeSupervisor>,
     http_stop: CancellationToken,
     http_task: tokio::task::JoinHandle<()>,
@@ -104,7 +108,7 @@ impl EngineNode {
         register_actor(ActorKind::SchedulerConnector, role, Vec::new(), &connector);
         let events = Arc::new(Notify::new());
         let (mut sender_listener, mut receiver, mut bootstrap, mut data_server) = (None, None, None, None);
-        let mut local_peer: Option<Box<dyn std::any::Any + Send + Sync>> = None;
+        let mut gpu_serving: Vec<Held> = Vec::new();
         let worker: Arc<dyn WorkerConnectorPort> = match cfg.role {
             KvRole::Producer | KvRole::Both => {
                 let bootstrap_url = match &cfg.bootstrap {
@@ -120,7 +124,7 @@ impl EngineNode {
                     BootstrapPlacement::External { url } => Some(url.clone()),
                     BootstrapPlacement::None => None,
                 };
-                let transfer = producer_engine(&cfg, &kv_cache)?;
+                let transfer = producer_engine(&kv_cache, &cfg.tcp)?;
                 let args = SenderListenerArgs {
                     engine_id: engine_id.clone(),
                     dp_rank: 0,
@@ -152,14 +156,11 @@ impl EngineNode {
                 let offer_same_host = cfg.tcp.same_host != SameHostMode::Off && kv_cache.memory() == MemoryKind::Host;
                 // Each pull's blocks are fenced: a write D gave up on is refused, never landed.
                 let fence = WriteFence::new();
-                let options = DataServerOptions {
-                    auth_token: cfg.tcp.auth_token.clone(),
-                    offer_same_host,
-                    fence: Some(fence.clone()),
-                    device_export: device_export(&kv_cache)?,
-                };
+                let (device_export, serving) = serve_gpu_kv(&kv_cache, &cfg.host, &cfg.tcp, &fence)?;
+                gpu_serving.extend(serving);
+                let options = DataServerOptions { auth_token: cfg.tcp.auth_token.clone(), offer_same_host, fence: Some(fence.clone()), device_export };
                 let server = TcpDataServer::bind_options(bind_addr, kv_cache.region_table(), options).await.map_err(|e| NodeError::Transfer(e.to_string()))?;
-                local_peer = register_gpu_peer(&server.local_addr().to_string(), &kv_cache, &fence)?;
+                gpu_serving.extend(register_local_peer(&server.local_addr().to_string(), &kv_cache, &fence)?);
                 let args = ReceiverArgs {
                     engine_id: engine_id.clone(),
                     tp_rank: 0,
@@ -200,7 +201,7 @@ impl EngineNode {
             receiver,
             bootstrap,
             data_server,
-            _local_peer: local_peer,
+            _gpu_serving: gpu_serving,
             supervisor,
             http_stop,
             http_task,
@@ -315,47 +316,3 @@ fn new_kv_cache(cfg: &EngineNodeConfig) -> Result<Arc<KvCache>, NodeError> {
     }
 }
 
-/// P's transfer engine for seed step 29: for host KV, same-host (`process_vm_writev`) when D
-/// shares this host and the kernel allows it, tcp otherwise; for GPU KV, cuda-peer for a D in this
-/// process and cuda-ipc for a D in another process on this host.
-fn producer_engine(cfg: &EngineNodeConfig, kv_cache: &Arc<KvCache>) -> Result<Arc<dyn TransferEngine>, NodeError> {
-    match kv_cache.memory() {
-        MemoryKind::Host => Ok(Arc::new(AutoTransferEngine::new(kv_cache.region_table(), cfg.tcp.clone()))),
-        #[cfg(feature = "cuda")]
-        MemoryKind::Cuda { device } => pdflow_runtime::transfer::cuda::gpu_engine::GpuTransferEngine::new(kv_cache, cfg.tcp.clone())
-            .map(|e| Arc::new(e) as Arc<dyn TransferEngine>)
-            .map_err(|e| NodeError::Config(format!("GPU transfer engine on GPU {device}: {e}"))),
-        #[cfg(not(feature = "cuda"))]
-        MemoryKind::Cuda { device } => Err(NodeError::Config(format!("KV cache on GPU {device} in a build without GPU support"))),
-    }
-}
-
-/// Registers D's GPU cache as a peer of this process's P engines (nothing for host KV).
-fn register_gpu_peer(data_addr: &str, kv_cache: &Arc<KvCache>, fence: &WriteFence) -> Result<Option<Box<dyn std::any::Any + Send + Sync>>, NodeError> {
-    if kv_cache.memory() == MemoryKind::Host {
-        return Ok(None);
-    }
-    #[cfg(feature = "cuda")]
-    {
-        let guard = pdflow_runtime::transfer::cuda::peer_engine::register_local_peer(data_addr, kv_cache, Some(fence.clone()))
-            .map_err(|e| NodeError::Config(e.to_string()))?;
-        Ok(Some(Box::new(guard)))
-    }
-    #[cfg(not(feature = "cuda"))]
-    {
-        let _ = (data_addr, fence);
-        Err(NodeError::Config("a GPU KV cache in a build without GPU support".into()))
-    }
-}
-
-/// What D's data server tells P that asks how to write D's GPU KV directly: the CUDA IPC export
-/// of D's KV allocations and regions (empty for host KV).
-fn device_export(kv_cache: &Arc<KvCache>) -> Result<Vec<u8>, NodeError> {
-    #[cfg(feature = "cuda")]
-    return pdflow_runtime::transfer::cuda::gpu_engine::device_export(kv_cache).map_err(|e| NodeError::Config(format!("exporting D's GPU KV for CUDA IPC: {e}")));
-    #[cfg(not(feature = "cuda"))]
-    {
-        let _ = kv_cache;
-        Ok(Vec::new())
-    }
-}

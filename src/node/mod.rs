@@ -4,6 +4,7 @@
 
 pub mod bootstrap_node;
 pub mod engine_node;
+pub mod gpu_kv;
 pub mod proxy_node;
 pub mod supervisor;
 

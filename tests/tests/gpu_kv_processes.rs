@@ -1,6 +1,7 @@
 //! GPU-resident KV with P and D as separate processes (issue 7): `pdflow serve --kv-device N`
 //! for both, `pdflow proxy` in front. P's KV reaches D's GPU through CUDA IPC (step 29 by
-//! `cuda-ipc`, counted in P's `/metrics`), the output equals that of an engine on host memory, and
+//! `cuda-ipc`, counted in P's `/metrics`) — or, with `--gpu-path staged`, by tcp through pinned
+//! host buffers to D's staged receiver (`cuda-staged`, the cross-host path) — the output equals that of an engine on host memory, and
 //! both engines' blocks return to baseline. Needs a pdflow built with `--features cuda`
 //! (`PDFLOW_BIN`) on a machine with a GPU (`PDFLOW_TEST_GPUS=P,D`, default `0,0`); skips, saying
 //! why, anywhere else.
@@ -49,14 +50,30 @@ async fn start_or_skip(name: &str, args: &[&str]) -> Option<Proc> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn gpu_kv_moves_between_processes_through_cuda_ipc() {
+    two_requests_between_gpu_processes(&[], &[], "cuda-ipc").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn gpu_kv_moves_between_processes_by_the_staged_tcp_path_with_an_auth_token() {
+    // What a D on another host gets: tcp through pinned host buffers to D's staged receiver,
+    // whose port D's data server offers; the token guards the receiver as it does the server.
+    let token = ["--transfer-token", "gpu-secret"];
+    let p_extra = ["--transfer-token", "gpu-secret", "--gpu-path", "staged"];
+    two_requests_between_gpu_processes(&p_extra, &token, "cuda-staged").await;
+}
+
+/// P and D as `pdflow serve --kv-device` processes (P with `p_extra`, D with `d_extra`) behind a
+/// proxy: two requests, outputs equal to host memory, both writes by `backend`, no blocks held.
+async fn two_requests_between_gpu_processes(p_extra: &[&str], d_extra: &[&str], backend: &str) {
     let gpus = std::env::var("PDFLOW_TEST_GPUS").unwrap_or_else(|_| "0,0".into());
     let (p_gpu, d_gpu) = gpus.split_once(',').expect("PDFLOW_TEST_GPUS is P,D");
-    let engine = |role: &'static str, gpu: &str| -> Vec<String> {
-        ["serve", "--role", role, "--kv-shape", SHAPE, "--num-blocks", "128", "--kv-device", gpu, "--verify-checksums"].iter().map(|s| s.to_string()).collect()
+    let engine = |role: &'static str, gpu: &str, extra: &[&str]| -> Vec<String> {
+        let base = ["serve", "--role", role, "--kv-shape", SHAPE, "--num-blocks", "128", "--kv-device", gpu, "--verify-checksums"];
+        base.iter().chain(extra).map(|s| s.to_string()).collect()
     };
-    let d_args = engine("consumer", d_gpu);
+    let d_args = engine("consumer", d_gpu, d_extra);
     let Some(consumer) = start_or_skip("consumer", &d_args.iter().map(String::as_str).collect::<Vec<_>>()).await else { return };
-    let mut p_args = engine("producer", p_gpu);
+    let mut p_args = engine("producer", p_gpu, p_extra);
     p_args.extend(["--bootstrap-port".into(), "0".into()]);
     let producer = start_or_skip("producer", &p_args.iter().map(String::as_str).collect::<Vec<_>>()).await.expect("D started on a GPU, so P must too");
     let bootstrap_port = producer.ready["bootstrap_addr"].as_str().and_then(|a| a.rsplit(':').next()).expect("P launched its bootstrap").to_string();
@@ -72,8 +89,8 @@ async fn gpu_kv_moves_between_processes_through_cuda_ipc() {
     }
     let metrics = client.get(format!("{}/metrics", producer.url())).send().await.expect("P's metrics").text().await.expect("text");
     assert!(
-        metrics.contains("pdflow_transfer_writes_total{service=\"prefill\",backend=\"cuda-ipc\",outcome=\"ok\"} 2"),
-        "both writes went by cuda-ipc:\n{}",
+        metrics.contains(&format!("pdflow_transfer_writes_total{{service=\"prefill\",backend=\"{backend}\",outcome=\"ok\"}} 2")),
+        "both writes went by {backend}:\n{}",
         metrics.lines().filter(|l| l.contains("writes_total")).collect::<Vec<_>>().join("\n")
     );
     for engine in [&producer, &consumer] {

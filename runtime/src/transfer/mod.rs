@@ -11,12 +11,14 @@
 
 mod auto;
 pub mod fence;
+mod gpu_path;
 pub mod same_host;
 pub mod tcp;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 
 pub use auto::AutoTransferEngine;
+pub use gpu_path::GpuPath;
 
 use std::time::Duration;
 

@@ -20,6 +20,8 @@ mod server;
 pub mod wire;
 
 pub(crate) use engine::split_by_bytes;
+#[cfg(feature = "cuda")]
+pub(crate) use connection::constant_time_eq;
 pub use engine::{FenceHold, TcpConfig, TcpTransferEngine};
 pub use server::{DataServerError, DataServerOptions, TcpDataServer};
 

@@ -21,7 +21,11 @@ pub struct DeviceKv {
     ordinal: usize,
     shape: KvShape,
     num_blocks: usize,
-    layers: Vec<DeviceBuffer>,
+    /// The device address of each layer's region.
+    bases: Vec<u64>,
+    /// The allocations behind `bases` when this cache made them (empty for memory registered
+    /// from outside, e.g. vLLM's KV tensors, which their owner keeps alive).
+    _owned: Vec<DeviceBuffer>,
     /// The kernels, serialised: the engine's forward and the actors' checksums share the stream.
     kernels: Mutex<Kernels>,
 }
@@ -58,8 +62,52 @@ impl DeviceKv {
                 Ok(buf)
             })
             .collect::<Result<Vec<_>, CudaError>>()?;
-        let kernels = Kernels { fill: CudaKvFill::new(&ctx)?, gather: CudaBatchCopy::new(&ctx)?, table: None, staging: None };
-        Ok(Self { ordinal, shape, num_blocks, layers, kernels: Mutex::new(kernels) })
+        let bases = layers.iter().map(|l: &DeviceBuffer| l.ptr).collect();
+        Self::with_kernels(&ctx, ordinal, shape, num_blocks, bases, layers)
+    }
+
+    /// Wraps memory someone else allocated on device `ordinal` (the bridge: vLLM's per-layer KV
+    /// tensors): one region of `num_blocks` blocks of `shape` at each of `bases`. Every region is
+    /// checked to lie inside one live allocation of that device.
+    ///
+    /// # Safety
+    /// The memory must stay allocated for as long as this lives (its owner outlives the cache),
+    /// and only the holder of a block may touch its bytes while pdflow reads or writes them.
+    pub unsafe fn external(shape: KvShape, num_blocks: usize, ordinal: usize, bases: Vec<u64>) -> Result<Self, CudaError> {
+        let count = super::device_count()?;
+        if ordinal >= count {
+            return Err(CudaError::NoSuchDevice { ordinal, count });
+        }
+        let ctx = CudaContext::new(ordinal)?;
+        ctx.bind_to_thread()?;
+        let region_len = (num_blocks * shape.block_len()) as u64;
+        for &base in &bases {
+            let (mut start, mut size) = (0u64, 0usize);
+            // SAFETY: out-pointers to locals; the driver checks the address against this context.
+            super::check(unsafe { cudarc::driver::sys::cuMemGetAddressRange_v2(&mut start, &mut size, base) })
+                .map_err(|e| CudaError::NotDeviceMemory { addr: base, ordinal, reason: e.to_string() })?;
+            let mut on: i32 = -1;
+            // SAFETY: out-pointer to a local of the attribute's type (int).
+            super::check(unsafe {
+                cudarc::driver::sys::cuPointerGetAttribute(
+                    (&mut on as *mut i32).cast(),
+                    cudarc::driver::sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+                    base,
+                )
+            })?;
+            if usize::try_from(on).ok() != Some(ordinal) {
+                return Err(CudaError::NotDeviceMemory { addr: base, ordinal, reason: format!("it is on GPU {on}") });
+            }
+            if base.saturating_add(region_len) > start.saturating_add(size as u64) {
+                return Err(CudaError::OutOfBounds { offset: base - start, len: region_len, size: size as u64 });
+            }
+        }
+        Self::with_kernels(&ctx, ordinal, shape, num_blocks, bases, Vec::new())
+    }
+
+    fn with_kernels(ctx: &Arc<CudaContext>, ordinal: usize, shape: KvShape, num_blocks: usize, bases: Vec<u64>, owned: Vec<DeviceBuffer>) -> Result<Self, CudaError> {
+        let kernels = Kernels { fill: CudaKvFill::new(ctx)?, gather: CudaBatchCopy::new(ctx)?, table: None, staging: None };
+        Ok(Self { ordinal, shape, num_blocks, bases, _owned: owned, kernels: Mutex::new(kernels) })
     }
 
     /// The GPU this cache lives on.
@@ -69,7 +117,7 @@ impl DeviceKv {
 
     /// The device address of each layer's region.
     pub fn layer_bases(&self) -> Vec<u64> {
-        self.layers.iter().map(|l| l.ptr).collect()
+        self.bases.clone()
     }
 
     /// The context the allocations belong to.
@@ -96,7 +144,7 @@ impl DeviceKv {
         if let Some(&block) = blocks.iter().find(|&&b| b as usize >= self.num_blocks) {
             return Err(RegionError::BlockOutOfRange { block, num_blocks: self.num_blocks });
         }
-        let total = block_len * (blocks.len() * self.layers.len()) as u64;
+        let total = block_len * (blocks.len() * self.bases.len()) as u64;
         let mut out = vec![0u8; total as usize];
         if total == 0 {
             return Ok(out);
@@ -109,9 +157,9 @@ impl DeviceKv {
             _ => DeviceBuffer::new(kernels.gather.context(), total as usize).map_err(|e| self.refusal(e))?,
         };
         let descriptors = self
-            .layers
+            .bases
             .iter()
-            .flat_map(|layer| blocks.iter().map(move |&b| layer.ptr + u64::from(b) * block_len))
+            .flat_map(|&base| blocks.iter().map(move |&b| base + u64::from(b) * block_len))
             .enumerate()
             .map(|(i, src)| Descriptor { src, dst: staging.ptr + i as u64 * block_len, len: block_len })
             .collect();

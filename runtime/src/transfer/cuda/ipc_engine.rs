@@ -22,7 +22,7 @@ use crate::transfer::{TransferEngine, TransferError, TransferStats};
 pub const BACKEND: &str = "cuda-ipc";
 
 /// Slack on top of the writer's own deadline before the blocking task is given up on.
-const JOIN_SLACK: Duration = Duration::from_secs(5);
+pub(crate) const JOIN_SLACK: Duration = Duration::from_secs(5);
 
 /// P's CUDA IPC transfer engine: one [`CudaIpcWriter`] (P's GPU and regions) and the peers opened.
 #[derive(Clone)]

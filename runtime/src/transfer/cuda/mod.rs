@@ -26,6 +26,7 @@ use cudarc::driver::{result, sys, CudaFunction, DriverError, LaunchConfig, PushK
 use crate::planner::TransferPlan;
 
 pub mod device_kv;
+pub mod device_offer;
 pub mod gpu_engine;
 pub mod ipc;
 pub mod ipc_engine;
@@ -54,6 +55,8 @@ pub enum CudaError {
     NoPeerAccess { src: usize, dst: usize },
     #[error("GPU {ordinal} does not exist: the driver sees {count} GPU(s) (check --device and CUDA_VISIBLE_DEVICES)")]
     NoSuchDevice { ordinal: usize, count: usize },
+    #[error("address {addr:#x} is not device memory of GPU {ordinal}: {reason}")]
+    NotDeviceMemory { addr: u64, ordinal: usize, reason: String },
 }
 
 /// The number of GPUs, or why the cuda path cannot run here (tests skip on `Err`).

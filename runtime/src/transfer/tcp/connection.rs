@@ -397,7 +397,7 @@ fn refuse_and_close(stream: &TcpStream, batch_id: u64, err: ConnectionError) -> 
     err
 }
 
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+pub(crate) fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 

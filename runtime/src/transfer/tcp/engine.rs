@@ -63,6 +63,8 @@ pub struct TcpConfig {
     /// Whether the automatic engine ([`crate::transfer::AutoTransferEngine`]) may write a peer on
     /// the same host directly (`process_vm_writev`); the tcp engine alone ignores it.
     pub same_host: SameHostMode,
+    /// Which path the engine for GPU KV takes to a D with GPU KV (feature `cuda`).
+    pub gpu_path: crate::transfer::GpuPath,
 }
 
 impl Default for TcpConfig {
@@ -73,6 +75,7 @@ impl Default for TcpConfig {
             write_timeout: Duration::from_secs(30),
             auth_token: None,
             same_host: SameHostMode::Auto,
+            gpu_path: crate::transfer::GpuPath::Auto,
         }
     }
 }

@@ -30,6 +30,8 @@ struct Shared {
     config: StagedConfig,
     /// When set, a part is received only under an open fence token (no write-after-free).
     fence: Option<WriteFence>,
+    /// When set, a request must present this token (D's `--transfer-token`).
+    auth_token: Option<Vec<u8>>,
     stop: AtomicBool,
     /// Clones of the live connections, shut down on stop.
     conns: Mutex<Vec<TcpStream>>,
@@ -55,6 +57,20 @@ impl StagedReceiver {
     /// freeing the blocks; when D closes it mid-part, the part stops (the copies already enqueued
     /// finish first) and the connection is dropped — nothing more lands.
     pub fn bind_fenced(ctx: &Arc<CudaContext>, regions: Vec<RegionDesc>, addr: &str, config: StagedConfig, fence: Option<WriteFence>) -> Result<Self, StagedError> {
+        Self::bind_guarded(ctx, regions, addr, config, fence, None)
+    }
+
+    /// As [`StagedReceiver::bind_fenced`], and with `auth_token` every request must present it
+    /// (a wrong or missing one is refused and the connection closed): D's serving receiver, whose
+    /// address any P that passed the data server's hello learns.
+    pub fn bind_guarded(
+        ctx: &Arc<CudaContext>,
+        regions: Vec<RegionDesc>,
+        addr: &str,
+        config: StagedConfig,
+        fence: Option<WriteFence>,
+        auth_token: Option<Vec<u8>>,
+    ) -> Result<Self, StagedError> {
         let listener = TcpListener::bind(addr).map_err(|source| StagedError::Io { peer: addr.to_string(), source })?;
         let local_addr = listener.local_addr().map_err(|source| StagedError::Io { peer: addr.to_string(), source })?;
         let shared = Arc::new(Shared {
@@ -62,6 +78,7 @@ impl StagedReceiver {
             regions,
             config: config.sane(),
             fence,
+            auth_token,
             stop: AtomicBool::new(false),
             conns: Mutex::default(),
             threads: Mutex::default(),
@@ -173,12 +190,19 @@ fn serve_conn(mut tcp: TcpStream, shared: &Shared) -> Result<(), StagedError> {
     loop {
         // Idle between requests: no deadline until one begins.
         tcp.set_read_timeout(None).map_err(io)?;
-        let (token, offered) = match wire::read_request(&mut tcp) {
+        let wire::Offer { auth, fence: token, ranges: offered } = match wire::read_request(&mut tcp) {
             Ok(Some(offer)) => offer,
             Ok(None) => return Ok(()),
             Err(e) => return Err(StagedError::Protocol(e.to_string())),
         };
         tcp.set_read_timeout(Some(shared.config.deadline)).map_err(io)?;
+        if let Some(expected) = &shared.auth_token {
+            if !crate::transfer::tcp::constant_time_eq(expected, &auth) {
+                let reason = "the auth token does not match D's (--transfer-token / PDFLOW_TRANSFER_TOKEN must be the same on P and D)";
+                let _ = wire::write_reply(&mut tcp, &Reply::Refused(reason.into()));
+                return Err(StagedError::Refused { peer, reason: reason.into() });
+            }
+        }
         if let Err(reason) = check_destinations(&shared.regions, &offered) {
             wire::write_reply(&mut tcp, &Reply::Refused(reason)).map_err(io)?;
             continue;

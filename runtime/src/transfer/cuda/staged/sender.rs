@@ -41,12 +41,37 @@ pub struct StagedSender {
     ctx: Arc<CudaContext>,
     local_regions: Vec<RegionDesc>,
     config: StagedConfig,
+    /// Presented with every request (D's `--transfer-token`).
+    auth_token: Vec<u8>,
     pool: Mutex<HashMap<String, Vec<SendConn>>>,
 }
 
 impl StagedSender {
     pub fn new(ctx: &Arc<CudaContext>, local_regions: Vec<RegionDesc>, config: StagedConfig) -> Self {
-        Self { ctx: ctx.clone(), local_regions, config: config.sane(), pool: Mutex::default() }
+        Self { ctx: ctx.clone(), local_regions, config: config.sane(), auth_token: Vec::new(), pool: Mutex::default() }
+    }
+
+    /// The same sender presenting `token` to D's receiver (`None`: no token).
+    pub fn with_auth_token(mut self, token: Option<&str>) -> Self {
+        self.auth_token = token.unwrap_or_default().as_bytes().to_vec();
+        self
+    }
+
+    /// Opens connections to `peer` until `streams` are pooled (their staging rings allocated), so
+    /// that the first write does not pay for them; the first failure is returned.
+    pub fn warm(&self, peer: &str) -> Result<(), StagedError> {
+        let pooled = self.pool.lock().unwrap_or_else(PoisonError::into_inner).get(peer).map_or(0, Vec::len);
+        let mut opened = Vec::new();
+        for _ in pooled..self.config.streams {
+            opened.push(self.connect(peer)?);
+        }
+        self.pool.lock().unwrap_or_else(PoisonError::into_inner).entry(peer.to_string()).or_default().extend(opened);
+        Ok(())
+    }
+
+    /// Drops the pooled connections to `peer` (D restarted: its receiver moved).
+    pub fn forget_peer(&self, peer: &str) {
+        self.pool.lock().unwrap_or_else(PoisonError::into_inner).remove(peer);
     }
 
     pub fn config(&self) -> &StagedConfig {
@@ -89,8 +114,9 @@ impl StagedSender {
                 .iter_mut()
                 .zip(&parts)
                 .map(|(conn, part)| {
-                    let (refused, barrier, config, ctx, fence) = (&refused, &barrier, &self.config, &self.ctx, plan.fence);
-                    s.spawn(move || send_part(ctx, conn, peer, part, fence, config, until, refused, barrier))
+                    let (refused, barrier, config, ctx) = (&refused, &barrier, &self.config, &self.ctx);
+                    let request = Request { auth: &self.auth_token, fence: plan.fence, part };
+                    s.spawn(move || send_part(ctx, conn, peer, request, config, until, refused, barrier))
                 })
                 .collect();
             handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(StagedError::Protocol("a send thread panicked".into())))).collect()
@@ -117,21 +143,29 @@ impl StagedSender {
     }
 }
 
+/// What one connection offers D: P's auth token, the pull's fence token, the part.
+#[derive(Clone, Copy)]
+struct Request<'a> {
+    auth: &'a [u8],
+    fence: u64,
+    part: &'a [Descriptor],
+}
+
 /// One connection's part: offer, barrier (every part accepted?), go + pipelined payload, done.
 #[allow(clippy::too_many_arguments)]
 fn send_part(
     ctx: &Arc<CudaContext>,
     conn: &mut SendConn,
     peer: &str,
-    part: &[Descriptor],
-    fence: u64,
+    request: Request<'_>,
     config: &StagedConfig,
     until: Instant,
     refused: &AtomicBool,
     barrier: &Barrier,
 ) -> Result<(), StagedError> {
     let io = |source| StagedError::Io { peer: peer.to_string(), source };
-    let offered = offer(conn, peer, fence, part);
+    let part = request.part;
+    let offered = offer(conn, peer, request);
     if offered.is_err() {
         refused.store(true, Ordering::SeqCst);
     }
@@ -176,8 +210,9 @@ fn send_part(
 }
 
 /// Sends the part's destinations and reads D's verdict.
-fn offer(conn: &mut SendConn, peer: &str, fence: u64, part: &[Descriptor]) -> Result<(), StagedError> {
-    conn.tcp.write_all(&wire::encode_request(fence, part)).map_err(|source| StagedError::Io { peer: peer.to_string(), source })?;
+fn offer(conn: &mut SendConn, peer: &str, request: Request<'_>) -> Result<(), StagedError> {
+    let bytes = wire::encode_request(request.auth, request.fence, request.part).map_err(|e| StagedError::Protocol(e.to_string()))?;
+    conn.tcp.write_all(&bytes).map_err(|source| StagedError::Io { peer: peer.to_string(), source })?;
     match wire::read_reply(&mut conn.tcp).map_err(|e| wire_error(peer, e))? {
         Reply::Accepted => Ok(()),
         Reply::Refused(reason) => Err(StagedError::Refused { peer: peer.to_string(), reason }),

@@ -51,12 +51,17 @@ fn a_plan_splits_into_parts_of_nearly_equal_bytes_on_4k_cuts() {
 #[test]
 fn requests_and_replies_survive_the_wire_and_bad_input_is_refused() {
     let plan = [d(1, 0xdead_beef_0000, 4096), d(2, 0x10, 1)];
-    let bytes = wire::encode_request(77, &plan);
+    let bytes = wire::encode_request(b"secret", 77, &plan).expect("encodes");
     let back = wire::read_request(&mut &bytes[..]).expect("reads").expect("a request");
-    assert_eq!(back, (77, vec![(0xdead_beef_0000, 4096), (0x10, 1)]));
+    assert_eq!(back, wire::Offer { auth: b"secret".to_vec(), fence: 77, ranges: vec![(0xdead_beef_0000, 4096), (0x10, 1)] });
+    assert!(matches!(wire::encode_request(&[b'x'; 1025], 1, &plan), Err(WireError::TokenTooLong(1025))));
+    let mut long_token = bytes[..6].to_vec();
+    long_token.extend_from_slice(&(wire::MAX_TOKEN + 1).to_le_bytes());
+    assert!(matches!(wire::read_request(&mut &long_token[..]), Err(WireError::TokenTooLong(_))), "an oversize token is refused before it is read");
+    let bytes = wire::encode_request(b"", 77, &plan).expect("encodes");
     assert!(wire::read_request(&mut &[][..]).expect("clean end").is_none());
     assert!(matches!(wire::read_request(&mut &b"HTTP/1.1"[..]), Err(WireError::BadMagic(_))));
-    let mut huge = bytes[..14].to_vec();
+    let mut huge = bytes[..16].to_vec();
     huge.extend_from_slice(&(wire::MAX_DESCRIPTORS + 1).to_le_bytes());
     assert!(matches!(wire::read_request(&mut &huge[..]), Err(WireError::TooManyDescriptors(_))));
     assert!(matches!(wire::read_request(&mut &bytes[..bytes.len() - 3]), Err(WireError::Io(_))), "truncated");
@@ -180,4 +185,24 @@ fn a_fenced_receiver_takes_a_part_only_under_an_open_token() {
     d_mem.fill(0).expect("zero D");
     assert!(matches!(sender.write(&peer, &plan), Err(StagedError::Refused { .. })));
     assert_eq!(plan_checksum(&ctx_d, &plan, false).expect("D checksum"), zeros, "a write after the pull ended landed");
+}
+
+#[test]
+fn a_receiver_with_an_auth_token_takes_only_requests_that_present_it() {
+    let Some((ctx_p, ctx_d, p_mem, d_mem)) = two_sides(|i| (i as u64 * 13 + 1) as u8) else { return };
+    let (p_regions, d_regions) = (regions_at(p_mem.ptr), regions_at(d_mem.ptr));
+    let config = StagedConfig { chunk_bytes: 16 * 1024, depth: 2, streams: 2, deadline: Duration::from_secs(20) };
+    let receiver = StagedReceiver::bind_guarded(&ctx_d, d_regions.clone(), "127.0.0.1:0", config, None, Some(b"s3cret".to_vec())).expect("D listens");
+    let peer = receiver.local_addr().to_string();
+    let plan = build_plan(&p_regions, &[4, 5], &d_regions, &[8, 9], true).expect("plan");
+    let zeros = plan.descriptors.iter().fold(CHECKSUM_BASIS, |h, d| checksum_words(h, &vec![0u8; d.len as usize]));
+    for token in [None, Some("wrong")] {
+        let sender = StagedSender::new(&ctx_p, p_regions.clone(), config).with_auth_token(token);
+        let err = sender.write(&peer, &plan).expect_err("no or a wrong token");
+        assert!(matches!(&err, StagedError::Refused { reason, .. } if reason.contains("auth token")), "{token:?}: {err:?}");
+        assert_eq!(plan_checksum(&ctx_d, &plan, false).expect("D checksum"), zeros, "an unauthorised part landed");
+    }
+    let sender = StagedSender::new(&ctx_p, p_regions.clone(), config).with_auth_token(Some("s3cret"));
+    sender.write(&peer, &plan).expect("the right token");
+    assert_eq!(plan_checksum(&ctx_d, &plan, false).expect("D"), plan_checksum(&ctx_p, &plan, true).expect("P"));
 }

@@ -1,7 +1,8 @@
 //! The staged path's framing (one TCP connection, little-endian), minimal and of its own:
 //!
-//! - P → D, request: `b"PDSG"`, version `u16`, D's fence token `u64` (0: none), `n: u32`, then
-//!   `n` × (`dst: u64`, `len: u64`) in D's addresses (the order of the payload).
+//! - P → D, request: `b"PDSG"`, version `u16`, auth token (`u16` length + bytes; empty: none),
+//!   D's fence token `u64` (0: none), `n: u32`, then `n` × (`dst: u64`, `len: u64`) in D's
+//!   addresses (the order of the payload).
 //! - D → P: `ACCEPTED`, or `REFUSED` + reason (the region check failed; nothing will be received).
 //! - P → D: `GO` then the payload (the sum of the lengths, in order), or `ABORT` (another part of
 //!   the same plan was refused) and nothing.
@@ -14,7 +15,9 @@ use std::io::{Read, Write};
 use crate::planner::Descriptor;
 
 pub const MAGIC: [u8; 4] = *b"PDSG";
-pub const VERSION: u16 = 2;
+pub const VERSION: u16 = 3;
+/// The longest auth token a request may carry.
+pub const MAX_TOKEN: u16 = 1024;
 /// The most descriptors one request may carry (16 MiB of header).
 pub const MAX_DESCRIPTORS: u32 = 1 << 20;
 /// The longest reason a reply may carry.
@@ -42,6 +45,8 @@ pub enum WireError {
     ReasonTooLong(u32),
     #[error("unknown status byte {0}")]
     BadStatus(u8),
+    #[error("an auth token of {0} bytes exceeds the limit of {MAX_TOKEN}")]
+    TokenTooLong(usize),
 }
 
 /// A reply of D.
@@ -53,22 +58,33 @@ pub enum Reply {
     Failed(String),
 }
 
-/// One request: the fence token of D's pull it serves (0: none) and the `(dst, len)` pairs.
-pub type Offer = (u64, Vec<(u64, u64)>);
+/// One request: P's auth token, the fence token of D's pull it serves (0: none) and the
+/// `(dst, len)` pairs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Offer {
+    pub auth: Vec<u8>,
+    pub fence: u64,
+    pub ranges: Vec<(u64, u64)>,
+}
 
 /// The request for `descriptors` (their destinations and lengths; sources stay on P), serving
-/// the pull D opened fence `fence` for.
-pub fn encode_request(fence: u64, descriptors: &[Descriptor]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(18 + descriptors.len() * 16);
+/// the pull D opened fence `fence` for, presenting `auth` (D's `--transfer-token`; empty: none).
+pub fn encode_request(auth: &[u8], fence: u64, descriptors: &[Descriptor]) -> Result<Vec<u8>, WireError> {
+    if auth.len() > usize::from(MAX_TOKEN) {
+        return Err(WireError::TokenTooLong(auth.len()));
+    }
+    let mut out = Vec::with_capacity(20 + auth.len() + descriptors.len() * 16);
     out.extend_from_slice(&MAGIC);
     out.extend_from_slice(&VERSION.to_le_bytes());
+    out.extend_from_slice(&(auth.len() as u16).to_le_bytes());
+    out.extend_from_slice(auth);
     out.extend_from_slice(&fence.to_le_bytes());
     out.extend_from_slice(&(descriptors.len() as u32).to_le_bytes());
     for d in descriptors {
         out.extend_from_slice(&d.dst.to_le_bytes());
         out.extend_from_slice(&d.len.to_le_bytes());
     }
-    out
+    Ok(out)
 }
 
 fn read_u32(r: &mut impl Read) -> std::io::Result<u32> {
@@ -77,7 +93,7 @@ fn read_u32(r: &mut impl Read) -> std::io::Result<u32> {
     Ok(u32::from_le_bytes(b))
 }
 
-/// Reads one request: its fence token and `(dst, len)` pairs. `Ok(None)` when the peer closed the
+/// Reads one request: its auth token, fence token and `(dst, len)` pairs. `Ok(None)` when the peer closed the
 /// connection cleanly before a request began.
 pub fn read_request(r: &mut impl Read) -> Result<Option<Offer>, WireError> {
     let mut magic = [0u8; 4];
@@ -100,6 +116,13 @@ pub fn read_request(r: &mut impl Read) -> Result<Option<Offer>, WireError> {
     if version != VERSION {
         return Err(WireError::BadVersion(version));
     }
+    r.read_exact(&mut v)?;
+    let auth_len = u16::from_le_bytes(v);
+    if auth_len > MAX_TOKEN {
+        return Err(WireError::TokenTooLong(usize::from(auth_len)));
+    }
+    let mut auth = vec![0u8; usize::from(auth_len)];
+    r.read_exact(&mut auth)?;
     let mut fence = [0u8; 8];
     r.read_exact(&mut fence)?;
     let fence = u64::from_le_bytes(fence);
@@ -109,16 +132,18 @@ pub fn read_request(r: &mut impl Read) -> Result<Option<Offer>, WireError> {
     }
     let mut body = vec![0u8; n as usize * 16];
     r.read_exact(&mut body)?;
-    Ok(Some((
+    Ok(Some(Offer {
+        auth,
         fence,
-        body.chunks_exact(16)
+        ranges: body
+            .chunks_exact(16)
             .map(|c| {
                 let (dst, len) = c.split_at(8);
                 let word = |b: &[u8]| b.iter().rev().fold(0u64, |acc, &x| (acc << 8) | x as u64);
                 (word(dst), word(len))
             })
             .collect(),
-    )))
+    }))
 }
 
 /// Writes one reply.
