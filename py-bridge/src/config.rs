@@ -8,6 +8,7 @@ use std::time::Duration;
 use pdflow::config::{Deadlines, VllmEnv};
 use pdflow_runtime::transfer::same_host::SameHostMode;
 use pdflow_runtime::transfer::tcp::TcpConfig;
+use pdflow_runtime::transfer::GpuPath;
 use serde::Deserialize;
 
 use crate::error::BridgeError;
@@ -41,6 +42,9 @@ pub struct ExtraConfig {
     pub write_timeout_s: Option<f64>,
     /// Record KV checksums on both sides of every transfer (costs a pass over the bytes).
     pub verify_checksums: Option<bool>,
+    /// With KV on a GPU: `auto` (CUDA IPC on one host, staged tcp across hosts) or `staged`
+    /// (staged tcp always).
+    pub gpu_path: Option<String>,
 }
 
 /// The resolved configuration of one connector.
@@ -70,7 +74,7 @@ impl BridgeConfig {
         } else {
             serde_json::from_str(extra_json).map_err(|e| {
                 BridgeError::Config(format!(
-                    "kv_connector_extra_config: {e}; known keys: host, bootstrap_port, bootstrap_url, transport, tcp_streams, auth_token, abort_request_timeout_s, pull_timeout_s, bootstrap_timeout_s, write_timeout_s, verify_checksums"
+                    "kv_connector_extra_config: {e}; known keys: host, bootstrap_port, bootstrap_url, transport, tcp_streams, auth_token, abort_request_timeout_s, pull_timeout_s, bootstrap_timeout_s, write_timeout_s, verify_checksums, gpu_path"
                 ))
             })?
         };
@@ -102,6 +106,13 @@ impl BridgeConfig {
                 return Err(BridgeError::Config(format!(
                     "kv_connector_extra_config[\"transport\"] = {other:?}: expected \"auto\" or \"tcp\""
                 )))
+            }
+        };
+        tcp.gpu_path = match extra.gpu_path.as_deref() {
+            None | Some("auto") => GpuPath::Auto,
+            Some("staged") => GpuPath::Staged,
+            Some(other) => {
+                return Err(BridgeError::Config(format!("kv_connector_extra_config[\"gpu_path\"] = {other:?}: expected \"auto\" or \"staged\"")));
             }
         };
         if extra.bootstrap_port == Some(0) {

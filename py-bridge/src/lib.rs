@@ -65,5 +65,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("ConnectorUnavailable", py.get_type::<error::ConnectorUnavailable>())?;
     m.add("MetadataError", py.get_type::<error::MetadataError>())?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    // Whether this build takes CUDA KV tensors (built with `--features cuda`).
+    m.add("GPU_KV", cfg!(feature = "cuda"))?;
     Ok(())
 }

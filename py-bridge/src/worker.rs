@@ -1,7 +1,8 @@
 //! `pdflow._native.WorkerConnector` — the worker role of `PdflowConnector`: the same worker-side
 //! actors `pdflow serve` runs, over vLLM's own KV tensors.
 //!
-//! `register_kv_caches` (seed step 3) registers the tensors' memory as regions and starts, on P,
+//! `register_kv_caches` (seed step 3) registers the tensors' memory as regions — host memory, or
+//! with `device` a CUDA device's memory (a build with `--features cuda`) — and starts, on P,
 //! the Bootstrap (step 2, TP0 only, unless an external one is configured) and the SenderListener
 //! (side channel + registration, steps 1, 4); on D, the tcp data server and the Receiver (step 5).
 //! `start_load_kv` forwards the step's metadata (steps 14, 19), `get_transfer_results` collects
@@ -15,6 +16,7 @@ use std::time::Duration;
 
 use kameo::prelude::*;
 use kameo::supervision::RestartPolicy;
+use pdflow::node::gpu_kv::{self, Held};
 use pdflow::node::supervisor::{NodeSupervisor, MAX_RESTARTS, RESTART_WINDOW};
 use pdflow::node::BootstrapNode;
 use pdflow_actors::receiver::{Receiver, ReceiverArgs};
@@ -25,11 +27,10 @@ use pdflow_messages::receiver::{GetFinishedRecving, StartLoadKv};
 use pdflow_messages::scheduler_connector::ConnectorMetadata;
 use pdflow_messages::sender_listener::{GetFinishedSending, RecordSendReqs};
 use pdflow_messages::{BlockId, RequestId};
-use pdflow_runtime::memory::{KvCache, KvShape};
+use pdflow_runtime::memory::{KvCache, KvShape, MemoryKind};
 use pdflow_runtime::transfer::fence::WriteFence;
 use pdflow_runtime::transfer::same_host::SameHostMode;
-use pdflow_runtime::transfer::tcp::TcpDataServer;
-use pdflow_runtime::transfer::AutoTransferEngine;
+use pdflow_runtime::transfer::tcp::{DataServerOptions, TcpDataServer};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use tokio::sync::Notify;
@@ -52,6 +53,8 @@ struct Running {
     receiver: Option<ActorRef<Receiver>>,
     bootstrap: Option<BootstrapNode>,
     data_server: Option<TcpDataServer>,
+    /// D's serving of GPU KV (staged receiver, local-peer registration), while it serves.
+    _gpu_serving: Vec<Held>,
     info: Vec<(&'static str, String)>,
 }
 
@@ -103,6 +106,7 @@ impl WorkerBridge {
         let events = Arc::new(Notify::new());
         let mut info = vec![("engine_id", self.engine_id.clone())];
         let (mut sender_listener, mut receiver, mut bootstrap, mut data_server) = (None, None, None, None);
+        let mut gpu_serving: Vec<Held> = Vec::new();
         // kv_both runs both halves: it may prefill for a peer and load from one.
         let (produces, consumes) = (matches!(self.role, KvRole::Producer | KvRole::Both), matches!(self.role, KvRole::Consumer | KvRole::Both));
         if produces {
@@ -122,7 +126,7 @@ impl WorkerBridge {
                 None => format!("http://{}:{}", cfg.host, cfg.bootstrap_port),
             };
             info.push(("bootstrap_url", bootstrap_url.clone()));
-            let transfer = Arc::new(AutoTransferEngine::new(kv_cache.region_table(), cfg.tcp.clone()));
+            let transfer = gpu_kv::producer_engine(&kv_cache, &cfg.tcp).map_err(|e| BridgeError::Config(e.to_string()))?;
             let args = SenderListenerArgs {
                 engine_id: self.engine_id.clone(),
                 dp_rank: 0,
@@ -153,9 +157,17 @@ impl WorkerBridge {
             let bind: SocketAddr =
                 format!("{}:0", cfg.host).parse().map_err(|e| BridgeError::Config(format!("data server address {}:0: {e}", cfg.host)))?;
             let fence = WriteFence::new();
-            let server = TcpDataServer::bind_fenced(bind, kv_cache.region_table(), cfg.tcp.auth_token.clone(), cfg.tcp.same_host != SameHostMode::Off, Some(fence.clone()))
-                .await
-                .map_err(|e| BridgeError::unavailable("KV data server", e))?;
+            let (device_export, serving) = gpu_kv::serve_gpu_kv(&kv_cache, &cfg.host, &cfg.tcp, &fence).map_err(|e| BridgeError::unavailable("GPU KV serving", e))?;
+            gpu_serving.extend(serving);
+            let options = DataServerOptions {
+                auth_token: cfg.tcp.auth_token.clone(),
+                // P writes GPU KV by the cuda engines, never through D's host memory.
+                offer_same_host: cfg.tcp.same_host != SameHostMode::Off && kv_cache.memory() == MemoryKind::Host,
+                fence: Some(fence.clone()),
+                device_export,
+            };
+            let server = TcpDataServer::bind_options(bind, kv_cache.region_table(), options).await.map_err(|e| BridgeError::unavailable("KV data server", e))?;
+            gpu_serving.extend(gpu_kv::register_local_peer(&server.local_addr().to_string(), &kv_cache, &fence).map_err(|e| BridgeError::Config(e.to_string()))?);
             info.push(("data_addr", server.local_addr().to_string()));
             let args = ReceiverArgs {
                 engine_id: self.engine_id.clone(),
@@ -179,7 +191,29 @@ impl WorkerBridge {
             started("Receiver", &r).await?;
             receiver = Some(r);
         }
-        Ok(Running { supervisor, kv_cache, sender_listener, receiver, bootstrap, data_server, info })
+        Ok(Running { supervisor, kv_cache, sender_listener, receiver, bootstrap, data_server, _gpu_serving: gpu_serving, info })
+    }
+}
+
+/// The cache over vLLM's tensors: host memory, or CUDA device `device`'s.
+fn register_memory(shape: KvShape, num_blocks: usize, raw: &[(*mut u8, usize)], owner: Py<PyAny>, device: Option<usize>) -> Result<Arc<KvCache>, BridgeError> {
+    let registration = |e: pdflow_runtime::memory::ExternalRegionError| BridgeError::Registration(e.to_string());
+    match device {
+        // SAFETY: the addresses come from the tensors in `owner` (host memory, checked contiguous
+        // by the Python side), which the cache keeps alive; vLLM's block manager gives each block
+        // one owner at a time, which is the cache's contract.
+        None => unsafe { KvCache::from_external(shape, num_blocks, raw, Box::new(owner)) }.map_err(registration),
+        #[cfg(feature = "cuda")]
+        // SAFETY: as above, for the tensors' device memory (each region is checked to lie in an
+        // allocation of `device`).
+        Some(device) => unsafe { KvCache::from_external_cuda(shape, num_blocks, device, raw, Box::new(owner)) }.map_err(registration),
+        #[cfg(not(feature = "cuda"))]
+        Some(device) => {
+            drop(owner);
+            Err(BridgeError::Registration(format!(
+                "KV cache on cuda:{device}: this pdflow wheel was built without GPU support (build it with `maturin build --features cuda`)"
+            )))
+        }
     }
 }
 
@@ -195,11 +229,11 @@ impl WorkerBridge {
     }
 
     /// Seed step 3: registers one region per entry of `regions` (`(address, length)` of host
-    /// memory, one per layer, each `num_blocks` blocks of `num_kv_heads × block_size × 2·head_dim`
+    /// memory — or, with `device`, of that CUDA device's memory — one per layer, each `num_blocks` blocks of `num_kv_heads × block_size × 2·head_dim`
     /// elements of `dtype_bytes`), then starts the worker-side actors. `owner` (the tensors) is
     /// kept alive for as long as the connector is. Returns what peers need: engine id, bootstrap
     /// URL (P) or data server address (D).
-    #[pyo3(signature = (regions, num_blocks, num_kv_heads, block_size, head_dim, dtype_bytes, owner, tp_rank=0, tp_size=1))]
+    #[pyo3(signature = (regions, num_blocks, num_kv_heads, block_size, head_dim, dtype_bytes, owner, tp_rank=0, tp_size=1, device=None))]
     #[allow(clippy::too_many_arguments)]
     fn register_kv_caches<'py>(
         &self,
@@ -213,6 +247,7 @@ impl WorkerBridge {
         owner: Py<PyAny>,
         tp_rank: u32,
         tp_size: u32,
+        device: Option<usize>,
     ) -> PyResult<Bound<'py, PyDict>> {
         if tp_size != 1 {
             return Err(BridgeError::Config(format!(
@@ -232,17 +267,14 @@ impl WorkerBridge {
         }
         let shape = KvShape { num_layers: regions.len(), num_kv_heads, head_dim, dtype_bytes, block_size };
         let raw: Vec<(*mut u8, usize)> = regions.iter().map(|&(addr, len)| (addr as *mut u8, len)).collect();
-        // SAFETY: the addresses come from the tensors in `owner` (host memory, checked contiguous
-        // by the Python side), which the cache keeps alive; vLLM's block manager gives each block
-        // one owner at a time, which is the cache's contract.
-        let kv_cache = unsafe { KvCache::from_external(shape, num_blocks, &raw, Box::new(owner)) }
-            .map_err(|e| BridgeError::Registration(e.to_string()))?;
+        let kv_cache = register_memory(shape, num_blocks, &raw, owner, device)?;
         let running = py.detach(|| self.rt.block_on(self.start(kv_cache, tp_rank)))??;
         let info = PyDict::new(py);
         for (k, v) in &running.info {
             info.set_item(*k, v)?;
         }
         info.set_item("regions", running.kv_cache.regions().len())?;
+        info.set_item("kv_memory", running.kv_cache.memory().to_string())?;
         *lock(&self.running) = Some(running);
         Ok(info)
     }

@@ -21,6 +21,7 @@ def test_an_unknown_extra_config_key_is_refused_by_name():
         ({"pull_timeout_s": -1}, "pull_timeout_s"),
         ({"host": "not-an-ip"}, "host"),
         ({"bootstrap_url": "127.0.0.1:8998"}, "bootstrap_url"),
+        ({"gpu_path": "nvlink"}, "gpu_path"),
     ],
 )
 def test_bad_values_are_refused_with_the_key(extra, needle):
@@ -57,6 +58,18 @@ def test_worker_registration_refuses_what_it_cannot_serve():
                 "l0": torch.zeros(8, 8, 16, 256, dtype=torch.bfloat16),
                 "l1": torch.zeros(9, 8, 16, 256, dtype=torch.bfloat16),
             })
+        with pytest.raises(pdflow.RegistrationError, match="one engine's KV lives on one device"):
+            worker.register_kv_caches({
+                "l0": torch.zeros(8, 8, 16, 256, dtype=torch.bfloat16),
+                "l1": torch.zeros(8, 8, 16, 256, dtype=torch.bfloat16, device="meta"),
+            })
+        with pytest.raises(pdflow.RegistrationError, match="host memory or CUDA device memory"):
+            worker.register_kv_caches({"l0": torch.zeros(8, 8, 16, 256, dtype=torch.bfloat16, device="meta")})
+        if not _native.GPU_KV:
+            # The wheel CI builds has no GPU support: a CUDA device index is refused by the native
+            # half too, saying how to build one that has (no CUDA tensor is needed to ask).
+            with pytest.raises(pdflow.RegistrationError, match="without GPU support"):
+                worker._work().register_kv_caches([(1 << 20, 8 * 8 * 16 * 256 * 2)], 8, 8, 16, 128, 2, None, 0, 1, 0)
         with pytest.raises(pdflow.ConnectorUnavailable, match="register_kv_caches"):
             worker.get_transfer_results(set())
     finally:

@@ -4,6 +4,8 @@
 #   cargo build --release --features cuda --bin pdflow          -> target/cuda-carry/pdflow (stripped copy)
 #   cargo test -p pdflow-runtime --features cuda --lib --no-run -> target/cuda-carry/runtime-tests (stripped copy)
 #   cargo test -p pdflow-tests --test gpu_kv_processes --no-run  -> target/cuda-carry/gpu-kv-processes (stripped copy)
+#   maturin build --release --features cuda (in py-bridge/)     -> target/cuda-carry/wheels/pdflow-*.whl
+#   pip download pytest (pure-Python wheels)                    -> target/cuda-carry/wheels/
 # (carry: target/cuda-carry). Writes its log, the demo's report and trace under $OUT.
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -22,6 +24,17 @@ elapsed() { echo "-- $1 done at +$((SECONDS - T0)) s"; }
     timeout 200 "$CARRY/gpu-kv-processes" --nocapture --test-threads 1; echo "processes rc=$?"; elapsed processes
   echo "== pdflow demo --device cuda"
   timeout 150 "$CARRY/pdflow" demo --device cuda --json "$OUT/demo_cuda.json" --trace-file "$OUT/demo_cuda_trace.json"; echo "demo rc=$?"; elapsed demo
+  echo "== pdflow demo --device cuda --gpu-path staged (the cross-host path, on loopback)"
+  timeout 150 "$CARRY/pdflow" demo --device cuda --gpu-path staged --json "$OUT/demo_cuda_staged.json"; echo "demo staged rc=$?"; elapsed "demo staged"
+  echo "== the vLLM bridge over CUDA KV tensors (torch, no vLLM)"
+  if ls "$CARRY"/wheels/pdflow-*.whl >/dev/null 2>&1; then
+    rm -rf /tmp/pyextra && python3 -m pip install -q --no-index --no-deps --target /tmp/pyextra "$CARRY"/wheels/*.whl 2>&1 | tail -3
+    PYTHONPATH=/tmp/pyextra PDFLOW_TEST_GPUS=$([ "$GPUS" -ge 2 ] && echo 0,1 || echo 0,0) \
+      timeout 300 python3 -m pytest -q -rs -p no:cacheprovider py-bridge/tests/test_cuda_tensors.py; echo "bridge rc=$?"
+  else
+    echo "no pdflow wheel carried: skipped"
+  fi
+  elapsed bridge
   echo "== pdflow demo (host KV, same machine, for comparison)"
   timeout 150 "$CARRY/pdflow" demo --json "$OUT/demo_host.json"; echo "demo host rc=$?"; elapsed "demo host"
   for extra in "$@"; do echo "== $extra"; timeout 200 bash -c "$extra"; echo "rc=$?"; elapsed "$extra"; done

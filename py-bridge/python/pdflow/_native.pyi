@@ -3,6 +3,8 @@
 from typing import Any, Optional
 
 __version__: str
+GPU_KV: bool
+"""Whether this build registers CUDA KV tensors (built with ``--features cuda``)."""
 
 class PdflowError(Exception): ...
 class ConfigError(PdflowError): ...
@@ -75,6 +77,7 @@ class WorkerConnector:
         owner: Any,
         tp_rank: int = 0,
         tp_size: int = 1,
+        device: Optional[int] = None,
     ) -> dict[str, Any]: ...
     def start_load_kv(self, metadata: bytes) -> None: ...
     def get_transfer_results(self) -> tuple[list[str], list[str], list[str]]: ...

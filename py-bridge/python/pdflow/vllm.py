@@ -27,7 +27,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.logger import init_logger
 
 from pdflow import _native
-from pdflow._native import ConfigError, RegistrationError
+from pdflow._native import ConfigError
+from pdflow.kv_regions import regions_of
 
 if TYPE_CHECKING:
     import torch
@@ -234,11 +235,11 @@ class PdflowConnector(KVConnectorBase_V1, SupportsHMA):
         return self._worker
 
     def register_kv_caches(self, kv_caches: dict[str, "torch.Tensor"]) -> None:
-        regions, geometry, owners = _regions_of(kv_caches)
+        regions, geometry, owners, device = regions_of(kv_caches)
         num_blocks, heads, block_size, head_dim, dtype_bytes = geometry
         tp_rank, tp_size = _tp_rank_and_size(self._vllm_config)
         info = self._work().register_kv_caches(
-            regions, num_blocks, heads, block_size, head_dim, dtype_bytes, owners, tp_rank, tp_size
+            regions, num_blocks, heads, block_size, head_dim, dtype_bytes, owners, tp_rank, tp_size, device
         )
         logger.info("pdflow connector registered %d KV regions of %d blocks: %s", len(regions), num_blocks, info)
 
@@ -277,45 +278,3 @@ class PdflowConnector(KVConnectorBase_V1, SupportsHMA):
         if self._scheduler is not None:
             self._scheduler.shutdown()
         _native.flush_traces()
-
-
-def _regions_of(kv_caches: dict[str, "torch.Tensor"]) -> tuple[list[tuple[int, int]], tuple[int, int, int, int, int], list]:
-    """One region per layer in the LBHNC layout (``[num_blocks, heads, block_size, 2*head_dim]``);
-    two per layer (K, V) in the split layout ``[2, num_blocks, ...]``."""
-    regions: list[tuple[int, int]] = []
-    owners: list = []
-    geometry: Optional[tuple[int, int, int, int, int]] = None
-    if not kv_caches:
-        raise RegistrationError("register_kv_caches got no KV cache tensors")
-    for name, t in kv_caches.items():
-        if t.device.type != "cpu":
-            raise RegistrationError(
-                f"layer {name}: KV cache on {t.device}; pdflow's vLLM connector registers host memory "
-                "so far (GPU KV is served by `pdflow serve --kv-device N`, built with --features cuda; "
-                "the bridge does not take CUDA tensors yet)"
-            )
-        if not t.is_contiguous():
-            raise RegistrationError(f"layer {name}: KV cache tensor is not contiguous (shape {tuple(t.shape)})")
-        if t.dim() == 4:
-            num_blocks, heads, block_size, kv_dim = (int(x) for x in t.shape)
-            parts = [t]
-        elif t.dim() == 5 and int(t.shape[0]) == 2:
-            _, num_blocks, a, b, d = (int(x) for x in t.shape)
-            heads, block_size, kv_dim = a, b, d  # each of K and V is its own region
-            parts = [t[0], t[1]]
-        else:
-            raise RegistrationError(
-                f"layer {name}: KV cache shape {tuple(t.shape)} is neither LBHNC "
-                "[num_blocks, heads, block_size, 2*head_dim] nor split [2, num_blocks, ...]"
-            )
-        if kv_dim % 2:
-            raise RegistrationError(f"layer {name}: last dimension {kv_dim} is not K and V side by side")
-        g = (num_blocks, heads, block_size, kv_dim // 2, int(t.element_size()))
-        if geometry is not None and g != geometry:
-            raise RegistrationError(f"layer {name}: geometry {g} differs from the first layer's {geometry}")
-        geometry = g
-        for p in parts:
-            regions.append((int(p.data_ptr()), int(p.numel()) * int(p.element_size())))
-        owners.append(t)
-    assert geometry is not None
-    return regions, geometry, owners
