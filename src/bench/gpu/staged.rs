@@ -183,7 +183,12 @@ pub(super) fn run(runs: usize) -> anyhow::Result<(Vec<Row>, bool)> {
                 continue;
             }
             d_mem.fill(0)?;
+            let cold = Instant::now();
             sender.write(&peer, plan)?;
+            if i == 0 {
+                // The first write connects and pins every connection's staging ring on both sides.
+                rows.push(report::row(&format!("{label}, first write (connects, pins rings)"), Some("cuda-staged"), Some(plan_name), None, Some(plan.total_bytes()), &[cold.elapsed().as_secs_f64() * 1e3]));
+            }
             let got = cuda::plan_checksum(&ctx_d, plan, false)?;
             let ok = got == expected[i] && got != zeros(plan);
             println!("verify {label} {plan_name}: P {:016x} D {got:016x} {}", expected[i], if ok { "OK" } else { "MISMATCH" });

@@ -61,6 +61,9 @@ pub struct GpuTransferEngine {
     control: TcpTransferEngine,
     path: GpuPath,
     routes: Mutex<HashMap<String, Route>>,
+    /// One choice at a time per peer: a write that comes while the prepare still chooses (opens
+    /// handles, warms the staged connections) waits for it instead of doing it all again.
+    choosing: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
 }
 
 impl std::fmt::Debug for GpuTransferEngine {
@@ -81,7 +84,7 @@ impl GpuTransferEngine {
         let staged = Arc::new(StagedSender::new(&ctx, cache.regions(), config).with_auth_token(tcp.auth_token.as_deref()));
         let path = tcp.gpu_path;
         let control = TcpTransferEngine::new(cache.region_table(), tcp);
-        Ok(Self { peer, ipc: CudaIpcEngine::new(writer), staged, control, path, routes: Mutex::new(HashMap::new()) })
+        Ok(Self { peer, ipc: CudaIpcEngine::new(writer), staged, control, path, routes: Mutex::default(), choosing: Mutex::default() })
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Route>> {
@@ -89,20 +92,34 @@ impl GpuTransferEngine {
         self.routes.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// The path to `peer`: cached while D's process lives, else chosen afresh.
+    /// The path to `peer`: cached while D's process lives, else chosen afresh (once at a time).
     async fn route(&self, peer: &str) -> Result<Route, TransferError> {
+        if let Some(route) = self.cached(peer) {
+            return Ok(route);
+        }
+        let turn = self.choosing.lock().unwrap_or_else(PoisonError::into_inner).entry(peer.to_string()).or_default().clone();
+        let _turn = turn.lock().await;
+        // The choice that held the turn may have made it meanwhile.
+        if let Some(route) = self.cached(peer) {
+            return Ok(route);
+        }
+        let route = self.choose(peer).await?;
+        self.lock().insert(peer.to_string(), route.clone());
+        Ok(route)
+    }
+
+    /// The cached path to `peer`, unless it went to a D process that is gone.
+    fn cached(&self, peer: &str) -> Option<Route> {
         let cached = self.lock().get(peer).cloned();
         match cached {
             Some(Route::Ipc { pid }) if !process_alive(pid) => {
                 tracing::info!(%peer, pid, "D's process is gone: asking its data server for a new device offer");
                 self.ipc.forget_peer(peer);
+                self.lock().remove(peer);
+                None
             }
-            Some(route) => return Ok(route),
-            None => {}
+            other => other,
         }
-        let route = self.choose(peer).await?;
-        self.lock().insert(peer.to_string(), route.clone());
-        Ok(route)
     }
 
     /// Forgets the path to `peer` after a failure that may mean D moved (restarted, receiver gone).
