@@ -93,7 +93,9 @@ impl DeviceServing {
         let addr = if bind_host.contains(':') { format!("[{bind_host}]:0") } else { format!("{bind_host}:0") };
         let config = StagedConfig { deadline, ..StagedConfig::default() };
         let auth = auth_token.map(|t| t.as_bytes().to_vec());
-        let staged = StagedReceiver::bind_guarded(&ctx, regions, &addr, config, fence, auth).map_err(|source| DeviceServingError::Staged { addr, source })?;
+        let staged = StagedReceiver::bind_guarded(&ctx, regions, &addr, config, fence, auth).map_err(|source| DeviceServingError::Staged { addr: addr.clone(), source })?;
+        // One ring per connection of a P's default write, pinned now rather than on P's first.
+        staged.prepin(config.streams).map_err(|source| DeviceServingError::Staged { addr, source })?;
         let offer = DeviceOffer { host_id: crate::transfer::same_host::host_identity().to_string(), ipc, staged_port: Some(staged.local_addr().port()) };
         Ok(Self { export: offer.encode()?, staged })
     }

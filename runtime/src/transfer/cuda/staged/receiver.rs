@@ -35,6 +35,9 @@ struct Shared {
     stop: AtomicBool,
     /// Clones of the live connections, shut down on stop.
     conns: Mutex<Vec<TcpStream>>,
+    /// Staging rings pinned ahead ([`StagedReceiver::prepin`]) or left by ended connections: a
+    /// new connection takes one instead of pinning its own (pinning 16 MiB takes milliseconds).
+    spare_rings: Mutex<Vec<Vec<Slot>>>,
     threads: Mutex<Vec<JoinHandle<()>>>,
 }
 
@@ -81,6 +84,7 @@ impl StagedReceiver {
             auth_token,
             stop: AtomicBool::new(false),
             conns: Mutex::default(),
+            spare_rings: Mutex::default(),
             threads: Mutex::default(),
         });
         let accept_shared = shared.clone();
@@ -94,6 +98,24 @@ impl StagedReceiver {
     /// Where P connects.
     pub fn local_addr(&self) -> SocketAddr {
         self.local_addr
+    }
+
+    /// Pins `n` staging rings now (at most [`MAX_SPARE_RINGS`] are kept), so that P's first
+    /// connections do not wait for D to pin theirs.
+    pub fn prepin(&self, n: usize) -> Result<(), StagedError> {
+        let want = n.min(MAX_SPARE_RINGS);
+        let have = self.shared.spare_rings.lock().unwrap_or_else(PoisonError::into_inner).len();
+        let mut made = Vec::new();
+        for _ in have..want {
+            made.push(ring(&self.shared.ctx, &self.shared.config)?);
+        }
+        self.shared.spare_rings.lock().unwrap_or_else(PoisonError::into_inner).extend(made);
+        Ok(())
+    }
+
+    /// Staging rings pinned and not in use by a connection.
+    pub fn spare_rings(&self) -> usize {
+        self.shared.spare_rings.lock().unwrap_or_else(PoisonError::into_inner).len()
     }
 }
 
@@ -134,6 +156,41 @@ fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
         });
         if let Ok(h) = spawned {
             shared.threads.lock().unwrap_or_else(PoisonError::into_inner).push(h);
+        }
+    }
+}
+
+/// The most idle staging rings a receiver keeps pinned.
+pub const MAX_SPARE_RINGS: usize = 16;
+
+/// One connection's CUDA stream and staging ring; the ring goes back to the spares when the
+/// connection ends, once the stream has finished every copy out of it.
+struct ConnRing<'a> {
+    shared: &'a Shared,
+    stream: Arc<CudaStream>,
+    ring: Vec<Slot>,
+}
+
+impl<'a> ConnRing<'a> {
+    fn take(shared: &'a Shared) -> Result<Self, StagedError> {
+        let stream = shared.ctx.new_stream()?;
+        let spare = shared.spare_rings.lock().unwrap_or_else(PoisonError::into_inner).pop();
+        let ring = match spare {
+            Some(ring) => ring,
+            None => ring(&shared.ctx, &shared.config)?,
+        };
+        Ok(Self { shared, stream, ring })
+    }
+}
+
+impl Drop for ConnRing<'_> {
+    fn drop(&mut self) {
+        if self.stream.synchronize().is_err() {
+            return; // the context is broken: the buffers are not safe to hand on
+        }
+        let mut spare = self.shared.spare_rings.lock().unwrap_or_else(PoisonError::into_inner);
+        if spare.len() < MAX_SPARE_RINGS {
+            spare.push(std::mem::take(&mut self.ring));
         }
     }
 }
@@ -185,8 +242,9 @@ fn serve_conn(mut tcp: TcpStream, shared: &Shared) -> Result<(), StagedError> {
     tcp.set_nodelay(true).map_err(io)?;
     tcp.set_write_timeout(Some(shared.config.deadline)).map_err(io)?;
     shared.ctx.bind_to_thread().map_err(CudaError::from)?;
-    let stream = shared.ctx.new_stream()?;
-    let mut ring = ring(&shared.ctx, &shared.config)?;
+    let mut conn = ConnRing::take(shared)?;
+    let ConnRing { stream, ring, .. } = &mut conn;
+    let stream = &*stream;
     loop {
         // Idle between requests: no deadline until one begins.
         tcp.set_read_timeout(None).map_err(io)?;
@@ -226,7 +284,7 @@ fn serve_conn(mut tcp: TcpStream, shared: &Shared) -> Result<(), StagedError> {
         let until = Instant::now() + shared.config.deadline;
         // Short reads while the payload lands, so that a revoked fence is seen within FENCE_CHECK.
         tcp.set_read_timeout(Some(FENCE_CHECK)).map_err(io)?;
-        let received = receive(&mut tcp, &peer, &stream, &mut ring, &offered, shared, until, guard.as_ref());
+        let received = receive(&mut tcp, &peer, stream, ring, &offered, shared, until, guard.as_ref());
         drop(guard);
         match received {
             Ok(()) => wire::write_reply(&mut tcp, &Reply::Done).map_err(io)?,

@@ -206,3 +206,29 @@ fn a_receiver_with_an_auth_token_takes_only_requests_that_present_it() {
     sender.write(&peer, &plan).expect("the right token");
     assert_eq!(plan_checksum(&ctx_d, &plan, false).expect("D"), plan_checksum(&ctx_p, &plan, true).expect("P"));
 }
+
+#[test]
+fn a_receiver_lends_its_prepinned_rings_to_connections_and_takes_them_back() {
+    let Some((ctx_p, ctx_d, p_mem, d_mem)) = two_sides(|i| (i as u64 * 5 + 2) as u8) else { return };
+    let (p_regions, d_regions) = (regions_at(p_mem.ptr), regions_at(d_mem.ptr));
+    let config = StagedConfig { chunk_bytes: 16 * 1024, depth: 2, streams: 2, deadline: Duration::from_secs(20) };
+    let receiver = StagedReceiver::bind(&ctx_d, d_regions.clone(), "127.0.0.1:0", config).expect("D listens");
+    receiver.prepin(3).expect("pins three rings");
+    assert_eq!(receiver.spare_rings(), 3);
+    let spare_within = |n: usize| {
+        let until = std::time::Instant::now() + Duration::from_secs(10);
+        while receiver.spare_rings() != n {
+            assert!(std::time::Instant::now() < until, "expected {n} spare rings, have {}", receiver.spare_rings());
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    };
+    let plan = build_plan(&p_regions, &[1, 2, 3, 4], &d_regions, &[5, 6, 7, 8], true).expect("plan");
+    let sender = StagedSender::new(&ctx_p, p_regions.clone(), config);
+    sender.write(&receiver.local_addr().to_string(), &plan).expect("write");
+    assert_eq!(plan_checksum(&ctx_d, &plan, false).expect("D"), plan_checksum(&ctx_p, &plan, true).expect("P"), "bytes through lent rings");
+    spare_within(1); // two connections hold one ring each
+    drop(sender); // P's connections close: their rings come back
+    spare_within(3);
+    receiver.prepin(100).expect("pins up to the cap");
+    assert_eq!(receiver.spare_rings(), receiver::MAX_SPARE_RINGS);
+}
