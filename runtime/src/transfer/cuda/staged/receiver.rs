@@ -256,9 +256,12 @@ fn serve_conn(mut tcp: TcpStream, shared: &Shared) -> Result<(), StagedError> {
         tcp.set_read_timeout(Some(shared.config.deadline)).map_err(io)?;
         if let Some(expected) = &shared.auth_token {
             if !crate::transfer::tcp::constant_time_eq(expected, &auth) {
+                // Refused like a bad destination: nothing is received, and the connection stays in
+                // step (P sends a payload only after ACCEPTED), so P's pool keeps a usable one.
+                tracing::warn!(%peer, "staged request with a wrong or missing auth token refused");
                 let reason = "the auth token does not match D's (--transfer-token / PDFLOW_TRANSFER_TOKEN must be the same on P and D)";
-                let _ = wire::write_reply(&mut tcp, &Reply::Refused(reason.into()));
-                return Err(StagedError::Refused { peer, reason: reason.into() });
+                wire::write_reply(&mut tcp, &Reply::Refused(reason.into())).map_err(io)?;
+                continue;
             }
         }
         if let Err(reason) = check_destinations(&shared.regions, &offered) {
