@@ -15,6 +15,7 @@
 
 mod ipc;
 mod one_process;
+mod serving;
 mod staged;
 
 use anyhow::bail;

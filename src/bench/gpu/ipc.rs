@@ -7,7 +7,8 @@
 //! the uncoalesced plan (2,268 × 64 KiB), a plan whose block ids are scattered on both sides, and
 //! 4,536 × 32 KiB. D verifies every plan's bytes (checksum over its destination blocks against
 //! P's). Timed with CUDA events, medians of `--runs`: the launch; the launch plus P's completion
-//! wait (host clock); one driver copy per descriptor; and the same-run ceilings, one copy of the
+//! wait (host clock); the whole write as P's serving engine makes it, D's write fence held
+//! around it ([`super::serving`]); one driver copy per descriptor; and the same-run ceilings, one copy of the
 //! seed's bytes through the IPC mapping and one in-process `cuMemcpyPeerAsync`. Exit status 1 if
 //! any check fails.
 //!
@@ -115,6 +116,7 @@ pub(super) fn run(runs: usize) -> anyhow::Result<(Vec<Row>, bool)> {
         Ok(())
     };
 
+    let serving = super::serving::ServingPath::start(&p_regions, &export)?;
     let mut rows: Vec<Row> = Vec::new();
     for (plan_name, plan) in &plans {
         let bytes = plan.total_bytes();
@@ -141,6 +143,15 @@ pub(super) fn run(runs: usize) -> anyhow::Result<(Vec<Row>, bool)> {
             Ok(t.elapsed().as_secs_f64() * 1e3)
         })?;
         rows.push(report::row("ipc whole write: checks + upload + launch + wait", Some("cuda-ipc"), Some(plan_name), None, Some(bytes), &s));
+
+        // The same write through the serving engine: D's fence held around it.
+        verify(&format!("{plan_name} serving write"), plan, &|| serving.write(plan))?;
+        let s = time_runs(runs, || {
+            let t = Instant::now();
+            serving.write(plan)?;
+            Ok(t.elapsed().as_secs_f64() * 1e3)
+        })?;
+        rows.push(report::row("serving write (GpuTransferEngine): fence hold + whole write + release", Some("cuda-ipc"), Some(plan_name), None, Some(bytes), &s));
 
         let translated = peer.map().translate_plan(&p_regions, plan)?;
         verify(&format!("{plan_name} copy per descriptor"), plan, &|| Ok(cuda::copy_per_descriptor_uva(&stream0, &translated)?))?;
@@ -196,6 +207,7 @@ pub(super) fn run(runs: usize) -> anyhow::Result<(Vec<Row>, bool)> {
             println!("{plan}: one launch {k:.3} ms, {:.1}x faster than one driver copy per descriptor ({b:.3} ms)", b / k);
         }
     }
+    drop(serving);
     drop(peer);
     d.quit()?;
     Ok((rows, all_ok))
