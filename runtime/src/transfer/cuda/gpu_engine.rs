@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 use futures::future::BoxFuture;
 
 use super::device_offer::DeviceOffer;
-use super::ipc::CudaIpcWriter;
+use super::ipc::{CudaIpcWriter, IpcError};
 use super::ipc_engine::{CudaIpcEngine, JOIN_SLACK};
 use super::peer_engine::{self, CudaPeerEngine};
 use super::staged::{sender, StagedConfig, StagedEngine, StagedSender};
@@ -223,9 +223,29 @@ impl GpuTransferEngine {
                 return Err(TransferError::Timeout { peer: peer.to_string(), deadline: left });
             }
         }
-        let hold = self.control.hold_fence(peer, plan.fence).await?;
+        // The checks, translation and descriptor upload run while the hold's round trip is in
+        // flight; the launch waits for D's ack.
+        let (held_tx, held_rx) = std::sync::mpsc::sync_channel::<bool>(1);
+        let wait_for_hold = self.control.config().connect_timeout + JOIN_SLACK;
         let (ipc, owned_peer, owned_plan) = (self.ipc.clone(), peer.to_string(), plan.clone());
-        let mut copy = tokio::task::spawn_blocking(move || ipc.write_blocking(&owned_peer, &owned_plan));
+        let mut copy = tokio::task::spawn_blocking(move || {
+            ipc.write_blocking_when(&owned_peer, &owned_plan, || match held_rx.recv_timeout(wait_for_hold) {
+                Ok(true) => Ok(()),
+                _ => Err(IpcError::NotLaunched("D's data server did not hold the pull's fence".into())),
+            })
+        });
+        let hold = match self.control.hold_fence(peer, plan.fence).await {
+            Ok(hold) => {
+                let _ = held_tx.send(true);
+                hold
+            }
+            Err(e) => {
+                let _ = held_tx.send(false);
+                // Nothing is launched; the task hands its descriptor table back and ends.
+                let _ = copy.await;
+                return Err(e);
+            }
+        };
         let deadline = self.ipc.writer().deadline + JOIN_SLACK;
         match tokio::time::timeout(deadline, &mut copy).await {
             Ok(joined) => {

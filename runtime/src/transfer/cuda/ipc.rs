@@ -51,6 +51,8 @@ pub enum IpcError {
     Timeout { deadline: Duration },
     #[error("the export could not be encoded: {0}")]
     Encode(String),
+    #[error("the write was not launched: {0}")]
+    NotLaunched(String),
 }
 
 /// One CUDA IPC memory handle (the driver's opaque 64 bytes).
@@ -336,8 +338,19 @@ impl CudaIpcWriter {
     /// Seed step 29 on GPUs: checks, translates and writes `plan` into the peer's regions in one
     /// launch, and returns once the bytes are in D's memory.
     pub fn write(&self, peer: &ImportedKv, plan: &TransferPlan) -> Result<TransferStats, IpcError> {
+        self.write_when(peer, plan, || Ok(()))
+    }
+
+    /// As [`Self::write`], launching only once `go` allowed it (serving: D's data server acked
+    /// the fence hold — the checks and the upload overlap that round trip); when `go` fails,
+    /// nothing is launched and its error is returned.
+    pub fn write_when(&self, peer: &ImportedKv, plan: &TransferPlan, go: impl FnOnce() -> Result<(), IpcError>) -> Result<TransferStats, IpcError> {
         let start = Instant::now();
         let prepared = self.prepare(peer, plan)?;
+        if let Err(e) = go() {
+            *self.spare.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(prepared.plan);
+            return Err(e);
+        }
         self.launch(&prepared)?;
         self.wait_complete()?;
         let stats = TransferStats { bytes: prepared.bytes(), descriptors: prepared.descriptors(), duration: start.elapsed() };

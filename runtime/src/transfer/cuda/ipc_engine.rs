@@ -80,8 +80,14 @@ impl CudaIpcEngine {
 
     /// The blocking write: checks, translation, one launch, the completion wait.
     pub fn write_blocking(&self, peer: &str, plan: &TransferPlan) -> Result<TransferStats, TransferError> {
+        self.write_blocking_when(peer, plan, || Ok(()))
+    }
+
+    /// As [`Self::write_blocking`], launching only once `go` allowed it
+    /// ([`CudaIpcWriter::write_when`]).
+    pub fn write_blocking_when(&self, peer: &str, plan: &TransferPlan, go: impl FnOnce() -> Result<(), IpcError>) -> Result<TransferStats, TransferError> {
         let imported = self.lock().get(peer).cloned().ok_or_else(|| unregistered(peer))?;
-        self.writer.write(&imported, plan).map_err(|e| to_transfer_error(peer, e))
+        self.writer.write_when(&imported, plan, go).map_err(|e| to_transfer_error(peer, e))
     }
 }
 
