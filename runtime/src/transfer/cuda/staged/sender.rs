@@ -28,11 +28,31 @@ use crate::transfer::{TransferEngine, TransferError, TransferStats};
 /// The backend name of [`StagedEngine`].
 pub const BACKEND: &str = "cuda-staged";
 
-/// One pooled connection: the socket, its CUDA stream and its staging ring.
+/// Staging rings not in use by a connection, shared by a sender's connections.
+type SpareRings = Arc<Mutex<Vec<Vec<Slot>>>>;
+
+/// The most idle staging rings a sender keeps pinned.
+pub const MAX_SPARE_RINGS: usize = 16;
+
+/// One pooled connection: the socket, its CUDA stream and its staging ring, which goes back to
+/// the sender's spares when the connection is dropped (once the stream finished every copy).
 struct SendConn {
     tcp: TcpStream,
     stream: Arc<CudaStream>,
     ring: Vec<Slot>,
+    spares: SpareRings,
+}
+
+impl Drop for SendConn {
+    fn drop(&mut self) {
+        if self.stream.synchronize().is_err() {
+            return; // the context is broken: the buffers are not safe to hand on
+        }
+        let mut spares = self.spares.lock().unwrap_or_else(PoisonError::into_inner);
+        if spares.len() < MAX_SPARE_RINGS {
+            spares.push(std::mem::take(&mut self.ring));
+        }
+    }
 }
 
 /// P's staged-path writer: P's GPU, P's regions (the only valid sources), and idle connections
@@ -44,11 +64,13 @@ pub struct StagedSender {
     /// Presented with every request (D's `--transfer-token`).
     auth_token: Vec<u8>,
     pool: Mutex<HashMap<String, Vec<SendConn>>>,
+    /// Rings left by dropped connections (a D restarted, an error) or pinned ahead.
+    spares: SpareRings,
 }
 
 impl StagedSender {
     pub fn new(ctx: &Arc<CudaContext>, local_regions: Vec<RegionDesc>, config: StagedConfig) -> Self {
-        Self { ctx: ctx.clone(), local_regions, config: config.sane(), auth_token: Vec::new(), pool: Mutex::default() }
+        Self { ctx: ctx.clone(), local_regions, config: config.sane(), auth_token: Vec::new(), pool: Mutex::default(), spares: SpareRings::default() }
     }
 
     /// The same sender presenting `token` to D's receiver (`None`: no token).
@@ -69,9 +91,27 @@ impl StagedSender {
         Ok(())
     }
 
-    /// Drops the pooled connections to `peer` (D restarted: its receiver moved).
+    /// Drops the pooled connections to `peer` (D restarted: its receiver moved); their rings
+    /// stay pinned for the next connections.
     pub fn forget_peer(&self, peer: &str) {
-        self.pool.lock().unwrap_or_else(PoisonError::into_inner).remove(peer);
+        let dropped = self.pool.lock().unwrap_or_else(PoisonError::into_inner).remove(peer);
+        drop(dropped);
+    }
+
+    /// Pins `n` staging rings now (at most [`MAX_SPARE_RINGS`] are kept), for connections to come.
+    pub fn prepin(&self, n: usize) -> Result<(), StagedError> {
+        let have = self.spares.lock().unwrap_or_else(PoisonError::into_inner).len();
+        let mut made = Vec::new();
+        for _ in have..n.min(MAX_SPARE_RINGS) {
+            made.push(ring(&self.ctx, &self.config)?);
+        }
+        self.spares.lock().unwrap_or_else(PoisonError::into_inner).extend(made);
+        Ok(())
+    }
+
+    /// Staging rings pinned and not in use by a connection.
+    pub fn spare_rings(&self) -> usize {
+        self.spares.lock().unwrap_or_else(PoisonError::into_inner).len()
     }
 
     pub fn config(&self) -> &StagedConfig {
@@ -91,7 +131,12 @@ impl StagedSender {
         tcp.set_nodelay(true).map_err(io)?;
         tcp.set_read_timeout(Some(self.config.deadline)).map_err(io)?;
         tcp.set_write_timeout(Some(self.config.deadline)).map_err(io)?;
-        Ok(SendConn { tcp, stream: self.ctx.new_stream()?, ring: ring(&self.ctx, &self.config)? })
+        let spare = self.spares.lock().unwrap_or_else(PoisonError::into_inner).pop();
+        let ring = match spare {
+            Some(ring) => ring,
+            None => ring(&self.ctx, &self.config)?,
+        };
+        Ok(SendConn { tcp, stream: self.ctx.new_stream()?, ring, spares: self.spares.clone() })
     }
 
     /// Seed step 29 across hosts: checks every source against P's regions, spreads the plan over
@@ -190,7 +235,7 @@ fn send_part(
         slot.done.record(stream)?;
         Ok(())
     };
-    let SendConn { tcp, stream, ring } = conn;
+    let SendConn { tcp, stream, ring, .. } = conn;
     for (i, pieces) in chunks.iter().enumerate().take(depth) {
         enqueue(&mut ring[i], pieces, stream)?;
     }

@@ -235,3 +235,23 @@ fn a_receiver_lends_its_prepinned_rings_to_connections_and_takes_them_back() {
     receiver.prepin(100).expect("pins up to the cap");
     assert_eq!(receiver.spare_rings(), receiver::MAX_SPARE_RINGS);
 }
+
+#[test]
+fn a_sender_keeps_the_rings_of_dropped_connections_for_the_next_ones() {
+    let Some((ctx_p, ctx_d, p_mem, d_mem)) = two_sides(|i| (i as u64 * 11 + 4) as u8) else { return };
+    let (p_regions, d_regions) = (regions_at(p_mem.ptr), regions_at(d_mem.ptr));
+    let config = StagedConfig { chunk_bytes: 16 * 1024, depth: 2, streams: 2, deadline: Duration::from_secs(20) };
+    let receiver = StagedReceiver::bind(&ctx_d, d_regions.clone(), "127.0.0.1:0", config).expect("D listens");
+    let peer = receiver.local_addr().to_string();
+    let sender = StagedSender::new(&ctx_p, p_regions.clone(), config);
+    sender.prepin(2).expect("pins two rings");
+    let plan = build_plan(&p_regions, &[9, 10, 11], &d_regions, &[1, 2, 3], true).expect("plan");
+    sender.write(&peer, &plan).expect("write");
+    assert_eq!(sender.spare_rings(), 0, "both connections took a prepinned ring");
+    sender.forget_peer(&peer); // D moved: the connections go, their rings stay
+    assert_eq!(sender.spare_rings(), 2);
+    d_mem.fill(0).expect("zero D");
+    sender.write(&peer, &plan).expect("write over new connections with the kept rings");
+    assert_eq!(plan_checksum(&ctx_d, &plan, false).expect("D"), plan_checksum(&ctx_p, &plan, true).expect("P"));
+    assert_eq!(sender.spare_rings(), 0);
+}
