@@ -213,8 +213,10 @@ impl GpuTransferEngine {
         }
     }
 
-    /// One cuda-ipc write under D's fence: hold (acked), one launch, release once the copy ended
-    /// — also when P stops waiting for it, so D never frees blocks a launched copy still writes.
+    /// One cuda-ipc write under D's fence: hold (acked), one launch, release once the copy task
+    /// ended — also when P stops waiting for it, so D does not free blocks a launched copy still
+    /// writes. (A kernel stuck past the copy's own deadline is released with that error: D's
+    /// drain deadline bounds its wait for it either way.)
     async fn write_ipc(&self, peer: &str, plan: &TransferPlan) -> Result<TransferStats, TransferError> {
         if let Some(write_by) = plan.write_by {
             let left = write_by.saturating_duration_since(Instant::now());
@@ -241,8 +243,9 @@ impl GpuTransferEngine {
             }
             Err(e) => {
                 let _ = held_tx.send(false);
-                // Nothing is launched; the task hands its descriptor table back and ends.
-                let _ = copy.await;
+                // Nothing is launched; the task hands its descriptor table back and ends (it
+                // may still wait for a blocking thread: bounded, then left to finish).
+                let _ = tokio::time::timeout(wait_for_hold, copy).await;
                 return Err(e);
             }
         };
@@ -255,6 +258,8 @@ impl GpuTransferEngine {
                 joined.unwrap_or_else(|join| Err(TransferError::Io { peer: peer.to_string(), source: std::io::Error::other(format!("cuda-ipc write task failed: {join}")) }))
             }
             Err(_) => {
+                // Keeps the hold until the copy task ends; that task is bounded by the copy's own
+                // deadline (its completion wait), and the release by the connect timeout.
                 tokio::spawn(async move {
                     let _ = copy.await;
                     let _ = hold.release().await;

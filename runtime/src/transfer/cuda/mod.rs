@@ -15,8 +15,8 @@
 //! into device regions with one kernel launch (the device half of prefill); [`device_kv`] is a KV
 //! cache in GPU memory built on it, and [`peer_engine`] (`cuda-peer`) the engine that moves such
 //! caches between engines of one process (`pdflow demo --device cuda`); [`gpu_engine`] is a GPU
-//! node's engine, choosing `cuda-peer` or `cuda-ipc` (D's export fetched from its data server) per
-//! peer. Not yet: the serving stack choosing `cuda-staged` for a D on another host.
+//! node's engine, choosing `cuda-peer`, `cuda-ipc` or `cuda-staged` per peer from the
+//! [`device_offer`] D's data server answers with.
 
 use std::sync::Arc;
 
@@ -253,7 +253,7 @@ impl CudaBatchCopy {
                 (DeviceBuffer::new(&self.ctx, 3 * capacity as usize * 8)?, capacity)
             }
         };
-        let mut uploaded = UploadedPlan { table, capacity, chunks, descriptors: plan.descriptors.len(), bytes: plan.total_bytes() };
+        let uploaded = UploadedPlan { table, capacity, chunks, descriptors: plan.descriptors.len(), bytes: plan.total_bytes() };
         self.ctx.bind_to_thread()?;
         for (at, words) in [(uploaded.src(), &src), (uploaded.dst(), &dst), (uploaded.len(), &len)] {
             if !words.is_empty() {
@@ -261,7 +261,6 @@ impl CudaBatchCopy {
                 unsafe { result::memcpy_htod_sync(at, &words[..]) }?;
             }
         }
-        uploaded.chunks = chunks;
         Ok(uploaded)
     }
 

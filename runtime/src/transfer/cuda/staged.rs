@@ -25,10 +25,12 @@ use crate::memory::RegionError;
 use crate::planner::Descriptor;
 
 pub mod receiver;
+mod rings;
 pub mod sender;
 pub mod wire;
 
 pub use receiver::StagedReceiver;
+pub use rings::MAX_SPARE_RINGS;
 pub use sender::{StagedEngine, StagedSender};
 
 /// How the staged path cuts and pipelines a plan.

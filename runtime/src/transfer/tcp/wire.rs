@@ -203,16 +203,17 @@ pub fn encode_batch_header(batch_id: u64, descriptors: &[Descriptor]) -> Result<
 
 /// Names fence `token` for the batches that follow (12 bytes).
 pub fn encode_fence(token: u64) -> [u8; 12] {
-    let mut out = [0u8; 12];
-    out[..4].copy_from_slice(&FENCE_MAGIC);
-    out[4..].copy_from_slice(&token.to_le_bytes());
-    out
+    magic_and_token(FENCE_MAGIC, token)
 }
 
 /// Asks D to hold fence `token` (12 bytes).
 pub fn encode_hold(token: u64) -> [u8; 12] {
+    magic_and_token(HOLD_MAGIC, token)
+}
+
+fn magic_and_token(magic: [u8; 4], token: u64) -> [u8; 12] {
     let mut out = [0u8; 12];
-    out[..4].copy_from_slice(&HOLD_MAGIC);
+    out[..4].copy_from_slice(&magic);
     out[4..].copy_from_slice(&token.to_le_bytes());
     out
 }

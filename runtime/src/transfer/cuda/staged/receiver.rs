@@ -18,7 +18,8 @@ use cudarc::driver::{sys, CudaStream};
 use pdflow_messages::layout::RegionDesc;
 
 use super::wire::{self, Reply};
-use super::{chunk_len, chunk_pieces, ring, wait_event, Slot, StagedConfig, StagedError};
+use super::rings::{LentRing, RingPool};
+use super::{chunk_len, chunk_pieces, wait_event, Slot, StagedConfig, StagedError};
 use crate::transfer::cuda::ipc::region_of;
 use crate::transfer::cuda::{check, CudaContext, CudaError};
 use crate::transfer::fence::{FenceGuard, WriteFence};
@@ -35,9 +36,9 @@ struct Shared {
     stop: AtomicBool,
     /// Clones of the live connections, shut down on stop.
     conns: Mutex<Vec<TcpStream>>,
-    /// Staging rings pinned ahead ([`StagedReceiver::prepin`]) or left by ended connections: a
-    /// new connection takes one instead of pinning its own (pinning 16 MiB takes milliseconds).
-    spare_rings: Mutex<Vec<Vec<Slot>>>,
+    /// Staging rings pinned ahead ([`StagedReceiver::prepin`]) or left by ended connections,
+    /// lent to a connection at its first accepted request.
+    rings: Arc<RingPool>,
     threads: Mutex<Vec<JoinHandle<()>>>,
 }
 
@@ -64,8 +65,8 @@ impl StagedReceiver {
     }
 
     /// As [`StagedReceiver::bind_fenced`], and with `auth_token` every request must present it
-    /// (a wrong or missing one is refused and the connection closed): D's serving receiver, whose
-    /// address any P that passed the data server's hello learns.
+    /// (a wrong or missing one is refused before anything is received or pinned for it): D's
+    /// serving receiver, whose port any P that passed the data server's hello learns.
     pub fn bind_guarded(
         ctx: &Arc<CudaContext>,
         regions: Vec<RegionDesc>,
@@ -84,7 +85,7 @@ impl StagedReceiver {
             auth_token,
             stop: AtomicBool::new(false),
             conns: Mutex::default(),
-            spare_rings: Mutex::default(),
+            rings: RingPool::new(ctx, config.sane()),
             threads: Mutex::default(),
         });
         let accept_shared = shared.clone();
@@ -100,22 +101,15 @@ impl StagedReceiver {
         self.local_addr
     }
 
-    /// Pins `n` staging rings now (at most [`MAX_SPARE_RINGS`] are kept), so that P's first
-    /// connections do not wait for D to pin theirs.
+    /// Pins `n` staging rings now (at most [`super::MAX_SPARE_RINGS`] are kept), so that P's
+    /// first connections do not wait for D to pin theirs.
     pub fn prepin(&self, n: usize) -> Result<(), StagedError> {
-        let want = n.min(MAX_SPARE_RINGS);
-        let have = self.shared.spare_rings.lock().unwrap_or_else(PoisonError::into_inner).len();
-        let mut made = Vec::new();
-        for _ in have..want {
-            made.push(ring(&self.shared.ctx, &self.shared.config)?);
-        }
-        self.shared.spare_rings.lock().unwrap_or_else(PoisonError::into_inner).extend(made);
-        Ok(())
+        Ok(self.shared.rings.prepin(n)?)
     }
 
     /// Staging rings pinned and not in use by a connection.
     pub fn spare_rings(&self) -> usize {
-        self.shared.spare_rings.lock().unwrap_or_else(PoisonError::into_inner).len()
+        self.shared.rings.idle()
     }
 }
 
@@ -156,41 +150,6 @@ fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
         });
         if let Ok(h) = spawned {
             shared.threads.lock().unwrap_or_else(PoisonError::into_inner).push(h);
-        }
-    }
-}
-
-/// The most idle staging rings a receiver keeps pinned.
-pub const MAX_SPARE_RINGS: usize = 16;
-
-/// One connection's CUDA stream and staging ring; the ring goes back to the spares when the
-/// connection ends, once the stream has finished every copy out of it.
-struct ConnRing<'a> {
-    shared: &'a Shared,
-    stream: Arc<CudaStream>,
-    ring: Vec<Slot>,
-}
-
-impl<'a> ConnRing<'a> {
-    fn take(shared: &'a Shared) -> Result<Self, StagedError> {
-        let stream = shared.ctx.new_stream()?;
-        let spare = shared.spare_rings.lock().unwrap_or_else(PoisonError::into_inner).pop();
-        let ring = match spare {
-            Some(ring) => ring,
-            None => ring(&shared.ctx, &shared.config)?,
-        };
-        Ok(Self { shared, stream, ring })
-    }
-}
-
-impl Drop for ConnRing<'_> {
-    fn drop(&mut self) {
-        if self.stream.synchronize().is_err() {
-            return; // the context is broken: the buffers are not safe to hand on
-        }
-        let mut spare = self.shared.spare_rings.lock().unwrap_or_else(PoisonError::into_inner);
-        if spare.len() < MAX_SPARE_RINGS {
-            spare.push(std::mem::take(&mut self.ring));
         }
     }
 }
@@ -242,12 +201,18 @@ fn serve_conn(mut tcp: TcpStream, shared: &Shared) -> Result<(), StagedError> {
     tcp.set_nodelay(true).map_err(io)?;
     tcp.set_write_timeout(Some(shared.config.deadline)).map_err(io)?;
     shared.ctx.bind_to_thread().map_err(CudaError::from)?;
-    let mut conn = ConnRing::take(shared)?;
-    let ConnRing { stream, ring, .. } = &mut conn;
-    let stream = &*stream;
+    // Lent at the first accepted request: a connection that never sends one pins nothing.
+    let mut lent: Option<LentRing> = None;
     loop {
-        // Idle between requests: no deadline until one begins.
+        // Idle between requests: no deadline until one begins; once its first byte is here, the
+        // whole request must follow within the part's deadline.
         tcp.set_read_timeout(None).map_err(io)?;
+        match tcp.peek(&mut [0u8; 1]) {
+            Ok(0) => return Ok(()),
+            Ok(_) => {}
+            Err(source) => return Err(StagedError::Io { peer, source }),
+        }
+        tcp.set_read_timeout(Some(shared.config.deadline)).map_err(io)?;
         let wire::Offer { auth, fence: token, ranges: offered } = match wire::read_request(&mut tcp) {
             Ok(Some(offer)) => offer,
             Ok(None) => return Ok(()),
@@ -268,6 +233,10 @@ fn serve_conn(mut tcp: TcpStream, shared: &Shared) -> Result<(), StagedError> {
             wire::write_reply(&mut tcp, &Reply::Refused(reason)).map_err(io)?;
             continue;
         }
+        let LentRing { stream, ring, .. } = match &mut lent {
+            Some(lent) => lent,
+            empty => empty.insert(shared.rings.lend()?),
+        };
         // Held while the part lands: D's Receiver waits for it before freeing the blocks.
         let guard = match &shared.fence {
             None => None,
@@ -288,6 +257,10 @@ fn serve_conn(mut tcp: TcpStream, shared: &Shared) -> Result<(), StagedError> {
         // Short reads while the payload lands, so that a revoked fence is seen within FENCE_CHECK.
         tcp.set_read_timeout(Some(FENCE_CHECK)).map_err(io)?;
         let received = receive(&mut tcp, &peer, stream, ring, &offered, shared, until, guard.as_ref());
+        if received.is_err() {
+            // Every copy already enqueued lands before the guard lets D free the blocks.
+            let _ = stream.synchronize();
+        }
         drop(guard);
         match received {
             Ok(()) => wire::write_reply(&mut tcp, &Reply::Done).map_err(io)?,
@@ -324,8 +297,7 @@ fn receive(
         }
         let len = chunk_len(pieces) as usize;
         if let Err(e) = read_chunk(tcp, slot.buf.bytes_mut(len), fence, until) {
-            // The copies already enqueued land before the guard is released (the caller drops it).
-            let _ = stream.synchronize();
+            // The caller waits for the copies already enqueued before it releases the guard.
             return Err(match e {
                 ChunkError::Fenced => StagedError::Fenced,
                 ChunkError::Timeout => StagedError::Timeout { deadline },

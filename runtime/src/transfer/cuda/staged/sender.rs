@@ -19,7 +19,8 @@ use futures::future::BoxFuture;
 use pdflow_messages::layout::RegionDesc;
 
 use super::wire::{self, Reply};
-use super::{chunk_len, chunk_pieces, ring, split_parts, wait_event, Slot, StagedConfig, StagedError};
+use super::rings::{LentRing, RingPool};
+use super::{chunk_len, chunk_pieces, split_parts, wait_event, Slot, StagedConfig, StagedError};
 use crate::planner::{Descriptor, TransferPlan};
 use crate::transfer::cuda::ipc::region_of;
 use crate::transfer::cuda::{check, CudaContext, CudaError};
@@ -28,31 +29,11 @@ use crate::transfer::{TransferEngine, TransferError, TransferStats};
 /// The backend name of [`StagedEngine`].
 pub const BACKEND: &str = "cuda-staged";
 
-/// Staging rings not in use by a connection, shared by a sender's connections.
-type SpareRings = Arc<Mutex<Vec<Vec<Slot>>>>;
-
-/// The most idle staging rings a sender keeps pinned.
-pub const MAX_SPARE_RINGS: usize = 16;
-
-/// One pooled connection: the socket, its CUDA stream and its staging ring, which goes back to
-/// the sender's spares when the connection is dropped (once the stream finished every copy).
+/// One pooled connection: the socket, and its CUDA stream and staging ring (lent by the sender's
+/// [`RingPool`], which gets the ring back when the connection is dropped).
 struct SendConn {
     tcp: TcpStream,
-    stream: Arc<CudaStream>,
-    ring: Vec<Slot>,
-    spares: SpareRings,
-}
-
-impl Drop for SendConn {
-    fn drop(&mut self) {
-        if self.stream.synchronize().is_err() {
-            return; // the context is broken: the buffers are not safe to hand on
-        }
-        let mut spares = self.spares.lock().unwrap_or_else(PoisonError::into_inner);
-        if spares.len() < MAX_SPARE_RINGS {
-            spares.push(std::mem::take(&mut self.ring));
-        }
-    }
+    lent: LentRing,
 }
 
 /// P's staged-path writer: P's GPU, P's regions (the only valid sources), and idle connections
@@ -65,12 +46,13 @@ pub struct StagedSender {
     auth_token: Vec<u8>,
     pool: Mutex<HashMap<String, Vec<SendConn>>>,
     /// Rings left by dropped connections (a D restarted, an error) or pinned ahead.
-    spares: SpareRings,
+    rings: Arc<RingPool>,
 }
 
 impl StagedSender {
     pub fn new(ctx: &Arc<CudaContext>, local_regions: Vec<RegionDesc>, config: StagedConfig) -> Self {
-        Self { ctx: ctx.clone(), local_regions, config: config.sane(), auth_token: Vec::new(), pool: Mutex::default(), spares: SpareRings::default() }
+        let config = config.sane();
+        Self { ctx: ctx.clone(), local_regions, config, auth_token: Vec::new(), pool: Mutex::default(), rings: RingPool::new(ctx, config) }
     }
 
     /// The same sender presenting `token` to D's receiver (`None`: no token).
@@ -98,20 +80,15 @@ impl StagedSender {
         drop(dropped);
     }
 
-    /// Pins `n` staging rings now (at most [`MAX_SPARE_RINGS`] are kept), for connections to come.
+    /// Pins `n` staging rings now (at most [`super::MAX_SPARE_RINGS`] are kept), for connections
+    /// to come.
     pub fn prepin(&self, n: usize) -> Result<(), StagedError> {
-        let have = self.spares.lock().unwrap_or_else(PoisonError::into_inner).len();
-        let mut made = Vec::new();
-        for _ in have..n.min(MAX_SPARE_RINGS) {
-            made.push(ring(&self.ctx, &self.config)?);
-        }
-        self.spares.lock().unwrap_or_else(PoisonError::into_inner).extend(made);
-        Ok(())
+        Ok(self.rings.prepin(n)?)
     }
 
     /// Staging rings pinned and not in use by a connection.
     pub fn spare_rings(&self) -> usize {
-        self.spares.lock().unwrap_or_else(PoisonError::into_inner).len()
+        self.rings.idle()
     }
 
     pub fn config(&self) -> &StagedConfig {
@@ -131,12 +108,7 @@ impl StagedSender {
         tcp.set_nodelay(true).map_err(io)?;
         tcp.set_read_timeout(Some(self.config.deadline)).map_err(io)?;
         tcp.set_write_timeout(Some(self.config.deadline)).map_err(io)?;
-        let spare = self.spares.lock().unwrap_or_else(PoisonError::into_inner).pop();
-        let ring = match spare {
-            Some(ring) => ring,
-            None => ring(&self.ctx, &self.config)?,
-        };
-        Ok(SendConn { tcp, stream: self.ctx.new_stream()?, ring, spares: self.spares.clone() })
+        Ok(SendConn { tcp, lent: self.rings.lend()? })
     }
 
     /// Seed step 29 across hosts: checks every source against P's regions, spreads the plan over
@@ -224,7 +196,7 @@ fn send_part(
     conn.tcp.write_all(&[wire::GO]).map_err(io)?;
     ctx.bind_to_thread().map_err(CudaError::from)?;
     let chunks = chunk_pieces(part.iter().map(|d| (d.src, d.len)), config.chunk_bytes as u64);
-    let depth = conn.ring.len();
+    let depth = conn.lent.ring.len();
     let enqueue = |slot: &mut Slot, pieces: &[super::Piece], stream: &CudaStream| -> Result<(), StagedError> {
         let base = slot.buf.as_mut_ptr();
         for p in pieces {
@@ -235,7 +207,8 @@ fn send_part(
         slot.done.record(stream)?;
         Ok(())
     };
-    let SendConn { tcp, stream, ring, .. } = conn;
+    let SendConn { tcp, lent } = conn;
+    let LentRing { stream, ring, .. } = lent;
     for (i, pieces) in chunks.iter().enumerate().take(depth) {
         enqueue(&mut ring[i], pieces, stream)?;
     }

@@ -233,7 +233,7 @@ fn a_receiver_lends_its_prepinned_rings_to_connections_and_takes_them_back() {
     drop(sender); // P's connections close: their rings come back
     spare_within(3);
     receiver.prepin(100).expect("pins up to the cap");
-    assert_eq!(receiver.spare_rings(), receiver::MAX_SPARE_RINGS);
+    assert_eq!(receiver.spare_rings(), MAX_SPARE_RINGS);
 }
 
 #[test]
