@@ -261,9 +261,11 @@ async fn drive(opts: &DemoOptions, client: &reqwest::Client, proxy: &ProxyNode, 
     });
     let request_start = Instant::now();
     let response = post_json(client, &format!("{}/v1/completions", proxy.url()), &body).await?;
-    // Spans of the P side (33) may close just after the response: give them a bounded moment.
+    // P's last spans may close just after the response: its engine frees the blocks (33) and then
+    // reports the send to its SchedulerConnector actor (32). Give both a bounded moment.
     let settle_until = Instant::now() + Duration::from_secs(5);
-    while Instant::now() < settle_until && !capture.spans().iter().any(|s| s.step == 33 && s.start >= request_start && s.end.is_some()) {
+    let closed = |step: u8| capture.spans().iter().any(|s| s.step == step && s.start >= request_start && s.end.is_some());
+    while Instant::now() < settle_until && !(closed(32) && closed(33)) {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     let timeline = Timeline::build(&capture.spans(), request_start);
