@@ -16,8 +16,50 @@ if ! command -v chromium >/dev/null 2>&1; then
     || echo "note: could not install chromium; the timeline screenshot test will skip" >&2
 fi
 
+# Free space where the build and the virtual environment go, for the notes below.
+free_disk() { df -h . 2>/dev/null | awk 'NR == 2 {print $4}'; }
+avail_kb=$(df -Pk . 2>/dev/null | awk 'NR == 2 {print $4}')
+# A fresh run needs ~9 GB for vLLM's environment and ~5 GB for the build.
+if [ -n "$avail_kb" ] && [ "$avail_kb" -lt $((16 * 1024 * 1024)) ]; then
+  echo "note: only $(free_disk) free on this disk; a fresh run needs ~14 GB (vLLM's environment ~9 GB, the build ~5 GB)" >&2
+fi
+
 log=$(mktemp)
-trap 'rm -f "$log"' EXIT
+pylog=$(mktemp)
+trap 'rm -f "$log" "$pylog"' EXIT
+
+# The vLLM bridge: a virtual environment with vLLM 0.33.0 (reused when present; ~9 GB, ~5 min to
+# install), pdflow's Python package built from py-bridge/ by maturin, and its pytest suite, which
+# drives vLLM's real scheduler with PdflowConnector and moves KV between two engine processes.
+# The environment is made first, while the disk still has the most room; its tests run last.
+venv=${PDFLOW_VENV:-.venv}
+py_ok=1
+if [ ! -x "$venv/bin/python" ]; then python3 -m venv "$venv" || py_ok=0; fi
+venv_bin=$(cd "$venv/bin" 2>/dev/null && pwd) || py_ok=0
+# The registry's downloads are sometimes cut mid-file (vLLM's wheel is 336 MB, torch's larger): pip
+# resumes within one run, and a whole run that still fails is tried again after a pause. Nothing is
+# kept in pip's cache (--no-cache-dir): the cache would hold another ~4 GB of wheels beside the
+# installed ~9 GB, and a full disk has failed this step in CI; a retry fetches again instead.
+pip_install_retrying() {
+  local attempt resume=()
+  if "$venv/bin/python" -m pip install --help 2>/dev/null | grep -q -- --resume-retries; then
+    resume=(--resume-retries 20)
+  fi
+  for attempt in 1 2 3 4 5 6; do
+    "$venv/bin/python" -m pip install -q --no-cache-dir --retries 10 "${resume[@]}" "$@" && return 0
+    [ "$attempt" = 6 ] && break
+    echo "pip install $* failed (attempt $attempt of 6; $(free_disk) free); trying again in $((attempt * 20)) s" >&2
+    sleep $((attempt * 20))
+  done
+  return 1
+}
+if [ "$py_ok" = 1 ]; then
+  pip_install_retrying --upgrade pip >/dev/null 2>&1 || true
+  pip_install_retrying "vllm==0.33.0" "pytest>=8" "maturin>=1.7,<2" || py_ok=0
+fi
+
+# A fresh checkout builds once: incremental caches (~2 GB) would only take disk.
+export CARGO_INCREMENTAL="${CARGO_INCREMENTAL:-0}"
 
 # The process-level tests run target/debug/pdflow.
 cargo build --locked --bin pdflow
@@ -28,35 +70,6 @@ cargo test --locked --workspace --no-fail-fast -- --test-threads="${PDFLOW_TEST_
 # skip, saying why.
 cargo test --locked -p pdflow-runtime --features cuda --lib transfer::cuda -- --nocapture 2>&1 | tee -a "$log" || status=$?
 
-# The vLLM bridge: a virtual environment with vLLM 0.33.0 (reused when present; ~9 GB, ~5 min to
-# install), pdflow's Python package built from py-bridge/ by maturin, and its pytest suite, which
-# drives vLLM's real scheduler with PdflowConnector and moves KV between two engine processes.
-pylog=$(mktemp)
-trap 'rm -f "$log" "$pylog"' EXIT
-venv=${PDFLOW_VENV:-.venv}
-py_ok=1
-if [ ! -x "$venv/bin/python" ]; then python3 -m venv "$venv" || py_ok=0; fi
-venv_bin=$(cd "$venv/bin" 2>/dev/null && pwd) || py_ok=0
-# The registry's downloads are sometimes cut mid-file (vLLM's wheel is 336 MB, torch's larger): pip
-# resumes within one run, and a whole run that still fails is tried again after a pause; wheels that
-# did arrive stay in pip's cache, so a retry fetches only what is missing.
-pip_install_retrying() {
-  local attempt resume=()
-  if "$venv/bin/python" -m pip install --help 2>/dev/null | grep -q -- --resume-retries; then
-    resume=(--resume-retries 20)
-  fi
-  for attempt in 1 2 3 4 5 6; do
-    "$venv/bin/python" -m pip install -q --retries 10 "${resume[@]}" "$@" && return 0
-    [ "$attempt" = 6 ] && break
-    echo "pip install $* failed (attempt $attempt of 6); trying again in $((attempt * 20)) s" >&2
-    sleep $((attempt * 20))
-  done
-  return 1
-}
-if [ "$py_ok" = 1 ]; then
-  pip_install_retrying --upgrade pip >/dev/null 2>&1 || true
-  pip_install_retrying "vllm==0.33.0" "pytest>=8" "maturin>=1.7,<2" || py_ok=0
-fi
 if [ "$py_ok" = 1 ]; then
   PATH="$venv_bin:$PATH" "$venv/bin/python" -m pip install -q --no-build-isolation --force-reinstall --no-deps ./py-bridge || py_ok=0
 fi
