@@ -167,9 +167,9 @@ pub(super) fn run(runs: usize) -> anyhow::Result<(Vec<Row>, bool)> {
     }
 
     let deadline = Duration::from_secs(60);
-    let mut configs: Vec<StagedConfig> = stream_counts.iter().map(|&streams| StagedConfig { chunk_bytes: chunk, depth: 4, streams, deadline }).collect();
-    configs.push(StagedConfig { chunk_bytes: MIB, depth: 8, streams: 4, deadline });
-    configs.push(StagedConfig { chunk_bytes: 16 * MIB, depth: 3, streams: 4, deadline });
+    let mut configs: Vec<StagedConfig> = stream_counts.iter().map(|&streams| StagedConfig { chunk_bytes: chunk, depth: 4, streams, deadline, ..StagedConfig::default() }).collect();
+    configs.push(StagedConfig { chunk_bytes: MIB, depth: 8, streams: 4, deadline, ..StagedConfig::default() });
+    configs.push(StagedConfig { chunk_bytes: 16 * MIB, depth: 3, streams: 4, deadline, ..StagedConfig::default() });
     let zeros = |plan: &TransferPlan| plan.descriptors.iter().fold(cuda::CHECKSUM_BASIS, |h, d| cuda::checksum_words(h, &vec![0u8; d.len as usize]));
     let expected: Vec<u64> = plans.iter().map(|(_, p)| cuda::plan_checksum(&ctx_p, p, true)).collect::<Result<_, _>>()?;
     for config in &configs {

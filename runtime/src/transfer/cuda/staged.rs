@@ -45,20 +45,40 @@ pub struct StagedConfig {
     /// The longest one write may take, connect to completion (every socket read and write, every
     /// copy wait is bounded by it).
     pub deadline: Duration,
+    /// D's side: a connection that sends no request for this long is closed (its thread ends, its
+    /// staging ring is lent again).
+    pub idle_close: Duration,
+    /// P's side: a pooled connection idle for longer than this, or closed by D, is dropped
+    /// instead of reused (keep it well under D's `idle_close`).
+    pub pool_idle: Duration,
 }
 
 /// 8 connections × 4 chunks of 4 MiB: the fastest shape measured on 2×H200 over loopback
-/// (seed request 10.6 ms, 14.1 GB/s; scripts/device/results/2026-11-29T2215_*).
+/// (seed request 10.6 ms, 14.1 GB/s; scripts/device/results/2026-11-29T2215_*). Idle connections
+/// as on the tcp path: D closes them after 300 s, P reuses them for 60 s.
 impl Default for StagedConfig {
     fn default() -> Self {
-        Self { chunk_bytes: 4 << 20, depth: 4, streams: 8, deadline: Duration::from_secs(30) }
+        Self {
+            chunk_bytes: 4 << 20,
+            depth: 4,
+            streams: 8,
+            deadline: Duration::from_secs(30),
+            idle_close: Duration::from_secs(300),
+            pool_idle: Duration::from_secs(60),
+        }
     }
 }
 
 impl StagedConfig {
-    /// The same config with at least one stream, one buffer and 4 KiB chunks.
+    /// The same config with at least one stream, one buffer, 4 KiB chunks and a 1 ms idle close.
     pub fn sane(self) -> Self {
-        Self { chunk_bytes: self.chunk_bytes.max(4096), depth: self.depth.max(1), streams: self.streams.max(1), ..self }
+        Self {
+            chunk_bytes: self.chunk_bytes.max(4096),
+            depth: self.depth.max(1),
+            streams: self.streams.max(1),
+            idle_close: self.idle_close.max(Duration::from_millis(1)),
+            ..self
+        }
     }
 }
 

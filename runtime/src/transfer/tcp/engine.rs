@@ -435,8 +435,7 @@ impl Inner {
 /// Whether an idle pooled connection is still open: nothing to read and no end-of-stream or error
 /// pending. Anything else — the peer closed or reset it, or sent bytes nobody asked for (the
 /// stream's framing could not be trusted) — means it must not carry another batch.
-fn still_open(stream: &TcpStream) -> bool {
-    use std::os::fd::AsRawFd;
+pub(crate) fn still_open(stream: &impl std::os::fd::AsRawFd) -> bool {
     let mut byte = 0u8;
     // SAFETY: the socket is open for the call (`stream` owns it); one writable byte; MSG_PEEK and
     // MSG_DONTWAIT: consumes nothing and never blocks.

@@ -660,3 +660,33 @@ async fn a_hold_dropped_unreleased_ends_with_its_connection_and_no_other_request
     let _ = bounded("closed", raw.read_to_end(&mut rest)).await;
     bounded("close", fence.close(4, Duration::from_secs(5))).await.expect("the hold ended with the connection");
 }
+
+#[test]
+fn a_pooled_socket_counts_as_open_only_while_the_peer_keeps_it_open_and_silent() {
+    use std::io::Write as _;
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("binds");
+    let addr = listener.local_addr().expect("address");
+    let p = std::net::TcpStream::connect(addr).expect("connects");
+    let (mut d, _) = listener.accept().expect("accepts");
+    assert!(still_open(&p), "an idle, open connection is reusable");
+    // A byte D sent unasked would put the connection out of step: not reusable.
+    d.write_all(b"x").expect("D writes");
+    let until = Instant::now() + Duration::from_secs(5);
+    while still_open(&p) {
+        assert!(Instant::now() < until, "the unasked byte never arrived");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    // D closes: P sees the end of the stream.
+    let p2 = std::net::TcpStream::connect(addr).expect("connects");
+    let (d2, _) = listener.accept().expect("accepts");
+    drop(d2);
+    let until = Instant::now() + Duration::from_secs(5);
+    while still_open(&p2) {
+        assert!(Instant::now() < until, "D's close never reached P");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    // still_open blocks nothing and leaves the socket as it was: the byte is still there to read.
+    let mut byte = [0u8; 1];
+    std::io::Read::read_exact(&mut &p, &mut byte).expect("the peeked byte is still queued");
+    assert_eq!(&byte, b"x");
+}

@@ -2,14 +2,16 @@
 //! every offered destination against D's device regions (refusing the part before a byte is
 //! received), then receives the payload chunk by chunk into a ring of pinned host buffers, copying
 //! each chunk host→device on the connection's own CUDA stream while the next one arrives, and
-//! answers `DONE` once the last copy completed.
+//! answers `DONE` once the last copy completed. A connection that sends no request for
+//! `idle_close` is closed (P's pool drops such connections before it would reuse them).
 //!
 //! Owns D's side of seed step 29 on the cross-host GPU path (the bytes land in D's regions; step
 //! 31's completion follows on the side channel as for any backend).
 
+use std::collections::HashMap;
 use std::io::Read;
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -34,12 +36,22 @@ struct Shared {
     /// When set, a request must present this token (D's `--transfer-token`).
     auth_token: Option<Vec<u8>>,
     stop: AtomicBool,
-    /// Clones of the live connections, shut down on stop.
-    conns: Mutex<Vec<TcpStream>>,
+    /// Clones of the live connections (by id), shut down on stop; a connection's thread removes
+    /// its own when it ends.
+    conns: Mutex<HashMap<u64, TcpStream>>,
+    next_conn: AtomicU64,
     /// Staging rings pinned ahead ([`StagedReceiver::prepin`]) or left by ended connections,
     /// lent to a connection at its first accepted request.
     rings: Arc<RingPool>,
+    /// The connection threads; finished ones are let go at each accept.
     threads: Mutex<Vec<JoinHandle<()>>>,
+}
+
+impl Shared {
+    fn conns(&self) -> std::sync::MutexGuard<'_, HashMap<u64, TcpStream>> {
+        // A map of socket handles: a panicking holder leaves nothing half-done.
+        self.conns.lock().unwrap_or_else(PoisonError::into_inner)
+    }
 }
 
 /// D's staged data server over its device regions. Stops (and joins its threads) on drop.
@@ -85,6 +97,7 @@ impl StagedReceiver {
             auth_token,
             stop: AtomicBool::new(false),
             conns: Mutex::default(),
+            next_conn: AtomicU64::new(0),
             rings: RingPool::new(ctx, config.sane()),
             threads: Mutex::default(),
         });
@@ -111,6 +124,11 @@ impl StagedReceiver {
     pub fn spare_rings(&self) -> usize {
         self.shared.rings.idle()
     }
+
+    /// P's connections being served now.
+    pub fn live_connections(&self) -> usize {
+        self.shared.conns().len()
+    }
 }
 
 impl Drop for StagedReceiver {
@@ -121,7 +139,7 @@ impl Drop for StagedReceiver {
         if let Some(h) = self.accept.take() {
             let _ = h.join();
         }
-        for c in self.shared.conns.lock().unwrap_or_else(PoisonError::into_inner).drain(..) {
+        for c in self.shared.conns().values() {
             let _ = c.shutdown(std::net::Shutdown::Both);
         }
         let threads: Vec<_> = self.shared.threads.lock().unwrap_or_else(PoisonError::into_inner).drain(..).collect();
@@ -138,7 +156,8 @@ fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
         }
         let Ok(conn) = conn else { continue };
         let Ok(clone) = conn.try_clone() else { continue };
-        shared.conns.lock().unwrap_or_else(PoisonError::into_inner).push(clone);
+        let id = shared.next_conn.fetch_add(1, Ordering::Relaxed);
+        shared.conns().insert(id, clone);
         let conn_shared = shared.clone();
         let spawned = std::thread::Builder::new().name("staged-recv".into()).spawn(move || {
             let peer = conn.peer_addr().map(|a| a.to_string()).unwrap_or_else(|_| "?".into());
@@ -147,9 +166,16 @@ fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
                     tracing::warn!(peer = %peer, error = %e, "staged data connection closed on error");
                 }
             }
+            conn_shared.conns().remove(&id);
         });
-        if let Ok(h) = spawned {
-            shared.threads.lock().unwrap_or_else(PoisonError::into_inner).push(h);
+        let mut threads = shared.threads.lock().unwrap_or_else(PoisonError::into_inner);
+        threads.retain(|h| !h.is_finished());
+        match spawned {
+            Ok(h) => threads.push(h),
+            Err(e) => {
+                shared.conns().remove(&id);
+                tracing::warn!(error = %e, "cannot start a thread for a staged data connection; closed");
+            }
         }
     }
 }
@@ -194,7 +220,7 @@ pub fn check_destinations(regions: &[RegionDesc], offered: &[(u64, u64)]) -> Res
     Ok(())
 }
 
-/// Serves requests on one connection until P closes it.
+/// Serves requests on one connection until P closes it or it idles for `idle_close`.
 fn serve_conn(mut tcp: TcpStream, shared: &Shared) -> Result<(), StagedError> {
     let peer = tcp.peer_addr().map(|a| a.to_string()).unwrap_or_else(|_| "?".into());
     let io = |source| StagedError::Io { peer: peer.clone(), source };
@@ -204,12 +230,17 @@ fn serve_conn(mut tcp: TcpStream, shared: &Shared) -> Result<(), StagedError> {
     // Lent at the first accepted request: a connection that never sends one pins nothing.
     let mut lent: Option<LentRing> = None;
     loop {
-        // Idle between requests: no deadline until one begins; once its first byte is here, the
-        // whole request must follow within the part's deadline.
-        tcp.set_read_timeout(None).map_err(io)?;
+        // Idle between requests: up to `idle_close` until one begins (then the connection is
+        // closed: P's pool drops idle ones sooner); once its first byte is here, the whole request
+        // must follow within the part's deadline.
+        tcp.set_read_timeout(Some(shared.config.idle_close)).map_err(io)?;
         match tcp.peek(&mut [0u8; 1]) {
             Ok(0) => return Ok(()),
             Ok(_) => {}
+            Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {
+                tracing::debug!(%peer, idle = ?shared.config.idle_close, "idle staged data connection closed");
+                return Ok(());
+            }
             Err(source) => return Err(StagedError::Io { peer, source }),
         }
         tcp.set_read_timeout(Some(shared.config.deadline)).map_err(io)?;

@@ -3,6 +3,9 @@
 //! connection: the part's destinations go first, D checks them; once every part is accepted, P
 //! enqueues device→pinned-host copies of the first `depth` chunks, then in turn waits for a chunk's
 //! copy, sends it, and enqueues the chunk `depth` ahead into the freed buffer; D's `DONE` ends it.
+//! A pooled connection is reused only while it is younger than `pool_idle` and not closed by D
+//! (D closes idle ones after its `idle_close`, or when it restarts): the others are dropped and
+//! new ones opened, so that a write does not fail on a connection D already let go.
 //! [`StagedEngine`] is the `TransferEngine` over it (backend `cuda-staged`).
 //!
 //! Owns P's side of seed step 29 on the cross-host GPU path.
@@ -24,6 +27,7 @@ use super::{chunk_len, chunk_pieces, split_parts, wait_event, Slot, StagedConfig
 use crate::planner::{Descriptor, TransferPlan};
 use crate::transfer::cuda::ipc::region_of;
 use crate::transfer::cuda::{check, CudaContext, CudaError};
+use crate::transfer::tcp::still_open;
 use crate::transfer::{TransferEngine, TransferError, TransferStats};
 
 /// The backend name of [`StagedEngine`].
@@ -34,6 +38,16 @@ pub const BACKEND: &str = "cuda-staged";
 struct SendConn {
     tcp: TcpStream,
     lent: LentRing,
+    /// When it last went back to the pool (or was opened).
+    idle_since: Instant,
+}
+
+impl SendConn {
+    /// Whether the pool may hand it out again: not idle past `pool_idle`, and D has not closed
+    /// it (nor sent anything unasked, which would put it out of step).
+    fn reusable(&self, pool_idle: Duration) -> bool {
+        self.idle_since.elapsed() < pool_idle && still_open(&self.tcp)
+    }
 }
 
 /// P's staged-path writer: P's GPU, P's regions (the only valid sources), and idle connections
@@ -64,7 +78,12 @@ impl StagedSender {
     /// Opens connections to `peer` until `streams` are pooled (their staging rings allocated), so
     /// that the first write does not pay for them; the first failure is returned.
     pub fn warm(&self, peer: &str) -> Result<(), StagedError> {
-        let pooled = self.pool.lock().unwrap_or_else(PoisonError::into_inner).get(peer).map_or(0, Vec::len);
+        let pooled = {
+            let mut pool = self.pool.lock().unwrap_or_else(PoisonError::into_inner);
+            let idle = pool.entry(peer.to_string()).or_default();
+            idle.retain(|c| c.reusable(self.config.pool_idle));
+            idle.len()
+        };
         let mut opened = Vec::new();
         for _ in pooled..self.config.streams {
             opened.push(self.connect(peer)?);
@@ -95,11 +114,26 @@ impl StagedSender {
         &self.config
     }
 
+    /// Up to `n` pooled connections to `peer` that are still usable; the stale ones are dropped
+    /// (their rings go back to the ring pool).
     fn take_conns(&self, peer: &str, n: usize) -> Vec<SendConn> {
         let mut pool = self.pool.lock().unwrap_or_else(PoisonError::into_inner);
         let idle = pool.entry(peer.to_string()).or_default();
-        let keep = idle.len().saturating_sub(n);
-        idle.split_off(keep)
+        let mut taken = Vec::with_capacity(n);
+        while taken.len() < n {
+            let Some(conn) = idle.pop() else { break };
+            if conn.reusable(self.config.pool_idle) {
+                taken.push(conn);
+            } else {
+                tracing::debug!(%peer, "pooled staged connection dropped: idle too long or closed by D");
+            }
+        }
+        taken
+    }
+
+    /// Pooled connections to `peer` (usable or not yet found stale).
+    pub fn pooled(&self, peer: &str) -> usize {
+        self.pool.lock().unwrap_or_else(PoisonError::into_inner).get(peer).map_or(0, Vec::len)
     }
 
     fn connect(&self, peer: &str) -> Result<SendConn, StagedError> {
@@ -108,7 +142,7 @@ impl StagedSender {
         tcp.set_nodelay(true).map_err(io)?;
         tcp.set_read_timeout(Some(self.config.deadline)).map_err(io)?;
         tcp.set_write_timeout(Some(self.config.deadline)).map_err(io)?;
-        Ok(SendConn { tcp, lent: self.rings.lend()? })
+        Ok(SendConn { tcp, lent: self.rings.lend()?, idle_since: Instant::now() })
     }
 
     /// Seed step 29 across hosts: checks every source against P's regions, spreads the plan over
@@ -150,8 +184,9 @@ impl StagedSender {
             }
         }
         if clean {
+            let now = Instant::now();
             let mut pool = self.pool.lock().unwrap_or_else(PoisonError::into_inner);
-            pool.entry(peer.to_string()).or_default().extend(conns);
+            pool.entry(peer.to_string()).or_default().extend(conns.into_iter().map(|c| SendConn { idle_since: now, ..c }));
         }
         match first_err {
             Some(e) => Err(e),
@@ -207,7 +242,7 @@ fn send_part(
         slot.done.record(stream)?;
         Ok(())
     };
-    let SendConn { tcp, lent } = conn;
+    let SendConn { tcp, lent, .. } = conn;
     let LentRing { stream, ring, .. } = lent;
     for (i, pieces) in chunks.iter().enumerate().take(depth) {
         enqueue(&mut ring[i], pieces, stream)?;

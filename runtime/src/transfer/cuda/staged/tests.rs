@@ -119,7 +119,7 @@ fn staged_round_trip_through_loopback_tcp() {
     let (p_regions, d_regions) = (regions_at(p_mem.ptr), regions_at(d_mem.ptr));
 
     // Small chunks and a shallow ring, so that buffers are reused many times within one part.
-    let config = StagedConfig { chunk_bytes: 12 * 1024, depth: 2, streams: 3, deadline: Duration::from_secs(20) };
+    let config = StagedConfig { chunk_bytes: 12 * 1024, depth: 2, streams: 3, deadline: Duration::from_secs(20), ..StagedConfig::default() };
     let receiver = StagedReceiver::bind(&ctx_d, d_regions.clone(), "127.0.0.1:0", StagedConfig { chunk_bytes: 20 * 1024, ..config }).expect("D listens");
     let peer = receiver.local_addr().to_string();
     let sender = Arc::new(StagedSender::new(&ctx_p, p_regions.clone(), config));
@@ -163,7 +163,7 @@ fn staged_round_trip_through_loopback_tcp() {
 fn a_fenced_receiver_takes_a_part_only_under_an_open_token() {
     let Some((ctx_p, ctx_d, p_mem, d_mem)) = two_sides(|i| (i as u64 * 7 + 3) as u8) else { return };
     let (p_regions, d_regions) = (regions_at(p_mem.ptr), regions_at(d_mem.ptr));
-    let config = StagedConfig { chunk_bytes: 16 * 1024, depth: 2, streams: 2, deadline: Duration::from_secs(20) };
+    let config = small_config();
     let fence = crate::transfer::fence::WriteFence::new();
     let receiver = StagedReceiver::bind_fenced(&ctx_d, d_regions.clone(), "127.0.0.1:0", config, Some(fence.clone())).expect("D listens");
     let peer = receiver.local_addr().to_string();
@@ -191,7 +191,7 @@ fn a_fenced_receiver_takes_a_part_only_under_an_open_token() {
 fn a_receiver_with_an_auth_token_takes_only_requests_that_present_it() {
     let Some((ctx_p, ctx_d, p_mem, d_mem)) = two_sides(|i| (i as u64 * 13 + 1) as u8) else { return };
     let (p_regions, d_regions) = (regions_at(p_mem.ptr), regions_at(d_mem.ptr));
-    let config = StagedConfig { chunk_bytes: 16 * 1024, depth: 2, streams: 2, deadline: Duration::from_secs(20) };
+    let config = small_config();
     let receiver = StagedReceiver::bind_guarded(&ctx_d, d_regions.clone(), "127.0.0.1:0", config, None, Some(b"s3cret".to_vec())).expect("D listens");
     let peer = receiver.local_addr().to_string();
     let plan = build_plan(&p_regions, &[4, 5], &d_regions, &[8, 9], true).expect("plan");
@@ -214,17 +214,11 @@ fn a_receiver_with_an_auth_token_takes_only_requests_that_present_it() {
 fn a_receiver_lends_its_prepinned_rings_to_connections_and_takes_them_back() {
     let Some((ctx_p, ctx_d, p_mem, d_mem)) = two_sides(|i| (i as u64 * 5 + 2) as u8) else { return };
     let (p_regions, d_regions) = (regions_at(p_mem.ptr), regions_at(d_mem.ptr));
-    let config = StagedConfig { chunk_bytes: 16 * 1024, depth: 2, streams: 2, deadline: Duration::from_secs(20) };
+    let config = small_config();
     let receiver = StagedReceiver::bind(&ctx_d, d_regions.clone(), "127.0.0.1:0", config).expect("D listens");
     receiver.prepin(3).expect("pins three rings");
     assert_eq!(receiver.spare_rings(), 3);
-    let spare_within = |n: usize| {
-        let until = std::time::Instant::now() + Duration::from_secs(10);
-        while receiver.spare_rings() != n {
-            assert!(std::time::Instant::now() < until, "expected {n} spare rings, have {}", receiver.spare_rings());
-            std::thread::sleep(Duration::from_millis(5));
-        }
-    };
+    let spare_within = |n: usize| within(&format!("{n} spare rings"), || receiver.spare_rings() == n);
     let plan = build_plan(&p_regions, &[1, 2, 3, 4], &d_regions, &[5, 6, 7, 8], true).expect("plan");
     let sender = StagedSender::new(&ctx_p, p_regions.clone(), config);
     sender.write(&receiver.local_addr().to_string(), &plan).expect("write");
@@ -240,7 +234,7 @@ fn a_receiver_lends_its_prepinned_rings_to_connections_and_takes_them_back() {
 fn a_sender_keeps_the_rings_of_dropped_connections_for_the_next_ones() {
     let Some((ctx_p, ctx_d, p_mem, d_mem)) = two_sides(|i| (i as u64 * 11 + 4) as u8) else { return };
     let (p_regions, d_regions) = (regions_at(p_mem.ptr), regions_at(d_mem.ptr));
-    let config = StagedConfig { chunk_bytes: 16 * 1024, depth: 2, streams: 2, deadline: Duration::from_secs(20) };
+    let config = small_config();
     let receiver = StagedReceiver::bind(&ctx_d, d_regions.clone(), "127.0.0.1:0", config).expect("D listens");
     let peer = receiver.local_addr().to_string();
     let sender = StagedSender::new(&ctx_p, p_regions.clone(), config);
@@ -254,4 +248,75 @@ fn a_sender_keeps_the_rings_of_dropped_connections_for_the_next_ones() {
     sender.write(&peer, &plan).expect("write over new connections with the kept rings");
     assert_eq!(plan_checksum(&ctx_d, &plan, false).expect("D"), plan_checksum(&ctx_p, &plan, true).expect("P"));
     assert_eq!(sender.spare_rings(), 0);
+}
+
+/// 16 KiB chunks, two buffers, two streams: each part reuses its buffers many times.
+fn small_config() -> StagedConfig {
+    StagedConfig { chunk_bytes: 16 * 1024, depth: 2, streams: 2, deadline: Duration::from_secs(20), ..StagedConfig::default() }
+}
+
+/// Waits (bounded) until `f` holds; `what` names it when it never does.
+fn within(what: &str, f: impl Fn() -> bool) {
+    let until = std::time::Instant::now() + Duration::from_secs(10);
+    while !f() {
+        assert!(std::time::Instant::now() < until, "{what}: not within 10 s");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+#[test]
+fn d_closes_idle_connections_and_p_writes_over_new_ones_instead_of_failing() {
+    let Some((ctx_p, ctx_d, p_mem, d_mem)) = two_sides(|i| (i as u64 * 17 + 9) as u8) else { return };
+    let (p_regions, d_regions) = (regions_at(p_mem.ptr), regions_at(d_mem.ptr));
+    let base = small_config();
+    // D lets idle connections go after 100 ms; P would keep reusing them for a minute.
+    let receiver = StagedReceiver::bind(&ctx_d, d_regions.clone(), "127.0.0.1:0", StagedConfig { idle_close: Duration::from_millis(100), ..base }).expect("D listens");
+    let peer = receiver.local_addr().to_string();
+    let sender = StagedSender::new(&ctx_p, p_regions.clone(), base);
+    let plan = build_plan(&p_regions, &[3, 4, 5], &d_regions, &[6, 7, 8], true).expect("plan");
+    sender.write(&peer, &plan).expect("first write");
+    assert_eq!(sender.pooled(&peer), 2);
+    within("D closes both idle connections", || receiver.live_connections() == 0);
+    d_mem.fill(0).expect("zero D");
+    sender.write(&peer, &plan).expect("a write after D closed the pooled connections");
+    assert_eq!(plan_checksum(&ctx_d, &plan, false).expect("D"), plan_checksum(&ctx_p, &plan, true).expect("P"), "bytes over the new connections");
+    assert_eq!(sender.pooled(&peer), 2, "the stale connections were replaced, not added to");
+    // warm() replaces stale connections too.
+    within("D closes the second pair", || receiver.live_connections() == 0);
+    sender.warm(&peer).expect("warm");
+    within("D serves the two warmed connections", || receiver.live_connections() == 2);
+    assert_eq!(sender.pooled(&peer), 2);
+    // D's receiver restarts at the same address: P's pooled connections to the old one are seen
+    // closed, and the write goes over new ones.
+    drop(receiver);
+    let receiver = StagedReceiver::bind(&ctx_d, d_regions.clone(), &peer, base).expect("D listens again at the same address");
+    d_mem.fill(0).expect("zero D");
+    sender.write(&peer, &plan).expect("a write after D's receiver restarted");
+    assert_eq!(plan_checksum(&ctx_d, &plan, false).expect("D"), plan_checksum(&ctx_p, &plan, true).expect("P"), "bytes through the restarted receiver");
+    assert_eq!(receiver.live_connections(), 2);
+}
+
+#[test]
+fn p_drops_connections_idle_past_its_pool_limit_and_d_lets_their_threads_go() {
+    let Some((ctx_p, ctx_d, p_mem, d_mem)) = two_sides(|i| (i as u64 * 19 + 5) as u8) else { return };
+    let (p_regions, d_regions) = (regions_at(p_mem.ptr), regions_at(d_mem.ptr));
+    let base = small_config();
+    let receiver = StagedReceiver::bind(&ctx_d, d_regions.clone(), "127.0.0.1:0", base).expect("D listens");
+    receiver.prepin(2).expect("pins two rings");
+    let peer = receiver.local_addr().to_string();
+    let sender = StagedSender::new(&ctx_p, p_regions.clone(), StagedConfig { pool_idle: Duration::from_millis(20), ..base });
+    let plan = build_plan(&p_regions, &[1, 2], &d_regions, &[3, 4], true).expect("plan");
+    for round in 0..3 {
+        d_mem.fill(0).expect("zero D");
+        sender.write(&peer, &plan).unwrap_or_else(|e| panic!("write {round}: {e}"));
+        assert_eq!(plan_checksum(&ctx_d, &plan, false).expect("D"), plan_checksum(&ctx_p, &plan, true).expect("P"), "round {round}");
+        std::thread::sleep(Duration::from_millis(60));
+    }
+    // Each write opened two connections and dropped the two before: D serves only the last two
+    // (the threads of the others ended).
+    within("D serves only the last pair", || receiver.live_connections() == 2);
+    drop(sender);
+    within("D lets every connection go", || receiver.live_connections() == 0);
+    // Every ring came back: at least the two pinned ahead are spare again.
+    within("D's rings are back", || receiver.spare_rings() >= 2);
 }
