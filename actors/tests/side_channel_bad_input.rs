@@ -127,9 +127,10 @@ fn undecodable_frames_get_an_error_response_and_p_keeps_serving() {
             Ok(())
         })
         .expect("every undecodable frame is answered with an error");
+    let mut dealer = dealer.into_inner();
     rt.block_on(async {
         // Still serving: a valid pull is answered per request (P does not know D's layout).
-        let resp = exchange(&mut dealer.borrow_mut(), frame::encode(&pull(42, 7)).expect("encodes")).await;
+        let resp = exchange(&mut dealer, frame::encode(&pull(42, 7)).expect("encodes")).await;
         assert_eq!((resp.pull_id, resp.status), (42, PullStatus::Error));
         assert!(resp.err_reqs.iter().all(|e| e.cause == PullErrorCause::UnknownLayout) && resp.err_reqs.len() == 1, "{resp:?}");
         assert_eq!(listener.ask(InFlightPulls).await.expect("listener answers"), 0);

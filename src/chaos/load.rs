@@ -255,18 +255,25 @@ impl Prompts {
     }
 }
 
+/// Where the load goes: the proxy's completions URL, and each request's deadline.
+#[derive(Clone, Copy)]
+struct Endpoint<'a> {
+    client: &'a reqwest::Client,
+    url: &'a str,
+    deadline: Duration,
+}
+
 /// Sends `ids.len()` requests at `concurrency`, request `k` with prompt `prompt_of[k]`; `done`
 /// sees each answer as it comes.
 async fn blast(
-    client: &reqwest::Client,
-    url: &str,
+    to: Endpoint<'_>,
     prompts: &Prompts,
     ids: &[String],
     prompt_of: &[usize],
     concurrency: usize,
-    deadline: Duration,
     mut done: impl FnMut(usize),
 ) -> Vec<Answer> {
+    let Endpoint { client, url, deadline } = to;
     let mut answers = Vec::with_capacity(ids.len());
     let mut stream = futures::stream::iter(ids.iter().enumerate())
         .map(|(k, id)| {
@@ -361,7 +368,8 @@ async fn drive(
     // Warm-up, un-faulted: pools and arenas reach their size at this concurrency.
     let warm_ids: Vec<String> = (0..opts.warmup).map(|i| format!("wu-{i:05}")).collect();
     let warm_prompts: Vec<usize> = (0..opts.warmup).map(|_| rng.below(prompts.bodies.len())).collect();
-    let warm = blast(client, &url, prompts, &warm_ids, &warm_prompts, opts.concurrency, client_deadline, |n| progress(Phase::Warmup, n, opts.warmup)).await;
+    let to = Endpoint { client, url: &url, deadline: client_deadline };
+    let warm = blast(to, prompts, &warm_ids, &warm_prompts, opts.concurrency, |n| progress(Phase::Warmup, n, opts.warmup)).await;
     let warm_bad = warm.iter().filter(|a| !matches!(a.verdict, Ok(None))).count();
     if warm_bad > 0 {
         problems.push(format!("{warm_bad} of {} un-faulted warm-up requests were not served correctly", opts.warmup));
@@ -383,7 +391,7 @@ async fn drive(
     let (plan, planned) = faults::plan(opts.requests, opts.fault_rate, &menu, rng, client_id);
     let injector = fault::arm(plan);
     let started = Instant::now();
-    let answers = blast(client, &url, prompts, &ids, &prompt_of, opts.concurrency, client_deadline, |n| progress(Phase::Run, n, opts.requests)).await;
+    let answers = blast(to, prompts, &ids, &prompt_of, opts.concurrency, |n| progress(Phase::Run, n, opts.requests)).await;
     let wall = started.elapsed();
     let rss_end_of_run = rss_bytes();
 
