@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Issue 7: GPU-resident KV on the device machine, in one call (one GPU is enough; with two, P's KV
-# is on GPU 0 and D's on GPU 1). Builds nothing: runs binaries built on the dev machine and carried:
+# is on GPU 0 and D's on GPU 1). Builds nothing: runs binaries built on the dev machine and carried
+# (scripts/device/build_carry.sh builds them all):
 #   cargo build --release --features cuda --bin pdflow          -> target/cuda-carry/pdflow (stripped copy)
 #   cargo test -p pdflow-runtime --features cuda --lib --no-run -> target/cuda-carry/runtime-tests (stripped copy)
 #   cargo test -p pdflow-tests --test gpu_kv_processes --no-run  -> target/cuda-carry/gpu-kv-processes (stripped copy)
