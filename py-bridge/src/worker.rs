@@ -27,10 +27,8 @@ use pdflow_messages::receiver::{GetFinishedRecving, StartLoadKv};
 use pdflow_messages::scheduler_connector::ConnectorMetadata;
 use pdflow_messages::sender_listener::{GetFinishedSending, RecordSendReqs};
 use pdflow_messages::{BlockId, RequestId};
-use pdflow_runtime::memory::{KvCache, KvShape, MemoryKind};
-use pdflow_runtime::transfer::fence::WriteFence;
-use pdflow_runtime::transfer::same_host::SameHostMode;
-use pdflow_runtime::transfer::tcp::{DataServerOptions, TcpDataServer};
+use pdflow_runtime::memory::{KvCache, KvShape};
+use pdflow_runtime::transfer::tcp::TcpDataServer;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use tokio::sync::Notify;
@@ -154,20 +152,10 @@ impl WorkerBridge {
             sender_listener = Some(listener);
         }
         if consumes {
-            let bind: SocketAddr =
-                format!("{}:0", cfg.host).parse().map_err(|e| BridgeError::Config(format!("data server address {}:0: {e}", cfg.host)))?;
-            let fence = WriteFence::new();
-            let (device_export, serving) = gpu_kv::serve_gpu_kv(&kv_cache, &cfg.host, &cfg.tcp, &fence).map_err(|e| BridgeError::unavailable("GPU KV serving", e))?;
-            gpu_serving.extend(serving);
-            let options = DataServerOptions {
-                auth_token: cfg.tcp.auth_token.clone(),
-                // P writes GPU KV by the cuda engines, never through D's host memory.
-                offer_same_host: cfg.tcp.same_host != SameHostMode::Off && kv_cache.memory() == MemoryKind::Host,
-                fence: Some(fence.clone()),
-                device_export,
-            };
-            let server = TcpDataServer::bind_options(bind, kv_cache.region_table(), options).await.map_err(|e| BridgeError::unavailable("KV data server", e))?;
-            gpu_serving.extend(gpu_kv::register_local_peer(&server.local_addr().to_string(), &kv_cache, &fence).map_err(|e| BridgeError::Config(e.to_string()))?);
+            let gpu_kv::KvDataServing { server, fence, held } = gpu_kv::serve_kv_data(&kv_cache, &cfg.host, &format!("{}:0", cfg.host), &cfg.tcp)
+                .await
+                .map_err(|e| BridgeError::unavailable("KV data server", e))?;
+            gpu_serving.extend(held);
             info.push(("data_addr", server.local_addr().to_string()));
             let args = ReceiverArgs {
                 engine_id: self.engine_id.clone(),

@@ -6,7 +6,7 @@
 //! tcp for host KV; cuda-peer, cuda-ipc or cuda-staged for GPU KV), and — when P's TP0 launches
 //! it — the Bootstrap (step 2).
 //! D (consumer): SchedulerConnector, Receiver (step 5) and the tcp data server that P writes into
-//! (with GPU KV also the device offer and the staged receiver, [`super::gpu_kv::serve_gpu_kv`]).
+//! ([`super::gpu_kv::serve_kv_data`]; with GPU KV also the device offer and the staged receiver).
 
 use std::net::SocketAddr;
 use std::sync::atomic::AtomicU16;
@@ -21,15 +21,13 @@ use pdflow_actors::sender_listener::{SenderListener, SenderListenerArgs};
 use pdflow_observability::fault::{ActorKind, Role};
 use pdflow_runtime::engine::ports::{Connector, WorkerConnectorPort};
 use pdflow_runtime::engine::{api, Engine, EngineConfig, EngineHandle};
-use pdflow_runtime::memory::{KvCache, MemoryKind};
-use pdflow_runtime::transfer::fence::WriteFence;
-use pdflow_runtime::transfer::same_host::SameHostMode;
-use pdflow_runtime::transfer::tcp::{DataServerOptions, TcpConfig, TcpDataServer};
+use pdflow_runtime::memory::KvCache;
+use pdflow_runtime::transfer::tcp::{TcpConfig, TcpDataServer};
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
 use super::bootstrap_node::BootstrapNode;
-use super::gpu_kv::{producer_engine, register_local_peer, serve_gpu_kv, Held};
+use super::gpu_kv::{producer_engine, serve_kv_data, Held, KvDataServing};
 use super::supervisor::{NodeSupervisor, MAX_RESTARTS, RESTART_WINDOW};
 use super::{started, NodeError};
 use crate::config::Deadlines;
@@ -150,17 +148,8 @@ impl EngineNode {
                 Arc::new(ProducerWorkerPort { listener, events: events.clone() })
             }
             KvRole::Consumer => {
-                let bind = format!("{}:0", cfg.host);
-                let bind_addr: SocketAddr = bind.parse().map_err(|e| NodeError::Config(format!("data server address {bind}: {e}")))?;
-                // P writes GPU KV by the cuda engines, never through D's host memory.
-                let offer_same_host = cfg.tcp.same_host != SameHostMode::Off && kv_cache.memory() == MemoryKind::Host;
-                // Each pull's blocks are fenced: a write D gave up on is refused, never landed.
-                let fence = WriteFence::new();
-                let (device_export, serving) = serve_gpu_kv(&kv_cache, &cfg.host, &cfg.tcp, &fence)?;
-                gpu_serving.extend(serving);
-                let options = DataServerOptions { auth_token: cfg.tcp.auth_token.clone(), offer_same_host, fence: Some(fence.clone()), device_export };
-                let server = TcpDataServer::bind_options(bind_addr, kv_cache.region_table(), options).await.map_err(|e| NodeError::Transfer(e.to_string()))?;
-                gpu_serving.extend(register_local_peer(&server.local_addr().to_string(), &kv_cache, &fence)?);
+                let KvDataServing { server, fence, held } = serve_kv_data(&kv_cache, &cfg.host, &format!("{}:0", cfg.host), &cfg.tcp).await?;
+                gpu_serving.extend(held);
                 let args = ReceiverArgs {
                     engine_id: engine_id.clone(),
                     tp_rank: 0,

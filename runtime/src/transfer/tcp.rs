@@ -22,6 +22,7 @@ pub mod wire;
 pub(crate) use engine::split_by_bytes;
 #[cfg(feature = "cuda")]
 pub(crate) use connection::constant_time_eq;
+#[cfg(any(feature = "cuda", test))]
 pub(crate) use engine::still_open;
 pub use engine::{FenceHold, TcpConfig, TcpTransferEngine};
 pub use server::{DataServerError, DataServerOptions, TcpDataServer};
