@@ -47,6 +47,7 @@ pub async fn serve_kv_data(kv_cache: &Arc<KvCache>, host: &str, bind: &str, tcp:
         offer_same_host: tcp.same_host != SameHostMode::Off && kv_cache.memory() == MemoryKind::Host,
         fence: Some(fence.clone()),
         device_export,
+        ..DataServerOptions::default()
     };
     let server = TcpDataServer::bind_options(bind_addr, kv_cache.region_table(), options).await.map_err(|e| NodeError::Transfer(e.to_string()))?;
     let local_peer = register_local_peer(&server.local_addr().to_string(), kv_cache, &fence)?;

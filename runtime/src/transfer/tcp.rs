@@ -25,7 +25,7 @@ pub(crate) use connection::constant_time_eq;
 #[cfg(any(feature = "cuda", test))]
 pub(crate) use engine::still_open;
 pub use engine::{FenceHold, TcpConfig, TcpTransferEngine};
-pub use server::{DataServerError, DataServerOptions, TcpDataServer};
+pub use server::{DataServerError, DataServerOptions, TcpDataServer, DEFAULT_MAX_CONNECTIONS};
 
 /// Socket buffer size asked of the OS on both ends (it may grant less).
 const SOCKET_BUFFER_BYTES: u32 = 4 << 20;

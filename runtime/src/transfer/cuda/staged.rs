@@ -51,6 +51,9 @@ pub struct StagedConfig {
     /// P's side: a pooled connection idle for longer than this, or closed by D, is dropped
     /// instead of reused (keep it well under D's `idle_close`).
     pub pool_idle: Duration,
+    /// D's side: the most connections served at once (as the tcp data server's
+    /// `max_connections`); one more is closed at its accept.
+    pub max_connections: usize,
 }
 
 /// 8 connections × 4 chunks of 4 MiB: the fastest shape measured on 2×H200 over loopback
@@ -65,18 +68,21 @@ impl Default for StagedConfig {
             deadline: Duration::from_secs(30),
             idle_close: Duration::from_secs(300),
             pool_idle: Duration::from_secs(60),
+            max_connections: crate::transfer::tcp::DEFAULT_MAX_CONNECTIONS,
         }
     }
 }
 
 impl StagedConfig {
-    /// The same config with at least one stream, one buffer, 4 KiB chunks and a 1 ms idle close.
+    /// The same config with at least one stream, one buffer, 4 KiB chunks, a 1 ms idle close and
+    /// one connection.
     pub fn sane(self) -> Self {
         Self {
             chunk_bytes: self.chunk_bytes.max(4096),
             depth: self.depth.max(1),
             streams: self.streams.max(1),
             idle_close: self.idle_close.max(Duration::from_millis(1)),
+            max_connections: self.max_connections.max(1),
             ..self
         }
     }

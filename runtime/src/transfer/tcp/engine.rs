@@ -424,8 +424,17 @@ impl Inner {
         let mut stream = open(peer).await.map_err(connect_err)?;
         stream.set_nodelay(true).map_err(connect_err)?;
         let hello = wire::encode_hello(self.config.auth_token.as_deref()).map_err(|e| connect_err(e.into_io()))?;
-        stream.write_all(&hello).await.map_err(connect_err)?;
-        match wire::read_ack(&mut stream).await.map_err(|e| connect_err(e.into_io()))? {
+        // D closing (or resetting) the connection before its ack: said so, with the likely causes.
+        let unanswered = |e: std::io::Error| {
+            use std::io::ErrorKind::{BrokenPipe, ConnectionAborted, ConnectionReset, UnexpectedEof};
+            if matches!(e.kind(), UnexpectedEof | ConnectionReset | BrokenPipe | ConnectionAborted) {
+                let why = format!("D closed the connection before answering the hello ({e}): it serves its most connections (max_connections), or it is stopping");
+                return connect_err(std::io::Error::new(e.kind(), why));
+            }
+            connect_err(e)
+        };
+        stream.write_all(&hello).await.map_err(unanswered)?;
+        match wire::read_ack(&mut stream).await.map_err(|e| unanswered(e.into_io()))? {
             Ack::Ok { .. } => Ok(stream),
             Ack::Refused { reason, .. } => Err(TransferError::Refused { peer: peer.to_string(), reason }),
         }

@@ -5,7 +5,9 @@
 //! (see [`connection`](super::connection): the protocol, the region checks, the fence, vectored
 //! reads of up to 1,024 destination slices a call, so a fragmented plan of 64 KiB descriptors
 //! costs no more system calls than a coalesced one). A bad connection is closed; the server keeps
-//! serving the others. The server owns its accept loop and connection threads: when it is shut
+//! serving the others. At most `max_connections` are served at once (1,024 by default; P opens a
+//! few per peer): one more is closed as soon as it is accepted, so that a flood of connections
+//! costs D no threads. The server owns its accept loop and connection threads: when it is shut
 //! down or dropped it stops accepting and shuts every connection's socket down, which ends the
 //! threads' reads at once.
 //!
@@ -40,8 +42,11 @@ pub enum DataServerError {
     Bind { addr: SocketAddr, source: std::io::Error },
 }
 
+/// The most connections a data server serves at once, unless told otherwise.
+pub const DEFAULT_MAX_CONNECTIONS: usize = 1024;
+
 /// How a data server serves (see [`TcpDataServer::bind_options`]).
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub struct DataServerOptions {
     /// P's connections must present this token.
     pub auth_token: Option<String>,
@@ -52,16 +57,32 @@ pub struct DataServerOptions {
     /// What P gets when it asks how to write D's GPU KV directly (the cuda backend's serialised
     /// export); empty: nothing offered.
     pub device_export: Vec<u8>,
+    /// The most connections served at once (at least 1); one more is closed at its accept.
+    pub max_connections: usize,
+}
+
+impl Default for DataServerOptions {
+    fn default() -> Self {
+        Self { auth_token: None, offer_same_host: false, fence: None, device_export: Vec::new(), max_connections: DEFAULT_MAX_CONNECTIONS }
+    }
 }
 
 /// The sockets of the connections being served, so stopping the server can wake their threads.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct Connections {
     next_id: AtomicU64,
     live: Mutex<HashMap<u64, std::net::TcpStream>>,
+    /// The most served at once.
+    max: usize,
+    /// Connections closed at their accept because `max` were being served.
+    refused: AtomicU64,
 }
 
 impl Connections {
+    fn new(max: usize) -> Self {
+        Self { next_id: AtomicU64::new(0), live: Mutex::default(), max: max.max(1), refused: AtomicU64::new(0) }
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u64, std::net::TcpStream>> {
         // A map of socket handles: a panicking holder leaves nothing half-done.
         self.live.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
@@ -110,12 +131,12 @@ impl TcpDataServer {
         offer_same_host: bool,
         fence: Option<WriteFence>,
     ) -> Result<Self, DataServerError> {
-        Self::bind_options(addr, regions, DataServerOptions { auth_token, offer_same_host, fence, device_export: Vec::new() }).await
+        Self::bind_options(addr, regions, DataServerOptions { auth_token, offer_same_host, fence, ..DataServerOptions::default() }).await
     }
 
     /// Listens on `addr` and serves writes into `regions` as `options` say.
     pub async fn bind_options(addr: SocketAddr, regions: RegionTable, options: DataServerOptions) -> Result<Self, DataServerError> {
-        let DataServerOptions { auth_token, offer_same_host, fence, device_export } = options;
+        let DataServerOptions { auth_token, offer_same_host, fence, device_export, max_connections } = options;
         let listener = listen(addr).map_err(|source| DataServerError::Bind { addr, source })?;
         let local_addr = listener.local_addr().map_err(|source| DataServerError::Bind { addr, source })?;
         let canary = same_host::new_canary();
@@ -133,7 +154,7 @@ impl TcpDataServer {
         let cancel = CancellationToken::new();
         let shared = Arc::new(Shared { regions, auth_token, host_info, fence, device_export, cancel: cancel.clone() });
         let tracker = TaskTracker::new();
-        let connections = Arc::new(Connections::default());
+        let connections = Arc::new(Connections::new(max_connections));
         tracker.spawn(accept_loop(listener, shared, tracker.clone(), connections.clone()));
         tracing::debug!(%local_addr, "tcp data server listening");
         Ok(Self { local_addr, cancel, tracker, connections, _canary: canary })
@@ -142,6 +163,11 @@ impl TcpDataServer {
     /// The address the server listens on (the port P connects to).
     pub fn local_addr(&self) -> SocketAddr {
         self.local_addr
+    }
+
+    /// The connections being served now.
+    pub fn live_connections(&self) -> usize {
+        self.connections.lock().len()
     }
 
     /// Stops accepting, closes every connection and waits (bounded) for the tasks to end.
@@ -213,7 +239,24 @@ fn start_connection(
     let stream = stream.into_std()?;
     stream.set_nonblocking(false)?;
     let id = connections.next_id.fetch_add(1, Ordering::Relaxed);
-    connections.lock().insert(id, stream.try_clone()?);
+    {
+        let mut live = connections.lock();
+        if live.len() >= connections.max {
+            drop(live);
+            // Closed here (the stream drops): no thread, no read. Said once, then every 1,000th.
+            let refused = connections.refused.fetch_add(1, Ordering::Relaxed);
+            if refused.is_multiple_of(1000) {
+                tracing::warn!(
+                    %peer,
+                    max = connections.max,
+                    refused = refused + 1,
+                    "data connection closed at accept: the server already serves its most connections (max_connections)"
+                );
+            }
+            return Ok(());
+        }
+        live.insert(id, stream.try_clone()?);
+    }
     if shared.cancel.is_cancelled() {
         // The server stopped between the accept and the registration above.
         connections.lock().remove(&id);

@@ -690,3 +690,37 @@ fn a_pooled_socket_counts_as_open_only_while_the_peer_keeps_it_open_and_silent()
     std::io::Read::read_exact(&mut &p, &mut byte).expect("the peeked byte is still queued");
     assert_eq!(&byte, b"x");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_at_its_connection_limit_closes_one_more_at_once_and_serves_again_when_one_ends() {
+    let src = filled_cache(SMALL, 8, 1);
+    let dst = KvCache::new(SMALL, 8);
+    let options = DataServerOptions { max_connections: 2, ..DataServerOptions::default() };
+    let server = TcpDataServer::bind_options("127.0.0.1:0".parse().expect("address"), dst.region_table(), options).await.expect("binds");
+    let peer = server.local_addr().to_string();
+    let (first, _second) = (hello(&peer).await, hello(&peer).await);
+    assert_eq!(server.live_connections(), 2);
+    // One more is closed before its hello is read: it gets the end of the stream, not an ack.
+    let mut third = TcpStream::connect(&peer).await.expect("the kernel still accepts it");
+    let _ = third.write_all(&wire::encode_hello(None).expect("hello")).await;
+    let mut rest = Vec::new();
+    let read = bounded("the refused connection's end", third.read_to_end(&mut rest)).await;
+    assert!(read.is_err() || rest.is_empty(), "a connection over the limit was answered: {rest:?}");
+    assert_eq!(server.live_connections(), 2, "the two served connections are untouched");
+    // P's engine, over the limit, is told why its connection went.
+    let engine = TcpTransferEngine::new(src.region_table(), TcpConfig { streams_per_peer: 1, ..TcpConfig::default() });
+    let plan = build_plan(&src.regions(), &[1, 2], &dst.regions(), &[5, 6], true).expect("plannable");
+    let err = bounded("write over the limit", engine.write(&peer, &plan)).await.expect_err("no connection is free");
+    assert!(matches!(&err, TransferError::Connect { .. }) && err.to_string().contains("max_connections"), "got {err}");
+    // One ends: P's engine gets its connection, and its write lands.
+    drop(first);
+    bounded("the ended connection leaves", async {
+        while server.live_connections() > 1 {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await;
+    bounded("write", engine.write(&peer, &plan)).await.expect("a write once a connection is free");
+    assert_eq!(src.blocks_checksum(&[1, 2]).expect("in range"), dst.blocks_checksum(&[5, 6]).expect("in range"));
+    assert_eq!(DataServerOptions::default().max_connections, DEFAULT_MAX_CONNECTIONS);
+}

@@ -3,7 +3,8 @@
 //! received), then receives the payload chunk by chunk into a ring of pinned host buffers, copying
 //! each chunk host→device on the connection's own CUDA stream while the next one arrives, and
 //! answers `DONE` once the last copy completed. A connection that sends no request for
-//! `idle_close` is closed (P's pool drops such connections before it would reuse them).
+//! `idle_close` is closed (P's pool drops such connections before it would reuse them); at most
+//! `max_connections` are served at once, one more is closed at its accept (no thread for it).
 //!
 //! Owns D's side of seed step 29 on the cross-host GPU path (the bytes land in D's regions; step
 //! 31's completion follows on the side channel as for any backend).
@@ -40,6 +41,8 @@ struct Shared {
     /// its own when it ends.
     conns: Mutex<HashMap<u64, TcpStream>>,
     next_conn: AtomicU64,
+    /// Connections closed at their accept because `max_connections` were being served.
+    refused: AtomicU64,
     /// Staging rings pinned ahead ([`StagedReceiver::prepin`]) or left by ended connections,
     /// lent to a connection at its first accepted request.
     rings: Arc<RingPool>,
@@ -98,6 +101,7 @@ impl StagedReceiver {
             stop: AtomicBool::new(false),
             conns: Mutex::default(),
             next_conn: AtomicU64::new(0),
+            refused: AtomicU64::new(0),
             rings: RingPool::new(ctx, config.sane()),
             threads: Mutex::default(),
         });
@@ -157,7 +161,20 @@ fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
         let Ok(conn) = conn else { continue };
         let Ok(clone) = conn.try_clone() else { continue };
         let id = shared.next_conn.fetch_add(1, Ordering::Relaxed);
-        shared.conns().insert(id, clone);
+        {
+            let mut live = shared.conns();
+            if live.len() >= shared.config.max_connections {
+                drop(live);
+                // Said once, then every 1,000th.
+                let refused = shared.refused.fetch_add(1, Ordering::Relaxed);
+                if refused.is_multiple_of(1000) {
+                    let peer = conn.peer_addr().map(|a| a.to_string()).unwrap_or_else(|_| "?".into());
+                    tracing::warn!(%peer, max = shared.config.max_connections, refused = refused + 1, "staged data connection closed at accept: the receiver already serves its most connections");
+                }
+                continue;
+            }
+            live.insert(id, clone);
+        }
         let conn_shared = shared.clone();
         let spawned = std::thread::Builder::new().name("staged-recv".into()).spawn(move || {
             let peer = conn.peer_addr().map(|a| a.to_string()).unwrap_or_else(|_| "?".into());

@@ -320,3 +320,27 @@ fn p_drops_connections_idle_past_its_pool_limit_and_d_lets_their_threads_go() {
     // Every ring came back: at least the two pinned ahead are spare again.
     within("D's rings are back", || receiver.spare_rings() >= 2);
 }
+
+#[test]
+fn a_receiver_at_its_connection_limit_closes_one_more_at_once() {
+    use std::io::Read as _;
+    let Some((ctx_p, ctx_d, p_mem, d_mem)) = two_sides(|i| (i as u64 * 23 + 7) as u8) else { return };
+    let (p_regions, d_regions) = (regions_at(p_mem.ptr), regions_at(d_mem.ptr));
+    let receiver = StagedReceiver::bind(&ctx_d, d_regions.clone(), "127.0.0.1:0", StagedConfig { max_connections: 2, ..small_config() }).expect("D listens");
+    let peer = receiver.local_addr().to_string();
+    let sender = StagedSender::new(&ctx_p, p_regions.clone(), small_config());
+    let plan = build_plan(&p_regions, &[2, 3], &d_regions, &[4, 5], true).expect("plan");
+    sender.write(&peer, &plan).expect("a write over the two connections the limit allows");
+    within("D serves both", || receiver.live_connections() == 2);
+    // One more is closed as soon as it is accepted.
+    let mut third = std::net::TcpStream::connect(&peer).expect("the kernel still accepts it");
+    third.set_read_timeout(Some(Duration::from_secs(10))).expect("timeout");
+    let mut rest = Vec::new();
+    let read = third.read_to_end(&mut rest);
+    assert!(matches!(&read, Ok(0)) || matches!(&read, Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset), "the connection over the limit was not closed: {read:?}");
+    assert_eq!(receiver.live_connections(), 2, "the served connections are untouched");
+    // The pooled two still carry writes.
+    d_mem.fill(0).expect("zero D");
+    sender.write(&peer, &plan).expect("a write over the pooled connections");
+    assert_eq!(plan_checksum(&ctx_d, &plan, false).expect("D"), plan_checksum(&ctx_p, &plan, true).expect("P"));
+}
