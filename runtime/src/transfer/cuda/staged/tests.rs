@@ -178,7 +178,7 @@ fn a_fenced_receiver_takes_a_part_only_under_an_open_token() {
     // Open: it lands, and the fence is free again after it.
     fence.open(5);
     sender.write(&peer, &plan).expect("write under an open fence");
-    assert_eq!(plan_checksum(&ctx_d, &plan, false).expect("D"), plan_checksum(&ctx_p, &plan, true).expect("P"));
+    assert_landed(&ctx_p, &ctx_d, &plan, "a write under an open fence");
     let rt = tokio::runtime::Builder::new_current_thread().enable_time().build().expect("runtime");
     rt.block_on(fence.close(5, Duration::from_secs(2))).expect("no part left in flight");
     // Closed: a late write for the ended pull is refused.
@@ -207,7 +207,7 @@ fn a_receiver_with_an_auth_token_takes_only_requests_that_present_it() {
     }
     let sender = StagedSender::new(&ctx_p, p_regions.clone(), config).with_auth_token(Some("s3cret"));
     sender.write(&peer, &plan).expect("the right token");
-    assert_eq!(plan_checksum(&ctx_d, &plan, false).expect("D"), plan_checksum(&ctx_p, &plan, true).expect("P"));
+    assert_landed(&ctx_p, &ctx_d, &plan, "a write with the right token");
 }
 
 #[test]
@@ -222,7 +222,7 @@ fn a_receiver_lends_its_prepinned_rings_to_connections_and_takes_them_back() {
     let plan = build_plan(&p_regions, &[1, 2, 3, 4], &d_regions, &[5, 6, 7, 8], true).expect("plan");
     let sender = StagedSender::new(&ctx_p, p_regions.clone(), config);
     sender.write(&receiver.local_addr().to_string(), &plan).expect("write");
-    assert_eq!(plan_checksum(&ctx_d, &plan, false).expect("D"), plan_checksum(&ctx_p, &plan, true).expect("P"), "bytes through lent rings");
+    assert_landed(&ctx_p, &ctx_d, &plan, "bytes through lent rings");
     spare_within(1); // two connections hold one ring each
     drop(sender); // P's connections close: their rings come back
     spare_within(3);
@@ -246,13 +246,18 @@ fn a_sender_keeps_the_rings_of_dropped_connections_for_the_next_ones() {
     assert_eq!(sender.spare_rings(), 2);
     d_mem.fill(0).expect("zero D");
     sender.write(&peer, &plan).expect("write over new connections with the kept rings");
-    assert_eq!(plan_checksum(&ctx_d, &plan, false).expect("D"), plan_checksum(&ctx_p, &plan, true).expect("P"));
+    assert_landed(&ctx_p, &ctx_d, &plan, "a write over new connections with the kept rings");
     assert_eq!(sender.spare_rings(), 0);
 }
 
 /// 16 KiB chunks, two buffers, two streams: each part reuses its buffers many times.
 fn small_config() -> StagedConfig {
     StagedConfig { chunk_bytes: 16 * 1024, depth: 2, streams: 2, deadline: Duration::from_secs(20), ..StagedConfig::default() }
+}
+
+/// D's bytes under `plan`'s destinations equal P's under its sources.
+fn assert_landed(ctx_p: &Arc<CudaContext>, ctx_d: &Arc<CudaContext>, plan: &TransferPlan, what: &str) {
+    assert_eq!(plan_checksum(ctx_d, plan, false).expect("D checksum"), plan_checksum(ctx_p, plan, true).expect("P checksum"), "{what}: D's bytes differ from P's");
 }
 
 /// Waits (bounded) until `f` holds; `what` names it when it never does.
@@ -279,21 +284,19 @@ fn d_closes_idle_connections_and_p_writes_over_new_ones_instead_of_failing() {
     within("D closes both idle connections", || receiver.live_connections() == 0);
     d_mem.fill(0).expect("zero D");
     sender.write(&peer, &plan).expect("a write after D closed the pooled connections");
-    assert_eq!(plan_checksum(&ctx_d, &plan, false).expect("D"), plan_checksum(&ctx_p, &plan, true).expect("P"), "bytes over the new connections");
+    assert_landed(&ctx_p, &ctx_d, &plan, "bytes over the new connections");
     assert_eq!(sender.pooled(&peer), 2, "the stale connections were replaced, not added to");
-    // warm() replaces stale connections too.
-    within("D closes the second pair", || receiver.live_connections() == 0);
-    sender.warm(&peer).expect("warm");
-    within("D serves the two warmed connections", || receiver.live_connections() == 2);
-    assert_eq!(sender.pooled(&peer), 2);
-    // D's receiver restarts at the same address: P's pooled connections to the old one are seen
-    // closed, and the write goes over new ones.
+    // D's receiver restarts at the same address (now without an idle close): P's pooled
+    // connections to the old one are seen closed; warm() replaces them, and the write uses those.
     drop(receiver);
     let receiver = StagedReceiver::bind(&ctx_d, d_regions.clone(), &peer, base).expect("D listens again at the same address");
+    sender.warm(&peer).expect("warm");
+    within("D serves the two warmed connections", || receiver.live_connections() == 2);
+    assert_eq!(sender.pooled(&peer), 2, "warm replaced the closed connections, not added to them");
     d_mem.fill(0).expect("zero D");
     sender.write(&peer, &plan).expect("a write after D's receiver restarted");
-    assert_eq!(plan_checksum(&ctx_d, &plan, false).expect("D"), plan_checksum(&ctx_p, &plan, true).expect("P"), "bytes through the restarted receiver");
-    assert_eq!(receiver.live_connections(), 2);
+    assert_landed(&ctx_p, &ctx_d, &plan, "bytes through the restarted receiver");
+    assert_eq!(receiver.live_connections(), 2, "the write went over the warmed connections");
 }
 
 #[test]
@@ -309,7 +312,7 @@ fn p_drops_connections_idle_past_its_pool_limit_and_d_lets_their_threads_go() {
     for round in 0..3 {
         d_mem.fill(0).expect("zero D");
         sender.write(&peer, &plan).unwrap_or_else(|e| panic!("write {round}: {e}"));
-        assert_eq!(plan_checksum(&ctx_d, &plan, false).expect("D"), plan_checksum(&ctx_p, &plan, true).expect("P"), "round {round}");
+        assert_landed(&ctx_p, &ctx_d, &plan, &format!("round {round}"));
         std::thread::sleep(Duration::from_millis(60));
     }
     // Each write opened two connections and dropped the two before: D serves only the last two
@@ -342,5 +345,5 @@ fn a_receiver_at_its_connection_limit_closes_one_more_at_once() {
     // The pooled two still carry writes.
     d_mem.fill(0).expect("zero D");
     sender.write(&peer, &plan).expect("a write over the pooled connections");
-    assert_eq!(plan_checksum(&ctx_d, &plan, false).expect("D"), plan_checksum(&ctx_p, &plan, true).expect("P"));
+    assert_landed(&ctx_p, &ctx_d, &plan, "a write over the pooled connections");
 }
