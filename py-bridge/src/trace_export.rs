@@ -1,13 +1,20 @@
 //! Trace export from inside vLLM's processes: the actors' step spans (seed steps 1–5, 12–14,
 //! 17–23, 26–36 as they run in P's and D's engine and worker processes) go where OpenTelemetry's
 //! variables say — `OTEL_EXPORTER_OTLP_ENDPOINT` / `_TRACES_ENDPOINT` / `_PROTOCOL`,
-//! `OTEL_TRACES_EXPORTER`, `OTEL_SERVICE_NAME` — and, with `PDFLOW_TRACE_FILE`, to a Jaeger JSON
-//! file written when the connector shuts down. Nothing is installed when none is set.
+//! `OTEL_TRACES_EXPORTER`, `OTEL_SERVICE_NAME` — and, with `PDFLOW_TRACE_FILE`, to Jaeger JSON
+//! files. Nothing is installed when none is set.
+//!
+//! One vLLM server is several processes (API server, engine core, one worker per rank), each with
+//! its own spans: each writes its own file, `PDFLOW_TRACE_FILE` with the process id before the
+//! extension (`trace.json` → `trace.<pid>.json`), rewritten whole every [`FILE_INTERVAL`] while
+//! new spans arrive and once more at the connector's shutdown, so a server that is killed (vLLM's
+//! default `--shutdown-timeout 0` kills its children) keeps all but its last interval's spans.
 //!
 //! One exporter per process, installed by the first connector created in it; the OTLP exporter
-//! runs on its own thread, so neither vLLM's threads nor the actors' runtimes carry it.
+//! and the file writer run on threads of their own, so neither vLLM's threads nor the actors'
+//! runtimes carry them.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::{Mutex, OnceLock};
 use std::time::Duration;
 
@@ -23,6 +30,40 @@ struct ProcessExport {
 }
 
 static EXPORT: OnceLock<Mutex<Option<ProcessExport>>> = OnceLock::new();
+
+/// How often a process's trace file is rewritten while new spans arrive.
+pub const FILE_INTERVAL: Duration = Duration::from_millis(500);
+
+/// This process's trace file: `dir/name.ext` → `dir/name.<pid>.ext`.
+pub fn per_process_path(path: &Path, pid: u32) -> PathBuf {
+    let stem = path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
+    let name = match path.extension() {
+        Some(ext) => format!("{stem}.{pid}.{}", ext.to_string_lossy()),
+        None => format!("{stem}.{pid}"),
+    };
+    path.with_file_name(name)
+}
+
+/// Rewrites this process's trace file while it has new spans; ends with the process's export.
+fn write_trace_file_while_running(pid: u32) {
+    let mut written = 0usize;
+    loop {
+        std::thread::sleep(FILE_INTERVAL);
+        let Some(cell) = EXPORT.get() else { return };
+        let slot = cell.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(e) = slot.as_ref().filter(|e| e.pid == pid) else { return };
+        let kept = e.export.kept();
+        if kept != written {
+            match e.export.write_trace_file() {
+                Ok(()) => written = kept,
+                Err(err) => {
+                    tracing::warn!(error = %err, "pdflow trace export: the trace file could not be written; not trying again");
+                    return;
+                }
+            }
+        }
+    }
+}
 
 fn settings(env: &dyn Fn(&str) -> Option<String>) -> ExportSettings {
     ExportSettings {
@@ -44,7 +85,9 @@ pub fn install_from_env() -> Result<(), BridgeError> {
     if slot.as_ref().is_some_and(|e| e.pid == std::process::id()) {
         return Ok(());
     }
-    let s = settings(&|k| std::env::var(k).ok());
+    let pid = std::process::id();
+    let mut s = settings(&|k| std::env::var(k).ok());
+    s.trace_file = s.trace_file.map(|p| per_process_path(&p, pid));
     // A service name set by the user names every span; otherwise spans are named by the step's
     // side (pdflow-prefill, pdflow-decode, pdflow-bootstrap).
     let service = s.service_name.clone().filter(|n| !n.trim().is_empty());
@@ -60,7 +103,15 @@ pub fn install_from_env() -> Result<(), BridgeError> {
             tracing::warn!("a tracing subscriber is already installed in this process: pdflow's step spans are not exported");
         }
     }
-    *slot = Some(ProcessExport { pid: std::process::id(), export });
+    let writes_file = export.trace_file().is_some();
+    *slot = Some(ProcessExport { pid, export });
+    drop(slot);
+    if writes_file {
+        std::thread::Builder::new()
+            .name("pdflow-trace-file".into())
+            .spawn(move || write_trace_file_while_running(pid))
+            .map_err(|e| BridgeError::Config(format!("trace export: could not start the trace file's writer: {e}")))?;
+    }
     Ok(())
 }
 

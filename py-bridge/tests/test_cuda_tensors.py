@@ -22,6 +22,7 @@ import time
 import traceback
 
 import pytest
+from pdflow.traces import read_spans
 
 LAYERS, HEADS, BLOCK, HEAD_DIM, NUM_BLOCKS = 4, 2, 16, 64, 64
 DEADLINE_S = 60
@@ -188,13 +189,7 @@ class _Engine:
 
 
 def _step_29_backends(path: str) -> list[str]:
-    out = []
-    for trace in json.loads(open(path).read())["data"]:
-        for span in trace["spans"]:
-            if span["operationName"].startswith("step.29"):
-                tags = {t["key"]: t["value"] for t in span["tags"]}
-                out.append(tags.get("pd.backend"))
-    return out
+    return [s["tags"].get("pd.backend") for s in read_spans(path) if s["step"] == 29]
 
 
 @pytest.mark.parametrize("gpu_path, backend", [("host", "tcp"), ("auto", "cuda-ipc"), ("staged", "cuda-staged")])

@@ -5,12 +5,12 @@ against P's blocks as handed to the worker, and every prompt slot against the mo
 and D's 128 tokens, derived from the KV in its blocks, must equal the reference derived from P's.
 """
 
-import json
 import multiprocessing as mp
 import socket
 import time
 
 import pytest
+from pdflow.traces import read_spans
 
 import engine_process
 from vllm_harness import SEED_PROMPT, d_params, p_params
@@ -158,12 +158,9 @@ def test_a_prompt_d_has_cached_loads_only_the_rest(engines):
 
 def spans_by_step(path) -> dict[int, list[dict]]:
     out: dict[int, list[dict]] = {}
-    for trace in json.loads(open(path).read())["data"]:
-        for span in trace["spans"]:
-            name = span["operationName"]
-            if name.startswith("step."):
-                tags = {t["key"]: t["value"] for t in span["tags"]}
-                out.setdefault(int(name.split(".")[1]), []).append(tags)
+    for span in read_spans(path):
+        if span["step"]:
+            out.setdefault(span["step"], []).append(span["tags"])
     return out
 
 

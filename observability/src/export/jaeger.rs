@@ -154,9 +154,19 @@ impl JaegerFile {
     }
 
     /// Writes the file (pretty JSON).
+    /// Writes the file whole: to a temporary file beside it, then renamed over it, so a reader
+    /// (or a process killed mid-write) never sees half a file.
     pub fn write(&self, path: &Path) -> Result<(), ExportError> {
-        let json = serde_json::to_vec_pretty(self).map_err(|e| ExportError::TraceFile { path: path.to_owned(), reason: e.to_string() })?;
-        std::fs::write(path, json).map_err(|e| ExportError::TraceFile { path: path.to_owned(), reason: e.to_string() })
+        let failed = |reason: String| ExportError::TraceFile { path: path.to_owned(), reason };
+        let json = serde_json::to_vec_pretty(self).map_err(|e| failed(e.to_string()))?;
+        let mut tmp = path.as_os_str().to_owned();
+        tmp.push(format!(".{}.tmp", std::process::id()));
+        let tmp = std::path::PathBuf::from(tmp);
+        std::fs::write(&tmp, json).map_err(|e| failed(e.to_string()))?;
+        std::fs::rename(&tmp, path).map_err(|e| {
+            let _ = std::fs::remove_file(&tmp);
+            failed(e.to_string())
+        })
     }
 
     /// Reads a file written by [`JaegerFile::write`] or downloaded from Jaeger UI.
@@ -180,6 +190,16 @@ impl MemorySink {
     /// Every span kept so far.
     pub fn spans(&self) -> Vec<FinishedSpan> {
         self.spans.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// How many spans are kept.
+    pub fn len(&self) -> usize {
+        self.spans.lock().unwrap_or_else(|p| p.into_inner()).len()
+    }
+
+    /// Whether no span is kept.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
     }
 
     /// Spans not kept because [`MEMORY_CAPACITY`] was reached.

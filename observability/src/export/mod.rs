@@ -239,6 +239,20 @@ impl TraceExport {
         self.trace_file.as_deref()
     }
 
+    /// How many spans the trace file would hold now (0 without one).
+    pub fn kept(&self) -> usize {
+        self.memory.as_ref().map_or(0, |m| m.len())
+    }
+
+    /// Writes the trace file now with every span kept so far (a no-op without one); a process
+    /// that may be killed rather than stopped calls it while it runs.
+    pub fn write_trace_file(&self) -> Result<(), ExportError> {
+        if let (Some(path), Some(memory)) = (&self.trace_file, &self.memory) {
+            JaegerFile::from_spans(&memory.spans()).write(path)?;
+        }
+        Ok(())
+    }
+
     /// Sends what is queued for OTLP (bounded by `deadline`) and writes the trace file with
     /// every span kept (`keep` filters them; the demo keeps its seed request and start-up traces).
     pub fn finish(&self, deadline: Duration, keep: impl Fn(&[FinishedSpan]) -> Vec<FinishedSpan>) -> Result<(), ExportError> {
