@@ -99,3 +99,26 @@ def test_a_kv_both_worker_runs_both_halves():
         assert not r.finished_sending and not r.finished_recving
     finally:
         worker.shutdown()
+
+
+@pytest.mark.parametrize("version", ["0.32.0", "0.32.0+cpu", "0.33.0", "0.33.1rc1"])
+def test_the_supported_vllm_versions_are_accepted(version):
+    from pdflow import vllm_version
+
+    assert vllm_version.check(version) in vllm_version.SUPPORTED
+
+
+@pytest.mark.parametrize("version", ["0.31.2", "0.34.0", "1.0.0", "", "dev"])
+def test_another_vllm_version_is_refused_naming_what_it_found(version):
+    from pdflow import vllm_version
+
+    with pytest.raises(pdflow.ConfigError, match=r"supports vLLM 0\.32 and 0\.33; this is vLLM " + repr(version)):
+        vllm_version.check(version)
+
+
+def test_the_installed_vllm_is_checked_when_the_connector_module_loads():
+    import vllm
+
+    import pdflow.vllm as connector
+
+    assert connector.VLLM_VERSION == tuple(int(x) for x in vllm.__version__.split(".")[:2])

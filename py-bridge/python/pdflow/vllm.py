@@ -1,4 +1,4 @@
-"""`PdflowConnector`: pdflow as a vLLM v1 KV connector (vLLM 0.33).
+"""`PdflowConnector`: pdflow as a vLLM v1 KV connector (vLLM 0.32 and 0.33).
 
 Load it with ``--kv-transfer-config '{"kv_connector": "PdflowConnector",
 "kv_connector_module_path": "pdflow.vllm", "kv_role": "kv_producer" | "kv_consumer",
@@ -24,11 +24,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
     SupportsHMA,
 )
+import vllm
 from vllm.logger import init_logger
 
-from pdflow import _native
+from pdflow import _native, vllm_version
 from pdflow._native import ConfigError
 from pdflow.kv_regions import regions_of
+
+VLLM_VERSION = vllm_version.check(getattr(vllm, "__version__", ""))
 
 if TYPE_CHECKING:
     import torch
@@ -40,7 +43,8 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-logger = init_logger(__name__)
+# Under vLLM's own logger, whose handler vLLM configures: its log shows these lines.
+logger = init_logger(f"vllm.{__name__}")
 
 __all__ = ["PdflowConnector", "PdflowConnectorMetadata"]
 
