@@ -104,6 +104,13 @@ impl SchedulerConnector {
             self.traceparents.insert(request.request_id.clone(), tp.clone());
         }
     }
+
+    /// Puts a step span of this request under the request's trace (its traceparent), if known.
+    fn join_trace(&self, span: &tracing::Span, req_id: &RequestId) {
+        if let Some(tp) = self.traceparents.get(req_id) {
+            span.record(attrs::TRACEPARENT, tp.as_str());
+        }
+    }
 }
 
 impl Message<OnNewRequest> for SchedulerConnector {
@@ -133,7 +140,11 @@ impl Message<GetNumNewMatchedTokens> for SchedulerConnector {
     async fn handle(&mut self, msg: GetNumNewMatchedTokens, _ctx: &mut Context<Self, Self::Reply>) -> Self::Reply {
         Ok(match role_of(&msg.request) {
             TransferRole::Decode { .. } if self.role.consumes() => {
-                let count = msg.request.prompt_len.saturating_sub(msg.num_computed_tokens);
+                // After a load vLLM recomputes the prompt's last token to sample the next one, so
+                // its KV is never needed: when D's prefix cache holds every token before it, there
+                // is nothing to load (the empty pull only tells P to free its blocks).
+                let missing = msg.request.prompt_len.saturating_sub(msg.num_computed_tokens);
+                let count = if missing <= 1 { 0 } else { missing };
                 MatchedTokens { count, load_async: count > 0 }
             }
             TransferRole::Decode { .. } => {
@@ -213,12 +224,14 @@ impl Message<BuildConnectorMeta> for SchedulerConnector {
             };
             span.record(attrs::BLOCKS, blocks.len() as u64);
             span.record(attrs::ENGINE_ID, self.engine_id.as_str());
+            self.join_trace(&span, req_id);
         }
         for (engine, pulls) in &reqs_to_recv {
             for (req_id, pull) in pulls {
                 let span = step_span!(steps::D_META_RECV, request_id = %req_id, transfer_id = %pull.transfer_id);
                 span.record(attrs::BLOCKS, pull.local_block_ids.len() as u64);
                 span.record(attrs::ENGINE_ID, engine.as_str());
+                self.join_trace(&span, req_id);
             }
         }
         Ok(ConnectorMetadata {
@@ -298,12 +311,16 @@ impl Message<UpdateConnectorOutput> for SchedulerConnector {
     async fn handle(&mut self, msg: UpdateConnectorOutput, _ctx: &mut Context<Self, Self::Reply>) -> Self::Reply {
         let ConnectorOutput { finished_sending, finished_recving, failed_recving } = msg.output;
         for req_id in &finished_sending {
-            let _span = step_span!(steps::P_REPORT_SENT, request_id = %req_id);
+            let span = step_span!(steps::P_REPORT_SENT, request_id = %req_id);
+            self.join_trace(&span, req_id);
             self.traceparents.remove(req_id);
         }
         for req_id in &finished_recving {
-            drop(step_span!(steps::D_REPORT_RECV, request_id = %req_id));
+            let report = step_span!(steps::D_REPORT_RECV, request_id = %req_id);
+            self.join_trace(&report, req_id);
+            drop(report);
             let span = step_span!(steps::D_MARK_RECV, request_id = %req_id);
+            self.join_trace(&span, req_id);
             span.record(attrs::OUTCOME, "received");
             self.recv_in_flight.remove(req_id);
             self.reqs_to_abort.remove(req_id);
@@ -311,6 +328,7 @@ impl Message<UpdateConnectorOutput> for SchedulerConnector {
         }
         for (req_id, reason) in &failed_recving {
             let span = step_span!(steps::D_REPORT_RECV, request_id = %req_id);
+            self.join_trace(&span, req_id);
             span.record(attrs::OUTCOME, reason.as_str());
             self.recv_in_flight.remove(req_id);
             self.reqs_to_abort.remove(req_id);
@@ -369,12 +387,56 @@ mod tests {
         assert_eq!(m, MatchedTokens { count: 1000, load_async: true });
         let m = d.ask(GetNumNewMatchedTokens { request: d_request("d1"), num_computed_tokens: 1000 }).await.expect("ask delivered");
         assert_eq!(m, MatchedTokens { count: 0, load_async: false });
+        let m = d.ask(GetNumNewMatchedTokens { request: d_request("d1"), num_computed_tokens: 998 }).await.expect("ask delivered");
+        assert_eq!(m, MatchedTokens { count: 2, load_async: true });
         let p = spawn(KvRole::Producer).await;
         let m = p.ask(GetNumNewMatchedTokens { request: p_request("p1"), num_computed_tokens: 0 }).await.expect("ask delivered");
         assert_eq!(m, MatchedTokens { count: 0, load_async: false });
         // A D request on a producer prefills locally instead of loading.
         let m = p.ask(GetNumNewMatchedTokens { request: d_request("d2"), num_computed_tokens: 0 }).await.expect("ask delivered");
         assert!(!m.load_async);
+    }
+
+    #[tokio::test]
+    async fn a_prefix_hit_of_all_but_the_last_prompt_token_loads_nothing_and_frees_p() {
+        // vLLM recomputes the last prompt token after any load; its KV is never pulled.
+        let d = spawn(KvRole::Consumer).await;
+        let m = d.ask(GetNumNewMatchedTokens { request: d_request("d1"), num_computed_tokens: 999 }).await.expect("ask delivered");
+        assert_eq!(m, MatchedTokens { count: 0, load_async: false });
+        let updated = d
+            .ask(UpdateStateAfterAlloc { request: d_request("d1"), block_ids: (0..63).collect(), num_external_tokens: 0 })
+            .await
+            .expect("ask delivered");
+        assert_eq!(updated.map(|p| p.do_remote_prefill), Some(false), "one pull, never two");
+        // The pull names no block: P frees its blocks without writing any.
+        let meta = d.ask(BuildConnectorMeta).await.expect("ask delivered");
+        assert_eq!(meta.reqs_to_recv["p-engine"]["d1"].local_block_ids, Vec::<BlockId>::new());
+    }
+
+    #[tokio::test]
+    async fn the_scheduler_side_step_spans_join_the_requests_trace() {
+        use tracing_subscriber::layer::SubscriberExt;
+
+        let capture = pdflow_observability::capture::SpanCapture::new();
+        let _guard = tracing::subscriber::set_default(tracing_subscriber::registry().with(capture.clone()));
+        // Step callsites first hit by a test thread without a subscriber are cached as disabled.
+        tracing::callsite::rebuild_interest_cache();
+        let d = spawn(KvRole::Consumer).await;
+        let tp = d_request("d1").traceparent.expect("the test request has a traceparent");
+        d.ask(UpdateStateAfterAlloc { request: d_request("d1"), block_ids: (0..63).collect(), num_external_tokens: 1000 })
+            .await
+            .expect("ask delivered");
+        d.ask(BuildConnectorMeta).await.expect("ask delivered");
+        d.ask(UpdateConnectorOutput {
+            output: ConnectorOutput { finished_recving: ["d1".to_string()].into(), ..ConnectorOutput::default() },
+        })
+        .await
+        .expect("ask delivered");
+        let steps: Vec<(u8, Option<String>)> =
+            capture.spans().iter().map(|s| (s.step, s.attr(attrs::TRACEPARENT).map(str::to_owned))).collect();
+        for step in [steps::D_META_RECV.number, steps::D_REPORT_RECV.number, steps::D_MARK_RECV.number] {
+            assert!(steps.contains(&(step, Some(tp.clone()))), "step {step} not under the request's trace: {steps:?}");
+        }
     }
 
     #[tokio::test]
