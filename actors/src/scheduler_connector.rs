@@ -50,6 +50,10 @@ impl KvRole {
 pub struct SchedulerConnectorArgs {
     pub engine_id: String,
     pub role: KvRole,
+    /// P: the bootstrap its workers register with (`http://host:port`). With it, a finished P
+    /// request answers the `kv_transfer_params` D needs (vLLM's toy proxy forwards P's answer to
+    /// D instead of naming P itself).
+    pub bootstrap_addr: Option<String>,
 }
 
 /// The scheduler-side connector actor.
@@ -57,6 +61,7 @@ pub struct SchedulerConnectorArgs {
 pub struct SchedulerConnector {
     engine_id: String,
     role: KvRole,
+    bootstrap_addr: Option<String>,
     /// P: request id → (transfer_id, block ids) for the next metadata (steps 13, 26).
     reqs_need_send: BTreeMap<RequestId, (TransferId, Vec<BlockId>)>,
     /// D: pulls for the next metadata (step 18).
@@ -78,6 +83,7 @@ impl Actor for SchedulerConnector {
         Ok(Self {
             engine_id: args.engine_id,
             role: args.role,
+            bootstrap_addr: args.bootstrap_addr,
             reqs_need_send: BTreeMap::new(),
             reqs_need_recv: BTreeMap::new(),
             reqs_not_processed: BTreeSet::new(),
@@ -86,6 +92,18 @@ impl Actor for SchedulerConnector {
             traceparents: BTreeMap::new(),
         })
     }
+}
+
+/// A P request whose proxy named no transfer is named after P's request id: vLLM's toy proxy
+/// sends P a bare `do_remote_decode` and forwards what P answers (see `RequestFinished`) to D.
+/// Applied to every request as it arrives at a handler, so each hook sees the same name.
+fn with_transfer_named(mut request: SchedRequest) -> SchedRequest {
+    if let Some(p) = request.kv_transfer_params.as_mut() {
+        if p.do_remote_decode && !p.do_remote_prefill && p.transfer_id.as_deref().is_none_or(str::is_empty) {
+            p.transfer_id = Some(request.request_id.clone());
+        }
+    }
+    request
 }
 
 /// A request's role; invalid params were refused when the request was added, so here they count
@@ -119,7 +137,8 @@ impl Message<OnNewRequest> for SchedulerConnector {
     /// Seed steps 11 and 16: a request arrived with `kv_transfer_params`; say now, once, why they
     /// cannot be served here (the request then runs locally, as vLLM's connector does).
     async fn handle(&mut self, msg: OnNewRequest, _ctx: &mut Context<Self, Self::Reply>) -> Self::Reply {
-        let Some(params) = msg.request.kv_transfer_params.as_ref() else { return Ok(None) };
+        let request = with_transfer_named(msg.request);
+        let Some(params) = request.kv_transfer_params.as_ref() else { return Ok(None) };
         Ok(match params.role() {
             Err(e) => Some(e.to_string()),
             Ok(TransferRole::Decode { .. }) if !self.role.consumes() => {
@@ -138,7 +157,7 @@ impl Message<GetNumNewMatchedTokens> for SchedulerConnector {
 
     /// Seed step 17: a D request loads the rest of its prompt from P, asynchronously.
     async fn handle(&mut self, msg: GetNumNewMatchedTokens, _ctx: &mut Context<Self, Self::Reply>) -> Self::Reply {
-        Ok(match role_of(&msg.request) {
+        Ok(match role_of(&with_transfer_named(msg.request.clone())) {
             TransferRole::Decode { .. } if self.role.consumes() => {
                 // After a load vLLM recomputes the prompt's last token to sample the next one, so
                 // its KV is never needed: when D's prefix cache holds every token before it, there
@@ -163,7 +182,7 @@ impl Message<UpdateStateAfterAlloc> for SchedulerConnector {
     /// Seed steps 12 (P: record the pending send, empty block list) and 17 (D: record the pull,
     /// then clear `do_remote_prefill` so that it happens once).
     async fn handle(&mut self, msg: UpdateStateAfterAlloc, _ctx: &mut Context<Self, Self::Reply>) -> Self::Reply {
-        let request = msg.request;
+        let request = with_transfer_named(msg.request);
         let Some(params) = request.kv_transfer_params.clone() else { return Ok(None) };
         Ok(match params.role() {
             Ok(TransferRole::Decode { transfer_id, remote_bootstrap_addr, remote_engine_id }) if self.role.consumes() => {
@@ -256,7 +275,7 @@ impl Message<RequestFinished> for SchedulerConnector {
 
 impl SchedulerConnector {
     fn request_finished(&mut self, msg: RequestFinished) -> RequestFinishedReply {
-        let request = msg.request;
+        let request = with_transfer_named(msg.request);
         let no_delay = RequestFinishedReply { delay_free_blocks: false, kv_transfer_params: None };
         let Some(params) = request.kv_transfer_params.as_ref() else { return no_delay };
         if params.do_remote_prefill && self.role.consumes() {
@@ -290,8 +309,13 @@ impl SchedulerConnector {
         let Ok(TransferRole::Prefill { transfer_id }) = params.role() else { return no_delay };
         match msg.status {
             FinishStatus::LengthCapped | FinishStatus::Stopped if !msg.block_ids.is_empty() => {
+                // What D needs to pull these blocks, for a proxy that forwards P's answer to D.
+                let for_d = self.bootstrap_addr.as_ref().map(|addr| KvTransferParams {
+                    traceparent: request.traceparent.clone(),
+                    ..KvTransferParams::for_decode(transfer_id.clone(), addr.clone(), self.engine_id.clone())
+                });
                 self.reqs_need_send.insert(request.request_id.clone(), (transfer_id, msg.block_ids));
-                RequestFinishedReply { delay_free_blocks: true, kv_transfer_params: None }
+                RequestFinishedReply { delay_free_blocks: true, kv_transfer_params: for_d }
             }
             _ => {
                 // Aborted or failed: no KV to send; the worker answers D's pull with an error.
@@ -361,7 +385,11 @@ mod tests {
     }
 
     async fn spawn(role: KvRole) -> ActorRef<SchedulerConnector> {
-        let r = SchedulerConnector::spawn(SchedulerConnectorArgs { engine_id: "e".into(), role });
+        let r = SchedulerConnector::spawn(SchedulerConnectorArgs {
+            engine_id: "e".into(),
+            role,
+            bootstrap_addr: Some("http://127.0.0.1:8998".into()),
+        });
         r.wait_for_startup().await;
         r
     }
@@ -395,6 +423,36 @@ mod tests {
         // A D request on a producer prefills locally instead of loading.
         let m = p.ask(GetNumNewMatchedTokens { request: d_request("d2"), num_computed_tokens: 0 }).await.expect("ask delivered");
         assert!(!m.load_async);
+    }
+
+    #[tokio::test]
+    async fn a_p_request_without_a_transfer_id_is_named_by_p_which_answers_what_d_needs() {
+        // vLLM's toy proxy: a bare do_remote_decode to P, P's answer forwarded to D.
+        let p = spawn(KvRole::Producer).await;
+        let bare = || SchedRequest {
+            request_id: "cmpl-abc-0-1234abcd".into(),
+            prompt_len: 100,
+            kv_transfer_params: Some(KvTransferParams { do_remote_decode: true, ..KvTransferParams::default() }),
+            traceparent: None,
+        };
+        assert_eq!(p.ask(OnNewRequest { request: bare() }).await.expect("ask delivered"), None, "served, not refused");
+        p.ask(UpdateStateAfterAlloc { request: bare(), block_ids: vec![4, 5, 6, 7], num_external_tokens: 0 }).await.expect("ask");
+        let meta = p.ask(BuildConnectorMeta).await.expect("ask delivered");
+        assert_eq!(meta.reqs_to_send["cmpl-abc-0-1234abcd"].0, "cmpl-abc-0-1234abcd");
+        let reply = p
+            .ask(RequestFinished { request: bare(), status: FinishStatus::LengthCapped, block_ids: vec![4, 5, 6, 7] })
+            .await
+            .expect("ask delivered");
+        assert!(reply.delay_free_blocks);
+        let for_d = reply.kv_transfer_params.expect("P answers D's parameters");
+        assert_eq!(
+            for_d.role(),
+            Ok(TransferRole::Decode {
+                transfer_id: "cmpl-abc-0-1234abcd".into(),
+                remote_bootstrap_addr: "http://127.0.0.1:8998".into(),
+                remote_engine_id: "e".into(),
+            })
+        );
     }
 
     #[tokio::test]

@@ -67,6 +67,11 @@ fn seconds(key: &str, value: Option<f64>) -> Result<Option<Duration>, BridgeErro
 }
 
 impl BridgeConfig {
+    /// The bootstrap P's workers register with: `bootstrap_url`, else the one P's TP0 launches.
+    pub fn bootstrap_addr(&self) -> String {
+        self.bootstrap_url.clone().unwrap_or_else(|| format!("http://{}:{}", self.host, self.bootstrap_port))
+    }
+
     /// From the extra config's JSON text and an environment lookup.
     pub fn from_json(extra_json: &str, env: &dyn Fn(&str) -> Option<String>) -> Result<Self, BridgeError> {
         let extra: ExtraConfig = if extra_json.trim().is_empty() {

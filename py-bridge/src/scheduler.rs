@@ -21,6 +21,7 @@ use pdflow_messages::BlockId;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
+use crate::config::BridgeConfig;
 use crate::convert::{json_to_py, sched_request};
 use crate::error::BridgeError;
 use crate::runtime::BridgeRuntime;
@@ -76,13 +77,16 @@ impl SchedulerBridge {
 #[pymethods]
 impl SchedulerBridge {
     #[new]
-    fn new(py: Python<'_>, engine_id: String, kv_role: &str) -> PyResult<Self> {
+    #[pyo3(signature = (engine_id, kv_role, extra_config_json = ""))]
+    fn new(py: Python<'_>, engine_id: String, kv_role: &str, extra_config_json: &str) -> PyResult<Self> {
         let role = parse_role(kv_role)?;
+        let config = BridgeConfig::from_json(extra_config_json, &|k| std::env::var(k).ok())?;
+        let bootstrap_addr = matches!(role, KvRole::Producer | KvRole::Both).then(|| config.bootstrap_addr());
         py.detach(|| {
             let rt = BridgeRuntime::current_thread()?;
             let (supervisor, actor) = rt.block_on(async {
                 let supervisor = NodeSupervisor::spawn(format!("vllm-scheduler-{engine_id}"));
-                let actor = SchedulerConnector::supervise(&supervisor, SchedulerConnectorArgs { engine_id: engine_id.clone(), role })
+                let actor = SchedulerConnector::supervise(&supervisor, SchedulerConnectorArgs { engine_id: engine_id.clone(), role, bootstrap_addr })
                     .restart_policy(RestartPolicy::Transient)
                     .restart_limit(MAX_RESTARTS, RESTART_WINDOW)
                     .spawn()

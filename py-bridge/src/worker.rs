@@ -121,7 +121,7 @@ impl WorkerBridge {
                     bootstrap = Some(node);
                     url
                 }
-                None => format!("http://{}:{}", cfg.host, cfg.bootstrap_port),
+                None => cfg.bootstrap_addr(),
             };
             info.push(("bootstrap_url", bootstrap_url.clone()));
             let transfer = gpu_kv::producer_engine(&kv_cache, &cfg.tcp).map_err(|e| BridgeError::Config(e.to_string()))?;

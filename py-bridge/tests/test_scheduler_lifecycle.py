@@ -45,7 +45,11 @@ def test_prefill_keeps_its_blocks_until_finished_sending():
     # Step 13: the pending send, with no blocks yet; the request finished after one token (step 23).
     assert meta.reqs_to_send == {r.request_id: ("xfer-seed", [])}
     assert r.status == RequestStatus.FINISHED_LENGTH_CAPPED
-    assert run.finished[r.request_id].kv_transfer_params is None
+    # P's answer names what D needs (a proxy that forwards P's answer to D relies on it).
+    for_d = run.finished[r.request_id].kv_transfer_params
+    assert for_d["do_remote_prefill"] and not for_d["do_remote_decode"], for_d
+    assert for_d["transfer_id"] == "xfer-seed" and for_d["remote_bootstrap_addr"] == "http://127.0.0.1:8998", for_d
+    assert for_d["remote_engine_id"] == s.connector.engine_id, for_d
     held = baseline - free_blocks(s)
     assert held == SEED_BLOCKS, "delayed free: the prompt's blocks stay allocated"
     # Step 26: the blocks go to the worker, once.

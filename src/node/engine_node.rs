@@ -97,7 +97,14 @@ impl EngineNode {
         let side_channel = Arc::new(AtomicU16::new(side_channel_port));
         let kv_cache = new_kv_cache(&cfg)?;
         let supervisor = NodeSupervisor::spawn(format!("engine-{engine_id}"));
-        let connector = SchedulerConnector::supervise(&supervisor, SchedulerConnectorArgs { engine_id: engine_id.clone(), role: cfg.role })
+        // P answers D's kv_transfer_params with its bootstrap (for a proxy that forwards them).
+        let bootstrap_addr = match &cfg.bootstrap {
+            BootstrapPlacement::Launch { port } if *port != 0 => Some(format!("http://{}:{port}", cfg.host)),
+            BootstrapPlacement::External { url } => Some(url.clone()),
+            _ => None,
+        };
+        let args = SchedulerConnectorArgs { engine_id: engine_id.clone(), role: cfg.role, bootstrap_addr };
+        let connector = SchedulerConnector::supervise(&supervisor, args)
             .restart_policy(RestartPolicy::Transient).restart_limit(MAX_RESTARTS, RESTART_WINDOW)
             .spawn()
             .await;

@@ -151,7 +151,7 @@ class PdflowConnector(KVConnectorBase_V1, SupportsHMA):
         self._scheduler: Optional[_native.SchedulerConnector] = None
         self._worker: Optional[_native.WorkerConnector] = None
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = _native.SchedulerConnector(self.engine_id, self.kv_role)
+            self._scheduler = _native.SchedulerConnector(self.engine_id, self.kv_role, self._extra_json)
         elif role == KVConnectorRole.WORKER:
             self._worker = _native.WorkerConnector(self.engine_id, self.kv_role, self._extra_json)
         logger.info("pdflow connector: engine %s, %s, role %s", self.engine_id, self.kv_role, role.name)
