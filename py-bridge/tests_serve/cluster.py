@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import signal
 import socket
@@ -29,6 +30,12 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def prompt_of(length: int, seed: int) -> list[int]:
+    """A token-id prompt (ids 3.. avoid the tokenizer's specials), the same for the same seed."""
+    rng = random.Random(seed)
+    return [rng.randrange(3, 2048) for _ in range(length)]
 
 
 def vllm_bin() -> Path:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import http.client
 import json
 import os
-import random
 import secrets
 import sys
 import time
@@ -27,7 +26,7 @@ import pytest
 from pdflow.traces import read_spans
 
 import cluster
-from cluster import PdflowProxy, VllmServer, completion_tokens, connector_config, free_port, wait_until
+from cluster import PdflowProxy, VllmServer, completion_tokens, connector_config, free_port, prompt_of, wait_until
 from otlp_receiver import OtlpReceiver
 
 BLOCK = 128
@@ -36,12 +35,6 @@ BLOCK_BYTES = BLOCK * KV_BYTES_PER_TOKEN
 MAX_TOKENS = 24
 P_ABORT_TIMEOUT_S = 8
 D_PULL_TIMEOUT_S = 15
-
-
-def prompt_of(length: int, seed: int) -> list[int]:
-    """A token-id prompt (ids 3.. avoid the tokenizer's specials), the same for the same seed."""
-    rng = random.Random(seed)
-    return [rng.randrange(3, 2048) for _ in range(length)]
 
 
 @dataclass

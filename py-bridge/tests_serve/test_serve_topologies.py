@@ -10,7 +10,6 @@ that this equals a server without a connector.
 
 from __future__ import annotations
 
-import random
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -21,16 +20,11 @@ import pytest
 from pdflow.traces import read_spans
 
 import cluster
-from cluster import PdflowProxy, VllmServer, completion_tokens, connector_config, free_port
+from cluster import PdflowProxy, VllmServer, completion_tokens, connector_config, free_port, prompt_of
 
 BLOCK = 32
 MAX_TOKENS = 16
 D_PULL_TIMEOUT_S = 8
-
-
-def prompt_of(length: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 2048) for _ in range(length)]
 
 
 @dataclass
