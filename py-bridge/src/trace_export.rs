@@ -6,9 +6,10 @@
 //!
 //! One vLLM server is several processes (API server, engine core, one worker per rank), each with
 //! its own spans: each writes its own file, `PDFLOW_TRACE_FILE` with the process id before the
-//! extension (`trace.json` → `trace.<pid>.json`), rewritten whole every [`FILE_INTERVAL`] while
-//! new spans arrive and once more at the connector's shutdown, so a server that is killed (vLLM's
-//! default `--shutdown-timeout 0` kills its children) keeps all but its last interval's spans.
+//! extension (`trace.json` → `trace.<pid>.json`), rewritten whole every [`FILE_INTERVAL`] (or
+//! longer, for a file that takes long to write) while new spans arrive and once more at the
+//! connector's shutdown, so a server that is killed (vLLM's default `--shutdown-timeout 0` kills
+//! its children) keeps all but its last interval's spans.
 //!
 //! One exporter per process, installed by the first connector created in it; the OTLP exporter
 //! and the file writer run on threads of their own, so neither vLLM's threads nor the actors'
@@ -31,8 +32,11 @@ struct ProcessExport {
 
 static EXPORT: OnceLock<Mutex<Option<ProcessExport>>> = OnceLock::new();
 
-/// How often a process's trace file is rewritten while new spans arrive.
+/// How often a process's trace file is rewritten while new spans arrive, at most. A file that
+/// takes long to write (a long-running server's) waits [`FILE_WRITE_SHARE`] times its last
+/// write's duration instead, so rewriting costs at most 1/20 of one thread.
 pub const FILE_INTERVAL: Duration = Duration::from_millis(500);
+const FILE_WRITE_SHARE: u32 = 20;
 
 /// This process's trace file: `dir/name.ext` → `dir/name.<pid>.ext`.
 pub fn per_process_path(path: &Path, pid: u32) -> PathBuf {
@@ -47,15 +51,20 @@ pub fn per_process_path(path: &Path, pid: u32) -> PathBuf {
 /// Rewrites this process's trace file while it has new spans; ends with the process's export.
 fn write_trace_file_while_running(pid: u32) {
     let mut written = 0usize;
+    let mut pause = FILE_INTERVAL;
     loop {
-        std::thread::sleep(FILE_INTERVAL);
+        std::thread::sleep(pause);
         let Some(cell) = EXPORT.get() else { return };
         let slot = cell.lock().unwrap_or_else(|p| p.into_inner());
         let Some(e) = slot.as_ref().filter(|e| e.pid == pid) else { return };
         let kept = e.export.kept();
         if kept != written {
+            let started = std::time::Instant::now();
             match e.export.write_trace_file() {
-                Ok(()) => written = kept,
+                Ok(()) => {
+                    written = kept;
+                    pause = FILE_INTERVAL.max(started.elapsed() * FILE_WRITE_SHARE);
+                }
                 Err(err) => {
                     tracing::warn!(error = %err, "pdflow trace export: the trace file could not be written; not trying again");
                     return;
