@@ -399,7 +399,9 @@ pub fn parse_shape(s: &str) -> Result<KvShape, String> {
         [num_layers, num_kv_heads, head_dim, block_size] if parts.iter().all(|&p| p > 0) => {
             Ok(KvShape { num_layers, num_kv_heads, head_dim, dtype_bytes: 2, block_size })
         }
-        _ => Err(format!("--kv-shape {s:?}: expected qwen3-8b or four positive numbers LAYERS,KV_HEADS,HEAD_DIM,BLOCK_SIZE")),
+        _ => Err(format!(
+            "--kv-shape {s:?}: expected qwen3-8b or four positive numbers LAYERS,KV_HEADS,HEAD_DIM,BLOCK_SIZE"
+        )),
     }
 }
 
@@ -444,7 +446,8 @@ impl ProxyCmd {
             }
         }
         let bind = format!("{}:{}", self.host, self.port);
-        let bind: Option<SocketAddr> = bind.parse().map_err(|_| errors.push(format!("--host/--port {bind}: not an IP address and port"))).ok();
+        let bind: Option<SocketAddr> =
+            bind.parse().map_err(|_| errors.push(format!("--host/--port {bind}: not an IP address and port"))).ok();
         match bind {
             Some(bind) if errors.is_empty() => Ok(ProxyArgs {
                 bind,
@@ -481,7 +484,9 @@ impl ServeCmd {
             if v.is_finite() && v > 0.0 && v <= MAX_DEADLINE_S {
                 Some(Duration::from_secs_f64(v))
             } else {
-                errors.push(format!("{flag} {v}: expected a number of seconds above 0 and at most {MAX_DEADLINE_S} (e.g. 2.5)"));
+                errors.push(format!(
+                    "{flag} {v}: expected a number of seconds above 0 and at most {MAX_DEADLINE_S} (e.g. 2.5)"
+                ));
                 None
             }
         };
@@ -531,7 +536,12 @@ impl ServeCmd {
             },
             bootstrap,
             deadlines,
-            tcp: TcpConfig { streams_per_peer: self.streams_per_peer, auth_token: self.transfer_token.clone(), gpu_path: self.gpu_path.into(), ..TcpConfig::default() },
+            tcp: TcpConfig {
+                streams_per_peer: self.streams_per_peer,
+                auth_token: self.transfer_token.clone(),
+                gpu_path: self.gpu_path.into(),
+                ..TcpConfig::default()
+            },
             verify_checksums: self.verify_checksums,
             kv_device: self.kv_device,
         })
@@ -545,8 +555,19 @@ mod tests {
     #[test]
     fn proxy_accepts_vllm_arguments() {
         let cli = Cli::try_parse_from([
-            "pdflow", "proxy", "--port", "0", "--prefill", "http://127.0.0.1:8010", "8998", "--prefill", "http://127.0.0.1:8011",
-            "--decode", "http://127.0.0.1:8020", "--decode", "http://127.0.0.1:8021",
+            "pdflow",
+            "proxy",
+            "--port",
+            "0",
+            "--prefill",
+            "http://127.0.0.1:8010",
+            "8998",
+            "--prefill",
+            "http://127.0.0.1:8011",
+            "--decode",
+            "http://127.0.0.1:8020",
+            "--decode",
+            "http://127.0.0.1:8021",
         ])
         .expect("parses");
         let Command::Proxy(p) = cli.command else { panic!("not proxy") };
@@ -559,7 +580,9 @@ mod tests {
 
     #[test]
     fn bad_flags_are_all_reported() {
-        let cli = Cli::try_parse_from(["pdflow", "proxy", "--prefill", "127.0.0.1:8010", "99999", "--decode", "ftp://x"]).expect("parses");
+        let cli =
+            Cli::try_parse_from(["pdflow", "proxy", "--prefill", "127.0.0.1:8010", "99999", "--decode", "ftp://x"])
+                .expect("parses");
         let Command::Proxy(p) = cli.command else { panic!("not proxy") };
         assert_eq!(p.to_args().expect_err("invalid").len(), 3);
         assert!(parse_shape("36,8,128,16").is_ok());
@@ -569,12 +592,31 @@ mod tests {
 
     #[test]
     fn chaos_load_flags_parse_and_need_load() {
-        let cli = Cli::try_parse_from(["pdflow", "chaos", "--load", "--requests", "240", "--concurrency", "16", "--fault-rate", "0.05", "--seed", "9", "--policy", "fail"]).expect("parses");
+        let cli = Cli::try_parse_from([
+            "pdflow",
+            "chaos",
+            "--load",
+            "--requests",
+            "240",
+            "--concurrency",
+            "16",
+            "--fault-rate",
+            "0.05",
+            "--seed",
+            "9",
+            "--policy",
+            "fail",
+        ])
+        .expect("parses");
         let Command::Chaos(c) = cli.command else { panic!("not chaos") };
         let o = c.to_load_options().expect("valid");
-        assert_eq!((o.requests, o.concurrency, o.fault_rate, o.seed, o.policy), (240, 16, 0.05, 9, LoadFailurePolicy::Fail));
+        assert_eq!(
+            (o.requests, o.concurrency, o.fault_rate, o.seed, o.policy),
+            (240, 16, 0.05, 9, LoadFailurePolicy::Fail)
+        );
         assert!(Cli::try_parse_from(["pdflow", "chaos", "--requests", "10"]).is_err(), "--requests needs --load");
-        let cli = Cli::try_parse_from(["pdflow", "chaos", "--load", "--fault-rate", "2", "--concurrency", "0"]).expect("parses");
+        let cli = Cli::try_parse_from(["pdflow", "chaos", "--load", "--fault-rate", "2", "--concurrency", "0"])
+            .expect("parses");
         let Command::Chaos(c) = cli.command else { panic!("not chaos") };
         assert_eq!(c.to_load_options().expect_err("invalid").len(), 2);
         let cli = Cli::try_parse_from(["pdflow", "chaos", "--quick"]).expect("the matrix is unchanged");
@@ -609,30 +651,72 @@ mod tests {
             let Command::Serve(s) = Cli::try_parse_from(argv).expect("parses").command else { panic!("not serve") };
             s.to_config(&env)
         };
-        let cfg = parse(&["--pull-timeout", "2.5", "--bootstrap-timeout", "0.5", "--ready-timeout", "3", "--send-expiry", "4"]).expect("valid");
-        assert_eq!(cfg.deadlines, Deadlines {
-            ready_timeout: Duration::from_secs(3),
-            send_expiry: Duration::from_secs(4),
-            pull_timeout: Duration::from_millis(2500),
-            bootstrap_timeout: Duration::from_millis(500),
-        });
-        assert_eq!(parse(&[]).expect("valid").deadlines, Deadlines::from_abort_timeout(Duration::from_secs(10)), "unset flags keep the derived defaults");
-        let errors = parse(&["--pull-timeout", "0", "--send-expiry", "-1", "--ready-timeout", "NaN", "--bootstrap-timeout", "1e9"]).expect_err("invalid");
+        let cfg = parse(&[
+            "--pull-timeout",
+            "2.5",
+            "--bootstrap-timeout",
+            "0.5",
+            "--ready-timeout",
+            "3",
+            "--send-expiry",
+            "4",
+        ])
+        .expect("valid");
+        assert_eq!(
+            cfg.deadlines,
+            Deadlines {
+                ready_timeout: Duration::from_secs(3),
+                send_expiry: Duration::from_secs(4),
+                pull_timeout: Duration::from_millis(2500),
+                bootstrap_timeout: Duration::from_millis(500),
+            }
+        );
+        assert_eq!(
+            parse(&[]).expect("valid").deadlines,
+            Deadlines::from_abort_timeout(Duration::from_secs(10)),
+            "unset flags keep the derived defaults"
+        );
+        let errors = parse(&[
+            "--pull-timeout",
+            "0",
+            "--send-expiry",
+            "-1",
+            "--ready-timeout",
+            "NaN",
+            "--bootstrap-timeout",
+            "1e9",
+        ])
+        .expect_err("invalid");
         assert_eq!(errors.len(), 4, "{errors:?}");
-        for (e, flag) in errors.iter().zip(["--ready-timeout", "--send-expiry", "--pull-timeout", "--bootstrap-timeout"]) {
+        for (e, flag) in
+            errors.iter().zip(["--ready-timeout", "--send-expiry", "--pull-timeout", "--bootstrap-timeout"])
+        {
             assert!(e.starts_with(flag), "{e} names {flag}");
         }
     }
 
     #[test]
     fn trace_flags_and_render_parse() {
-        let cli = Cli::try_parse_from(["pdflow", "serve", "--role", "producer", "--otlp-endpoint", "http://127.0.0.1:4317", "--otlp-protocol", "grpc", "--trace-file", "t.json"]).expect("parses");
+        let cli = Cli::try_parse_from([
+            "pdflow",
+            "serve",
+            "--role",
+            "producer",
+            "--otlp-endpoint",
+            "http://127.0.0.1:4317",
+            "--otlp-protocol",
+            "grpc",
+            "--trace-file",
+            "t.json",
+        ])
+        .expect("parses");
         let Command::Serve(s) = cli.command else { panic!("not serve") };
         let settings = s.trace.settings();
         assert_eq!(settings.otlp_endpoint.as_deref(), Some("http://127.0.0.1:4317"));
         assert_eq!(settings.otlp_protocol.as_deref(), Some("grpc"));
         assert_eq!(settings.trace_file, Some(PathBuf::from("t.json")));
-        let cli = Cli::try_parse_from(["pdflow", "trace", "render", "t.json", "--out", "timeline.html"]).expect("parses");
+        let cli =
+            Cli::try_parse_from(["pdflow", "trace", "render", "t.json", "--out", "timeline.html"]).expect("parses");
         let Command::Trace(TraceCmd::Render(r)) = cli.command else { panic!("not trace render") };
         assert_eq!((r.trace, r.out), (PathBuf::from("t.json"), PathBuf::from("timeline.html")));
         assert!(Cli::try_parse_from(["pdflow", "trace", "render", "t.json"]).is_err(), "--out is required");

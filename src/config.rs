@@ -43,7 +43,12 @@ pub struct Deadlines {
 impl Deadlines {
     /// Deadlines derived from one abort-request timeout, as vLLM derives them.
     pub fn from_abort_timeout(abort: Duration) -> Self {
-        Self { ready_timeout: abort, send_expiry: abort, pull_timeout: abort + Duration::from_secs(5), bootstrap_timeout: Duration::from_secs(5) }
+        Self {
+            ready_timeout: abort,
+            send_expiry: abort,
+            pull_timeout: abort + Duration::from_secs(5),
+            bootstrap_timeout: Duration::from_secs(5),
+        }
     }
 }
 
@@ -54,7 +59,11 @@ impl Default for Deadlines {
 }
 
 /// Reads a variable through `get` (the process environment in production, a map in tests).
-fn parse_var<T: std::str::FromStr>(get: &dyn Fn(&str) -> Option<String>, name: &str, what: &str) -> Result<Option<T>, ConfigError> {
+fn parse_var<T: std::str::FromStr>(
+    get: &dyn Fn(&str) -> Option<String>,
+    name: &str,
+    what: &str,
+) -> Result<Option<T>, ConfigError> {
     match get(name) {
         None => Ok(None),
         Some(v) if v.trim().is_empty() => Ok(None),
@@ -86,15 +95,24 @@ impl VllmEnv {
             errors.push(e);
             None
         });
-        let timeout = parse_var::<u64>(get, ENV_ABORT_REQUEST_TIMEOUT, "a whole number of seconds").unwrap_or_else(|e| {
-            errors.push(e);
-            None
-        });
+        let timeout =
+            parse_var::<u64>(get, ENV_ABORT_REQUEST_TIMEOUT, "a whole number of seconds").unwrap_or_else(|e| {
+                errors.push(e);
+                None
+            });
         if port == Some(0) {
-            errors.push(ConfigError::Invalid { name: ENV_BOOTSTRAP_PORT.into(), value: "0".into(), reason: "expected a TCP port (1-65535)".into() });
+            errors.push(ConfigError::Invalid {
+                name: ENV_BOOTSTRAP_PORT.into(),
+                value: "0".into(),
+                reason: "expected a TCP port (1-65535)".into(),
+            });
         }
         if timeout == Some(0) {
-            errors.push(ConfigError::Invalid { name: ENV_ABORT_REQUEST_TIMEOUT.into(), value: "0".into(), reason: "a zero timeout fails every transfer; use at least 1".into() });
+            errors.push(ConfigError::Invalid {
+                name: ENV_ABORT_REQUEST_TIMEOUT.into(),
+                value: "0".into(),
+                reason: "a zero timeout fails every transfer; use at least 1".into(),
+            });
         }
         if !errors.is_empty() {
             return Err(errors);

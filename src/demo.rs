@@ -45,7 +45,15 @@ pub struct DemoOptions {
 
 impl Default for DemoOptions {
     fn default() -> Self {
-        Self { prompt_tokens: 1000, max_tokens: 128, shape: KvShape::QWEN3_8B, num_blocks: 96, deadlines: Deadlines::default(), device: KvPlacement::Host, gpu_path: GpuPath::Auto }
+        Self {
+            prompt_tokens: 1000,
+            max_tokens: 128,
+            shape: KvShape::QWEN3_8B,
+            num_blocks: 96,
+            deadlines: Deadlines::default(),
+            device: KvPlacement::Host,
+            gpu_path: GpuPath::Auto,
+        }
     }
 }
 
@@ -69,7 +77,9 @@ impl KvPlacement {
             Ok(KvPlacement::Cuda { p: 0, d: usize::from(count > 1) })
         }
         #[cfg(not(feature = "cuda"))]
-        Err(DemoError::Device("this pdflow was built without GPU support: build it with `cargo build --release --features cuda`".into()))
+        Err(DemoError::Device(
+            "this pdflow was built without GPU support: build it with `cargo build --release --features cuda`".into(),
+        ))
     }
 
     fn of(self, role: KvRole) -> Option<usize> {
@@ -140,10 +150,19 @@ pub fn prompt_words(n: usize, seed: u64) -> String {
 }
 
 fn engine_config(opts: &DemoOptions, engine_id: &str) -> EngineConfig {
-    EngineConfig { engine_id: engine_id.to_string(), shape: opts.shape, num_blocks: opts.num_blocks, ..EngineConfig::default() }
+    EngineConfig {
+        engine_id: engine_id.to_string(),
+        shape: opts.shape,
+        num_blocks: opts.num_blocks,
+        ..EngineConfig::default()
+    }
 }
 
-async fn post_json(client: &reqwest::Client, url: &str, body: &serde_json::Value) -> Result<serde_json::Value, DemoError> {
+async fn post_json(
+    client: &reqwest::Client,
+    url: &str,
+    body: &serde_json::Value,
+) -> Result<serde_json::Value, DemoError> {
     let err = |reason: String| DemoError::Http { url: url.to_string(), reason };
     let resp = client.post(url).json(body).send().await.map_err(|e| err(e.to_string()))?;
     let status = resp.status();
@@ -194,9 +213,20 @@ impl LocalCluster {
             verify_checksums,
             kv_device: opts.device.of(role),
         };
-        let prefill = EngineNode::start(node_cfg(KvRole::Producer, BootstrapPlacement::Launch { port: 0 }, &format!("prefill-{}", uuid::Uuid::new_v4()))).await?;
-        let decode = EngineNode::start(node_cfg(KvRole::Consumer, BootstrapPlacement::None, &format!("decode-{}", uuid::Uuid::new_v4()))).await?;
-        let bootstrap_port = prefill.bootstrap.as_ref().map(|b| b.addr.port()).unwrap_or(crate::config::DEFAULT_BOOTSTRAP_PORT);
+        let prefill = EngineNode::start(node_cfg(
+            KvRole::Producer,
+            BootstrapPlacement::Launch { port: 0 },
+            &format!("prefill-{}", uuid::Uuid::new_v4()),
+        ))
+        .await?;
+        let decode = EngineNode::start(node_cfg(
+            KvRole::Consumer,
+            BootstrapPlacement::None,
+            &format!("decode-{}", uuid::Uuid::new_v4()),
+        ))
+        .await?;
+        let bootstrap_port =
+            prefill.bootstrap.as_ref().map(|b| b.addr.port()).unwrap_or(crate::config::DEFAULT_BOOTSTRAP_PORT);
         let proxy = ProxyNode::start(ProxyArgs {
             bind: SocketAddr::from(([127, 0, 0, 1], 0)),
             prefill: vec![PrefillTarget { url: prefill.url(), bootstrap_port }],
@@ -206,7 +236,10 @@ impl LocalCluster {
             ready_timeout: None,
         })
         .await?;
-        let client = reqwest::Client::builder().no_proxy().build().map_err(|e| DemoError::Http { url: String::new(), reason: e.to_string() })?;
+        let client = reqwest::Client::builder()
+            .no_proxy()
+            .build()
+            .map_err(|e| DemoError::Http { url: String::new(), reason: e.to_string() })?;
         wait_ready(&client, &proxy.url(), Duration::from_secs(30)).await?;
         Ok(Self { prefill, decode, proxy, client })
     }
@@ -239,20 +272,31 @@ pub async fn run(opts: DemoOptions, capture: SpanCapture) -> Result<DemoReport, 
             (KvPlacement::Cuda { .. }, GpuPath::Staged) => backend == "cuda-staged",
         };
         if !expected {
-            report.problems.push(format!("step 29 used the {backend} backend, not the one for {} KV", report.kv_memory_p));
+            report
+                .problems
+                .push(format!("step 29 used the {backend} backend, not the one for {} KV", report.kv_memory_p));
             report.verified = false;
         }
     }
     for (side, stats) in [("P", p_free), ("D", d_free)] {
         if stats.free != stats.total {
-            report.problems.push(format!("{side} holds {} of {} blocks after the request (leak)", stats.total - stats.free, stats.total));
+            report.problems.push(format!(
+                "{side} holds {} of {} blocks after the request (leak)",
+                stats.total - stats.free,
+                stats.total
+            ));
             report.verified = false;
         }
     }
     Ok(report)
 }
 
-async fn drive(opts: &DemoOptions, client: &reqwest::Client, proxy: &ProxyNode, capture: &SpanCapture) -> Result<DemoReport, DemoError> {
+async fn drive(
+    opts: &DemoOptions,
+    client: &reqwest::Client,
+    proxy: &ProxyNode,
+    capture: &SpanCapture,
+) -> Result<DemoReport, DemoError> {
     let body = serde_json::json!({
         "model": "Qwen/Qwen3-8B",
         "prompt": seed_prompt(opts.prompt_tokens),
@@ -264,7 +308,8 @@ async fn drive(opts: &DemoOptions, client: &reqwest::Client, proxy: &ProxyNode, 
     // P's last spans may close just after the response: its engine frees the blocks (33) and then
     // reports the send to its SchedulerConnector actor (32). Give both a bounded moment.
     let settle_until = Instant::now() + Duration::from_secs(5);
-    let closed = |step: u8| capture.spans().iter().any(|s| s.step == step && s.start >= request_start && s.end.is_some());
+    let closed =
+        |step: u8| capture.spans().iter().any(|s| s.step == step && s.start >= request_start && s.end.is_some());
     while Instant::now() < settle_until && !(closed(32) && closed(33)) {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
@@ -275,7 +320,11 @@ async fn drive(opts: &DemoOptions, client: &reqwest::Client, proxy: &ProxyNode, 
     let output = token_ids(&response);
     let output_matches_reference = !output.is_empty() && output == token_ids(&reference);
     if !output_matches_reference {
-        problems.push(format!("P/D output ({} tokens) differs from the single-engine reference ({} tokens)", output.len(), token_ids(&reference).len()));
+        problems.push(format!(
+            "P/D output ({} tokens) differs from the single-engine reference ({} tokens)",
+            output.len(),
+            token_ids(&reference).len()
+        ));
     }
     let sum_p = timeline.step(29).and_then(|s| s.figures.get(attrs::KV_CHECKSUM).cloned());
     let sum_d = timeline.step(34).and_then(|s| s.figures.get(attrs::KV_CHECKSUM).cloned());
@@ -296,7 +345,10 @@ async fn drive(opts: &DemoOptions, client: &reqwest::Client, proxy: &ProxyNode, 
         output_matches_reference,
         kv_bytes: timeline.figure(29, attrs::BYTES).unwrap_or(0),
         blocks: timeline.figure(27, attrs::BLOCKS).unwrap_or(0),
-        descriptors: timeline.figure(29, attrs::DESCRIPTORS).or_else(|| timeline.figure(28, attrs::DESCRIPTORS)).unwrap_or(0),
+        descriptors: timeline
+            .figure(29, attrs::DESCRIPTORS)
+            .or_else(|| timeline.figure(28, attrs::DESCRIPTORS))
+            .unwrap_or(0),
         prompt_tokens: usage["prompt_tokens"].as_u64().unwrap_or(0),
         completion_tokens: usage["completion_tokens"].as_u64().unwrap_or(0),
         ttft_ms: (ttft_ms * 1e3).round() / 1e3,
@@ -314,7 +366,11 @@ async fn drive(opts: &DemoOptions, client: &reqwest::Client, proxy: &ProxyNode, 
 }
 
 /// The same request on one engine alone, no connector: the reference output.
-async fn reference_run(opts: &DemoOptions, client: &reqwest::Client, body: &serde_json::Value) -> Result<serde_json::Value, DemoError> {
+async fn reference_run(
+    opts: &DemoOptions,
+    client: &reqwest::Client,
+    body: &serde_json::Value,
+) -> Result<serde_json::Value, DemoError> {
     let cfg = engine_config(opts, "reference");
     let engine = Engine::start(cfg.clone(), KvCache::new(cfg.shape, cfg.num_blocks), None);
     let (addr, stop, task) = serve_http("127.0.0.1", 0, api::router(engine.clone())).await?;

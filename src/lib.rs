@@ -24,7 +24,7 @@ pub mod chaos;
 pub mod cli;
 pub mod config;
 pub mod demo;
+pub mod netns;
 pub mod node;
 pub mod ports;
 pub mod timeline;
-pub mod netns;

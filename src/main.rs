@@ -12,8 +12,8 @@ use pdflow::config::VllmEnv;
 use pdflow::demo::{self, DemoOptions, KvPlacement};
 use pdflow::node::{BootstrapNode, EngineNode, ProxyNode};
 use pdflow_observability::capture::SpanCapture;
-use pdflow_observability::fault::{self, FaultPlan, NodeKind};
 use pdflow_observability::export::{self, ExportConfig, TraceExport};
+use pdflow_observability::fault::{self, FaultPlan, NodeKind};
 use pdflow_observability::metrics::{self, MetricsLayer};
 use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::util::SubscriberInitExt;
@@ -27,7 +27,13 @@ fn init_tracing(capture: Option<SpanCapture>, export: Option<&TraceExport>, metr
     use tracing_subscriber::Layer as _;
     // The fault layer only when a plan was armed (load_fault_plan), so that no fault code runs otherwise.
     let faults = fault::enabled().then_some(fault::FaultLayer);
-    let _ = tracing_subscriber::registry().with(fmt).with(capture).with(export.and_then(TraceExport::layer)).with(metrics).with(faults).try_init();
+    let _ = tracing_subscriber::registry()
+        .with(fmt)
+        .with(capture)
+        .with(export.and_then(TraceExport::layer))
+        .with(metrics)
+        .with(faults)
+        .try_init();
 }
 
 /// Issue #5: `PDFLOW_FAULT_PLAN` (JSON or `@path`), checked before anything binds and armed.
@@ -39,7 +45,10 @@ fn load_fault_plan() -> anyhow::Result<()> {
             fault::arm(plan);
             Ok(())
         }
-        Err(errors) => anyhow::bail!("invalid fault plan:\n  {}", errors.iter().map(|e| e.to_string()).collect::<Vec<_>>().join("\n  ")),
+        Err(errors) => anyhow::bail!(
+            "invalid fault plan:\n  {}",
+            errors.iter().map(|e| e.to_string()).collect::<Vec<_>>().join("\n  ")
+        ),
     }
 }
 
@@ -60,7 +69,9 @@ fn register_process_kill(node: NodeKind) {
 
 async fn run_chaos(args: pdflow::cli::ChaosArgs) -> anyhow::Result<bool> {
     if args.load {
-        let opts = args.to_load_options().map_err(|e| anyhow::anyhow!("invalid chaos --load arguments:\n  {}", e.join("\n  ")))?;
+        let opts = args
+            .to_load_options()
+            .map_err(|e| anyhow::anyhow!("invalid chaos --load arguments:\n  {}", e.join("\n  ")))?;
         return Ok(pdflow::chaos::load::run_cli(&opts, args.json.as_deref()).await?);
     }
     let capture = pdflow::chaos::install_layers();
@@ -82,13 +93,20 @@ async fn run_chaos(args: pdflow::cli::ChaosArgs) -> anyhow::Result<bool> {
 
 /// Starts the exporters `args` ask for; `service` names the node (`None`: by step, the demo).
 fn start_export(args: &TraceArgs, service: Option<&str>) -> anyhow::Result<TraceExport> {
-    let config = ExportConfig::from_settings(&args.settings(), service)
-        .map_err(|e| anyhow::anyhow!("invalid trace export settings:\n  {}", e.iter().map(|e| e.to_string()).collect::<Vec<_>>().join("\n  ")))?;
+    let config = ExportConfig::from_settings(&args.settings(), service).map_err(|e| {
+        anyhow::anyhow!(
+            "invalid trace export settings:\n  {}",
+            e.iter().map(|e| e.to_string()).collect::<Vec<_>>().join("\n  ")
+        )
+    })?;
     TraceExport::start(&config).context("starting trace export")
 }
 
 /// Sends what is left and writes the trace file, within a deadline.
-fn finish_export(export: &TraceExport, keep: fn(&[export::FinishedSpan]) -> Vec<export::FinishedSpan>) -> anyhow::Result<()> {
+fn finish_export(
+    export: &TraceExport,
+    keep: fn(&[export::FinishedSpan]) -> Vec<export::FinishedSpan>,
+) -> anyhow::Result<()> {
     tokio::task::block_in_place(|| export.finish(Duration::from_secs(5), keep)).context("finishing trace export")?;
     if let Some(path) = export.trace_file() {
         eprintln!("trace written to {}", path.display());
@@ -133,10 +151,20 @@ async fn run_demo(args: DemoArgs) -> anyhow::Result<bool> {
         anyhow::bail!("--gpu-path {:?} needs --device cuda (the path is between GPU KV caches)", args.gpu_path);
     }
     let gpu_path = args.gpu_path.into();
-    let opts = DemoOptions { prompt_tokens: args.prompt_tokens, max_tokens: args.max_tokens, shape: args.kv_shape, num_blocks: args.num_blocks, device, gpu_path, ..DemoOptions::default() };
+    let opts = DemoOptions {
+        prompt_tokens: args.prompt_tokens,
+        max_tokens: args.max_tokens,
+        shape: args.kv_shape,
+        num_blocks: args.num_blocks,
+        device,
+        gpu_path,
+        ..DemoOptions::default()
+    };
     let placement = match device {
         KvPlacement::Host => "KV in host memory".to_string(),
-        KvPlacement::Cuda { p, d } => format!("KV on GPUs: P on GPU {p}, D on GPU {d}, path {}", opts.gpu_path.as_str()),
+        KvPlacement::Cuda { p, d } => {
+            format!("KV on GPUs: P on GPU {p}, D on GPU {d}, path {}", opts.gpu_path.as_str())
+        }
     };
     println!(
         "pdflow demo: 1 prefill (P, launches bootstrap) + 1 decode (D) + proxy on 127.0.0.1; one request of {} prompt tokens, max_tokens {}; {placement}",
@@ -144,10 +172,21 @@ async fn run_demo(args: DemoArgs) -> anyhow::Result<bool> {
     );
     let report = demo::run(opts, capture).await.context("the demo could not run")?;
     println!("\n{}", report.timeline_table);
-    println!("KV transferred : {} bytes in {} blocks, {} descriptors, {:.3} ms (step 29)", report.kv_bytes, report.blocks, report.descriptors, report.transfer_ms);
+    println!(
+        "KV transferred : {} bytes in {} blocks, {} descriptors, {:.3} ms (step 29)",
+        report.kv_bytes, report.blocks, report.descriptors, report.transfer_ms
+    );
     println!("KV checksum    : P sent {:?}, D holds {:?}", report.kv_checksum_p, report.kv_checksum_d);
-    println!("KV path        : {} (step 29), P's KV in {}, D's in {}", report.backend.as_deref().unwrap_or("?"), report.kv_memory_p, report.kv_memory_d);
-    println!("tokens         : {} prompt, {} completion; TTFT {:.3} ms", report.prompt_tokens, report.completion_tokens, report.ttft_ms);
+    println!(
+        "KV path        : {} (step 29), P's KV in {}, D's in {}",
+        report.backend.as_deref().unwrap_or("?"),
+        report.kv_memory_p,
+        report.kv_memory_d
+    );
+    println!(
+        "tokens         : {} prompt, {} completion; TTFT {:.3} ms",
+        report.prompt_tokens, report.completion_tokens, report.ttft_ms
+    );
     println!("output matches single-engine reference: {}", report.output_matches_reference);
     for p in &report.problems {
         println!("PROBLEM: {p}");
@@ -191,7 +230,8 @@ async fn run(cli: Cli) -> anyhow::Result<bool> {
             load_fault_plan()?;
             let trace_export = start_export(&args.trace, Some(export::SERVICE_BOOTSTRAP))?;
             init_tracing(None, Some(&trace_export), None);
-            let env = VllmEnv::from_env().map_err(|e| anyhow::anyhow!(e.iter().map(|e| e.to_string()).collect::<Vec<_>>().join("\n")))?;
+            let env = VllmEnv::from_env()
+                .map_err(|e| anyhow::anyhow!(e.iter().map(|e| e.to_string()).collect::<Vec<_>>().join("\n")))?;
             let addr = format!("{}:{}", args.host, args.port.unwrap_or(env.bootstrap_port));
             let bind = addr.parse().with_context(|| format!("--host/--port {addr} is not an IP address and port"))?;
             let node = BootstrapNode::start(bind).await?;
@@ -217,14 +257,24 @@ async fn run(cli: Cli) -> anyhow::Result<bool> {
         }
         Command::Serve(cmd) => {
             load_fault_plan()?;
-            let service = if cmd.role == pdflow::cli::RoleArg::Producer { export::SERVICE_PREFILL } else { export::SERVICE_DECODE };
+            let service = if cmd.role == pdflow::cli::RoleArg::Producer {
+                export::SERVICE_PREFILL
+            } else {
+                export::SERVICE_DECODE
+            };
             let trace_export = start_export(&cmd.trace, Some(service))?;
             init_tracing(None, Some(&trace_export), Some(MetricsLayer::global()));
             metrics::global().set_block_bytes(cmd.kv_shape.bytes_per_block() as u64);
-            let env = VllmEnv::from_env().map_err(|e| anyhow::anyhow!(e.iter().map(|e| e.to_string()).collect::<Vec<_>>().join("\n")))?;
-            let cfg = cmd.to_config(&env).map_err(|e| anyhow::anyhow!("invalid serve arguments:\n  {}", e.join("\n  ")))?;
+            let env = VllmEnv::from_env()
+                .map_err(|e| anyhow::anyhow!(e.iter().map(|e| e.to_string()).collect::<Vec<_>>().join("\n")))?;
+            let cfg =
+                cmd.to_config(&env).map_err(|e| anyhow::anyhow!("invalid serve arguments:\n  {}", e.join("\n  ")))?;
             let node = EngineNode::start(cfg).await?;
-            register_process_kill(if node.role == pdflow_actors::scheduler_connector::KvRole::Consumer { NodeKind::D } else { NodeKind::P });
+            register_process_kill(if node.role == pdflow_actors::scheduler_connector::KvRole::Consumer {
+                NodeKind::D
+            } else {
+                NodeKind::P
+            });
             if node.bootstrap.is_some() {
                 register_process_kill(NodeKind::Bootstrap);
             }

@@ -108,12 +108,33 @@ pub fn available() -> Result<(), String> {
             // Everything a topology uses, once, in a throw-away namespace: namespaces, veth,
             // tbf, and `unshare --uts` (each namespace's own hostname).
             let probe = format!("{NS_PREFIX}{}-probe", std::process::id());
-            run("ip", ["netns", "add", probe.as_str()]).map_err(|e| format!("`ip netns add` does not work here: {e}"))?;
+            run("ip", ["netns", "add", probe.as_str()])
+                .map_err(|e| format!("`ip netns add` does not work here: {e}"))?;
             let checks = || -> Result<(), String> {
-                run("ip", ["-n", probe.as_str(), "link", "add", "pa", "type", "veth", "peer", "name", "pb"]).map_err(|e| format!("veth pairs do not work here: {e}"))?;
-                run("tc", ["-n", probe.as_str(), "qdisc", "add", "dev", "pa", "root", "tbf", "rate", "1mbit", "burst", "32kb", "latency", "100ms"])
-                    .map_err(|e| format!("`tc … tbf` does not work here: {e}"))?;
-                run("ip", ["netns", "exec", probe.as_str(), "unshare", "--uts", "--", "true"]).map_err(|e| format!("`unshare --uts` does not work here: {e}"))?;
+                run("ip", ["-n", probe.as_str(), "link", "add", "pa", "type", "veth", "peer", "name", "pb"])
+                    .map_err(|e| format!("veth pairs do not work here: {e}"))?;
+                run(
+                    "tc",
+                    [
+                        "-n",
+                        probe.as_str(),
+                        "qdisc",
+                        "add",
+                        "dev",
+                        "pa",
+                        "root",
+                        "tbf",
+                        "rate",
+                        "1mbit",
+                        "burst",
+                        "32kb",
+                        "latency",
+                        "100ms",
+                    ],
+                )
+                .map_err(|e| format!("`tc … tbf` does not work here: {e}"))?;
+                run("ip", ["netns", "exec", probe.as_str(), "unshare", "--uts", "--", "true"])
+                    .map_err(|e| format!("`unshare --uts` does not work here: {e}"))?;
                 Ok(())
             };
             let result = checks();
@@ -126,13 +147,17 @@ pub fn available() -> Result<(), String> {
 
 /// The effective uid, from `/proc/self/status` (no libc here).
 fn effective_uid() -> Result<u32, NetnsError> {
-    let status = std::fs::read_to_string("/proc/self/status").map_err(|source| NetnsError::Spawn { command: "read /proc/self/status".into(), source })?;
+    let status = std::fs::read_to_string("/proc/self/status")
+        .map_err(|source| NetnsError::Spawn { command: "read /proc/self/status".into(), source })?;
     status
         .lines()
         .find_map(|l| l.strip_prefix("Uid:"))
         .and_then(|rest| rest.split_whitespace().nth(1))
         .and_then(|u| u.parse().ok())
-        .ok_or_else(|| NetnsError::Parse { command: "read /proc/self/status".into(), detail: "no effective uid on the Uid: line".into() })
+        .ok_or_else(|| NetnsError::Parse {
+            command: "read /proc/self/status".into(),
+            detail: "no effective uid on the Uid: line".into(),
+        })
 }
 
 /// Runs a command to completion; its stdout on success.
@@ -142,10 +167,21 @@ where
     S: AsRef<OsStr>,
 {
     let args: Vec<std::ffi::OsString> = args.into_iter().map(|a| a.as_ref().to_os_string()).collect();
-    let command = std::iter::once(program.to_string()).chain(args.iter().map(|a| a.to_string_lossy().into_owned())).collect::<Vec<_>>().join(" ");
-    let out = Command::new(program).args(&args).stdin(Stdio::null()).output().map_err(|source| NetnsError::Spawn { command: command.clone(), source })?;
+    let command = std::iter::once(program.to_string())
+        .chain(args.iter().map(|a| a.to_string_lossy().into_owned()))
+        .collect::<Vec<_>>()
+        .join(" ");
+    let out = Command::new(program)
+        .args(&args)
+        .stdin(Stdio::null())
+        .output()
+        .map_err(|source| NetnsError::Spawn { command: command.clone(), source })?;
     if !out.status.success() {
-        return Err(NetnsError::Command { command, status: out.status.to_string(), stderr: String::from_utf8_lossy(&out.stderr).trim().to_string() });
+        return Err(NetnsError::Command {
+            command,
+            status: out.status.to_string(),
+            stderr: String::from_utf8_lossy(&out.stderr).trim().to_string(),
+        });
     }
     Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }
@@ -193,7 +229,12 @@ pub struct Topology {
 
 impl std::fmt::Debug for Topology {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Topology").field("tag", &self.tag).field("net", &self.net).field("namespaces", &self.namespaces.len()).field("links", &self.links.len()).finish()
+        f.debug_struct("Topology")
+            .field("tag", &self.tag)
+            .field("net", &self.net)
+            .field("namespaces", &self.namespaces.len())
+            .field("links", &self.links.len())
+            .finish()
     }
 }
 
@@ -288,10 +329,42 @@ impl Topology {
         let (sink, peer) = (format!("{}s{k}", self.ifprefix), format!("{}t{k}", self.ifprefix));
         let holder_name = self.ns_name(holder).to_string();
         match place {
-            Place::Root => run("ip", ["link", "add", "name", sink.as_str(), "type", "veth", "peer", "name", peer.as_str(), "netns", holder_name.as_str()])?,
+            Place::Root => run(
+                "ip",
+                [
+                    "link",
+                    "add",
+                    "name",
+                    sink.as_str(),
+                    "type",
+                    "veth",
+                    "peer",
+                    "name",
+                    peer.as_str(),
+                    "netns",
+                    holder_name.as_str(),
+                ],
+            )?,
             Place::Ns(ns) => {
                 let n = self.ns_name(ns).to_string();
-                run("ip", ["link", "add", "name", sink.as_str(), "netns", n.as_str(), "type", "veth", "peer", "name", peer.as_str(), "netns", n.as_str()])?
+                run(
+                    "ip",
+                    [
+                        "link",
+                        "add",
+                        "name",
+                        sink.as_str(),
+                        "netns",
+                        n.as_str(),
+                        "type",
+                        "veth",
+                        "peer",
+                        "name",
+                        peer.as_str(),
+                        "netns",
+                        n.as_str(),
+                    ],
+                )?
             }
         };
         self.sinks.push(place);
@@ -360,7 +433,10 @@ impl Topology {
             if let Place::Ns(other) = l.ends[1 - side] {
                 let svc = format!("{}/32", self.addr(other));
                 let via = l.addrs[1 - side].to_string();
-                self.ip_in(l.ends[side], &["route", "replace", svc.as_str(), "via", via.as_str(), "dev", l.devs[side].as_str(), "onlink"])?;
+                self.ip_in(
+                    l.ends[side],
+                    &["route", "replace", svc.as_str(), "via", via.as_str(), "dev", l.devs[side].as_str(), "onlink"],
+                )?;
             }
         }
         Ok(())
@@ -388,7 +464,23 @@ impl Topology {
         // A burst of ~50 ms of traffic (at least 64 KiB so one GSO segment fits).
         let burst = (bytes_per_sec / 20).max(64 * 1024).to_string();
         for side in 0..2 {
-            self.tc_in(l.ends[side], &["qdisc", "replace", "dev", l.devs[side].as_str(), "root", "tbf", "rate", rate.as_str(), "burst", burst.as_str(), "latency", "400ms"])?;
+            self.tc_in(
+                l.ends[side],
+                &[
+                    "qdisc",
+                    "replace",
+                    "dev",
+                    l.devs[side].as_str(),
+                    "root",
+                    "tbf",
+                    "rate",
+                    rate.as_str(),
+                    "burst",
+                    burst.as_str(),
+                    "latency",
+                    "400ms",
+                ],
+            )?;
         }
         Ok(())
     }
@@ -408,8 +500,12 @@ impl Topology {
         let l = &self.links[link.0];
         let side = l.ends.iter().position(|e| *e == place).ok_or(NetnsError::NotAnEnd { place, link })?;
         let out = self.ip_in(place, &["-s", "-j", "link", "show", "dev", l.devs[side].as_str()])?;
-        let v: serde_json::Value = serde_json::from_str(&out).map_err(|e| NetnsError::Parse { command: "ip -s -j link show".into(), detail: e.to_string() })?;
-        v[0]["stats64"]["tx"]["bytes"].as_u64().ok_or_else(|| NetnsError::Parse { command: "ip -s -j link show".into(), detail: format!("no stats64.tx.bytes in {out}") })
+        let v: serde_json::Value = serde_json::from_str(&out)
+            .map_err(|e| NetnsError::Parse { command: "ip -s -j link show".into(), detail: e.to_string() })?;
+        v[0]["stats64"]["tx"]["bytes"].as_u64().ok_or_else(|| NetnsError::Parse {
+            command: "ip -s -j link show".into(),
+            detail: format!("no stats64.tx.bytes in {out}"),
+        })
     }
 
     /// A command that runs `program` in `place`: through `ip netns exec` and, for a namespace,
@@ -420,7 +516,17 @@ impl Topology {
             Place::Root => Command::new(program),
             Place::Ns(ns) => {
                 let mut c = Command::new("ip");
-                c.args(["netns", "exec", self.ns_name(ns), "unshare", "--uts", "--", "sh", "-c", "hostname \"$0\" && exec \"$@\""]);
+                c.args([
+                    "netns",
+                    "exec",
+                    self.ns_name(ns),
+                    "unshare",
+                    "--uts",
+                    "--",
+                    "sh",
+                    "-c",
+                    "hostname \"$0\" && exec \"$@\"",
+                ]);
                 c.arg(self.ns_name(ns)).arg(program);
                 c
             }
@@ -431,11 +537,18 @@ impl Topology {
 
     /// Starts a command made by [`Topology::command`]; the topology kills it on drop (or on
     /// [`Topology::kill`]). Returns its id for `kill` and its stdout.
-    pub fn exec(&self, label: &str, mut cmd: std::process::Command) -> Result<(u32, Option<tokio::process::ChildStdout>), NetnsError> {
+    pub fn exec(
+        &self,
+        label: &str,
+        mut cmd: std::process::Command,
+    ) -> Result<(u32, Option<tokio::process::ChildStdout>), NetnsError> {
         let mut child = cmd.spawn().map_err(|source| NetnsError::Spawn { command: format!("{cmd:?}"), source })?;
         let pid = child.id();
         let stdout = match child.stdout.take() {
-            Some(s) => Some(tokio::process::ChildStdout::from_std(s).map_err(|source| NetnsError::Spawn { command: format!("{label}: stdout"), source })?),
+            Some(s) => Some(
+                tokio::process::ChildStdout::from_std(s)
+                    .map_err(|source| NetnsError::Spawn { command: format!("{label}: stdout"), source })?,
+            ),
             None => None,
         };
         self.children.lock().unwrap_or_else(|p| p.into_inner()).push((label.to_string(), pid, child));

@@ -29,10 +29,16 @@ fn unavailable(what: &str, e: impl std::fmt::Display) -> ConnectorError {
 pub struct SchedulerPort(pub ActorRef<SchedulerConnector>);
 
 impl SchedulerConnectorPort for SchedulerPort {
-    fn get_num_new_matched_tokens(&self, msg: GetNumNewMatchedTokens) -> BoxFuture<'_, Result<MatchedTokens, ConnectorError>> {
+    fn get_num_new_matched_tokens(
+        &self,
+        msg: GetNumNewMatchedTokens,
+    ) -> BoxFuture<'_, Result<MatchedTokens, ConnectorError>> {
         async move { self.0.ask(msg).await.map_err(|e| unavailable("get_num_new_matched_tokens", e)) }.boxed()
     }
-    fn update_state_after_alloc(&self, msg: UpdateStateAfterAlloc) -> BoxFuture<'_, Result<Option<KvTransferParams>, ConnectorError>> {
+    fn update_state_after_alloc(
+        &self,
+        msg: UpdateStateAfterAlloc,
+    ) -> BoxFuture<'_, Result<Option<KvTransferParams>, ConnectorError>> {
         async move { self.0.ask(msg).await.map_err(|e| unavailable("update_state_after_alloc", e)) }.boxed()
     }
     fn build_connector_meta(&self) -> BoxFuture<'_, Result<ConnectorMetadata, ConnectorError>> {
@@ -42,7 +48,10 @@ impl SchedulerConnectorPort for SchedulerPort {
         async move { self.0.ask(msg).await.map_err(|e| unavailable("request_finished", e)) }.boxed()
     }
     fn update_connector_output(&self, output: ConnectorOutput) -> BoxFuture<'_, Result<(), ConnectorError>> {
-        async move { self.0.ask(UpdateConnectorOutput { output }).await.map_err(|e| unavailable("update_connector_output", e)) }.boxed()
+        async move {
+            self.0.ask(UpdateConnectorOutput { output }).await.map_err(|e| unavailable("update_connector_output", e))
+        }
+        .boxed()
     }
 }
 
@@ -58,14 +67,19 @@ impl WorkerConnectorPort for ProducerWorkerPort {
             if meta.reqs_to_send.is_empty() && meta.reqs_not_processed.is_empty() {
                 return Ok(());
             }
-            let msg = RecordSendReqs { reqs_to_send: meta.reqs_to_send, reqs_not_processed: meta.reqs_not_processed, traceparents: meta.traceparents };
+            let msg = RecordSendReqs {
+                reqs_to_send: meta.reqs_to_send,
+                reqs_not_processed: meta.reqs_not_processed,
+                traceparents: meta.traceparents,
+            };
             self.listener.tell(msg).await.map_err(|e| unavailable("record_send_reqs", e))
         }
         .boxed()
     }
     fn get_finished(&self) -> BoxFuture<'_, Result<ConnectorOutput, ConnectorError>> {
         async move {
-            let finished_sending = self.listener.ask(GetFinishedSending).await.map_err(|e| unavailable("get_finished", e))?;
+            let finished_sending =
+                self.listener.ask(GetFinishedSending).await.map_err(|e| unavailable("get_finished", e))?;
             Ok(ConnectorOutput { finished_sending, ..ConnectorOutput::default() })
         }
         .boxed()

@@ -84,7 +84,10 @@ impl Timeline {
     /// The table `pdflow demo` prints.
     pub fn render(&self) -> String {
         let mut out = String::new();
-        out.push_str(&format!("{:>3}  {:<26} {:>11} {:>11}  {:<20} {}\n", "#", "step", "start ms", "dur ms", "owner", "figures"));
+        out.push_str(&format!(
+            "{:>3}  {:<26} {:>11} {:>11}  {:<20} {}\n",
+            "#", "step", "start ms", "dur ms", "owner", "figures"
+        ));
         for s in &self.steps {
             let owner = steps::by_number(s.step).map(|c| format!("{:?}", c.owner)).unwrap_or_default();
             let figures: Vec<String> = s
@@ -94,7 +97,15 @@ impl Timeline {
                 .map(|(k, v)| format!("{}={}", k.trim_start_matches("pd."), v))
                 .collect();
             let short = s.name.splitn(3, '.').nth(2).unwrap_or(s.name);
-            out.push_str(&format!("{:>3}  {:<26} {:>11.3} {:>11.3}  {:<20} {}\n", s.step, short, s.start_ms, s.duration_ms, owner, figures.join(" ")));
+            out.push_str(&format!(
+                "{:>3}  {:<26} {:>11.3} {:>11.3}  {:<20} {}\n",
+                s.step,
+                short,
+                s.start_ms,
+                s.duration_ms,
+                owner,
+                figures.join(" ")
+            ));
         }
         for m in &self.missing {
             let name = steps::by_number(*m).map(|s| s.span_name).unwrap_or("?");

@@ -159,7 +159,11 @@ impl Bootstrap {
             .engines
             .entry(w.dp_rank)
             .or_insert_with(|| DpEntry { engine_id: w.engine_id.clone(), workers: BTreeMap::new() });
-        entry.workers.entry(w.tp_rank).or_default().insert(w.pp_rank, Worker { addr: w.addr, generation: w.generation });
+        entry
+            .workers
+            .entry(w.tp_rank)
+            .or_default()
+            .insert(w.pp_rank, Worker { addr: w.addr, generation: w.generation });
         Ok(())
     }
 
@@ -171,13 +175,16 @@ impl Bootstrap {
                 let worker_addr = e
                     .workers
                     .iter()
-                    .map(|(tp, pps)| (tp.to_string(), pps.iter().map(|(pp, w)| (pp.to_string(), w.addr.clone())).collect()))
+                    .map(|(tp, pps)| {
+                        (tp.to_string(), pps.iter().map(|(pp, w)| (pp.to_string(), w.addr.clone())).collect())
+                    })
                     .collect();
                 let worker_generation = e
                     .workers
                     .iter()
                     .map(|(tp, pps)| {
-                        let known = pps.iter().filter(|(_, w)| w.generation != 0).map(|(pp, w)| (pp.to_string(), w.generation));
+                        let known =
+                            pps.iter().filter(|(_, w)| w.generation != 0).map(|(pp, w)| (pp.to_string(), w.generation));
                         (tp.to_string(), known.collect::<BTreeMap<_, _>>())
                     })
                     .filter(|(_, pps)| !pps.is_empty())
@@ -264,7 +271,9 @@ async fn http_register(
             error_response(StatusCode::BAD_REQUEST, rejected.to_string())
         }
         Ok(Err(_)) => actor_gone(),
-        Err(_) => error_response(StatusCode::SERVICE_UNAVAILABLE, format!("bootstrap did not answer within {ASK_DEADLINE:?}")),
+        Err(_) => {
+            error_response(StatusCode::SERVICE_UNAVAILABLE, format!("bootstrap did not answer within {ASK_DEADLINE:?}"))
+        }
     }
 }
 
@@ -275,7 +284,9 @@ async fn http_query(State(actor): State<ActorRef<Bootstrap>>) -> Response {
     match tokio::time::timeout(ASK_DEADLINE, actor.ask(QueryEngines)).await {
         Ok(Ok(table)) => Json(table).into_response(),
         Ok(Err(_)) => actor_gone(),
-        Err(_) => error_response(StatusCode::SERVICE_UNAVAILABLE, format!("bootstrap did not answer within {ASK_DEADLINE:?}")),
+        Err(_) => {
+            error_response(StatusCode::SERVICE_UNAVAILABLE, format!("bootstrap did not answer within {ASK_DEADLINE:?}"))
+        }
     }
 }
 
@@ -365,7 +376,8 @@ mod tests {
         let reason = body["error"].as_str().expect("error string");
         assert!(reason.contains("dp_rank 0 already belongs to engine `6c1f`"), "{reason}");
 
-        let q: QueryResponse = client.get(format!("{base}/query")).send().await.expect("query").json().await.expect("json");
+        let q: QueryResponse =
+            client.get(format!("{base}/query")).send().await.expect("query").json().await.expect("json");
         assert_eq!(q["0"].workers().expect("ranks")[&0][&0], "tcp://10.0.0.1:41235", "conflicts change nothing");
         assert_eq!(q["0"].worker_addr.len(), 1);
     }
@@ -391,14 +403,16 @@ mod tests {
         let reason = body["error"].as_str().expect("error string");
         assert!(reason.contains("generation 100 is older than the registered generation 200"), "{reason}");
 
-        let q: QueryResponse = client.get(format!("{base}/query")).send().await.expect("query").json().await.expect("json");
+        let q: QueryResponse =
+            client.get(format!("{base}/query")).send().await.expect("query").json().await.expect("json");
         assert_eq!(q["0"].workers().expect("ranks")[&0][&0], "tcp://10.0.0.1:50000");
         assert_eq!(q["0"].generation_of("tcp://10.0.0.1:50000"), 200, "D learns the generation it addresses");
 
         // Restarted on the same port: the generation is updated in place.
         restarted["generation"] = 300.into();
         assert_eq!(post(&client, &base, restarted.to_string()).await.0, 200);
-        let q: QueryResponse = client.get(format!("{base}/query")).send().await.expect("query").json().await.expect("json");
+        let q: QueryResponse =
+            client.get(format!("{base}/query")).send().await.expect("query").json().await.expect("json");
         assert_eq!(q["0"].generation_of("tcp://10.0.0.1:50000"), 300);
     }
 
@@ -419,9 +433,12 @@ mod tests {
         let taken = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
         let bind = taken.local_addr().expect("addr");
         let actor = Bootstrap::spawn(BootstrapArgs { bind });
-        let started = tokio::time::timeout(Duration::from_secs(5), actor.wait_for_startup_with_result(|r| {
-            matches!(r, Err(kameo::error::HookError::Error(ActorError::Bind { .. })))
-        }))
+        let started = tokio::time::timeout(
+            Duration::from_secs(5),
+            actor.wait_for_startup_with_result(|r| {
+                matches!(r, Err(kameo::error::HookError::Error(ActorError::Bind { .. })))
+            }),
+        )
         .await
         .expect("startup finishes");
         assert!(started, "a taken port must fail with ActorError::Bind");

@@ -138,8 +138,12 @@ fn traceparent(headers: &HeaderMap) -> (String, Option<String>) {
         let parts: Vec<&str> = tp.split('-').collect();
         if let [version, trace, parent, flags] = parts[..] {
             let hex = |s: &str, n: usize| s.len() == n && s.bytes().all(|b| b.is_ascii_hexdigit());
-            if hex(version, 2) && hex(trace, 32) && hex(parent, 16) && hex(flags, 2) && trace.bytes().any(|b| b != b'0') {
-                return (format!("00-{}-{}-{flags}", trace.to_ascii_lowercase(), &span[..16]), Some(parent.to_ascii_lowercase()));
+            if hex(version, 2) && hex(trace, 32) && hex(parent, 16) && hex(flags, 2) && trace.bytes().any(|b| b != b'0')
+            {
+                return (
+                    format!("00-{}-{}-{flags}", trace.to_ascii_lowercase(), &span[..16]),
+                    Some(parent.to_ascii_lowercase()),
+                );
             }
         }
     }
@@ -148,9 +152,14 @@ fn traceparent(headers: &HeaderMap) -> (String, Option<String>) {
 }
 
 /// P's body (step 9): one token, not streamed, `do_remote_decode`.
-pub fn prefill_body(client: &serde_json::Map<String, serde_json::Value>, transfer_id: &str, traceparent: &str) -> serde_json::Value {
+pub fn prefill_body(
+    client: &serde_json::Map<String, serde_json::Value>,
+    transfer_id: &str,
+    traceparent: &str,
+) -> serde_json::Value {
     let mut body = client.clone();
-    let params = KvTransferParams { traceparent: Some(traceparent.to_owned()), ..KvTransferParams::for_prefill(transfer_id) };
+    let params =
+        KvTransferParams { traceparent: Some(traceparent.to_owned()), ..KvTransferParams::for_prefill(transfer_id) };
     body.insert("kv_transfer_params".into(), serde_json::to_value(params).unwrap_or_default());
     body.insert("stream".into(), false.into());
     body.insert("max_tokens".into(), 1.into());
@@ -201,7 +210,10 @@ const MAX_CLIENT_REQUEST_ID: usize = 64;
 pub fn flow_request_id(headers: &HeaderMap) -> String {
     let fresh = uuid::Uuid::new_v4();
     let Some(value) = headers.get("x-request-id") else { return fresh.to_string() };
-    let sane = |s: &str| (1..=MAX_CLIENT_REQUEST_ID).contains(&s.len()) && s.bytes().all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b));
+    let sane = |s: &str| {
+        (1..=MAX_CLIENT_REQUEST_ID).contains(&s.len())
+            && s.bytes().all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b))
+    };
     match value.to_str().ok().filter(|s| sane(s)) {
         Some(client_id) => format!("{client_id}-{}", &fresh.simple().to_string()[..8]),
         None => {
@@ -215,7 +227,10 @@ pub fn flow_request_id(headers: &HeaderMap) -> String {
 /// or routed requests before and now answers "not ready yet", it is being restarted (a kill, a
 /// panic) and re-discovering P's engine ids and the pools' health: asked again until it is ready
 /// or the deadline passes, so that clients of the restart window are served instead of refused.
-async fn route(ctx: &FlowContext, proxy: &ActorRef<Proxy>) -> Result<Result<RouteDecision, SendError<Route, NotReady>>, tokio::time::error::Elapsed> {
+async fn route(
+    ctx: &FlowContext,
+    proxy: &ActorRef<Proxy>,
+) -> Result<Result<RouteDecision, SendError<Route, NotReady>>, tokio::time::error::Elapsed> {
     use std::sync::atomic::Ordering;
     let deadline = tokio::time::Instant::now() + ASK_DEADLINE;
     loop {
@@ -249,7 +264,13 @@ async fn serve(ctx: Arc<FlowContext>, api: &'static str, headers: HeaderMap, bod
     response
 }
 
-async fn flow(ctx: Arc<FlowContext>, api: &'static str, headers: HeaderMap, body: Bytes, request_id: String) -> Response {
+async fn flow(
+    ctx: Arc<FlowContext>,
+    api: &'static str,
+    headers: HeaderMap,
+    body: Bytes,
+    request_id: String,
+) -> Response {
     let transfer_id = format!("xfer-{request_id}");
     let step8 = step_span!(steps::CLIENT_REQUEST, request_id = %request_id, transfer_id = %transfer_id);
 
@@ -258,11 +279,19 @@ async fn flow(ctx: Arc<FlowContext>, api: &'static str, headers: HeaderMap, body
         Ok(serde_json::Value::Object(map)) => map,
         Ok(_) => {
             step8.record(attrs::OUTCOME, "bad_request");
-            return error_response(StatusCode::BAD_REQUEST, "invalid_request_error", "request body must be a JSON object".into());
+            return error_response(
+                StatusCode::BAD_REQUEST,
+                "invalid_request_error",
+                "request body must be a JSON object".into(),
+            );
         }
         Err(e) => {
             step8.record(attrs::OUTCOME, "bad_request");
-            return error_response(StatusCode::BAD_REQUEST, "invalid_request_error", format!("request body is not valid JSON: {e}"));
+            return error_response(
+                StatusCode::BAD_REQUEST,
+                "invalid_request_error",
+                format!("request body is not valid JSON: {e}"),
+            );
         }
     };
     let Some(proxy) = Some(ctx.proxy.clone()).filter(|p| p.is_alive()) else {
@@ -276,7 +305,11 @@ async fn flow(ctx: Arc<FlowContext>, api: &'static str, headers: HeaderMap, body
         }
         _ => {
             step8.record(attrs::OUTCOME, "proxy_unavailable");
-            return error_response(StatusCode::SERVICE_UNAVAILABLE, "service_unavailable", "proxy did not answer".into());
+            return error_response(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "service_unavailable",
+                "proxy did not answer".into(),
+            );
         }
     };
     let (traceparent, client_parent) = traceparent(&headers);
@@ -309,7 +342,11 @@ async fn flow(ctx: Arc<FlowContext>, api: &'static str, headers: HeaderMap, body
     step10.record(attrs::ENGINE_ID, route.prefill_engine_id.as_str());
     let d_send = tokio::time::timeout(
         ctx.upstream_timeout,
-        ctx.client.post(&d_url).headers(up_headers).json(&decode_body(request, &transfer_id, &route, &traceparent)).send(),
+        ctx.client
+            .post(&d_url)
+            .headers(up_headers)
+            .json(&decode_body(request, &transfer_id, &route, &traceparent))
+            .send(),
     )
     .instrument(step10.clone());
     tokio::pin!(d_send);
@@ -431,7 +468,12 @@ async fn call_prefill(
             Ok(())
         } else {
             step25.record(attrs::OUTCOME, status.as_u16().to_string().as_str());
-            Err(UpstreamError::Status { role: "prefill", url: url.clone(), status: status.as_u16(), message: error_message(&bytes) })
+            Err(UpstreamError::Status {
+                role: "prefill",
+                url: url.clone(),
+                status: status.as_u16(),
+                message: error_message(&bytes),
+            })
         }
     };
     match tokio::time::timeout(deadline, call).await {
@@ -558,14 +600,19 @@ mod traceparent_tests {
     #[test]
     fn a_client_traceparent_becomes_the_parent_of_a_new_span_in_the_same_trace() {
         let mut headers = HeaderMap::new();
-        headers.insert("traceparent", "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01".parse().expect("header"));
+        headers
+            .insert("traceparent", "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01".parse().expect("header"));
         let (tp, parent) = traceparent(&headers);
         assert!(tp.starts_with("00-0af7651916cd43dd8448eb211c80319c-"), "same trace: {tp}");
         assert!(!tp.contains("b7ad6b7169203331"), "a new span id, not the client's: {tp}");
         assert_eq!(parent.as_deref(), Some("b7ad6b7169203331"));
-        headers.insert("traceparent", "00-00000000000000000000000000000000-b7ad6b7169203331-01".parse().expect("header"));
+        headers
+            .insert("traceparent", "00-00000000000000000000000000000000-b7ad6b7169203331-01".parse().expect("header"));
         let (tp, parent) = traceparent(&headers);
-        assert!(parent.is_none() && !tp.contains("0000000000000000000000000000000"), "an invalid context starts a new trace: {tp}");
+        assert!(
+            parent.is_none() && !tp.contains("0000000000000000000000000000000"),
+            "an invalid context starts a new trace: {tp}"
+        );
         let (tp, parent) = traceparent(&HeaderMap::new());
         assert_eq!((tp.len(), parent), (55, None));
     }

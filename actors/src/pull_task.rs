@@ -19,8 +19,8 @@ use std::time::Duration;
 use futures::StreamExt;
 use kameo::prelude::*;
 use pdflow_messages::frame;
-use pdflow_messages::receiver::{CancelTransfers, PullOutcome, PullTransportFailed};
 use pdflow_messages::lifecycle::TransferState;
+use pdflow_messages::receiver::{CancelTransfers, PullOutcome, PullTransportFailed};
 use pdflow_messages::sender_listener::{
     AbortPull, PullErr, PullErrorCause, PullRequest, PullResponse, PullStatus, SideChannelRequest,
 };
@@ -143,7 +143,11 @@ impl Tally {
             return true;
         }
         if resp.pull_id != self.pull_id {
-            tracing::warn!(pull_id = self.pull_id, got = resp.pull_id, "P answered another pull id on this socket: ignored");
+            tracing::warn!(
+                pull_id = self.pull_id,
+                got = resp.pull_id,
+                "P answered another pull id on this socket: ignored"
+            );
             return false;
         }
         if resp.layout_id.is_some() {
@@ -209,7 +213,8 @@ async fn exchange(args: &PullTaskArgs, mut cancels: mpsc::UnboundedReceiver<Vec<
     // listener, which forgot this pull, is noticed before the deadline.
     let mut monitor = socket.monitor();
 
-    let result = tokio::time::timeout(args.deadline, run(args, &mut socket, &mut monitor, &mut tally, &mut cancels)).await;
+    let result =
+        tokio::time::timeout(args.deadline, run(args, &mut socket, &mut monitor, &mut tally, &mut cancels)).await;
     match result {
         Ok(Ok(())) => {}
         Ok(Err(Stop::Transport(reason))) => {
@@ -228,7 +233,10 @@ async fn exchange(args: &PullTaskArgs, mut cancels: mpsc::UnboundedReceiver<Vec<
             if !transfer_ids.is_empty() {
                 send_abort(&mut socket, args.pull_id, transfer_ids).await;
             }
-            let detail = format!("P worker {}'s side channel closed while the pull was in flight (P restarted?): no answer will come", args.worker_addr);
+            let detail = format!(
+                "P worker {}'s side channel closed while the pull was in flight (P restarted?): no answer will come",
+                args.worker_addr
+            );
             tally.fail_unsettled(PullErrorCause::TransferFailed, &detail);
         }
         Err(_elapsed) => {
@@ -237,7 +245,9 @@ async fn exchange(args: &PullTaskArgs, mut cancels: mpsc::UnboundedReceiver<Vec<
             if !transfer_ids.is_empty() {
                 send_abort(&mut socket, args.pull_id, transfer_ids).await;
             }
-            let detail = TransferState::Pulling.passed(args.deadline, format!("no answer from P worker {}", args.worker_addr)).to_string();
+            let detail = TransferState::Pulling
+                .passed(args.deadline, format!("no answer from P worker {}", args.worker_addr))
+                .to_string();
             tally.fail_unsettled(PullErrorCause::TransferFailed, &detail);
         }
     }
@@ -266,7 +276,11 @@ async fn run(
         .reqs
         .iter()
         .map(|r| {
-            let span = step_span!(steps::D_SEND_PULL_META, request_id = r.d_req_id.as_str(), transfer_id = r.transfer_id.as_str());
+            let span = step_span!(
+                steps::D_SEND_PULL_META,
+                request_id = r.d_req_id.as_str(),
+                transfer_id = r.transfer_id.as_str()
+            );
             span.record(attrs::ENGINE_ID, args.remote_engine_id.as_str());
             span.record(attrs::BLOCKS, r.block_ids.len() as u64);
             if let Some(tp) = r.traceparent.as_ref().or(request.traceparent.as_ref()) {
@@ -358,7 +372,6 @@ pub(crate) async fn abort_orphaned(worker_addr: String, pull_id: u64, transfer_i
     }
 }
 
-
 #[cfg(test)]
 mod tests {
     use pdflow_messages::sender_listener::PullReq;
@@ -400,7 +413,11 @@ mod tests {
         }
     }
 
-    fn spawn(worker_addr: &str, reqs: &[&str], deadline: Duration) -> (ActorRef<PullTask>, UnboundedReceiver<Reported>) {
+    fn spawn(
+        worker_addr: &str,
+        reqs: &[&str],
+        deadline: Duration,
+    ) -> (ActorRef<PullTask>, UnboundedReceiver<Reported>) {
         let (tx, rx) = mpsc::unbounded_channel();
         let collector = Collector::spawn(Collector { tx });
         let request = PullRequest {
@@ -412,7 +429,16 @@ mod tests {
             pp_size: 1,
             layout_id: 7,
             layout: None,
-            reqs: reqs.iter().map(|r| PullReq { d_req_id: r.to_string(), transfer_id: format!("xfer-{r}"), block_ids: vec![1, 2], traceparent: None, fence: 0 }).collect(),
+            reqs: reqs
+                .iter()
+                .map(|r| PullReq {
+                    d_req_id: r.to_string(),
+                    transfer_id: format!("xfer-{r}"),
+                    block_ids: vec![1, 2],
+                    traceparent: None,
+                    fence: 0,
+                })
+                .collect(),
             traceparent: None,
             p_generation: 0,
             deadline_ms: 0,
@@ -434,7 +460,15 @@ mod tests {
     }
 
     fn response(status: PullStatus, ok: &[&str]) -> PullResponse {
-        PullResponse { pull_id: 42, status, ok_reqs: ok.iter().map(|s| s.to_string()).collect(), err_reqs: vec![], layout_id: None, error: None, p_generation: 0 }
+        PullResponse {
+            pull_id: 42,
+            status,
+            ok_reqs: ok.iter().map(|s| s.to_string()).collect(),
+            err_reqs: vec![],
+            layout_id: None,
+            error: None,
+            p_generation: 0,
+        }
     }
 
     #[tokio::test]

@@ -17,7 +17,11 @@ pub(crate) async fn bind_http(addr: SocketAddr, what: &'static str) -> Result<Tc
     loop {
         match TcpListener::bind(addr).await {
             Ok(listener) => return Ok(listener),
-            Err(e) if addr.port() != 0 && e.kind() == std::io::ErrorKind::AddrInUse && tokio::time::Instant::now() < until => {
+            Err(e)
+                if addr.port() != 0
+                    && e.kind() == std::io::ErrorKind::AddrInUse
+                    && tokio::time::Instant::now() < until =>
+            {
                 tokio::time::sleep(Duration::from_millis(20)).await;
             }
             Err(source) => return Err(ActorError::Bind { what, addr: addr.to_string(), source }),

@@ -16,7 +16,8 @@
 //! answers or the pull's deadline passes (no write-after-free); a PullTask that dies without
 //! reporting fails its requests (it is linked; best-effort `AbortPull` to P).
 
-#[cfg(test)] mod bad_input_tests;
+#[cfg(test)]
+mod bad_input_tests;
 #[cfg(test)]
 pub(crate) mod fake_peers;
 mod lookup;
@@ -32,7 +33,9 @@ use kameo::prelude::*;
 use pdflow_messages::bootstrap::WorkerAddrs;
 use pdflow_messages::layout::KvLayout;
 use pdflow_messages::lifecycle::TransferState;
-use pdflow_messages::receiver::{CancelTransfers, GetFinishedRecving, PullOutcome, PullTransportFailed, StartLoadKv, TransferStates};
+use pdflow_messages::receiver::{
+    CancelTransfers, GetFinishedRecving, PullOutcome, PullTransportFailed, StartLoadKv, TransferStates,
+};
 use pdflow_messages::scheduler_connector::{ConnectorOutput, PullMeta};
 use pdflow_messages::sender_listener::{PullErrorCause, PullReq, PullRequest};
 use pdflow_messages::{EngineId, RequestId};
@@ -197,10 +200,19 @@ impl Actor for Receiver {
             });
         };
         if let Some(pull) = self.pulls.remove(&pull_id) {
-            let reason = format!("pull task for pull {pull_id} to P worker {} died ({reason}) before P answered", pull.worker_addr);
+            let reason = format!(
+                "pull task for pull {pull_id} to P worker {} died ({reason}) before P answered",
+                pull.worker_addr
+            );
             tracing::warn!(pull_id, worker_addr = %pull.worker_addr, "{reason}");
-            let transfer_ids = pull.reqs.iter().filter_map(|r| self.in_flight.get(r)).map(|r| r.meta.transfer_id.clone()).collect();
-            self.helpers.spawn(pull_task::abort_orphaned(pull.worker_addr.clone(), pull_id, transfer_ids, ORPHAN_ABORT_BOUND));
+            let transfer_ids =
+                pull.reqs.iter().filter_map(|r| self.in_flight.get(r)).map(|r| r.meta.transfer_id.clone()).collect();
+            self.helpers.spawn(pull_task::abort_orphaned(
+                pull.worker_addr.clone(),
+                pull_id,
+                transfer_ids,
+                ORPHAN_ABORT_BOUND,
+            ));
             for req in &pull.reqs {
                 self.settle(req, pull_id, Some(format!("{:?}: {reason}", PullErrorCause::TransferFailed)));
             }
@@ -280,7 +292,8 @@ impl Receiver {
         let (me, meta, reason) = (self.me.clone(), meta.clone(), failure.unwrap_or_default());
         self.helpers.spawn(async move {
             if let Err(e) = fence.close(token, FENCE_DRAIN_DEADLINE).await {
-                let passed = TransferState::DrainingFence.passed(FENCE_DRAIN_DEADLINE, format!("a fenced batch did not stop ({e})"));
+                let passed = TransferState::DrainingFence
+                    .passed(FENCE_DRAIN_DEADLINE, format!("a fenced batch did not stop ({e})"));
                 tracing::error!("{passed}; reporting the failure anyway");
             }
             let _ = me.tell(FenceDrained { meta, reason }).await;
@@ -350,14 +363,22 @@ impl Receiver {
         }
         let task = PullTask::spawn_link(me, args).await;
         let transfer_ids = metas.iter().map(|m| m.transfer_id.clone()).collect();
-        crate::fault_hooks::register_actor(pdflow_observability::fault::ActorKind::PullTask, pdflow_observability::fault::Role::D, transfer_ids, &task);
+        crate::fault_hooks::register_actor(
+            pdflow_observability::fault::ActorKind::PullTask,
+            pdflow_observability::fault::Role::D,
+            transfer_ids,
+            &task,
+        );
         self.pull_of_task.insert(task.id(), pull_id);
         for r in reqs {
             if let Some(recv) = self.in_flight.get_mut(r) {
                 recv.pending.insert(pull_id);
             }
         }
-        self.pulls.insert(pull_id, Pull { task, engine_id: engine_id.to_string(), worker_addr: worker_addr.to_string(), reqs: reqs.to_vec() });
+        self.pulls.insert(
+            pull_id,
+            Pull { task, engine_id: engine_id.to_string(), worker_addr: worker_addr.to_string(), reqs: reqs.to_vec() },
+        );
     }
 
     /// Step 21 for one engine whose workers are cached: one pull per paired P worker.
@@ -380,7 +401,8 @@ impl Receiver {
         let reqs: Vec<RequestId> = metas.iter().map(|m| m.d_req_id.clone()).collect();
         for meta in metas {
             let fence = self.new_fence();
-            let recv = Recv { meta, pending: BTreeSet::new(), failure: None, aborted: false, layout_retried: false, fence };
+            let recv =
+                Recv { meta, pending: BTreeSet::new(), failure: None, aborted: false, layout_retried: false, fence };
             self.in_flight.insert(recv.meta.d_req_id.clone(), recv);
         }
         for peer in peers {
@@ -389,11 +411,18 @@ impl Receiver {
     }
 
     /// Step 20: look `engine_id` up at `bootstrap_addr` in a task; its answer comes back as a message.
-    fn spawn_lookup(&mut self, engine_id: &str, bootstrap_addr: &str, queued: BTreeMap<RequestId, PullMeta>, me: &ActorRef<Self>) {
+    fn spawn_lookup(
+        &mut self,
+        engine_id: &str,
+        bootstrap_addr: &str,
+        queued: BTreeMap<RequestId, PullMeta>,
+        me: &ActorRef<Self>,
+    ) {
         let first = queued.keys().next().cloned().unwrap_or_default();
         let span = step_span!(steps::D_BOOTSTRAP_QUERY, request_id = %first);
         span.record(attrs::ENGINE_ID, engine_id);
-        let (http, addr, timeout, me) = (self.http.clone(), bootstrap_addr.to_string(), self.args.bootstrap_timeout, me.clone());
+        let (http, addr, timeout, me) =
+            (self.http.clone(), bootstrap_addr.to_string(), self.args.bootstrap_timeout, me.clone());
         let engine = engine_id.to_string();
         let task = tokio::spawn(async move {
             let result = lookup::query_until_registered(&http, &addr, &engine, timeout).instrument(span).await;
@@ -412,7 +441,8 @@ impl Receiver {
             }
             recv.aborted = true;
             let transfer_id = recv.meta.transfer_id.clone();
-            let tasks: Vec<ActorRef<PullTask>> = recv.pending.iter().filter_map(|p| self.pulls.get(p)).map(|p| p.task.clone()).collect();
+            let tasks: Vec<ActorRef<PullTask>> =
+                recv.pending.iter().filter_map(|p| self.pulls.get(p)).map(|p| p.task.clone()).collect();
             for task in tasks {
                 // A task that already ended has reported, or its link death will settle the request.
                 let _ = task.tell(CancelTransfers { transfer_ids: vec![transfer_id.clone()] }).await;
@@ -445,7 +475,11 @@ impl Message<StartLoadKv> for Receiver {
         let me = ctx.actor_ref().clone();
         // Step 19 once per request handed over: each keeps its own trace.
         for meta in msg.reqs_to_recv.values().flat_map(|m| m.values()) {
-            let span = step_span!(steps::D_START_LOAD, request_id = meta.d_req_id.as_str(), transfer_id = meta.transfer_id.as_str());
+            let span = step_span!(
+                steps::D_START_LOAD,
+                request_id = meta.d_req_id.as_str(),
+                transfer_id = meta.transfer_id.as_str()
+            );
             span.record(attrs::BLOCKS, meta.local_block_ids.len() as u64);
             span.record(attrs::ENGINE_ID, meta.remote_engine_id.as_str());
             if let Some(tp) = &meta.traceparent {
@@ -502,7 +536,9 @@ impl Message<LookupDone> for Receiver {
                 );
                 TransferState::LookingUp.passed(self.args.bootstrap_timeout, what).to_string()
             }
-            Err(reason) => format!("bootstrap look-up of P engine {engine_id} at {} failed: {reason}", lookup.bootstrap_addr),
+            Err(reason) => {
+                format!("bootstrap look-up of P engine {engine_id} at {} failed: {reason}", lookup.bootstrap_addr)
+            }
         };
         for meta in lookup.queued.into_values() {
             self.complete(&meta, Some(failure.clone()));
@@ -549,7 +585,10 @@ impl Message<PullOutcome> for Receiver {
             self.settle(&err.d_req_id, pull_id, Some(format!("{:?}: {}", err.cause, err.detail)));
         }
         for req in &pull.reqs {
-            let reason = format!("{:?}: P's answer to pull {pull_id} did not mention this request", PullErrorCause::TransferFailed);
+            let reason = format!(
+                "{:?}: P's answer to pull {pull_id} did not mention this request",
+                PullErrorCause::TransferFailed
+            );
             self.settle(req, pull_id, Some(reason));
         }
         if !retry.is_empty() {
@@ -599,7 +638,8 @@ impl Message<TransferStates> for Receiver {
 
     /// Every request this Receiver tracks, in its lifecycle state.
     async fn handle(&mut self, _msg: TransferStates, _ctx: &mut Context<Self, Self::Reply>) -> Self::Reply {
-        let looking_up = self.lookups.values().flat_map(|l| l.queued.keys()).map(|r| (r.clone(), TransferState::LookingUp));
+        let looking_up =
+            self.lookups.values().flat_map(|l| l.queued.keys()).map(|r| (r.clone(), TransferState::LookingUp));
         let pulling = self.in_flight.keys().map(|r| (r.clone(), TransferState::Pulling));
         let draining = self.draining.iter().map(|r| (r.clone(), TransferState::DrainingFence));
         looking_up.chain(pulling).chain(draining).collect()

@@ -18,7 +18,8 @@ use kameo::prelude::*;
 use pdflow_messages::kv_transfer_params::{KvTransferParams, TransferRole};
 use pdflow_messages::scheduler_connector::{
     BuildConnectorMeta, ConnectorMetadata, ConnectorOutput, FinishStatus, GetNumNewMatchedTokens, MatchedTokens,
-    OnNewRequest, PullMeta, RequestFinished, RequestFinishedReply, SchedRequest, UpdateConnectorOutput, UpdateStateAfterAlloc,
+    OnNewRequest, PullMeta, RequestFinished, RequestFinishedReply, SchedRequest, UpdateConnectorOutput,
+    UpdateStateAfterAlloc,
 };
 use pdflow_messages::{BlockId, RequestId, TransferId};
 use pdflow_observability::{attrs, step_span, steps};
@@ -109,11 +110,7 @@ fn with_transfer_named(mut request: SchedRequest) -> SchedRequest {
 /// A request's role; invalid params were refused when the request was added, so here they count
 /// as a local request.
 fn role_of(request: &SchedRequest) -> TransferRole {
-    request
-        .kv_transfer_params
-        .as_ref()
-        .map(|p| p.role().unwrap_or(TransferRole::Local))
-        .unwrap_or(TransferRole::Local)
+    request.kv_transfer_params.as_ref().map(|p| p.role().unwrap_or(TransferRole::Local)).unwrap_or(TransferRole::Local)
 }
 
 impl SchedulerConnector {
@@ -185,7 +182,9 @@ impl Message<UpdateStateAfterAlloc> for SchedulerConnector {
         let request = with_transfer_named(msg.request);
         let Some(params) = request.kv_transfer_params.clone() else { return Ok(None) };
         Ok(match params.role() {
-            Ok(TransferRole::Decode { transfer_id, remote_bootstrap_addr, remote_engine_id }) if self.role.consumes() => {
+            Ok(TransferRole::Decode { transfer_id, remote_bootstrap_addr, remote_engine_id })
+                if self.role.consumes() =>
+            {
                 self.remember_trace(&request);
                 let local_block_ids = if msg.num_external_tokens > 0 { msg.block_ids } else { Vec::new() };
                 if !local_block_ids.is_empty() {
@@ -296,7 +295,9 @@ impl SchedulerConnector {
             }
             return no_delay;
         }
-        if self.recv_in_flight.contains(&request.request_id) && matches!(msg.status, FinishStatus::Aborted | FinishStatus::Error) {
+        if self.recv_in_flight.contains(&request.request_id)
+            && matches!(msg.status, FinishStatus::Aborted | FinishStatus::Error)
+        {
             // Aborted while its KV is in flight: cancel the pull; the engine keeps the blocks until
             // the worker reports the request received or failed (no write-after-free).
             self.reqs_to_abort.insert(request.request_id.clone());
@@ -379,7 +380,11 @@ mod tests {
         SchedRequest {
             request_id: id.into(),
             prompt_len: 1000,
-            kv_transfer_params: Some(KvTransferParams::for_decode(format!("xfer-{id}"), "http://127.0.0.1:8998", "p-engine")),
+            kv_transfer_params: Some(KvTransferParams::for_decode(
+                format!("xfer-{id}"),
+                "http://127.0.0.1:8998",
+                "p-engine",
+            )),
             traceparent: Some("00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01".into()),
         }
     }
@@ -411,17 +416,32 @@ mod tests {
     #[tokio::test]
     async fn get_num_new_matched_tokens_follows_the_role() {
         let d = spawn(KvRole::Consumer).await;
-        let m = d.ask(GetNumNewMatchedTokens { request: d_request("d1"), num_computed_tokens: 0 }).await.expect("ask delivered");
+        let m = d
+            .ask(GetNumNewMatchedTokens { request: d_request("d1"), num_computed_tokens: 0 })
+            .await
+            .expect("ask delivered");
         assert_eq!(m, MatchedTokens { count: 1000, load_async: true });
-        let m = d.ask(GetNumNewMatchedTokens { request: d_request("d1"), num_computed_tokens: 1000 }).await.expect("ask delivered");
+        let m = d
+            .ask(GetNumNewMatchedTokens { request: d_request("d1"), num_computed_tokens: 1000 })
+            .await
+            .expect("ask delivered");
         assert_eq!(m, MatchedTokens { count: 0, load_async: false });
-        let m = d.ask(GetNumNewMatchedTokens { request: d_request("d1"), num_computed_tokens: 998 }).await.expect("ask delivered");
+        let m = d
+            .ask(GetNumNewMatchedTokens { request: d_request("d1"), num_computed_tokens: 998 })
+            .await
+            .expect("ask delivered");
         assert_eq!(m, MatchedTokens { count: 2, load_async: true });
         let p = spawn(KvRole::Producer).await;
-        let m = p.ask(GetNumNewMatchedTokens { request: p_request("p1"), num_computed_tokens: 0 }).await.expect("ask delivered");
+        let m = p
+            .ask(GetNumNewMatchedTokens { request: p_request("p1"), num_computed_tokens: 0 })
+            .await
+            .expect("ask delivered");
         assert_eq!(m, MatchedTokens { count: 0, load_async: false });
         // A D request on a producer prefills locally instead of loading.
-        let m = p.ask(GetNumNewMatchedTokens { request: d_request("d2"), num_computed_tokens: 0 }).await.expect("ask delivered");
+        let m = p
+            .ask(GetNumNewMatchedTokens { request: d_request("d2"), num_computed_tokens: 0 })
+            .await
+            .expect("ask delivered");
         assert!(!m.load_async);
     }
 
@@ -436,7 +456,9 @@ mod tests {
             traceparent: None,
         };
         assert_eq!(p.ask(OnNewRequest { request: bare() }).await.expect("ask delivered"), None, "served, not refused");
-        p.ask(UpdateStateAfterAlloc { request: bare(), block_ids: vec![4, 5, 6, 7], num_external_tokens: 0 }).await.expect("ask");
+        p.ask(UpdateStateAfterAlloc { request: bare(), block_ids: vec![4, 5, 6, 7], num_external_tokens: 0 })
+            .await
+            .expect("ask");
         let meta = p.ask(BuildConnectorMeta).await.expect("ask delivered");
         assert_eq!(meta.reqs_to_send["cmpl-abc-0-1234abcd"].0, "cmpl-abc-0-1234abcd");
         let reply = p
@@ -459,10 +481,17 @@ mod tests {
     async fn a_prefix_hit_of_all_but_the_last_prompt_token_loads_nothing_and_frees_p() {
         // vLLM recomputes the last prompt token after any load; its KV is never pulled.
         let d = spawn(KvRole::Consumer).await;
-        let m = d.ask(GetNumNewMatchedTokens { request: d_request("d1"), num_computed_tokens: 999 }).await.expect("ask delivered");
+        let m = d
+            .ask(GetNumNewMatchedTokens { request: d_request("d1"), num_computed_tokens: 999 })
+            .await
+            .expect("ask delivered");
         assert_eq!(m, MatchedTokens { count: 0, load_async: false });
         let updated = d
-            .ask(UpdateStateAfterAlloc { request: d_request("d1"), block_ids: (0..63).collect(), num_external_tokens: 0 })
+            .ask(UpdateStateAfterAlloc {
+                request: d_request("d1"),
+                block_ids: (0..63).collect(),
+                num_external_tokens: 0,
+            })
             .await
             .expect("ask delivered");
         assert_eq!(updated.map(|p| p.do_remote_prefill), Some(false), "one pull, never two");
@@ -475,17 +504,28 @@ mod tests {
     async fn producer_records_pending_send_then_blocks_after_finish() {
         let p = spawn(KvRole::Producer).await;
         let updated = p
-            .ask(UpdateStateAfterAlloc { request: p_request("p1"), block_ids: (17..80).collect(), num_external_tokens: 0 })
+            .ask(UpdateStateAfterAlloc {
+                request: p_request("p1"),
+                block_ids: (17..80).collect(),
+                num_external_tokens: 0,
+            })
             .await
             .expect("ask");
         assert_eq!(updated, None);
         // Step 13: the pending send with an empty block list.
         let meta = p.ask(BuildConnectorMeta).await.expect("ask delivered");
         assert_eq!(meta.reqs_to_send.get("p1"), Some(&("xfer-p1".to_string(), vec![])));
-        assert!(p.ask(BuildConnectorMeta).await.expect("ask delivered").is_empty(), "metadata is cleared after each build");
+        assert!(
+            p.ask(BuildConnectorMeta).await.expect("ask delivered").is_empty(),
+            "metadata is cleared after each build"
+        );
         // Step 23: length-capped finish delays the free and records the blocks.
         let reply = p
-            .ask(RequestFinished { request: p_request("p1"), status: FinishStatus::LengthCapped, block_ids: (17..80).collect() })
+            .ask(RequestFinished {
+                request: p_request("p1"),
+                status: FinishStatus::LengthCapped,
+                block_ids: (17..80).collect(),
+            })
             .await
             .expect("ask");
         assert!(reply.delay_free_blocks);
@@ -508,7 +548,9 @@ mod tests {
     #[tokio::test]
     async fn producer_abort_frees_at_once_and_reports_not_processed() {
         let p = spawn(KvRole::Producer).await;
-        p.ask(UpdateStateAfterAlloc { request: p_request("p1"), block_ids: vec![1], num_external_tokens: 0 }).await.expect("ask delivered");
+        p.ask(UpdateStateAfterAlloc { request: p_request("p1"), block_ids: vec![1], num_external_tokens: 0 })
+            .await
+            .expect("ask delivered");
         let reply = p
             .ask(RequestFinished { request: p_request("p1"), status: FinishStatus::Aborted, block_ids: vec![1] })
             .await
@@ -523,7 +565,11 @@ mod tests {
     async fn consumer_records_pull_once_grouped_by_engine_and_clears_do_remote_prefill() {
         let d = spawn(KvRole::Consumer).await;
         let updated = d
-            .ask(UpdateStateAfterAlloc { request: d_request("d1"), block_ids: (512..575).collect(), num_external_tokens: 1000 })
+            .ask(UpdateStateAfterAlloc {
+                request: d_request("d1"),
+                block_ids: (512..575).collect(),
+                num_external_tokens: 1000,
+            })
             .await
             .expect("ask")
             .expect("params updated");
@@ -552,11 +598,16 @@ mod tests {
         d.ask(BuildConnectorMeta).await.expect("ask delivered");
         let mut waiting = d_request("d1");
         waiting.kv_transfer_params = updated;
-        let reply = d.ask(RequestFinished { request: waiting, status: FinishStatus::Aborted, block_ids: vec![5, 6] }).await.expect("ask delivered");
+        let reply = d
+            .ask(RequestFinished { request: waiting, status: FinishStatus::Aborted, block_ids: vec![5, 6] })
+            .await
+            .expect("ask delivered");
         assert!(!reply.delay_free_blocks);
         assert!(d.ask(BuildConnectorMeta).await.expect("ask delivered").reqs_to_abort.contains("d1"));
         // Aborted before any allocation: an empty pull so that P frees its blocks.
-        d.ask(RequestFinished { request: d_request("d2"), status: FinishStatus::Aborted, block_ids: vec![] }).await.expect("ask delivered");
+        d.ask(RequestFinished { request: d_request("d2"), status: FinishStatus::Aborted, block_ids: vec![] })
+            .await
+            .expect("ask delivered");
         let meta = d.ask(BuildConnectorMeta).await.expect("ask delivered");
         assert!(meta.reqs_to_recv["p-engine"]["d2"].local_block_ids.is_empty());
     }
@@ -575,7 +626,9 @@ mod tests {
         // After the KV arrived an abort no longer cancels anything.
         let mut req = d_request("d1");
         req.kv_transfer_params = updated;
-        d.ask(RequestFinished { request: req, status: FinishStatus::Aborted, block_ids: vec![5] }).await.expect("ask delivered");
+        d.ask(RequestFinished { request: req, status: FinishStatus::Aborted, block_ids: vec![5] })
+            .await
+            .expect("ask delivered");
         assert!(d.ask(BuildConnectorMeta).await.expect("ask delivered").reqs_to_abort.is_empty());
     }
 }

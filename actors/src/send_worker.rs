@@ -22,10 +22,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kameo::prelude::*;
+use pdflow_messages::lifecycle::TransferState;
 use pdflow_messages::send_worker::{
     AbortSend, AbortSource, PullReply, RecordSendPending, RecordSendReady, SendOutcome, ServePull,
 };
-use pdflow_messages::lifecycle::TransferState;
 use pdflow_messages::sender_listener::{PullErr, PullErrorCause};
 use pdflow_messages::{BlockId, RequestId, TransferId};
 use pdflow_observability::{attrs, step_span, steps};
@@ -240,7 +240,9 @@ impl SendWorker {
                     tracing::warn!(transfer_id = %self.args.transfer_id, error = %e, "sender listener did not take a send outcome");
                 }
             }
-            None => tracing::warn!(transfer_id = %self.args.transfer_id, "sender listener is gone: send outcome dropped"),
+            None => {
+                tracing::warn!(transfer_id = %self.args.transfer_id, "sender listener is gone: send outcome dropped")
+            }
         }
     }
 
@@ -256,7 +258,8 @@ impl SendWorker {
         if self.preparing.as_ref().is_some_and(|p| !p.is_finished()) {
             return;
         }
-        let (transfer, peer, transfer_id) = (self.args.transfer.clone(), peer.to_string(), self.args.transfer_id.clone());
+        let (transfer, peer, transfer_id) =
+            (self.args.transfer.clone(), peer.to_string(), self.args.transfer_id.clone());
         self.preparing = Some(tokio::spawn(async move {
             if let Err(e) = transfer.prepare(&peer).await {
                 tracing::debug!(%transfer_id, %peer, error = %e, "could not prepare the data channel ahead of the write (the write connects itself)");
@@ -277,13 +280,18 @@ impl SendWorker {
         }
         let p_req_id = self.p_req_id.clone().unwrap_or_default();
 
-        let plan_span = step_span!(steps::P_BUILD_TRANSFER, request_id = p_req_id.as_str(), transfer_id = self.args.transfer_id.as_str());
+        let plan_span = step_span!(
+            steps::P_BUILD_TRANSFER,
+            request_id = p_req_id.as_str(),
+            transfer_id = self.args.transfer_id.as_str()
+        );
         let regions = self.args.kv_cache.regions();
         // D's prefix cache may already hold the prompt's first blocks: it then asks only for the
         // rest, and P sends the tail of its blocks (a D asking for more than P holds is refused).
         let skip = self.local_block_ids.len().saturating_sub(pull.block_ids.len());
         let src_blocks = self.local_block_ids[skip..].to_vec();
-        let plan = plan_span.in_scope(|| build_plan(&regions, &src_blocks, &pull.layout.regions, &pull.block_ids, true));
+        let plan =
+            plan_span.in_scope(|| build_plan(&regions, &src_blocks, &pull.layout.regions, &pull.block_ids, true));
         let plan = match plan {
             // D's fence for these blocks: its data server writes them only while D expects them.
             Ok(plan) => pdflow_runtime::planner::TransferPlan { fence: pull.fence, ..plan },
@@ -302,7 +310,11 @@ impl SendWorker {
         plan_span.record(attrs::BYTES, plan.total_bytes());
         drop(plan_span);
 
-        let write_span = step_span!(steps::P_TRANSFER_WRITE, request_id = p_req_id.as_str(), transfer_id = self.args.transfer_id.as_str());
+        let write_span = step_span!(
+            steps::P_TRANSFER_WRITE,
+            request_id = p_req_id.as_str(),
+            transfer_id = self.args.transfer_id.as_str()
+        );
         write_span.record(attrs::BLOCKS, src_blocks.len() as u64);
         write_span.record(attrs::DESCRIPTORS, plan.descriptors.len() as u64);
         write_span.record(attrs::BYTES, plan.total_bytes());
@@ -316,7 +328,9 @@ impl SendWorker {
                 Ok(sum) => {
                     write_span.record(attrs::KV_CHECKSUM, sum);
                 }
-                Err(e) => tracing::warn!(transfer_id = %self.args.transfer_id, error = %e, "cannot checksum P's blocks"),
+                Err(e) => {
+                    tracing::warn!(transfer_id = %self.args.transfer_id, error = %e, "cannot checksum P's blocks")
+                }
             }
         }
         // No byte after D's pull deadline (less a margin): D gives the blocks up then.
@@ -350,7 +364,12 @@ impl Message<RecordSendPending> for SendWorker {
 
     /// Step 14: SendBlockMeta created, ready not set.
     async fn handle(&mut self, msg: RecordSendPending, _ctx: &mut Context<Self, Self::Reply>) {
-        let _span = step_span!(steps::P_RECORD_SEND_PENDING, request_id = msg.p_req_id.as_str(), transfer_id = self.args.transfer_id.as_str()).entered();
+        let _span = step_span!(
+            steps::P_RECORD_SEND_PENDING,
+            request_id = msg.p_req_id.as_str(),
+            transfer_id = self.args.transfer_id.as_str()
+        )
+        .entered();
         if self.p_req_id.is_none() {
             self.p_req_id = Some(msg.p_req_id);
         }
@@ -368,7 +387,11 @@ impl Message<RecordSendReady> for SendWorker {
 
     /// Step 27: block ids recorded, ready set; a waiting pull is served at once.
     async fn handle(&mut self, msg: RecordSendReady, ctx: &mut Context<Self, Self::Reply>) {
-        let span = step_span!(steps::P_RECORD_SEND_READY, request_id = msg.p_req_id.as_str(), transfer_id = self.args.transfer_id.as_str());
+        let span = step_span!(
+            steps::P_RECORD_SEND_READY,
+            request_id = msg.p_req_id.as_str(),
+            transfer_id = self.args.transfer_id.as_str()
+        );
         span.record(attrs::BLOCKS, msg.block_ids.len() as u64);
         self.p_req_id = Some(msg.p_req_id);
         match self.phase {
@@ -421,7 +444,11 @@ impl Message<ServePull> for SendWorker {
         }
         self.consumer_gone = false;
         let p_req_id = self.p_req_id.clone().unwrap_or_default();
-        let span = step_span!(steps::P_PULL_WAIT_READY, request_id = p_req_id.as_str(), transfer_id = self.args.transfer_id.as_str());
+        let span = step_span!(
+            steps::P_PULL_WAIT_READY,
+            request_id = p_req_id.as_str(),
+            transfer_id = self.args.transfer_id.as_str()
+        );
         span.record(attrs::BLOCKS, pull.block_ids.len() as u64);
         if let Some(tp) = &pull.traceparent {
             span.record(attrs::TRACEPARENT, tp.as_str());
@@ -452,7 +479,9 @@ impl Message<ReadyDeadline> for SendWorker {
         if self.phase != Phase::Waiting {
             return;
         }
-        let Some(pos) = self.pulls.iter().position(|p| p.pull.pull_id == msg.pull_id && p.pull.d_req_id == msg.d_req_id) else {
+        let Some(pos) =
+            self.pulls.iter().position(|p| p.pull.pull_id == msg.pull_id && p.pull.d_req_id == msg.d_req_id)
+        else {
             return;
         };
         let Some(waiting) = self.pulls.remove(pos) else { return };
@@ -461,7 +490,10 @@ impl Message<ReadyDeadline> for SendWorker {
         tracing::warn!(transfer_id = %self.args.transfer_id, d_req_id = %msg.d_req_id, timeout = ?self.args.ready_timeout, "P's prefill was not ready in time for D's pull");
         let detail = Phase::Waiting
             .state()
-            .passed(self.args.ready_timeout, format!("P's prefill for transfer {} did not finish", self.args.transfer_id))
+            .passed(
+                self.args.ready_timeout,
+                format!("P's prefill for transfer {} did not finish", self.args.transfer_id),
+            )
             .to_string();
         let err = Self::err(&msg.d_req_id, PullErrorCause::ReadyTimeout, detail);
         self.reply_err(&waiting.pull, err, false, false).await;
@@ -479,11 +511,15 @@ impl Message<ExpiryDue> for SendWorker {
     type Reply = ();
 
     async fn handle(&mut self, msg: ExpiryDue, _ctx: &mut Context<Self, Self::Reply>) {
-        if self.expiry.as_ref().map(|(e, _)| *e) != Some(msg.epoch) || self.phase != Phase::Ready || !self.pulls.is_empty() {
+        if self.expiry.as_ref().map(|(e, _)| *e) != Some(msg.epoch)
+            || self.phase != Phase::Ready
+            || !self.pulls.is_empty()
+        {
             return;
         }
         self.expiry = None;
-        let expired = Phase::Ready.state().passed(self.args.send_expiry, "D never pulled this transfer: P's blocks are freed");
+        let expired =
+            Phase::Ready.state().passed(self.args.send_expiry, "D never pulled this transfer: P's blocks are freed");
         tracing::warn!(transfer_id = %self.args.transfer_id, p_req_id = ?self.p_req_id, "{expired}");
         self.report(None, true, true).await;
     }
@@ -493,7 +529,10 @@ impl Message<LingerDue> for SendWorker {
     type Reply = ();
 
     async fn handle(&mut self, msg: LingerDue, _ctx: &mut Context<Self, Self::Reply>) {
-        if self.linger.as_ref().map(|(e, _)| *e) != Some(msg.epoch) || self.phase != Phase::Waiting || !self.pulls.is_empty() {
+        if self.linger.as_ref().map(|(e, _)| *e) != Some(msg.epoch)
+            || self.phase != Phase::Waiting
+            || !self.pulls.is_empty()
+        {
             return;
         }
         self.linger = None;
@@ -516,10 +555,18 @@ impl Message<WriteDone> for SendWorker {
                 span.record(attrs::OUTCOME, "ok");
                 drop(span);
                 if self.producer_aborted {
-                    Err(Self::err(&pull.d_req_id, PullErrorCause::Aborted, "P's request was aborted during the write: do not use the KV"))
+                    Err(Self::err(
+                        &pull.d_req_id,
+                        PullErrorCause::Aborted,
+                        "P's request was aborted during the write: do not use the KV",
+                    ))
                 } else {
                     let p_req_id = self.p_req_id.clone().unwrap_or_default();
-                    drop(step_span!(steps::P_MARK_SENT, request_id = p_req_id.as_str(), transfer_id = self.args.transfer_id.as_str()));
+                    drop(step_span!(
+                        steps::P_MARK_SENT,
+                        request_id = p_req_id.as_str(),
+                        transfer_id = self.args.transfer_id.as_str()
+                    ));
                     Ok(())
                 }
             }
@@ -535,7 +582,11 @@ impl Message<WriteDone> for SendWorker {
             if let Some(d) = extra.deadline {
                 d.abort();
             }
-            let err = Self::err(&extra.pull.d_req_id, PullErrorCause::Aborted, "this transfer was already served by an earlier pull");
+            let err = Self::err(
+                &extra.pull.d_req_id,
+                PullErrorCause::Aborted,
+                "this transfer was already served by an earlier pull",
+            );
             self.reply_err(&extra.pull, err, false, false).await;
         }
         // The write task has ended: nothing reads P's blocks any more (unless P aborted, in which
@@ -570,7 +621,11 @@ impl Message<AbortSend> for SendWorker {
                         d.abort();
                     }
                     waiting.span.record(attrs::OUTCOME, "aborted");
-                    let err = Self::err(&waiting.pull.d_req_id, PullErrorCause::Aborted, "P's request was aborted or failed: its KV will never exist");
+                    let err = Self::err(
+                        &waiting.pull.d_req_id,
+                        PullErrorCause::Aborted,
+                        "P's request was aborted or failed: its KV will never exist",
+                    );
                     self.reply_err(&waiting.pull, err, false, false).await;
                 }
                 // Stay a while so that a pull arriving late is answered `Aborted` at once too.
@@ -587,7 +642,8 @@ impl Message<AbortSend> for SendWorker {
                         d.abort();
                     }
                     waiting.span.record(attrs::OUTCOME, "cancelled_by_peer");
-                    let err = Self::err(&waiting.pull.d_req_id, PullErrorCause::CancelledByPeer, "D cancelled the pull");
+                    let err =
+                        Self::err(&waiting.pull.d_req_id, PullErrorCause::CancelledByPeer, "D cancelled the pull");
                     self.reply_err(&waiting.pull, err, false, false).await;
                 }
                 if self.p_req_id.is_none() {

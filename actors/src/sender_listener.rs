@@ -33,10 +33,12 @@ use kameo::prelude::*;
 use pdflow_messages::bootstrap::RegisterWorker;
 use pdflow_messages::frame;
 use pdflow_messages::layout::KvLayout;
-use pdflow_messages::send_worker::{AbortSend, AbortSource, RecordSendPending, RecordSendReady, SendOutcome, ServePull};
+use pdflow_messages::send_worker::{
+    AbortSend, AbortSource, RecordSendPending, RecordSendReady, SendOutcome, ServePull,
+};
 use pdflow_messages::sender_listener::{
-    GetFinishedSending, InFlightPulls, PullErr, PullErrorCause, PullReq, PullRequest, PullResponse, PullStatus, RecordSendReqs,
-    SideChannelAddr, SideChannelRequest,
+    GetFinishedSending, InFlightPulls, PullErr, PullErrorCause, PullReq, PullRequest, PullResponse, PullStatus,
+    RecordSendReqs, SideChannelAddr, SideChannelRequest,
 };
 use pdflow_messages::{RequestId, TransferId};
 use pdflow_observability::{attrs, fault, step_span, steps};
@@ -138,7 +140,8 @@ const WRITE_MARGIN: Duration = Duration::from_secs(1);
 /// or after the clock stepped back, still counts up; across processes the clock orders them).
 fn new_generation() -> u64 {
     static LAST: AtomicU64 = AtomicU64::new(0);
-    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(1, |d| d.as_nanos() as u64).max(1);
+    let now =
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(1, |d| d.as_nanos() as u64).max(1);
     let prev = LAST.fetch_update(Ordering::AcqRel, Ordering::Acquire, |last| Some(now.max(last + 1))).unwrap_or(0);
     now.max(prev + 1)
 }
@@ -190,9 +193,14 @@ impl Actor for SenderListener {
                 generation: listener.p_generation,
             };
             let body_again = body.clone();
-            let registered = register::register_with_bootstrap(&url, &body, listener.args.register_attempts, listener.args.register_backoff)
-                .instrument(span.clone())
-                .await;
+            let registered = register::register_with_bootstrap(
+                &url,
+                &body,
+                listener.args.register_attempts,
+                listener.args.register_backoff,
+            )
+            .instrument(span.clone())
+            .await;
             if let Err(e) = registered {
                 span.record(attrs::OUTCOME, "failed");
                 listener.cancel.cancel();
@@ -232,10 +240,16 @@ impl Actor for SenderListener {
         let owed: Vec<(u64, RequestId)> = self
             .pulls
             .iter()
-            .flat_map(|(key, p)| p.remaining.iter().filter(|(_, t)| **t == transfer_id).map(move |(d, _)| (*key, d.clone())))
+            .flat_map(|(key, p)| {
+                p.remaining.iter().filter(|(_, t)| **t == transfer_id).map(move |(d, _)| (*key, d.clone()))
+            })
             .collect();
         for (key, d_req_id) in owed {
-            let err = PullErr { d_req_id: d_req_id.clone(), cause: PullErrorCause::TransferFailed, detail: format!("P's send worker died: {reason:?}") };
+            let err = PullErr {
+                d_req_id: d_req_id.clone(),
+                cause: PullErrorCause::TransferFailed,
+                detail: format!("P's send worker died: {reason:?}"),
+            };
             self.settle(key, &d_req_id, Err(err));
         }
         Ok(ControlFlow::Continue(()))
@@ -272,7 +286,12 @@ impl SenderListener {
         };
         // Unbounded: the listener never waits on a worker's mailbox (workers wait on the listener's).
         let actor = SendWorker::spawn_link_with_mailbox(me, args, mailbox::unbounded()).await;
-        crate::fault_hooks::register_actor(fault::ActorKind::SendWorker, fault::Role::P, vec![transfer_id.clone()], &actor);
+        crate::fault_hooks::register_actor(
+            fault::ActorKind::SendWorker,
+            fault::Role::P,
+            vec![transfer_id.clone()],
+            &actor,
+        );
         self.workers.insert(
             transfer_id.clone(),
             WorkerEntry { actor: actor.clone(), generation: self.next_generation, ready_p_req: None, counted: false },
@@ -307,7 +326,8 @@ impl SenderListener {
         };
         let Some(transfer_id) = pull.remaining.remove(d_req_id) else { return };
         let last = pull.remaining.is_empty();
-        let span = step_span!(steps::P_REPLY_FINISH, request_id = d_req_id.as_str(), transfer_id = transfer_id.as_str());
+        let span =
+            step_span!(steps::P_REPLY_FINISH, request_id = d_req_id.as_str(), transfer_id = transfer_id.as_str());
         span.record(attrs::ENGINE_ID, self.args.engine_id.as_str());
         let (ok_reqs, err_reqs) = match result {
             Ok(()) => {
@@ -364,7 +384,10 @@ impl SenderListener {
             None => match self.layouts.get(&layout_key) {
                 Some(layout) => layout.clone(),
                 None => {
-                    let why = format!("P has no cached layout {:#x} for engine {}: resend the pull with the full layout", pull.layout_id, pull.engine_id);
+                    let why = format!(
+                        "P has no cached layout {:#x} for engine {}: resend the pull with the full layout",
+                        pull.layout_id, pull.engine_id
+                    );
                     tracing::warn!(pull_id = pull.pull_id, "{why}");
                     // A restarted worker also forgot D's layout: its predecessor's transfers are
                     // refused as such, not sent round again with the full layout.
@@ -402,7 +425,10 @@ impl SenderListener {
                 continue;
             }
             if self.is_retired(&req.transfer_id) {
-                let detail = format!("P no longer holds the KV of transfer {}: it was sent already or expired before this pull", req.transfer_id);
+                let detail = format!(
+                    "P no longer holds the KV of transfer {}: it was sent already or expired before this pull",
+                    req.transfer_id
+                );
                 let err = PullErr { d_req_id: req.d_req_id.clone(), cause: PullErrorCause::Expired, detail };
                 self.settle(key, &req.d_req_id, Err(err));
                 continue;
@@ -420,7 +446,11 @@ impl SenderListener {
                 write_by,
             };
             if let Err(e) = worker.tell(serve).await {
-                let err = PullErr { d_req_id: req.d_req_id.clone(), cause: PullErrorCause::TransferFailed, detail: format!("P's send worker is gone: {e}") };
+                let err = PullErr {
+                    d_req_id: req.d_req_id.clone(),
+                    cause: PullErrorCause::TransferFailed,
+                    detail: format!("P's send worker is gone: {e}"),
+                };
                 self.settle(key, &req.d_req_id, Err(err));
             }
         }
@@ -437,8 +467,12 @@ impl SenderListener {
         }
         let why = match self.args.lineage.unknown(&req.transfer_id, addressed, self.p_generation) {
             lineage::Unknown::NotReadyYet => return None,
-            lineage::Unknown::Lost { generation } => format!("its ready went to generation {generation}, whose record went with it (the listener restarted)"),
-            lineage::Unknown::ForeignGeneration => "its KV went with the previous one (the worker restarted)".to_string(),
+            lineage::Unknown::Lost { generation } => {
+                format!("its ready went to generation {generation}, whose record went with it (the listener restarted)")
+            }
+            lineage::Unknown::ForeignGeneration => {
+                "its KV went with the previous one (the worker restarted)".to_string()
+            }
         };
         let detail = format!(
             "P worker {} is generation {}, the pull addressed generation {addressed}: transfer {} is unknown to this incarnation, {why}",
@@ -499,7 +533,8 @@ impl Message<RecordSendReqs> for SenderListener {
         let me = ctx.actor_ref().clone();
         for (p_req_id, (transfer_id, block_ids)) in msg.reqs_to_send {
             if block_ids.is_empty() {
-                self.tell_worker(&transfer_id, RecordSendPending { p_req_id, transfer_id: transfer_id.clone() }, &me).await;
+                self.tell_worker(&transfer_id, RecordSendPending { p_req_id, transfer_id: transfer_id.clone() }, &me)
+                    .await;
             } else {
                 self.worker(&transfer_id, &me).await;
                 if let Some(entry) = self.workers.get_mut(&transfer_id) {
@@ -507,11 +542,21 @@ impl Message<RecordSendReqs> for SenderListener {
                 }
                 let ttl = self.args.ready_timeout + self.args.send_expiry;
                 self.args.lineage.ready(&transfer_id, self.p_generation, ttl);
-                self.tell_worker(&transfer_id, RecordSendReady { p_req_id, transfer_id: transfer_id.clone(), block_ids }, &me).await;
+                self.tell_worker(
+                    &transfer_id,
+                    RecordSendReady { p_req_id, transfer_id: transfer_id.clone(), block_ids },
+                    &me,
+                )
+                .await;
             }
         }
         for transfer_id in msg.reqs_not_processed {
-            self.tell_worker(&transfer_id, AbortSend { transfer_id: transfer_id.clone(), source: AbortSource::Producer }, &me).await;
+            self.tell_worker(
+                &transfer_id,
+                AbortSend { transfer_id: transfer_id.clone(), source: AbortSource::Producer },
+                &me,
+            )
+            .await;
         }
     }
 }
@@ -543,7 +588,12 @@ impl Message<SideChannelFrame> for SenderListener {
                 let me = ctx.actor_ref().clone();
                 tracing::info!(pull_id = abort.pull_id, transfers = abort.transfer_ids.len(), "D aborted transfers");
                 for transfer_id in abort.transfer_ids {
-                    self.tell_worker(&transfer_id, AbortSend { transfer_id: transfer_id.clone(), source: AbortSource::Consumer }, &me).await;
+                    self.tell_worker(
+                        &transfer_id,
+                        AbortSend { transfer_id: transfer_id.clone(), source: AbortSource::Consumer },
+                        &me,
+                    )
+                    .await;
                 }
             }
         }

@@ -26,7 +26,10 @@ fn cfg(cases: u32) -> Config {
 
 async fn start() -> (ActorRef<Bootstrap>, String) {
     let actor = Bootstrap::spawn(BootstrapArgs { bind: "127.0.0.1:0".parse().expect("addr") });
-    let addr = tokio::time::timeout(BOUND, actor.ask(BootstrapAddr)).await.expect("bootstrap answers in time").expect("bootstrap started");
+    let addr = tokio::time::timeout(BOUND, actor.ask(BootstrapAddr))
+        .await
+        .expect("bootstrap answers in time")
+        .expect("bootstrap started");
     (actor, format!("http://{addr}"))
 }
 
@@ -67,7 +70,11 @@ fn table(q: &QueryResponse) -> Vec<(String, String, String, String, String)> {
 }
 
 fn text() -> impl Strategy<Value = String> {
-    prop_oneof![Just(String::new()), prop::collection::vec(any::<char>(), 0..10).prop_map(String::from_iter), Just("fuzz".to_string())]
+    prop_oneof![
+        Just(String::new()),
+        prop::collection::vec(any::<char>(), 0..10).prop_map(String::from_iter),
+        Just("fuzz".to_string())
+    ]
 }
 
 fn json() -> impl Strategy<Value = Value> {
@@ -99,7 +106,8 @@ fn near_register() -> impl Strategy<Value = Value> {
     )
         .prop_map(|(engine_id, dp, tp, pp, addr)| {
             let mut body = serde_json::Map::new();
-            for (k, v) in [("engine_id", engine_id), ("dp_rank", dp), ("tp_rank", tp), ("pp_rank", pp), ("addr", addr)] {
+            for (k, v) in [("engine_id", engine_id), ("dp_rank", dp), ("tp_rank", tp), ("pp_rank", pp), ("addr", addr)]
+            {
                 if let Some(v) = v {
                     body.insert(k.to_string(), v);
                 }
@@ -143,15 +151,17 @@ fn malformed_register_bodies_get_a_clear_4xx_and_bootstrap_keeps_serving() {
                 let after = table(&query(&http, &base).await);
                 if status == 200 {
                     // Only a well-formed registration is accepted, and it is what the table gains.
-                    let w: pdflow_messages::bootstrap::RegisterWorker =
-                        serde_json::from_slice(&body).map_err(|e| TestCaseError::fail(format!("accepted {shown:?}: {e}")))?;
-                    let row = (w.dp_rank.to_string(), w.engine_id, w.tp_rank.to_string(), w.pp_rank.to_string(), w.addr);
+                    let w: pdflow_messages::bootstrap::RegisterWorker = serde_json::from_slice(&body)
+                        .map_err(|e| TestCaseError::fail(format!("accepted {shown:?}: {e}")))?;
+                    let row =
+                        (w.dp_rank.to_string(), w.engine_id, w.tp_rank.to_string(), w.pp_rank.to_string(), w.addr);
                     prop_assert!(after.contains(&row), "accepted but not in /query: {:?}", row);
                     prop_assert!(after.iter().all(|r| before.contains(r) || *r == row));
                 } else {
                     prop_assert_eq!(&after, &before, "a refused body changed the table");
                     if status == 400 {
-                        let reply: Value = serde_json::from_str(&text).map_err(|e| TestCaseError::fail(format!("400 body {text:?}: {e}")))?;
+                        let reply: Value = serde_json::from_str(&text)
+                            .map_err(|e| TestCaseError::fail(format!("400 body {text:?}: {e}")))?;
                         let error = reply["error"].as_str().unwrap_or_default();
                         prop_assert!(!error.is_empty() && reply["detail"] == reply["error"], "{}", text);
                         prop_assert!(
@@ -193,7 +203,10 @@ async fn oversize_and_deeply_nested_bodies_are_refused_and_bootstrap_keeps_servi
     assert_eq!(status, 400, "{text}");
     assert!(text.contains("invalid /register body"), "{text}");
     // 3 MiB: over axum's default 2 MiB body limit.
-    let huge = format!("{{\"engine_id\": \"{}\", \"dp_rank\": 0, \"tp_rank\": 0, \"pp_rank\": 0, \"addr\": \"tcp://h:1\"}}", "e".repeat(3 << 20));
+    let huge = format!(
+        "{{\"engine_id\": \"{}\", \"dp_rank\": 0, \"tp_rank\": 0, \"pp_rank\": 0, \"addr\": \"tcp://h:1\"}}",
+        "e".repeat(3 << 20)
+    );
     let (status, text) = register(&http, &base, "application/json", huge.into_bytes()).await;
     assert!((400..500).contains(&status), "{status}: {text}");
     assert!(query(&http, &base).await.is_empty(), "nothing was registered");

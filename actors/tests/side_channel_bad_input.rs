@@ -18,7 +18,8 @@ use kameo::prelude::*;
 use pdflow_actors::sender_listener::{SenderListener, SenderListenerArgs};
 use pdflow_messages::frame::{self, MAGIC, VERSION};
 use pdflow_messages::sender_listener::{
-    AbortPull, InFlightPulls, PullErrorCause, PullReq, PullRequest, PullResponse, PullStatus, SideChannelAddr, SideChannelRequest,
+    AbortPull, InFlightPulls, PullErrorCause, PullReq, PullRequest, PullResponse, PullStatus, SideChannelAddr,
+    SideChannelRequest,
 };
 use pdflow_runtime::memory::{KvCache, KvShape};
 use pdflow_runtime::transfer::tcp::{TcpConfig, TcpTransferEngine};
@@ -53,7 +54,8 @@ async fn listener() -> (ActorRef<SenderListener>, String) {
         verify_checksums: false,
         lineage: Default::default(),
     });
-    let addr = tokio::time::timeout(BOUND, listener.ask(SideChannelAddr)).await.expect("in time").expect("listener started");
+    let addr =
+        tokio::time::timeout(BOUND, listener.ask(SideChannelAddr)).await.expect("in time").expect("listener started");
     (listener, addr)
 }
 
@@ -79,7 +81,13 @@ fn pull(pull_id: u64, layout_id: u64) -> SideChannelRequest {
         pp_size: 1,
         layout_id,
         layout: None,
-        reqs: vec![PullReq { d_req_id: "cmpl-d".into(), transfer_id: "xfer-1".into(), block_ids: vec![1, 2], traceparent: None, fence: 0 }],
+        reqs: vec![PullReq {
+            d_req_id: "cmpl-d".into(),
+            transfer_id: "xfer-1".into(),
+            block_ids: vec![1, 2],
+            traceparent: None,
+            fence: 0,
+        }],
         traceparent: None,
         p_generation: 0,
         deadline_ms: 0,
@@ -89,10 +97,16 @@ fn pull(pull_id: u64, layout_id: u64) -> SideChannelRequest {
 /// Bytes that must not decode as a side-channel request: garbage, or a valid frame truncated,
 /// with a wrong magic or version, or with trailing bytes.
 fn bad_frame() -> impl Strategy<Value = Vec<u8>> {
-    let valid = (any::<u64>(), any::<u64>(), prop::collection::vec("[a-z0-9-]{0,8}", 0..4)).prop_map(|(pull_id, layout_id, ids)| {
-        let msg = if ids.is_empty() { pull(pull_id, layout_id) } else { SideChannelRequest::Abort(AbortPull { pull_id, transfer_ids: ids }) };
-        frame::encode(&msg).expect("encodes")
-    });
+    let valid = (any::<u64>(), any::<u64>(), prop::collection::vec("[a-z0-9-]{0,8}", 0..4)).prop_map(
+        |(pull_id, layout_id, ids)| {
+            let msg = if ids.is_empty() {
+                pull(pull_id, layout_id)
+            } else {
+                SideChannelRequest::Abort(AbortPull { pull_id, transfer_ids: ids })
+            };
+            frame::encode(&msg).expect("encodes")
+        },
+    );
     prop_oneof![
         prop::collection::vec(any::<u8>(), 0..128),
         prop::collection::vec(any::<u8>(), 0..128).prop_map(|b| [&MAGIC[..], &[VERSION], &b].concat()),
@@ -132,7 +146,10 @@ fn undecodable_frames_get_an_error_response_and_p_keeps_serving() {
         // Still serving: a valid pull is answered per request (P does not know D's layout).
         let resp = exchange(&mut dealer, frame::encode(&pull(42, 7)).expect("encodes")).await;
         assert_eq!((resp.pull_id, resp.status), (42, PullStatus::Error));
-        assert!(resp.err_reqs.iter().all(|e| e.cause == PullErrorCause::UnknownLayout) && resp.err_reqs.len() == 1, "{resp:?}");
+        assert!(
+            resp.err_reqs.iter().all(|e| e.cause == PullErrorCause::UnknownLayout) && resp.err_reqs.len() == 1,
+            "{resp:?}"
+        );
         assert_eq!(listener.ask(InFlightPulls).await.expect("listener answers"), 0);
         assert!(listener.is_alive());
     });
@@ -199,5 +216,10 @@ fn a_zmtp_frame_header_claiming_a_huge_length_does_not_abort_p() {
         .output()
         .expect("the child runs");
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "P's process died on a 73-byte ZMTP header: {:?}\n{}", out.status, stderr.lines().take(5).collect::<Vec<_>>().join("\n"));
+    assert!(
+        out.status.success(),
+        "P's process died on a 73-byte ZMTP header: {:?}\n{}",
+        out.status,
+        stderr.lines().take(5).collect::<Vec<_>>().join("\n")
+    );
 }

@@ -91,10 +91,16 @@ mod tests {
         let q: QueryResponse = serde_json::from_str(body).expect("parses");
         assert_eq!(q["0"].generation_of("tcp://h:1"), 7);
         assert_eq!(q["0"].generation_of("tcp://h:2"), 0);
-        let plain = EngineEntry { engine_id: "p".into(), worker_addr: q["0"].worker_addr.clone(), worker_generation: BTreeMap::new() };
+        let plain = EngineEntry {
+            engine_id: "p".into(),
+            worker_addr: q["0"].worker_addr.clone(),
+            worker_generation: BTreeMap::new(),
+        };
         assert!(!serde_json::to_string(&plain).expect("json").contains("generation"));
-        let w: RegisterWorker = serde_json::from_str(r#"{"engine_id": "p", "dp_rank": 0, "tp_rank": 0, "pp_rank": 0, "addr": "tcp://h:1"}"#)
-            .expect("a vLLM registration parses");
+        let w: RegisterWorker = serde_json::from_str(
+            r#"{"engine_id": "p", "dp_rank": 0, "tp_rank": 0, "pp_rank": 0, "addr": "tcp://h:1"}"#,
+        )
+        .expect("a vLLM registration parses");
         assert_eq!(w.generation, 0);
     }
 }

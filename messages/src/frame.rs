@@ -58,8 +58,8 @@ pub fn decode<T: DeserializeOwned>(bytes: &[u8], what: &'static str) -> Result<T
     if bytes[4] != VERSION {
         return Err(FrameError::UnsupportedVersion { found: bytes[4], expected: VERSION });
     }
-    let (value, rest) = postcard::take_from_bytes::<T>(&bytes[5..])
-        .map_err(|e| FrameError::Body { what, reason: e.to_string() })?;
+    let (value, rest) =
+        postcard::take_from_bytes::<T>(&bytes[5..]).map_err(|e| FrameError::Body { what, reason: e.to_string() })?;
     if !rest.is_empty() {
         return Err(FrameError::Body { what, reason: format!("{} trailing bytes", rest.len()) });
     }
@@ -78,7 +78,10 @@ mod tests {
         assert!(matches!(decode::<u32>(b"GARBAGE!", "u32"), Err(FrameError::BadMagic { .. })));
         let mut v2 = bytes.clone();
         v2[4] = 9;
-        assert_eq!(decode::<(u32, String)>(&v2, "pair"), Err(FrameError::UnsupportedVersion { found: 9, expected: VERSION }));
+        assert_eq!(
+            decode::<(u32, String)>(&v2, "pair"),
+            Err(FrameError::UnsupportedVersion { found: 9, expected: VERSION })
+        );
         let mut trailing = bytes.clone();
         trailing.push(0);
         assert!(matches!(decode::<(u32, String)>(&trailing, "pair"), Err(FrameError::Body { .. })));

@@ -45,7 +45,9 @@ pub enum TransferRole {
 pub enum KvTransferParamsError {
     #[error("kv_transfer_params sets both do_remote_decode and do_remote_prefill; a request is either P's (do_remote_decode) or D's (do_remote_prefill)")]
     BothRoles,
-    #[error("kv_transfer_params lacks `{field}`, which a {role} request needs (the proxy writes it; see seed steps 9–10)")]
+    #[error(
+        "kv_transfer_params lacks `{field}`, which a {role} request needs (the proxy writes it; see seed steps 9–10)"
+    )]
     Missing { field: &'static str, role: &'static str },
     #[error("kv_transfer_params is not a JSON object of the expected shape: {0}")]
     Malformed(String),
@@ -84,8 +86,10 @@ impl KvTransferParams {
             (true, true) => Err(KvTransferParamsError::BothRoles),
             (false, false) => Ok(TransferRole::Local),
             (true, false) => Ok(TransferRole::Prefill {
-                transfer_id: non_empty(&self.transfer_id)
-                    .ok_or(KvTransferParamsError::Missing { field: "transfer_id", role: "prefill (do_remote_decode)" })?,
+                transfer_id: non_empty(&self.transfer_id).ok_or(KvTransferParamsError::Missing {
+                    field: "transfer_id",
+                    role: "prefill (do_remote_decode)",
+                })?,
             }),
             (false, true) => {
                 let role = "decode (do_remote_prefill)";

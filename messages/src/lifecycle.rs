@@ -108,8 +108,14 @@ impl TransferState {
 
     pub fn side(self) -> Side {
         match self {
-            TransferState::WaitingForPrefill | TransferState::HeldForPull | TransferState::Writing | TransferState::DelayedFree => Side::P,
-            TransferState::LookingUp | TransferState::Pulling | TransferState::DrainingFence | TransferState::WaitingForRemoteKvs => Side::D,
+            TransferState::WaitingForPrefill
+            | TransferState::HeldForPull
+            | TransferState::Writing
+            | TransferState::DelayedFree => Side::P,
+            TransferState::LookingUp
+            | TransferState::Pulling
+            | TransferState::DrainingFence
+            | TransferState::WaitingForRemoteKvs => Side::D,
         }
     }
 

@@ -129,7 +129,15 @@ pub struct PullResponse {
 impl PullResponse {
     /// A response that fails the whole pull.
     pub fn error(pull_id: u64, error: impl Into<String>) -> Self {
-        Self { pull_id, status: PullStatus::Error, ok_reqs: vec![], err_reqs: vec![], layout_id: None, error: Some(error.into()), p_generation: 0 }
+        Self {
+            pull_id,
+            status: PullStatus::Error,
+            ok_reqs: vec![],
+            err_reqs: vec![],
+            layout_id: None,
+            error: Some(error.into()),
+            p_generation: 0,
+        }
     }
 }
 
@@ -149,7 +157,13 @@ mod tests {
             pp_size: 1,
             layout_id: 5,
             layout: None,
-            reqs: vec![PullReq { d_req_id: "cmpl-d".into(), transfer_id: "xfer-1".into(), block_ids: (512..575).collect(), traceparent: None, fence: 9 }],
+            reqs: vec![PullReq {
+                d_req_id: "cmpl-d".into(),
+                transfer_id: "xfer-1".into(),
+                block_ids: (512..575).collect(),
+                traceparent: None,
+                fence: 9,
+            }],
             traceparent: None,
             p_generation: 3,
             deadline_ms: 35_000,

@@ -53,8 +53,16 @@ fn json() -> impl Strategy<Value = Value> {
 /// A JSON object whose keys are mostly the ones `kv_transfer_params` knows, with values of the
 /// right type, the wrong type, empty or missing: near-valid bodies, where the bugs are.
 fn near_kv_transfer_params() -> impl Strategy<Value = Value> {
-    const KEYS: [&str; 8] =
-        ["do_remote_decode", "do_remote_prefill", "transfer_id", "remote_bootstrap_addr", "remote_engine_id", "traceparent", "remote_host", "x"];
+    const KEYS: [&str; 8] = [
+        "do_remote_decode",
+        "do_remote_prefill",
+        "transfer_id",
+        "remote_bootstrap_addr",
+        "remote_engine_id",
+        "traceparent",
+        "remote_host",
+        "x",
+    ];
     let value_for = |key: &'static str| -> BoxedStrategy<Value> {
         if key.starts_with("do_") {
             prop_oneof![4 => any::<bool>().prop_map(Value::Bool), 1 => json()].boxed()
@@ -62,8 +70,10 @@ fn near_kv_transfer_params() -> impl Strategy<Value = Value> {
             prop_oneof![4 => text().prop_map(Value::String), 1 => Just(Value::Null), 1 => json()].boxed()
         }
     };
-    let entries: Vec<BoxedStrategy<Option<(String, Value)>>> =
-        KEYS.iter().map(|&k| prop::option::weighted(0.6, value_for(k).prop_map(move |v| (k.to_string(), v))).boxed()).collect();
+    let entries: Vec<BoxedStrategy<Option<(String, Value)>>> = KEYS
+        .iter()
+        .map(|&k| prop::option::weighted(0.6, value_for(k).prop_map(move |v| (k.to_string(), v))).boxed())
+        .collect();
     entries.prop_map(|kvs| Value::Object(kvs.into_iter().flatten().collect::<Map<String, Value>>()))
 }
 
@@ -164,24 +174,33 @@ fn check_workers(entry: &EngineEntry) -> Result<(), TestCaseError> {
 /// Bodies shaped like `/query` answers, with ranks and addresses of any kind.
 fn near_query() -> impl Strategy<Value = Value> {
     let rank_key = prop_oneof![4 => (0u32..4).prop_map(|r| r.to_string()), 1 => text()];
-    let pps = prop::collection::btree_map(rank_key.clone(), prop_oneof![4 => text().prop_map(Value::String), 1 => json()], 0..3);
-    let worker_addr = prop::collection::btree_map(rank_key.clone(), pps.prop_map(|m| Value::Object(m.into_iter().collect())), 0..3);
+    let pps = prop::collection::btree_map(
+        rank_key.clone(),
+        prop_oneof![4 => text().prop_map(Value::String), 1 => json()],
+        0..3,
+    );
+    let worker_addr =
+        prop::collection::btree_map(rank_key.clone(), pps.prop_map(|m| Value::Object(m.into_iter().collect())), 0..3);
     let entry = (text(), worker_addr).prop_map(|(engine_id, w)| {
         serde_json::json!({"engine_id": engine_id, "worker_addr": Value::Object(w.into_iter().collect())})
     });
-    prop::collection::btree_map(rank_key, prop_oneof![4 => entry, 1 => json()], 0..3).prop_map(|m| Value::Object(m.into_iter().collect()))
+    prop::collection::btree_map(rank_key, prop_oneof![4 => entry, 1 => json()], 0..3)
+        .prop_map(|m| Value::Object(m.into_iter().collect()))
 }
 
 /// Bodies shaped like `/register` bodies.
 fn near_register() -> impl Strategy<Value = Value> {
     let rank = prop_oneof![4 => (0u32..4).prop_map(Value::from), 1 => leaf()];
-    (text(), rank.clone(), rank.clone(), rank, text(), prop::option::of(json())).prop_map(|(engine_id, dp, tp, pp, addr, extra)| {
-        let mut body = serde_json::json!({"engine_id": engine_id, "dp_rank": dp, "tp_rank": tp, "pp_rank": pp, "addr": addr});
-        if let Some(extra) = extra {
-            body["extra"] = extra;
-        }
-        body
-    })
+    (text(), rank.clone(), rank.clone(), rank, text(), prop::option::of(json())).prop_map(
+        |(engine_id, dp, tp, pp, addr, extra)| {
+            let mut body =
+                serde_json::json!({"engine_id": engine_id, "dp_rank": dp, "tp_rank": tp, "pp_rank": pp, "addr": addr});
+            if let Some(extra) = extra {
+                body["extra"] = extra;
+            }
+            body
+        },
+    )
 }
 
 proptest! {
@@ -244,7 +263,11 @@ proptest! {
 fn deeply_nested_json_is_refused_not_a_stack_overflow() {
     let deep = format!("{{\"kv_transfer_params\": {}1{}}}", "[".repeat(100_000), "]".repeat(100_000));
     assert!(serde_json::from_str::<Value>(&deep).is_err(), "serde_json's recursion limit refuses it");
-    let deep_params = format!("{{\"do_remote_decode\": true, \"transfer_id\": \"x\", \"extra\": {}1{}}}", "[".repeat(100_000), "]".repeat(100_000));
+    let deep_params = format!(
+        "{{\"do_remote_decode\": true, \"transfer_id\": \"x\", \"extra\": {}1{}}}",
+        "[".repeat(100_000),
+        "]".repeat(100_000)
+    );
     assert!(serde_json::from_str::<KvTransferParams>(&deep_params).is_err());
     assert!(serde_json::from_str::<QueryResponse>(&format!("{{\"0\": {}}}", "{\"a\":".repeat(100_000))).is_err());
 }
@@ -255,14 +278,24 @@ fn empty_strings_do_not_satisfy_a_role() {
     let params = KvTransferParams::from_json(&v).expect("well typed");
     assert!(matches!(params.role(), Err(KvTransferParamsError::Missing { field: "remote_bootstrap_addr", .. })));
     let v = serde_json::json!({"do_remote_decode": true, "transfer_id": ""});
-    assert!(matches!(KvTransferParams::from_json(&v).expect("well typed").role(), Err(KvTransferParamsError::Missing { field: "transfer_id", .. })));
+    assert!(matches!(
+        KvTransferParams::from_json(&v).expect("well typed").role(),
+        Err(KvTransferParamsError::Missing { field: "transfer_id", .. })
+    ));
 }
 
 #[test]
 fn wrong_types_and_non_objects_are_malformed_with_the_parser_message() {
-    for v in [serde_json::json!(null), serde_json::json!([1, 2]), serde_json::json!("x"), serde_json::json!({"transfer_id": 7})] {
+    for v in [
+        serde_json::json!(null),
+        serde_json::json!([1, 2]),
+        serde_json::json!("x"),
+        serde_json::json!({"transfer_id": 7}),
+    ] {
         match KvTransferParams::from_json(&v) {
-            Err(e @ KvTransferParamsError::Malformed(_)) => assert!(e.to_string().contains("not a JSON object of the expected shape"), "{e}"),
+            Err(e @ KvTransferParamsError::Malformed(_)) => {
+                assert!(e.to_string().contains("not a JSON object of the expected shape"), "{e}")
+            }
             other => panic!("{v} gave {other:?}"),
         }
     }
@@ -274,8 +307,11 @@ fn negative_or_huge_ranks_and_non_numeric_rank_keys_are_refused() {
     assert!(serde_json::from_value::<RegisterWorker>(body).is_err());
     let body = serde_json::json!({"engine_id": "e", "dp_rank": 4_294_967_296u64, "tp_rank": 0, "pp_rank": 0, "addr": "tcp://h:1"});
     assert!(serde_json::from_value::<RegisterWorker>(body).is_err());
-    let q: QueryResponse = serde_json::from_str(r#"{"0": {"engine_id": "e", "worker_addr": {"zero": {"0": "tcp://h:1"}}}}"#).expect("shape");
+    let q: QueryResponse =
+        serde_json::from_str(r#"{"0": {"engine_id": "e", "worker_addr": {"zero": {"0": "tcp://h:1"}}}}"#)
+            .expect("shape");
     assert_eq!(q["0"].workers(), Err(BootstrapBodyError::BadRank("zero".into())));
-    let q: QueryResponse = serde_json::from_str(r#"{"0": {"engine_id": "e", "worker_addr": {"0": {"-1": "tcp://h:1"}}}}"#).expect("shape");
+    let q: QueryResponse =
+        serde_json::from_str(r#"{"0": {"engine_id": "e", "worker_addr": {"0": {"-1": "tcp://h:1"}}}}"#).expect("shape");
     assert_eq!(q["0"].workers(), Err(BootstrapBodyError::BadRank("-1".into())));
 }

@@ -89,23 +89,58 @@ fn text() -> impl Strategy<Value = String> {
 }
 
 fn layout() -> impl Strategy<Value = KvLayout> {
-    let region = (any::<u64>(), any::<u64>(), any::<u64>()).prop_map(|(base_addr, len, block_len)| RegionDesc { base_addr, len, block_len });
+    let region = (any::<u64>(), any::<u64>(), any::<u64>()).prop_map(|(base_addr, len, block_len)| RegionDesc {
+        base_addr,
+        len,
+        block_len,
+    });
     (any::<u64>(), prop::collection::vec(region, 0..6)).prop_map(|(layout_id, regions)| KvLayout { layout_id, regions })
 }
 
 fn pull_req() -> impl Strategy<Value = PullReq> {
-    (text(), text(), prop::collection::vec(any::<u32>(), 0..40), prop::option::of(text()))
-        .prop_map(|(d_req_id, transfer_id, block_ids, traceparent)| PullReq { d_req_id, transfer_id, block_ids, traceparent, fence: 3 })
+    (text(), text(), prop::collection::vec(any::<u32>(), 0..40), prop::option::of(text())).prop_map(
+        |(d_req_id, transfer_id, block_ids, traceparent)| PullReq {
+            d_req_id,
+            transfer_id,
+            block_ids,
+            traceparent,
+            fence: 3,
+        },
+    )
 }
 
 fn pull_request() -> impl Strategy<Value = PullRequest> {
     (
         (any::<u64>(), text(), text(), any::<u32>(), any::<u32>(), any::<u32>(), any::<u64>()),
-        (prop::option::of(layout()), prop::collection::vec(pull_req(), 0..5), prop::option::of(text()), any::<u64>(), any::<u64>()),
+        (
+            prop::option::of(layout()),
+            prop::collection::vec(pull_req(), 0..5),
+            prop::option::of(text()),
+            any::<u64>(),
+            any::<u64>(),
+        ),
     )
-        .prop_map(|((pull_id, engine_id, data_addr, tp_size, tp_rank, pp_size, layout_id), (layout, reqs, traceparent, p_generation, deadline_ms))| {
-            PullRequest { pull_id, engine_id, data_addr, tp_size, tp_rank, pp_size, layout_id, layout, reqs, traceparent, p_generation, deadline_ms }
-        })
+        .prop_map(
+            |(
+                (pull_id, engine_id, data_addr, tp_size, tp_rank, pp_size, layout_id),
+                (layout, reqs, traceparent, p_generation, deadline_ms),
+            )| {
+                PullRequest {
+                    pull_id,
+                    engine_id,
+                    data_addr,
+                    tp_size,
+                    tp_rank,
+                    pp_size,
+                    layout_id,
+                    layout,
+                    reqs,
+                    traceparent,
+                    p_generation,
+                    deadline_ms,
+                }
+            },
+        )
 }
 
 fn side_channel_request() -> impl Strategy<Value = SideChannelRequest> {
@@ -204,7 +239,14 @@ fn apply(frame: &[u8], m: &Mutation) -> (Vec<u8>, Option<Expected>) {
         Mutation::Truncate(i) => {
             out.truncate(i % frame.len());
             let short = out.len() < 5;
-            return (out, Some(if short { |e| matches!(e, FrameError::TooShort { .. }) } else { |e| matches!(e, FrameError::Body { .. }) }));
+            return (
+                out,
+                Some(if short {
+                    |e| matches!(e, FrameError::TooShort { .. })
+                } else {
+                    |e| matches!(e, FrameError::Body { .. })
+                }),
+            );
         }
         Mutation::FlipBit(i, b) => out[i % frame.len()] ^= 1 << b,
         Mutation::SetByte(i, v) => out[i % frame.len()] = *v,
@@ -229,7 +271,10 @@ fn apply(frame: &[u8], m: &Mutation) -> (Vec<u8>, Option<Expected>) {
         }
         Mutation::WrongVersion(v) => {
             out[4] = *v;
-            return (out, Some(|e| matches!(e, FrameError::UnsupportedVersion { found, expected: VERSION } if *found != VERSION)));
+            return (
+                out,
+                Some(|e| matches!(e, FrameError::UnsupportedVersion { found, expected: VERSION } if *found != VERSION)),
+            );
         }
         Mutation::Trailing(extra) => {
             out.extend_from_slice(extra);
@@ -372,7 +417,10 @@ fn an_oversize_frame_is_refused_before_decoding() {
 fn an_unknown_enum_variant_is_a_body_error() {
     let mut bytes = MAGIC.to_vec();
     bytes.extend_from_slice(&[VERSION, 2, 0]); // SideChannelRequest has two variants
-    assert!(matches!(frame::decode::<SideChannelRequest>(&bytes, "side-channel request"), Err(FrameError::Body { .. })));
+    assert!(matches!(
+        frame::decode::<SideChannelRequest>(&bytes, "side-channel request"),
+        Err(FrameError::Body { .. })
+    ));
     let ok = frame::encode(&PullResponse::error(3, "x")).expect("encodes");
     let mut bad_status = ok.clone();
     bad_status[6] = 9; // status: three variants
@@ -385,5 +433,8 @@ fn invalid_utf8_in_a_string_is_a_body_error() {
     let mut bytes = frame::encode(&abort).expect("encodes");
     let last = bytes.len() - 1;
     bytes[last] = 0xff;
-    assert!(matches!(frame::decode::<SideChannelRequest>(&bytes, "side-channel request"), Err(FrameError::Body { .. })));
+    assert!(matches!(
+        frame::decode::<SideChannelRequest>(&bytes, "side-channel request"),
+        Err(FrameError::Body { .. })
+    ));
 }

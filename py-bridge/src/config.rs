@@ -62,7 +62,9 @@ fn seconds(key: &str, value: Option<f64>) -> Result<Option<Duration>, BridgeErro
     match value {
         None => Ok(None),
         Some(v) if v.is_finite() && v > 0.0 && v < 1e9 => Ok(Some(Duration::from_secs_f64(v))),
-        Some(v) => Err(BridgeError::Config(format!("kv_connector_extra_config[{key:?}] = {v}: expected a positive number of seconds"))),
+        Some(v) => Err(BridgeError::Config(format!(
+            "kv_connector_extra_config[{key:?}] = {v}: expected a positive number of seconds"
+        ))),
     }
 }
 
@@ -86,7 +88,8 @@ impl BridgeConfig {
         let vllm_env = VllmEnv::from_lookup(env).map_err(|errors| {
             BridgeError::Config(errors.iter().map(|e| e.to_string()).collect::<Vec<_>>().join("; "))
         })?;
-        let abort = seconds("abort_request_timeout_s", extra.abort_request_timeout_s)?.unwrap_or(vllm_env.abort_request_timeout);
+        let abort = seconds("abort_request_timeout_s", extra.abort_request_timeout_s)?
+            .unwrap_or(vllm_env.abort_request_timeout);
         let mut deadlines = Deadlines::from_abort_timeout(abort);
         if let Some(d) = seconds("pull_timeout_s", extra.pull_timeout_s)? {
             deadlines.pull_timeout = d;
@@ -100,7 +103,9 @@ impl BridgeConfig {
         }
         if let Some(n) = extra.tcp_streams {
             if n == 0 || n > 64 {
-                return Err(BridgeError::Config(format!("kv_connector_extra_config[\"tcp_streams\"] = {n}: expected 1..=64")));
+                return Err(BridgeError::Config(format!(
+                    "kv_connector_extra_config[\"tcp_streams\"] = {n}: expected 1..=64"
+                )));
             }
             tcp.streams_per_peer = n;
         }
@@ -117,20 +122,32 @@ impl BridgeConfig {
             None | Some("auto") => GpuPath::Auto,
             Some("staged") => GpuPath::Staged,
             Some(other) => {
-                return Err(BridgeError::Config(format!("kv_connector_extra_config[\"gpu_path\"] = {other:?}: expected \"auto\" or \"staged\"")));
+                return Err(BridgeError::Config(format!(
+                    "kv_connector_extra_config[\"gpu_path\"] = {other:?}: expected \"auto\" or \"staged\""
+                )));
             }
         };
         if extra.bootstrap_port == Some(0) {
-            return Err(BridgeError::Config("kv_connector_extra_config[\"bootstrap_port\"] = 0: expected a TCP port (1-65535)".into()));
+            return Err(BridgeError::Config(
+                "kv_connector_extra_config[\"bootstrap_port\"] = 0: expected a TCP port (1-65535)".into(),
+            ));
         }
         if let Some(url) = &extra.bootstrap_url {
             if !(url.starts_with("http://") || url.starts_with("https://")) {
-                return Err(BridgeError::Config(format!("kv_connector_extra_config[\"bootstrap_url\"] = {url:?}: expected http://host:port")));
+                return Err(BridgeError::Config(format!(
+                    "kv_connector_extra_config[\"bootstrap_url\"] = {url:?}: expected http://host:port"
+                )));
             }
         }
-        let host = extra.host.clone().or_else(|| env("VLLM_HOST_IP").filter(|h| !h.trim().is_empty())).unwrap_or_else(|| "127.0.0.1".into());
+        let host = extra
+            .host
+            .clone()
+            .or_else(|| env("VLLM_HOST_IP").filter(|h| !h.trim().is_empty()))
+            .unwrap_or_else(|| "127.0.0.1".into());
         if host.parse::<std::net::IpAddr>().is_err() {
-            return Err(BridgeError::Config(format!("host {host:?} (kv_connector_extra_config[\"host\"] or VLLM_HOST_IP): expected an IP address")));
+            return Err(BridgeError::Config(format!(
+                "host {host:?} (kv_connector_extra_config[\"host\"] or VLLM_HOST_IP): expected an IP address"
+            )));
         }
         Ok(Self {
             host,

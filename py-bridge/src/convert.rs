@@ -39,7 +39,11 @@ pub fn params_from_dict(d: &Bound<'_, PyDict>) -> PyResult<KvTransferParams> {
 }
 
 /// What the hooks see of a vLLM request.
-pub fn sched_request(request_id: String, num_prompt_tokens: usize, params: Option<&Bound<'_, PyDict>>) -> PyResult<SchedRequest> {
+pub fn sched_request(
+    request_id: String,
+    num_prompt_tokens: usize,
+    params: Option<&Bound<'_, PyDict>>,
+) -> PyResult<SchedRequest> {
     let kv_transfer_params = params.map(params_from_dict).transpose()?;
     let traceparent = kv_transfer_params.as_ref().and_then(|p| p.traceparent.clone());
     Ok(SchedRequest { request_id, prompt_len: num_prompt_tokens, kv_transfer_params, traceparent })
@@ -81,7 +85,10 @@ pub fn metadata_to_py<'py>(py: Python<'py>, meta: &ConnectorMetadata) -> PyResul
     let out = PyDict::new(py);
     let send = PyDict::new(py);
     for (req_id, (transfer_id, blocks)) in &meta.reqs_to_send {
-        send.set_item(req_id, PyTuple::new(py, [transfer_id.into_pyobject(py)?.into_any(), PyList::new(py, blocks)?.into_any()])?)?;
+        send.set_item(
+            req_id,
+            PyTuple::new(py, [transfer_id.into_pyobject(py)?.into_any(), PyList::new(py, blocks)?.into_any()])?,
+        )?;
     }
     let recv = PyDict::new(py);
     for (engine_id, pulls) in &meta.reqs_to_recv {

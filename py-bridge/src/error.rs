@@ -11,9 +11,19 @@ use pyo3::exceptions::PyException;
 use pyo3::PyErr;
 
 create_exception!(_native, PdflowError, PyException, "Base class of every pdflow error.");
-create_exception!(_native, ConfigError, PdflowError, "A setting in kv_connector_extra_config or the environment is invalid.");
+create_exception!(
+    _native,
+    ConfigError,
+    PdflowError,
+    "A setting in kv_connector_extra_config or the environment is invalid."
+);
 create_exception!(_native, RegistrationError, PdflowError, "The KV cache tensors cannot be registered.");
-create_exception!(_native, ConnectorUnavailable, PdflowError, "A pdflow actor or the runtime behind the connector is not available.");
+create_exception!(
+    _native,
+    ConnectorUnavailable,
+    PdflowError,
+    "A pdflow actor or the runtime behind the connector is not available."
+);
 create_exception!(_native, MetadataError, PdflowError, "A connector metadata frame cannot be decoded.");
 
 /// What can go wrong inside the bridge.

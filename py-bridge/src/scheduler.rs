@@ -14,8 +14,8 @@ use pdflow::node::supervisor::{NodeSupervisor, MAX_RESTARTS, RESTART_WINDOW};
 use pdflow_actors::scheduler_connector::{KvRole, SchedulerConnector, SchedulerConnectorArgs};
 use pdflow_messages::frame;
 use pdflow_messages::scheduler_connector::{
-    BuildConnectorMeta, ConnectorOutput, FinishStatus, GetNumNewMatchedTokens, OnNewRequest, RequestFinished, UpdateConnectorOutput,
-    UpdateStateAfterAlloc,
+    BuildConnectorMeta, ConnectorOutput, FinishStatus, GetNumNewMatchedTokens, OnNewRequest, RequestFinished,
+    UpdateConnectorOutput, UpdateStateAfterAlloc,
 };
 use pdflow_messages::BlockId;
 use pyo3::prelude::*;
@@ -35,7 +35,9 @@ pub fn parse_role(kv_role: &str) -> Result<KvRole, BridgeError> {
         "kv_producer" => Ok(KvRole::Producer),
         "kv_consumer" => Ok(KvRole::Consumer),
         "kv_both" => Ok(KvRole::Both),
-        other => Err(BridgeError::Config(format!("kv_role {other:?}: expected \"kv_producer\" (P), \"kv_consumer\" (D) or \"kv_both\""))),
+        other => Err(BridgeError::Config(format!(
+            "kv_role {other:?}: expected \"kv_producer\" (P), \"kv_consumer\" (D) or \"kv_both\""
+        ))),
     }
 }
 
@@ -86,11 +88,14 @@ impl SchedulerBridge {
             let rt = BridgeRuntime::current_thread()?;
             let (supervisor, actor) = rt.block_on(async {
                 let supervisor = NodeSupervisor::spawn(format!("vllm-scheduler-{engine_id}"));
-                let actor = SchedulerConnector::supervise(&supervisor, SchedulerConnectorArgs { engine_id: engine_id.clone(), role, bootstrap_addr })
-                    .restart_policy(RestartPolicy::Transient)
-                    .restart_limit(MAX_RESTARTS, RESTART_WINDOW)
-                    .spawn()
-                    .await;
+                let actor = SchedulerConnector::supervise(
+                    &supervisor,
+                    SchedulerConnectorArgs { engine_id: engine_id.clone(), role, bootstrap_addr },
+                )
+                .restart_policy(RestartPolicy::Transient)
+                .restart_limit(MAX_RESTARTS, RESTART_WINDOW)
+                .spawn()
+                .await;
                 actor.wait_for_startup().await;
                 (supervisor, actor)
             })?;
@@ -110,7 +115,9 @@ impl SchedulerBridge {
         kv_transfer_params: Option<Bound<'_, PyDict>>,
     ) -> PyResult<(usize, bool)> {
         let request = sched_request(request_id, num_prompt_tokens, kv_transfer_params.as_ref())?;
-        let m = py.detach(|| self.ask("get_num_new_matched_tokens", GetNumNewMatchedTokens { request, num_computed_tokens }))?;
+        let m = py.detach(|| {
+            self.ask("get_num_new_matched_tokens", GetNumNewMatchedTokens { request, num_computed_tokens })
+        })?;
         Ok((m.count, m.load_async))
     }
 
@@ -145,7 +152,9 @@ impl SchedulerBridge {
     ) -> PyResult<bool> {
         let request = sched_request(request_id, num_prompt_tokens, kv_transfer_params.as_ref())?;
         let was_set = request.kv_transfer_params.as_ref().is_some_and(|p| p.do_remote_prefill);
-        let updated = py.detach(|| self.ask("update_state_after_alloc", UpdateStateAfterAlloc { request, block_ids, num_external_tokens }))?;
+        let updated = py.detach(|| {
+            self.ask("update_state_after_alloc", UpdateStateAfterAlloc { request, block_ids, num_external_tokens })
+        })?;
         Ok(was_set && updated.is_some_and(|p| !p.do_remote_prefill))
     }
 
@@ -197,8 +206,12 @@ impl SchedulerBridge {
         let mut output = ConnectorOutput::default();
         let failed: std::collections::BTreeSet<String> = failed_recving.unwrap_or_default().into_iter().collect();
         output.finished_sending.extend(finished_sending.unwrap_or_default());
-        output.finished_recving.extend(finished_recving.unwrap_or_default().into_iter().filter(|r| !failed.contains(r)));
-        output.failed_recving.extend(failed.into_iter().map(|r| (r, "the KV load failed (reported by the worker)".to_string())));
+        output
+            .finished_recving
+            .extend(finished_recving.unwrap_or_default().into_iter().filter(|r| !failed.contains(r)));
+        output
+            .failed_recving
+            .extend(failed.into_iter().map(|r| (r, "the KV load failed (reported by the worker)".to_string())));
         if output.is_empty() {
             return Ok(());
         }

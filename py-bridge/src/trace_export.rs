@@ -101,7 +101,10 @@ pub fn install_from_env() -> Result<(), BridgeError> {
     // side (pdflow-prefill, pdflow-decode, pdflow-bootstrap).
     let service = s.service_name.clone().filter(|n| !n.trim().is_empty());
     let config = ExportConfig::from_settings(&s, service.as_deref()).map_err(|errors| {
-        BridgeError::Config(format!("trace export: {}", errors.iter().map(|e| e.to_string()).collect::<Vec<_>>().join("; ")))
+        BridgeError::Config(format!(
+            "trace export: {}",
+            errors.iter().map(|e| e.to_string()).collect::<Vec<_>>().join("; ")
+        ))
     })?;
     if config.is_off() {
         return Ok(());
@@ -109,7 +112,9 @@ pub fn install_from_env() -> Result<(), BridgeError> {
     let export = TraceExport::start(&config).map_err(|e| BridgeError::Config(format!("trace export: {e}")))?;
     if let Some(layer) = export.layer() {
         if tracing_subscriber::registry().with(layer).try_init().is_err() {
-            tracing::warn!("a tracing subscriber is already installed in this process: pdflow's step spans are not exported");
+            tracing::warn!(
+                "a tracing subscriber is already installed in this process: pdflow's step spans are not exported"
+            );
         }
     }
     let writes_file = export.trace_file().is_some();

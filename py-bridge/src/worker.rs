@@ -88,13 +88,18 @@ async fn started<A: kameo::Actor>(actor: &'static str, r: &ActorRef<A>) -> Resul
 where
     A::Error: std::fmt::Display,
 {
-    r.wait_for_startup_with_result(|res| res.map_err(|e| BridgeError::unavailable(actor, format!("did not start: {e}")))).await
+    r.wait_for_startup_with_result(|res| {
+        res.map_err(|e| BridgeError::unavailable(actor, format!("did not start: {e}")))
+    })
+    .await
 }
 
 impl WorkerBridge {
     fn refs(&self) -> Result<WorkerRefs, BridgeError> {
         let running = lock(&self.running);
-        let r = running.as_ref().ok_or_else(|| BridgeError::unavailable("worker connector", "register_kv_caches has not been called"))?;
+        let r = running
+            .as_ref()
+            .ok_or_else(|| BridgeError::unavailable("worker connector", "register_kv_caches has not been called"))?;
         Ok((r.sender_listener.clone(), r.receiver.clone()))
     }
 
@@ -106,17 +111,22 @@ impl WorkerBridge {
         let (mut sender_listener, mut receiver, mut bootstrap, mut data_server) = (None, None, None, None);
         let mut gpu_serving: Vec<Held> = Vec::new();
         // kv_both runs both halves: it may prefill for a peer and load from one.
-        let (produces, consumes) = (matches!(self.role, KvRole::Producer | KvRole::Both), matches!(self.role, KvRole::Consumer | KvRole::Both));
+        let (produces, consumes) = (
+            matches!(self.role, KvRole::Producer | KvRole::Both),
+            matches!(self.role, KvRole::Consumer | KvRole::Both),
+        );
         if produces {
             let bootstrap_url = match &cfg.bootstrap_url {
                 Some(url) => url.clone(),
                 None if tp_rank == 0 => {
-                    let bind: SocketAddr = format!("{}:{}", cfg.host, cfg.bootstrap_port)
-                        .parse()
-                        .map_err(|e| BridgeError::Config(format!("bootstrap address {}:{}: {e}", cfg.host, cfg.bootstrap_port)))?;
-                    let node = BootstrapNode::start_under(&supervisor, bind)
-                        .await
-                        .map_err(|e| BridgeError::Config(format!("{e} (set VLLM_MOONCAKE_BOOTSTRAP_PORT or kv_connector_extra_config[\"bootstrap_port\"])")))?;
+                    let bind: SocketAddr = format!("{}:{}", cfg.host, cfg.bootstrap_port).parse().map_err(|e| {
+                        BridgeError::Config(format!("bootstrap address {}:{}: {e}", cfg.host, cfg.bootstrap_port))
+                    })?;
+                    let node = BootstrapNode::start_under(&supervisor, bind).await.map_err(|e| {
+                        BridgeError::Config(format!(
+                            "{e} (set VLLM_MOONCAKE_BOOTSTRAP_PORT or kv_connector_extra_config[\"bootstrap_port\"])"
+                        ))
+                    })?;
                     let url = node.url();
                     bootstrap = Some(node);
                     url
@@ -124,7 +134,8 @@ impl WorkerBridge {
                 None => cfg.bootstrap_addr(),
             };
             info.push(("bootstrap_url", bootstrap_url.clone()));
-            let transfer = gpu_kv::producer_engine(&kv_cache, &cfg.tcp).map_err(|e| BridgeError::Config(e.to_string()))?;
+            let transfer =
+                gpu_kv::producer_engine(&kv_cache, &cfg.tcp).map_err(|e| BridgeError::Config(e.to_string()))?;
             let args = SenderListenerArgs {
                 engine_id: self.engine_id.clone(),
                 dp_rank: 0,
@@ -152,9 +163,10 @@ impl WorkerBridge {
             sender_listener = Some(listener);
         }
         if consumes {
-            let gpu_kv::KvDataServing { server, fence, held } = gpu_kv::serve_kv_data(&kv_cache, &cfg.host, &format!("{}:0", cfg.host), &cfg.tcp)
-                .await
-                .map_err(|e| BridgeError::unavailable("KV data server", e))?;
+            let gpu_kv::KvDataServing { server, fence, held } =
+                gpu_kv::serve_kv_data(&kv_cache, &cfg.host, &format!("{}:0", cfg.host), &cfg.tcp)
+                    .await
+                    .map_err(|e| BridgeError::unavailable("KV data server", e))?;
             gpu_serving.extend(held);
             info.push(("data_addr", server.local_addr().to_string()));
             let args = ReceiverArgs {
@@ -179,12 +191,27 @@ impl WorkerBridge {
             started("Receiver", &r).await?;
             receiver = Some(r);
         }
-        Ok(Running { supervisor, kv_cache, sender_listener, receiver, bootstrap, data_server, _gpu_serving: gpu_serving, info })
+        Ok(Running {
+            supervisor,
+            kv_cache,
+            sender_listener,
+            receiver,
+            bootstrap,
+            data_server,
+            _gpu_serving: gpu_serving,
+            info,
+        })
     }
 }
 
 /// The cache over vLLM's tensors: host memory, or CUDA device `device`'s.
-fn register_memory(shape: KvShape, num_blocks: usize, raw: &[(*mut u8, usize)], owner: Py<PyAny>, device: Option<usize>) -> Result<Arc<KvCache>, BridgeError> {
+fn register_memory(
+    shape: KvShape,
+    num_blocks: usize,
+    raw: &[(*mut u8, usize)],
+    owner: Py<PyAny>,
+    device: Option<usize>,
+) -> Result<Arc<KvCache>, BridgeError> {
     let registration = |e: pdflow_runtime::memory::ExternalRegionError| BridgeError::Registration(e.to_string());
     match device {
         // SAFETY: the addresses come from the tensors in `owner` (host memory, checked contiguous
@@ -194,7 +221,8 @@ fn register_memory(shape: KvShape, num_blocks: usize, raw: &[(*mut u8, usize)], 
         #[cfg(feature = "cuda")]
         // SAFETY: as above, for the tensors' device memory (each region is checked to lie in an
         // allocation of `device`).
-        Some(device) => unsafe { KvCache::from_external_cuda(shape, num_blocks, device, raw, Box::new(owner)) }.map_err(registration),
+        Some(device) => unsafe { KvCache::from_external_cuda(shape, num_blocks, device, raw, Box::new(owner)) }
+            .map_err(registration),
         #[cfg(not(feature = "cuda"))]
         Some(device) => {
             drop(owner);
@@ -244,9 +272,17 @@ impl WorkerBridge {
             .into());
         }
         if lock(&self.running).is_some() {
-            return Err(BridgeError::Registration("register_kv_caches was already called for this connector".into()).into());
+            return Err(
+                BridgeError::Registration("register_kv_caches was already called for this connector".into()).into()
+            );
         }
-        if regions.is_empty() || num_blocks == 0 || num_kv_heads == 0 || block_size == 0 || head_dim == 0 || dtype_bytes == 0 {
+        if regions.is_empty()
+            || num_blocks == 0
+            || num_kv_heads == 0
+            || block_size == 0
+            || head_dim == 0
+            || dtype_bytes == 0
+        {
             return Err(BridgeError::Registration(format!(
                 "empty KV cache: {} regions, {num_blocks} blocks, shape heads={num_kv_heads} block={block_size} head_dim={head_dim} dtype_bytes={dtype_bytes}",
                 regions.len()
@@ -273,7 +309,8 @@ impl WorkerBridge {
         if metadata.is_empty() {
             return Ok(());
         }
-        let meta: ConnectorMetadata = frame::decode(metadata, "connector metadata").map_err(|e| BridgeError::Metadata(e.to_string()))?;
+        let meta: ConnectorMetadata =
+            frame::decode(metadata, "connector metadata").map_err(|e| BridgeError::Metadata(e.to_string()))?;
         let (listener, receiver) = self.refs()?;
         py.detach(|| -> Result<(), BridgeError> {
             if let Some(listener) = listener {
@@ -322,7 +359,9 @@ impl WorkerBridge {
                 Some(l) => self
                     .rt
                     .block_on(async { tokio::time::timeout(CALL_DEADLINE, l.ask(GetFinishedSending)).await })?
-                    .map_err(|_| BridgeError::unavailable("SenderListener", format!("no answer within {CALL_DEADLINE:?}")))?
+                    .map_err(|_| {
+                        BridgeError::unavailable("SenderListener", format!("no answer within {CALL_DEADLINE:?}"))
+                    })?
                     .map_err(|e| BridgeError::unavailable("SenderListener", e))?,
                 None => BTreeSet::new(),
             };
@@ -330,7 +369,9 @@ impl WorkerBridge {
                 Some(r) => Some(
                     self.rt
                         .block_on(async { tokio::time::timeout(CALL_DEADLINE, r.ask(GetFinishedRecving)).await })?
-                        .map_err(|_| BridgeError::unavailable("Receiver", format!("no answer within {CALL_DEADLINE:?}")))?
+                        .map_err(|_| {
+                            BridgeError::unavailable("Receiver", format!("no answer within {CALL_DEADLINE:?}"))
+                        })?
                         .map_err(|e| BridgeError::unavailable("Receiver", e))?,
                 ),
                 None => None,

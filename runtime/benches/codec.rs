@@ -13,7 +13,11 @@ fn pull(with_layout: bool) -> SideChannelRequest {
     let s = KvShape::QWEN3_8B;
     let block_len = s.block_len() as u64;
     let regions = (0..s.num_layers as u64)
-        .map(|i| pdflow_messages::layout::RegionDesc { base_addr: (1 << 40) + (i << 30), len: 1024 * block_len, block_len })
+        .map(|i| pdflow_messages::layout::RegionDesc {
+            base_addr: (1 << 40) + (i << 30),
+            len: 1024 * block_len,
+            block_len,
+        })
         .collect();
     SideChannelRequest::Pull(PullRequest {
         pull_id: 0x1234_5678_0000_0001,

@@ -14,7 +14,9 @@ use pdflow_runtime::planner::build_plan;
 fn regions(base: u64) -> Vec<RegionDesc> {
     let s = KvShape::QWEN3_8B;
     let block_len = s.block_len() as u64;
-    (0..s.num_layers as u64).map(|i| RegionDesc { base_addr: base + (i << 30), len: 1024 * block_len, block_len }).collect()
+    (0..s.num_layers as u64)
+        .map(|i| RegionDesc { base_addr: base + (i << 30), len: 1024 * block_len, block_len })
+        .collect()
 }
 
 fn planner(c: &mut Criterion) {

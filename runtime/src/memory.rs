@@ -27,7 +27,8 @@ pub struct KvShape {
 
 impl KvShape {
     /// The seed's model: Qwen/Qwen3-8B, bf16, block 16.
-    pub const QWEN3_8B: KvShape = KvShape { num_layers: 36, num_kv_heads: 8, head_dim: 128, dtype_bytes: 2, block_size: 16 };
+    pub const QWEN3_8B: KvShape =
+        KvShape { num_layers: 36, num_kv_heads: 8, head_dim: 128, dtype_bytes: 2, block_size: 16 };
 
     /// Bytes of one token's K and V for one head in one layer.
     pub fn slot_len(&self) -> usize {
@@ -146,11 +147,26 @@ impl KvCache {
     /// A zeroed cache in the memory of CUDA device `device` (issue 7: GPU-resident KV): the
     /// model writes it with a kernel and the cuda engines move it; host paths refuse it.
     #[cfg(feature = "cuda")]
-    pub fn new_cuda(shape: KvShape, num_blocks: usize, device: usize) -> Result<Arc<Self>, crate::transfer::cuda::CudaError> {
+    pub fn new_cuda(
+        shape: KvShape,
+        num_blocks: usize,
+        device: usize,
+    ) -> Result<Arc<Self>, crate::transfer::cuda::CudaError> {
         let kv = crate::transfer::cuda::device_kv::DeviceKv::new(shape, num_blocks, device)?;
         let region_len = num_blocks * shape.block_len();
-        let layers = kv.layer_bases().iter().map(|&base| LayerBuffer { ptr: base as *mut u8, len: region_len, _owner: None }).collect();
-        Ok(Arc::new(Self { shape, num_blocks, layers, layout_id: new_layout_id(), _external_owner: None, device: Some(Arc::new(kv)) }))
+        let layers = kv
+            .layer_bases()
+            .iter()
+            .map(|&base| LayerBuffer { ptr: base as *mut u8, len: region_len, _owner: None })
+            .collect();
+        Ok(Arc::new(Self {
+            shape,
+            num_blocks,
+            layers,
+            layout_id: new_layout_id(),
+            _external_owner: None,
+            device: Some(Arc::new(kv)),
+        }))
     }
 
     /// The device allocations, when this cache lives on a GPU.
@@ -173,7 +189,8 @@ impl KvCache {
         match self.memory() {
             MemoryKind::Host => Ok(()),
             MemoryKind::Cuda { device } => {
-                let addr = self.layers.get(layer).map_or(0, |l| l.ptr as u64) + u64::from(block) * self.shape.block_len() as u64;
+                let addr = self.layers.get(layer).map_or(0, |l| l.ptr as u64)
+                    + u64::from(block) * self.shape.block_len() as u64;
                 Err(RegionError::OnDevice { addr, len: self.shape.block_len() as u64, device })
             }
         }
@@ -227,7 +244,14 @@ impl KvCache {
         let kv = unsafe { crate::transfer::cuda::device_kv::DeviceKv::external(shape, num_blocks, device, bases) }
             .map_err(|e| ExternalRegionError::Device { device, reason: e.to_string() })?;
         let layers = regions.iter().map(|&(ptr, len)| LayerBuffer { ptr, len, _owner: None }).collect();
-        Ok(Arc::new(Self { shape, num_blocks, layers, layout_id: new_layout_id(), _external_owner: Some(owner), device: Some(Arc::new(kv)) }))
+        Ok(Arc::new(Self {
+            shape,
+            num_blocks,
+            layers,
+            layout_id: new_layout_id(),
+            _external_owner: Some(owner),
+            device: Some(Arc::new(kv)),
+        }))
     }
 
     pub fn shape(&self) -> KvShape {
@@ -241,7 +265,11 @@ impl KvCache {
     pub fn regions(&self) -> Vec<RegionDesc> {
         self.layers
             .iter()
-            .map(|l| RegionDesc { base_addr: l.ptr as u64, len: l.len as u64, block_len: self.shape.block_len() as u64 })
+            .map(|l| RegionDesc {
+                base_addr: l.ptr as u64,
+                len: l.len as u64,
+                block_len: self.shape.block_len() as u64,
+            })
             .collect()
     }
 
@@ -264,11 +292,23 @@ impl KvCache {
     }
 
     /// Writes one token slot (layer, block, head, slot). `bytes.len()` must be `shape.slot_len()`.
-    pub fn write_slot(&self, layer: usize, block: BlockId, head: usize, slot: usize, bytes: &[u8]) -> Result<(), RegionError> {
+    pub fn write_slot(
+        &self,
+        layer: usize,
+        block: BlockId,
+        head: usize,
+        slot: usize,
+        bytes: &[u8],
+    ) -> Result<(), RegionError> {
         let b = self.check_block(block)?;
         self.host_only(layer, block)?;
         let len = self.shape.slot_len();
-        assert!(layer < self.layers.len() && head < self.shape.num_kv_heads && slot < self.shape.block_size && bytes.len() == len);
+        assert!(
+            layer < self.layers.len()
+                && head < self.shape.num_kv_heads
+                && slot < self.shape.block_size
+                && bytes.len() == len
+        );
         let off = b * self.shape.block_len() + self.shape.slot_offset(head, slot);
         // SAFETY: bounds checked above; the block belongs to the caller (block pool invariant).
         unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), self.layers[layer].ptr.add(off), len) };
@@ -276,11 +316,23 @@ impl KvCache {
     }
 
     /// Reads one token slot into `out` (`shape.slot_len()` bytes).
-    pub fn read_slot(&self, layer: usize, block: BlockId, head: usize, slot: usize, out: &mut [u8]) -> Result<(), RegionError> {
+    pub fn read_slot(
+        &self,
+        layer: usize,
+        block: BlockId,
+        head: usize,
+        slot: usize,
+        out: &mut [u8],
+    ) -> Result<(), RegionError> {
         let b = self.check_block(block)?;
         self.host_only(layer, block)?;
         let len = self.shape.slot_len();
-        assert!(layer < self.layers.len() && head < self.shape.num_kv_heads && slot < self.shape.block_size && out.len() == len);
+        assert!(
+            layer < self.layers.len()
+                && head < self.shape.num_kv_heads
+                && slot < self.shape.block_size
+                && out.len() == len
+        );
         let off = b * self.shape.block_len() + self.shape.slot_offset(head, slot);
         // SAFETY: as in `write_slot`.
         unsafe { std::ptr::copy_nonoverlapping(self.layers[layer].ptr.add(off), out.as_mut_ptr(), len) };
@@ -526,7 +578,10 @@ mod tests {
         assert!(matches!(err, ExternalRegionError::Length { index: 1, .. }), "{err}");
         let overlap = [(a.as_mut_ptr(), a.len()), (a.as_mut_ptr(), a.len())];
         // SAFETY: as above; refused before use.
-        assert!(matches!(unsafe { KvCache::from_external(shape, 3, &overlap, Box::new(())) }, Err(ExternalRegionError::Overlap { .. })));
+        assert!(matches!(
+            unsafe { KvCache::from_external(shape, 3, &overlap, Box::new(())) },
+            Err(ExternalRegionError::Overlap { .. })
+        ));
     }
 
     #[test]

@@ -67,7 +67,11 @@ pub fn build_plan(
     if src_blocks.len() != dst_blocks.len() {
         return Err(PlanError::BlockCountMismatch { src: src_blocks.len(), dst: dst_blocks.len() });
     }
-    let runs = if coalesce { contiguous_runs(src_blocks, dst_blocks) } else { (0..src_blocks.len()).map(|i| (i, 1)).collect() };
+    let runs = if coalesce {
+        contiguous_runs(src_blocks, dst_blocks)
+    } else {
+        (0..src_blocks.len()).map(|i| (i, 1)).collect()
+    };
     let mut descriptors = Vec::with_capacity(runs.len() * src_regions.len());
     for (region, (s, d)) in src_regions.iter().zip(dst_regions).enumerate() {
         if s.block_len != d.block_len {
@@ -95,7 +99,8 @@ pub fn contiguous_runs(src: &[BlockId], dst: &[BlockId]) -> Vec<(usize, usize)> 
     for i in 0..src.len().min(dst.len()) {
         match runs.last_mut() {
             Some((start, len))
-                if src[*start + *len - 1].checked_add(1) == Some(src[i]) && dst[*start + *len - 1].checked_add(1) == Some(dst[i]) =>
+                if src[*start + *len - 1].checked_add(1) == Some(src[i])
+                    && dst[*start + *len - 1].checked_add(1) == Some(dst[i]) =>
             {
                 *len += 1
             }
@@ -112,7 +117,9 @@ mod tests {
 
     /// `count` regions of `num_blocks` blocks of `block_len`, 1 GiB apart from `base` (no memory).
     fn regions(base: u64, count: usize, num_blocks: u64, block_len: u64) -> Vec<RegionDesc> {
-        (0..count as u64).map(|i| RegionDesc { base_addr: base + (i << 30), len: num_blocks * block_len, block_len }).collect()
+        (0..count as u64)
+            .map(|i| RegionDesc { base_addr: base + (i << 30), len: num_blocks * block_len, block_len })
+            .collect()
     }
 
     fn qwen3_8b(base: u64) -> Vec<RegionDesc> {
@@ -126,7 +133,11 @@ mod tests {
             .iter()
             .flat_map(|d| {
                 assert_eq!(d.len % block_len, 0, "{d:?} is not whole blocks");
-                (0..d.len / block_len).map(move |i| Descriptor { src: d.src + i * block_len, dst: d.dst + i * block_len, len: block_len })
+                (0..d.len / block_len).map(move |i| Descriptor {
+                    src: d.src + i * block_len,
+                    dst: d.dst + i * block_len,
+                    len: block_len,
+                })
             })
             .collect()
     }
@@ -219,8 +230,14 @@ mod tests {
             Err(PlanError::BlockLenMismatch { region: 0, src: 256, dst: 512 })
         );
         let d = regions(1 << 41, 3, 16, 256);
-        assert_eq!(build_plan(&p, &[16], &d, &[0], true), Err(PlanError::BlockOutOfRange { region: 0, block: 16, num_blocks: 16 }));
-        assert_eq!(build_plan(&p, &[0, 1], &d, &[2, 99], false), Err(PlanError::BlockOutOfRange { region: 0, block: 99, num_blocks: 16 }));
+        assert_eq!(
+            build_plan(&p, &[16], &d, &[0], true),
+            Err(PlanError::BlockOutOfRange { region: 0, block: 16, num_blocks: 16 })
+        );
+        assert_eq!(
+            build_plan(&p, &[0, 1], &d, &[2, 99], false),
+            Err(PlanError::BlockOutOfRange { region: 0, block: 99, num_blocks: 16 })
+        );
         assert_eq!(build_plan(&p, &[], &d, &[], true), Ok(TransferPlan::default()));
     }
 }

@@ -88,7 +88,10 @@ async fn seed_split(cluster: &LocalCluster, capture: &SpanCapture, seed: u64) ->
     let dispatch = first(&spans, 9, start).zip(first(&spans, 10, start)).map(|(a, b)| a.start.min(b.start));
     Ok(Split {
         ttft,
-        proxy: first(&spans, 8, start).zip(dispatch).map(|(a, d)| d.saturating_duration_since(a.start).as_secs_f64() * 1e3).unwrap_or(f64::NAN),
+        proxy: first(&spans, 8, start)
+            .zip(dispatch)
+            .map(|(a, d)| d.saturating_duration_since(a.start).as_secs_f64() * 1e3)
+            .unwrap_or(f64::NAN),
         p_prefill: between(&spans, 11, 15, start).unwrap_or(f64::NAN),
         p_next_step: between(&spans, 23, 27, start).unwrap_or(f64::NAN),
         transfer: between(&spans, 28, 30, start).unwrap_or(f64::NAN),
@@ -146,7 +149,9 @@ fn split_rows(name: &str, splits: &[Split]) -> Vec<Row> {
     ];
     parts
         .iter()
-        .map(|(label, f)| report::row(&format!("{name}: {label}"), Some("auto"), None, Some(1), Some(148_635_648), &col(*f)))
+        .map(|(label, f)| {
+            report::row(&format!("{name}: {label}"), Some("auto"), None, Some(1), Some(148_635_648), &col(*f))
+        })
         .map(|mut r| {
             r.gbps = None;
             r
@@ -179,7 +184,10 @@ pub async fn run(opts: Options, capture: SpanCapture) -> anyhow::Result<()> {
     let (p, d) = cluster.shutdown().await;
     println!("{}", report::render(&rows));
     if p.free != p.total || d.free != d.total {
-        println!("WARNING: blocks still held after the bench: P {}/{} free, D {}/{} free", p.free, p.total, d.free, d.total);
+        println!(
+            "WARNING: blocks still held after the bench: P {}/{} free, D {}/{} free",
+            p.free, p.total, d.free, d.total
+        );
     }
     if let Some(path) = &opts.json {
         report::write_json(path, &rows).with_context(|| format!("writing {}", path.display()))?;

@@ -38,7 +38,11 @@ pub fn run(runs: usize, json: Option<&std::path::Path>) -> anyhow::Result<bool> 
     let mut rows: Vec<Row> = Vec::new();
     let mut all_ok = true;
     type Part = fn(usize) -> anyhow::Result<(Vec<Row>, bool)>;
-    let parts: [(&str, Part); 3] = [("one process", one_process::run), ("P and D in separate processes (CUDA IPC)", ipc::run), ("cross-host path (tcp with pinned staging)", staged::run)];
+    let parts: [(&str, Part); 3] = [
+        ("one process", one_process::run),
+        ("P and D in separate processes (CUDA IPC)", ipc::run),
+        ("cross-host path (tcp with pinned staging)", staged::run),
+    ];
     for (name, part) in parts {
         println!("== bench transfer --device cuda: {name}");
         let (part_rows, ok) = part(runs)?;
@@ -59,17 +63,28 @@ pub fn run(runs: usize, json: Option<&std::path::Path>) -> anyhow::Result<bool> 
 /// The plans every GPU part measures, P's regions → D's: the seed request (seed step 28: blocks
 /// 17..=79 → 512..=574, coalesced, 36 descriptors), the same uncoalesced (2,268 × 64 KiB), block
 /// ids scattered on both sides, and the same regions seen as blocks of 32 KiB (4,536 descriptors).
-fn bench_plans(p_regions: &[RegionDesc], d_regions: &[RegionDesc]) -> anyhow::Result<Vec<(&'static str, TransferPlan)>> {
+fn bench_plans(
+    p_regions: &[RegionDesc],
+    d_regions: &[RegionDesc],
+) -> anyhow::Result<Vec<(&'static str, TransferPlan)>> {
     let (src_seed, dst_seed): (Vec<BlockId>, Vec<BlockId>) = ((17..=79).collect(), (512..=574).collect());
     let (src_sc, dst_sc) = (scattered_ids(63, 0x2545_f491_4f6c_dd1d), scattered_ids(63, 0x9e37_79b9_7f4a_7c15));
-    let halved = |regions: &[RegionDesc]| -> Vec<RegionDesc> { regions.iter().map(|r| RegionDesc { block_len: r.block_len / 2, ..*r }).collect() };
+    let halved = |regions: &[RegionDesc]| -> Vec<RegionDesc> {
+        regions.iter().map(|r| RegionDesc { block_len: r.block_len / 2, ..*r }).collect()
+    };
     Ok(vec![
         ("seed 36x4128768", build_plan(p_regions, &src_seed, d_regions, &dst_seed, true)?),
         ("uncoalesced 2268x64KiB", build_plan(p_regions, &src_seed, d_regions, &dst_seed, false)?),
         ("scattered both sides", build_plan(p_regions, &src_sc, d_regions, &dst_sc, true)?),
         (
             "uncoalesced 4536x32KiB",
-            build_plan(&halved(p_regions), &(34..=159).collect::<Vec<BlockId>>(), &halved(d_regions), &(1024..=1149).collect::<Vec<BlockId>>(), false)?,
+            build_plan(
+                &halved(p_regions),
+                &(34..=159).collect::<Vec<BlockId>>(),
+                &halved(d_regions),
+                &(1024..=1149).collect::<Vec<BlockId>>(),
+                false,
+            )?,
         ),
     ])
 }
@@ -98,7 +113,10 @@ fn time_runs(runs: usize, mut one: impl FnMut() -> anyhow::Result<f64>) -> anyho
 /// The gather/scatter kernel's launch shape: a short sweep over threads per block and blocks per
 /// SM, timing `time_plan(threads, blocks_per_sm, i)` (one launch, ms) for each of `plans` plans;
 /// the shape whose slowest plan is fastest.
-fn sweep_launch_shape(plans: usize, mut time_plan: impl FnMut(u32, u32, usize) -> anyhow::Result<f64>) -> anyhow::Result<(u32, u32)> {
+fn sweep_launch_shape(
+    plans: usize,
+    mut time_plan: impl FnMut(u32, u32, usize) -> anyhow::Result<f64>,
+) -> anyhow::Result<(u32, u32)> {
     let (mut best, mut best_ms) = ((512, 4), f64::MAX);
     for threads in [256u32, 512, 1024] {
         for bps in [1u32, 2, 4, 8] {

@@ -50,17 +50,29 @@ fn completion_body() -> Value {
 fn prefill_stub() -> Router {
     Router::new()
         .route("/health", get(|| async { "ok" }))
-        .route("/query", get(|| async { Json(json!({"0": {"engine_id": ENGINE_ID, "worker_addr": {"0": {"0": "tcp://127.0.0.1:1"}}}})) }))
+        .route(
+            "/query",
+            get(|| async {
+                Json(json!({"0": {"engine_id": ENGINE_ID, "worker_addr": {"0": {"0": "tcp://127.0.0.1:1"}}}}))
+            }),
+        )
         .route("/v1/completions", post(|| async { Json(completion_body()) }))
 }
 
 /// The D stub.
 fn decode_stub() -> Router {
-    Router::new().route("/health", get(|| async { "ok" })).route("/v1/completions", post(|| async { Json(completion_body()) }))
+    Router::new()
+        .route("/health", get(|| async { "ok" }))
+        .route("/v1/completions", post(|| async { Json(completion_body()) }))
 }
 
 /// Sends `total` requests from `concurrency` clients; returns per-request latencies (ms) and the wall time.
-async fn load(client: &reqwest::Client, url: &str, total: usize, concurrency: usize) -> anyhow::Result<(Vec<f64>, Duration)> {
+async fn load(
+    client: &reqwest::Client,
+    url: &str,
+    total: usize,
+    concurrency: usize,
+) -> anyhow::Result<(Vec<f64>, Duration)> {
     let body = json!({"model": "bench", "prompt": "w1 w2 w3 w4 w5 w6 w7 w8", "max_tokens": 1});
     let next = Arc::new(AtomicUsize::new(0));
     let started = Instant::now();

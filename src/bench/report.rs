@@ -36,7 +36,14 @@ pub fn summarize(samples_ms: &[f64]) -> Option<(f64, f64, f64)> {
 }
 
 /// A row from samples; `gbps` from `bytes` and the median when both are known.
-pub fn row(name: &str, backend: Option<&str>, plan: Option<&str>, concurrency: Option<u32>, bytes: Option<u64>, samples_ms: &[f64]) -> Row {
+pub fn row(
+    name: &str,
+    backend: Option<&str>,
+    plan: Option<&str>,
+    concurrency: Option<u32>,
+    bytes: Option<u64>,
+    samples_ms: &[f64],
+) -> Row {
     let stats = summarize(samples_ms);
     let median = stats.map(|s| s.0);
     Row {

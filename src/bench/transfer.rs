@@ -124,11 +124,19 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
     let mut result = Ok(());
     for backend in &backends {
         eprintln!("bench transfer: {backend:?} …");
-        let config = TcpConfig { same_host: backend.mode(), streams_per_peer: opts.streams.max(1), ..TcpConfig::default() };
+        let config =
+            TcpConfig { same_host: backend.mode(), streams_per_peer: opts.streams.max(1), ..TcpConfig::default() };
         let engine = Arc::new(AutoTransferEngine::new(p_cache.region_table(), config));
         // One bootstrap per P engine (a bootstrap serves one engine per dp rank).
         let bootstrap = BootstrapNode::start("127.0.0.1:0".parse()?).await?;
-        let setup = Setup { engine: &engine, p_cache: &p_cache, d_cache: &d_cache, d_addr: &d_addr, bootstrap: &bootstrap, p_blocks: &p_blocks };
+        let setup = Setup {
+            engine: &engine,
+            p_cache: &p_cache,
+            d_cache: &d_cache,
+            d_addr: &d_addr,
+            bootstrap: &bootstrap,
+            p_blocks: &p_blocks,
+        };
         let measured = measure_backend(&opts, *backend, &setup, &mut rows).await;
         bootstrap.shutdown().await;
         if let Err(e) = measured {
@@ -148,14 +156,28 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
     rows.push(report::row("ceiling memcpy (1 thread)", Some("memcpy"), None, Some(1), Some(bytes), &memcpy));
     for streams in [1, 4] {
         let samples = ceilings::loopback_tcp_ms(bytes as usize, streams, opts.warmup, opts.runs).await?;
-        rows.push(report::row(&format!("ceiling loopback tcp ({streams} stream{})", if streams > 1 { "s" } else { "" }), Some("tokio-tcp"), None, Some(1), Some(bytes), &samples));
+        rows.push(report::row(
+            &format!("ceiling loopback tcp ({streams} stream{})", if streams > 1 { "s" } else { "" }),
+            Some("tokio-tcp"),
+            None,
+            Some(1),
+            Some(bytes),
+            &samples,
+        ));
     }
     let round_trip = tokio::task::spawn_blocking({
         let (warmup, runs) = (opts.warmup.max(10), (opts.runs * 10).max(100));
         move || ceilings::loopback_round_trip_ms(SMALL_WRITE as usize, warmup, runs)
     })
     .await??;
-    rows.push(report::row("ceiling loopback round trip 32 KiB + ack", Some("blocking-tcp"), Some("single"), Some(1), Some(SMALL_WRITE), &round_trip));
+    rows.push(report::row(
+        "ceiling loopback round trip 32 KiB + ack",
+        Some("blocking-tcp"),
+        Some("single"),
+        Some(1),
+        Some(SMALL_WRITE),
+        &round_trip,
+    ));
 
     if opts.compare_mooncake {
         eprintln!("bench transfer: mooncake …");
@@ -182,7 +204,12 @@ struct Setup<'a> {
     p_blocks: &'a [BlockId],
 }
 
-async fn measure_backend(opts: &Options, backend: Backend, setup: &Setup<'_>, rows: &mut Vec<Row>) -> anyhow::Result<()> {
+async fn measure_backend(
+    opts: &Options,
+    backend: Backend,
+    setup: &Setup<'_>,
+    rows: &mut Vec<Row>,
+) -> anyhow::Result<()> {
     let Setup { engine, p_cache, d_cache, d_addr, p_blocks, .. } = *setup;
     let bytes = (p_blocks.len() * SHAPE.bytes_per_block()) as u64;
     let seed_d: Vec<BlockId> = D_BLOCKS.collect();
@@ -193,7 +220,10 @@ async fn measure_backend(opts: &Options, backend: Backend, setup: &Setup<'_>, ro
 
     // The engine alone: the coalesced plan, the uncoalesced one, a 32 KiB write.
     let label = |engine: &AutoTransferEngine| engine.backend_for(d_addr).to_string();
-    for (coalesce, plan_name, row_name) in [(true, "coalesced", "engine seed coalesced (36 desc)"), (false, "uncoalesced", "engine seed uncoalesced (2,268 desc)")] {
+    for (coalesce, plan_name, row_name) in [
+        (true, "coalesced", "engine seed coalesced (36 desc)"),
+        (false, "uncoalesced", "engine seed uncoalesced (2,268 desc)"),
+    ] {
         let plan = build_plan(&p_cache.regions(), p_blocks, &d_cache.regions(), &seed_d, coalesce)?;
         zero(d_cache, &seed_d);
         engine.write(d_addr, &plan).await?;
@@ -201,11 +231,24 @@ async fn measure_backend(opts: &Options, backend: Backend, setup: &Setup<'_>, ro
         let samples = repeat(opts, || timed_write(engine, d_addr, &plan)).await?;
         rows.push(report::row(row_name, Some(&label(engine)), Some(plan_name), Some(1), Some(bytes), &samples));
     }
-    let (src, dst) = (p_cache.regions()[0].block_addr(*P_BLOCKS.start()), d_cache.regions()[0].block_addr(*D_BLOCKS.start()));
-    let small = TransferPlan { descriptors: vec![Descriptor { src, dst, len: SMALL_WRITE }], fence: 0, cut_after: None, write_by: None };
+    let (src, dst) =
+        (p_cache.regions()[0].block_addr(*P_BLOCKS.start()), d_cache.regions()[0].block_addr(*D_BLOCKS.start()));
+    let small = TransferPlan {
+        descriptors: vec![Descriptor { src, dst, len: SMALL_WRITE }],
+        fence: 0,
+        cut_after: None,
+        write_by: None,
+    };
     let small_opts = Options { runs: (opts.runs * 10).max(100), warmup: opts.warmup.max(10), ..opts.clone() };
     let samples = repeat(&small_opts, || timed_write(engine, d_addr, &small)).await?;
-    rows.push(report::row("engine 32 KiB write", Some(&label(engine)), Some("single"), Some(1), Some(SMALL_WRITE), &samples));
+    rows.push(report::row(
+        "engine 32 KiB write",
+        Some(&label(engine)),
+        Some("single"),
+        Some(1),
+        Some(SMALL_WRITE),
+        &samples,
+    ));
     // The same write after the connections sat idle for a millisecond: D's connection thread has
     // stopped polling and sleeps in the kernel, so this one pays its wake-up.
     let samples = repeat(&small_opts, || async {
@@ -213,7 +256,14 @@ async fn measure_backend(opts: &Options, backend: Backend, setup: &Setup<'_>, ro
         timed_write(engine, d_addr, &small).await
     })
     .await?;
-    rows.push(report::row("engine 32 KiB write after 1 ms idle", Some(&label(engine)), Some("single"), Some(1), Some(SMALL_WRITE), &samples));
+    rows.push(report::row(
+        "engine 32 KiB write after 1 ms idle",
+        Some(&label(engine)),
+        Some("single"),
+        Some(1),
+        Some(SMALL_WRITE),
+        &samples,
+    ));
     Ok(())
 }
 
@@ -247,13 +297,21 @@ async fn measure_actors(opts: &Options, tag: &str, setup: &Setup<'_>, rows: &mut
         let cold = pair.transfer(p_blocks, std::slice::from_ref(&seed_d)).await?;
         verify(p_cache, p_blocks, d_cache, &seed_d, "actors c=1")?;
         let name = engine.backend_for(d_addr).to_string();
-        rows.push(report::row("actors seed first pull (cold)", Some(&name), Some("coalesced"), Some(1), Some(bytes), &[ms(cold)]));
+        rows.push(report::row(
+            "actors seed first pull (cold)",
+            Some(&name),
+            Some("coalesced"),
+            Some(1),
+            Some(bytes),
+            &[ms(cold)],
+        ));
         let samples = repeat(opts, || pair.transfer(p_blocks, std::slice::from_ref(&seed_d))).await?;
         rows.push(report::row("actors seed coalesced", Some(&name), Some("coalesced"), Some(1), Some(bytes), &samples));
 
         // Concurrency 8: eight requests in one step, into disjoint D blocks.
-        let sets: Vec<Vec<BlockId>> =
-            std::iter::once(seed_d.clone()).chain((0..CONCURRENT as u32 - 1).map(|i| (i * 64..i * 64 + 63).collect())).collect();
+        let sets: Vec<Vec<BlockId>> = std::iter::once(seed_d.clone())
+            .chain((0..CONCURRENT as u32 - 1).map(|i| (i * 64..i * 64 + 63).collect()))
+            .collect();
         for set in &sets {
             zero(d_cache, set);
         }
@@ -262,7 +320,14 @@ async fn measure_actors(opts: &Options, tag: &str, setup: &Setup<'_>, rows: &mut
             verify(p_cache, p_blocks, d_cache, set, "actors c=8")?;
         }
         let samples = repeat(opts, || pair.transfer(p_blocks, &sets)).await?;
-        rows.push(report::row("actors seed coalesced", Some(&name), Some("coalesced"), Some(CONCURRENT as u32), Some(bytes), &samples));
+        rows.push(report::row(
+            "actors seed coalesced",
+            Some(&name),
+            Some("coalesced"),
+            Some(CONCURRENT as u32),
+            Some(bytes),
+            &samples,
+        ));
         anyhow::Ok(())
     }
     .await;
@@ -328,18 +393,34 @@ fn zero(cache: &Arc<KvCache>, blocks: &[BlockId]) {
 fn verify(p: &KvCache, p_blocks: &[BlockId], d: &KvCache, d_blocks: &[BlockId], what: &str) -> anyhow::Result<()> {
     let (sent, got) = (p.blocks_checksum(p_blocks)?, d.blocks_checksum(d_blocks)?);
     if sent != got {
-        bail!("{what}: D's blocks {}..={} hold checksum {got:#x}, P's blocks {sent:#x}: the bytes differ", d_blocks[0], d_blocks[d_blocks.len() - 1]);
+        bail!(
+            "{what}: D's blocks {}..={} hold checksum {got:#x}, P's blocks {sent:#x}: the bytes differ",
+            d_blocks[0],
+            d_blocks[d_blocks.len() - 1]
+        );
     }
     Ok(())
 }
 
 /// pdflow/Mooncake ratios of medians (below 1: pdflow is faster), and pdflow's uncoalesced/coalesced.
 fn ratio_rows(ours: &[Row], theirs: &[Row]) -> Vec<Row> {
-    let median = |rows: &[Row], name: &str| rows.iter().find(|r| r.name.starts_with(name) && r.median_ms.is_some()).and_then(|r| r.median_ms);
+    let median = |rows: &[Row], name: &str| {
+        rows.iter().find(|r| r.name.starts_with(name) && r.median_ms.is_some()).and_then(|r| r.median_ms)
+    };
     let mut out = Vec::new();
-    let backends: Vec<String> = ours.iter().filter(|r| r.name == "actors seed coalesced").filter_map(|r| r.backend.clone()).collect::<std::collections::BTreeSet<_>>().into_iter().collect();
+    let backends: Vec<String> = ours
+        .iter()
+        .filter(|r| r.name == "actors seed coalesced")
+        .filter_map(|r| r.backend.clone())
+        .collect::<std::collections::BTreeSet<_>>()
+        .into_iter()
+        .collect();
     for backend in backends {
-        let mine: Vec<Row> = ours.iter().filter(|r| r.backend.as_deref() == Some(&backend) && r.concurrency == Some(1)).cloned().collect();
+        let mine: Vec<Row> = ours
+            .iter()
+            .filter(|r| r.backend.as_deref() == Some(&backend) && r.concurrency == Some(1))
+            .cloned()
+            .collect();
         let pairs = [
             ("actors seed coalesced", "mooncake seed coalesced", "coalesced"),
             ("engine seed coalesced", "mooncake seed coalesced", "coalesced"),
@@ -357,7 +438,11 @@ fn ratio_rows(ours: &[Row], theirs: &[Row]) -> Vec<Row> {
             }
         }
         if let (Some(u), Some(c)) = (median(&mine, "engine seed uncoalesced"), median(&mine, "engine seed coalesced")) {
-            out.push(Row { name: format!("ratio uncoalesced / coalesced = {:.2}x", u / c), backend: Some(backend.clone()), ..Row::default() });
+            out.push(Row {
+                name: format!("ratio uncoalesced / coalesced = {:.2}x", u / c),
+                backend: Some(backend.clone()),
+                ..Row::default()
+            });
         }
     }
     out

@@ -80,7 +80,13 @@ impl CellResult {
 /// the reference tokens is completed or recomputed (`served` tells which), a non-200 with an error
 /// body is failed_clean; anything else — a 200 with an error or wrong tokens, an error status with
 /// no error body, no answer — is a problem. Sets the row's outcome and correctness.
-pub(super) fn judge(answer: &Result<(u16, Value), String>, want: &[u64], served: impl FnOnce() -> Outcome, result: &mut CellResult, problems: &mut Vec<String>) {
+pub(super) fn judge(
+    answer: &Result<(u16, Value), String>,
+    want: &[u64],
+    served: impl FnOnce() -> Outcome,
+    result: &mut CellResult,
+    problems: &mut Vec<String>,
+) {
     match answer {
         Ok((200, v)) if v.get("error").is_none() => {
             let tokens = token_ids(v);
@@ -127,7 +133,12 @@ pub(super) fn token_ids(v: &Value) -> Vec<u64> {
 }
 
 /// POST with a deadline; `Err` is a transport failure or the deadline.
-pub(super) async fn post(client: &reqwest::Client, url: &str, body: &Value, deadline: Duration) -> Result<(u16, Value), String> {
+pub(super) async fn post(
+    client: &reqwest::Client,
+    url: &str,
+    body: &Value,
+    deadline: Duration,
+) -> Result<(u16, Value), String> {
     let resp = client.post(url).json(body).timeout(deadline).send().await.map_err(|e| format!("POST {url}: {e}"))?;
     let status = resp.status().as_u16();
     let text = resp.text().await.map_err(|e| format!("body of POST {url}: {e}"))?;
@@ -139,7 +150,11 @@ async fn reference(env: &CellEnv<'_>, body: &Value) -> Result<Vec<u64>, String> 
 }
 
 /// The tokens the single reference engine at `reference_url` answers `body` with.
-pub(super) async fn reference_tokens(client: &reqwest::Client, reference_url: &str, body: &Value) -> Result<Vec<u64>, String> {
+pub(super) async fn reference_tokens(
+    client: &reqwest::Client,
+    reference_url: &str,
+    body: &Value,
+) -> Result<Vec<u64>, String> {
     match post(client, &format!("{reference_url}/v1/completions"), body, Duration::from_secs(30)).await? {
         (200, v) => Ok(token_ids(&v)),
         (s, v) => Err(format!("reference engine answered {s}: {v}")),
@@ -164,7 +179,13 @@ pub async fn run_cell(cell: &CellSpec, seed: u64, env: &CellEnv<'_>) -> CellResu
     result
 }
 
-async fn drive(cell: &CellSpec, seed: u64, env: &CellEnv<'_>, cluster: &mut ChaosCluster, result: &mut CellResult) -> Vec<String> {
+async fn drive(
+    cell: &CellSpec,
+    seed: u64,
+    env: &CellEnv<'_>,
+    cluster: &mut ChaosCluster,
+    result: &mut CellResult,
+) -> Vec<String> {
     let mut problems = Vec::new();
     let url = format!("{}/v1/completions", cluster.proxy_url());
     let faulted = body(&crate::demo::prompt_words(env.prompt_tokens, seed), env.max_tokens);
@@ -197,7 +218,10 @@ async fn drive(cell: &CellSpec, seed: u64, env: &CellEnv<'_>, cluster: &mut Chao
     let answer = answer.unwrap_or_else(|e| Err(format!("request task failed: {e}")));
     judge(&answer, &want, || classify(env), result, &mut problems);
     if terminal > env.terminal_deadline {
-        problems.push(format!("terminal after {:.0} ms, past the {:?} deadline", result.terminal_ms, env.terminal_deadline));
+        problems.push(format!(
+            "terminal after {:.0} ms, past the {:?} deadline",
+            result.terminal_ms, env.terminal_deadline
+        ));
     }
     // Blocks: P keeps a request's blocks at most until its send expiry (or a dead pull's
     // deadline), bounded by the engine's kv_state_timeout. The plan stays armed meanwhile: the
@@ -208,8 +232,15 @@ async fn drive(cell: &CellSpec, seed: u64, env: &CellEnv<'_>, cluster: &mut Chao
     fault::disarm();
     // A node killed by the very last edge is restarted before the next request.
     restart_killed(cluster, &mut problems).await;
-    result.fired = fired.iter().map(|f| format!("{}@{:?} {} killed={}", f.step, f.when, f.request_id, f.killed)).collect();
-    result.hit = fired.iter().any(|f| f.killed > 0) || fired.iter().any(|f| !matches!(cell.plan.faults[f.index].action, fault::FaultAction::Kill { .. } | fault::FaultAction::KillNode { .. }));
+    result.fired =
+        fired.iter().map(|f| format!("{}@{:?} {} killed={}", f.step, f.when, f.request_id, f.killed)).collect();
+    result.hit = fired.iter().any(|f| f.killed > 0)
+        || fired.iter().any(|f| {
+            !matches!(
+                cell.plan.faults[f.index].action,
+                fault::FaultAction::Kill { .. } | fault::FaultAction::KillNode { .. }
+            )
+        });
     if result.leaked_blocks_p + result.leaked_blocks_d > 0 {
         problems.push(format!("blocks leaked: P {}, D {}", result.leaked_blocks_p, result.leaked_blocks_d));
     }
@@ -283,7 +314,8 @@ pub const RECOVERY_WINDOW: Duration = Duration::from_secs(5);
 fn classify(env: &CellEnv<'_>) -> Outcome {
     let spans = env.capture.spans();
     let resumed = spans.iter().any(|s| s.step == steps::D_RESUME.number);
-    let failed_recv = spans.iter().any(|s| s.step == steps::D_PULL_RESULT.number && s.attr(attrs::OUTCOME) == Some("failed"));
+    let failed_recv =
+        spans.iter().any(|s| s.step == steps::D_PULL_RESULT.number && s.attr(attrs::OUTCOME) == Some("failed"));
     if resumed && !failed_recv {
         Outcome::Completed
     } else {

@@ -85,7 +85,9 @@ where
     let until = Instant::now() + REBIND_DEADLINE;
     loop {
         match start().await {
-            Err(NodeError::Bind { .. }) if Instant::now() < until => tokio::time::sleep(Duration::from_millis(20)).await,
+            Err(NodeError::Bind { .. }) if Instant::now() < until => {
+                tokio::time::sleep(Duration::from_millis(20)).await
+            }
             other => return other,
         }
     }
@@ -96,7 +98,12 @@ impl ChaosCluster {
         let bootstrap = BootstrapNode::start(SocketAddr::from(([127, 0, 0, 1], 0))).await?;
         let bootstrap_addr = bootstrap.addr;
         let suffix = uuid::Uuid::new_v4().simple().to_string();
-        let mut p_cfg = node_cfg(&spec, KvRole::Producer, format!("prefill-{}", &suffix[..8]), BootstrapPlacement::External { url: bootstrap.url() });
+        let mut p_cfg = node_cfg(
+            &spec,
+            KvRole::Producer,
+            format!("prefill-{}", &suffix[..8]),
+            BootstrapPlacement::External { url: bootstrap.url() },
+        );
         let prefill = EngineNode::start(p_cfg.clone()).await?;
         p_cfg.port = prefill.http_addr.port();
         let p_side_channel_port = prefill.side_channel_port();
@@ -112,7 +119,10 @@ impl ChaosCluster {
             ready_timeout: None,
         })
         .await?;
-        let client = reqwest::Client::builder().no_proxy().build().map_err(|e| NodeError::Config(format!("HTTP client: {e}")))?;
+        let client = reqwest::Client::builder()
+            .no_proxy()
+            .build()
+            .map_err(|e| NodeError::Config(format!("HTTP client: {e}")))?;
         crate::demo::wait_ready(&client, &proxy.url(), Duration::from_secs(10))
             .await
             .map_err(|e| NodeError::Config(format!("chaos cluster: {e}")))?;
@@ -177,7 +187,11 @@ impl ChaosCluster {
                 let addr = self.bootstrap_addr;
                 self.bootstrap = Some(retry_bind(|| BootstrapNode::start(addr)).await?);
             }
-            NodeKind::Proxy => return Err(NodeError::Config("chaos does not kill the proxy node: the client's own connection is the proxy's".into())),
+            NodeKind::Proxy => {
+                return Err(NodeError::Config(
+                    "chaos does not kill the proxy node: the client's own connection is the proxy's".into(),
+                ))
+            }
         }
         self.restarted.push(node);
         Ok(())

@@ -45,10 +45,10 @@ pub use faults::{per_request_faults, PlannedFault, SplitMix64};
 pub use report::{render, BadRequest, LoadReport, TerminalMs};
 
 use super::cell::{body, token_ids, truncate, Outcome};
-use verdict::{classify, outcome_name, verdict, Answer, Problem};
 use super::cluster::ChaosSpec;
 use super::Reference;
 use crate::node::NodeError;
+use verdict::{classify, outcome_name, verdict, Answer, Problem};
 
 /// How often step spans are read out of the capture and forgotten.
 pub const DRAIN_EVERY: Duration = Duration::from_millis(100);
@@ -213,7 +213,13 @@ fn spawn_drain(capture: SpanCapture, log: Arc<Mutex<SpanLog>>, stop: Cancellatio
     })
 }
 
-async fn post(client: &reqwest::Client, url: &str, id: &str, body: &Value, deadline: Duration) -> (Option<String>, Result<(u16, Value), String>) {
+async fn post(
+    client: &reqwest::Client,
+    url: &str,
+    id: &str,
+    body: &Value,
+    deadline: Duration,
+) -> (Option<String>, Result<(u16, Value), String>) {
     let resp = match client.post(url).header("x-request-id", id).json(body).timeout(deadline).send().await {
         Ok(r) => r,
         Err(e) => return (None, Err(format!("POST {url}: {e}"))),
@@ -233,20 +239,34 @@ struct Prompts {
 }
 
 impl Prompts {
-    async fn make(opts: &LoadOptions, rng: &mut SplitMix64, client: &reqwest::Client, reference: &Reference) -> Result<Self, NodeError> {
+    async fn make(
+        opts: &LoadOptions,
+        rng: &mut SplitMix64,
+        client: &reqwest::Client,
+        reference: &Reference,
+    ) -> Result<Self, NodeError> {
         let (lo, hi) = opts.prompt_tokens;
         let mut bodies = Vec::with_capacity(opts.distinct_prompts);
         let mut want = Vec::with_capacity(opts.distinct_prompts);
         let url = format!("{}/v1/completions", reference.url);
         for i in 0..opts.distinct_prompts {
             let len = lo + rng.below(hi - lo + 1);
-            let b = body(&crate::demo::prompt_words(len, opts.seed.wrapping_mul(1_000_003).wrapping_add(i as u64)), opts.max_tokens);
+            let b = body(
+                &crate::demo::prompt_words(len, opts.seed.wrapping_mul(1_000_003).wrapping_add(i as u64)),
+                opts.max_tokens,
+            );
             let tokens = match post(client, &url, &format!("ref-{i}"), &b, Duration::from_secs(30)).await {
                 (_, Ok((200, v))) => token_ids(&v),
-                (_, other) => return Err(NodeError::Config(format!("reference engine did not answer prompt {i}: {other:?}"))),
+                (_, other) => {
+                    return Err(NodeError::Config(format!("reference engine did not answer prompt {i}: {other:?}")))
+                }
             };
             if tokens.len() != opts.max_tokens {
-                return Err(NodeError::Config(format!("reference engine gave {} tokens for prompt {i}, asked for {}", tokens.len(), opts.max_tokens)));
+                return Err(NodeError::Config(format!(
+                    "reference engine gave {} tokens for prompt {i}, asked for {}",
+                    tokens.len(),
+                    opts.max_tokens
+                )));
             }
             bodies.push(b);
             want.push(tokens);
@@ -311,7 +331,8 @@ pub async fn run_cli(opts: &LoadOptions, json: Option<&std::path::Path>) -> Resu
     .await?;
     println!("\n{}", render(&report));
     if let Some(path) = json {
-        let text = serde_json::to_string_pretty(&report).map_err(|e| NodeError::Config(format!("serialising the load report: {e}")))?;
+        let text = serde_json::to_string_pretty(&report)
+            .map_err(|e| NodeError::Config(format!("serialising the load report: {e}")))?;
         std::fs::write(path, text).map_err(|e| NodeError::Config(format!("writing {}: {e}", path.display())))?;
         println!("report written to {}", path.display());
     }
@@ -326,11 +347,16 @@ pub enum Phase {
 }
 
 /// Runs the load; `progress` sees (phase, answered, total) after every answer.
-pub async fn run(opts: &LoadOptions, capture: &SpanCapture, mut progress: impl FnMut(Phase, usize, usize)) -> Result<LoadReport, NodeError> {
+pub async fn run(
+    opts: &LoadOptions,
+    capture: &SpanCapture,
+    mut progress: impl FnMut(Phase, usize, usize),
+) -> Result<LoadReport, NodeError> {
     opts.validate().map_err(|e| NodeError::Config(e.join("; ")))?;
     fault::enable();
     let spec = load_spec(opts);
-    let client = reqwest::Client::builder().no_proxy().build().map_err(|e| NodeError::Config(format!("HTTP client: {e}")))?;
+    let client =
+        reqwest::Client::builder().no_proxy().build().map_err(|e| NodeError::Config(format!("HTTP client: {e}")))?;
     let mut rng = SplitMix64::new(opts.seed);
     let reference = Reference::start(spec.shape).await?;
     let prompts = Prompts::make(opts, &mut rng, &client, &reference).await;
@@ -369,7 +395,9 @@ async fn drive(
     let warm_ids: Vec<String> = (0..opts.warmup).map(|i| format!("wu-{i:05}")).collect();
     let warm_prompts: Vec<usize> = (0..opts.warmup).map(|_| rng.below(prompts.bodies.len())).collect();
     let to = Endpoint { client, url: &url, deadline: client_deadline };
-    let warm = blast(to, prompts, &warm_ids, &warm_prompts, opts.concurrency, |n| progress(Phase::Warmup, n, opts.warmup)).await;
+    let warm =
+        blast(to, prompts, &warm_ids, &warm_prompts, opts.concurrency, |n| progress(Phase::Warmup, n, opts.warmup))
+            .await;
     let warm_bad = warm.iter().filter(|a| !matches!(a.verdict, Ok(None))).count();
     if warm_bad > 0 {
         problems.push(format!("{warm_bad} of {} un-faulted warm-up requests were not served correctly", opts.warmup));
@@ -391,7 +419,8 @@ async fn drive(
     let (plan, planned) = faults::plan(opts.requests, opts.fault_rate, &menu, rng, client_id);
     let injector = fault::arm(plan);
     let started = Instant::now();
-    let answers = blast(to, prompts, &ids, &prompt_of, opts.concurrency, |n| progress(Phase::Run, n, opts.requests)).await;
+    let answers =
+        blast(to, prompts, &ids, &prompt_of, opts.concurrency, |n| progress(Phase::Run, n, opts.requests)).await;
     let wall = started.elapsed();
     let rss_end_of_run = rss_bytes();
 
@@ -425,7 +454,12 @@ async fn drive(
                     collateral += 1;
                 }
                 if failed_samples.len() < MAX_BAD {
-                    failed_samples.push(BadRequest { request: a.request, request_id: a.request_id.clone(), fault, detail: error.clone() });
+                    failed_samples.push(BadRequest {
+                        request: a.request,
+                        request_id: a.request_id.clone(),
+                        fault,
+                        detail: error.clone(),
+                    });
                 }
             }
             if let Some(p) = problem {
@@ -457,7 +491,9 @@ async fn drive(
     // The actors too: no pull in flight on P, no request in any lifecycle state on D.
     let tracked_transfers = cluster.tracked_transfers().await;
     if tracked_transfers.values().any(|n| *n > 0) {
-        problems.push(format!("transfers still tracked by the actors (P: pulls in flight, D: requests in a state): {tracked_transfers:?}"));
+        problems.push(format!(
+            "transfers still tracked by the actors (P: pulls in flight, D: requests in a state): {tracked_transfers:?}"
+        ));
     }
     let leaked_blocks: BTreeMap<String, usize> = held.iter().map(|(k, h)| (k.clone(), h.blocks)).collect();
     let stuck_requests: BTreeMap<String, usize> = held.iter().map(|(k, h)| (k.clone(), h.requests)).collect();
@@ -482,7 +518,13 @@ async fn drive(
     let terminal: Vec<f64> = answers.iter().map(|a| a.terminal.as_secs_f64() * 1e3).collect();
     let faults_hit = fired
         .iter()
-        .filter(|f| f.killed > 0 || !matches!(injector.plan().faults[f.index].action, fault::FaultAction::Kill { .. } | fault::FaultAction::KillNode { .. }))
+        .filter(|f| {
+            f.killed > 0
+                || !matches!(
+                    injector.plan().faults[f.index].action,
+                    fault::FaultAction::Kill { .. } | fault::FaultAction::KillNode { .. }
+                )
+        })
         .count();
     LoadReport {
         requests: opts.requests,
@@ -555,7 +597,8 @@ async fn serving_after(
             (_, r) => last = format!("after-{k}: {}", truncate(&format!("{r:?}"))),
         }
         let now = cluster.block_stats();
-        let idle: Vec<&String> = now.iter().filter(|(k, s)| before.get(*k).is_some_and(|b| s.finished <= *b)).map(|(k, _)| k).collect();
+        let idle: Vec<&String> =
+            now.iter().filter(|(k, s)| before.get(*k).is_some_and(|b| s.finished <= *b)).map(|(k, _)| k).collect();
         if idle.is_empty() && completed >= PREFILLS.max(DECODES) {
             return Ok(());
         }

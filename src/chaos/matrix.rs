@@ -80,16 +80,28 @@ pub fn owned_steps(kind: ActorKind, role: Role) -> Vec<u8> {
         Role::D => Side::D,
         Role::Proxy => Side::Proxy,
     };
-    steps::STEPS.iter().filter(|s| REQUEST_STEPS.contains(&s.number) && s.owner == owner && s.side == side).map(|s| s.number).collect()
+    steps::STEPS
+        .iter()
+        .filter(|s| REQUEST_STEPS.contains(&s.number) && s.owner == owner && s.side == side)
+        .map(|s| s.number)
+        .collect()
 }
 
 fn kill(kind: ActorKind, role: Role, label: &str, step: u8, when: When) -> CellSpec {
     let w = if when == When::Begin { "begin" } else { "end" };
-    CellSpec::new(label.to_string(), format!("kill@{w}"), Fault::new(step, when, FaultAction::Kill { actor: kind, role: Some(role) }))
+    CellSpec::new(
+        label.to_string(),
+        format!("kill@{w}"),
+        Fault::new(step, when, FaultAction::Kill { actor: kind, role: Some(role) }),
+    )
 }
 
 fn node(node: NodeKind, step: u8) -> CellSpec {
-    CellSpec::new(format!("node.{}", node.name()), "kill_node@begin".into(), Fault::new(step, When::Begin, FaultAction::KillNode { node }))
+    CellSpec::new(
+        format!("node.{}", node.name()),
+        "kill_node@begin".into(),
+        Fault::new(step, When::Begin, FaultAction::KillNode { node }),
+    )
 }
 
 fn message(step: u8, action: FaultAction) -> CellSpec {
@@ -102,7 +114,11 @@ fn message(step: u8, action: FaultAction) -> CellSpec {
 }
 
 fn delay(actor: &str, step: u8, ms: u64) -> CellSpec {
-    CellSpec::new(actor.to_string(), format!("delay_{ms}ms@begin"), Fault::new(step, When::Begin, FaultAction::Delay { ms }))
+    CellSpec::new(
+        actor.to_string(),
+        format!("delay_{ms}ms@begin"),
+        Fault::new(step, When::Begin, FaultAction::Delay { ms }),
+    )
 }
 
 /// The data connection of P's write (step 29) is cut after `after_bytes` payload bytes.

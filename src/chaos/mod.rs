@@ -38,7 +38,8 @@ use crate::node::engine_node::{serve_http, stop_http};
 use crate::node::NodeError;
 
 /// A small model shape: chaos cells are about failure paths, not bandwidth (8 KiB per block).
-pub const CHAOS_SHAPE: KvShape = KvShape { num_layers: 4, num_kv_heads: 2, head_dim: 16, dtype_bytes: 2, block_size: 16 };
+pub const CHAOS_SHAPE: KvShape =
+    KvShape { num_layers: 4, num_kv_heads: 2, head_dim: 16, dtype_bytes: 2, block_size: 16 };
 
 /// The short deadlines of a chaos run (seconds, not vLLM's minutes).
 pub fn chaos_deadlines() -> Deadlines {
@@ -90,7 +91,13 @@ pub struct ChaosReport {
 
 /// The spec every cell's cluster uses.
 pub fn chaos_spec(policy: LoadFailurePolicy) -> ChaosSpec {
-    ChaosSpec { shape: CHAOS_SHAPE, num_blocks: 256, deadlines: chaos_deadlines(), policy, upstream_timeout: Duration::from_secs(8) }
+    ChaosSpec {
+        shape: CHAOS_SHAPE,
+        num_blocks: 256,
+        deadlines: chaos_deadlines(),
+        policy,
+        upstream_timeout: Duration::from_secs(8),
+    }
 }
 
 /// The environment of a run: a reference engine (no connector) serving over HTTP.
@@ -122,7 +129,11 @@ pub fn terminal_deadline(spec: &ChaosSpec) -> Duration {
 }
 
 /// Runs the matrix; `progress` sees each result as it comes.
-pub async fn run(opts: &ChaosOptions, capture: &SpanCapture, mut progress: impl FnMut(usize, usize, &CellResult)) -> Result<ChaosReport, NodeError> {
+pub async fn run(
+    opts: &ChaosOptions,
+    capture: &SpanCapture,
+    mut progress: impl FnMut(usize, usize, &CellResult),
+) -> Result<ChaosReport, NodeError> {
     pdflow_observability::fault::enable();
     let started = Instant::now();
     let spec = chaos_spec(opts.policy);
@@ -131,7 +142,8 @@ pub async fn run(opts: &ChaosOptions, capture: &SpanCapture, mut progress: impl 
         .filter(|c| opts.filter.as_deref().is_none_or(|f| c.name().contains(f)))
         .collect();
     let reference = Reference::start(spec.shape).await?;
-    let client = reqwest::Client::builder().no_proxy().build().map_err(|e| NodeError::Config(format!("HTTP client: {e}")))?;
+    let client =
+        reqwest::Client::builder().no_proxy().build().map_err(|e| NodeError::Config(format!("HTTP client: {e}")))?;
     let env = CellEnv {
         spec,
         capture,
@@ -163,12 +175,20 @@ pub enum Progress<'a> {
 /// `bin`, the `pdflow` binary), or both — and tallies one report. Where the network cells were
 /// asked for alongside the matrix but cannot run here, the report says why
 /// (`network_skipped`); asked for alone, that is an error.
-pub async fn run_selected(opts: &ChaosOptions, capture: &SpanCapture, bin: &std::path::Path, mut progress: impl FnMut(Progress<'_>)) -> Result<ChaosReport, NodeError> {
+pub async fn run_selected(
+    opts: &ChaosOptions,
+    capture: &SpanCapture,
+    bin: &std::path::Path,
+    mut progress: impl FnMut(Progress<'_>),
+) -> Result<ChaosReport, NodeError> {
     let started = Instant::now();
     let mut cells = Vec::new();
     if opts.network != NetworkCells::Only {
         let kind = if opts.quick { "quick" } else { "full" };
-        progress(Progress::Section(format!("{kind} matrix, D's kv_load_failure_policy {:?}; one fresh P + D + bootstrap + proxy per cell", opts.policy)));
+        progress(Progress::Section(format!(
+            "{kind} matrix, D's kv_load_failure_policy {:?}; one fresh P + D + bootstrap + proxy per cell",
+            opts.policy
+        )));
         cells = run(opts, capture, |index, of, row| progress(Progress::Cell { index, of, row })).await?.cells;
     }
     let mut network_skipped = None;
@@ -177,9 +197,13 @@ pub async fn run_selected(opts: &ChaosOptions, capture: &SpanCapture, bin: &std:
             Ok(()) => {
                 let selected = net::cells(opts.filter.as_deref());
                 progress(Progress::Section(format!("{} network cells, P, D and the proxy as processes in their own network namespaces (policy per cell)", selected.len())));
-                cells.extend(net::run(bin, &selected, |index, of, row| progress(Progress::Cell { index, of, row })).await?.cells);
+                cells.extend(
+                    net::run(bin, &selected, |index, of, row| progress(Progress::Cell { index, of, row })).await?.cells,
+                );
             }
-            Err(why) if opts.network == NetworkCells::Only => return Err(NodeError::Config(format!("the network cells cannot run here: {why}"))),
+            Err(why) if opts.network == NetworkCells::Only => {
+                return Err(NodeError::Config(format!("the network cells cannot run here: {why}")))
+            }
             Err(why) => network_skipped = Some(why),
         }
     }
@@ -227,12 +251,18 @@ pub fn render_row(c: &CellResult) -> String {
 
 /// The table's header.
 pub fn render_header() -> String {
-    format!("{:<40} {:<15} {:<7} {:>9} {:>6} {:>6} {:<5} {:<4} {}", "cell (actor/step/fault)", "outcome", "correct", "term_ms", "leak_P", "leak_D", "next", "", "detail")
+    format!(
+        "{:<40} {:<15} {:<7} {:>9} {:>6} {:>6} {:<5} {:<4} {}",
+        "cell (actor/step/fault)", "outcome", "correct", "term_ms", "leak_P", "leak_D", "next", "", "detail"
+    )
 }
 
 /// The summary lines under the table.
 pub fn render_summary(r: &ChaosReport) -> String {
-    let mut s = format!("cells: {} passed, {} failed ({} missed: nothing alive to hit) in {:.1} s\n", r.passed, r.failed, r.missed, r.wall_s);
+    let mut s = format!(
+        "cells: {} passed, {} failed ({} missed: nothing alive to hit) in {:.1} s\n",
+        r.passed, r.failed, r.missed, r.wall_s
+    );
     if let Some(why) = &r.network_skipped {
         let _ = writeln!(s, "network cells skipped: {why}");
     }
@@ -255,9 +285,14 @@ pub fn install_layers() -> SpanCapture {
     CAPTURE
         .get_or_init(|| {
             let capture = SpanCapture::new();
-            let filter = tracing_subscriber::EnvFilter::try_from_env("PDFLOW_CHAOS_LOG").unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("error"));
+            let filter = tracing_subscriber::EnvFilter::try_from_env("PDFLOW_CHAOS_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("error"));
             let fmt = tracing_subscriber::fmt::layer().with_writer(std::io::stderr).with_filter(filter);
-            let _ = tracing_subscriber::registry().with(capture.clone()).with(pdflow_observability::fault::FaultLayer).with(fmt).try_init();
+            let _ = tracing_subscriber::registry()
+                .with(capture.clone())
+                .with(pdflow_observability::fault::FaultLayer)
+                .with(fmt)
+                .try_init();
             pdflow_observability::fault::enable();
             capture
         })

@@ -38,10 +38,15 @@ pub fn cells(filter: Option<&str>) -> Vec<NetCell> {
 
 /// Runs `cells` with the nodes started from `bin` (the `pdflow` binary); `progress` sees each
 /// result as it comes. Fails only if the reference engine cannot start.
-pub async fn run(bin: &Path, cells: &[NetCell], mut progress: impl FnMut(usize, usize, &CellResult)) -> Result<ChaosReport, NodeError> {
+pub async fn run(
+    bin: &Path,
+    cells: &[NetCell],
+    mut progress: impl FnMut(usize, usize, &CellResult),
+) -> Result<ChaosReport, NodeError> {
     let started = Instant::now();
     let reference = Reference::start(KvShape::QWEN3_8B).await?;
-    let client = reqwest::Client::builder().no_proxy().build().map_err(|e| NodeError::Config(format!("HTTP client: {e}")))?;
+    let client =
+        reqwest::Client::builder().no_proxy().build().map_err(|e| NodeError::Config(format!("HTTP client: {e}")))?;
     let env = NetEnv { bin, client: &client, reference_url: &reference.url };
     let mut results = Vec::with_capacity(cells.len());
     for (i, cell) in cells.iter().enumerate() {

@@ -7,8 +7,8 @@ use kameo::prelude::*;
 use kameo::supervision::RestartPolicy;
 use pdflow_actors::bootstrap::{Bootstrap, BootstrapArgs};
 use pdflow_actors::fault_hooks::register_actor;
-use pdflow_observability::fault::{ActorKind, Role};
 use pdflow_messages::bootstrap::BootstrapAddr;
+use pdflow_observability::fault::{ActorKind, Role};
 
 use super::supervisor::{NodeSupervisor, MAX_RESTARTS, RESTART_WINDOW};
 use super::{started, NodeError};
@@ -33,7 +33,8 @@ impl BootstrapNode {
     pub async fn start_under(supervisor: &ActorRef<NodeSupervisor>, bind: SocketAddr) -> Result<Self, NodeError> {
         let bind = super::fixed_port(bind, "bootstrap HTTP server")?;
         let bootstrap = Bootstrap::supervise(supervisor, BootstrapArgs { bind })
-            .restart_policy(RestartPolicy::Transient).restart_limit(MAX_RESTARTS, RESTART_WINDOW)
+            .restart_policy(RestartPolicy::Transient)
+            .restart_limit(MAX_RESTARTS, RESTART_WINDOW)
             .spawn()
             .await;
         started("Bootstrap", &bootstrap).await?;

@@ -105,7 +105,8 @@ impl EngineNode {
         };
         let args = SchedulerConnectorArgs { engine_id: engine_id.clone(), role: cfg.role, bootstrap_addr };
         let connector = SchedulerConnector::supervise(&supervisor, args)
-            .restart_policy(RestartPolicy::Transient).restart_limit(MAX_RESTARTS, RESTART_WINDOW)
+            .restart_policy(RestartPolicy::Transient)
+            .restart_limit(MAX_RESTARTS, RESTART_WINDOW)
             .spawn()
             .await;
         started("SchedulerConnector", &connector).await?;
@@ -148,14 +149,19 @@ impl EngineNode {
                     verify_checksums: cfg.verify_checksums,
                     lineage: Default::default(),
                 };
-                let listener = SenderListener::supervise(&supervisor, args).restart_policy(RestartPolicy::Transient).restart_limit(MAX_RESTARTS, RESTART_WINDOW).spawn().await;
+                let listener = SenderListener::supervise(&supervisor, args)
+                    .restart_policy(RestartPolicy::Transient)
+                    .restart_limit(MAX_RESTARTS, RESTART_WINDOW)
+                    .spawn()
+                    .await;
                 started("SenderListener", &listener).await?;
                 register_actor(ActorKind::SenderListener, Role::P, Vec::new(), &listener);
                 sender_listener = Some(listener.clone());
                 Arc::new(ProducerWorkerPort { listener, events: events.clone() })
             }
             KvRole::Consumer => {
-                let KvDataServing { server, fence, held } = serve_kv_data(&kv_cache, &cfg.host, &format!("{}:0", cfg.host), &cfg.tcp).await?;
+                let KvDataServing { server, fence, held } =
+                    serve_kv_data(&kv_cache, &cfg.host, &format!("{}:0", cfg.host), &cfg.tcp).await?;
                 gpu_serving.extend(held);
                 let args = ReceiverArgs {
                     engine_id: engine_id.clone(),
@@ -171,7 +177,11 @@ impl EngineNode {
                     fence: Some(fence),
                 };
                 data_server = Some(server);
-                let r = Receiver::supervise(&supervisor, args).restart_policy(RestartPolicy::Transient).restart_limit(MAX_RESTARTS, RESTART_WINDOW).spawn().await;
+                let r = Receiver::supervise(&supervisor, args)
+                    .restart_policy(RestartPolicy::Transient)
+                    .restart_limit(MAX_RESTARTS, RESTART_WINDOW)
+                    .spawn()
+                    .await;
                 started("Receiver", &r).await?;
                 register_actor(ActorKind::Receiver, Role::D, Vec::new(), &r);
                 receiver = Some(r.clone());
@@ -272,7 +282,11 @@ pub async fn serve_http(
     router: axum::Router,
 ) -> Result<(SocketAddr, CancellationToken, tokio::task::JoinHandle<()>), NodeError> {
     let addr = format!("{host}:{port}");
-    let listener = tokio::net::TcpListener::bind(&addr).await.map_err(|source| NodeError::Bind { what: "engine HTTP API", addr: addr.clone(), source })?;
+    let listener = tokio::net::TcpListener::bind(&addr).await.map_err(|source| NodeError::Bind {
+        what: "engine HTTP API",
+        addr: addr.clone(),
+        source,
+    })?;
     let local = listener.local_addr().map_err(|source| NodeError::Bind { what: "engine HTTP API", addr, source })?;
     let stop = CancellationToken::new();
     let token = stop.clone();
@@ -311,4 +325,3 @@ fn new_kv_cache(cfg: &EngineNodeConfig) -> Result<Arc<KvCache>, NodeError> {
         ))),
     }
 }
-

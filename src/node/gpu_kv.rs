@@ -37,8 +37,14 @@ pub struct KvDataServing {
 /// (a write D gave up on is refused, never landed), P is offered the same-host path for host KV
 /// unless `tcp` turns it off, and GPU KV is served as [`serve_gpu_kv`] and [`register_local_peer`]
 /// say.
-pub async fn serve_kv_data(kv_cache: &Arc<KvCache>, host: &str, bind: &str, tcp: &TcpConfig) -> Result<KvDataServing, NodeError> {
-    let bind_addr: std::net::SocketAddr = bind.parse().map_err(|e| NodeError::Config(format!("data server address {bind}: {e}")))?;
+pub async fn serve_kv_data(
+    kv_cache: &Arc<KvCache>,
+    host: &str,
+    bind: &str,
+    tcp: &TcpConfig,
+) -> Result<KvDataServing, NodeError> {
+    let bind_addr: std::net::SocketAddr =
+        bind.parse().map_err(|e| NodeError::Config(format!("data server address {bind}: {e}")))?;
     let fence = WriteFence::new();
     let (device_export, gpu_serving) = serve_gpu_kv(kv_cache, host, tcp, &fence)?;
     let options = DataServerOptions {
@@ -49,7 +55,9 @@ pub async fn serve_kv_data(kv_cache: &Arc<KvCache>, host: &str, bind: &str, tcp:
         device_export,
         ..DataServerOptions::default()
     };
-    let server = TcpDataServer::bind_options(bind_addr, kv_cache.region_table(), options).await.map_err(|e| NodeError::Transfer(e.to_string()))?;
+    let server = TcpDataServer::bind_options(bind_addr, kv_cache.region_table(), options)
+        .await
+        .map_err(|e| NodeError::Transfer(e.to_string()))?;
     let local_peer = register_local_peer(&server.local_addr().to_string(), kv_cache, &fence)?;
     Ok(KvDataServing { server, fence, held: gpu_serving.into_iter().chain(local_peer).collect() })
 }
@@ -59,24 +67,33 @@ pub fn producer_engine(kv_cache: &Arc<KvCache>, tcp: &TcpConfig) -> Result<Arc<d
     match kv_cache.memory() {
         MemoryKind::Host => Ok(Arc::new(AutoTransferEngine::new(kv_cache.region_table(), tcp.clone()))),
         #[cfg(feature = "cuda")]
-        MemoryKind::Cuda { device } => pdflow_runtime::transfer::cuda::gpu_engine::GpuTransferEngine::new(kv_cache, tcp.clone())
-            .map(|e| Arc::new(e) as Arc<dyn TransferEngine>)
-            .map_err(|e| NodeError::Config(format!("GPU transfer engine on GPU {device}: {e}"))),
+        MemoryKind::Cuda { device } => {
+            pdflow_runtime::transfer::cuda::gpu_engine::GpuTransferEngine::new(kv_cache, tcp.clone())
+                .map(|e| Arc::new(e) as Arc<dyn TransferEngine>)
+                .map_err(|e| NodeError::Config(format!("GPU transfer engine on GPU {device}: {e}")))
+        }
         #[cfg(not(feature = "cuda"))]
-        MemoryKind::Cuda { device } => Err(NodeError::Config(format!("KV cache on GPU {device} in a build without GPU support"))),
+        MemoryKind::Cuda { device } => {
+            Err(NodeError::Config(format!("KV cache on GPU {device} in a build without GPU support")))
+        }
     }
 }
 
 /// Registers D's GPU cache, served at `data_addr`, as a peer of this process's P engines
 /// (cuda-peer; nothing for host KV).
-pub fn register_local_peer(data_addr: &str, kv_cache: &Arc<KvCache>, fence: &WriteFence) -> Result<Option<Held>, NodeError> {
+pub fn register_local_peer(
+    data_addr: &str,
+    kv_cache: &Arc<KvCache>,
+    fence: &WriteFence,
+) -> Result<Option<Held>, NodeError> {
     if kv_cache.memory() == MemoryKind::Host {
         return Ok(None);
     }
     #[cfg(feature = "cuda")]
     {
-        let guard = pdflow_runtime::transfer::cuda::peer_engine::register_local_peer(data_addr, kv_cache, Some(fence.clone()))
-            .map_err(|e| NodeError::Config(e.to_string()))?;
+        let guard =
+            pdflow_runtime::transfer::cuda::peer_engine::register_local_peer(data_addr, kv_cache, Some(fence.clone()))
+                .map_err(|e| NodeError::Config(e.to_string()))?;
         Ok(Some(Box::new(guard)))
     }
     #[cfg(not(feature = "cuda"))]
@@ -88,15 +105,21 @@ pub fn register_local_peer(data_addr: &str, kv_cache: &Arc<KvCache>, fence: &Wri
 
 /// D's serving of GPU KV on `host` (nothing for host KV): the device offer for its data server
 /// and the staged receiver (kept alive by the returned value), under `fence` and `tcp`'s token.
-pub fn serve_gpu_kv(kv_cache: &Arc<KvCache>, host: &str, tcp: &TcpConfig, fence: &WriteFence) -> Result<(Vec<u8>, Option<Held>), NodeError> {
+pub fn serve_gpu_kv(
+    kv_cache: &Arc<KvCache>,
+    host: &str,
+    tcp: &TcpConfig,
+    fence: &WriteFence,
+) -> Result<(Vec<u8>, Option<Held>), NodeError> {
     if kv_cache.memory() == MemoryKind::Host {
         return Ok((Vec::new(), None));
     }
     #[cfg(feature = "cuda")]
     {
         use pdflow_runtime::transfer::cuda::device_offer::DeviceServing;
-        let serving = DeviceServing::start(kv_cache, host, tcp.auth_token.as_deref(), tcp.write_timeout, Some(fence.clone()))
-            .map_err(|e| NodeError::Config(e.to_string()))?;
+        let serving =
+            DeviceServing::start(kv_cache, host, tcp.auth_token.as_deref(), tcp.write_timeout, Some(fence.clone()))
+                .map_err(|e| NodeError::Config(e.to_string()))?;
         tracing::info!(staged = %serving.staged_addr(), "D serves its GPU KV: CUDA IPC handles and a staged receiver");
         Ok((serving.export().to_vec(), Some(Box::new(serving))))
     }

@@ -26,7 +26,10 @@ pub enum NodeError {
 }
 
 /// Waits for a freshly spawned actor's `on_start` and turns its failure into a [`NodeError`].
-pub(crate) async fn started<A: kameo::Actor>(actor: &'static str, r: &kameo::actor::ActorRef<A>) -> Result<(), NodeError>
+pub(crate) async fn started<A: kameo::Actor>(
+    actor: &'static str,
+    r: &kameo::actor::ActorRef<A>,
+) -> Result<(), NodeError>
 where
     A::Error: std::fmt::Display,
 {
@@ -40,6 +43,7 @@ pub(crate) fn fixed_port(addr: std::net::SocketAddr, what: &'static str) -> Resu
     if addr.port() != 0 {
         return Ok(addr);
     }
-    let probe = std::net::TcpListener::bind(addr).map_err(|source| NodeError::Bind { what, addr: addr.to_string(), source })?;
+    let probe =
+        std::net::TcpListener::bind(addr).map_err(|source| NodeError::Bind { what, addr: addr.to_string(), source })?;
     probe.local_addr().map_err(|source| NodeError::Bind { what, addr: addr.to_string(), source })
 }

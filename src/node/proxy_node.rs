@@ -27,7 +27,11 @@ impl ProxyNode {
         let bind = args.bind;
         let upstream_timeout = args.upstream_timeout;
         let supervisor = NodeSupervisor::spawn("proxy".to_string());
-        let proxy = Proxy::supervise(&supervisor, args).restart_policy(RestartPolicy::Transient).restart_limit(MAX_RESTARTS, RESTART_WINDOW).spawn().await;
+        let proxy = Proxy::supervise(&supervisor, args)
+            .restart_policy(RestartPolicy::Transient)
+            .restart_limit(MAX_RESTARTS, RESTART_WINDOW)
+            .spawn()
+            .await;
         started("Proxy", &proxy).await?;
         register_actor(ActorKind::Proxy, Role::Proxy, Vec::new(), &proxy);
         let server = match ProxyServer::start(bind, proxy.clone(), upstream_timeout).await {

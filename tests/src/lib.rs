@@ -55,7 +55,13 @@ pub struct ClusterSpec {
 impl ClusterSpec {
     /// 1P1D with the small shape.
     pub fn one_p_one_d() -> Self {
-        Self { shape: SMALL, prefill: vec![EngineOpts::default()], decode: vec![EngineOpts::default()], deadlines: Deadlines::from_abort_timeout(Duration::from_secs(20)), verify_checksums: true }
+        Self {
+            shape: SMALL,
+            prefill: vec![EngineOpts::default()],
+            decode: vec![EngineOpts::default()],
+            deadlines: Deadlines::from_abort_timeout(Duration::from_secs(20)),
+            verify_checksums: true,
+        }
     }
 }
 
@@ -147,7 +153,11 @@ impl Cluster {
             role,
             host: "127.0.0.1".into(),
             port: 0,
-            engine: engine_config(spec.shape, o, format!("{}-{i}-{}", if role == KvRole::Producer { "prefill" } else { "decode" }, uuid_like())),
+            engine: engine_config(
+                spec.shape,
+                o,
+                format!("{}-{i}-{}", if role == KvRole::Producer { "prefill" } else { "decode" }, uuid_like()),
+            ),
             bootstrap,
             deadlines: spec.deadlines,
             tcp: TcpConfig::default(),
@@ -156,7 +166,8 @@ impl Cluster {
         };
         let mut prefill = Vec::new();
         for (i, o) in spec.prefill.iter().enumerate() {
-            prefill.push(EngineNode::start(node(KvRole::Producer, o, BootstrapPlacement::Launch { port: 0 }, i)).await?);
+            prefill
+                .push(EngineNode::start(node(KvRole::Producer, o, BootstrapPlacement::Launch { port: 0 }, i)).await?);
         }
         let mut decode = Vec::new();
         for (i, o) in spec.decode.iter().enumerate() {
@@ -166,7 +177,10 @@ impl Cluster {
             bind: SocketAddr::from(([127, 0, 0, 1], 0)),
             prefill: prefill
                 .iter()
-                .map(|p| PrefillTarget { url: p.url(), bootstrap_port: p.bootstrap.as_ref().map(|b| b.addr.port()).unwrap_or(0) })
+                .map(|p| PrefillTarget {
+                    url: p.url(),
+                    bootstrap_port: p.bootstrap.as_ref().map(|b| b.addr.port()).unwrap_or(0),
+                })
                 .collect(),
             decode: decode.iter().map(|d| d.url()).collect(),
             health_interval: Duration::from_millis(25),
@@ -212,7 +226,10 @@ impl Cluster {
 
 /// A short random-looking id.
 pub fn uuid_like() -> String {
-    format!("{:08x}", std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.subsec_nanos()).unwrap_or(0))
+    format!(
+        "{:08x}",
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.subsec_nanos()).unwrap_or(0)
+    )
 }
 
 pub async fn post(client: &reqwest::Client, url: &str, body: &Value) -> anyhow::Result<(u16, Value)> {
@@ -279,7 +296,13 @@ pub mod direct {
     }
 
     /// D's body: do_remote_prefill with P's bootstrap and engine id.
-    pub fn decode_body(prompt: &str, max_tokens: usize, transfer_id: &str, bootstrap_url: &str, engine_id: &str) -> Value {
+    pub fn decode_body(
+        prompt: &str,
+        max_tokens: usize,
+        transfer_id: &str,
+        bootstrap_url: &str,
+        engine_id: &str,
+    ) -> Value {
         json!({"model": "Qwen/Qwen3-8B", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
                "kv_transfer_params": {"do_remote_decode": false, "do_remote_prefill": true, "transfer_id": transfer_id,
                                       "remote_bootstrap_addr": bootstrap_url, "remote_engine_id": engine_id}})
@@ -308,11 +331,18 @@ pub fn capture() -> pdflow_observability::capture::SpanCapture {
 
 /// Waits (bounded) until a span of `step` whose `pd.transfer_id` is `transfer_id` exists
 /// (`closed`: and has ended).
-pub async fn wait_for_step(capture: &pdflow_observability::capture::SpanCapture, step: u8, transfer_id: &str, closed: bool) {
+pub async fn wait_for_step(
+    capture: &pdflow_observability::capture::SpanCapture,
+    step: u8,
+    transfer_id: &str,
+    closed: bool,
+) {
     let deadline = Instant::now() + Duration::from_secs(15);
     loop {
         let seen = capture.spans().iter().any(|s| {
-            s.step == step && s.attr(pdflow_observability::attrs::TRANSFER_ID) == Some(transfer_id) && (!closed || s.end.is_some())
+            s.step == step
+                && s.attr(pdflow_observability::attrs::TRANSFER_ID) == Some(transfer_id)
+                && (!closed || s.end.is_some())
         });
         if seen {
             return;

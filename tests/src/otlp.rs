@@ -93,7 +93,10 @@ struct GrpcService(Collected);
 
 #[tonic::async_trait]
 impl TraceService for GrpcService {
-    async fn export(&self, request: tonic::Request<ExportTraceServiceRequest>) -> Result<tonic::Response<ExportTraceServiceResponse>, tonic::Status> {
+    async fn export(
+        &self,
+        request: tonic::Request<ExportTraceServiceRequest>,
+    ) -> Result<tonic::Response<ExportTraceServiceResponse>, tonic::Status> {
         self.0.add(request.into_inner());
         Ok(tonic::Response::new(ExportTraceServiceResponse { partial_success: None }))
     }
@@ -154,7 +157,10 @@ impl OtlpReceiver {
                             match ExportTraceServiceRequest::decode(body) {
                                 Ok(req) => {
                                     c.add(req);
-                                    (axum::http::StatusCode::OK, ExportTraceServiceResponse { partial_success: None }.encode_to_vec())
+                                    (
+                                        axum::http::StatusCode::OK,
+                                        ExportTraceServiceResponse { partial_success: None }.encode_to_vec(),
+                                    )
                                 }
                                 Err(e) => (axum::http::StatusCode::BAD_REQUEST, e.to_string().into_bytes()),
                             }
@@ -189,7 +195,12 @@ impl OtlpReceiver {
     }
 
     /// Waits (bounded) until `done` holds for the spans received.
-    pub async fn wait_until(&self, deadline: Duration, what: &str, done: impl Fn(&[ReceivedSpan]) -> bool) -> anyhow::Result<Vec<ReceivedSpan>> {
+    pub async fn wait_until(
+        &self,
+        deadline: Duration,
+        what: &str,
+        done: impl Fn(&[ReceivedSpan]) -> bool,
+    ) -> anyhow::Result<Vec<ReceivedSpan>> {
         let until = Instant::now() + deadline;
         loop {
             let spans = self.spans();
@@ -206,7 +217,10 @@ impl OtlpReceiver {
                         format!("{id}: {} spans, missing {missing:?}", t.len())
                     })
                     .collect();
-                bail!("{what}: not within {deadline:?}; {} spans received, steps {steps:?}; per trace: {per_trace:#?}", spans.len());
+                bail!(
+                    "{what}: not within {deadline:?}; {} spans received, steps {steps:?}; per trace: {per_trace:#?}",
+                    spans.len()
+                );
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
@@ -224,7 +238,8 @@ pub fn traces(spans: &[ReceivedSpan]) -> BTreeMap<String, Vec<ReceivedSpan>> {
 
 /// The request traces (those holding step 8), oldest first.
 pub fn request_traces(spans: &[ReceivedSpan]) -> Vec<Vec<ReceivedSpan>> {
-    let mut out: Vec<Vec<ReceivedSpan>> = traces(spans).into_values().filter(|t| t.iter().any(|s| s.step == 8)).collect();
+    let mut out: Vec<Vec<ReceivedSpan>> =
+        traces(spans).into_values().filter(|t| t.iter().any(|s| s.step == 8)).collect();
     out.sort_by_key(|t| t.iter().filter(|s| s.step == 8).map(|s| s.start).min());
     out
 }
@@ -242,14 +257,19 @@ pub fn unresolved_parents(spans: &[ReceivedSpan]) -> Vec<String> {
         .iter()
         .filter_map(|s| {
             let p = s.parent.as_deref()?;
-            (!ids.contains(&(s.trace_id.as_str(), p))).then(|| format!("{} ({}) names parent {p}, not exported in trace {}", s.name, s.service, s.trace_id))
+            (!ids.contains(&(s.trace_id.as_str(), p)))
+                .then(|| format!("{} ({}) names parent {p}, not exported in trace {}", s.name, s.service, s.trace_id))
         })
         .collect()
 }
 
 /// The first span of a step in a trace.
 pub fn step(trace: &[ReceivedSpan], n: u8) -> anyhow::Result<&ReceivedSpan> {
-    trace.iter().filter(|s| s.step == n).min_by_key(|s| s.start).with_context(|| format!("step {n} is not in the trace"))
+    trace
+        .iter()
+        .filter(|s| s.step == n)
+        .min_by_key(|s| s.start)
+        .with_context(|| format!("step {n} is not in the trace"))
 }
 
 /// The seed's causal order within one request trace; returns the violations.

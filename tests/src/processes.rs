@@ -19,7 +19,10 @@ pub fn pdflow_bin() -> anyhow::Result<PathBuf> {
     let dir = exe.parent().and_then(|d| d.parent()).context("test executable has no target dir")?;
     let bin = dir.join("pdflow");
     if !bin.exists() {
-        bail!("{} does not exist: build it first with `cargo build --bin pdflow` (the README's test command does)", bin.display());
+        bail!(
+            "{} does not exist: build it first with `cargo build --bin pdflow` (the README's test command does)",
+            bin.display()
+        );
     }
     Ok(bin)
 }
@@ -50,7 +53,8 @@ impl Proc {
             .with_context(|| format!("{name}: no ready line within 30 s"))?
             .with_context(|| format!("{name}: reading stdout"))?
             .with_context(|| format!("{name}: exited before it was ready"))?;
-        let ready: Value = serde_json::from_str(&line).with_context(|| format!("{name}: ready line is not JSON: {line}"))?;
+        let ready: Value =
+            serde_json::from_str(&line).with_context(|| format!("{name}: ready line is not JSON: {line}"))?;
         // Keep draining stdout so the child never blocks on a full pipe.
         tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
         Ok(Self { child, ready, name: name.to_string() })
@@ -78,16 +82,32 @@ pub struct ProcCluster {
 
 impl ProcCluster {
     pub async fn start(spec: crate::ClusterSpec) -> anyhow::Result<Self> {
-        let shape = format!("{},{},{},{}", spec.shape.num_layers, spec.shape.num_kv_heads, spec.shape.head_dim, spec.shape.block_size);
+        let shape = format!(
+            "{},{},{},{}",
+            spec.shape.num_layers, spec.shape.num_kv_heads, spec.shape.head_dim, spec.shape.block_size
+        );
         let abort = spec.deadlines.ready_timeout.as_secs().max(1).to_string();
         let engine_args = |role: &str, o: &crate::EngineOpts| -> Vec<String> {
             let policy = match o.policy {
                 pdflow_runtime::engine::LoadFailurePolicy::Recompute => "recompute",
                 pdflow_runtime::engine::LoadFailurePolicy::Fail => "fail",
             };
-            let mut a: Vec<String> = ["serve", "--role", role, "--kv-shape", &shape, "--abort-request-timeout", &abort].iter().map(|s| s.to_string()).collect();
-            a.extend(["--num-blocks".into(), o.num_blocks.to_string(), "--max-num-batched-tokens".into(), o.max_num_batched_tokens.to_string()]);
-            a.extend(["--max-model-len".into(), o.max_model_len.to_string(), "--kv-load-failure-policy".into(), policy.into()]);
+            let mut a: Vec<String> = ["serve", "--role", role, "--kv-shape", &shape, "--abort-request-timeout", &abort]
+                .iter()
+                .map(|s| s.to_string())
+                .collect();
+            a.extend([
+                "--num-blocks".into(),
+                o.num_blocks.to_string(),
+                "--max-num-batched-tokens".into(),
+                o.max_num_batched_tokens.to_string(),
+            ]);
+            a.extend([
+                "--max-model-len".into(),
+                o.max_model_len.to_string(),
+                "--kv-load-failure-policy".into(),
+                policy.into(),
+            ]);
             if spec.verify_checksums {
                 a.push("--verify-checksums".into());
             }
@@ -98,7 +118,8 @@ impl ProcCluster {
         for (i, o) in spec.prefill.iter().enumerate() {
             let mut args = engine_args("producer", o);
             args.extend(["--bootstrap-port".into(), "0".into()]);
-            let p = Proc::spawn(&format!("producer{i}"), &args.iter().map(String::as_str).collect::<Vec<_>>(), &[]).await?;
+            let p =
+                Proc::spawn(&format!("producer{i}"), &args.iter().map(String::as_str).collect::<Vec<_>>(), &[]).await?;
             prefill.push(crate::EngineEndpoint {
                 url: p.url(),
                 engine_id: p.ready["engine_id"].as_str().unwrap_or_default().to_string(),
@@ -110,7 +131,8 @@ impl ProcCluster {
         let mut decode = Vec::new();
         for (i, o) in spec.decode.iter().enumerate() {
             let args = engine_args("consumer", o);
-            let d = Proc::spawn(&format!("consumer{i}"), &args.iter().map(String::as_str).collect::<Vec<_>>(), &[]).await?;
+            let d =
+                Proc::spawn(&format!("consumer{i}"), &args.iter().map(String::as_str).collect::<Vec<_>>(), &[]).await?;
             decode.push(crate::EngineEndpoint {
                 url: d.url(),
                 engine_id: d.ready["engine_id"].as_str().unwrap_or_default().to_string(),
@@ -119,9 +141,11 @@ impl ProcCluster {
             });
             procs.push(d);
         }
-        let mut proxy_args: Vec<String> = vec!["proxy".into(), "--port".into(), "0".into(), "--health-interval-ms".into(), "25".into()];
+        let mut proxy_args: Vec<String> =
+            vec!["proxy".into(), "--port".into(), "0".into(), "--health-interval-ms".into(), "25".into()];
         for p in &prefill {
-            let port = p.bootstrap_url.as_deref().and_then(|u| u.rsplit(':').next()).context("P announced no bootstrap")?;
+            let port =
+                p.bootstrap_url.as_deref().and_then(|u| u.rsplit(':').next()).context("P announced no bootstrap")?;
             proxy_args.extend(["--prefill".into(), p.url.clone(), port.to_string()]);
         }
         for d in &decode {

@@ -40,16 +40,25 @@ async fn scenario(cluster: &Endpoints) {
 
     // A conflicting registration (same engine and ranks, another address) is a 400 with a reason;
     // an identical one is fine.
-    let query: QueryResponse = cluster.client.get(format!("{bootstrap}/query")).send().await.expect("query").json().await.expect("json");
+    let query: QueryResponse =
+        cluster.client.get(format!("{bootstrap}/query")).send().await.expect("query").json().await.expect("json");
     let entry = query.get("0").expect("dp 0 registered").clone();
     let side_channel = entry.worker_addr["0"]["0"].clone();
     let register = |addr: &str| serde_json::json!({"engine_id": entry.engine_id, "dp_rank": 0, "tp_rank": 0, "pp_rank": 0, "addr": addr});
-    let (status, body) = post(&cluster.client, &format!("{bootstrap}/register"), &register("tcp://127.0.0.1:1")).await.expect("register");
+    let (status, body) = post(&cluster.client, &format!("{bootstrap}/register"), &register("tcp://127.0.0.1:1"))
+        .await
+        .expect("register");
     assert_eq!(status, 400, "conflicting registration: {body}");
-    assert!(body.to_string().contains("127.0.0.1:1") || body.to_string().to_lowercase().contains("conflict"), "the reason is given: {body}");
-    let (status, body) = post(&cluster.client, &format!("{bootstrap}/register"), &register(&side_channel)).await.expect("register");
+    assert!(
+        body.to_string().contains("127.0.0.1:1") || body.to_string().to_lowercase().contains("conflict"),
+        "the reason is given: {body}"
+    );
+    let (status, body) =
+        post(&cluster.client, &format!("{bootstrap}/register"), &register(&side_channel)).await.expect("register");
     assert_eq!(status, 200, "identical re-registration: {body}");
-    let (status, _) = post(&cluster.client, &format!("{bootstrap}/register"), &serde_json::json!({"engine_id": 5})).await.expect("register");
+    let (status, _) = post(&cluster.client, &format!("{bootstrap}/register"), &serde_json::json!({"engine_id": 5}))
+        .await
+        .expect("register");
     assert!((400..500).contains(&status), "malformed registration refused, got {status}");
     still_serves(cluster, 1).await;
 
@@ -57,7 +66,10 @@ async fn scenario(cluster: &Endpoints) {
     let mut dealer = zeromq::DealerSocket::new();
     dealer.connect(&side_channel).await.expect("connect to P's side channel");
     dealer.send(zeromq::ZmqMessage::from(b"definitely not a pdflow frame".to_vec())).await.expect("send");
-    let reply = tokio::time::timeout(std::time::Duration::from_secs(5), dealer.recv()).await.expect("a reply within 5 s").expect("recv");
+    let reply = tokio::time::timeout(std::time::Duration::from_secs(5), dealer.recv())
+        .await
+        .expect("a reply within 5 s")
+        .expect("recv");
     let bytes = reply.into_vec().pop().expect("one frame");
     let response: PullResponse = frame::decode(&bytes, "pull response").expect("the reply is a valid frame");
     assert_eq!(response.status, PullStatus::Error);
@@ -68,7 +80,12 @@ async fn scenario(cluster: &Endpoints) {
     let local = KvCache::new(SMALL, 4);
     let engine = TcpTransferEngine::new(local.region_table(), TcpConfig::default());
     let src = local.regions()[0];
-    let plan = TransferPlan { descriptors: vec![Descriptor { src: src.base_addr, dst: 0x1000, len: src.block_len }], fence: 0, cut_after: None, write_by: None };
+    let plan = TransferPlan {
+        descriptors: vec![Descriptor { src: src.base_addr, dst: 0x1000, len: src.block_len }],
+        fence: 0,
+        cut_after: None,
+        write_by: None,
+    };
     let data_addr = cluster.decode[0].data_addr.clone().expect("D has a data server");
     match engine.write(&data_addr, &plan).await {
         Err(TransferError::Refused { reason, .. }) => assert!(!reason.is_empty()),
@@ -77,10 +94,18 @@ async fn scenario(cluster: &Endpoints) {
     still_serves(cluster, 3).await;
 
     // Malformed JSON and invalid kv_transfer_params: 400 with a message, from the proxy and from an engine.
-    let resp = cluster.client.post(format!("{}/v1/completions", cluster.proxy)).header("content-type", "application/json").body("{not json").send().await.expect("post");
+    let resp = cluster
+        .client
+        .post(format!("{}/v1/completions", cluster.proxy))
+        .header("content-type", "application/json")
+        .body("{not json")
+        .send()
+        .await
+        .expect("post");
     assert_eq!(resp.status(), 400);
     let mut bad = completion("w5 w6", 2);
-    bad["kv_transfer_params"] = serde_json::json!({"do_remote_decode": true, "do_remote_prefill": true, "transfer_id": "x"});
+    bad["kv_transfer_params"] =
+        serde_json::json!({"do_remote_decode": true, "do_remote_prefill": true, "transfer_id": "x"});
     let (status, body) = post(&cluster.client, &format!("{}/v1/completions", p.url), &bad).await.expect("post");
     assert_eq!(status, 400, "{body}");
     assert!(body["error"]["message"].as_str().unwrap_or_default().contains("do_remote"), "{body}");

@@ -9,7 +9,12 @@ use pdflow_observability::fault::{ActorKind, Fault, FaultAction, FaultPlan, Node
 use pdflow_runtime::engine::LoadFailurePolicy;
 
 fn cell(actor: &str, fault: Fault) -> CellSpec {
-    CellSpec { actor: actor.into(), step: fault.step, fault: fault.action.label().into(), plan: FaultPlan { faults: vec![fault] } }
+    CellSpec {
+        actor: actor.into(),
+        step: fault.step,
+        fault: fault.action.label().into(),
+        plan: FaultPlan { faults: vec![fault] },
+    }
 }
 
 fn kill(kind: ActorKind, role: Role, step: u8, when: When) -> Fault {
@@ -39,7 +44,13 @@ async fn run(policy: LoadFailurePolicy, cells: Vec<(CellSpec, &[Outcome])>) {
         let r = chaos::run_cell(spec, 100 + i as u64, &env).await;
         eprintln!("{}", chaos::render_row(&r));
         if !r.passed || !r.hit || !allowed.contains(&r.outcome) {
-            failures.push(format!("{}: outcome {:?} (allowed {allowed:?}), hit {}, {}", spec.name(), r.outcome, r.hit, r.detail));
+            failures.push(format!(
+                "{}: outcome {:?} (allowed {allowed:?}), hit {}, {}",
+                spec.name(),
+                r.outcome,
+                r.hit,
+                r.detail
+            ));
         }
     }
     reference.shutdown().await;
@@ -59,13 +70,19 @@ async fn actor_kills_mid_request_end_cleanly_with_correct_tokens_and_no_leak() {
         LoadFailurePolicy::Recompute,
         vec![
             // P's listener restarts while D's pull is being served: D must not hang past its deadline.
-            (cell("sender_listener", kill(ActorKind::SenderListener, Role::P, 22, When::Begin)), &[Outcome::Recomputed]),
+            (
+                cell("sender_listener", kill(ActorKind::SenderListener, Role::P, 22, When::Begin)),
+                &[Outcome::Recomputed],
+            ),
             // The send worker dies while it writes: P answers D with an error, D recomputes.
             (cell("send_worker", kill(ActorKind::SendWorker, Role::P, 29, When::Begin)), &[Outcome::Recomputed]),
             // D's receiver forgets the pull: the engine's kv_state_timeout ends the wait.
             (cell("receiver", kill(ActorKind::Receiver, Role::D, 19, When::End)), &[Outcome::Recomputed]),
             // D's scheduler connector restarts while the request waits for its KV.
-            (cell("d.scheduler_connector", kill(ActorKind::SchedulerConnector, Role::D, 17, When::End)), &[Outcome::Recomputed]),
+            (
+                cell("d.scheduler_connector", kill(ActorKind::SchedulerConnector, Role::D, 17, When::End)),
+                &[Outcome::Recomputed],
+            ),
             // The pull task dies right after sending.
             (cell("pull_task", kill(ActorKind::PullTask, Role::D, 21, When::End)), &[Outcome::Recomputed]),
             // P's scheduler connector restarts after it recorded the send: the KV still flows.
@@ -82,10 +99,19 @@ async fn side_channel_message_faults_and_node_kills_end_cleanly() {
         vec![
             (cell("pull_task", Fault::new(21, When::Begin, FaultAction::Drop)), &[Outcome::Recomputed]),
             (cell("sender_listener", Fault::new(30, When::Begin, FaultAction::Corrupt)), &[Outcome::Recomputed]),
-            (cell("node.p", Fault::new(22, When::Begin, FaultAction::KillNode { node: NodeKind::P })), &[Outcome::Recomputed, Outcome::FailedClean]),
-            (cell("node.d", Fault::new(29, When::Begin, FaultAction::KillNode { node: NodeKind::D })), &[Outcome::FailedClean]),
+            (
+                cell("node.p", Fault::new(22, When::Begin, FaultAction::KillNode { node: NodeKind::P })),
+                &[Outcome::Recomputed, Outcome::FailedClean],
+            ),
+            (
+                cell("node.d", Fault::new(29, When::Begin, FaultAction::KillNode { node: NodeKind::D })),
+                &[Outcome::FailedClean],
+            ),
             // D's pull is late, past P's send expiry: P refuses it at once (no wait for ready).
-            (cell("pull_task", Fault::new(21, When::Begin, FaultAction::Delay { ms: past_expiry_ms() })), &[Outcome::Recomputed]),
+            (
+                cell("pull_task", Fault::new(21, When::Begin, FaultAction::Delay { ms: past_expiry_ms() })),
+                &[Outcome::Recomputed],
+            ),
             // The proxy and the bootstrap restart on their own addresses (P registers again); the
             // proxy's HTTP server outlives its actor and its flows wait for the restart.
             (cell("proxy", kill(ActorKind::Proxy, Role::Proxy, 8, When::Begin)), &[Outcome::Completed]),
@@ -114,38 +140,75 @@ async fn under_policy_fail_a_lost_kv_load_is_a_clean_error() {
 async fn a_fault_plan_in_the_environment_kills_a_serve_process_at_its_step() {
     use pdflow_tests::processes::Proc;
     let shape = "4,2,16,16";
-    let engine = |role: &'static str| vec!["serve", "--role", role, "--kv-shape", shape, "--abort-request-timeout", "2", "--num-blocks", "128"];
-    let bad = Proc::spawn("producer", &engine("producer"), &[("PDFLOW_FAULT_PLAN", r#"{"faults": [{"step": 99, "fault": "drop"}]}"#)]).await;
+    let engine = |role: &'static str| {
+        vec!["serve", "--role", role, "--kv-shape", shape, "--abort-request-timeout", "2", "--num-blocks", "128"]
+    };
+    let bad = Proc::spawn(
+        "producer",
+        &engine("producer"),
+        &[("PDFLOW_FAULT_PLAN", r#"{"faults": [{"step": 99, "fault": "drop"}]}"#)],
+    )
+    .await;
     assert!(bad.is_err(), "an invalid plan must stop the process before it is ready");
 
     let plan = r#"{"faults": [{"step": 29, "fault": "kill_node", "node": "p"}]}"#;
     let mut p_args = engine("producer");
     p_args.extend(["--bootstrap-port", "0"]);
-    let mut p = Proc::spawn("producer", &p_args, &[("PDFLOW_FAULT_PLAN", plan)]).await.expect("P starts with a valid plan");
+    let mut p =
+        Proc::spawn("producer", &p_args, &[("PDFLOW_FAULT_PLAN", plan)]).await.expect("P starts with a valid plan");
     let d = Proc::spawn("consumer", &engine("consumer"), &[]).await.expect("D starts");
-    let bootstrap_port = p.ready["bootstrap_addr"].as_str().and_then(|a| a.rsplit(':').next()).expect("P launched a bootstrap").to_string();
+    let bootstrap_port = p.ready["bootstrap_addr"]
+        .as_str()
+        .and_then(|a| a.rsplit(':').next())
+        .expect("P launched a bootstrap")
+        .to_string();
     let (p_url, d_url) = (p.url(), d.url());
-    let proxy = Proc::spawn("proxy", &["proxy", "--port", "0", "--health-interval-ms", "25", "--prefill", &p_url, &bootstrap_port, "--decode", &d_url], &[])
-        .await
-        .expect("proxy starts");
+    let proxy = Proc::spawn(
+        "proxy",
+        &[
+            "proxy",
+            "--port",
+            "0",
+            "--health-interval-ms",
+            "25",
+            "--prefill",
+            &p_url,
+            &bootstrap_port,
+            "--decode",
+            &d_url,
+        ],
+        &[],
+    )
+    .await
+    .expect("proxy starts");
     let client = pdflow_tests::http_client();
     pdflow_tests::wait_healthy(&client, &proxy.url(), std::time::Duration::from_secs(20)).await.expect("proxy ready");
 
     let body = pdflow_tests::completion(&pdflow_tests::prompt(40, 7), 6);
     let started = std::time::Instant::now();
-    let (status, answer) = pdflow_tests::post(&client, &format!("{}/v1/completions", proxy.url()), &body).await.expect("a terminal answer");
+    let (status, answer) = pdflow_tests::post(&client, &format!("{}/v1/completions", proxy.url()), &body)
+        .await
+        .expect("a terminal answer");
     assert!(started.elapsed() < std::time::Duration::from_secs(15), "terminal after {:?}", started.elapsed());
     if status == 200 {
-        assert_eq!(pdflow_tests::token_ids(&answer), pdflow_tests::reference_tokens(pdflow_tests::SMALL, &body).await, "recomputed tokens are the reference's");
+        assert_eq!(
+            pdflow_tests::token_ids(&answer),
+            pdflow_tests::reference_tokens(pdflow_tests::SMALL, &body).await,
+            "recomputed tokens are the reference's"
+        );
     } else {
         assert!(answer.get("error").is_some(), "a clean error, not {answer}");
     }
-    let exit = tokio::time::timeout(std::time::Duration::from_secs(10), p.child.wait()).await.expect("P exits").expect("exit status");
+    let exit = tokio::time::timeout(std::time::Duration::from_secs(10), p.child.wait())
+        .await
+        .expect("P exits")
+        .expect("exit status");
     assert_eq!(exit.code(), Some(137), "P was killed by its fault plan");
     eprintln!("P exited {exit:?} after the answer {status} in {:?}", started.elapsed());
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(15);
     loop {
-        let s: serde_json::Value = client.get(format!("{d_url}/pdflow/blocks")).send().await.expect("D answers").json().await.expect("JSON");
+        let s: serde_json::Value =
+            client.get(format!("{d_url}/pdflow/blocks")).send().await.expect("D answers").json().await.expect("JSON");
         if s["free"] == s["total"] && s["requests"] == 0 {
             break;
         }

@@ -29,7 +29,11 @@ async fn load_with_faults_ends_every_request_clean_with_no_leak_and_flat_memory(
         assert_eq!(*blocks, 0, "{engine} kept blocks");
     }
     assert!(r.stuck_requests.values().all(|n| *n == 0), "requests still tracked: {:?}", r.stuck_requests);
-    assert!(r.tracked_transfers.values().all(|n| *n == 0), "transfers still tracked by the actors: {:?}", r.tracked_transfers);
+    assert!(
+        r.tracked_transfers.values().all(|n| *n == 0),
+        "transfers still tracked by the actors: {:?}",
+        r.tracked_transfers
+    );
     assert!(r.memory_flat, "RSS grew by {} bytes (bound {})", r.rss_growth_bytes, r.rss_bound_bytes);
     assert!(r.serving_after, "{:?}", r.problems);
     assert!(r.passed, "{:?}", r.problems);

@@ -3,7 +3,9 @@
 //! process (where the step spans are checked too) and as separate processes.
 
 use pdflow_tests::processes::ProcCluster;
-use pdflow_tests::{capture, completion, prompt, reference_tokens, token_ids, Cluster, ClusterSpec, EngineOpts, Endpoints, SMALL};
+use pdflow_tests::{
+    capture, completion, prompt, reference_tokens, token_ids, Cluster, ClusterSpec, Endpoints, EngineOpts, SMALL,
+};
 
 fn spec() -> ClusterSpec {
     let mut spec = ClusterSpec::one_p_one_d();

@@ -17,7 +17,9 @@ const SHAPE: &str = "4,2,16,16";
 
 /// Why a GPU engine could not start on this machine, if that is why it exited.
 fn no_gpu_here(stderr: &str) -> bool {
-    ["without GPU support", "no CUDA driver", "sees no GPU", "NVRTC", "does not exist: the driver sees"].iter().any(|m| stderr.contains(m))
+    ["without GPU support", "no CUDA driver", "sees no GPU", "NVRTC", "does not exist: the driver sees"]
+        .iter()
+        .any(|m| stderr.contains(m))
 }
 
 /// Starts `pdflow ARGS…`; `None` (after saying why) when the machine cannot run GPU KV.
@@ -27,7 +29,9 @@ async fn start_or_skip(name: &str, args: &[&str]) -> Option<Proc> {
     let mut child = cmd.spawn().expect("spawns pdflow");
     let mut lines = BufReader::new(child.stdout.take().expect("stdout")).lines();
     let mut stderr = child.stderr.take().expect("stderr");
-    let first = tokio::time::timeout(Duration::from_secs(60), lines.next_line()).await.expect("a ready line or an exit within 60 s");
+    let first = tokio::time::timeout(Duration::from_secs(60), lines.next_line())
+        .await
+        .expect("a ready line or an exit within 60 s");
     match first {
         Ok(Some(line)) => {
             tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
@@ -68,35 +72,81 @@ async fn two_requests_between_gpu_processes(p_extra: &[&str], d_extra: &[&str], 
     let gpus = std::env::var("PDFLOW_TEST_GPUS").unwrap_or_else(|_| "0,0".into());
     let (p_gpu, d_gpu) = gpus.split_once(',').expect("PDFLOW_TEST_GPUS is P,D");
     let engine = |role: &'static str, gpu: &str, extra: &[&str]| -> Vec<String> {
-        let base = ["serve", "--role", role, "--kv-shape", SHAPE, "--num-blocks", "128", "--kv-device", gpu, "--verify-checksums"];
+        let base = [
+            "serve",
+            "--role",
+            role,
+            "--kv-shape",
+            SHAPE,
+            "--num-blocks",
+            "128",
+            "--kv-device",
+            gpu,
+            "--verify-checksums",
+        ];
         base.iter().chain(extra).map(|s| s.to_string()).collect()
     };
     let d_args = engine("consumer", d_gpu, d_extra);
-    let Some(consumer) = start_or_skip("consumer", &d_args.iter().map(String::as_str).collect::<Vec<_>>()).await else { return };
+    let Some(consumer) = start_or_skip("consumer", &d_args.iter().map(String::as_str).collect::<Vec<_>>()).await else {
+        return;
+    };
     let mut p_args = engine("producer", p_gpu, p_extra);
     p_args.extend(["--bootstrap-port".into(), "0".into()]);
-    let producer = start_or_skip("producer", &p_args.iter().map(String::as_str).collect::<Vec<_>>()).await.expect("D started on a GPU, so P must too");
-    let bootstrap_port = producer.ready["bootstrap_addr"].as_str().and_then(|a| a.rsplit(':').next()).expect("P launched its bootstrap").to_string();
-    let proxy = Proc::spawn("proxy", &["proxy", "--port", "0", "--prefill", &producer.url(), &bootstrap_port, "--decode", &consumer.url()], &[]).await.expect("proxy starts");
+    let producer = start_or_skip("producer", &p_args.iter().map(String::as_str).collect::<Vec<_>>())
+        .await
+        .expect("D started on a GPU, so P must too");
+    let bootstrap_port = producer.ready["bootstrap_addr"]
+        .as_str()
+        .and_then(|a| a.rsplit(':').next())
+        .expect("P launched its bootstrap")
+        .to_string();
+    let proxy = Proc::spawn(
+        "proxy",
+        &["proxy", "--port", "0", "--prefill", &producer.url(), &bootstrap_port, "--decode", &consumer.url()],
+        &[],
+    )
+    .await
+    .expect("proxy starts");
     let client = http_client();
     wait_healthy(&client, &proxy.url(), Duration::from_secs(30)).await.expect("proxy ready");
 
     for (i, n) in [(1u64, 300usize), (2, 37)] {
         let body = completion(&prompt(n, 40 + i), 16);
-        let (status, response) = post(&client, &format!("{}/v1/completions", proxy.url()), &body).await.expect("request");
+        let (status, response) =
+            post(&client, &format!("{}/v1/completions", proxy.url()), &body).await.expect("request");
         assert_eq!(status, 200, "{response}");
-        assert_eq!(token_ids(&response), reference_tokens(SMALL, &body).await, "request {i}: output differs from an engine on host memory");
+        assert_eq!(
+            token_ids(&response),
+            reference_tokens(SMALL, &body).await,
+            "request {i}: output differs from an engine on host memory"
+        );
     }
-    let metrics = client.get(format!("{}/metrics", producer.url())).send().await.expect("P's metrics").text().await.expect("text");
+    let metrics = client
+        .get(format!("{}/metrics", producer.url()))
+        .send()
+        .await
+        .expect("P's metrics")
+        .text()
+        .await
+        .expect("text");
     assert!(
-        metrics.contains(&format!("pdflow_transfer_writes_total{{service=\"prefill\",backend=\"{backend}\",outcome=\"ok\"}} 2")),
+        metrics.contains(&format!(
+            "pdflow_transfer_writes_total{{service=\"prefill\",backend=\"{backend}\",outcome=\"ok\"}} 2"
+        )),
         "both writes went by {backend}:\n{}",
         metrics.lines().filter(|l| l.contains("writes_total")).collect::<Vec<_>>().join("\n")
     );
     for engine in [&producer, &consumer] {
         let deadline = std::time::Instant::now() + Duration::from_secs(10);
         loop {
-            let stats: serde_json::Value = client.get(format!("{}/pdflow/blocks", engine.url())).send().await.expect("stats").json().await.expect("json");
+            let stats: serde_json::Value = client
+                .get(format!("{}/pdflow/blocks", engine.url()))
+                .send()
+                .await
+                .expect("stats")
+                .json()
+                .await
+                .expect("json");
             if stats["free"] == stats["total"] {
                 break;
             }
@@ -116,21 +166,46 @@ async fn a_host_kv_producer_and_a_gpu_kv_consumer_fail_clearly_not_silently() {
     // recomputes), and nothing is corrupted.
     let d_args = ["serve", "--role", "consumer", "--kv-shape", SHAPE, "--num-blocks", "64", "--kv-device", "0"];
     let Some(consumer) = start_or_skip("consumer", &d_args).await else { return };
-    let producer = Proc::spawn("producer", &["serve", "--role", "producer", "--kv-shape", SHAPE, "--num-blocks", "64", "--bootstrap-port", "0"], &[])
-        .await
-        .expect("producer starts");
-    let bootstrap_port = producer.ready["bootstrap_addr"].as_str().and_then(|a| a.rsplit(':').next()).expect("bootstrap").to_string();
-    let proxy = Proc::spawn("proxy", &["proxy", "--port", "0", "--prefill", &producer.url(), &bootstrap_port, "--decode", &consumer.url()], &[]).await.expect("proxy starts");
+    let producer = Proc::spawn(
+        "producer",
+        &["serve", "--role", "producer", "--kv-shape", SHAPE, "--num-blocks", "64", "--bootstrap-port", "0"],
+        &[],
+    )
+    .await
+    .expect("producer starts");
+    let bootstrap_port =
+        producer.ready["bootstrap_addr"].as_str().and_then(|a| a.rsplit(':').next()).expect("bootstrap").to_string();
+    let proxy = Proc::spawn(
+        "proxy",
+        &["proxy", "--port", "0", "--prefill", &producer.url(), &bootstrap_port, "--decode", &consumer.url()],
+        &[],
+    )
+    .await
+    .expect("proxy starts");
     let client = http_client();
     wait_healthy(&client, &proxy.url(), Duration::from_secs(30)).await.expect("proxy ready");
     let body = completion(&prompt(100, 9), 8);
     let (status, response) = post(&client, &format!("{}/v1/completions", proxy.url()), &body).await.expect("request");
     assert_eq!(status, 200, "{response}");
-    assert_eq!(token_ids(&response), reference_tokens(SMALL, &body).await, "D recomputed the prompt: the output is still right");
-    let metrics = client.get(format!("{}/metrics", producer.url())).send().await.expect("P's metrics").text().await.expect("text");
+    assert_eq!(
+        token_ids(&response),
+        reference_tokens(SMALL, &body).await,
+        "D recomputed the prompt: the output is still right"
+    );
+    let metrics = client
+        .get(format!("{}/metrics", producer.url()))
+        .send()
+        .await
+        .expect("P's metrics")
+        .text()
+        .await
+        .expect("text");
     let writes: Vec<&str> = metrics.lines().filter(|l| l.starts_with("pdflow_transfer_writes_total{")).collect();
     assert!(writes.iter().any(|l| l.contains("backend=\"tcp\"")), "P tried its tcp path: {writes:?}");
-    assert!(!writes.iter().any(|l| l.contains("outcome=\"ok\"")), "a tcp write into GPU memory must not succeed: {writes:?}");
+    assert!(
+        !writes.iter().any(|l| l.contains("outcome=\"ok\"")),
+        "a tcp write into GPU memory must not succeed: {writes:?}"
+    );
     for p in [proxy, producer, consumer] {
         p.stop().await;
     }

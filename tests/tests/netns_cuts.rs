@@ -100,7 +100,12 @@ async fn a_full_run_reports_the_network_cells_or_why_they_did_not_run() {
     let _serial = SERIAL.lock().await;
     let capture = chaos::install_layers();
     let bin = pdflow_bin().expect("the pdflow binary");
-    let opts = |network| ChaosOptions { quick: false, policy: LoadFailurePolicy::Recompute, filter: Some("no_cut".into()), network };
+    let opts = |network| ChaosOptions {
+        quick: false,
+        policy: LoadFailurePolicy::Recompute,
+        filter: Some("no_cut".into()),
+        network,
+    };
     let mut sections = Vec::new();
     let report = chaos::run_selected(&opts(NetworkCells::WhereAvailable), &capture, &bin, |p| {
         if let chaos::Progress::Section(title) = p {
@@ -132,6 +137,9 @@ fn network_cells_are_named_and_filtered_like_the_matrix() {
     let names: std::collections::BTreeSet<String> = NetCell::ALL.iter().map(|c| c.name()).collect();
     assert_eq!(names.len(), NetCell::ALL.len(), "cell names must be unique: {names:?}");
     assert_eq!(net::cells(None).len(), NetCell::ALL.len());
-    assert_eq!(net::cells(Some("link:proxy-p")), vec![NetCell::CutProxyPWhilePrefilling, NetCell::CutProxyPBeforeRequest]);
+    assert_eq!(
+        net::cells(Some("link:proxy-p")),
+        vec![NetCell::CutProxyPWhilePrefilling, NetCell::CutProxyPBeforeRequest]
+    );
     assert!(net::cells(Some("no such cell")).is_empty());
 }

@@ -6,7 +6,7 @@
 use std::time::{Duration, Instant};
 
 use pdflow_tests::processes::ProcCluster;
-use pdflow_tests::{completion, prompt, Cluster, ClusterSpec, EngineOpts, Endpoints};
+use pdflow_tests::{completion, prompt, Cluster, ClusterSpec, Endpoints, EngineOpts};
 
 fn spec() -> ClusterSpec {
     let mut spec = ClusterSpec::one_p_one_d(); // ready timeout 20 s: the test must not need it
@@ -16,10 +16,11 @@ fn spec() -> ClusterSpec {
 
 async fn scenario(e: &Endpoints) {
     let started = Instant::now();
-    let (status, response) = tokio::time::timeout(Duration::from_secs(10), e.post("/v1/completions", &completion(&prompt(400, 9), 8)))
-        .await
-        .expect("the client got an answer without waiting for any transfer deadline")
-        .expect("request");
+    let (status, response) =
+        tokio::time::timeout(Duration::from_secs(10), e.post("/v1/completions", &completion(&prompt(400, 9), 8)))
+            .await
+            .expect("the client got an answer without waiting for any transfer deadline")
+            .expect("request");
     assert!(status >= 400, "expected an error status, got {status}: {response}");
     assert!(response.to_string().to_lowercase().contains("error"), "{response}");
     // D aborted its request; its blocks come back well before P's 20 s ready timeout.

@@ -30,11 +30,18 @@ async fn a_pull_addressed_to_a_restarted_p_is_refused_at_once_not_after_the_read
         pull_timeout: Duration::from_secs(30),
         bootstrap_timeout: Duration::from_secs(2),
     };
-    let spec = ChaosSpec { shape: CHAOS_SHAPE, num_blocks: 256, deadlines, policy: LoadFailurePolicy::Fail, upstream_timeout: Duration::from_secs(60) };
+    let spec = ChaosSpec {
+        shape: CHAOS_SHAPE,
+        num_blocks: 256,
+        deadlines,
+        policy: LoadFailurePolicy::Fail,
+        upstream_timeout: Duration::from_secs(60),
+    };
     let _ = tracing_subscriber::fmt().with_env_filter("info,pdflow_actors=debug").with_test_writer().try_init();
     let mut cluster = ChaosCluster::start(spec).await.expect("cluster starts");
     let client = reqwest::Client::builder().no_proxy().build().expect("client");
-    let completion = |max_tokens: usize| json!({"model": "m", "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0});
+    let completion =
+        |max_tokens: usize| json!({"model": "m", "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0});
 
     // D learns P's workers and generation from bootstrap.
     let (status, body) = post(&client, &format!("{}/v1/completions", cluster.proxy_url()), &completion(4)).await;
@@ -56,7 +63,8 @@ async fn a_pull_addressed_to_a_restarted_p_is_refused_at_once_not_after_the_read
 
     let d_url = cluster.decode.as_ref().expect("D runs").url();
     let mut d_body = completion(4);
-    d_body["kv_transfer_params"] = serde_json::to_value(KvTransferParams::for_decode("xfer-restart", bootstrap_addr, p_engine)).expect("json");
+    d_body["kv_transfer_params"] =
+        serde_json::to_value(KvTransferParams::for_decode("xfer-restart", bootstrap_addr, p_engine)).expect("json");
     let started = Instant::now();
     let (status, body) = post(&client, &format!("{d_url}/v1/completions"), &d_body).await;
     let took = started.elapsed();

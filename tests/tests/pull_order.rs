@@ -18,11 +18,17 @@ async fn pull_arriving_before_and_after_p_is_ready() {
     // Before: D's pull reaches P (step 22 opens) before P has even received its request.
     let tid = "xfer-pull-before";
     let d_req = tokio::spawn({
-        let (client, url, body) = (cluster.client.clone(), format!("{}/v1/completions", d.url()), decode_body(&text, 16, tid, &bootstrap, &p.engine_id));
+        let (client, url, body) = (
+            cluster.client.clone(),
+            format!("{}/v1/completions", d.url()),
+            decode_body(&text, 16, tid, &bootstrap, &p.engine_id),
+        );
         async move { post(&client, &url, &body).await }
     });
     wait_for_step(&capture, 22, tid, false).await;
-    let (status, _) = post(&cluster.client, &format!("{}/v1/completions", p.url()), &prefill_body(&text, tid)).await.expect("P request");
+    let (status, _) = post(&cluster.client, &format!("{}/v1/completions", p.url()), &prefill_body(&text, tid))
+        .await
+        .expect("P request");
     assert_eq!(status, 200);
     let (status, response) = d_req.await.expect("task").expect("D request");
     assert_eq!(status, 200, "{response}");
@@ -30,12 +36,18 @@ async fn pull_arriving_before_and_after_p_is_ready() {
 
     // After: P finished and its send is ready (step 27) before D sends its pull.
     let tid = "xfer-pull-after";
-    let (status, _) = post(&cluster.client, &format!("{}/v1/completions", p.url()), &prefill_body(&text, tid)).await.expect("P request");
+    let (status, _) = post(&cluster.client, &format!("{}/v1/completions", p.url()), &prefill_body(&text, tid))
+        .await
+        .expect("P request");
     assert_eq!(status, 200);
     wait_for_step(&capture, 27, tid, true).await;
-    let (status, response) = post(&cluster.client, &format!("{}/v1/completions", d.url()), &decode_body(&text, 16, tid, &bootstrap, &p.engine_id))
-        .await
-        .expect("D request");
+    let (status, response) = post(
+        &cluster.client,
+        &format!("{}/v1/completions", d.url()),
+        &decode_body(&text, 16, tid, &bootstrap, &p.engine_id),
+    )
+    .await
+    .expect("D request");
     assert_eq!(status, 200, "{response}");
     assert_eq!(token_ids(&response), expected, "pull after ready");
 

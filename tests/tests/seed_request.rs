@@ -4,7 +4,7 @@
 
 use pdflow_runtime::memory::KvShape;
 use pdflow_tests::processes::ProcCluster;
-use pdflow_tests::{completion, prompt, reference_tokens, token_ids, Cluster, ClusterSpec, EngineOpts, Endpoints};
+use pdflow_tests::{completion, prompt, reference_tokens, token_ids, Cluster, ClusterSpec, Endpoints, EngineOpts};
 
 fn spec() -> ClusterSpec {
     let mut spec = ClusterSpec::one_p_one_d();

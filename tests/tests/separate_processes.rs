@@ -14,15 +14,45 @@ async fn bootstrap_serve_and_proxy_as_processes() {
     let bootstrap_port = bootstrap_addr.rsplit(':').next().expect("port").to_string();
     let producer = Proc::spawn(
         "producer",
-        &["serve", "--role", "producer", "--kv-shape", SHAPE, "--num-blocks", "128", "--bootstrap-url", &format!("http://{bootstrap_addr}")],
+        &[
+            "serve",
+            "--role",
+            "producer",
+            "--kv-shape",
+            SHAPE,
+            "--num-blocks",
+            "128",
+            "--bootstrap-url",
+            &format!("http://{bootstrap_addr}"),
+        ],
         &[],
     )
     .await
     .expect("producer starts");
-    let consumer = Proc::spawn("consumer", &["serve", "--role", "consumer", "--kv-shape", SHAPE, "--num-blocks", "128", "--kv-load-failure-policy", "fail"], &[]).await.expect("consumer starts");
-    let proxy = Proc::spawn("proxy", &["proxy", "--port", "0", "--prefill", &producer.url(), &bootstrap_port, "--decode", &consumer.url()], &[])
-        .await
-        .expect("proxy starts");
+    let consumer = Proc::spawn(
+        "consumer",
+        &[
+            "serve",
+            "--role",
+            "consumer",
+            "--kv-shape",
+            SHAPE,
+            "--num-blocks",
+            "128",
+            "--kv-load-failure-policy",
+            "fail",
+        ],
+        &[],
+    )
+    .await
+    .expect("consumer starts");
+    let proxy = Proc::spawn(
+        "proxy",
+        &["proxy", "--port", "0", "--prefill", &producer.url(), &bootstrap_port, "--decode", &consumer.url()],
+        &[],
+    )
+    .await
+    .expect("proxy starts");
     let client = http_client();
     wait_healthy(&client, &proxy.url(), std::time::Duration::from_secs(20)).await.expect("proxy ready");
 
@@ -33,7 +63,14 @@ async fn bootstrap_serve_and_proxy_as_processes() {
     for engine in [&producer, &consumer] {
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
         loop {
-            let stats: serde_json::Value = client.get(format!("{}/pdflow/blocks", engine.url())).send().await.expect("stats").json().await.expect("json");
+            let stats: serde_json::Value = client
+                .get(format!("{}/pdflow/blocks", engine.url()))
+                .send()
+                .await
+                .expect("stats")
+                .json()
+                .await
+                .expect("json");
             if stats["free"] == stats["total"] {
                 break;
             }
@@ -59,7 +96,8 @@ async fn demo_command_verifies_the_seed_request() {
         .expect("demo runs");
     let stdout = String::from_utf8_lossy(&output.stdout);
     assert!(output.status.success(), "demo failed:\n{stdout}\n{}", String::from_utf8_lossy(&output.stderr));
-    let report: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).expect("report written")).expect("report is JSON");
+    let report: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&json).expect("report written")).expect("report is JSON");
     assert_eq!(report["verified"], true, "{report}");
     assert_eq!(report["output_matches_reference"], true);
     assert_eq!(report["kv_bytes"], 148_635_648u64);

@@ -8,19 +8,27 @@ use pdflow_tests::processes::{pdflow_bin, Proc};
 
 /// Runs `pdflow ARGS…` to its end (bounded); returns (success, stderr).
 async fn run_to_end(args: &[&str]) -> (bool, String) {
-    let out = tokio::time::timeout(Duration::from_secs(30), tokio::process::Command::new(pdflow_bin().expect("pdflow binary")).args(args).kill_on_drop(true).output())
-        .await
-        .expect("pdflow exits within 30 s")
-        .expect("pdflow runs");
+    let out = tokio::time::timeout(
+        Duration::from_secs(30),
+        tokio::process::Command::new(pdflow_bin().expect("pdflow binary")).args(args).kill_on_drop(true).output(),
+    )
+    .await
+    .expect("pdflow exits within 30 s")
+    .expect("pdflow runs");
     (out.status.success(), String::from_utf8_lossy(&out.stderr).into_owned())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_bad_deadline_is_refused_naming_the_flag() {
-    for (flag, value) in [("--pull-timeout", "0"), ("--bootstrap-timeout", "-2"), ("--ready-timeout", "inf"), ("--send-expiry", "0")] {
+    for (flag, value) in
+        [("--pull-timeout", "0"), ("--bootstrap-timeout", "-2"), ("--ready-timeout", "inf"), ("--send-expiry", "0")]
+    {
         let (ok, stderr) = run_to_end(&["serve", "--role", "consumer", "--port", "0", flag, value]).await;
         assert!(!ok, "{flag} {value} must be refused");
-        assert!(stderr.contains(flag) && stderr.contains("above 0"), "{flag} {value}: the error names the flag and the rule: {stderr}");
+        assert!(
+            stderr.contains(flag) && stderr.contains("above 0"),
+            "{flag} {value}: the error names the flag and the rule: {stderr}"
+        );
     }
     let (ok, stderr) = run_to_end(&["serve", "--role", "consumer", "--pull-timeout", "soon"]).await;
     assert!(!ok && stderr.contains("--pull-timeout"), "not a number: {stderr}");
@@ -29,12 +37,30 @@ async fn a_bad_deadline_is_refused_naming_the_flag() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn valid_deadlines_start_a_serving_engine() {
     let args = [
-        "serve", "--role", "consumer", "--kv-shape", "4,2,16,16", "--num-blocks", "64",
-        "--pull-timeout", "2.5", "--bootstrap-timeout", "0.5", "--ready-timeout", "3", "--send-expiry", "3",
+        "serve",
+        "--role",
+        "consumer",
+        "--kv-shape",
+        "4,2,16,16",
+        "--num-blocks",
+        "64",
+        "--pull-timeout",
+        "2.5",
+        "--bootstrap-timeout",
+        "0.5",
+        "--ready-timeout",
+        "3",
+        "--send-expiry",
+        "3",
     ];
     let d = Proc::spawn("consumer", &args, &[]).await.expect("serve starts with valid deadline flags");
     let client = pdflow_tests::http_client();
-    let health = client.get(format!("{}/health", d.url())).timeout(Duration::from_secs(10)).send().await.expect("the engine answers");
+    let health = client
+        .get(format!("{}/health", d.url()))
+        .timeout(Duration::from_secs(10))
+        .send()
+        .await
+        .expect("the engine answers");
     assert_eq!(health.status(), 200);
     d.stop().await;
 }

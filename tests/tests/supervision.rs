@@ -51,7 +51,10 @@ async fn killed_actors_are_restarted_and_the_node_keeps_serving() {
     let p = &cluster.prefill[0];
     let d = &cluster.decode[0];
 
-    kill_and_wait_restart("P's SenderListener", p.sender_listener.as_ref().expect("P has a listener"), || SideChannelAddr).await;
+    kill_and_wait_restart("P's SenderListener", p.sender_listener.as_ref().expect("P has a listener"), || {
+        SideChannelAddr
+    })
+    .await;
     // D still addresses the previous incarnation; this request's pull may race ahead of P's
     // scheduler naming the transfer to the new one: it waits for it (the lineage of the
     // listener's incarnations says its ready is still to come) and is served.
@@ -82,7 +85,13 @@ async fn killing_the_proxy_actor_refuses_no_client() {
             let url = format!("{}/v1/completions", cluster.proxy.url());
             let body = completion(&prompt(40, 100 + i), 2);
             tokio::spawn(async move {
-                let resp = client.post(&url).json(&body).timeout(Duration::from_secs(30)).send().await.map_err(|e| e.to_string())?;
+                let resp = client
+                    .post(&url)
+                    .json(&body)
+                    .timeout(Duration::from_secs(30))
+                    .send()
+                    .await
+                    .map_err(|e| e.to_string())?;
                 Ok::<u16, String>(resp.status().as_u16())
             })
         })
@@ -91,7 +100,8 @@ async fn killing_the_proxy_actor_refuses_no_client() {
     let mut statuses = Vec::new();
     for client in clients {
         let answer = client.await.expect("client task");
-        let status = answer.unwrap_or_else(|e| panic!("a client got no HTTP answer while the proxy actor restarted: {e}"));
+        let status =
+            answer.unwrap_or_else(|e| panic!("a client got no HTTP answer while the proxy actor restarted: {e}"));
         assert_eq!(status, 200, "a client of the restart window was not served");
         statuses.push(status);
     }

@@ -26,15 +26,22 @@ fn scratch_dir(name: &str) -> PathBuf {
 }
 
 fn uuid_like() -> String {
-    format!("{}-{:?}", std::process::id(), std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_nanos())
+    format!(
+        "{}-{:?}",
+        std::process::id(),
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_nanos()
+    )
 }
 
 /// Runs `pdflow ARGS…` to completion (bounded), returning stdout.
 async fn pdflow(args: &[&str]) -> String {
-    let out = tokio::time::timeout(Duration::from_secs(120), tokio::process::Command::new(pdflow_bin().expect("pdflow binary")).args(args).output())
-        .await
-        .expect("pdflow finished within 120 s")
-        .expect("pdflow runs");
+    let out = tokio::time::timeout(
+        Duration::from_secs(120),
+        tokio::process::Command::new(pdflow_bin().expect("pdflow binary")).args(args).output(),
+    )
+    .await
+    .expect("pdflow finished within 120 s")
+    .expect("pdflow runs");
     let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
     assert!(out.status.success(), "pdflow {args:?} failed: {stdout}\n{}", String::from_utf8_lossy(&out.stderr));
     stdout
@@ -46,7 +53,8 @@ fn tag(span: &Value, key: &str) -> Option<Value> {
 
 /// Checks the Jaeger upload schema and returns (request trace, start-up traces).
 fn check_jaeger_file(path: &Path) -> (Value, Vec<Value>) {
-    let file: Value = serde_json::from_slice(&std::fs::read(path).expect("trace file written")).expect("trace file is JSON");
+    let file: Value =
+        serde_json::from_slice(&std::fs::read(path).expect("trace file written")).expect("trace file is JSON");
     let traces = file["data"].as_array().expect("data is an array");
     let mut request = None;
     let mut startup = Vec::new();
@@ -60,12 +68,18 @@ fn check_jaeger_file(path: &Path) -> (Value, Vec<Value>) {
             assert_eq!(s["traceID"], trace_id);
             assert!(s["operationName"].as_str().is_some_and(|n| n.starts_with("step.")));
             assert!(s["startTime"].is_u64() && s["duration"].is_u64(), "times in µs: {s}");
-            assert!(s["tags"].as_array().is_some_and(|t| t.iter().all(|t| t["key"].is_string() && t["type"].is_string())));
+            assert!(s["tags"]
+                .as_array()
+                .is_some_and(|t| t.iter().all(|t| t["key"].is_string() && t["type"].is_string())));
             let pid = s["processID"].as_str().expect("processID");
             assert!(processes.contains_key(pid), "processID {pid} has a process entry");
             for r in s["references"].as_array().expect("references") {
                 assert_eq!(r["refType"], "CHILD_OF");
-                assert!(ids.contains(r["spanID"].as_str().unwrap_or_default()), "{} names a parent not in its trace", s["operationName"]);
+                assert!(
+                    ids.contains(r["spanID"].as_str().unwrap_or_default()),
+                    "{} names a parent not in its trace",
+                    s["operationName"]
+                );
             }
         }
         for p in processes.values() {
@@ -85,15 +99,37 @@ fn check_jaeger_file(path: &Path) -> (Value, Vec<Value>) {
 async fn demo_trace_file_is_a_jaeger_upload_and_renders_as_a_timeline() {
     let dir = scratch_dir("trace-file");
     let trace = dir.join("t.json");
-    let out = pdflow(&["demo", "--kv-shape", "4,2,16,16", "--prompt-tokens", "100", "--max-tokens", "4", "--trace-file", trace.to_str().expect("utf-8")]).await;
+    let out = pdflow(&[
+        "demo",
+        "--kv-shape",
+        "4,2,16,16",
+        "--prompt-tokens",
+        "100",
+        "--max-tokens",
+        "4",
+        "--trace-file",
+        trace.to_str().expect("utf-8"),
+    ])
+    .await;
     assert!(out.contains("verified: true"), "{out}");
 
     let (request, startup) = check_jaeger_file(&trace);
-    let steps: BTreeSet<u64> = request["spans"].as_array().expect("spans").iter().filter_map(|s| tag(s, "pd.step")?.as_u64()).collect();
+    let steps: BTreeSet<u64> =
+        request["spans"].as_array().expect("spans").iter().filter_map(|s| tag(s, "pd.step")?.as_u64()).collect();
     assert_eq!(steps, (8..=43).collect(), "steps 8–43 in one trace");
-    let services: BTreeSet<&str> = request["processes"].as_object().expect("processes").values().filter_map(|p| p["serviceName"].as_str()).collect();
+    let services: BTreeSet<&str> = request["processes"]
+        .as_object()
+        .expect("processes")
+        .values()
+        .filter_map(|p| p["serviceName"].as_str())
+        .collect();
     assert_eq!(services, BTreeSet::from(["pdflow-proxy", "pdflow-prefill", "pdflow-decode"]));
-    let roots: Vec<&Value> = request["spans"].as_array().expect("spans").iter().filter(|s| s["references"].as_array().is_some_and(Vec::is_empty)).collect();
+    let roots: Vec<&Value> = request["spans"]
+        .as_array()
+        .expect("spans")
+        .iter()
+        .filter(|s| s["references"].as_array().is_some_and(Vec::is_empty))
+        .collect();
     assert_eq!(roots.len(), 1, "one root");
     assert_eq!(roots[0]["operationName"], "step.08.client_request");
 
@@ -101,7 +137,8 @@ async fn demo_trace_file_is_a_jaeger_upload_and_renders_as_a_timeline() {
     let mut startup_services = BTreeSet::new();
     let mut startup_steps = BTreeSet::new();
     for t in &startup {
-        let names: Vec<&str> = t["processes"].as_object().expect("processes").values().filter_map(|p| p["serviceName"].as_str()).collect();
+        let names: Vec<&str> =
+            t["processes"].as_object().expect("processes").values().filter_map(|p| p["serviceName"].as_str()).collect();
         assert_eq!(names.len(), 1, "a start-up trace belongs to one node: {names:?}");
         assert!(startup_services.insert(names[0]), "one start-up trace per node ({})", names[0]);
         startup_steps.extend(t["spans"].as_array().expect("spans").iter().filter_map(|s| tag(s, "pd.step")?.as_u64()));
@@ -111,7 +148,8 @@ async fn demo_trace_file_is_a_jaeger_upload_and_renders_as_a_timeline() {
 
     // The timeline.
     let html_path = dir.join("timeline.html");
-    let summary = pdflow(&["trace", "render", trace.to_str().expect("utf-8"), "--out", html_path.to_str().expect("utf-8")]).await;
+    let summary =
+        pdflow(&["trace", "render", trace.to_str().expect("utf-8"), "--out", html_path.to_str().expect("utf-8")]).await;
     assert!(summary.contains("43 step spans"), "{summary}");
     let html = std::fs::read_to_string(&html_path).expect("timeline written");
     check_timeline_html(&html);
@@ -129,8 +167,14 @@ fn check_timeline_html(html: &str) {
         assert!(html.contains(&format!("data-step=\"{n:02}\"><title>step {n} ·")), "bar {n} has its hover title");
         assert!(html.contains(&format!(">{n}</text></g>")), "bar {n} is numbered");
     }
-    let lanes: Vec<&str> = html.match_indices("<g class=\"lane\" data-lane=\"").filter_map(|(i, m)| html[i + m.len()..].split('"').next()).collect();
-    assert_eq!(lanes, ["client", "proxy", "P API", "P scheduler", "P worker", "bootstrap", "D API", "D scheduler", "D worker"]);
+    let lanes: Vec<&str> = html
+        .match_indices("<g class=\"lane\" data-lane=\"")
+        .filter_map(|(i, m)| html[i + m.len()..].split('"').next())
+        .collect();
+    assert_eq!(
+        lanes,
+        ["client", "proxy", "P API", "P scheduler", "P worker", "bootstrap", "D API", "D scheduler", "D worker"]
+    );
     assert!(html.contains("pd.bytes = "), "figures on hover");
     for part in ["proxy", "P prefill", "P next step", "transfer", "D notice", "D first forward"] {
         assert!(html.contains(&format!("data-part=\"{part}\"")), "TTFT part {part}");
@@ -146,11 +190,27 @@ async fn cluster(receiver: &OtlpReceiver) -> Vec<Proc> {
     let bootstrap_addr = bootstrap.ready["addr"].as_str().expect("addr").to_string();
     let bootstrap_port = bootstrap_addr.rsplit(':').next().expect("port").to_string();
     let bootstrap_url = format!("http://{bootstrap_addr}");
-    let producer = Proc::spawn("producer", &["serve", "--role", "producer", "--num-blocks", "160", "--bootstrap-url", &bootstrap_url], &env).await.expect("P starts");
-    let consumer = Proc::spawn("consumer", &["serve", "--role", "consumer", "--num-blocks", "160", "--kv-load-failure-policy", "fail"], &env).await.expect("D starts");
-    let proxy = Proc::spawn("proxy", &["proxy", "--port", "0", "--prefill", &producer.url(), &bootstrap_port, "--decode", &consumer.url()], &env)
-        .await
-        .expect("proxy starts");
+    let producer = Proc::spawn(
+        "producer",
+        &["serve", "--role", "producer", "--num-blocks", "160", "--bootstrap-url", &bootstrap_url],
+        &env,
+    )
+    .await
+    .expect("P starts");
+    let consumer = Proc::spawn(
+        "consumer",
+        &["serve", "--role", "consumer", "--num-blocks", "160", "--kv-load-failure-policy", "fail"],
+        &env,
+    )
+    .await
+    .expect("D starts");
+    let proxy = Proc::spawn(
+        "proxy",
+        &["proxy", "--port", "0", "--prefill", &producer.url(), &bootstrap_port, "--decode", &consumer.url()],
+        &env,
+    )
+    .await
+    .expect("proxy starts");
     vec![proxy, consumer, producer, bootstrap]
 }
 
@@ -166,7 +226,9 @@ async fn processes_export_every_step(transport: Transport) {
     wait_healthy(&client, &proxy_url, Duration::from_secs(20)).await.expect("proxy ready");
 
     // The seed request: 1000 tokens, Qwen3-8B shape.
-    let (status, body) = post(&client, &format!("{proxy_url}/v1/completions"), &completion(&prompt(1000, 0x5EED), 4)).await.expect("seed request");
+    let (status, body) = post(&client, &format!("{proxy_url}/v1/completions"), &completion(&prompt(1000, 0x5EED), 4))
+        .await
+        .expect("seed request");
     assert_eq!(status, 200, "{body}");
     let spans = receiver
         .wait_until(Duration::from_secs(30), "every step 1–43 exported", |s| {
@@ -186,10 +248,11 @@ async fn processes_export_every_step(transport: Transport) {
     assert_eq!(s29.attrs.get("pd.descriptors"), Some(&Value::from(36)), "{s29:?}");
     assert_eq!(otlp::causal_order_violations(&seed).expect("steps present"), Vec::<String>::new());
     // Start-up: one trace per node.
-    let startup: BTreeMap<String, BTreeSet<String>> = spans.iter().filter(|s| s.step <= 7).fold(BTreeMap::new(), |mut m, s| {
-        m.entry(s.service.clone()).or_default().insert(s.trace_id.clone());
-        m
-    });
+    let startup: BTreeMap<String, BTreeSet<String>> =
+        spans.iter().filter(|s| s.step <= 7).fold(BTreeMap::new(), |mut m, s| {
+            m.entry(s.service.clone()).or_default().insert(s.trace_id.clone());
+            m
+        });
     assert!(startup.values().all(|t| t.len() == 1), "one start-up trace per node: {startup:?}");
 
     // Two concurrent requests: two more traces, no span crossing over.
@@ -247,8 +310,13 @@ fn chromium() -> Option<PathBuf> {
 
 async fn run_chromium(bin: &Path, args: &[&str]) -> std::process::Output {
     let mut cmd = tokio::process::Command::new(bin);
-    cmd.args(["--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--no-first-run"]).args(args).kill_on_drop(true);
-    tokio::time::timeout(Duration::from_secs(60), cmd.output()).await.expect("chromium finished within 60 s").expect("chromium runs")
+    cmd.args(["--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--no-first-run"])
+        .args(args)
+        .kill_on_drop(true);
+    tokio::time::timeout(Duration::from_secs(60), cmd.output())
+        .await
+        .expect("chromium finished within 60 s")
+        .expect("chromium runs")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -259,7 +327,18 @@ async fn timeline_screenshot_in_headless_chromium() {
     };
     let dir = scratch_dir("screenshot");
     let (trace, html, png) = (dir.join("t.json"), dir.join("timeline.html"), dir.join("timeline.png"));
-    pdflow(&["demo", "--kv-shape", "4,2,16,16", "--prompt-tokens", "100", "--max-tokens", "4", "--trace-file", trace.to_str().expect("utf-8")]).await;
+    pdflow(&[
+        "demo",
+        "--kv-shape",
+        "4,2,16,16",
+        "--prompt-tokens",
+        "100",
+        "--max-tokens",
+        "4",
+        "--trace-file",
+        trace.to_str().expect("utf-8"),
+    ])
+    .await;
     pdflow(&["trace", "render", trace.to_str().expect("utf-8"), "--out", html.to_str().expect("utf-8")]).await;
     let url = format!("file://{}", html.display());
 

@@ -78,7 +78,11 @@ impl Poller {
                         // Before discovery every failure counts; after, only a run of them.
                         if !discovered[i] || p_failures[i] >= UNHEALTHY_AFTER {
                             discovered[i] = false;
-                            reports.push(Report::Health(TargetHealth { pool: Pool::Prefill, index: i, healthy: false }));
+                            reports.push(Report::Health(TargetHealth {
+                                pool: Pool::Prefill,
+                                index: i,
+                                healthy: false,
+                            }));
                         }
                     }
                     PrefillProbe::Healthy => {

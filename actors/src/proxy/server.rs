@@ -30,14 +30,27 @@ pub struct ProxyServer {
 impl ProxyServer {
     /// Binds `bind` and serves the proxy's routes, asking `proxy` for every request's route.
     /// `upstream_timeout` bounds each call to P and D.
-    pub async fn start(bind: SocketAddr, proxy: ActorRef<Proxy>, upstream_timeout: Duration) -> Result<Self, ActorError> {
+    pub async fn start(
+        bind: SocketAddr,
+        proxy: ActorRef<Proxy>,
+        upstream_timeout: Duration,
+    ) -> Result<Self, ActorError> {
         let listener = crate::rebind::bind_http(bind, "the proxy HTTP server").await?;
-        let addr = listener.local_addr().map_err(|source| ActorError::Bind { what: "the proxy HTTP server", addr: bind.to_string(), source })?;
+        let addr = listener.local_addr().map_err(|source| ActorError::Bind {
+            what: "the proxy HTTP server",
+            addr: bind.to_string(),
+            source,
+        })?;
         let client = reqwest::Client::builder()
             .pool_idle_timeout(Duration::from_secs(90))
             .build()
             .map_err(|e| ActorError::Other(format!("cannot build the proxy's HTTP client: {e}")))?;
-        let app = proxy_flow::router(Arc::new(FlowContext { proxy, client, upstream_timeout, was_ready: Default::default() }));
+        let app = proxy_flow::router(Arc::new(FlowContext {
+            proxy,
+            client,
+            upstream_timeout,
+            was_ready: Default::default(),
+        }));
         let shutdown = CancellationToken::new();
         let stop = shutdown.clone().cancelled_owned();
         let task = tokio::spawn(async move { axum::serve(listener, app).with_graceful_shutdown(stop).await });

@@ -103,7 +103,8 @@ async fn stub_completion(State(s): State<Arc<Stub>>, headers: HeaderMap, Json(bo
         Mode::Completion => Json(completion).into_response(),
         Mode::Fail(code) => {
             let status = StatusCode::from_u16(code).expect("status");
-            (status, Json(json!({"object": "error", "message": format!("{} refused", s.name), "code": code}))).into_response()
+            (status, Json(json!({"object": "error", "message": format!("{} refused", s.name), "code": code})))
+                .into_response()
         }
         Mode::Slow => {
             let mut guard = CancelGuard { tx: s.cancelled.clone(), finished: false };
@@ -114,7 +115,8 @@ async fn stub_completion(State(s): State<Arc<Stub>>, headers: HeaderMap, Json(bo
         Mode::FailLate(code) => {
             tokio::time::sleep(Duration::from_millis(300)).await;
             let status = StatusCode::from_u16(code).expect("status");
-            (status, Json(json!({"object": "error", "message": format!("{} failed late", s.name), "code": code}))).into_response()
+            (status, Json(json!({"object": "error", "message": format!("{} failed late", s.name), "code": code})))
+                .into_response()
         }
         Mode::SlowBody => {
             let bytes = Bytes::from(completion.to_string());
@@ -199,7 +201,8 @@ async fn one_p_one_d(p_mode: Mode, d_mode: Mode) -> (RunningProxy, String, StubH
     let p = stub("P", p_mode).await;
     let d = stub("D", d_mode).await;
     let bport = bootstrap_stub("6c1f").await;
-    let (proxy, base) = start_proxy(vec![PrefillTarget { url: p.url.clone(), bootstrap_port: bport }], vec![d.url.clone()]).await;
+    let (proxy, base) =
+        start_proxy(vec![PrefillTarget { url: p.url.clone(), bootstrap_port: bport }], vec![d.url.clone()]).await;
     wait_ready(&reqwest::Client::new(), &base).await;
     (proxy, base, p, d, bport)
 }
@@ -248,7 +251,8 @@ async fn chat_prefill_caps_max_completion_tokens_and_drops_stream_options() {
     let (_proxy, base, p, _d, _) = one_p_one_d(Mode::Completion, Mode::Completion).await;
     let req = json!({"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 50,
         "stream": true, "stream_options": {"include_usage": true}});
-    let resp = reqwest::Client::new().post(format!("{base}/v1/chat/completions")).json(&req).send().await.expect("request");
+    let resp =
+        reqwest::Client::new().post(format!("{base}/v1/chat/completions")).json(&req).send().await.expect("request");
     assert_eq!(resp.status(), 200);
     let p_body = p.state.bodies.lock().expect("lock")[0].1.clone();
     assert_eq!(p_body["max_completion_tokens"], 1);
@@ -264,7 +268,8 @@ async fn sse_is_streamed_chunk_by_chunk() {
     let (release, released) = oneshot::channel();
     *d.state.release.lock().expect("lock") = Some(released);
     let bport = bootstrap_stub("e1").await;
-    let (_proxy, base) = start_proxy(vec![PrefillTarget { url: p.url.clone(), bootstrap_port: bport }], vec![d.url.clone()]).await;
+    let (_proxy, base) =
+        start_proxy(vec![PrefillTarget { url: p.url.clone(), bootstrap_port: bport }], vec![d.url.clone()]).await;
     let client = reqwest::Client::new();
     wait_ready(&client, &base).await;
 
@@ -274,7 +279,11 @@ async fn sse_is_streamed_chunk_by_chunk() {
     assert_eq!(resp.status(), 200);
     assert_eq!(resp.headers()["content-type"], "text/event-stream");
     let mut stream = resp.bytes_stream();
-    let first = tokio::time::timeout(WAIT, stream.next()).await.expect("first chunk before D finished").expect("chunk").expect("ok");
+    let first = tokio::time::timeout(WAIT, stream.next())
+        .await
+        .expect("first chunk before D finished")
+        .expect("chunk")
+        .expect("ok");
     assert_eq!(&first[..], b"data: {\"n\":1}\n\n");
     release.send(()).expect("D still streaming");
     let mut rest = Vec::new();
@@ -291,7 +300,8 @@ async fn answers_503_until_every_p_and_d_is_ready() {
     let d = stub("D", Mode::Completion).await;
     d.state.healthy.store(false, std::sync::atomic::Ordering::SeqCst);
     let bport = bootstrap_stub("e1").await;
-    let (_proxy, base) = start_proxy(vec![PrefillTarget { url: p.url.clone(), bootstrap_port: bport }], vec![d.url.clone()]).await;
+    let (_proxy, base) =
+        start_proxy(vec![PrefillTarget { url: p.url.clone(), bootstrap_port: bport }], vec![d.url.clone()]).await;
     let client = reqwest::Client::new();
     let health = client.get(format!("{base}/health")).send().await.expect("health");
     assert_eq!(health.status(), 503);
@@ -313,7 +323,10 @@ async fn round_robin_over_two_p_and_two_d() {
     let (d0, d1) = (stub("D0", Mode::Completion).await, stub("D1", Mode::Completion).await);
     let (b0, b1) = (bootstrap_stub("engine-0").await, bootstrap_stub("engine-1").await);
     let (_proxy, base) = start_proxy(
-        vec![PrefillTarget { url: p0.url.clone(), bootstrap_port: b0 }, PrefillTarget { url: p1.url.clone(), bootstrap_port: b1 }],
+        vec![
+            PrefillTarget { url: p0.url.clone(), bootstrap_port: b0 },
+            PrefillTarget { url: p1.url.clone(), bootstrap_port: b1 },
+        ],
         vec![d0.url.clone(), d1.url.clone()],
     )
     .await;
@@ -340,7 +353,12 @@ async fn round_robin_over_two_p_and_two_d() {
 /// error naming `reason`, well before D's slow answer would have come.
 async fn assert_clean_502_at_once(base: &str, reason: &str) {
     let started = Instant::now();
-    let resp = reqwest::Client::new().post(format!("{base}/v1/completions")).json(&seed_request()).send().await.expect("request");
+    let resp = reqwest::Client::new()
+        .post(format!("{base}/v1/completions"))
+        .json(&seed_request())
+        .send()
+        .await
+        .expect("request");
     assert_eq!(resp.status(), 502);
     let body: Value = resp.json().await.expect("a JSON error body");
     assert!(started.elapsed() < Duration::from_secs(2), "the client waited for D: {:?}", started.elapsed());
@@ -366,7 +384,12 @@ async fn failed_prefill_cancels_decode_and_answers_at_once() {
 #[tokio::test]
 async fn a_non_streamed_answer_is_relayed_whole_with_its_length() {
     let (_proxy, base, _p, _d, _) = one_p_one_d(Mode::Completion, Mode::Completion).await;
-    let resp = reqwest::Client::new().post(format!("{base}/v1/completions")).json(&seed_request()).send().await.expect("request");
+    let resp = reqwest::Client::new()
+        .post(format!("{base}/v1/completions"))
+        .json(&seed_request())
+        .send()
+        .await
+        .expect("request");
     assert_eq!(resp.status(), 200);
     assert!(resp.headers().get("transfer-encoding").is_none(), "chunked: {:?}", resp.headers());
     let len: usize = resp.headers()["content-length"].to_str().expect("length").parse().expect("a number");
@@ -387,7 +410,12 @@ async fn a_prefill_failing_while_d_s_body_is_on_its_way_is_a_clean_502() {
 #[tokio::test]
 async fn prefill_4xx_is_passed_on_with_its_message() {
     let (_proxy, base, _p, _d, _) = one_p_one_d(Mode::Fail(400), Mode::Slow).await;
-    let resp = reqwest::Client::new().post(format!("{base}/v1/completions")).json(&seed_request()).send().await.expect("request");
+    let resp = reqwest::Client::new()
+        .post(format!("{base}/v1/completions"))
+        .json(&seed_request())
+        .send()
+        .await
+        .expect("request");
     assert_eq!(resp.status(), 400);
     let body: Value = resp.json().await.expect("json error");
     assert!(body["error"]["message"].as_str().expect("message").contains("P refused"), "{body}");
@@ -397,7 +425,12 @@ async fn prefill_4xx_is_passed_on_with_its_message() {
 async fn client_going_away_cancels_both_upstream_calls() {
     let (_proxy, base, mut p, mut d, _) = one_p_one_d(Mode::Slow, Mode::Slow).await;
     let client = reqwest::Client::new();
-    let gave_up = client.post(format!("{base}/v1/completions")).json(&seed_request()).timeout(Duration::from_millis(300)).send().await;
+    let gave_up = client
+        .post(format!("{base}/v1/completions"))
+        .json(&seed_request())
+        .timeout(Duration::from_millis(300))
+        .send()
+        .await;
     assert!(gave_up.is_err(), "the client gave up before any answer");
     for (who, s) in [("P", &mut p), ("D", &mut d)] {
         let seen = tokio::time::timeout(Duration::from_secs(3), s.cancelled.recv()).await;
@@ -452,7 +485,9 @@ async fn a_client_request_id_is_adopted_with_a_suffix_and_echoed_and_a_bad_one_r
         }
         req.send()
     };
-    let echoed = |resp: &reqwest::Response| resp.headers().get("x-request-id").expect("x-request-id echoed").to_str().expect("ascii").to_owned();
+    let echoed = |resp: &reqwest::Response| {
+        resp.headers().get("x-request-id").expect("x-request-id echoed").to_str().expect("ascii").to_owned()
+    };
 
     let resp = post(Some("load-00042")).await.expect("request");
     assert_eq!(resp.status(), 200);
@@ -477,7 +512,13 @@ async fn a_client_request_id_is_adopted_with_a_suffix_and_echoed_and_a_bad_one_r
 #[tokio::test]
 async fn an_error_answer_carries_the_request_id_too() {
     let (_proxy, base, _p, _d, _) = one_p_one_d(Mode::Fail(500), Mode::Slow).await;
-    let resp = reqwest::Client::new().post(format!("{base}/v1/completions")).header("x-request-id", "err.1").json(&seed_request()).send().await.expect("request");
+    let resp = reqwest::Client::new()
+        .post(format!("{base}/v1/completions"))
+        .header("x-request-id", "err.1")
+        .json(&seed_request())
+        .send()
+        .await
+        .expect("request");
     assert_eq!(resp.status(), 502);
     let id = resp.headers().get("x-request-id").expect("echoed on errors").to_str().expect("ascii");
     assert!(id.starts_with("err.1-"), "{id}");

@@ -13,9 +13,9 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use kameo::prelude::*;
 use pdflow_messages::bootstrap::{BootstrapAddr, RegisterWorker};
+use pdflow_messages::frame;
 use pdflow_messages::receiver::{GetFinishedRecving, StartLoadKv};
 use pdflow_messages::scheduler_connector::{ConnectorOutput, PullMeta};
-use pdflow_messages::frame;
 use pdflow_messages::sender_listener::{PullRequest, PullResponse, PullStatus, SideChannelRequest};
 use pdflow_runtime::memory::{KvCache, KvShape};
 use proptest::prelude::*;
@@ -51,7 +51,10 @@ impl Harness {
     async fn start_with(pull_timeout: Duration) -> Self {
         let p = FakeP::start().await;
         let bootstrap = Bootstrap::spawn(BootstrapArgs { bind: "127.0.0.1:0".parse().expect("addr") });
-        let addr = tokio::time::timeout(WAIT, bootstrap.ask(BootstrapAddr)).await.expect("in time").expect("bootstrap started");
+        let addr = tokio::time::timeout(WAIT, bootstrap.ask(BootstrapAddr))
+            .await
+            .expect("in time")
+            .expect("bootstrap started");
         register(&bootstrap, P_ENGINE, 0, &p.addr).await;
         let events = Arc::new(Notify::new());
         let receiver = Receiver::spawn(ReceiverArgs {
@@ -67,7 +70,15 @@ impl Harness {
             verify_checksums: false,
             fence: None,
         });
-        Self { receiver, events, p, bootstrap, bootstrap_addr: format!("http://{addr}"), collected: ConnectorOutput::default(), next_req: 0 }
+        Self {
+            receiver,
+            events,
+            p,
+            bootstrap,
+            bootstrap_addr: format!("http://{addr}"),
+            collected: ConnectorOutput::default(),
+            next_req: 0,
+        }
     }
 
     /// Starts one request's pull for `engine_id` at `bootstrap_addr`; returns its request id.
@@ -139,7 +150,15 @@ impl Harness {
         assert_eq!(pull.reqs[0].d_req_id, req);
         self.p.reply(
             &id,
-            &PullResponse { pull_id: pull.pull_id, status: PullStatus::Finish, ok_reqs: vec![req.clone()], err_reqs: vec![], layout_id: Some(pull.layout_id), error: None, p_generation: 0 },
+            &PullResponse {
+                pull_id: pull.pull_id,
+                status: PullStatus::Finish,
+                ok_reqs: vec![req.clone()],
+                err_reqs: vec![],
+                layout_id: Some(pull.layout_id),
+                error: None,
+                p_generation: 0,
+            },
         );
         assert_eq!(self.outcome(&req, WAIT).await, None, "the valid pull completes");
         assert!(self.receiver.is_alive());
@@ -147,12 +166,23 @@ impl Harness {
 }
 
 async fn register(bootstrap: &ActorRef<Bootstrap>, engine_id: &str, dp_rank: u32, addr: &str) {
-    let w = RegisterWorker { engine_id: engine_id.into(), dp_rank, tp_rank: 0, pp_rank: 0, addr: addr.into(), generation: 0 };
+    let w = RegisterWorker {
+        engine_id: engine_id.into(),
+        dp_rank,
+        tp_rank: 0,
+        pp_rank: 0,
+        addr: addr.into(),
+        generation: 0,
+    };
     tokio::time::timeout(WAIT, bootstrap.ask(w)).await.expect("in time").expect("registered");
 }
 
 /// A bootstrap stub whose `/query` answers `status` with `body` (any bytes) and `content_type`.
-async fn bad_bootstrap(status: u16, content_type: &'static str, body: &'static [u8]) -> (String, tokio::task::JoinHandle<()>) {
+async fn bad_bootstrap(
+    status: u16,
+    content_type: &'static str,
+    body: &'static [u8],
+) -> (String, tokio::task::JoinHandle<()>) {
     let router = axum::Router::new().route(
         "/query",
         axum::routing::get(move || async move {
@@ -162,9 +192,12 @@ async fn bad_bootstrap(status: u16, content_type: &'static str, body: &'static [
     );
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("binds");
     let addr = format!("http://{}", listener.local_addr().expect("addr"));
-    (addr, tokio::spawn(async move {
-        let _ = axum::serve(listener, router).await;
-    }))
+    (
+        addr,
+        tokio::spawn(async move {
+            let _ = axum::serve(listener, router).await;
+        }),
+    )
 }
 
 #[tokio::test]
@@ -207,7 +240,11 @@ fn arbitrary_unknown_engine_ids_fail_cleanly_and_the_receiver_keeps_serving() {
             rt.block_on(async {
                 let req = h.pull(&engine_id, &addr).await;
                 let reason = h.outcome(&req, WAIT).await;
-                prop_assert!(reason.as_deref().is_some_and(|r| r.contains(&engine_id) && r.contains(&addr)), "{:?}", reason);
+                prop_assert!(
+                    reason.as_deref().is_some_and(|r| r.contains(&engine_id) && r.contains(&addr)),
+                    "{:?}",
+                    reason
+                );
                 prop_assert!(h.p.quiet_for(Duration::from_millis(20)).await, "nothing was sent to P");
                 prop_assert!(h.receiver.is_alive());
                 Ok(())
@@ -224,7 +261,12 @@ async fn garbage_query_answers_fail_the_pull_cleanly() {
         (200, "application/json", b"{not json", "not a /query answer"),
         (200, "application/json", b"[1, 2, 3]", "not a /query answer"),
         (200, "application/json", br#"{"0": {"engine_id": 7}}"#, "not a /query answer"),
-        (200, "application/json", br#"{"0": {"engine_id": "p", "worker_addr": {"zero": {"0": "tcp://h:1"}}}}"#, "non-numeric rank key `zero`"),
+        (
+            200,
+            "application/json",
+            br#"{"0": {"engine_id": "p", "worker_addr": {"zero": {"0": "tcp://h:1"}}}}"#,
+            "non-numeric rank key `zero`",
+        ),
         (200, "text/html", b"<html>hello</html>", "not a /query answer"),
         (404, "text/plain", b"no such route", "HTTP 404"),
         (500, "application/json", br#"{"error": "boom"}"#, "HTTP 500"),
@@ -249,7 +291,11 @@ async fn a_bootstrap_that_never_answers_fails_within_bootstrap_timeout() {
     let req = h.pull(P_ENGINE, &addr).await;
     h.fails_naming(&req, &[P_ENGINE, &addr]).await;
     let elapsed = started.elapsed();
-    assert!(elapsed >= BOOTSTRAP_TIMEOUT - Duration::from_millis(50) && elapsed < BOOTSTRAP_TIMEOUT + Duration::from_secs(2), "{elapsed:?}");
+    assert!(
+        elapsed >= BOOTSTRAP_TIMEOUT - Duration::from_millis(50)
+            && elapsed < BOOTSTRAP_TIMEOUT + Duration::from_secs(2),
+        "{elapsed:?}"
+    );
     drop(silent);
     h.still_serves().await;
 }
@@ -258,7 +304,8 @@ async fn a_bootstrap_that_never_answers_fails_within_bootstrap_timeout() {
 async fn garbage_bootstrap_addresses_fail_cleanly() {
     let mut h = Harness::start().await;
     let closed = std::net::TcpListener::bind("127.0.0.1:0").expect("binds").local_addr().expect("addr").to_string();
-    for addr in ["", "not a url at all", "http://[::1", "ftp://127.0.0.1:1", "http://127.0.0.1:99999", closed.as_str()] {
+    for addr in ["", "not a url at all", "http://[::1", "ftp://127.0.0.1:1", "http://127.0.0.1:99999", closed.as_str()]
+    {
         let req = h.pull(P_ENGINE, addr).await;
         h.fails_naming(&req, &[P_ENGINE]).await;
         // The failed look-up cached nothing: the next request for the same engine looks it up again.
@@ -271,7 +318,9 @@ async fn garbage_bootstrap_addresses_fail_cleanly() {
 async fn garbage_worker_addresses_from_bootstrap_fail_within_pull_timeout() {
     let mut h = Harness::start().await;
     let addr = h.bootstrap_addr.clone();
-    for (dp, engine, worker) in [(1, "bad-addr-1", "not-an-endpoint"), (2, "bad-addr-2", "tcp://"), (3, "bad-addr-3", "tcp://127.0.0.1:1")] {
+    for (dp, engine, worker) in
+        [(1, "bad-addr-1", "not-an-endpoint"), (2, "bad-addr-2", "tcp://"), (3, "bad-addr-3", "tcp://127.0.0.1:1")]
+    {
         register(&h.bootstrap, engine, dp, worker).await;
         let started = Instant::now();
         let req = h.pull(engine, &addr).await;
@@ -340,7 +389,12 @@ fn mutated_or_garbage_pull_responses_settle_the_request_and_the_receiver_keeps_s
                 // Settled either way, within the pull's deadline (a garbage answer at once).
                 let outcome = h.outcome(&req, SHORT_PULL_TIMEOUT + WAIT).await;
                 match &decoded {
-                    Err(e) => prop_assert!(outcome.as_deref().is_some_and(|r| r.contains("not a pull response")), "{:?} then {:?}", e, outcome),
+                    Err(e) => prop_assert!(
+                        outcome.as_deref().is_some_and(|r| r.contains("not a pull response")),
+                        "{:?} then {:?}",
+                        e,
+                        outcome
+                    ),
                     Ok(resp) if *resp == valid => prop_assert_eq!(outcome, None),
                     Ok(_) => {}
                 }

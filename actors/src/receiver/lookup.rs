@@ -17,7 +17,11 @@ pub(crate) struct Answer {
 }
 
 /// `GET {bootstrap_addr}/query`: every engine of the answer with its workers.
-pub(crate) async fn query_bootstrap(http: &reqwest::Client, bootstrap_addr: &str, timeout: Duration) -> Result<Answer, String> {
+pub(crate) async fn query_bootstrap(
+    http: &reqwest::Client,
+    bootstrap_addr: &str,
+    timeout: Duration,
+) -> Result<Answer, String> {
     let base = bootstrap_addr.trim_end_matches('/');
     let url = if base.starts_with("http://") || base.starts_with("https://") {
         format!("{base}/query")
@@ -30,7 +34,8 @@ pub(crate) async fn query_bootstrap(http: &reqwest::Client, bootstrap_addr: &str
         if !status.is_success() {
             return Err(format!("GET {url} answered HTTP {status}"));
         }
-        let body: QueryResponse = resp.json().await.map_err(|e| format!("GET {url}: body is not a /query answer: {e}"))?;
+        let body: QueryResponse =
+            resp.json().await.map_err(|e| format!("GET {url}: body is not a /query answer: {e}"))?;
         let mut answer = Answer::default();
         for entry in body.values() {
             let workers = entry.workers().map_err(|e| format!("GET {url}: {e}"))?;
@@ -53,7 +58,12 @@ pub(crate) async fn query_bootstrap(http: &reqwest::Client, bootstrap_addr: &str
 /// that restarted (refusing connections, or with an empty table until P's next periodic
 /// re-registration) is asked again every [`RETRY_EVERY`] rather than failing the requests queued
 /// behind the look-up. Returns the last answer (or error) when the time is up.
-pub(crate) async fn query_until_registered(http: &reqwest::Client, bootstrap_addr: &str, engine_id: &str, timeout: Duration) -> Result<Answer, String> {
+pub(crate) async fn query_until_registered(
+    http: &reqwest::Client,
+    bootstrap_addr: &str,
+    engine_id: &str,
+    timeout: Duration,
+) -> Result<Answer, String> {
     let deadline = tokio::time::Instant::now() + timeout;
     loop {
         let left = deadline.saturating_duration_since(tokio::time::Instant::now());
@@ -103,7 +113,10 @@ mod tests {
 
     #[test]
     fn equal_tp_pairs_rank_with_rank() {
-        assert_eq!(pair("p", &workers(1), 0, 1).expect("pairs"), vec![Peer { tp_rank: 0, pp_rank: 0, addr: "tcp://h:0".into() }]);
+        assert_eq!(
+            pair("p", &workers(1), 0, 1).expect("pairs"),
+            vec![Peer { tp_rank: 0, pp_rank: 0, addr: "tcp://h:0".into() }]
+        );
         assert_eq!(pair("p", &workers(2), 1, 2).expect("pairs")[0].addr, "tcp://h:1");
     }
 

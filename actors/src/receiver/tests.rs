@@ -10,7 +10,9 @@ use kameo::prelude::*;
 use pdflow_messages::lifecycle::TransferState;
 use pdflow_messages::receiver::{GetFinishedRecving, StartLoadKv, TransferStates};
 use pdflow_messages::scheduler_connector::{ConnectorOutput, PullMeta};
-use pdflow_messages::sender_listener::{PullErr, PullErrorCause, PullRequest, PullResponse, PullStatus, SideChannelRequest};
+use pdflow_messages::sender_listener::{
+    PullErr, PullErrorCause, PullRequest, PullResponse, PullStatus, SideChannelRequest,
+};
 use pdflow_runtime::memory::{KvCache, KvShape};
 use tokio::sync::Notify;
 
@@ -62,7 +64,10 @@ impl Harness {
 
     async fn pull(&self, metas: Vec<PullMeta>) {
         let reqs = metas.into_iter().map(|m| (m.d_req_id.clone(), m)).collect();
-        let msg = StartLoadKv { reqs_to_recv: BTreeMap::from([(P_ENGINE.to_string(), reqs)]), reqs_to_abort: BTreeSet::new() };
+        let msg = StartLoadKv {
+            reqs_to_recv: BTreeMap::from([(P_ENGINE.to_string(), reqs)]),
+            reqs_to_abort: BTreeSet::new(),
+        };
         self.receiver.tell(msg).await.expect("receiver alive");
     }
 
@@ -192,7 +197,8 @@ async fn p_err_reqs_fail_with_cause_and_detail() {
     let mut h = Harness::start(Duration::from_secs(5)).await;
     h.pull(vec![h.meta("a", vec![1])]).await;
     let (id, pull) = h.next_pull().await;
-    let err = PullErr { d_req_id: "a".into(), cause: PullErrorCause::ReadyTimeout, detail: "prefill never finished".into() };
+    let err =
+        PullErr { d_req_id: "a".into(), cause: PullErrorCause::ReadyTimeout, detail: "prefill never finished".into() };
     h.p.reply(&id, &PullResponse { err_reqs: vec![err], ..finish(&pull, &[]) });
     let out = h.settled("a", WAIT).await;
     assert_eq!(out.failed_recving["a"], "ReadyTimeout: prefill never finished");
@@ -291,7 +297,10 @@ async fn abort_in_flight_sends_abort_and_waits_for_p() {
         other => panic!("expected an abort, got {other:?}"),
     }
     let out = h.collect().await;
-    assert!(out.failed_recving.is_empty() && out.finished_recving.is_empty(), "nothing settles before P answers: {out:?}");
+    assert!(
+        out.failed_recving.is_empty() && out.finished_recving.is_empty(),
+        "nothing settles before P answers: {out:?}"
+    );
     let err = PullErr { d_req_id: "a".into(), cause: PullErrorCause::CancelledByPeer, detail: "aborted by D".into() };
     h.p.reply(&id, &PullResponse { err_reqs: vec![err], ..finish(&pull, &[]) });
     let out = h.settled("a", WAIT).await;

@@ -10,7 +10,8 @@ use pdflow_runtime::planner::TransferPlan;
 use pdflow_runtime::transfer::{TransferEngine, TransferError, TransferStats};
 
 /// A small shape: 2 layers, 2 heads, head_dim 4, bf16, block 2 → 64-byte blocks per layer.
-pub(crate) const SHAPE: KvShape = KvShape { num_layers: 2, num_kv_heads: 2, head_dim: 4, dtype_bytes: 2, block_size: 2 };
+pub(crate) const SHAPE: KvShape =
+    KvShape { num_layers: 2, num_kv_heads: 2, head_dim: 4, dtype_bytes: 2, block_size: 2 };
 
 /// A cache whose every byte depends on (layer, block, head, slot, offset).
 pub(crate) fn filled_cache(num_blocks: usize, seed: u8) -> Arc<KvCache> {
@@ -45,7 +46,12 @@ impl MemcpyTransfer {
     }
 
     pub(crate) fn failing(src: &Arc<KvCache>, dst: &Arc<KvCache>, reason: &str) -> Arc<Self> {
-        Arc::new(Self { src: src.region_table(), dst: dst.region_table(), fail: Some(reason.to_string()), calls: Default::default() })
+        Arc::new(Self {
+            src: src.region_table(),
+            dst: dst.region_table(),
+            fail: Some(reason.to_string()),
+            calls: Default::default(),
+        })
     }
 
     /// The calls made so far (`prepare <peer>`, `write <peer>`), in order.
@@ -70,7 +76,11 @@ impl TransferEngine for MemcpyTransfer {
         Box::pin(async { Ok(()) })
     }
 
-    fn write<'a>(&'a self, peer: &'a str, plan: &'a TransferPlan) -> BoxFuture<'a, Result<TransferStats, TransferError>> {
+    fn write<'a>(
+        &'a self,
+        peer: &'a str,
+        plan: &'a TransferPlan,
+    ) -> BoxFuture<'a, Result<TransferStats, TransferError>> {
         self.note(format!("write {peer}"));
         Box::pin(async move {
             if let Some(reason) = &self.fail {
@@ -84,7 +94,11 @@ impl TransferEngine for MemcpyTransfer {
                     .map_err(|e| TransferError::Refused { peer: peer.to_string(), reason: e.to_string() })?;
                 dst.copy_from_slice(src);
             }
-            Ok(TransferStats { bytes: plan.total_bytes(), descriptors: plan.descriptors.len(), duration: start.elapsed() })
+            Ok(TransferStats {
+                bytes: plan.total_bytes(),
+                descriptors: plan.descriptors.len(),
+                duration: start.elapsed(),
+            })
         })
     }
 }

@@ -5,7 +5,9 @@ use std::time::Duration;
 
 use kameo::error::Infallible;
 use kameo::prelude::*;
-use pdflow_messages::send_worker::{AbortSend, AbortSource, RecordSendPending, RecordSendReady, SendOutcome, ServePull};
+use pdflow_messages::send_worker::{
+    AbortSend, AbortSource, RecordSendPending, RecordSendReady, SendOutcome, ServePull,
+};
 use pdflow_messages::sender_listener::PullErrorCause;
 use pdflow_runtime::memory::KvCache;
 use pdflow_runtime::transfer::TransferEngine;
@@ -65,12 +67,21 @@ fn memcpy(p: &Arc<KvCache>, d: &Arc<KvCache>) -> Arc<dyn TransferEngine> {
 
 impl Rig {
     async fn next(&mut self) -> SendOutcome {
-        tokio::time::timeout(Duration::from_secs(5), self.outcomes.recv()).await.expect("an outcome in time").expect("collector alive")
+        tokio::time::timeout(Duration::from_secs(5), self.outcomes.recv())
+            .await
+            .expect("an outcome in time")
+            .expect("collector alive")
     }
 
     async fn ready(&self, blocks: Vec<u32>) {
-        self.worker.tell(RecordSendPending { p_req_id: "cmpl-p".into(), transfer_id: "xfer-1".into() }).await.expect("worker alive");
-        self.worker.tell(RecordSendReady { p_req_id: "cmpl-p".into(), transfer_id: "xfer-1".into(), block_ids: blocks }).await.expect("worker alive");
+        self.worker
+            .tell(RecordSendPending { p_req_id: "cmpl-p".into(), transfer_id: "xfer-1".into() })
+            .await
+            .expect("worker alive");
+        self.worker
+            .tell(RecordSendReady { p_req_id: "cmpl-p".into(), transfer_id: "xfer-1".into(), block_ids: blocks })
+            .await
+            .expect("worker alive");
     }
 
     async fn pull(&self, blocks: Vec<u32>) {
@@ -189,11 +200,17 @@ async fn failed_write_reports_transfer_failed_and_frees_p() {
 #[tokio::test]
 async fn consumer_abort_before_ready_frees_p_once_ready() {
     let mut rig = rig(memcpy, Duration::from_secs(30));
-    rig.worker.tell(RecordSendPending { p_req_id: "cmpl-p".into(), transfer_id: "xfer-1".into() }).await.expect("alive");
+    rig.worker
+        .tell(RecordSendPending { p_req_id: "cmpl-p".into(), transfer_id: "xfer-1".into() })
+        .await
+        .expect("alive");
     rig.pull(vec![4]).await;
     rig.worker.tell(AbortSend { transfer_id: "xfer-1".into(), source: AbortSource::Consumer }).await.expect("alive");
     let out = rig.next().await;
-    assert_eq!(out.reply.expect("answers the pull").result.expect_err("cancelled").cause, PullErrorCause::CancelledByPeer);
+    assert_eq!(
+        out.reply.expect("answers the pull").result.expect_err("cancelled").cause,
+        PullErrorCause::CancelledByPeer
+    );
     assert!(!out.counts_as_sent && !out.finished);
     rig.worker
         .tell(RecordSendReady { p_req_id: "cmpl-p".into(), transfer_id: "xfer-1".into(), block_ids: vec![1] })

@@ -109,6 +109,10 @@ mod tests {
         for g in 0..(MAX_GENERATIONS as u64 + 5) {
             lineage.started(100 + g);
         }
-        assert_eq!(lineage.unknown(&"x".to_string(), old, new), Unknown::ForeignGeneration, "only the latest generations are kept");
+        assert_eq!(
+            lineage.unknown(&"x".to_string(), old, new),
+            Unknown::ForeignGeneration,
+            "only the latest generations are kept"
+        );
     }
 }

@@ -58,7 +58,11 @@ pub(super) async fn register_with_bootstrap(
 
 /// Repeats `body`'s registration every [`REREGISTER_INTERVAL`] until `cancel`; a failure is
 /// logged once per outage (the bootstrap may be restarting) and retried at the next tick.
-pub(super) async fn keep_registered(bootstrap_url: String, body: RegisterWorker, cancel: tokio_util::sync::CancellationToken) {
+pub(super) async fn keep_registered(
+    bootstrap_url: String,
+    body: RegisterWorker,
+    cancel: tokio_util::sync::CancellationToken,
+) {
     let Ok(client) = reqwest::Client::builder().timeout(ATTEMPT_TIMEOUT).build() else { return };
     let endpoint = format!("{}/register", bootstrap_url.trim_end_matches('/'));
     let mut failing = false;

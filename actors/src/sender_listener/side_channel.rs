@@ -68,7 +68,9 @@ pub(super) async fn start(
             Err(e) => {
                 return Err(ActorError::SideChannel {
                     addr: bind_addr.clone(),
-                    reason: format!("cannot bind the ROUTER socket: {e} (is the host address local and the port free?)"),
+                    reason: format!(
+                        "cannot bind the ROUTER socket: {e} (is the host address local and the port free?)"
+                    ),
                 })
             }
         }
@@ -76,7 +78,10 @@ pub(super) async fn start(
     let port = match endpoint {
         Endpoint::Tcp(_, port) => port,
         other => {
-            return Err(ActorError::SideChannel { addr: bind_addr, reason: format!("bound to a non-tcp endpoint {other}") });
+            return Err(ActorError::SideChannel {
+                addr: bind_addr,
+                reason: format!("bound to a non-tcp endpoint {other}"),
+            });
         }
     };
     let addr = format!("tcp://{bind_host}:{port}");
@@ -93,7 +98,12 @@ pub(super) async fn start(
 /// Source of [`SideChannel::socket_id`].
 static NEXT_SOCKET_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
 
-async fn read_loop(mut socket: RouterRecvHalf, socket_id: u64, actor: ActorRef<SenderListener>, cancel: CancellationToken) {
+async fn read_loop(
+    mut socket: RouterRecvHalf,
+    socket_id: u64,
+    actor: ActorRef<SenderListener>,
+    cancel: CancellationToken,
+) {
     loop {
         let received = tokio::select! {
             _ = cancel.cancelled() => return,

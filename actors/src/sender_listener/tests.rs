@@ -30,7 +30,12 @@ struct Harness {
     seen_finished: BTreeSet<String>,
 }
 
-fn args(p: &Arc<KvCache>, d: &Arc<KvCache>, ready_timeout: Duration, bootstrap_url: Option<String>) -> SenderListenerArgs {
+fn args(
+    p: &Arc<KvCache>,
+    d: &Arc<KvCache>,
+    ready_timeout: Duration,
+    bootstrap_url: Option<String>,
+) -> SenderListenerArgs {
     SenderListenerArgs {
         side_channel_port: Arc::new(std::sync::atomic::AtomicU16::new(0)),
         engine_id: "engine-p".into(),
@@ -84,7 +89,13 @@ impl Harness {
             layout: with_layout.then_some(layout),
             reqs: reqs
                 .iter()
-                .map(|(d, t, b)| PullReq { d_req_id: d.to_string(), transfer_id: t.to_string(), block_ids: b.clone(), traceparent: None, fence: 0 })
+                .map(|(d, t, b)| PullReq {
+                    d_req_id: d.to_string(),
+                    transfer_id: t.to_string(),
+                    block_ids: b.clone(),
+                    traceparent: None,
+                    fence: 0,
+                })
                 .collect(),
             traceparent: None,
             p_generation: 0,
@@ -93,7 +104,10 @@ impl Harness {
     }
 
     async fn send_raw(&mut self, bytes: Vec<u8>) {
-        tokio::time::timeout(WAIT, self.dealer.send(ZmqMessage::from(bytes))).await.expect("sent in time").expect("sent");
+        tokio::time::timeout(WAIT, self.dealer.send(ZmqMessage::from(bytes)))
+            .await
+            .expect("sent in time")
+            .expect("sent");
     }
 
     async fn send(&mut self, req: &SideChannelRequest) {
@@ -107,7 +121,8 @@ impl Harness {
     }
 
     async fn record(&self, to_send: &[(&str, &str, Vec<u32>)], not_processed: &[&str]) {
-        let reqs_to_send: BTreeMap<_, _> = to_send.iter().map(|(p, t, b)| (p.to_string(), (t.to_string(), b.clone()))).collect();
+        let reqs_to_send: BTreeMap<_, _> =
+            to_send.iter().map(|(p, t, b)| (p.to_string(), (t.to_string(), b.clone()))).collect();
         let reqs_not_processed = not_processed.iter().map(|t| t.to_string()).collect();
         let msg = RecordSendReqs { reqs_to_send, reqs_not_processed, traceparents: BTreeMap::new() };
         self.listener.ask(msg).await.expect("recorded");
@@ -130,14 +145,19 @@ impl Harness {
             if self.seen_finished.contains(p_req_id) {
                 return;
             }
-            let left = deadline.checked_duration_since(Instant::now()).expect("finished_sending never gained the request");
+            let left =
+                deadline.checked_duration_since(Instant::now()).expect("finished_sending never gained the request");
             let _ = tokio::time::timeout(left.min(Duration::from_millis(100)), self.events.notified()).await;
         }
     }
 
     fn assert_copied(&self, p_blocks: &[u32], d_blocks: &[u32]) {
         for (p, d) in p_blocks.iter().zip(d_blocks) {
-            assert_eq!(self.p.block_bytes(*p).expect("p block"), self.d.block_bytes(*d).expect("d block"), "P block {p} → D block {d}");
+            assert_eq!(
+                self.p.block_bytes(*p).expect("p block"),
+                self.d.block_bytes(*d).expect("d block"),
+                "P block {p} → D block {d}"
+            );
         }
         assert_eq!(self.p.blocks_checksum(p_blocks).expect("p"), self.d.blocks_checksum(d_blocks).expect("d"));
     }
@@ -294,7 +314,9 @@ async fn two_requests_in_one_pull_continue_then_finish() {
 }
 
 /// A tiny bootstrap: records each registration, answers `status`.
-async fn fake_bootstrap(status: axum::http::StatusCode) -> (String, tokio::sync::mpsc::UnboundedReceiver<RegisterWorker>) {
+async fn fake_bootstrap(
+    status: axum::http::StatusCode,
+) -> (String, tokio::sync::mpsc::UnboundedReceiver<RegisterWorker>) {
     use axum::routing::post;
     let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
     let app = axum::Router::new().route(
@@ -336,13 +358,19 @@ async fn repeats_its_registration_so_a_restarted_bootstrap_learns_it_again() {
     startup(&listener).await.expect("registers and starts");
     let first = tokio::time::timeout(WAIT, registrations.recv()).await.expect("in time").expect("registered");
     // The bootstrap lost its table (restarted): the same registration comes again, unasked.
-    let again = tokio::time::timeout(super::register::REREGISTER_INTERVAL * 3, registrations.recv()).await.expect("repeated in time").expect("registered");
+    let again = tokio::time::timeout(super::register::REREGISTER_INTERVAL * 3, registrations.recv())
+        .await
+        .expect("repeated in time")
+        .expect("registered");
     assert_eq!(again, first, "identical, so a bootstrap that still has it answers 200");
     // Stopped listeners stop repeating.
     listener.stop_gracefully().await.expect("stops");
     listener.wait_for_shutdown().await;
     while registrations.try_recv().is_ok() {}
-    assert!(tokio::time::timeout(super::register::REREGISTER_INTERVAL * 2, registrations.recv()).await.is_err(), "no registration after stop");
+    assert!(
+        tokio::time::timeout(super::register::REREGISTER_INTERVAL * 2, registrations.recv()).await.is_err(),
+        "no registration after stop"
+    );
 }
 
 #[tokio::test]
@@ -479,5 +507,9 @@ async fn after_a_restart_a_pull_addressed_to_the_old_incarnation_waits_unless_it
     assert!(started.elapsed() < Duration::from_secs(2), "took {:?}", started.elapsed());
     assert_eq!(resp.err_reqs.len(), 1, "{resp:?}");
     assert_eq!(resp.err_reqs[0].cause, PullErrorCause::StaleGeneration);
-    assert!(resp.err_reqs[0].detail.contains("xfer-lost") && resp.err_reqs[0].detail.contains(&old_generation.to_string()), "{}", resp.err_reqs[0].detail);
+    assert!(
+        resp.err_reqs[0].detail.contains("xfer-lost") && resp.err_reqs[0].detail.contains(&old_generation.to_string()),
+        "{}",
+        resp.err_reqs[0].detail
+    );
 }

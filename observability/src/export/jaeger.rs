@@ -123,7 +123,8 @@ impl JaegerFile {
                 for s in &spans {
                     if !process_of.contains_key(s.service.as_str()) {
                         let id = format!("p{}", process_of.len() + 1);
-                        processes.insert(id.clone(), JaegerProcess { service_name: s.service.clone(), tags: Vec::new() });
+                        processes
+                            .insert(id.clone(), JaegerProcess { service_name: s.service.clone(), tags: Vec::new() });
                         process_of.insert(s.service.as_str(), id);
                     }
                 }
@@ -136,7 +137,13 @@ impl JaegerFile {
                         operation_name: s.name.clone(),
                         references: s
                             .parent
-                            .map(|p| vec![JaegerReference { ref_type: "CHILD_OF".into(), trace_id: trace_id.clone(), span_id: p.to_hex() }])
+                            .map(|p| {
+                                vec![JaegerReference {
+                                    ref_type: "CHILD_OF".into(),
+                                    trace_id: trace_id.clone(),
+                                    span_id: p.to_hex(),
+                                }]
+                            })
                             .unwrap_or_default(),
                         start_time: s.start_unix_nanos / 1_000,
                         duration: s.end_unix_nanos.saturating_sub(s.start_unix_nanos) / 1_000,
@@ -171,8 +178,12 @@ impl JaegerFile {
 
     /// Reads a file written by [`JaegerFile::write`] or downloaded from Jaeger UI.
     pub fn read(path: &Path) -> Result<Self, ExportError> {
-        let text = std::fs::read_to_string(path).map_err(|e| ExportError::TraceFile { path: path.to_owned(), reason: e.to_string() })?;
-        serde_json::from_str(&text).map_err(|e| ExportError::TraceFile { path: path.to_owned(), reason: format!("not a Jaeger JSON trace file: {e}") })
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| ExportError::TraceFile { path: path.to_owned(), reason: e.to_string() })?;
+        serde_json::from_str(&text).map_err(|e| ExportError::TraceFile {
+            path: path.to_owned(),
+            reason: format!("not a Jaeger JSON trace file: {e}"),
+        })
     }
 }
 

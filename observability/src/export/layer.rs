@@ -157,7 +157,12 @@ pub struct ExportLayer {
 impl ExportLayer {
     /// A layer that hands every finished step span to each sink.
     pub fn new(naming: ServiceNaming, sinks: Vec<Arc<dyn SpanSink>>) -> Self {
-        let resolver = Resolver { startup: HashMap::new(), by_transfer: BoundedMap::new(), by_request: BoundedMap::new(), orphans: BoundedMap::new() };
+        let resolver = Resolver {
+            startup: HashMap::new(),
+            by_transfer: BoundedMap::new(),
+            by_request: BoundedMap::new(),
+            orphans: BoundedMap::new(),
+        };
         Self { naming, sinks: sinks.into(), resolver: Arc::new(Mutex::new(resolver)) }
     }
 
@@ -193,9 +198,23 @@ impl<S: Subscriber + for<'a> LookupSpan<'a>> Layer<S> for ExportLayer {
             return;
         }
         let Some(span) = ctx.span(id) else { return };
-        let mut state = StepState { step: 0, name: meta.name(), start: SystemTime::now(), span_id: SpanId::random(), trace: None, own: None, fields: Vec::new() };
+        let mut state = StepState {
+            step: 0,
+            name: meta.name(),
+            start: SystemTime::now(),
+            span_id: SpanId::random(),
+            trace: None,
+            own: None,
+            fields: Vec::new(),
+        };
         attributes.record(&mut FieldVisitor(&mut state));
-        state.step = state.fields.iter().find(|(k, _)| *k == attrs::STEP).and_then(|(_, v)| v.as_i64()).and_then(|n| u8::try_from(n).ok()).unwrap_or(0);
+        state.step = state
+            .fields
+            .iter()
+            .find(|(k, _)| *k == attrs::STEP)
+            .and_then(|(_, v)| v.as_i64())
+            .and_then(|n| u8::try_from(n).ok())
+            .unwrap_or(0);
         let mut resolver = self.resolver();
         if let Some(tp) = state.adopt_traceparent() {
             resolver.learn(&state, tp);
@@ -209,7 +228,8 @@ impl<S: Subscriber + for<'a> LookupSpan<'a>> Layer<S> for ExportLayer {
 
     fn on_record(&self, id: &Id, values: &Record<'_>, ctx: Context<'_, S>) {
         let Some(span) = ctx.span(id) else { return };
-        let recorded_traceparent = span.metadata().fields().field(attrs::TRACEPARENT).is_some_and(|f| values.contains(&f));
+        let recorded_traceparent =
+            span.metadata().fields().field(attrs::TRACEPARENT).is_some_and(|f| values.contains(&f));
         let mut ext = span.extensions_mut();
         let Some(state) = ext.get_mut::<StepState>() else { return };
         values.record(&mut FieldVisitor(state));
@@ -226,7 +246,8 @@ impl<S: Subscriber + for<'a> LookupSpan<'a>> Layer<S> for ExportLayer {
         let Some(state) = span.extensions_mut().remove::<StepState>() else { return };
         let service = self.naming.service_for(state.step);
         // The nearest enclosing step span: (its trace if known, its span id).
-        let ancestor = span.scope().skip(1).find_map(|a| a.extensions().get::<StepState>().map(|s| (s.trace, s.span_id)));
+        let ancestor =
+            span.scope().skip(1).find_map(|a| a.extensions().get::<StepState>().map(|s| (s.trace, s.span_id)));
         let enclosing_in = |trace: TraceId| ancestor.and_then(|(t, sid)| (t == Some(trace)).then_some(sid));
         let context = match state.own {
             Some(tp) => Some(tp),
@@ -255,7 +276,12 @@ impl<S: Subscriber + for<'a> LookupSpan<'a>> Layer<S> for ExportLayer {
             service,
             start_unix_nanos: unix_nanos(state.start),
             end_unix_nanos: unix_nanos(end),
-            attrs: state.fields.into_iter().filter(|(k, _)| *k != attrs::TRACEPARENT).map(|(k, v)| (k.to_owned(), v)).collect(),
+            attrs: state
+                .fields
+                .into_iter()
+                .filter(|(k, _)| *k != attrs::TRACEPARENT)
+                .map(|(k, v)| (k.to_owned(), v))
+                .collect(),
         };
         for sink in self.sinks.iter() {
             sink.export(&finished);

@@ -164,7 +164,10 @@ impl ExportConfig {
             if !(endpoint.starts_with("http://") || endpoint.starts_with("https://")) {
                 errors.push(ExportError::Endpoint { endpoint: endpoint.clone(), reason: "not an http:// URL".into() });
             } else if endpoint.starts_with("https://") {
-                errors.push(ExportError::Endpoint { endpoint: endpoint.clone(), reason: "TLS is not built in; use a local collector over http://".into() });
+                errors.push(ExportError::Endpoint {
+                    endpoint: endpoint.clone(),
+                    reason: "TLS is not built in; use a local collector over http://".into(),
+                });
             }
             Some(OtlpConfig {
                 endpoint,
@@ -255,7 +258,11 @@ impl TraceExport {
 
     /// Sends what is queued for OTLP (bounded by `deadline`) and writes the trace file with
     /// every span kept (`keep` filters them; the demo keeps its seed request and start-up traces).
-    pub fn finish(&self, deadline: Duration, keep: impl Fn(&[FinishedSpan]) -> Vec<FinishedSpan>) -> Result<(), ExportError> {
+    pub fn finish(
+        &self,
+        deadline: Duration,
+        keep: impl Fn(&[FinishedSpan]) -> Vec<FinishedSpan>,
+    ) -> Result<(), ExportError> {
         if let Some(o) = &self.otlp {
             if !o.flush(deadline) {
                 tracing::warn!(?deadline, "OTLP export did not finish before its deadline; some spans may be lost");
@@ -274,7 +281,8 @@ impl TraceExport {
 /// Keeps the traces that hold a start-up step (1–7) or a request's root (step 8): what the
 /// demo's trace file shows (spans of its single-engine reference run have no request trace).
 pub fn keep_request_and_startup_traces(spans: &[FinishedSpan]) -> Vec<FinishedSpan> {
-    let kept: std::collections::HashSet<_> = spans.iter().filter(|s| (1..=steps::CLIENT_REQUEST.number).contains(&s.step)).map(|s| s.trace_id).collect();
+    let kept: std::collections::HashSet<_> =
+        spans.iter().filter(|s| (1..=steps::CLIENT_REQUEST.number).contains(&s.step)).map(|s| s.trace_id).collect();
     spans.iter().filter(|s| kept.contains(&s.trace_id)).cloned().collect()
 }
 

@@ -44,7 +44,9 @@ fn kv(key: &str, value: AttrValue) -> KeyValue {
 fn kind(step: u8) -> SpanKind {
     if step == steps::CLIENT_REQUEST.number {
         SpanKind::Server
-    } else if [steps::DISPATCH_PREFILL.number, steps::DISPATCH_DECODE.number, steps::D_SEND_PULL_META.number].contains(&step) {
+    } else if [steps::DISPATCH_PREFILL.number, steps::DISPATCH_DECODE.number, steps::D_SEND_PULL_META.number]
+        .contains(&step)
+    {
         SpanKind::Client
     } else {
         SpanKind::Internal
@@ -75,9 +77,16 @@ pub fn export_request(spans: &[FinishedSpan]) -> ExportTraceServiceRequest {
     let resource_spans = by_service
         .into_iter()
         .map(|(service, spans)| ResourceSpans {
-            resource: Some(Resource { attributes: vec![kv("service.name", AttrValue::Str(service.to_owned()))], ..Default::default() }),
+            resource: Some(Resource {
+                attributes: vec![kv("service.name", AttrValue::Str(service.to_owned()))],
+                ..Default::default()
+            }),
             scope_spans: vec![ScopeSpans {
-                scope: Some(InstrumentationScope { name: SCOPE_NAME.into(), version: env!("CARGO_PKG_VERSION").into(), ..Default::default() }),
+                scope: Some(InstrumentationScope {
+                    name: SCOPE_NAME.into(),
+                    version: env!("CARGO_PKG_VERSION").into(),
+                    ..Default::default()
+                }),
                 spans,
                 schema_url: String::new(),
             }],
@@ -178,11 +187,10 @@ impl Client {
                 Ok(Self::Grpc(TraceServiceClient::new(endpoint.connect_lazy())))
             }
             Protocol::HttpProtobuf => {
-                let client = reqwest::Client::builder()
-                    .no_proxy()
-                    .timeout(config.timeout)
-                    .build()
-                    .map_err(|e| ExportError::Endpoint { endpoint: config.endpoint.clone(), reason: e.to_string() })?;
+                let client =
+                    reqwest::Client::builder().no_proxy().timeout(config.timeout).build().map_err(|e| {
+                        ExportError::Endpoint { endpoint: config.endpoint.clone(), reason: e.to_string() }
+                    })?;
                 Ok(Self::Http { client, url: config.endpoint.clone() })
             }
         }
@@ -192,7 +200,11 @@ impl Client {
         let request = export_request(spans);
         let call = async {
             match self {
-                Self::Grpc(client) => client.export(request).await.map(|_| ()).map_err(|s| format!("gRPC status {:?}: {}", s.code(), s.message())),
+                Self::Grpc(client) => client
+                    .export(request)
+                    .await
+                    .map(|_| ())
+                    .map_err(|s| format!("gRPC status {:?}: {}", s.code(), s.message())),
                 Self::Http { client, url } => {
                     let resp = client
                         .post(url.as_str())

@@ -105,18 +105,30 @@ fn settings_pick_the_exporters() {
     assert!(off.is_off());
     assert!(TraceExport::start(&off).expect("starts").layer().is_none(), "nothing by default");
 
-    let grpc = ExportSettings { otlp_endpoint: Some("http://127.0.0.1:4317".into()), otlp_protocol: Some("grpc".into()), ..Default::default() };
+    let grpc = ExportSettings {
+        otlp_endpoint: Some("http://127.0.0.1:4317".into()),
+        otlp_protocol: Some("grpc".into()),
+        ..Default::default()
+    };
     let c = ExportConfig::from_settings(&grpc, Some(SERVICE_PROXY)).expect("valid");
     let otlp = c.otlp.expect("otlp on");
     assert_eq!((otlp.endpoint.as_str(), otlp.protocol), ("http://127.0.0.1:4317", Protocol::Grpc));
     assert_eq!(c.naming, ServiceNaming::Fixed(SERVICE_PROXY.into()));
 
-    let http = ExportSettings { otlp_endpoint: Some("http://127.0.0.1:4318/".into()), service_name: Some("edge".into()), ..Default::default() };
+    let http = ExportSettings {
+        otlp_endpoint: Some("http://127.0.0.1:4318/".into()),
+        service_name: Some("edge".into()),
+        ..Default::default()
+    };
     let c = ExportConfig::from_settings(&http, Some(SERVICE_PROXY)).expect("valid");
     assert_eq!(c.otlp.expect("otlp on").endpoint, "http://127.0.0.1:4318/v1/traces");
     assert_eq!(c.naming, ServiceNaming::Fixed("edge".into()));
 
-    let bad = ExportSettings { otlp_endpoint: Some("127.0.0.1:4317".into()), otlp_protocol: Some("http/json".into()), ..Default::default() };
+    let bad = ExportSettings {
+        otlp_endpoint: Some("127.0.0.1:4317".into()),
+        otlp_protocol: Some("http/json".into()),
+        ..Default::default()
+    };
     let errors = ExportConfig::from_settings(&bad, None).expect_err("invalid");
     assert_eq!(errors.len(), 2, "every problem at once: {errors:?}");
 }
@@ -138,10 +150,15 @@ fn jaeger_file_has_one_process_per_service_and_child_of_references() {
     let trace = &json["data"][0];
     assert_eq!(trace["traceID"], tp.trace_id.to_hex());
     assert_eq!(trace["processes"].as_object().map(|p| p.len()), Some(2));
-    let d = trace["spans"].as_array().and_then(|s| s.iter().find(|s| s["operationName"] == "step.16.d_add_request")).expect("step 16");
+    let d = trace["spans"]
+        .as_array()
+        .and_then(|s| s.iter().find(|s| s["operationName"] == "step.16.d_add_request"))
+        .expect("step 16");
     assert_eq!(d["references"][0]["refType"], "CHILD_OF");
     assert_eq!(d["references"][0]["spanID"], tp.span_id.to_hex());
-    assert!(d["tags"].as_array().is_some_and(|t| t.iter().any(|t| t["key"] == "pd.tokens" && t["type"] == "int64" && t["value"] == 1000)));
+    assert!(d["tags"]
+        .as_array()
+        .is_some_and(|t| t.iter().any(|t| t["key"] == "pd.tokens" && t["type"] == "int64" && t["value"] == 1000)));
     let back: JaegerFile = serde_json::from_value(json).expect("reads back");
     assert_eq!(back.data[0].spans.len(), 2);
 }
@@ -167,13 +184,15 @@ fn span_cost() {
     let memory = Arc::new(MemorySink::default());
     let layer = ExportLayer::new(ServiceNaming::ByStep, vec![Arc::new(Shared(memory.clone())) as Arc<dyn SpanSink>]);
     let exported = tracing::subscriber::with_default(tracing_subscriber::registry().with(layer), work);
-    let otlp = Arc::new(OtlpExporter::start(OtlpConfig {
-        endpoint: "http://127.0.0.1:9/v1/traces".into(),
-        protocol: Protocol::HttpProtobuf,
-        timeout: std::time::Duration::from_millis(100),
-        schedule_delay: std::time::Duration::from_millis(50),
-    })
-    .expect("starts"));
+    let otlp = Arc::new(
+        OtlpExporter::start(OtlpConfig {
+            endpoint: "http://127.0.0.1:9/v1/traces".into(),
+            protocol: Protocol::HttpProtobuf,
+            timeout: std::time::Duration::from_millis(100),
+            schedule_delay: std::time::Duration::from_millis(50),
+        })
+        .expect("starts"),
+    );
     let layer = ExportLayer::new(ServiceNaming::ByStep, vec![Arc::new(Shared(otlp.clone())) as Arc<dyn SpanSink>]);
     let queued = tracing::subscriber::with_default(tracing_subscriber::registry().with(layer), work);
     println!("per step span: registry only {bare:?}, + export layer to memory {exported:?}, + export layer to the OTLP queue {queued:?} ({} dropped: queue full)", otlp.dropped());

@@ -28,7 +28,10 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 pub use layer::FaultLayer;
-pub use plan::{ActorKind, Fault, FaultAction, FaultPlan, FaultPlanError, NodeKind, Role, When, DATA_STEPS, ENV_FAULT_PLAN, MESSAGE_STEPS};
+pub use plan::{
+    ActorKind, Fault, FaultAction, FaultPlan, FaultPlanError, NodeKind, Role, When, DATA_STEPS, ENV_FAULT_PLAN,
+    MESSAGE_STEPS,
+};
 pub use registry::{register, Registration, Target};
 
 /// Registrations are recorded (a plan was loaded or a chaos run started).
@@ -160,7 +163,13 @@ impl FaultInjector {
 
     /// Claims the faults of `step` (at `when`, `None` = any) for `request_id` whose action
     /// `wanted` accepts; each claim uses one of the fault's `times`.
-    fn take(&self, step: u8, when: Option<When>, request_id: &str, wanted: impl Fn(&FaultAction) -> bool) -> Vec<(usize, FaultAction)> {
+    fn take(
+        &self,
+        step: u8,
+        when: Option<When>,
+        request_id: &str,
+        wanted: impl Fn(&FaultAction) -> bool,
+    ) -> Vec<(usize, FaultAction)> {
         let mut claimed = Vec::new();
         for (index, f) in self.plan.faults.iter().enumerate() {
             if f.step != step || when.is_some_and(|w| w != f.when) || !wanted(&f.action) {
@@ -185,7 +194,9 @@ impl FaultInjector {
     /// The layer's entry point: fire the kill / delay / kill_node faults of this step edge.
     fn on_step(&self, step: u8, when: When, request_id: &str, transfer_id: &str) {
         // Message faults and data cuts are claimed by the actor that sends (message_fault, data_cut).
-        let claimed = self.take(step, Some(when), request_id, |a| !matches!(a, FaultAction::Drop | FaultAction::Corrupt | FaultAction::CutData { .. }));
+        let claimed = self.take(step, Some(when), request_id, |a| {
+            !matches!(a, FaultAction::Drop | FaultAction::Corrupt | FaultAction::CutData { .. })
+        });
         for (index, action) in claimed {
             let killed = match &action {
                 FaultAction::Kill { actor, role } => {

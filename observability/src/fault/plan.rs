@@ -220,7 +220,8 @@ pub enum FaultPlanError {
 impl FaultPlan {
     /// Parses and validates a plan from JSON text; every invalid fault is reported.
     pub fn from_json(text: &str) -> Result<Self, Vec<FaultPlanError>> {
-        let plan: FaultPlan = serde_json::from_str(text).map_err(|e| vec![FaultPlanError::Parse { reason: e.to_string() }])?;
+        let plan: FaultPlan =
+            serde_json::from_str(text).map_err(|e| vec![FaultPlanError::Parse { reason: e.to_string() }])?;
         plan.validate()?;
         Ok(plan)
     }
@@ -229,7 +230,8 @@ impl FaultPlan {
     pub fn from_lookup(get: &dyn Fn(&str) -> Option<String>) -> Result<Option<Self>, Vec<FaultPlanError>> {
         let Some(value) = get(ENV_FAULT_PLAN).filter(|v| !v.trim().is_empty()) else { return Ok(None) };
         let text = match value.trim().strip_prefix('@') {
-            Some(path) => std::fs::read_to_string(path).map_err(|e| vec![FaultPlanError::Read { path: path.to_string(), reason: e.to_string() }])?,
+            Some(path) => std::fs::read_to_string(path)
+                .map_err(|e| vec![FaultPlanError::Read { path: path.to_string(), reason: e.to_string() }])?,
             None => value,
         };
         Self::from_json(&text).map(Some)
@@ -253,16 +255,19 @@ impl FaultPlan {
                 bad("times 0 never fires: use at least 1 or remove the fault".into());
             }
             match &f.action {
-                FaultAction::Drop | FaultAction::Corrupt if !MESSAGE_STEPS.contains(&f.step) => {
-                    bad(format!("{} acts on a side-channel message: only steps {MESSAGE_STEPS:?} send one", f.action.label()))
-                }
+                FaultAction::Drop | FaultAction::Corrupt if !MESSAGE_STEPS.contains(&f.step) => bad(format!(
+                    "{} acts on a side-channel message: only steps {MESSAGE_STEPS:?} send one",
+                    f.action.label()
+                )),
                 FaultAction::Kill { actor: ActorKind::SchedulerConnector, role: None } => {
                     bad("scheduler_connector lives on P and on D: add \"role\": \"p\" or \"d\"".into())
                 }
                 FaultAction::Kill { actor, role: Some(role) } if actor.natural_role().is_some_and(|r| r != *role) => {
                     bad(format!("{} does not run on role {role:?}", actor.name()))
                 }
-                FaultAction::Delay { ms } if *ms > 600_000 => bad(format!("delay of {ms} ms is longer than 10 minutes")),
+                FaultAction::Delay { ms } if *ms > 600_000 => {
+                    bad(format!("delay of {ms} ms is longer than 10 minutes"))
+                }
                 FaultAction::CutData { .. } if !DATA_STEPS.contains(&f.step) => {
                     bad(format!("cut_data acts on the data connection: only steps {DATA_STEPS:?} write over it"))
                 }
@@ -299,7 +304,10 @@ mod tests {
         assert_eq!(plan.faults.len(), 7);
         assert_eq!(plan.faults[6], Fault::new(29, When::Begin, FaultAction::CutData { after_bytes: 65536 }));
         assert_eq!(plan.faults[6].action.label(), "cut_data");
-        assert_eq!(plan.faults[0], Fault::new(29, When::Begin, FaultAction::Kill { actor: ActorKind::SendWorker, role: None }));
+        assert_eq!(
+            plan.faults[0],
+            Fault::new(29, When::Begin, FaultAction::Kill { actor: ActorKind::SendWorker, role: None })
+        );
         assert_eq!(plan.faults[3].request_id.as_deref(), Some("cmpl-42"));
         assert_eq!(plan.faults[5].times, 2);
         let again = FaultPlan::from_json(&serde_json::to_string(&plan).expect("serialises")).expect("round trip");

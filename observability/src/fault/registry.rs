@@ -45,7 +45,9 @@ pub fn register(registration: Registration) {
 pub(super) fn kill(target: Target, role: Option<Role>, transfer_id: &str) -> usize {
     let mut all = REGISTRY.lock().unwrap_or_else(|p| p.into_inner());
     all.retain(|r| (r.alive)());
-    let serves = |r: &Registration| transfer_id.is_empty() || r.transfer_ids.is_empty() || r.transfer_ids.iter().any(|t| t == transfer_id);
+    let serves = |r: &Registration| {
+        transfer_id.is_empty() || r.transfer_ids.is_empty() || r.transfer_ids.iter().any(|t| t == transfer_id)
+    };
     let victims: Vec<&Registration> =
         all.iter().filter(|r| r.target == target && (role.is_none() || r.role == role) && serves(r)).collect();
     let kills: Vec<Arc<dyn Fn() + Send + Sync>> = victims.iter().map(|r| r.kill.clone()).collect();

@@ -24,7 +24,12 @@ fn target(kind: ActorKind, role: Role, transfer_ids: &[&str], kills: &Arc<Atomic
 #[test]
 fn plan_edges_fire_kills_and_message_faults_once_and_only_when_armed() {
     registry::clear();
-    let (w1, w2, d_conn, p_conn) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+    let (w1, w2, d_conn, p_conn) = (
+        Arc::new(AtomicUsize::new(0)),
+        Arc::new(AtomicUsize::new(0)),
+        Arc::new(AtomicUsize::new(0)),
+        Arc::new(AtomicUsize::new(0)),
+    );
     // Not enabled: registrations are ignored.
     target(ActorKind::SendWorker, Role::P, &["x1"], &w1);
     enable();
@@ -97,7 +102,10 @@ fn plan_edges_fire_kills_and_message_faults_once_and_only_when_armed() {
 
 #[test]
 fn cut_data_is_valid_only_at_the_beginning_of_step_29() {
-    let ok = FaultPlan::from_json(r#"{"faults": [{"step": 29, "fault": "cut_data", "after_bytes": 0, "request_id": "cmpl-7"}]}"#).expect("valid");
+    let ok = FaultPlan::from_json(
+        r#"{"faults": [{"step": 29, "fault": "cut_data", "after_bytes": 0, "request_id": "cmpl-7"}]}"#,
+    )
+    .expect("valid");
     assert_eq!(ok.faults[0].action, FaultAction::CutData { after_bytes: 0 });
     assert_eq!(ok.faults[0].request_id.as_deref(), Some("cmpl-7"));
     let text = r#"{"faults": [
@@ -108,5 +116,8 @@ fn cut_data_is_valid_only_at_the_beginning_of_step_29() {
     assert_eq!(errors.len(), 2, "{errors:?}");
     assert!(errors[0].to_string().contains("[29]"), "{}", errors[0]);
     assert!(errors[1].to_string().contains("begin"), "{}", errors[1]);
-    assert!(FaultPlan::from_json(r#"{"faults": [{"step": 29, "fault": "cut_data"}]}"#).is_err(), "after_bytes is required");
+    assert!(
+        FaultPlan::from_json(r#"{"faults": [{"step": 29, "fault": "cut_data"}]}"#).is_err(),
+        "after_bytes is required"
+    );
 }

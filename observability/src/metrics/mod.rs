@@ -38,16 +38,30 @@ use expo::{Family, Histogram, Kind};
 pub const CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
 
 /// Latency buckets, in seconds: 100 µs … 60 s.
-pub const DURATION_BUCKETS: &[f64] =
-    &[0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0];
+pub const DURATION_BUCKETS: &[f64] = &[
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+];
 /// Byte buckets: 1 KiB × 4ⁿ up to 16 GiB.
 pub const BYTES_BUCKETS: &[f64] = &[
-    1024.0, 4096.0, 16384.0, 65536.0, 262144.0, 1048576.0, 4194304.0, 16777216.0, 67108864.0, 268435456.0, 1073741824.0,
-    4294967296.0, 17179869184.0,
+    1024.0,
+    4096.0,
+    16384.0,
+    65536.0,
+    262144.0,
+    1048576.0,
+    4194304.0,
+    16777216.0,
+    67108864.0,
+    268435456.0,
+    1073741824.0,
+    4294967296.0,
+    17179869184.0,
 ];
 /// Count buckets (descriptors, blocks): 1, 2, 4 … 65536.
-pub const COUNT_BUCKETS: &[f64] =
-    &[1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0, 8192.0, 16384.0, 32768.0, 65536.0];
+pub const COUNT_BUCKETS: &[f64] = &[
+    1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0, 8192.0, 16384.0, 32768.0,
+    65536.0,
+];
 
 /// Distinct failure causes kept per step before further ones are counted as `other`.
 const MAX_CAUSES_PER_STEP: usize = 32;
@@ -69,7 +83,8 @@ pub fn service_of(side: Side) -> &'static str {
 
 /// True when `outcome` (a span's `pd.outcome`) is a success.
 pub fn is_success(outcome: &str) -> bool {
-    SUCCESS_OUTCOMES.contains(&outcome) || (outcome.len() == 3 && outcome.starts_with('2') && outcome.bytes().all(|b| b.is_ascii_digit()))
+    SUCCESS_OUTCOMES.contains(&outcome)
+        || (outcome.len() == 3 && outcome.starts_with('2') && outcome.bytes().all(|b| b.is_ascii_digit()))
 }
 
 /// One sample of a gauge: its labels and value.
@@ -158,7 +173,12 @@ impl Metrics {
     }
 
     /// Adds a gauge family read at every scrape (`f` must be quick and must not block).
-    pub fn register_gauge(&self, name: &'static str, help: &'static str, f: impl Fn() -> Vec<GaugeSample> + Send + Sync + 'static) {
+    pub fn register_gauge(
+        &self,
+        name: &'static str,
+        help: &'static str,
+        f: impl Fn() -> Vec<GaugeSample> + Send + Sync + 'static,
+    ) {
         self.gauges.lock().unwrap_or_else(|p| p.into_inner()).push((name, help, Arc::new(f)));
     }
 
@@ -183,10 +203,14 @@ impl Metrics {
         let block_bytes = self.block_bytes.load(Ordering::Relaxed);
         let mut st = self.lock();
         let st = &mut *st;
-        st.steps.entry((service, step.number)).or_insert_with(|| Histogram::new(DURATION_BUCKETS)).observe(o.duration.as_secs_f64());
+        st.steps
+            .entry((service, step.number))
+            .or_insert_with(|| Histogram::new(DURATION_BUCKETS))
+            .observe(o.duration.as_secs_f64());
         if let Some(outcome) = o.outcome.as_deref().filter(|x| !x.is_empty() && !is_success(x)) {
             let causes = st.failures.entry((service, step.number)).or_default();
-            let cause = if causes.len() < MAX_CAUSES_PER_STEP || causes.contains_key(outcome) { outcome } else { "other" };
+            let cause =
+                if causes.len() < MAX_CAUSES_PER_STEP || causes.contains_key(outcome) { outcome } else { "other" };
             *causes.entry(cause.to_owned()).or_insert(0) += 1;
         }
         let tid = o.transfer_id.as_deref().filter(|t| !t.is_empty());
@@ -213,7 +237,10 @@ impl Metrics {
         }
         if let Some((side, duration, bytes)) = transfer {
             let key = (service, side);
-            st.transfer_duration.entry(key).or_insert_with(|| Histogram::new(DURATION_BUCKETS)).observe(duration.as_secs_f64());
+            st.transfer_duration
+                .entry(key)
+                .or_insert_with(|| Histogram::new(DURATION_BUCKETS))
+                .observe(duration.as_secs_f64());
             if let Some(b) = bytes {
                 st.transfer_bytes.entry(key).or_insert_with(|| Histogram::new(BYTES_BUCKETS)).observe(b as f64);
             }
@@ -246,16 +273,35 @@ impl Metrics {
             let now = Instant::now();
             st.d_pending.retain(|_, at| now.saturating_duration_since(*at) < PENDING_PULL_TTL);
             st.p_pending.retain(|_, at| now.saturating_duration_since(*at) < PENDING_PULL_TTL);
-            let mut step_family = Family::new("pdflow_step_duration_seconds", "Duration of each step of the seed's timeline (one span per step).", Kind::Histogram);
+            let mut step_family = Family::new(
+                "pdflow_step_duration_seconds",
+                "Duration of each step of the seed's timeline (one span per step).",
+                Kind::Histogram,
+            );
             for ((service, n), h) in &st.steps {
                 let name = steps::by_number(*n).map(|s| s.short_name).unwrap_or("unknown");
-                step_family.histogram(vec![("service", (*service).to_owned()), ("step", n.to_string()), ("name", name.to_owned())], h);
+                step_family.histogram(
+                    vec![("service", (*service).to_owned()), ("step", n.to_string()), ("name", name.to_owned())],
+                    h,
+                );
             }
             families.push(step_family);
             let side_families: [(&str, &str, &BTreeMap<SideKey, Histogram>); 4] = [
-                ("pdflow_transfer_bytes", "KV bytes per transfer (P: step 29; D: step 34, blocks x block bytes).", &st.transfer_bytes),
-                ("pdflow_transfer_duration_seconds", "KV transfer duration (P: step 29; D: step 21 start to step 34).", &st.transfer_duration),
-                ("pdflow_transfer_descriptors", "Coalesced descriptors per transfer (step 29).", &st.transfer_descriptors),
+                (
+                    "pdflow_transfer_bytes",
+                    "KV bytes per transfer (P: step 29; D: step 34, blocks x block bytes).",
+                    &st.transfer_bytes,
+                ),
+                (
+                    "pdflow_transfer_duration_seconds",
+                    "KV transfer duration (P: step 29; D: step 21 start to step 34).",
+                    &st.transfer_duration,
+                ),
+                (
+                    "pdflow_transfer_descriptors",
+                    "Coalesced descriptors per transfer (step 29).",
+                    &st.transfer_descriptors,
+                ),
                 ("pdflow_transfer_blocks", "KV blocks per transfer (P: step 29; D: step 34).", &st.transfer_blocks),
             ];
             for (name, help, map) in side_families {
@@ -265,25 +311,48 @@ impl Metrics {
                 }
                 families.push(f);
             }
-            let mut failures = Family::new("pdflow_failures_total", "Step spans that ended in failure, by step and cause (pd.outcome).", Kind::Counter);
+            let mut failures = Family::new(
+                "pdflow_failures_total",
+                "Step spans that ended in failure, by step and cause (pd.outcome).",
+                Kind::Counter,
+            );
             for ((service, n), causes) in &st.failures {
                 for (cause, count) in causes {
-                    failures.sample(vec![("service", (*service).to_owned()), ("step", n.to_string()), ("cause", cause.clone())], *count as f64);
+                    failures.sample(
+                        vec![("service", (*service).to_owned()), ("step", n.to_string()), ("cause", cause.clone())],
+                        *count as f64,
+                    );
                 }
             }
             families.push(failures);
-            let mut writes = Family::new("pdflow_transfer_writes_total", "P's KV writes (step 29) by transfer backend and outcome.", Kind::Counter);
+            let mut writes = Family::new(
+                "pdflow_transfer_writes_total",
+                "P's KV writes (step 29) by transfer backend and outcome.",
+                Kind::Counter,
+            );
             for ((service, backend, outcome), count) in &st.writes {
-                writes.sample(vec![("service", (*service).to_owned()), ("backend", backend.clone()), ("outcome", outcome.clone())], *count as f64);
+                writes.sample(
+                    vec![
+                        ("service", (*service).to_owned()),
+                        ("backend", backend.clone()),
+                        ("outcome", outcome.clone()),
+                    ],
+                    *count as f64,
+                );
             }
             families.push(writes);
-            let mut pulls = Family::new("pdflow_pulls_in_flight", "Pulls in flight: D sent (step 21) and not settled (34); P received (22) and not answered (30).", Kind::Gauge);
+            let mut pulls = Family::new(
+                "pdflow_pulls_in_flight",
+                "Pulls in flight: D sent (step 21) and not settled (34); P received (22) and not answered (30).",
+                Kind::Gauge,
+            );
             pulls.sample(vec![("service", "prefill".to_owned()), ("side", "p".to_owned())], st.p_pending.len() as f64);
             pulls.sample(vec![("service", "decode".to_owned()), ("side", "d".to_owned())], st.d_pending.len() as f64);
             families.push(pulls);
         }
         let registered: Vec<_> = self.gauges.lock().unwrap_or_else(|p| p.into_inner()).clone();
-        let gauges = registered.iter().map(|(name, help, f)| Gauge { name, help, samples: f() }).chain(extra.iter().cloned());
+        let gauges =
+            registered.iter().map(|(name, help, f)| Gauge { name, help, samples: f() }).chain(extra.iter().cloned());
         for g in gauges {
             // Two sources of one gauge (a registered one and an endpoint's) share one family.
             let at = match families.iter().position(|f| f.name == g.name) {

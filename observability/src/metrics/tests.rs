@@ -17,8 +17,12 @@ fn histogram_text_parses_back() {
     f.histogram(vec![("step", "29".to_owned()), ("name", "a \"quoted\" \\ name".to_owned())], &h);
     let text = expo::render(&[f]);
     assert!(text.starts_with("# HELP x_seconds help\n# TYPE x_seconds histogram\n"), "{text}");
-    assert!(text.contains("x_seconds_bucket{step=\"29\",name=\"a \\\"quoted\\\" \\\\ name\",le=\"0.0001\"} 1\n"), "{text}");
-    let parsed = parse_histogram(&text, "x_seconds", &[("step", "29"), ("name", "a \"quoted\" \\ name")]).expect("parsed");
+    assert!(
+        text.contains("x_seconds_bucket{step=\"29\",name=\"a \\\"quoted\\\" \\\\ name\",le=\"0.0001\"} 1\n"),
+        "{text}"
+    );
+    let parsed =
+        parse_histogram(&text, "x_seconds", &[("step", "29"), ("name", "a \"quoted\" \\ name")]).expect("parsed");
     assert_eq!(parsed.count, 3);
     assert!((parsed.sum - 100.00305).abs() < 1e-9, "{}", parsed.sum);
     assert_eq!(parsed.buckets.len(), DURATION_BUCKETS.len() + 1);
@@ -63,7 +67,12 @@ fn step_29_and_34_become_transfer_histograms_on_both_sides() {
     assert_eq!((bytes_d.count, bytes_d.sum), (1, 63.0 * 8192.0));
     let dur_d = parse_histogram(&text, "pdflow_transfer_duration_seconds", &d).expect("D duration");
     assert_eq!(dur_d.count, 1);
-    let step29 = parse_histogram(&text, "pdflow_step_duration_seconds", &[("step", "29"), ("name", "p_transfer_write"), ("service", "prefill")]).expect("step 29");
+    let step29 = parse_histogram(
+        &text,
+        "pdflow_step_duration_seconds",
+        &[("step", "29"), ("name", "p_transfer_write"), ("service", "prefill")],
+    )
+    .expect("step 29");
     assert_eq!(step29.count, 1);
     assert!(text.contains("pdflow_pulls_in_flight{service=\"prefill\",side=\"p\"} 0\n"), "{text}");
     assert!(text.contains("pdflow_pulls_in_flight{service=\"decode\",side=\"d\"} 0\n"), "{text}");
@@ -85,7 +94,10 @@ fn failures_are_counted_by_step_and_cause_and_successes_are_not() {
     });
     let text = metrics.render();
     assert!(text.contains("# TYPE pdflow_failures_total counter\n"), "{text}");
-    assert!(text.contains("pdflow_failures_total{service=\"prefill\",step=\"29\",cause=\"transfer_failed\"} 2\n"), "{text}");
+    assert!(
+        text.contains("pdflow_failures_total{service=\"prefill\",step=\"29\",cause=\"transfer_failed\"} 2\n"),
+        "{text}"
+    );
     assert!(text.contains("pdflow_failures_total{service=\"proxy\",step=\"10\",cause=\"503\"} 1\n"), "{text}");
     assert_eq!(text.matches("pdflow_failures_total{").count(), 2, "{text}");
     let step29 = parse_histogram(&text, "pdflow_step_duration_seconds", &[("step", "29")]).expect("step 29");
@@ -108,8 +120,14 @@ fn causes_beyond_the_cap_are_counted_as_other() {
 #[test]
 fn gauges_registered_and_extra_share_families() {
     let metrics = Metrics::new();
-    metrics.register_gauge("pdflow_blocks_held", "blocks held", || vec![GaugeSample { labels: vec![("engine_id", "a".to_owned())], value: 3.0 }]);
-    let extra = Gauge { name: "pdflow_blocks_held", help: "blocks held", samples: vec![GaugeSample { labels: vec![("engine_id", "b".to_owned())], value: 5.0 }] };
+    metrics.register_gauge("pdflow_blocks_held", "blocks held", || {
+        vec![GaugeSample { labels: vec![("engine_id", "a".to_owned())], value: 3.0 }]
+    });
+    let extra = Gauge {
+        name: "pdflow_blocks_held",
+        help: "blocks held",
+        samples: vec![GaugeSample { labels: vec![("engine_id", "b".to_owned())], value: 5.0 }],
+    };
     let text = metrics.render_with(&[extra]);
     assert_eq!(text.matches("# TYPE pdflow_blocks_held gauge\n").count(), 1, "{text}");
     assert!(text.contains("pdflow_blocks_held{engine_id=\"a\"} 3\npdflow_blocks_held{engine_id=\"b\"} 5\n"), "{text}");
@@ -129,7 +147,13 @@ fn outcomes_classified() {
 fn step_29_writes_are_counted_by_backend_and_outcome() {
     let metrics = Metrics::new();
     with_layer(&metrics, || {
-        for (backend, outcome) in [(Some("tcp"), "ok"), (Some("tcp"), "ok"), (Some("cuda-peer"), "ok"), (Some("tcp"), "refused"), (None, "ok")] {
+        for (backend, outcome) in [
+            (Some("tcp"), "ok"),
+            (Some("tcp"), "ok"),
+            (Some("cuda-peer"), "ok"),
+            (Some("tcp"), "refused"),
+            (None, "ok"),
+        ] {
             let write = step_span!(steps::P_TRANSFER_WRITE, request_id = "p1", transfer_id = "t1");
             if let Some(b) = backend {
                 write.record(attrs::BACKEND, b);
@@ -140,7 +164,12 @@ fn step_29_writes_are_counted_by_backend_and_outcome() {
         drop(step_span!(steps::P_BUILD_TRANSFER, request_id = "p1", transfer_id = "t1"));
     });
     let text = metrics.render();
-    for (labels, count) in [("backend=\"tcp\",outcome=\"ok\"", 2), ("backend=\"cuda-peer\",outcome=\"ok\"", 1), ("backend=\"tcp\",outcome=\"refused\"", 1), ("backend=\"unknown\",outcome=\"ok\"", 1)] {
+    for (labels, count) in [
+        ("backend=\"tcp\",outcome=\"ok\"", 2),
+        ("backend=\"cuda-peer\",outcome=\"ok\"", 1),
+        ("backend=\"tcp\",outcome=\"refused\"", 1),
+        ("backend=\"unknown\",outcome=\"ok\"", 1),
+    ] {
         let line = format!("pdflow_transfer_writes_total{{service=\"prefill\",{labels}}} {count}\n");
         assert!(text.contains(&line), "missing {line:?} in\n{text}");
     }

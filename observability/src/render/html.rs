@@ -17,7 +17,8 @@ const TOP: f64 = 40.0;
 const TTFT_H: f64 = 34.0;
 
 /// Colours per lane (participants of the same node share a hue).
-const COLOURS: [&str; 9] = ["#6b7280", "#7c3aed", "#2563eb", "#1d4ed8", "#3b82f6", "#d97706", "#059669", "#047857", "#10b981"];
+const COLOURS: [&str; 9] =
+    ["#6b7280", "#7c3aed", "#2563eb", "#1d4ed8", "#3b82f6", "#d97706", "#059669", "#047857", "#10b981"];
 const PART_COLOURS: [&str; 7] = ["#7c3aed", "#2563eb", "#1d4ed8", "#dc2626", "#059669", "#10b981", "#d1d5db"];
 
 fn esc(s: &str) -> String {
@@ -53,7 +54,12 @@ fn axis(svg: &mut String, p: &Panel, y: f64, title: &str) {
         let x = p.x(us);
         let _ = write!(svg, r##"<line class="tick" x1="{x:.1}" y1="{:.1}" x2="{x:.1}" y2="{y:.1}"/>"##, TOP - 6.0);
         let anchor = if i == ticks { "end" } else { "start" };
-        let _ = write!(svg, r##"<text class="tick-label" x="{x:.1}" y="{:.1}" text-anchor="{anchor}">{}</text>"##, TOP - 9.0, ms(us));
+        let _ = write!(
+            svg,
+            r##"<text class="tick-label" x="{x:.1}" y="{:.1}" text-anchor="{anchor}">{}</text>"##,
+            TOP - 9.0,
+            ms(us)
+        );
     }
 }
 
@@ -65,7 +71,8 @@ fn bars(svg: &mut String, p: &Panel, bars: &[Bar]) {
         let y = TOP + lane as f64 * LANE_H;
         let x = p.x(b.start_us);
         let w = (p.x(b.start_us + b.duration_us) - x).max(2.0);
-        let mut tip = format!("step {} · {} · {}\nstart +{} · {}", b.step, b.name, b.service, ms(b.start_us), ms(b.duration_us));
+        let mut tip =
+            format!("step {} · {} · {}\nstart +{} · {}", b.step, b.name, b.service, ms(b.start_us), ms(b.duration_us));
         for (k, v) in &b.figures {
             let _ = write!(tip, "\n{k} = {v}");
         }
@@ -94,13 +101,20 @@ pub fn page(t: &Timeline) -> String {
     let has_startup = !t.startup.is_empty();
     let startup_w = if has_startup { (body_w - GAP_W) * 0.22 } else { 0.0 };
     let sp = Panel { x0: LABEL_W, w: startup_w, span_us: panel_span(&t.startup) };
-    let rp = Panel { x0: LABEL_W + if has_startup { startup_w + GAP_W } else { 0.0 }, w: body_w - if has_startup { startup_w + GAP_W } else { 0.0 }, span_us: panel_span(&t.request) };
+    let rp = Panel {
+        x0: LABEL_W + if has_startup { startup_w + GAP_W } else { 0.0 },
+        w: body_w - if has_startup { startup_w + GAP_W } else { 0.0 },
+        span_us: panel_span(&t.request),
+    };
     let lanes_bottom = TOP + LANES.len() as f64 * LANE_H;
     let ttft_y = lanes_bottom + 30.0;
     let height = ttft_y + TTFT_H + 40.0;
 
     let mut svg = String::new();
-    let _ = write!(svg, r##"<svg xmlns="http://www.w3.org/2000/svg" id="timeline" width="{WIDTH}" height="{height:.0}" viewBox="0 0 {WIDTH} {height:.0}" font-family="sans-serif" font-size="12">"##);
+    let _ = write!(
+        svg,
+        r##"<svg xmlns="http://www.w3.org/2000/svg" id="timeline" width="{WIDTH}" height="{height:.0}" viewBox="0 0 {WIDTH} {height:.0}" font-family="sans-serif" font-size="12">"##
+    );
     for (i, name) in LANES.iter().enumerate() {
         let y = TOP + i as f64 * LANE_H;
         let _ = write!(
@@ -114,7 +128,12 @@ pub fn page(t: &Timeline) -> String {
     if has_startup {
         axis(&mut svg, &sp, lanes_bottom, "start-up (steps 1–7)");
         let gx = sp.x0 + sp.w + GAP_W / 2.0;
-        let _ = write!(svg, r##"<line class="gap" x1="{gx:.1}" y1="{TOP}" x2="{gx:.1}" y2="{lanes_bottom:.1}"/><text class="gap-label" x="{gx:.1}" y="{:.1}" text-anchor="middle">+{}</text>"##, lanes_bottom + 14.0, ms(t.gap_us));
+        let _ = write!(
+            svg,
+            r##"<line class="gap" x1="{gx:.1}" y1="{TOP}" x2="{gx:.1}" y2="{lanes_bottom:.1}"/><text class="gap-label" x="{gx:.1}" y="{:.1}" text-anchor="middle">+{}</text>"##,
+            lanes_bottom + 14.0,
+            ms(t.gap_us)
+        );
     }
     axis(&mut svg, &rp, lanes_bottom, &format!("request (steps 8–43) · trace {}", t.trace_id));
     bars(&mut svg, &sp, &t.startup);
@@ -122,7 +141,12 @@ pub fn page(t: &Timeline) -> String {
 
     // TTFT decomposition, on the request panel's scale.
     if let Some(ttft) = t.ttft_us {
-        let _ = write!(svg, r##"<text class="ttft-title" x="8" y="{:.1}">TTFT {}</text>"##, ttft_y + TTFT_H / 2.0 + 4.0, ms(ttft));
+        let _ = write!(
+            svg,
+            r##"<text class="ttft-title" x="8" y="{:.1}">TTFT {}</text>"##,
+            ttft_y + TTFT_H / 2.0 + 4.0,
+            ms(ttft)
+        );
         let named: Vec<&str> = super::TTFT_SEGMENTS.iter().map(|s| s.0).collect();
         for seg in &t.ttft {
             let colour = named.iter().position(|n| *n == seg.label).map(|i| PART_COLOURS[i]).unwrap_or(PART_COLOURS[6]);
@@ -135,7 +159,12 @@ pub fn page(t: &Timeline) -> String {
                 steps = esc(&seg.steps),
                 d = ms(seg.end_us - seg.start_us),
                 text = if w > 7.0 * (seg.label.len() as f64 + 1.0) {
-                    format!(r##"<text class="part-label" x="{:.2}" y="{:.1}">{}</text>"##, x + 4.0, ttft_y + TTFT_H / 2.0 + 4.0, esc(&seg.label))
+                    format!(
+                        r##"<text class="part-label" x="{:.2}" y="{:.1}">{}</text>"##,
+                        x + 4.0,
+                        ttft_y + TTFT_H / 2.0 + 4.0,
+                        esc(&seg.label)
+                    )
                 } else {
                     String::new()
                 },
@@ -148,10 +177,21 @@ pub fn page(t: &Timeline) -> String {
     if let Some(ttft) = t.ttft_us {
         for seg in &t.ttft {
             let d = seg.end_us - seg.start_us;
-            let _ = write!(rows, "<tr><td>{}</td><td>{}</td><td>{}</td><td>{:.1}%</td></tr>", esc(&seg.label), esc(&seg.steps), ms(d), 100.0 * d as f64 / ttft.max(1) as f64);
+            let _ = write!(
+                rows,
+                "<tr><td>{}</td><td>{}</td><td>{}</td><td>{:.1}%</td></tr>",
+                esc(&seg.label),
+                esc(&seg.steps),
+                ms(d),
+                100.0 * d as f64 / ttft.max(1) as f64
+            );
         }
     }
-    let missing = if t.missing.is_empty() { String::new() } else { format!("<p class=\"missing\">steps not in the trace: {:?}</p>", t.missing) };
+    let missing = if t.missing.is_empty() {
+        String::new()
+    } else {
+        format!("<p class=\"missing\">steps not in the trace: {:?}</p>", t.missing)
+    };
     format!(
         r##"<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>pdflow timeline · trace {trace}</title>

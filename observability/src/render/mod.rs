@@ -14,7 +14,8 @@ use crate::export::ExportError;
 use crate::steps::{self, Owner, Step};
 
 /// The participants, top to bottom.
-pub const LANES: [&str; 9] = ["client", "proxy", "P API", "P scheduler", "P worker", "bootstrap", "D API", "D scheduler", "D worker"];
+pub const LANES: [&str; 9] =
+    ["client", "proxy", "P API", "P scheduler", "P worker", "bootstrap", "D API", "D scheduler", "D worker"];
 
 /// The lane of a step, from the catalogue's "who" (the part before "→") and owner.
 pub fn lane_of(step: &Step) -> usize {
@@ -118,10 +119,15 @@ fn bar(trace: &crate::export::jaeger::JaegerTrace, span: &JaegerSpan, step: &Ste
             .tags
             .iter()
             .filter(|t| t.key != crate::attrs::STEP)
-            .map(|t| (t.key.clone(), match &t.value {
-                serde_json::Value::String(s) => s.clone(),
-                v => v.to_string(),
-            }))
+            .map(|t| {
+                (
+                    t.key.clone(),
+                    match &t.value {
+                        serde_json::Value::String(s) => s.clone(),
+                        v => v.to_string(),
+                    },
+                )
+            })
             .collect(),
     }
 }
@@ -130,11 +136,22 @@ impl Timeline {
     /// Picks the request trace (`trace_id`, or the first holding step 8) and the start-up spans.
     pub fn from_file(file: &JaegerFile, trace_id: Option<&str>) -> Result<Self, RenderError> {
         let request = match trace_id {
-            Some(id) => file.data.iter().find(|t| t.trace_id.eq_ignore_ascii_case(id)).ok_or_else(|| RenderError::NoSuchTrace(id.to_owned()))?,
-            None => file.data.iter().find(|t| t.spans.iter().any(|s| step_of(s) == Some(steps::CLIENT_REQUEST.number))).ok_or(RenderError::NoRequest)?,
+            Some(id) => file
+                .data
+                .iter()
+                .find(|t| t.trace_id.eq_ignore_ascii_case(id))
+                .ok_or_else(|| RenderError::NoSuchTrace(id.to_owned()))?,
+            None => file
+                .data
+                .iter()
+                .find(|t| t.spans.iter().any(|s| step_of(s) == Some(steps::CLIENT_REQUEST.number)))
+                .ok_or(RenderError::NoRequest)?,
         };
-        let mut req_spans: Vec<(&JaegerSpan, &Step)> =
-            request.spans.iter().filter_map(|s| step_of(s).and_then(steps::by_number).filter(|st| st.number >= 8).map(|st| (s, st))).collect();
+        let mut req_spans: Vec<(&JaegerSpan, &Step)> = request
+            .spans
+            .iter()
+            .filter_map(|s| step_of(s).and_then(steps::by_number).filter(|st| st.number >= 8).map(|st| (s, st)))
+            .collect();
         req_spans.sort_by_key(|(s, st)| (s.start_time, st.number));
         let origin = req_spans.iter().map(|(s, _)| s.start_time).min().unwrap_or(0);
         let request_bars: Vec<Bar> = req_spans.iter().map(|(s, st)| bar(request, s, st, origin)).collect();
@@ -157,10 +174,19 @@ impl Timeline {
         let s_end = startup.iter().map(|(_, s, _)| s.start_time + s.duration).max().unwrap_or(origin);
         let startup_bars: Vec<Bar> = startup.iter().map(|(t, s, st)| bar(t, s, st, s_origin)).collect();
 
-        let present: std::collections::BTreeSet<u8> = startup_bars.iter().chain(&request_bars).map(|b| b.step).collect();
+        let present: std::collections::BTreeSet<u8> =
+            startup_bars.iter().chain(&request_bars).map(|b| b.step).collect();
         let missing = steps::STEPS.iter().map(|s| s.number).filter(|n| !present.contains(n)).collect();
         let (ttft_us, ttft) = decompose(&request_bars);
-        Ok(Self { trace_id: request.trace_id.clone(), startup: startup_bars, request: request_bars, gap_us: origin.saturating_sub(s_end), ttft_us, ttft, missing })
+        Ok(Self {
+            trace_id: request.trace_id.clone(),
+            startup: startup_bars,
+            request: request_bars,
+            gap_us: origin.saturating_sub(s_end),
+            ttft_us,
+            ttft,
+            missing,
+        })
     }
 }
 
@@ -206,10 +232,12 @@ pub fn render_file(trace: &Path, out: &Path, trace_id: Option<&str>) -> Result<S
     let file = JaegerFile::read(trace)?;
     let timeline = Timeline::from_file(&file, trace_id)?;
     let page = html::page(&timeline);
-    std::fs::write(out, page).map_err(|e| RenderError::Write { path: out.display().to_string(), reason: e.to_string() })?;
+    std::fs::write(out, page)
+        .map_err(|e| RenderError::Write { path: out.display().to_string(), reason: e.to_string() })?;
     let steps = timeline.startup.len() + timeline.request.len();
     let ttft = timeline.ttft_us.map(|t| format!("{:.3} ms", t as f64 / 1e3)).unwrap_or_else(|| "n/a".into());
-    let missing = if timeline.missing.is_empty() { String::new() } else { format!("; missing steps {:?}", timeline.missing) };
+    let missing =
+        if timeline.missing.is_empty() { String::new() } else { format!("; missing steps {:?}", timeline.missing) };
     Ok(format!("trace {}: {steps} step spans, TTFT {ttft}{missing}", timeline.trace_id))
 }
 

@@ -19,7 +19,10 @@ fn synthetic_file() -> JaegerFile {
                 service: crate::export::service_of_step(s.number).to_owned(),
                 start_unix_nanos: start,
                 end_unix_nanos: start + 80_000,
-                attrs: vec![("pd.step".into(), AttrValue::Int(i64::from(s.number))), ("pd.bytes".into(), AttrValue::Int(148_635_648))],
+                attrs: vec![
+                    ("pd.step".into(), AttrValue::Int(i64::from(s.number))),
+                    ("pd.bytes".into(), AttrValue::Int(148_635_648)),
+                ],
             }
         })
         .collect();
@@ -51,11 +54,16 @@ fn timeline_has_43_bars_in_9_lanes_and_the_ttft_parts() {
     assert_eq!(t.ttft.iter().filter(|s| s.label != "other").count(), 6);
 
     let html = html::page(&t);
-    let steps: std::collections::BTreeSet<&str> = html.match_indices("class=\"bar\" data-step=\"").map(|(i, m)| &html[i + m.len()..i + m.len() + 2]).collect();
+    let steps: std::collections::BTreeSet<&str> =
+        html.match_indices("class=\"bar\" data-step=\"").map(|(i, m)| &html[i + m.len()..i + m.len() + 2]).collect();
     assert_eq!(steps.len(), 43);
     assert_eq!(html.matches("class=\"lane\"").count(), 9);
     assert!(html.contains("pd.bytes = 148635648"), "figures on hover");
-    assert!(!html.contains("http://") || html.matches("http://").all(|_| html.contains("xmlns=\"http://www.w3.org/2000/svg\"")), "no external resources");
+    assert!(
+        !html.contains("http://")
+            || html.matches("http://").all(|_| html.contains("xmlns=\"http://www.w3.org/2000/svg\"")),
+        "no external resources"
+    );
     assert!(!html.contains("<script"));
 }
 

@@ -105,11 +105,23 @@ async fn metrics(State(handle): State<EngineHandle>) -> Response {
     use pdflow_observability::metrics::{self as m, Gauge, GaugeSample};
     let stats = handle.block_stats();
     let labels = || vec![("engine_id", handle.config().engine_id.clone())];
-    let gauge = |name, help, value: usize| Gauge { name, help, samples: vec![GaugeSample { labels: labels(), value: value as f64 }] };
+    let gauge = |name, help, value: usize| Gauge {
+        name,
+        help,
+        samples: vec![GaugeSample { labels: labels(), value: value as f64 }],
+    };
     let extra = [
         gauge("pdflow_blocks_total", "KV blocks of the engine.", stats.total),
-        gauge("pdflow_blocks_held", "KV blocks allocated, including those held for a transfer (delayed free).", stats.total.saturating_sub(stats.free)),
-        gauge("pdflow_requests_held", "Requests the scheduler holds, including finished ones awaiting a delayed free.", stats.requests),
+        gauge(
+            "pdflow_blocks_held",
+            "KV blocks allocated, including those held for a transfer (delayed free).",
+            stats.total.saturating_sub(stats.free),
+        ),
+        gauge(
+            "pdflow_requests_held",
+            "Requests the scheduler holds, including finished ones awaiting a delayed free.",
+            stats.requests,
+        ),
     ];
     ([(header::CONTENT_TYPE, m::CONTENT_TYPE)], m::global().render_with(&extra)).into_response()
 }
@@ -125,7 +137,9 @@ struct Generation {
 fn parse_params(value: Option<serde_json::Value>) -> Result<Option<KvTransferParams>, ApiError> {
     match value {
         None | Some(serde_json::Value::Null) => Ok(None),
-        Some(v) => KvTransferParams::from_json(&v).map(Some).map_err(|e| ApiError::bad_request(format!("invalid kv_transfer_params: {e}"))),
+        Some(v) => KvTransferParams::from_json(&v)
+            .map(Some)
+            .map_err(|e| ApiError::bad_request(format!("invalid kv_transfer_params: {e}"))),
     }
 }
 
@@ -146,14 +160,22 @@ fn parse_json<T: serde::de::DeserializeOwned>(body: &Bytes) -> Result<T, ApiErro
     serde_json::from_slice(body).map_err(|e| ApiError::bad_request(format!("malformed request body: {e}")))
 }
 
-fn build_generation(handle: &EngineHandle, headers: &HeaderMap, chat: bool, s: Sampling) -> Result<Generation, ApiError> {
+fn build_generation(
+    handle: &EngineHandle,
+    headers: &HeaderMap,
+    chat: bool,
+    s: Sampling,
+) -> Result<Generation, ApiError> {
     let tokenizer = Tokenizer { vocab_size: handle.config().vocab_size };
     let Sampling { prompt, max_tokens, stream, stop_token_ids, ignore_eos, kv_transfer_params: params } = s;
     let prompt_token_ids = match prompt {
         Prompt::Text(t) => tokenizer.encode(&t),
         Prompt::Ids(ids) => {
             if let Some(bad) = ids.iter().find(|&&t| t >= tokenizer.vocab_size) {
-                return Err(ApiError::bad_request(format!("token id {bad} is outside the vocabulary (size {})", tokenizer.vocab_size)));
+                return Err(ApiError::bad_request(format!(
+                    "token id {bad} is outside the vocabulary (size {})",
+                    tokenizer.vocab_size
+                )));
             }
             ids
         }
@@ -225,13 +247,21 @@ struct Meta {
 }
 
 impl Meta {
-    fn chunk(&self, token_ids: Vec<u32>, finish: Option<&str>, usage: Option<Usage>, params: Option<KvTransferParams>, full: bool) -> serde_json::Value {
+    fn chunk(
+        &self,
+        token_ids: Vec<u32>,
+        finish: Option<&str>,
+        usage: Option<Usage>,
+        params: Option<KvTransferParams>,
+        full: bool,
+    ) -> serde_json::Value {
         let text = self.tokenizer.decode(&token_ids);
         let finish_reason = finish.map(str::to_owned);
         let value = if self.chat {
             let content = ChatContent { role: "assistant".to_owned(), content: text };
             let (message, delta) = if full { (Some(content), None) } else { (None, Some(content)) };
-            let choice = ChatChoice { index: 0, message, delta, token_ids, logprobs: None, finish_reason, stop_reason: None };
+            let choice =
+                ChatChoice { index: 0, message, delta, token_ids, logprobs: None, finish_reason, stop_reason: None };
             let object = if full { "chat.completion" } else { "chat.completion.chunk" };
             serde_json::to_value(ChatCompletionResponse {
                 id: self.id.clone(),
@@ -243,7 +273,8 @@ impl Meta {
                 kv_transfer_params: params,
             })
         } else {
-            let choice = CompletionChoice { index: 0, text, token_ids, logprobs: None, finish_reason, stop_reason: None };
+            let choice =
+                CompletionChoice { index: 0, text, token_ids, logprobs: None, finish_reason, stop_reason: None };
             serde_json::to_value(CompletionResponse {
                 id: self.id.clone(),
                 object: "text_completion".to_owned(),
@@ -282,7 +313,9 @@ async fn generate(handle: EngineHandle, g: Generation) -> Response {
     };
     // Step 42: D's response, from the engine's outputs to the last byte handed to the server.
     let span = match request_id {
-        Some(rid) => pdflow_observability::step_span!(steps::D_HTTP_RESPONSE, request_id = %rid, transfer_id = %transfer_id),
+        Some(rid) => {
+            pdflow_observability::step_span!(steps::D_HTTP_RESPONSE, request_id = %rid, transfer_id = %transfer_id)
+        }
         None => Span::none(),
     };
     span.record(attrs::ENGINE_ID, handle.config().engine_id.as_str());
@@ -300,11 +333,18 @@ async fn generate(handle: EngineHandle, g: Generation) -> Response {
         span.record(attrs::TOKENS, tokens.len());
         return match status {
             FinishStatus::LengthCapped | FinishStatus::Stopped => {
-                let usage = Usage { prompt_tokens, completion_tokens: tokens.len(), total_tokens: prompt_tokens + tokens.len() };
-                Json(meta.chunk(tokens, Some(finish_reason(status)), Some(usage), out.kv_transfer_params, true)).into_response()
+                let usage = Usage {
+                    prompt_tokens,
+                    completion_tokens: tokens.len(),
+                    total_tokens: prompt_tokens + tokens.len(),
+                };
+                Json(meta.chunk(tokens, Some(finish_reason(status)), Some(usage), out.kv_transfer_params, true))
+                    .into_response()
             }
             FinishStatus::Aborted => error_response(StatusCode::SERVICE_UNAVAILABLE, "the request was aborted"),
-            FinishStatus::Error => error_response(StatusCode::INTERNAL_SERVER_ERROR, failure_message(status, out.error)),
+            FinishStatus::Error => {
+                error_response(StatusCode::INTERNAL_SERVER_ERROR, failure_message(status, out.error))
+            }
         };
     }
 }
@@ -332,7 +372,13 @@ fn stream_response(stream: RequestStream, meta: Meta, span: Span) -> Response {
         let chunk = match st.stream.next_output().await {
             None => {
                 st.finished = true;
-                let err = ErrorBody { error: ErrorInfo { message: "the engine stopped before the request finished".into(), kind: "ServiceUnavailableError".into(), code: 503 } };
+                let err = ErrorBody {
+                    error: ErrorInfo {
+                        message: "the engine stopped before the request finished".into(),
+                        kind: "ServiceUnavailableError".into(),
+                        code: 503,
+                    },
+                };
                 serde_json::to_value(err).unwrap_or_default()
             }
             Some(out) => {
@@ -341,14 +387,26 @@ fn stream_response(stream: RequestStream, meta: Meta, span: Span) -> Response {
                     Some(FinishStatus::Error) | Some(FinishStatus::Aborted) => {
                         st.finished = true;
                         let status = out.finish.unwrap_or(FinishStatus::Error);
-                        let err = ErrorBody { error: ErrorInfo { message: failure_message(status, out.error), kind: "InternalServerError".into(), code: 500 } };
+                        let err = ErrorBody {
+                            error: ErrorInfo {
+                                message: failure_message(status, out.error),
+                                kind: "InternalServerError".into(),
+                                code: 500,
+                            },
+                        };
                         serde_json::to_value(err).unwrap_or_default()
                     }
                     Some(status) => {
                         st.finished = true;
                         st.span.record(attrs::OUTCOME, finish_reason(status));
                         st.span.record(attrs::TOKENS, st.sent);
-                        st.meta.chunk(out.new_token_ids, Some(finish_reason(status)), None, out.kv_transfer_params, false)
+                        st.meta.chunk(
+                            out.new_token_ids,
+                            Some(finish_reason(status)),
+                            None,
+                            out.kv_transfer_params,
+                            false,
+                        )
                     }
                     None => st.meta.chunk(out.new_token_ids, None, None, None, false),
                 }

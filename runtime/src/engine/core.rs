@@ -31,7 +31,10 @@ const ADD_DEADLINE: Duration = Duration::from_secs(30);
 /// What the handle sends to the loop.
 #[derive(Debug)]
 pub(crate) enum Command {
-    Add { request: Box<Request>, ack: oneshot::Sender<Result<(), EngineError>> },
+    Add {
+        request: Box<Request>,
+        ack: oneshot::Sender<Result<(), EngineError>>,
+    },
     Abort(String),
     /// A request refused at admission that names a transfer (see `EngineHandle::report_rejected`).
     Rejected(SchedRequest),
@@ -58,7 +61,16 @@ impl Engine {
         let model = Model { shape: config.shape, vocab_size: config.vocab_size };
         let task = tokio::spawn(run_loop(scheduler, rx, cancel.clone(), running.clone(), model, kv_cache.clone()));
         EngineHandle {
-            inner: Arc::new(Inner { config, kv_cache, commands, stats, running, cancel, has_connector, task: Mutex::new(Some(task)) }),
+            inner: Arc::new(Inner {
+                config,
+                kv_cache,
+                commands,
+                stats,
+                running,
+                cancel,
+                has_connector,
+                task: Mutex::new(Some(task)),
+            }),
         }
     }
 }
@@ -181,11 +193,20 @@ fn validate(config: &EngineConfig, has_connector: bool, req: &EngineRequest) -> 
         return Err(EngineError::ZeroMaxTokens);
     }
     if prompt_len + req.max_tokens > config.max_model_len {
-        return Err(EngineError::TooLong { prompt_len, max_tokens: req.max_tokens, max_model_len: config.max_model_len });
+        return Err(EngineError::TooLong {
+            prompt_len,
+            max_tokens: req.max_tokens,
+            max_model_len: config.max_model_len,
+        });
     }
     let needed = config.shape.blocks_for(prompt_len + req.max_tokens);
     if needed > config.num_blocks {
-        return Err(EngineError::TooManyBlocks { needed, total: config.num_blocks, prompt_len, max_tokens: req.max_tokens });
+        return Err(EngineError::TooManyBlocks {
+            needed,
+            total: config.num_blocks,
+            prompt_len,
+            max_tokens: req.max_tokens,
+        });
     }
     let role = match &req.kv_transfer_params {
         Some(p) => p.role()?,
@@ -193,8 +214,12 @@ fn validate(config: &EngineConfig, has_connector: bool, req: &EngineRequest) -> 
     };
     match role {
         TransferRole::Local => {}
-        TransferRole::Prefill { .. } if !has_connector => return Err(EngineError::NoConnector { role: "prefill (do_remote_decode)" }),
-        TransferRole::Decode { .. } if !has_connector => return Err(EngineError::NoConnector { role: "decode (do_remote_prefill)" }),
+        TransferRole::Prefill { .. } if !has_connector => {
+            return Err(EngineError::NoConnector { role: "prefill (do_remote_decode)" })
+        }
+        TransferRole::Decode { .. } if !has_connector => {
+            return Err(EngineError::NoConnector { role: "decode (do_remote_prefill)" })
+        }
         _ => {}
     }
     Ok(role)

@@ -10,13 +10,13 @@
 //! Engine-owned steps: 11/16 (add request), 15 (prefill forward), 24 (engine output),
 //! 38–40 (first token and decode), 42 (HTTP response).
 
-pub mod ports;
 pub mod api;
 pub mod block_pool;
 pub mod config;
 pub mod core;
 pub mod model;
 pub mod openai;
+pub mod ports;
 pub mod request;
 pub mod scheduler;
 

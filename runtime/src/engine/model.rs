@@ -57,7 +57,8 @@ impl Tokenizer {
 
 /// Fills `out` with the KV bytes of `token` at `pos`, `layer`, `head`.
 pub fn fill_kv(token: u32, pos: usize, layer: usize, head: usize, out: &mut [u8]) {
-    let seed = splitmix64(splitmix64(splitmix64(u64::from(token)) ^ pos as u64) ^ (((layer as u64) << 32) | head as u64));
+    let seed =
+        splitmix64(splitmix64(splitmix64(u64::from(token)) ^ pos as u64) ^ (((layer as u64) << 32) | head as u64));
     for (i, chunk) in out.chunks_mut(8).enumerate() {
         let w = splitmix64(seed ^ (i as u64).wrapping_mul(GOLDEN)).to_le_bytes();
         chunk.copy_from_slice(&w[..chunk.len()]);
@@ -146,7 +147,13 @@ impl Model {
     }
 
     /// The hash of one position's KV bytes as they are in the cache.
-    fn position_hash(&self, cache: &KvCache, block_ids: &[BlockId], pos: usize, buf: &mut [u8]) -> Result<u64, RegionError> {
+    fn position_hash(
+        &self,
+        cache: &KvCache,
+        block_ids: &[BlockId],
+        pos: usize,
+        buf: &mut [u8],
+    ) -> Result<u64, RegionError> {
         let (block, s) = self.locate(block_ids, pos)?;
         let mut h = Checksum::default();
         for layer in 0..self.shape.num_layers {
@@ -163,7 +170,11 @@ impl Model {
     /// slot by slot in the order [`Model::position_hash`] reads them — the same digest, the same
     /// tokens as on the host.
     #[cfg(feature = "cuda")]
-    fn forward_on_device(&self, kv: &crate::transfer::cuda::device_kv::DeviceKv, item: &mut ForwardItem) -> Result<Option<u32>, RegionError> {
+    fn forward_on_device(
+        &self,
+        kv: &crate::transfer::cuda::device_kv::DeviceKv,
+        item: &mut ForwardItem,
+    ) -> Result<Option<u32>, RegionError> {
         kv.fill(&item.tokens, item.start, &item.block_ids)?;
         let end = item.start + item.tokens.len();
         if item.digest.upto < end {
@@ -198,14 +209,27 @@ mod tests {
     const SMALL: KvShape = KvShape { num_layers: 2, num_kv_heads: 2, head_dim: 8, dtype_bytes: 2, block_size: 4 };
 
     /// Runs a prompt through `model` in chunks of `chunk`, then decodes `n` tokens.
-    fn generate(model: &Model, cache: &KvCache, blocks: &[BlockId], prompt: &[u32], chunk: usize, n: usize) -> Vec<u32> {
+    fn generate(
+        model: &Model,
+        cache: &KvCache,
+        blocks: &[BlockId],
+        prompt: &[u32],
+        chunk: usize,
+        n: usize,
+    ) -> Vec<u32> {
         let mut digest = ContextDigest::default();
         let mut tokens = prompt.to_vec();
         let mut start = 0;
         let mut out = Vec::new();
         while out.len() < n {
             let end = (start + chunk).min(tokens.len());
-            let mut item = ForwardItem { tokens: tokens[start..end].to_vec(), start, block_ids: blocks.to_vec(), digest, sample: end == tokens.len() };
+            let mut item = ForwardItem {
+                tokens: tokens[start..end].to_vec(),
+                start,
+                block_ids: blocks.to_vec(),
+                digest,
+                sample: end == tokens.len(),
+            };
             let t = model.forward(cache, &mut item).expect("blocks cover the context");
             digest = item.digest;
             start = end;
@@ -245,10 +269,22 @@ mod tests {
         let prompt: Vec<u32> = (0..9).collect();
         // Prefill all but the last prompt token, then resume at prompt_len - 1 twice: once clean, once
         // with one byte of position 3 flipped.
-        let mut item = ForwardItem { tokens: prompt[..8].to_vec(), start: 0, block_ids: blocks.to_vec(), digest: ContextDigest::default(), sample: false };
+        let mut item = ForwardItem {
+            tokens: prompt[..8].to_vec(),
+            start: 0,
+            block_ids: blocks.to_vec(),
+            digest: ContextDigest::default(),
+            sample: false,
+        };
         model.forward(&cache, &mut item).expect("in range");
         let resume = |cache: &KvCache| {
-            let mut it = ForwardItem { tokens: vec![prompt[8]], start: 8, block_ids: blocks.to_vec(), digest: ContextDigest::default(), sample: true };
+            let mut it = ForwardItem {
+                tokens: vec![prompt[8]],
+                start: 8,
+                block_ids: blocks.to_vec(),
+                digest: ContextDigest::default(),
+                sample: true,
+            };
             model.forward(cache, &mut it).expect("in range")
         };
         let clean = resume(&cache);
@@ -285,7 +321,13 @@ mod tests {
         let mut start = prompt.len() - 1;
         let mut out = Vec::new();
         while out.len() < 5 {
-            let mut it = ForwardItem { tokens: tokens[start..].to_vec(), start, block_ids: b_blocks.to_vec(), digest, sample: true };
+            let mut it = ForwardItem {
+                tokens: tokens[start..].to_vec(),
+                start,
+                block_ids: b_blocks.to_vec(),
+                digest,
+                sample: true,
+            };
             let t = model.forward(&b, &mut it).expect("in range").expect("sampled");
             digest = it.digest;
             start = tokens.len();
@@ -306,7 +348,13 @@ mod tests {
         cache.read_slot(35, 1, 7, 2, &mut slot).expect("in range");
         slot[511] ^= 0x80;
         cache.write_slot(35, 1, 7, 2, &slot).expect("in range");
-        let mut it = ForwardItem { tokens: vec![prompt[39]], start: 39, block_ids: vec![0, 1, 2], digest: ContextDigest::default(), sample: true };
+        let mut it = ForwardItem {
+            tokens: vec![prompt[39]],
+            start: 39,
+            block_ids: vec![0, 1, 2],
+            digest: ContextDigest::default(),
+            sample: true,
+        };
         assert_ne!(model.forward(&cache, &mut it).expect("in range"), Some(t1[0]));
     }
 }

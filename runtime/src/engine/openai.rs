@@ -56,11 +56,9 @@ impl ChatMessage {
     pub fn text(&self) -> String {
         match &self.content {
             Some(serde_json::Value::String(s)) => s.clone(),
-            Some(serde_json::Value::Array(parts)) => parts
-                .iter()
-                .filter_map(|p| p.get("text").and_then(|t| t.as_str()))
-                .collect::<Vec<_>>()
-                .join(" "),
+            Some(serde_json::Value::Array(parts)) => {
+                parts.iter().filter_map(|p| p.get("text").and_then(|t| t.as_str())).collect::<Vec<_>>().join(" ")
+            }
             _ => String::new(),
         }
     }

@@ -8,8 +8,8 @@ use std::sync::Arc;
 use futures::future::BoxFuture;
 use pdflow_messages::kv_transfer_params::KvTransferParams;
 use pdflow_messages::scheduler_connector::{
-    ConnectorMetadata, ConnectorOutput, GetNumNewMatchedTokens, MatchedTokens, RequestFinished,
-    RequestFinishedReply, UpdateStateAfterAlloc,
+    ConnectorMetadata, ConnectorOutput, GetNumNewMatchedTokens, MatchedTokens, RequestFinished, RequestFinishedReply,
+    UpdateStateAfterAlloc,
 };
 use tokio::sync::Notify;
 
@@ -24,9 +24,15 @@ pub enum ConnectorError {
 
 /// The scheduler-role hooks (seed steps 12, 13, 17, 18, 23, 26, 33, 36, 37).
 pub trait SchedulerConnectorPort: Send + Sync + 'static {
-    fn get_num_new_matched_tokens(&self, msg: GetNumNewMatchedTokens) -> BoxFuture<'_, Result<MatchedTokens, ConnectorError>>;
+    fn get_num_new_matched_tokens(
+        &self,
+        msg: GetNumNewMatchedTokens,
+    ) -> BoxFuture<'_, Result<MatchedTokens, ConnectorError>>;
     /// Returns the request's updated `kv_transfer_params` (e.g. `do_remote_prefill` cleared), if changed.
-    fn update_state_after_alloc(&self, msg: UpdateStateAfterAlloc) -> BoxFuture<'_, Result<Option<KvTransferParams>, ConnectorError>>;
+    fn update_state_after_alloc(
+        &self,
+        msg: UpdateStateAfterAlloc,
+    ) -> BoxFuture<'_, Result<Option<KvTransferParams>, ConnectorError>>;
     fn build_connector_meta(&self) -> BoxFuture<'_, Result<ConnectorMetadata, ConnectorError>>;
     fn request_finished(&self, msg: RequestFinished) -> BoxFuture<'_, Result<RequestFinishedReply, ConnectorError>>;
     fn update_connector_output(&self, output: ConnectorOutput) -> BoxFuture<'_, Result<(), ConnectorError>>;

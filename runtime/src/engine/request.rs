@@ -212,7 +212,19 @@ impl Request {
     }
 
     /// Sends an output delta; a closed stream is fine (the abort is on its way).
-    pub fn emit(&self, new_token_ids: Vec<u32>, finish: Option<FinishStatus>, error: Option<String>, params: Option<KvTransferParams>) {
-        let _ = self.output_tx.send(RequestOutput { request_id: self.id.clone(), new_token_ids, finish, error, kv_transfer_params: params });
+    pub fn emit(
+        &self,
+        new_token_ids: Vec<u32>,
+        finish: Option<FinishStatus>,
+        error: Option<String>,
+        params: Option<KvTransferParams>,
+    ) {
+        let _ = self.output_tx.send(RequestOutput {
+            request_id: self.id.clone(),
+            new_token_ids,
+            finish,
+            error,
+            kv_transfer_params: params,
+        });
     }
 }

@@ -15,10 +15,10 @@
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::{Arc, Mutex};
 
+use pdflow_messages::lifecycle::TransferState;
 use pdflow_messages::scheduler_connector::{
     ConnectorOutput, FinishStatus, GetNumNewMatchedTokens, RequestFinished, SchedRequest, UpdateStateAfterAlloc,
 };
-use pdflow_messages::lifecycle::TransferState;
 use pdflow_observability::{attrs, steps};
 use tracing::Span;
 
@@ -156,7 +156,9 @@ impl Scheduler {
     fn reserved_blocks(&self) -> usize {
         self.requests
             .values()
-            .filter(|r| r.admitted && matches!(r.status, Status::Waiting | Status::WaitingForRemoteKvs | Status::Running))
+            .filter(|r| {
+                r.admitted && matches!(r.status, Status::Waiting | Status::WaitingForRemoteKvs | Status::Running)
+            })
             .map(|r| self.worst_blocks(r).saturating_sub(r.block_ids.len()))
             .sum()
     }
@@ -256,10 +258,12 @@ impl Scheduler {
         let connector = self.connector.clone();
         if let (Some(conn), false) = (&connector, r.connector_matched) {
             r.connector_matched = true;
-            let asked = GetNumNewMatchedTokens { request: r.sched_request(), num_computed_tokens: r.num_computed_tokens };
+            let asked =
+                GetNumNewMatchedTokens { request: r.sched_request(), num_computed_tokens: r.num_computed_tokens };
             match conn.scheduler.get_num_new_matched_tokens(asked).await {
                 Err(e) => {
-                    self.finish_request(id, FinishStatus::Error, Vec::new(), Some(format!("KV connector failed: {e}"))).await;
+                    self.finish_request(id, FinishStatus::Error, Vec::new(), Some(format!("KV connector failed: {e}")))
+                        .await;
                     return WaitingOutcome::Gone;
                 }
                 Ok(m) if m.load_async && m.count > 0 => return self.wait_for_remote_kvs(id, m.count).await,
@@ -287,7 +291,11 @@ impl Scheduler {
         span.record(attrs::BLOCKS, r.block_ids.len());
         span.record(attrs::TOKENS, num_new);
         if let Some(conn) = &connector {
-            let msg = UpdateStateAfterAlloc { request: r.sched_request(), block_ids: r.block_ids.clone(), num_external_tokens: 0 };
+            let msg = UpdateStateAfterAlloc {
+                request: r.sched_request(),
+                block_ids: r.block_ids.clone(),
+                num_external_tokens: 0,
+            };
             match conn.scheduler.update_state_after_alloc(msg).await {
                 Ok(Some(params)) => {
                     if let Some(r) = self.requests.get_mut(id) {
@@ -297,7 +305,8 @@ impl Scheduler {
                 Ok(None) => {}
                 Err(e) => {
                     drop(span);
-                    self.finish_request(id, FinishStatus::Error, Vec::new(), Some(format!("KV connector failed: {e}"))).await;
+                    self.finish_request(id, FinishStatus::Error, Vec::new(), Some(format!("KV connector failed: {e}")))
+                        .await;
                     return WaitingOutcome::Gone;
                 }
             }
@@ -323,7 +332,11 @@ impl Scheduler {
         let span = req_span!(steps::D_SCHEDULE_REMOTE, r, self.config.engine_id.as_str());
         span.record(attrs::BLOCKS, r.block_ids.len());
         span.record(attrs::TOKENS, count);
-        let msg = UpdateStateAfterAlloc { request: r.sched_request(), block_ids: r.block_ids.clone(), num_external_tokens: count };
+        let msg = UpdateStateAfterAlloc {
+            request: r.sched_request(),
+            block_ids: r.block_ids.clone(),
+            num_external_tokens: count,
+        };
         let Some(conn) = self.connector.clone() else { return WaitingOutcome::Gone };
         match conn.scheduler.update_state_after_alloc(msg).await {
             Ok(params) => {
@@ -339,7 +352,8 @@ impl Scheduler {
             }
             Err(e) => {
                 drop(span);
-                self.finish_request(id, FinishStatus::Error, Vec::new(), Some(format!("KV connector failed: {e}"))).await;
+                self.finish_request(id, FinishStatus::Error, Vec::new(), Some(format!("KV connector failed: {e}")))
+                    .await;
                 WaitingOutcome::Gone
             }
         }
@@ -430,7 +444,13 @@ impl Scheduler {
     /// Finishes a request (steps 23 and 41): tells the connector, frees the blocks unless the
     /// connector delays the free (P) or a KV write may still land (D aborted while loading), then
     /// sends the last output.
-    pub async fn finish_request(&mut self, id: &str, status: FinishStatus, new_token_ids: Vec<u32>, error: Option<String>) {
+    pub async fn finish_request(
+        &mut self,
+        id: &str,
+        status: FinishStatus,
+        new_token_ids: Vec<u32>,
+        error: Option<String>,
+    ) {
         let Some(mut r) = self.requests.remove(id) else { return };
         self.finished_since_schedule = true;
         self.finished_requests += 1;
@@ -475,7 +495,8 @@ impl Scheduler {
             self.pool.free(std::mem::take(&mut r.block_ids));
             false
         };
-        let output_span = if r.is_prefill_role() { req_span!(steps::P_ENGINE_OUTPUT, r, engine_id) } else { Span::none() };
+        let output_span =
+            if r.is_prefill_role() { req_span!(steps::P_ENGINE_OUTPUT, r, engine_id) } else { Span::none() };
         output_span.record(attrs::OUTCOME, format!("{status:?}").as_str());
         output_span.record(attrs::TOKENS, new_token_ids.len());
         r.emit(new_token_ids, Some(status), error, params);
@@ -526,13 +547,18 @@ impl Scheduler {
             }
             match r.status {
                 Status::WaitingForRemoteKvs | Status::AbortedAwaitingRecv if !out.finished_recving.contains(id) => {
-                    let what = if r.status == Status::WaitingForRemoteKvs { "no KV received" } else { "aborted, and no end of its receive reported" };
+                    let what = if r.status == Status::WaitingForRemoteKvs {
+                        "no KV received"
+                    } else {
+                        "aborted, and no end of its receive reported"
+                    };
                     let reason = TransferState::WaitingForRemoteKvs.passed(timeout, what).to_string();
                     tracing::warn!(request_id = %id, "{reason}");
                     out.failed_recving.entry(id.clone()).or_insert(reason);
                 }
                 Status::FinishedDelayFree if !out.finished_sending.contains(id) => {
-                    let freed = TransferState::DelayedFree.passed(timeout, "P held the blocks for a send never reported: freed");
+                    let freed = TransferState::DelayedFree
+                        .passed(timeout, "P held the blocks for a send never reported: freed");
                     tracing::warn!(request_id = %id, "{freed}");
                     out.finished_sending.insert(id.clone());
                 }

@@ -9,11 +9,19 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use super::*;
 use crate::memory::{KvCache, KvShape};
 
-pub(crate) const SMALL: KvShape = KvShape { num_layers: 2, num_kv_heads: 2, head_dim: 8, dtype_bytes: 2, block_size: 4 };
+pub(crate) const SMALL: KvShape =
+    KvShape { num_layers: 2, num_kv_heads: 2, head_dim: 8, dtype_bytes: 2, block_size: 4 };
 pub(crate) const DEADLINE: Duration = Duration::from_secs(20);
 
 pub(crate) fn small_config(num_blocks: usize, budget: usize) -> EngineConfig {
-    EngineConfig { shape: SMALL, num_blocks, max_num_batched_tokens: budget, max_model_len: 256, vocab_size: 1000, ..EngineConfig::default() }
+    EngineConfig {
+        shape: SMALL,
+        num_blocks,
+        max_num_batched_tokens: budget,
+        max_model_len: 256,
+        vocab_size: 1000,
+        ..EngineConfig::default()
+    }
 }
 
 pub(crate) fn start(config: EngineConfig, connector: Option<ports::Connector>) -> EngineHandle {
@@ -30,7 +38,8 @@ pub(crate) async fn run(handle: &EngineHandle, req: EngineRequest) -> (Vec<u32>,
     let mut stream = handle.add_request(req).await.expect("accepted");
     let mut tokens = Vec::new();
     loop {
-        let out = tokio::time::timeout(DEADLINE, stream.next_output()).await.expect("output in time").expect("not stopped");
+        let out =
+            tokio::time::timeout(DEADLINE, stream.next_output()).await.expect("output in time").expect("not stopped");
         tokens.extend(out.new_token_ids);
         if let Some(status) = out.finish {
             return (tokens, status, out.error);
@@ -47,7 +56,11 @@ pub(crate) async fn wait_stats(handle: &EngineHandle, want: BlockStats) {
     let deadline = tokio::time::Instant::now() + DEADLINE;
     let blocks = |s: BlockStats| (s.total, s.free, s.requests);
     while blocks(handle.block_stats()) != blocks(want) {
-        assert!(tokio::time::Instant::now() < deadline, "block stats {:?} never reached {want:?}", handle.block_stats());
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "block stats {:?} never reached {want:?}",
+            handle.block_stats()
+        );
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
 }
@@ -127,10 +140,12 @@ async fn bad_requests_get_typed_errors() {
     assert!(matches!(err(request("l", prompt(250), 10)).await, EngineError::TooLong { .. }));
     assert!(matches!(err(request("b", prompt(40), 4)).await, EngineError::TooManyBlocks { .. }));
     let mut d = request("d", prompt(4), 4);
-    d.kv_transfer_params = Some(pdflow_messages::kv_transfer_params::KvTransferParams::for_decode("x", "http://b", "e"));
+    d.kv_transfer_params =
+        Some(pdflow_messages::kv_transfer_params::KvTransferParams::for_decode("x", "http://b", "e"));
     assert!(matches!(err(d).await, EngineError::NoConnector { .. }));
     let mut bad = request("bad", prompt(4), 4);
-    bad.kv_transfer_params = Some(pdflow_messages::kv_transfer_params::KvTransferParams { do_remote_decode: true, ..Default::default() });
+    bad.kv_transfer_params =
+        Some(pdflow_messages::kv_transfer_params::KvTransferParams { do_remote_decode: true, ..Default::default() });
     assert!(matches!(err(bad).await, EngineError::InvalidKvTransferParams(_)));
 }
 
@@ -159,7 +174,8 @@ async fn http(addr: &str, method: &str, path: &str, body: &str) -> (u16, String,
     let raw = String::from_utf8_lossy(&raw).to_string();
     let (head, rest) = raw.split_once("\r\n\r\n").expect("http response");
     let status = head.split_whitespace().nth(1).and_then(|s| s.parse().ok()).expect("status");
-    let body = if head.to_ascii_lowercase().contains("transfer-encoding: chunked") { dechunk(rest) } else { rest.to_owned() };
+    let body =
+        if head.to_ascii_lowercase().contains("transfer-encoding: chunked") { dechunk(rest) } else { rest.to_owned() };
     (status, head.to_owned(), body)
 }
 
@@ -183,7 +199,9 @@ async fn http_completions_json_stream_and_chat() {
     assert_eq!(http(&addr, "GET", "/health", "").await.0, 200);
     let (s, _, models) = http(&addr, "GET", "/v1/models", "").await;
     assert!(s == 200 && models.contains("Qwen/Qwen3-8B"));
-    let (s, _, body) = http(&addr, "POST", "/v1/completions", r#"{"model":"Qwen/Qwen3-8B","prompt":"w1 w2 hello w3","max_tokens":5}"#).await;
+    let (s, _, body) =
+        http(&addr, "POST", "/v1/completions", r#"{"model":"Qwen/Qwen3-8B","prompt":"w1 w2 hello w3","max_tokens":5}"#)
+            .await;
     assert_eq!(s, 200, "{body}");
     let v: serde_json::Value = serde_json::from_str(&body).expect("json");
     assert_eq!(v["object"], "text_completion");
@@ -195,7 +213,8 @@ async fn http_completions_json_stream_and_chat() {
     let text = v["choices"][0]["text"].as_str().expect("text").to_owned();
     assert_eq!(model::Tokenizer { vocab_size: 1000 }.encode(&text), ids);
 
-    let (s, head, sse) = http(&addr, "POST", "/v1/completions", r#"{"prompt":"w1 w2 hello w3","max_tokens":5,"stream":true}"#).await;
+    let (s, head, sse) =
+        http(&addr, "POST", "/v1/completions", r#"{"prompt":"w1 w2 hello w3","max_tokens":5,"stream":true}"#).await;
     assert_eq!(s, 200);
     assert!(head.to_ascii_lowercase().contains("text/event-stream"));
     let events: Vec<&str> = sse.split("\n\n").filter(|e| !e.is_empty()).collect();
@@ -216,8 +235,19 @@ async fn http_completions_json_stream_and_chat() {
     assert_eq!(c["object"], "chat.completion");
     assert_eq!(c["choices"][0]["message"]["role"], "assistant");
     assert_eq!(serde_json::from_value::<Vec<u32>>(c["choices"][0]["token_ids"].clone()).expect("ids"), ids);
-    let (s, _, chunks) = http(&addr, "POST", "/v1/chat/completions", r#"{"messages":[{"role":"user","content":"w1"}],"max_tokens":3,"stream":true}"#).await;
-    assert!(s == 200 && chunks.contains("chat.completion.chunk") && chunks.contains("\"delta\"") && chunks.ends_with("data: [DONE]\n\n"));
+    let (s, _, chunks) = http(
+        &addr,
+        "POST",
+        "/v1/chat/completions",
+        r#"{"messages":[{"role":"user","content":"w1"}],"max_tokens":3,"stream":true}"#,
+    )
+    .await;
+    assert!(
+        s == 200
+            && chunks.contains("chat.completion.chunk")
+            && chunks.contains("\"delta\"")
+            && chunks.ends_with("data: [DONE]\n\n")
+    );
 
     let (s, _, blocks) = http(&addr, "GET", "/pdflow/blocks", "").await;
     assert_eq!(s, 200);

@@ -32,12 +32,18 @@ struct SchedState {
 struct TestScheduler(Mutex<SchedState>);
 
 impl SchedulerConnectorPort for TestScheduler {
-    fn get_num_new_matched_tokens(&self, msg: GetNumNewMatchedTokens) -> BoxFuture<'_, Result<MatchedTokens, ConnectorError>> {
+    fn get_num_new_matched_tokens(
+        &self,
+        msg: GetNumNewMatchedTokens,
+    ) -> BoxFuture<'_, Result<MatchedTokens, ConnectorError>> {
         let p = msg.request.kv_transfer_params.unwrap_or_default();
         let count = if p.do_remote_prefill { msg.request.prompt_len - msg.num_computed_tokens } else { 0 };
         Box::pin(async move { Ok(MatchedTokens { count, load_async: count > 0 }) })
     }
-    fn update_state_after_alloc(&self, msg: UpdateStateAfterAlloc) -> BoxFuture<'_, Result<Option<KvTransferParams>, ConnectorError>> {
+    fn update_state_after_alloc(
+        &self,
+        msg: UpdateStateAfterAlloc,
+    ) -> BoxFuture<'_, Result<Option<KvTransferParams>, ConnectorError>> {
         let mut st = self.0.lock().expect("lock");
         st.allocs.push((msg.request.request_id.clone(), msg.num_external_tokens, msg.block_ids.len()));
         let mut p = msg.request.kv_transfer_params.clone().unwrap_or_default();
@@ -56,7 +62,8 @@ impl SchedulerConnectorPort for TestScheduler {
             Some(p)
         } else {
             if p.do_remote_decode {
-                st.reqs_need_send.insert(msg.request.request_id, (p.transfer_id.clone().unwrap_or_default(), Vec::new()));
+                st.reqs_need_send
+                    .insert(msg.request.request_id, (p.transfer_id.clone().unwrap_or_default(), Vec::new()));
             }
             None
         };
@@ -79,7 +86,10 @@ impl SchedulerConnectorPort for TestScheduler {
         let p = msg.request.kv_transfer_params.clone().unwrap_or_default();
         let tid = p.transfer_id.clone().unwrap_or_default();
         let mut delay = false;
-        if p.do_remote_prefill || (msg.status == FinishStatus::Aborted && msg.request.kv_transfer_params.as_ref().is_some_and(|p| p.remote_engine_id.is_some())) {
+        if p.do_remote_prefill
+            || (msg.status == FinishStatus::Aborted
+                && msg.request.kv_transfer_params.as_ref().is_some_and(|p| p.remote_engine_id.is_some()))
+        {
             st.reqs_to_abort.insert(msg.request.request_id.clone());
         } else if p.do_remote_decode {
             if msg.status != FinishStatus::LengthCapped {
@@ -137,7 +147,11 @@ struct Side {
 fn side(config: EngineConfig) -> Side {
     let (tx, metas) = mpsc::unbounded_channel();
     let sched = Arc::new(TestScheduler::default());
-    let worker = Arc::new(TestWorker { metas: tx, pending: Mutex::new(ConnectorOutput::default()), events: Arc::new(Notify::new()) });
+    let worker = Arc::new(TestWorker {
+        metas: tx,
+        pending: Mutex::new(ConnectorOutput::default()),
+        events: Arc::new(Notify::new()),
+    });
     let connector = Connector { scheduler: sched.clone(), worker: worker.clone() };
     Side { engine: start(config, Some(connector)), sched, worker, metas }
 }
@@ -146,7 +160,10 @@ impl Side {
     /// The first metadata `pick` accepts (bounded wait).
     async fn meta<T>(&mut self, mut pick: impl FnMut(&ConnectorMetadata) -> Option<T>) -> T {
         loop {
-            let meta = tokio::time::timeout(DEADLINE, self.metas.recv()).await.expect("metadata in time").expect("engine alive");
+            let meta = tokio::time::timeout(DEADLINE, self.metas.recv())
+                .await
+                .expect("metadata in time")
+                .expect("engine alive");
             if let Some(t) = pick(&meta) {
                 return t;
             }
@@ -174,7 +191,10 @@ fn copy_blocks(src: &KvCache, src_blocks: &[BlockId], dst: &KvCache, dst_blocks:
 }
 
 fn p_request(id: &str, prompt: Vec<u32>) -> EngineRequest {
-    EngineRequest { kv_transfer_params: Some(KvTransferParams::for_prefill(format!("xfer-{id}"))), ..request(id, prompt, 1) }
+    EngineRequest {
+        kv_transfer_params: Some(KvTransferParams::for_prefill(format!("xfer-{id}"))),
+        ..request(id, prompt, 1)
+    }
 }
 
 fn d_request(id: &str, prompt: Vec<u32>, max_tokens: usize, p_engine: &str) -> EngineRequest {
@@ -184,15 +204,24 @@ fn d_request(id: &str, prompt: Vec<u32>, max_tokens: usize, p_engine: &str) -> E
 
 /// The seed's flow at small scale: P prefill + delayed free, transfer, D resume at prompt − 1.
 async fn p_then_d_equals_single_engine(shape: KvShape, prompt_len: u32, max_tokens: usize, p_budget: usize) {
-    let config = |budget| EngineConfig { shape, num_blocks: 12, max_num_batched_tokens: budget, max_model_len: 256, vocab_size: 1000, ..EngineConfig::default() };
+    let config = |budget| EngineConfig {
+        shape,
+        num_blocks: 12,
+        max_num_batched_tokens: budget,
+        max_model_len: 256,
+        vocab_size: 1000,
+        ..EngineConfig::default()
+    };
     let single = start(config(8192), None);
     let (want, _, _) = run(&single, request("ref", prompt(prompt_len), max_tokens)).await;
     let mut p = side(config(p_budget));
     let mut d = side(config(8192));
     let p_id = p.engine.config().engine_id.clone();
-    let mut d_stream = d.engine.add_request(d_request("r1", prompt(prompt_len), max_tokens, &p_id)).await.expect("accepted");
+    let mut d_stream =
+        d.engine.add_request(d_request("r1", prompt(prompt_len), max_tokens, &p_id)).await.expect("accepted");
     // Steps 17–18: D waits for remote KV, its pull names its blocks.
-    let d_blocks = d.meta(|m| m.reqs_to_recv.get(&p_id).and_then(|r| r.get("r1")).map(|pull| pull.local_block_ids.clone())).await;
+    let d_blocks =
+        d.meta(|m| m.reqs_to_recv.get(&p_id).and_then(|r| r.get("r1")).map(|pull| pull.local_block_ids.clone())).await;
     assert_eq!(d_blocks.len(), shape.blocks_for(prompt_len as usize));
     // Steps 11–15, 23–24: P prefills (chunked or not) and finishes length-capped with one token.
     let (p_tokens, p_status, _) = run(&p.engine, p_request("r1", prompt(prompt_len))).await;
@@ -250,7 +279,10 @@ async fn failed_recv_recomputes_or_fails_by_policy() {
         let handle = d.engine.clone();
         let task = tokio::spawn(async move { run(&handle, d_request("r", prompt(13), 5, "p-engine")).await });
         d.meta(|m| (!m.reqs_to_recv.is_empty()).then_some(())).await;
-        d.worker.report(ConnectorOutput { failed_recving: [("r".to_owned(), "peer gone".to_owned())].into(), ..Default::default() });
+        d.worker.report(ConnectorOutput {
+            failed_recving: [("r".to_owned(), "peer gone".to_owned())].into(),
+            ..Default::default()
+        });
         let (tokens, status, error) = tokio::time::timeout(DEADLINE, task).await.expect("in time").expect("joined");
         match policy {
             LoadFailurePolicy::Recompute => assert_eq!((tokens, status), (want.clone(), FinishStatus::LengthCapped)),
@@ -315,7 +347,10 @@ async fn http_kv_load_failure_with_policy_fail_is_a_500() {
         String::from_utf8_lossy(&raw).to_string()
     });
     let d_req = d.meta(|m| m.reqs_to_recv.get("p-engine").and_then(|r| r.keys().next().cloned())).await;
-    d.worker.report(ConnectorOutput { failed_recving: [(d_req, "transfer timed out".to_owned())].into(), ..Default::default() });
+    d.worker.report(ConnectorOutput {
+        failed_recving: [(d_req, "transfer timed out".to_owned())].into(),
+        ..Default::default()
+    });
     let raw = tokio::time::timeout(DEADLINE, client).await.expect("in time").expect("joined");
     assert!(raw.starts_with("HTTP/1.1 500"), "{raw}");
     assert!(raw.contains("transfer timed out") && raw.contains("\"code\":500"));
@@ -329,7 +364,11 @@ async fn a_load_nobody_reports_ends_at_the_kv_state_deadline_by_policy() {
     let (want, _, _) = run(&single, request("ref", prompt(13), 5)).await;
     let timeout = std::time::Duration::from_millis(300);
     for policy in [LoadFailurePolicy::Recompute, LoadFailurePolicy::Fail] {
-        let mut d = side(EngineConfig { kv_load_failure_policy: policy, kv_state_timeout: Some(timeout), ..small_config(32, 8192) });
+        let mut d = side(EngineConfig {
+            kv_load_failure_policy: policy,
+            kv_state_timeout: Some(timeout),
+            ..small_config(32, 8192)
+        });
         let handle = d.engine.clone();
         let started = std::time::Instant::now();
         let task = tokio::spawn(async move { run(&handle, d_request("r", prompt(13), 5, "p-engine")).await });
@@ -341,7 +380,10 @@ async fn a_load_nobody_reports_ends_at_the_kv_state_deadline_by_policy() {
             LoadFailurePolicy::Fail => {
                 assert_eq!(status, FinishStatus::Error);
                 let error = error.unwrap_or_default();
-                assert!(error.contains("state `waiting_for_remote_kvs` past its kv_state_timeout"), "the error names the state and the deadline: {error}");
+                assert!(
+                    error.contains("state `waiting_for_remote_kvs` past its kv_state_timeout"),
+                    "the error names the state and the deadline: {error}"
+                );
             }
         }
         wait_stats(&d.engine, d.baseline()).await;

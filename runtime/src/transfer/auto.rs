@@ -43,7 +43,13 @@ impl AutoTransferEngine {
     pub fn new(local: RegionTable, config: TcpConfig) -> Self {
         let threads = std::thread::available_parallelism().map_or(1, usize::from).min(4);
         let mode = config.same_host;
-        Self { tcp: TcpTransferEngine::new(local.clone(), config), local, mode, threads, routes: Mutex::new(HashMap::new()) }
+        Self {
+            tcp: TcpTransferEngine::new(local.clone(), config),
+            local,
+            mode,
+            threads,
+            routes: Mutex::new(HashMap::new()),
+        }
     }
 
     /// The tcp engine used as the fallback.
@@ -84,7 +90,8 @@ impl AutoTransferEngine {
 
     /// Asks the peer for its details and checks them; `Err(reason)` means tcp.
     async fn probe(&self, peer: &str) -> Result<SameHostPeer, String> {
-        let info = self.tcp.host_info(peer).await.map_err(|e| format!("the data server gave no same-host details: {e}"))?;
+        let info =
+            self.tcp.host_info(peer).await.map_err(|e| format!("the data server gave no same-host details: {e}"))?;
         if !info.offered {
             return Err("the data server does not offer it".into());
         }
@@ -92,7 +99,8 @@ impl AutoTransferEngine {
             return Err(format!("different host ({} here, {} there)", same_host::host_identity(), info.host_id));
         }
         let pid = i32::try_from(info.pid).map_err(|_| format!("pid {} out of range", info.pid))?;
-        let regions = info.regions.iter().map(|&(base_addr, len, block_len)| RegionDesc { base_addr, len, block_len }).collect();
+        let regions =
+            info.regions.iter().map(|&(base_addr, len, block_len)| RegionDesc { base_addr, len, block_len }).collect();
         let candidate = SameHostPeer { pid, canary_addr: info.canary_addr, canary: info.canary, regions };
         match same_host::verify_canary(&candidate) {
             Ok(true) => Ok(candidate),
@@ -135,15 +143,18 @@ impl AutoTransferEngine {
         }
         match same_host::write(&p, &self.local, &descriptors, self.threads, now + timeout).await {
             Ok(bytes) => Ok(TransferStats { bytes, descriptors: plan.descriptors.len(), duration: started.elapsed() }),
-            Err(SameHostError::OutOfRegion(e)) => {
-                Err(TransferError::Refused { peer: peer.to_string(), reason: format!("{e}; nothing of the plan was written") })
-            }
+            Err(SameHostError::OutOfRegion(e)) => Err(TransferError::Refused {
+                peer: peer.to_string(),
+                reason: format!("{e}; nothing of the plan was written"),
+            }),
             Err(e @ SameHostError::Unavailable { .. }) if self.mode == SameHostMode::Auto => {
                 tracing::warn!(%peer, "{e}");
                 self.set_route(peer, Route::Tcp);
                 self.tcp.write(peer, plan).await
             }
-            Err(SameHostError::DeadlinePassed { .. }) => Err(TransferError::Timeout { peer: peer.to_string(), deadline: timeout }),
+            Err(SameHostError::DeadlinePassed { .. }) => {
+                Err(TransferError::Timeout { peer: peer.to_string(), deadline: timeout })
+            }
             Err(e) => Err(TransferError::SameHostUnavailable { peer: peer.to_string(), reason: e.to_string() }),
         }
     }
@@ -171,7 +182,11 @@ impl TransferEngine for AutoTransferEngine {
         })
     }
 
-    fn write<'a>(&'a self, peer: &'a str, plan: &'a TransferPlan) -> BoxFuture<'a, Result<TransferStats, TransferError>> {
+    fn write<'a>(
+        &'a self,
+        peer: &'a str,
+        plan: &'a TransferPlan,
+    ) -> BoxFuture<'a, Result<TransferStats, TransferError>> {
         Box::pin(self.write_plan(peer, plan))
     }
 }

@@ -10,12 +10,12 @@
 //!   it and the kernel allows it, tcp otherwise; [`TransferEngine::backend_for`] tells which.
 
 mod auto;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod fence;
 mod gpu_path;
 pub mod same_host;
 pub mod tcp;
-#[cfg(feature = "cuda")]
-pub mod cuda;
 
 pub use auto::AutoTransferEngine;
 pub use gpu_path::GpuPath;
@@ -77,5 +77,9 @@ pub trait TransferEngine: Send + Sync + 'static {
     /// Writes every descriptor of `plan` (src: this worker's memory, dst: the peer's) to the peer
     /// whose data server listens at `peer` (`host:port`). Returns once every byte is in the
     /// peer's memory (the peer acknowledged), or with an error.
-    fn write<'a>(&'a self, peer: &'a str, plan: &'a TransferPlan) -> BoxFuture<'a, Result<TransferStats, TransferError>>;
+    fn write<'a>(
+        &'a self,
+        peer: &'a str,
+        plan: &'a TransferPlan,
+    ) -> BoxFuture<'a, Result<TransferStats, TransferError>>;
 }

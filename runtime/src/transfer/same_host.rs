@@ -117,7 +117,10 @@ pub fn verify_canary(peer: &SameHostPeer) -> Result<bool, SameHostError> {
 /// Checks every destination range against the peer's regions; nothing may be written otherwise.
 pub fn check_destinations(regions: &[RegionDesc], descriptors: &[Descriptor]) -> Result<(), SameHostError> {
     for d in descriptors {
-        let inside = d.dst.checked_add(d.len).is_some_and(|end| regions.iter().any(|r| d.dst >= r.base_addr && end <= r.base_addr + r.len));
+        let inside = d
+            .dst
+            .checked_add(d.len)
+            .is_some_and(|end| regions.iter().any(|r| d.dst >= r.base_addr && end <= r.base_addr + r.len));
         if !inside {
             return Err(SameHostError::OutOfRegion(RegionError::OutOfRegion { addr: d.dst, len: d.len }));
         }
@@ -182,7 +185,11 @@ pub async fn write(
             }
         };
         let Some(done) = done else { break };
-        let result = done.map_err(|e| SameHostError::Failed { pid: peer.pid, done: written, source: std::io::Error::other(e.to_string()) });
+        let result = done.map_err(|e| SameHostError::Failed {
+            pid: peer.pid,
+            done: written,
+            source: std::io::Error::other(e.to_string()),
+        });
         match result.and_then(|r| r) {
             Ok(n) => written += n,
             Err(SameHostError::Cancelled) => {}
@@ -227,12 +234,25 @@ fn write_blocking(pid: i32, descriptors: &[Descriptor], cancel: &AtomicBool) -> 
         // SAFETY: the local iovecs lie inside P's registered regions (checked by the caller; the
         // memory is kept alive by the caller's region table); the remote ones are dereferenced by
         // the kernel only, inside D's address space, and were checked against D's regions.
-        let n = unsafe { libc::process_vm_writev(pid, local.as_ptr(), local.len() as libc::c_ulong, remote.as_ptr(), remote.len() as libc::c_ulong, 0) };
+        let n = unsafe {
+            libc::process_vm_writev(
+                pid,
+                local.as_ptr(),
+                local.len() as libc::c_ulong,
+                remote.as_ptr(),
+                remote.len() as libc::c_ulong,
+                0,
+            )
+        };
         if n < 0 {
             return Err(classify(pid, done, std::io::Error::last_os_error()));
         }
         if n == 0 {
-            return Err(SameHostError::Failed { pid, done, source: std::io::Error::new(std::io::ErrorKind::WriteZero, "no byte written") });
+            return Err(SameHostError::Failed {
+                pid,
+                done,
+                source: std::io::Error::new(std::io::ErrorKind::WriteZero, "no byte written"),
+            });
         }
         // Advance by what was written (a short count resumes inside a descriptor).
         let mut left = n as u64;

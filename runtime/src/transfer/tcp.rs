@@ -19,9 +19,9 @@ mod engine;
 mod server;
 pub mod wire;
 
-pub(crate) use engine::split_by_bytes;
 #[cfg(feature = "cuda")]
 pub(crate) use connection::constant_time_eq;
+pub(crate) use engine::split_by_bytes;
 #[cfg(any(feature = "cuda", test))]
 pub(crate) use engine::still_open;
 pub use engine::{FenceHold, TcpConfig, TcpTransferEngine};
@@ -30,6 +30,7 @@ pub use server::{DataServerError, DataServerOptions, TcpDataServer, DEFAULT_MAX_
 /// Socket buffer size asked of the OS on both ends (it may grant less).
 const SOCKET_BUFFER_BYTES: u32 = 4 << 20;
 
-#[cfg(test)] mod fuzz_tests;
+#[cfg(test)]
+mod fuzz_tests;
 #[cfg(test)]
 mod tests;

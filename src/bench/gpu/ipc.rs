@@ -18,9 +18,9 @@
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, Context as _};
 use super::{bench_plans, sweep_launch_shape, time_runs, NUM_BLOCKS};
 use crate::bench::report::{self, Row};
+use anyhow::{bail, Context as _};
 use pdflow_runtime::memory::KvShape;
 use pdflow_runtime::planner::{Descriptor, TransferPlan};
 use pdflow_runtime::transfer::cuda::ipc::{CudaIpcWriter, ImportedKv, IpcError};
@@ -85,7 +85,10 @@ pub(super) fn run(runs: usize) -> anyhow::Result<(Vec<Row>, bool)> {
     let last = d_regions[d_regions.len() - 1];
     bad.descriptors.push(Descriptor { src: p_mem.ptr, dst: last.base_addr + last.len - 4096, len: 65536 });
     let refused = matches!(writer.prepare(&peer, &bad), Err(IpcError::DestinationOutOfRegion { index: 36, .. }));
-    println!("region check: a plan with one out-of-region destination is refused before launch: {}", if refused { "OK" } else { "NOT REFUSED" });
+    println!(
+        "region check: a plan with one out-of-region destination is refused before launch: {}",
+        if refused { "OK" } else { "NOT REFUSED" }
+    );
     all_ok &= refused;
 
     // The kernel's launch shape: a short sweep on the seed and uncoalesced plans, best kept.
@@ -102,7 +105,9 @@ pub(super) fn run(runs: usize) -> anyhow::Result<(Vec<Row>, bool)> {
     println!("kernel launch shape kept: {} threads, {} blocks/SM", best.0, best.1);
     let writer = writer;
 
-    let zero_checksum = |plan: &TransferPlan| plan.descriptors.iter().fold(cuda::CHECKSUM_BASIS, |h, d| cuda::checksum_words(h, &vec![0u8; d.len as usize]));
+    let zero_checksum = |plan: &TransferPlan| {
+        plan.descriptors.iter().fold(cuda::CHECKSUM_BASIS, |h, d| cuda::checksum_words(h, &vec![0u8; d.len as usize]))
+    };
     // D zeroes its regions, `go` writes, D checks the destination blocks against P's source blocks.
     let mut verify = |name: &str, plan: &TransferPlan, go: &dyn Fn() -> anyhow::Result<()>| -> anyhow::Result<()> {
         d.zero()?;
@@ -123,18 +128,35 @@ pub(super) fn run(runs: usize) -> anyhow::Result<(Vec<Row>, bool)> {
         let t = Instant::now();
         let prep = writer.prepare(&peer, plan)?;
         let prep_ms = t.elapsed().as_secs_f64() * 1e3;
-        println!("{plan_name}: {} descriptors, {bytes} bytes, checks + translation + upload {prep_ms:.2} ms", plan.descriptors.len());
+        println!(
+            "{plan_name}: {} descriptors, {bytes} bytes, checks + translation + upload {prep_ms:.2} ms",
+            plan.descriptors.len()
+        );
 
         verify(&format!("{plan_name} ipc kernel"), plan, &|| Ok(writer.launch(&prep)?))?;
         let s = time_runs(runs, || Ok(cuda::time_ms(&stream0, || writer.launch(&prep))?))?;
-        rows.push(report::row("ipc kernel push (1 launch), P/D processes", Some("cuda-ipc"), Some(plan_name), None, Some(bytes), &s));
+        rows.push(report::row(
+            "ipc kernel push (1 launch), P/D processes",
+            Some("cuda-ipc"),
+            Some(plan_name),
+            None,
+            Some(bytes),
+            &s,
+        ));
         let s = time_runs(runs, || {
             let t = Instant::now();
             writer.launch(&prep)?;
             writer.wait_complete()?;
             Ok(t.elapsed().as_secs_f64() * 1e3)
         })?;
-        rows.push(report::row("ipc launch + completion wait (host clock)", Some("cuda-ipc"), Some(plan_name), None, Some(bytes), &s));
+        rows.push(report::row(
+            "ipc launch + completion wait (host clock)",
+            Some("cuda-ipc"),
+            Some(plan_name),
+            None,
+            Some(bytes),
+            &s,
+        ));
         // What a serving write costs P: checks, translation, the descriptor upload (into the
         // table the previous write left), the launch and the wait.
         let s = time_runs(runs, || {
@@ -142,7 +164,14 @@ pub(super) fn run(runs: usize) -> anyhow::Result<(Vec<Row>, bool)> {
             writer.write(&peer, plan)?;
             Ok(t.elapsed().as_secs_f64() * 1e3)
         })?;
-        rows.push(report::row("ipc whole write: checks + upload + launch + wait", Some("cuda-ipc"), Some(plan_name), None, Some(bytes), &s));
+        rows.push(report::row(
+            "ipc whole write: checks + upload + launch + wait",
+            Some("cuda-ipc"),
+            Some(plan_name),
+            None,
+            Some(bytes),
+            &s,
+        ));
 
         // The same write through the serving engine: D's fence held around it.
         verify(&format!("{plan_name} serving write"), plan, &|| serving.write(plan))?;
@@ -151,12 +180,29 @@ pub(super) fn run(runs: usize) -> anyhow::Result<(Vec<Row>, bool)> {
             serving.write(plan)?;
             Ok(t.elapsed().as_secs_f64() * 1e3)
         })?;
-        rows.push(report::row("serving write (GpuTransferEngine): fence hold + whole write + release", Some("cuda-ipc"), Some(plan_name), None, Some(bytes), &s));
+        rows.push(report::row(
+            "serving write (GpuTransferEngine): fence hold + whole write + release",
+            Some("cuda-ipc"),
+            Some(plan_name),
+            None,
+            Some(bytes),
+            &s,
+        ));
 
         let translated = peer.map().translate_plan(&p_regions, plan)?;
-        verify(&format!("{plan_name} copy per descriptor"), plan, &|| Ok(cuda::copy_per_descriptor_uva(&stream0, &translated)?))?;
-        let s = time_runs(runs, || Ok(cuda::time_ms(&stream0, || cuda::copy_per_descriptor_uva(&stream0, &translated))?))?;
-        rows.push(report::row("driver copy per descriptor, via IPC", Some("cuda-ipc"), Some(plan_name), None, Some(bytes), &s));
+        verify(&format!("{plan_name} copy per descriptor"), plan, &|| {
+            Ok(cuda::copy_per_descriptor_uva(&stream0, &translated)?)
+        })?;
+        let s =
+            time_runs(runs, || Ok(cuda::time_ms(&stream0, || cuda::copy_per_descriptor_uva(&stream0, &translated))?))?;
+        rows.push(report::row(
+            "driver copy per descriptor, via IPC",
+            Some("cuda-ipc"),
+            Some(plan_name),
+            None,
+            Some(bytes),
+            &s,
+        ));
     }
 
     // Ceilings: one copy of the seed's bytes into D's memory through the IPC mapping, and one
@@ -170,32 +216,66 @@ pub(super) fn run(runs: usize) -> anyhow::Result<(Vec<Row>, bool)> {
     let region_len = d_regions[0].len;
     let whole = TransferPlan {
         descriptors: (0..bytes.div_ceil(region_len))
-            .map(|i| Descriptor { src: p_mem.ptr + i * region_len, dst: d_regions[0].base_addr + i * region_len, len: region_len.min(bytes - i * region_len) })
+            .map(|i| Descriptor {
+                src: p_mem.ptr + i * region_len,
+                dst: d_regions[0].base_addr + i * region_len,
+                len: region_len.min(bytes - i * region_len),
+            })
             .collect(),
         fence: 0,
         cut_after: None,
         write_by: None,
     };
     let dst_local = peer.map().translate(d_regions[0].base_addr, 1)?;
-    let one_copy = TransferPlan { descriptors: vec![Descriptor { src: p_mem.ptr, dst: dst_local, len: bytes }], fence: 0, cut_after: None, write_by: None };
+    let one_copy = TransferPlan {
+        descriptors: vec![Descriptor { src: p_mem.ptr, dst: dst_local, len: bytes }],
+        fence: 0,
+        cut_after: None,
+        write_by: None,
+    };
     verify("single copy via IPC", &whole, &|| Ok(cuda::copy_per_descriptor_uva(&stream0, &one_copy)?))?;
     let s = time_runs(runs, || Ok(cuda::time_ms(&stream0, || cuda::copy_per_descriptor_uva(&stream0, &one_copy))?))?;
-    rows.push(report::row("single copy via IPC mapping (ceiling)", Some("cuda-ipc"), Some("1 x 148635648"), None, Some(bytes), &s));
+    rows.push(report::row(
+        "single copy via IPC mapping (ceiling)",
+        Some("cuda-ipc"),
+        Some("1 x 148635648"),
+        None,
+        Some(bytes),
+        &s,
+    ));
     let prep_whole = writer.prepare(&peer, &whole)?;
     verify("ipc kernel, contiguous ranges", &whole, &|| Ok(writer.launch(&prep_whole)?))?;
     let s = time_runs(runs, || Ok(cuda::time_ms(&stream0, || writer.launch(&prep_whole))?))?;
-    rows.push(report::row("ipc kernel push, contiguous ranges", Some("cuda-ipc"), Some("3 ranges, 148635648"), None, Some(bytes), &s));
+    rows.push(report::row(
+        "ipc kernel push, contiguous ranges",
+        Some("cuda-ipc"),
+        Some("3 ranges, 148635648"),
+        None,
+        Some(bytes),
+        &s,
+    ));
     if gpus >= 2 {
         let ctx1 = CudaContext::new(1)?;
         cuda::enable_peer_access(&ctx0, &ctx1)?;
         let local_d = DeviceBuffer::new(&ctx1, bytes as usize)?;
         cuda::copy_peer(&stream0, &ctx0, p_mem.ptr, &ctx1, local_d.ptr, bytes)?;
         writer.wait_complete()?;
-        let s = time_runs(runs, || Ok(cuda::time_ms(&stream0, || cuda::copy_peer(&stream0, &ctx0, p_mem.ptr, &ctx1, local_d.ptr, bytes))?))?;
-        rows.push(report::row("single peer copy in-process (ceiling)", Some("cuda"), Some("1 x 148635648"), None, Some(bytes), &s));
+        let s = time_runs(runs, || {
+            Ok(cuda::time_ms(&stream0, || cuda::copy_peer(&stream0, &ctx0, p_mem.ptr, &ctx1, local_d.ptr, bytes))?)
+        })?;
+        rows.push(report::row(
+            "single peer copy in-process (ceiling)",
+            Some("cuda"),
+            Some("1 x 148635648"),
+            None,
+            Some(bytes),
+            &s,
+        ));
     }
 
-    let med = |name: &str, plan: &str| rows.iter().find(|r| r.name == name && r.plan.as_deref() == Some(plan)).and_then(|r| r.median_ms);
+    let med = |name: &str, plan: &str| {
+        rows.iter().find(|r| r.name == name && r.plan.as_deref() == Some(plan)).and_then(|r| r.median_ms)
+    };
     let kernel = "ipc kernel push (1 launch), P/D processes";
     for ceiling in ["single copy via IPC mapping (ceiling)", "single peer copy in-process (ceiling)"] {
         if let (Some(c), Some(k)) = (med(ceiling, "1 x 148635648"), med(kernel, "seed 36x4128768")) {
@@ -204,7 +284,10 @@ pub(super) fn run(runs: usize) -> anyhow::Result<(Vec<Row>, bool)> {
     }
     for plan in ["uncoalesced 2268x64KiB", "scattered both sides", "uncoalesced 4536x32KiB"] {
         if let (Some(b), Some(k)) = (med("driver copy per descriptor, via IPC", plan), med(kernel, plan)) {
-            println!("{plan}: one launch {k:.3} ms, {:.1}x faster than one driver copy per descriptor ({b:.3} ms)", b / k);
+            println!(
+                "{plan}: one launch {k:.3} ms, {:.1}x faster than one driver copy per descriptor ({b:.3} ms)",
+                b / k
+            );
         }
     }
     drop(serving);

@@ -11,14 +11,13 @@
 
 use std::time::Instant;
 
-use anyhow::bail;
 use super::{bench_plans, sweep_launch_shape, time_runs, NUM_BLOCKS};
 use crate::bench::report::{self, Row};
+use anyhow::bail;
 use pdflow_messages::layout::RegionDesc;
 use pdflow_runtime::memory::KvShape;
 use pdflow_runtime::planner::{Descriptor, TransferPlan};
 use pdflow_runtime::transfer::cuda::{self, CudaBatchCopy, CudaContext, DeviceBuffer};
-
 
 /// `count` regions laid out back to back from `base`.
 fn regions(base: u64, count: usize, block_len: u64) -> Vec<RegionDesc> {
@@ -27,7 +26,9 @@ fn regions(base: u64, count: usize, block_len: u64) -> Vec<RegionDesc> {
 
 /// `count` regions of `num_blocks` blocks of `block_len` laid out back to back from `base`.
 fn regions_of(base: u64, count: usize, num_blocks: u64, block_len: u64) -> Vec<RegionDesc> {
-    (0..count as u64).map(|i| RegionDesc { base_addr: base + i * num_blocks * block_len, len: num_blocks * block_len, block_len }).collect()
+    (0..count as u64)
+        .map(|i| RegionDesc { base_addr: base + i * num_blocks * block_len, len: num_blocks * block_len, block_len })
+        .collect()
 }
 
 /// Runs this part; returns its rows and whether every byte check passed.
@@ -48,7 +49,8 @@ pub(super) fn run(runs: usize) -> anyhow::Result<(Vec<Row>, bool)> {
     let side_bytes = (shape.num_layers as u64 * NUM_BLOCKS * block_len) as usize;
     let p_mem = DeviceBuffer::new(&ctx0, side_bytes)?;
     let d_mem = DeviceBuffer::new(&ctx1, side_bytes)?;
-    let (p_regions, d_regions) = (regions(p_mem.ptr, shape.num_layers, block_len), regions(d_mem.ptr, shape.num_layers, block_len));
+    let (p_regions, d_regions) =
+        (regions(p_mem.ptr, shape.num_layers, block_len), regions(d_mem.ptr, shape.num_layers, block_len));
 
     let t = Instant::now();
     let push = CudaBatchCopy::new(&ctx0)?;
@@ -95,7 +97,12 @@ pub(super) fn run(runs: usize) -> anyhow::Result<(Vec<Row>, bool)> {
         let t = Instant::now();
         let up_push = push.upload(plan)?;
         let upload_ms = t.elapsed().as_secs_f64() * 1e3;
-        println!("{plan_name}: {} descriptors, {} bytes, {} work items, upload {upload_ms:.2} ms", plan.descriptors.len(), bytes, up_push.chunks);
+        println!(
+            "{plan_name}: {} descriptors, {} bytes, {} work items, upload {upload_ms:.2} ms",
+            plan.descriptors.len(),
+            bytes,
+            up_push.chunks
+        );
 
         verify(&format!("{plan_name} kernel push"), plan, &|| Ok(push.execute(&up_push)?))?;
         let s = time_runs(runs, || Ok(cuda::time_ms(&stream0, || push.launch(&up_push))?))?;
@@ -108,26 +115,51 @@ pub(super) fn run(runs: usize) -> anyhow::Result<(Vec<Row>, bool)> {
             rows.push(report::row("kernel pull (1 launch)", Some("cuda"), Some(plan_name), None, Some(bytes), &s));
         }
 
-        verify(&format!("{plan_name} copy per descriptor"), plan, &|| Ok(cuda::copy_per_descriptor(&stream0, &ctx0, &ctx1, plan)?))?;
-        let s = time_runs(runs, || Ok(cuda::time_ms(&stream0, || cuda::copy_per_descriptor(&stream0, &ctx0, &ctx1, plan))?))?;
+        verify(&format!("{plan_name} copy per descriptor"), plan, &|| {
+            Ok(cuda::copy_per_descriptor(&stream0, &ctx0, &ctx1, plan)?)
+        })?;
+        let s = time_runs(runs, || {
+            Ok(cuda::time_ms(&stream0, || cuda::copy_per_descriptor(&stream0, &ctx0, &ctx1, plan))?)
+        })?;
         rows.push(report::row("driver copy per descriptor", Some("cuda"), Some(plan_name), None, Some(bytes), &s));
     }
 
     // The ceiling: one peer copy of the seed's bytes.
     let bytes = plans[0].1.total_bytes();
-    let whole = TransferPlan { descriptors: vec![Descriptor { src: p_mem.ptr, dst: d_mem.ptr, len: bytes }], fence: 0, cut_after: None, write_by: None };
+    let whole = TransferPlan {
+        descriptors: vec![Descriptor { src: p_mem.ptr, dst: d_mem.ptr, len: bytes }],
+        fence: 0,
+        cut_after: None,
+        write_by: None,
+    };
     verify("single peer copy", &whole, &|| Ok(cuda::copy_peer(&stream0, &ctx0, p_mem.ptr, &ctx1, d_mem.ptr, bytes)?))?;
-    let s = time_runs(runs, || Ok(cuda::time_ms(&stream0, || cuda::copy_peer(&stream0, &ctx0, p_mem.ptr, &ctx1, d_mem.ptr, bytes))?))?;
+    let s = time_runs(runs, || {
+        Ok(cuda::time_ms(&stream0, || cuda::copy_peer(&stream0, &ctx0, p_mem.ptr, &ctx1, d_mem.ptr, bytes))?)
+    })?;
     rows.push(report::row("single peer copy (ceiling)", Some("cuda"), Some("1 x 148635648"), None, Some(bytes), &s));
     let up_whole = push.upload(&whole)?;
     let s = time_runs(runs, || Ok(cuda::time_ms(&stream0, || push.launch(&up_whole))?))?;
-    rows.push(report::row("kernel push, one contiguous range", Some("cuda"), Some("1 x 148635648"), None, Some(bytes), &s));
+    rows.push(report::row(
+        "kernel push, one contiguous range",
+        Some("cuda"),
+        Some("1 x 148635648"),
+        None,
+        Some(bytes),
+        &s,
+    ));
 
-    let med = |name: &str, plan: &str| rows.iter().find(|r| r.name == name && r.plan.as_deref() == Some(plan)).and_then(|r| r.median_ms);
-    if let (Some(c), Some(k)) = (med("single peer copy (ceiling)", "1 x 148635648"), med("kernel push (1 launch)", "seed 36x4128768")) {
+    let med = |name: &str, plan: &str| {
+        rows.iter().find(|r| r.name == name && r.plan.as_deref() == Some(plan)).and_then(|r| r.median_ms)
+    };
+    if let (Some(c), Some(k)) =
+        (med("single peer copy (ceiling)", "1 x 148635648"), med("kernel push (1 launch)", "seed 36x4128768"))
+    {
         println!("seed plan, kernel push: {:.1}% of the single-copy ceiling", 100.0 * c / k);
     }
-    if let (Some(b), Some(k)) = (med("driver copy per descriptor", "uncoalesced 2268x64KiB"), med("kernel push (1 launch)", "uncoalesced 2268x64KiB")) {
+    if let (Some(b), Some(k)) = (
+        med("driver copy per descriptor", "uncoalesced 2268x64KiB"),
+        med("kernel push (1 launch)", "uncoalesced 2268x64KiB"),
+    ) {
         println!("uncoalesced plan: one launch is {:.1}x faster than one driver copy per descriptor", b / k);
     }
     Ok((rows, all_ok))

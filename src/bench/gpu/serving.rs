@@ -39,24 +39,35 @@ pub(super) struct ServingPath {
 impl ServingPath {
     /// `p_regions`: P's bench memory on GPU 0 (alive while this is); `export`: D's.
     pub fn start(p_regions: &[RegionDesc], export: &ExportedKv) -> anyhow::Result<Self> {
-        let rt = tokio::runtime::Handle::try_current().context("the serving-path bench needs the bench's tokio runtime")?;
+        let rt =
+            tokio::runtime::Handle::try_current().context("the serving-path bench needs the bench's tokio runtime")?;
         let raw: Vec<(*mut u8, usize)> = p_regions.iter().map(|r| (r.base_addr as *mut u8, r.len as usize)).collect();
         // SAFETY: the regions lie in the bench's P allocation, which outlives this (the caller
         // holds it); the bench alone touches them.
-        let p_cache = unsafe { KvCache::from_external_cuda(KvShape::QWEN3_8B, NUM_BLOCKS as usize, 0, &raw, Box::new(())) }?;
+        let p_cache =
+            unsafe { KvCache::from_external_cuda(KvShape::QWEN3_8B, NUM_BLOCKS as usize, 0, &raw, Box::new(())) }?;
         let offer = DeviceOffer { host_id: host_identity().to_string(), ipc: Some(export.clone()), staged_port: None };
         let fence = WriteFence::new();
         fence.open(TOKEN);
-        let options = DataServerOptions { device_export: offer.encode()?, fence: Some(fence), ..DataServerOptions::default() };
+        let options =
+            DataServerOptions { device_export: offer.encode()?, fence: Some(fence), ..DataServerOptions::default() };
         // The server's own regions carry no batch here: a small host cache.
-        let host = KvCache::new(KvShape { num_layers: 1, num_kv_heads: 1, head_dim: 8, dtype_bytes: 2, block_size: 1 }, 1);
+        let host =
+            KvCache::new(KvShape { num_layers: 1, num_kv_heads: 1, head_dim: 8, dtype_bytes: 2, block_size: 1 }, 1);
         let server = rt.block_on(TcpDataServer::bind_options("127.0.0.1:0".parse()?, host.region_table(), options))?;
         let peer = server.local_addr().to_string();
         let engine = GpuTransferEngine::new(&p_cache, TcpConfig::default())?;
         let t = Instant::now();
         rt.block_on(engine.prepare(&peer))?;
-        println!("serving path: device question + D's handles opened by GpuTransferEngine in {:.2} ms", t.elapsed().as_secs_f64() * 1e3);
-        anyhow::ensure!(engine.backend_for(&peer) == "cuda-ipc", "the serving engine chose {}, not cuda-ipc", engine.backend_for(&peer));
+        println!(
+            "serving path: device question + D's handles opened by GpuTransferEngine in {:.2} ms",
+            t.elapsed().as_secs_f64() * 1e3
+        );
+        anyhow::ensure!(
+            engine.backend_for(&peer) == "cuda-ipc",
+            "the serving engine chose {}, not cuda-ipc",
+            engine.backend_for(&peer)
+        );
         Ok(Self { rt, engine, server: Some(server), peer, _p_cache: p_cache })
     }
 

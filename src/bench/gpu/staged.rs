@@ -18,9 +18,9 @@ use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::time::{Duration, Instant};
 
-use anyhow::bail;
 use super::{time_runs, NUM_BLOCKS};
 use crate::bench::report::{self, Row};
+use anyhow::bail;
 use pdflow_messages::BlockId;
 use pdflow_runtime::memory::KvShape;
 use pdflow_runtime::planner::{build_plan, Descriptor, TransferPlan};
@@ -122,7 +122,13 @@ pub(super) fn run(runs: usize) -> anyhow::Result<(Vec<Row>, bool)> {
     let lay = PeerLayout { regions: shape.num_layers as u64, blocks: NUM_BLOCKS, block_len: shape.block_len() as u64 };
     let ctx_p = CudaContext::new(0)?;
     let ctx_d = CudaContext::new(if gpus >= 2 { 1 } else { 0 })?;
-    println!("P on GPU 0, D on GPU {}; each {} regions x {} blocks x {} B", ctx_d.ordinal(), lay.regions, lay.blocks, lay.block_len);
+    println!(
+        "P on GPU 0, D on GPU {}; each {} regions x {} blocks x {} B",
+        ctx_d.ordinal(),
+        lay.regions,
+        lay.blocks,
+        lay.block_len
+    );
     let p_mem = DeviceBuffer::new(&ctx_p, lay.bytes() as usize)?;
     let d_mem = DeviceBuffer::new(&ctx_d, lay.bytes() as usize)?;
     CudaBatchCopy::new(&ctx_p)?.fill_pattern(&p_mem, 0x5eed)?;
@@ -140,7 +146,10 @@ pub(super) fn run(runs: usize) -> anyhow::Result<(Vec<Row>, bool)> {
     let mut rows: Vec<Row> = Vec::new();
 
     // The PCIe legs alone: one pinned copy of the seed's bytes each way.
-    for (name, ctx, mem, dtoh) in [("pinned DtoH copy GPU0 (PCIe leg)", &ctx_p, &p_mem, true), ("pinned HtoD copy GPU1 (PCIe leg)", &ctx_d, &d_mem, false)] {
+    for (name, ctx, mem, dtoh) in [
+        ("pinned DtoH copy GPU0 (PCIe leg)", &ctx_p, &p_mem, true),
+        ("pinned HtoD copy GPU1 (PCIe leg)", &ctx_d, &d_mem, false),
+    ] {
         let mut pinned = PinnedBuffer::new(ctx, seed_bytes as usize)?;
         let stream = ctx.new_stream()?;
         let s = time_runs(runs, || {
@@ -163,20 +172,38 @@ pub(super) fn run(runs: usize) -> anyhow::Result<(Vec<Row>, bool)> {
     let chunk = 4 * MIB;
     for &streams in &stream_counts {
         let s = loopback_ceiling(seed_bytes as usize, streams, chunk, runs)?;
-        rows.push(report::row(&format!("loopback TCP host->host ceiling, {streams} stream(s)"), Some("tcp"), Some("148635648 B"), None, Some(seed_bytes), &s));
+        rows.push(report::row(
+            &format!("loopback TCP host->host ceiling, {streams} stream(s)"),
+            Some("tcp"),
+            Some("148635648 B"),
+            None,
+            Some(seed_bytes),
+            &s,
+        ));
     }
 
     let deadline = Duration::from_secs(60);
-    let mut configs: Vec<StagedConfig> = stream_counts.iter().map(|&streams| StagedConfig { chunk_bytes: chunk, depth: 4, streams, deadline, ..StagedConfig::default() }).collect();
+    let mut configs: Vec<StagedConfig> = stream_counts
+        .iter()
+        .map(|&streams| StagedConfig { chunk_bytes: chunk, depth: 4, streams, deadline, ..StagedConfig::default() })
+        .collect();
     configs.push(StagedConfig { chunk_bytes: MIB, depth: 8, streams: 4, deadline, ..StagedConfig::default() });
     configs.push(StagedConfig { chunk_bytes: 16 * MIB, depth: 3, streams: 4, deadline, ..StagedConfig::default() });
-    let zeros = |plan: &TransferPlan| plan.descriptors.iter().fold(cuda::CHECKSUM_BASIS, |h, d| cuda::checksum_words(h, &vec![0u8; d.len as usize]));
-    let expected: Vec<u64> = plans.iter().map(|(_, p)| cuda::plan_checksum(&ctx_p, p, true)).collect::<Result<_, _>>()?;
+    let zeros = |plan: &TransferPlan| {
+        plan.descriptors.iter().fold(cuda::CHECKSUM_BASIS, |h, d| cuda::checksum_words(h, &vec![0u8; d.len as usize]))
+    };
+    let expected: Vec<u64> =
+        plans.iter().map(|(_, p)| cuda::plan_checksum(&ctx_p, p, true)).collect::<Result<_, _>>()?;
     for config in &configs {
         let receiver = StagedReceiver::bind(&ctx_d, d_regions.clone(), "127.0.0.1:0", *config)?;
         let peer = receiver.local_addr().to_string();
         let sender = StagedSender::new(&ctx_p, p_regions.clone(), *config);
-        let label = format!("staged tcp, {} stream(s), {} MiB x {} chunks", config.streams, config.chunk_bytes / MIB, config.depth);
+        let label = format!(
+            "staged tcp, {} stream(s), {} MiB x {} chunks",
+            config.streams,
+            config.chunk_bytes / MIB,
+            config.depth
+        );
         for (i, (plan_name, plan)) in plans.iter().enumerate() {
             // The uncoalesced plan only at the default shape (its cost is per-descriptor copies).
             if i == 1 && !(config.streams == 4 && config.chunk_bytes == chunk) {
@@ -187,11 +214,22 @@ pub(super) fn run(runs: usize) -> anyhow::Result<(Vec<Row>, bool)> {
             sender.write(&peer, plan)?;
             if i == 0 {
                 // The first write connects and pins every connection's staging ring on both sides.
-                rows.push(report::row(&format!("{label}, first write (connects, pins rings)"), Some("cuda-staged"), Some(plan_name), None, Some(plan.total_bytes()), &[cold.elapsed().as_secs_f64() * 1e3]));
+                rows.push(report::row(
+                    &format!("{label}, first write (connects, pins rings)"),
+                    Some("cuda-staged"),
+                    Some(plan_name),
+                    None,
+                    Some(plan.total_bytes()),
+                    &[cold.elapsed().as_secs_f64() * 1e3],
+                ));
             }
             let got = cuda::plan_checksum(&ctx_d, plan, false)?;
             let ok = got == expected[i] && got != zeros(plan);
-            println!("verify {label} {plan_name}: P {:016x} D {got:016x} {}", expected[i], if ok { "OK" } else { "MISMATCH" });
+            println!(
+                "verify {label} {plan_name}: P {:016x} D {got:016x} {}",
+                expected[i],
+                if ok { "OK" } else { "MISMATCH" }
+            );
             all_ok &= ok;
             let s = time_runs(runs, || {
                 let t = Instant::now();
@@ -208,15 +246,27 @@ pub(super) fn run(runs: usize) -> anyhow::Result<(Vec<Row>, bool)> {
             d_mem.fill(0)?;
             let refused = matches!(sender.write(&peer, &bad), Err(StagedError::Refused { .. }));
             let untouched = cuda::plan_checksum(&ctx_d, &plans[0].1, false)? == zeros(&plans[0].1);
-            println!("region check: a plan with one out-of-region destination is refused whole: {}", if refused && untouched { "OK" } else { "FAILED" });
+            println!(
+                "region check: a plan with one out-of-region destination is refused whole: {}",
+                if refused && untouched { "OK" } else { "FAILED" }
+            );
             all_ok &= refused && untouched;
         }
     }
 
-    let med = |name: &str| rows.iter().find(|r| r.name == name && r.plan.as_deref() != Some("uncoalesced 2268x64KiB")).and_then(|r| r.median_ms);
+    let med = |name: &str| {
+        rows.iter()
+            .find(|r| r.name == name && r.plan.as_deref() != Some("uncoalesced 2268x64KiB"))
+            .and_then(|r| r.median_ms)
+    };
     let one = med("loopback TCP host->host ceiling, 1 stream(s)");
     for config in &configs {
-        let label = format!("staged tcp, {} stream(s), {} MiB x {} chunks", config.streams, config.chunk_bytes / MIB, config.depth);
+        let label = format!(
+            "staged tcp, {} stream(s), {} MiB x {} chunks",
+            config.streams,
+            config.chunk_bytes / MIB,
+            config.depth
+        );
         let same = med(&format!("loopback TCP host->host ceiling, {} stream(s)", config.streams));
         if let (Some(k), Some(c), Some(o)) = (med(&label), same, one) {
             let gbps = |ms: f64| seed_bytes as f64 / (ms / 1e3) / 1e9;

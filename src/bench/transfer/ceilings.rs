@@ -48,15 +48,15 @@ pub async fn loopback_tcp_ms(bytes: usize, streams: usize, warmup: usize, runs: 
         let started = Instant::now();
         let moves = pairs.drain(..).map(|(mut tx, mut rx, src, mut dst)| {
             tokio::spawn(async move {
-                let send = tokio::spawn(async move {
-                    tx.write_all(&src).await.map(|_| (tx, src))
-                });
+                let send = tokio::spawn(async move { tx.write_all(&src).await.map(|_| (tx, src)) });
                 rx.read_exact(&mut dst).await?;
                 let (tx, src) = send.await.map_err(std::io::Error::other)??;
                 Ok::<_, std::io::Error>((tx, rx, src, dst))
             })
         });
-        let moved = tokio::time::timeout(RUN_DEADLINE, futures::future::join_all(moves)).await.context("loopback ceiling run timed out")?;
+        let moved = tokio::time::timeout(RUN_DEADLINE, futures::future::join_all(moves))
+            .await
+            .context("loopback ceiling run timed out")?;
         for m in moved {
             pairs.push(m.context("loopback stream task failed")??);
         }

@@ -82,7 +82,14 @@ impl ActorPair {
             fence: None,
         });
         crate::node::started("Receiver", &receiver).await?;
-        Ok(Self { p_engine_id, listener, receiver, d_events, bootstrap_url: bootstrap.url(), next_id: AtomicU64::new(0) })
+        Ok(Self {
+            p_engine_id,
+            listener,
+            receiver,
+            d_events,
+            bootstrap_url: bootstrap.url(),
+            next_id: AtomicU64::new(0),
+        })
     }
 
     /// Moves one request per entry of `d_blocks` (each from `p_blocks`) P→D through the actors;
@@ -111,11 +118,18 @@ impl ActorPair {
 
         let started = Instant::now();
         let deadline = tokio::time::Instant::now() + REQUEST_DEADLINE;
-        let start = StartLoadKv { reqs_to_recv: BTreeMap::from([(self.p_engine_id.clone(), pulls)]), reqs_to_abort: BTreeSet::new() };
+        let start = StartLoadKv {
+            reqs_to_recv: BTreeMap::from([(self.p_engine_id.clone(), pulls)]),
+            reqs_to_abort: BTreeSet::new(),
+        };
         self.receiver.tell(start).await.map_err(|e| anyhow!("Receiver refused StartLoadKv: {e}"))?;
         let mut finished = BTreeSet::new();
         loop {
-            let out = self.receiver.ask(GetFinishedRecving).await.map_err(|e| anyhow!("Receiver refused GetFinishedRecving: {e}"))?;
+            let out = self
+                .receiver
+                .ask(GetFinishedRecving)
+                .await
+                .map_err(|e| anyhow!("Receiver refused GetFinishedRecving: {e}"))?;
             if let Some((req, why)) = out.failed_recving.iter().next() {
                 bail!("D's pull of {req} failed: {why}");
             }

@@ -27,7 +27,11 @@ fn script() -> PathBuf {
 pub async fn rows(runs: usize, warmup: usize) -> Vec<Row> {
     match run(runs, warmup).await {
         Ok(rows) => rows,
-        Err(e) => vec![Row { name: format!("mooncake unavailable: {e:#}"), backend: Some("mooncake-tcp".into()), ..Row::default() }],
+        Err(e) => vec![Row {
+            name: format!("mooncake unavailable: {e:#}"),
+            backend: Some("mooncake-tcp".into()),
+            ..Row::default()
+        }],
     }
 }
 
@@ -55,7 +59,14 @@ async fn run(runs: usize, warmup: usize) -> anyhow::Result<Vec<Row>> {
     let out = std::env::temp_dir().join(format!("pdflow-mooncake-{}.json", std::process::id()));
     let mut cmd = tokio::process::Command::new("python3");
     cmd.arg(&script)
-        .args(["--runs", &runs.to_string(), "--warmup", &warmup.to_string(), "--small-runs", &(runs * 10).max(100).to_string()])
+        .args([
+            "--runs",
+            &runs.to_string(),
+            "--warmup",
+            &warmup.to_string(),
+            "--small-runs",
+            &(runs * 10).max(100).to_string(),
+        ])
         .arg("--json")
         .arg(&out)
         .env("GLOG_minloglevel", "2")

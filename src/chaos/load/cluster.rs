@@ -42,12 +42,19 @@ impl LoadCluster {
     /// Starts `prefills` Ps and `decodes` Ds (at least one each) and waits until the proxy is ready.
     pub async fn start(spec: &ChaosSpec, prefills: usize, decodes: usize) -> Result<Self, NodeError> {
         if prefills == 0 || decodes == 0 {
-            return Err(NodeError::Config(format!("a load cluster needs at least one P and one D (asked for {prefills}P{decodes}D)")));
+            return Err(NodeError::Config(format!(
+                "a load cluster needs at least one P and one D (asked for {prefills}P{decodes}D)"
+            )));
         }
         let suffix = uuid::Uuid::new_v4().simple().to_string();
         let mut prefill = Vec::with_capacity(prefills);
         for i in 0..prefills {
-            let cfg = node_cfg(spec, KvRole::Producer, format!("prefill{i}-{}", &suffix[..8]), BootstrapPlacement::Launch { port: 0 });
+            let cfg = node_cfg(
+                spec,
+                KvRole::Producer,
+                format!("prefill{i}-{}", &suffix[..8]),
+                BootstrapPlacement::Launch { port: 0 },
+            );
             prefill.push(EngineNode::start(cfg).await?);
         }
         let mut decode = Vec::with_capacity(decodes);
@@ -60,7 +67,11 @@ impl LoadCluster {
             prefill: prefill
                 .iter()
                 .map(|p| {
-                    let bootstrap_port = p.bootstrap.as_ref().map(|b| b.addr.port()).ok_or_else(|| NodeError::Config(format!("P {} launched no bootstrap", p.engine_id)))?;
+                    let bootstrap_port = p
+                        .bootstrap
+                        .as_ref()
+                        .map(|b| b.addr.port())
+                        .ok_or_else(|| NodeError::Config(format!("P {} launched no bootstrap", p.engine_id)))?;
                     Ok(PrefillTarget { url: p.url(), bootstrap_port })
                 })
                 .collect::<Result<_, NodeError>>()?,
@@ -71,7 +82,10 @@ impl LoadCluster {
         })
         .await?;
         let cluster = Self { prefill, decode, proxy };
-        let client = reqwest::Client::builder().no_proxy().build().map_err(|e| NodeError::Config(format!("HTTP client: {e}")))?;
+        let client = reqwest::Client::builder()
+            .no_proxy()
+            .build()
+            .map_err(|e| NodeError::Config(format!("HTTP client: {e}")))?;
         if let Err(e) = crate::demo::wait_ready(&client, &cluster.proxy.url(), READY_DEADLINE).await {
             cluster.shutdown().await;
             return Err(NodeError::Config(format!("load cluster: {e}")));
@@ -100,8 +114,11 @@ impl LoadCluster {
     pub async fn wait_baseline(&self, within: Duration) -> BTreeMap<String, Held> {
         let until = Instant::now() + within;
         loop {
-            let held: BTreeMap<String, Held> =
-                self.block_stats().into_iter().map(|(label, s)| (label, Held { blocks: s.total - s.free, requests: s.requests })).collect();
+            let held: BTreeMap<String, Held> = self
+                .block_stats()
+                .into_iter()
+                .map(|(label, s)| (label, Held { blocks: s.total - s.free, requests: s.requests }))
+                .collect();
             if held.values().all(|h| h.blocks == 0 && h.requests == 0) || Instant::now() >= until {
                 return held;
             }
@@ -118,7 +135,11 @@ impl LoadCluster {
         for (label, node) in self.engines() {
             let mut n = 0usize;
             if let Some(listener) = &node.sender_listener {
-                n += tokio::time::timeout(ASK, listener.ask(InFlightPulls)).await.ok().and_then(Result::ok).unwrap_or(usize::MAX);
+                n += tokio::time::timeout(ASK, listener.ask(InFlightPulls))
+                    .await
+                    .ok()
+                    .and_then(Result::ok)
+                    .unwrap_or(usize::MAX);
             }
             if let Some(receiver) = &node.receiver {
                 let tracked = tokio::time::timeout(ASK, receiver.ask(TransferStates)).await.ok().and_then(Result::ok);

@@ -41,7 +41,9 @@ pub struct PlannedFault {
 /// The per-request faults, in a fixed order (so a seed always picks the same ones).
 pub fn per_request_faults() -> Vec<RequestFault> {
     let mut out = Vec::new();
-    let mut push = |label: String, step: u8, when: When, action: FaultAction| out.push(RequestFault { label, fault: Fault::new(step, when, action) });
+    let mut push = |label: String, step: u8, when: When, action: FaultAction| {
+        out.push(RequestFault { label, fault: Fault::new(step, when, action) })
+    };
     for (kind, role, label) in targets() {
         let action = FaultAction::Kill { actor: kind, role: Some(role) };
         for step in alive_steps(kind) {
@@ -55,7 +57,12 @@ pub fn per_request_faults() -> Vec<RequestFault> {
         let sender = if step == MESSAGE_STEPS[0] { "pull_task" } else { "sender_listener" };
         push(format!("{sender}/{step:02}/drop"), step, When::Begin, FaultAction::Drop);
         push(format!("{sender}/{step:02}/corrupt"), step, When::Begin, FaultAction::Corrupt);
-        push(format!("{sender}/{step:02}/delay_{MESSAGE_DELAY_MS}ms@begin"), step, When::Begin, FaultAction::Delay { ms: MESSAGE_DELAY_MS });
+        push(
+            format!("{sender}/{step:02}/delay_{MESSAGE_DELAY_MS}ms@begin"),
+            step,
+            When::Begin,
+            FaultAction::Delay { ms: MESSAGE_DELAY_MS },
+        );
     }
     out
 }
@@ -101,7 +108,13 @@ pub fn menu_without(exclude: &[String]) -> Vec<RequestFault> {
 
 /// Picks ceil(requests × rate) distinct requests and a fault from `menu` for each; returns the
 /// plan (each fault filtered to its request's client id) and what was picked, by request index.
-pub fn plan(requests: usize, rate: f64, menu: &[RequestFault], rng: &mut SplitMix64, client_id: impl Fn(usize) -> String) -> (FaultPlan, Vec<PlannedFault>) {
+pub fn plan(
+    requests: usize,
+    rate: f64,
+    menu: &[RequestFault],
+    rng: &mut SplitMix64,
+    client_id: impl Fn(usize) -> String,
+) -> (FaultPlan, Vec<PlannedFault>) {
     if menu.is_empty() {
         return (FaultPlan::default(), Vec::new());
     }
@@ -165,7 +178,9 @@ mod tests {
         assert_eq!(plan_a, plan_b, "same seed, same plan");
         let (plan_c, _) = plan(2000, 0.01, &menu, &mut SplitMix64::new(8), id);
         let without = menu_without(&["proxy/".to_string()]);
-        assert!(!without.is_empty() && without.len() < menu.len() && without.iter().all(|f| !f.label.starts_with("proxy/")));
+        assert!(
+            !without.is_empty() && without.len() < menu.len() && without.iter().all(|f| !f.label.starts_with("proxy/"))
+        );
         assert_ne!(plan_a, plan_c, "another seed, another plan");
         assert_eq!(faults_for(240, 0.05), 12);
         assert_eq!(faults_for(10, 0.001), 1, "ceil: a small run still gets a fault");

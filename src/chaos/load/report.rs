@@ -114,19 +114,45 @@ fn mib(b: u64) -> f64 {
 /// The summary printed under a run.
 pub fn render(r: &LoadReport) -> String {
     let mut s = String::new();
-    let _ = writeln!(s, "requests        : {} at concurrency {} (+{} warm-up), D policy {}, seed {}", r.requests, r.concurrency, r.warmup, r.policy, r.seed);
-    let _ = writeln!(s, "faults          : {} planned (rate {}), {} fired, {} hit something", r.faults_planned, r.fault_rate, r.faults_fired, r.faults_hit);
+    let _ = writeln!(
+        s,
+        "requests        : {} at concurrency {} (+{} warm-up), D policy {}, seed {}",
+        r.requests, r.concurrency, r.warmup, r.policy, r.seed
+    );
+    let _ = writeln!(
+        s,
+        "faults          : {} planned (rate {}), {} fired, {} hit something",
+        r.faults_planned, r.fault_rate, r.faults_fired, r.faults_hit
+    );
     let outcomes: Vec<String> = r.outcomes.iter().map(|(k, v)| format!("{k} {v}")).collect();
     let _ = writeln!(s, "outcomes        : {}", outcomes.join(", "));
-    let _ = writeln!(s, "incorrect       : {}   unclean: {}   late (> {:.0} ms): {}", r.incorrect, r.unclean, r.terminal_deadline_ms, r.late);
-    let _ = writeln!(s, "collateral      : {} clean errors of requests with no fault of their own (bound {})", r.collateral_failures, r.collateral_bound);
+    let _ = writeln!(
+        s,
+        "incorrect       : {}   unclean: {}   late (> {:.0} ms): {}",
+        r.incorrect, r.unclean, r.terminal_deadline_ms, r.late
+    );
+    let _ = writeln!(
+        s,
+        "collateral      : {} clean errors of requests with no fault of their own (bound {})",
+        r.collateral_failures, r.collateral_bound
+    );
     if let Some(first) = r.failed_samples.first() {
-        let _ = writeln!(s, "first error     : request {} (fault {}): {}", first.request, first.fault.as_deref().unwrap_or("none"), first.detail);
+        let _ = writeln!(
+            s,
+            "first error     : request {} (fault {}): {}",
+            first.request,
+            first.fault.as_deref().unwrap_or("none"),
+            first.detail
+        );
     }
     let leaks: Vec<String> = r.leaked_blocks.iter().map(|(k, v)| format!("{k} {v}")).collect();
     let stuck: usize = r.stuck_requests.values().sum();
     let tracked: usize = r.tracked_transfers.values().fold(0usize, |a, n| a.saturating_add(*n));
-    let _ = writeln!(s, "leaked blocks   : {} (requests still tracked: {stuck}; transfers still tracked by the actors: {tracked})", leaks.join(", "));
+    let _ = writeln!(
+        s,
+        "leaked blocks   : {} (requests still tracked: {stuck}; transfers still tracked by the actors: {tracked})",
+        leaks.join(", ")
+    );
     let _ = writeln!(
         s,
         "memory (RSS)    : {:.1} MiB after warm-up, {:.1} MiB at end of run, {:.1} MiB after settle: growth {:+.1} MiB (bound {:.1} MiB) → {}",
@@ -138,11 +164,22 @@ pub fn render(r: &LoadReport) -> String {
         if r.memory_flat { "flat" } else { "GROWING" }
     );
     let _ = writeln!(s, "open step spans : {} after the run (every engine idle)", r.open_spans_after);
-    let _ = writeln!(s, "terminal ms     : p50 {:.1}, p99 {:.1}, max {:.1}", r.terminal_ms.p50, r.terminal_ms.p99, r.terminal_ms.max);
+    let _ = writeln!(
+        s,
+        "terminal ms     : p50 {:.1}, p99 {:.1}, max {:.1}",
+        r.terminal_ms.p50, r.terminal_ms.p99, r.terminal_ms.max
+    );
     let _ = writeln!(s, "throughput      : {:.1} requests/s ({:.1} s)", r.requests_per_s, r.wall_s);
     let _ = writeln!(s, "serving after   : {}", r.serving_after);
     for b in &r.bad {
-        let _ = writeln!(s, "BAD request {} ({}) fault {}: {}", b.request, b.request_id.as_deref().unwrap_or("-"), b.fault.as_deref().unwrap_or("none"), b.detail);
+        let _ = writeln!(
+            s,
+            "BAD request {} ({}) fault {}: {}",
+            b.request,
+            b.request_id.as_deref().unwrap_or("-"),
+            b.fault.as_deref().unwrap_or("none"),
+            b.detail
+        );
     }
     for p in &r.problems {
         let _ = writeln!(s, "PROBLEM: {p}");

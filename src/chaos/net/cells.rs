@@ -122,7 +122,9 @@ impl NetCell {
     /// D's policy, P's prefill budget and the proxy's deadline of this cell's cluster.
     fn spec(self) -> NetSpec {
         let (policy, p_batch, upstream_s) = match self {
-            NetCell::CutPdBeforeRequest | NetCell::CutPdMidWriteRecompute | NetCell::LateWriteAfterRestore => ("recompute", 8192, UPSTREAM_LONG_S),
+            NetCell::CutPdBeforeRequest | NetCell::CutPdMidWriteRecompute | NetCell::LateWriteAfterRestore => {
+                ("recompute", 8192, UPSTREAM_LONG_S)
+            }
             NetCell::CutPdMidWriteFail | NetCell::NoKvAfterDFreed | NetCell::NoCut => ("fail", 8192, UPSTREAM_LONG_S),
             NetCell::CutProxyPWhilePrefilling => ("fail", 16, UPSTREAM_S),
             NetCell::CutProxyPBeforeRequest => ("fail", 8192, UPSTREAM_S),
@@ -133,8 +135,12 @@ impl NetCell {
     /// The outcomes this cell accepts.
     pub fn allowed(self) -> &'static [Outcome] {
         match self {
-            NetCell::CutPdBeforeRequest | NetCell::CutPdMidWriteRecompute | NetCell::LateWriteAfterRestore => &[Outcome::Recomputed],
-            NetCell::CutPdMidWriteFail | NetCell::NoKvAfterDFreed | NetCell::CutProxyPBeforeRequest => &[Outcome::FailedClean],
+            NetCell::CutPdBeforeRequest | NetCell::CutPdMidWriteRecompute | NetCell::LateWriteAfterRestore => {
+                &[Outcome::Recomputed]
+            }
+            NetCell::CutPdMidWriteFail | NetCell::NoKvAfterDFreed | NetCell::CutProxyPBeforeRequest => {
+                &[Outcome::FailedClean]
+            }
             NetCell::CutProxyPWhilePrefilling => &[Outcome::Completed, Outcome::FailedClean],
             NetCell::NoCut => &[Outcome::Completed],
         }
@@ -300,7 +306,15 @@ impl Run<'_> {
     /// Waits for the faulted request's answer and judges it: outcome, tokens, time to terminal
     /// (from `since`) within `bound`. A 200 after D counted a failed step (its KV load) is a
     /// recompute, and the cut was hit.
-    async fn terminal(&mut self, c: &NetCluster, request: RequestTask, since: Instant, failures_before: Option<f64>, want: &[u64], bound: Duration) {
+    async fn terminal(
+        &mut self,
+        c: &NetCluster,
+        request: RequestTask,
+        since: Instant,
+        failures_before: Option<f64>,
+        want: &[u64],
+        bound: Duration,
+    ) {
         let answer = request.await.unwrap_or_else(|e| Err(format!("request task failed: {e}")));
         let took = since.elapsed();
         self.result.terminal_ms = ms(took);
@@ -309,7 +323,13 @@ impl Run<'_> {
             _ => false,
         };
         self.result.hit |= d_failed;
-        judge(&answer, want, || if d_failed { Outcome::Recomputed } else { Outcome::Completed }, &mut self.result, &mut self.problems);
+        judge(
+            &answer,
+            want,
+            || if d_failed { Outcome::Recomputed } else { Outcome::Completed },
+            &mut self.result,
+            &mut self.problems,
+        );
         if took > bound {
             self.problems.push(format!("terminal after {:.0} ms, past the {bound:?} bound", self.result.terminal_ms));
         }
@@ -365,7 +385,9 @@ impl Run<'_> {
     /// Waits for P's and D's baseline; blocks still held at `bound` are leaked.
     async fn settle(&mut self, c: &NetCluster, bound: Duration) {
         if let Err((p, d)) = c.wait_baseline(bound).await {
-            for (name, not_idle, leaked) in [("P", p, &mut self.result.leaked_blocks_p), ("D", d, &mut self.result.leaked_blocks_d)] {
+            for (name, not_idle, leaked) in
+                [("P", p, &mut self.result.leaked_blocks_p), ("D", d, &mut self.result.leaked_blocks_d)]
+            {
                 if let Some(n) = not_idle {
                     self.problems.push(format!("{name} {bound:?} after the restore: {n}"));
                     *leaked = (*leaked).max(n.blocks());
@@ -401,7 +423,10 @@ impl Run<'_> {
             }
         }
         self.result.next_ok = true;
-        self.result.fired.push(format!("{sent} requests right after the restore, all with the reference tokens, until P was idle {} ms after it", restored.elapsed().as_millis()));
+        self.result.fired.push(format!(
+            "{sent} requests right after the restore, all with the reference tokens, until P was idle {} ms after it",
+            restored.elapsed().as_millis()
+        ));
     }
 }
 

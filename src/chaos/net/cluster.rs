@@ -66,7 +66,12 @@ pub struct Blocks {
 
 impl Blocks {
     fn from_json(v: &Value) -> Option<Self> {
-        Some(Self { total: v["total"].as_u64()?, free: v["free"].as_u64()?, requests: v["requests"].as_u64()?, finished: v["finished"].as_u64().unwrap_or(0) })
+        Some(Self {
+            total: v["total"].as_u64()?,
+            free: v["free"].as_u64()?,
+            requests: v["requests"].as_u64()?,
+            finished: v["finished"].as_u64().unwrap_or(0),
+        })
     }
 
     /// No block held and no request tracked.
@@ -157,7 +162,19 @@ impl NetCluster {
         let pd = topo.add_link(p, d).map_err(|e| e.to_string())?;
         let abort = ABORT_S.to_string();
         let engine = |role: &str, host: String| {
-            let mut a = strings(&["serve", "--role", role, "--host", &host, "--port", "0", "--kv-shape", "qwen3-8b", "--num-blocks", "160"]);
+            let mut a = strings(&[
+                "serve",
+                "--role",
+                role,
+                "--host",
+                &host,
+                "--port",
+                "0",
+                "--kv-shape",
+                "qwen3-8b",
+                "--num-blocks",
+                "160",
+            ]);
             a.extend(strings(&["--abort-request-timeout", &abort, "--max-model-len", "4096"]));
             a
         };
@@ -172,13 +189,27 @@ impl NetCluster {
         let bootstrap = field(&p_ready, "bootstrap_addr")?;
         let bport = bootstrap.rsplit(':').next().ok_or("bootstrap address without a port")?.to_string();
         let proxy_args = strings(&[
-            "proxy", "--host", "127.0.0.1", "--port", "0", "--prefill", &p_url, &bport, "--decode", &d_url,
-            "--upstream-timeout", &spec.upstream_s.to_string(), "--health-interval-ms", "100",
+            "proxy",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--prefill",
+            &p_url,
+            &bport,
+            "--decode",
+            &d_url,
+            "--upstream-timeout",
+            &spec.upstream_s.to_string(),
+            "--health-interval-ms",
+            "100",
         ]);
         let proxy_ready = spawn(&topo, bin, Place::Root, "proxy", &proxy_args).await?;
         let proxy_url = format!("http://{}", field(&proxy_ready, "addr")?);
         let client = reqwest::Client::builder().no_proxy().build().map_err(|e| format!("HTTP client: {e}"))?;
-        crate::demo::wait_ready(&client, &proxy_url, Duration::from_secs(20)).await.map_err(|e| format!("proxy: {e}"))?;
+        crate::demo::wait_ready(&client, &proxy_url, Duration::from_secs(20))
+            .await
+            .map_err(|e| format!("proxy: {e}"))?;
         Ok(Self { topo, proxy_p, pd, p, p_url, d_url, proxy_url, client })
     }
 
@@ -210,7 +241,9 @@ impl NetCluster {
                 return Ok(());
             }
             if start.elapsed() >= bound {
-                return Err(s.map_or(NotIdle::Unreachable, |s| NotIdle::Held { blocks: s.held(), requests: s.requests }));
+                return Err(
+                    s.map_or(NotIdle::Unreachable, |s| NotIdle::Held { blocks: s.held(), requests: s.requests })
+                );
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
@@ -221,7 +254,12 @@ impl NetCluster {
     pub async fn failures(&self, url: &str) -> Option<f64> {
         let r = self.client.get(format!("{url}/metrics")).timeout(Duration::from_secs(2)).send().await.ok()?;
         let text = r.text().await.ok()?;
-        Some(text.lines().filter(|l| l.starts_with("pdflow_failures_total")).filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok()).sum())
+        Some(
+            text.lines()
+                .filter(|l| l.starts_with("pdflow_failures_total"))
+                .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+                .sum(),
+        )
     }
 
     /// Bytes P's end of the P↔D link has sent.

@@ -64,7 +64,10 @@ impl Pair {
             "D's blocks differ from P's"
         );
         for (&s, &d) in src_blocks.iter().zip(dst_blocks) {
-            assert!(self.src.block_bytes(s).expect("src") == self.dst.block_bytes(d).expect("dst"), "block {s} → {d} differs");
+            assert!(
+                self.src.block_bytes(s).expect("src") == self.dst.block_bytes(d).expect("dst"),
+                "block {s} → {d} differs"
+            );
         }
     }
 
@@ -98,14 +101,26 @@ async fn an_out_of_region_destination_is_refused_and_nothing_is_written() {
     let mut plan = p.plan(&[1, 2], &[5, 6], true);
     let last = p.dst.regions()[SMALL.num_layers - 1];
     // Straddles the end of D's last region: the whole plan is refused before any byte moves.
-    plan.descriptors.push(Descriptor { src: p.src.regions()[0].base_addr, dst: last.base_addr + last.len - 8, len: 64 });
+    plan.descriptors.push(Descriptor {
+        src: p.src.regions()[0].base_addr,
+        dst: last.base_addr + last.len - 8,
+        len: 64,
+    });
     let err = bounded("refused write", p.engine.write(&p.peer, &plan)).await.expect_err("refused");
-    assert!(matches!(&err, TransferError::Refused { reason, .. } if reason.contains("registered region")), "got {err:?}");
+    assert!(
+        matches!(&err, TransferError::Refused { reason, .. } if reason.contains("registered region")),
+        "got {err:?}"
+    );
     assert_eq!(p.engine.backend_for(&p.peer), BACKEND_SAME_HOST);
     p.assert_untouched(&[5, 6]);
 
     // Destinations entirely outside D's memory (P's own memory, say) are refused too.
-    let plan = TransferPlan { descriptors: vec![Descriptor { src: p.src.regions()[0].base_addr, dst: p.src.regions()[1].base_addr, len: 64 }], fence: 0, cut_after: None, write_by: None };
+    let plan = TransferPlan {
+        descriptors: vec![Descriptor { src: p.src.regions()[0].base_addr, dst: p.src.regions()[1].base_addr, len: 64 }],
+        fence: 0,
+        cut_after: None,
+        write_by: None,
+    };
     let err = bounded("refused write", p.engine.write(&p.peer, &plan)).await.expect_err("refused");
     assert!(matches!(err, TransferError::Refused { .. }), "got {err:?}");
 
@@ -128,7 +143,8 @@ async fn the_same_host_path_writes_nothing_past_d_s_pull_deadline() {
     assert!(err.to_string().contains("state `writing`"), "{err}");
     p.assert_untouched(&[10, 11]);
     // With time left, the same plan is written.
-    let in_time = TransferPlan { write_by: Some(std::time::Instant::now() + std::time::Duration::from_secs(30)), ..late };
+    let in_time =
+        TransferPlan { write_by: Some(std::time::Instant::now() + std::time::Duration::from_secs(30)), ..late };
     bounded("write in time", p.engine.write(&p.peer, &in_time)).await.expect("written");
     p.assert_copied(&[2, 3], &[10, 11]);
 }
@@ -141,7 +157,10 @@ async fn a_same_host_write_that_passes_its_deadline_returns_only_once_its_thread
     let dst: Vec<BlockId> = (2048..4096).collect();
     // Uncoalesced, many MiB: many system calls, between which the threads look at the deadline,
     // which passes long before the plan could be written.
-    let plan = TransferPlan { write_by: Some(std::time::Instant::now() + std::time::Duration::from_micros(300)), ..p.plan(&blocks, &dst, false) };
+    let plan = TransferPlan {
+        write_by: Some(std::time::Instant::now() + std::time::Duration::from_micros(300)),
+        ..p.plan(&blocks, &dst, false)
+    };
     let bytes = plan.total_bytes();
     let err = bounded("deadline write", p.engine.write(&p.peer, &plan)).await.expect_err("the deadline passes first");
     assert!(matches!(err, TransferError::Timeout { .. }), "{bytes} bytes: {err:?}");
@@ -164,14 +183,22 @@ async fn tcp_is_used_when_the_path_is_off_or_not_offered_and_required_fails_clea
     let p = pair(32, false, SameHostMode::Required).await;
     let plan = p.plan(&[3], &[20], true);
     let err = bounded("required write", p.engine.write(&p.peer, &plan)).await.expect_err("not offered");
-    assert!(matches!(&err, TransferError::SameHostUnavailable { reason, .. } if reason.contains("does not offer")), "got {err:?}");
+    assert!(
+        matches!(&err, TransferError::SameHostUnavailable { reason, .. } if reason.contains("does not offer")),
+        "got {err:?}"
+    );
     p.assert_untouched(&[20]);
 }
 
 #[test]
 fn a_wrong_canary_or_a_missing_pid_is_never_trusted() {
     let canary = same_host::new_canary();
-    let mut peer = SameHostPeer { pid: std::process::id() as i32, canary_addr: canary.as_ptr() as u64, canary: canary.to_vec(), regions: vec![] };
+    let mut peer = SameHostPeer {
+        pid: std::process::id() as i32,
+        canary_addr: canary.as_ptr() as u64,
+        canary: canary.to_vec(),
+        regions: vec![],
+    };
     assert!(matches!(same_host::verify_canary(&peer), Ok(true)));
     peer.canary[0] ^= 0xff;
     assert!(matches!(same_host::verify_canary(&peer), Ok(false)), "other bytes: another process");
@@ -179,7 +206,11 @@ fn a_wrong_canary_or_a_missing_pid_is_never_trusted() {
     assert!(matches!(same_host::verify_canary(&peer), Ok(false)), "unmapped address");
     // No such process: the kernel refuses, which the engine turns into the tcp fallback.
     let gone = SameHostPeer { pid: i32::MAX, ..peer };
-    assert!(matches!(same_host::verify_canary(&gone), Err(SameHostError::Unavailable { .. })), "got {:?}", same_host::verify_canary(&gone));
+    assert!(
+        matches!(same_host::verify_canary(&gone), Err(SameHostError::Unavailable { .. })),
+        "got {:?}",
+        same_host::verify_canary(&gone)
+    );
     assert!(same_host::host_identity().contains("pid:["), "{}", same_host::host_identity());
 }
 

@@ -73,7 +73,12 @@ impl DeviceKv {
     /// # Safety
     /// The memory must stay allocated for as long as this lives (its owner outlives the cache),
     /// and only the holder of a block may touch its bytes while pdflow reads or writes them.
-    pub unsafe fn external(shape: KvShape, num_blocks: usize, ordinal: usize, bases: Vec<u64>) -> Result<Self, CudaError> {
+    pub unsafe fn external(
+        shape: KvShape,
+        num_blocks: usize,
+        ordinal: usize,
+        bases: Vec<u64>,
+    ) -> Result<Self, CudaError> {
         let count = super::device_count()?;
         if ordinal >= count {
             return Err(CudaError::NoSuchDevice { ordinal, count });
@@ -105,8 +110,16 @@ impl DeviceKv {
         Self::with_kernels(&ctx, ordinal, shape, num_blocks, bases, Vec::new())
     }
 
-    fn with_kernels(ctx: &Arc<CudaContext>, ordinal: usize, shape: KvShape, num_blocks: usize, bases: Vec<u64>, owned: Vec<DeviceBuffer>) -> Result<Self, CudaError> {
-        let kernels = Kernels { fill: CudaKvFill::new(ctx)?, gather: CudaBatchCopy::new(ctx)?, table: None, staging: None };
+    fn with_kernels(
+        ctx: &Arc<CudaContext>,
+        ordinal: usize,
+        shape: KvShape,
+        num_blocks: usize,
+        bases: Vec<u64>,
+        owned: Vec<DeviceBuffer>,
+    ) -> Result<Self, CudaError> {
+        let kernels =
+            Kernels { fill: CudaKvFill::new(ctx)?, gather: CudaBatchCopy::new(ctx)?, table: None, staging: None };
         Ok(Self { ordinal, shape, num_blocks, bases, _owned: owned, kernels: Mutex::new(kernels) })
     }
 
@@ -134,7 +147,10 @@ impl DeviceKv {
     /// (one launch; nothing written when a position falls outside the blocks or the cache).
     pub fn fill(&self, tokens: &[u32], start: usize, block_ids: &[BlockId]) -> Result<(), RegionError> {
         let bases = self.layer_bases();
-        self.lock().fill.fill(&bases, self.num_blocks, self.shape, tokens, start, block_ids).map_err(|e| self.refusal(e))
+        self.lock()
+            .fill
+            .fill(&bases, self.num_blocks, self.shape, tokens, start, block_ids)
+            .map_err(|e| self.refusal(e))
     }
 
     /// The bytes of `blocks` over every layer, region-major (layer 0's blocks in order, then layer

@@ -43,7 +43,13 @@ fn generate(cache: &KvCache, blocks: &[BlockId], prompt: &[u32], chunk: usize, n
     let (mut digest, mut tokens, mut start, mut out) = (ContextDigest::default(), prompt.to_vec(), 0, Vec::new());
     while out.len() < n {
         let end = (start + chunk).min(tokens.len());
-        let mut item = ForwardItem { tokens: tokens[start..end].to_vec(), start, block_ids: blocks.to_vec(), digest, sample: end == tokens.len() };
+        let mut item = ForwardItem {
+            tokens: tokens[start..end].to_vec(),
+            start,
+            block_ids: blocks.to_vec(),
+            digest,
+            sample: end == tokens.len(),
+        };
         let sampled = model.forward(cache, &mut item).expect("forward");
         digest = item.digest;
         start = end;
@@ -93,17 +99,23 @@ async fn a_tcp_write_into_a_gpu_cache_is_refused_whole() {
     let src = KvCache::new(SHAPE, BLOCKS);
     generate(&src, &[1, 2], &prompt(20), 20, 1);
     let dst = KvCache::new_cuda(SHAPE, BLOCKS, d).expect("GPU cache");
-    let server = TcpDataServer::bind_with("127.0.0.1:0".parse().expect("addr"), dst.region_table(), None, false).await.expect("binds");
+    let server = TcpDataServer::bind_with("127.0.0.1:0".parse().expect("addr"), dst.region_table(), None, false)
+        .await
+        .expect("binds");
     let engine = TcpTransferEngine::new(src.region_table(), TcpConfig::default());
     let plan = build_plan(&src.regions(), &[1, 2], &dst.regions(), &[5, 6], true).expect("plan");
-    let err = engine.write(&server.local_addr().to_string(), &plan).await.expect_err("GPU memory is not a socket's destination");
+    let err = engine
+        .write(&server.local_addr().to_string(), &plan)
+        .await
+        .expect_err("GPU memory is not a socket's destination");
     assert!(matches!(&err, TransferError::Refused { reason, .. } if reason.contains("GPU memory")), "got {err:?}");
     assert!(dst.block_bytes(5).expect("read").iter().all(|&b| b == 0), "nothing landed");
     // And a GPU source is refused before anything is sent.
     let gpu_src = KvCache::new_cuda(SHAPE, BLOCKS, p).expect("GPU cache");
     let engine = TcpTransferEngine::new(gpu_src.region_table(), TcpConfig::default());
     let plan = build_plan(&gpu_src.regions(), &[1], &src.regions(), &[7], true).expect("plan");
-    let host_server = TcpDataServer::bind("127.0.0.1:0".parse().expect("addr"), src.region_table(), None).await.expect("binds");
+    let host_server =
+        TcpDataServer::bind("127.0.0.1:0".parse().expect("addr"), src.region_table(), None).await.expect("binds");
     let err = engine.write(&host_server.local_addr().to_string(), &plan).await.expect_err("GPU source");
     assert!(matches!(&err, TransferError::LocalRegion(RegionError::OnDevice { .. })), "got {err:?}");
     let _ = p;
@@ -133,7 +145,11 @@ async fn the_cuda_peer_engine_writes_a_plan_into_d_s_gpu_under_its_fence() {
     fence.open(9);
     let stats = engine.write(&addr, &fenced).await.expect("the write succeeds");
     assert_eq!(stats.bytes, plan.total_bytes());
-    assert_eq!(p_cache.blocks_checksum(&p_blocks).expect("P"), d_cache.blocks_checksum(&d_blocks).expect("D"), "D holds P's bytes");
+    assert_eq!(
+        p_cache.blocks_checksum(&p_blocks).expect("P"),
+        d_cache.blocks_checksum(&d_blocks).expect("D"),
+        "D holds P's bytes"
+    );
     fence.close(9, Duration::from_secs(2)).await.expect("no batch left in flight");
 
     // A destination outside D's regions: refused whole.
@@ -143,7 +159,10 @@ async fn the_cuda_peer_engine_writes_a_plan_into_d_s_gpu_under_its_fence() {
     // Past the end of every region of D (regions may sit back to back in device memory).
     bad.descriptors[1].dst = d_cache.regions().iter().map(|r| r.base_addr + r.len).max().expect("regions");
     let err = engine.write(&addr, &bad).await.expect_err("out of D's regions");
-    assert!(matches!(&err, TransferError::Refused { reason, .. } if reason.contains("nothing of the plan")), "got {err:?}");
+    assert!(
+        matches!(&err, TransferError::Refused { reason, .. } if reason.contains("nothing of the plan")),
+        "got {err:?}"
+    );
 
     // D gone: refused, saying why.
     drop(guard);

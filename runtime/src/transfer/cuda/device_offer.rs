@@ -37,7 +37,8 @@ impl DeviceOffer {
 
     /// Reads and checks an offer; the error says what is wrong with it.
     pub fn decode(bytes: &[u8]) -> Result<Self, String> {
-        let offer: Self = postcard::from_bytes(bytes).map_err(|e| format!("D's device export cannot be read ({e}): is D a different pdflow version?"))?;
+        let offer: Self = postcard::from_bytes(bytes)
+            .map_err(|e| format!("D's device export cannot be read ({e}): is D a different pdflow version?"))?;
         if let Some(ipc) = &offer.ipc {
             ipc.validate().map_err(|e| format!("D's device export is inconsistent: {e}"))?;
         }
@@ -71,7 +72,10 @@ pub struct DeviceServing {
 
 impl std::fmt::Debug for DeviceServing {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("DeviceServing").field("staged", &self.staged.local_addr()).field("export_bytes", &self.export.len()).finish()
+        f.debug_struct("DeviceServing")
+            .field("staged", &self.staged.local_addr())
+            .field("export_bytes", &self.export.len())
+            .finish()
     }
 }
 
@@ -79,7 +83,13 @@ impl DeviceServing {
     /// Exports `cache`'s GPU KV and starts the staged receiver on `bind_host` (any port), each
     /// part of a write received only under a token open in `fence`, with `auth_token` required,
     /// one part at most `deadline` long.
-    pub fn start(cache: &Arc<KvCache>, bind_host: &str, auth_token: Option<&str>, deadline: Duration, fence: Option<WriteFence>) -> Result<Self, DeviceServingError> {
+    pub fn start(
+        cache: &Arc<KvCache>,
+        bind_host: &str,
+        auth_token: Option<&str>,
+        deadline: Duration,
+        fence: Option<WriteFence>,
+    ) -> Result<Self, DeviceServingError> {
         let kv = cache.device().ok_or(DeviceServingError::HostMemory)?;
         let ctx = kv.context();
         let regions = cache.regions();
@@ -93,10 +103,15 @@ impl DeviceServing {
         let addr = if bind_host.contains(':') { format!("[{bind_host}]:0") } else { format!("{bind_host}:0") };
         let config = StagedConfig { deadline, ..StagedConfig::default() };
         let auth = auth_token.map(|t| t.as_bytes().to_vec());
-        let staged = StagedReceiver::bind_guarded(&ctx, regions, &addr, config, fence, auth).map_err(|source| DeviceServingError::Staged { addr: addr.clone(), source })?;
+        let staged = StagedReceiver::bind_guarded(&ctx, regions, &addr, config, fence, auth)
+            .map_err(|source| DeviceServingError::Staged { addr: addr.clone(), source })?;
         // One ring per connection of a P's default write, pinned now rather than on P's first.
         staged.prepin(config.streams).map_err(|source| DeviceServingError::Staged { addr, source })?;
-        let offer = DeviceOffer { host_id: crate::transfer::same_host::host_identity().to_string(), ipc, staged_port: Some(staged.local_addr().port()) };
+        let offer = DeviceOffer {
+            host_id: crate::transfer::same_host::host_identity().to_string(),
+            ipc,
+            staged_port: Some(staged.local_addr().port()),
+        };
         Ok(Self { export: offer.encode()?, staged })
     }
 
@@ -123,7 +138,11 @@ mod tests {
         let ipc = ExportedKv {
             pid: 42,
             device: 1,
-            allocations: vec![ExportedAllocation { handle: IpcMemHandle(vec![7; handle_len]), base_addr: 0x10000, len: 0x8000 }],
+            allocations: vec![ExportedAllocation {
+                handle: IpcMemHandle(vec![7; handle_len]),
+                base_addr: 0x10000,
+                len: 0x8000,
+            }],
             regions: vec![RegionDesc { base_addr: 0x10000, len: region_len, block_len: 0x1000 }],
         };
         DeviceOffer { host_id: "host-a".into(), ipc: Some(ipc), staged_port: Some(7001) }
@@ -139,7 +158,8 @@ mod tests {
         assert!(err.contains("cannot be read"), "{err}");
         let err = DeviceOffer::decode(&offer(3, 0x8000).encode().expect("encodes")).expect_err("short handle");
         assert!(err.contains("inconsistent"), "{err}");
-        let err = DeviceOffer::decode(&offer(IPC_HANDLE_LEN, 0x9000).encode().expect("encodes")).expect_err("region past its allocation");
+        let err = DeviceOffer::decode(&offer(IPC_HANDLE_LEN, 0x9000).encode().expect("encodes"))
+            .expect_err("region past its allocation");
         assert!(err.contains("inconsistent"), "{err}");
     }
 

@@ -47,9 +47,13 @@ pub const WRITE_MARGIN: Duration = Duration::from_millis(50);
 enum Route {
     Peer,
     /// Through CUDA IPC into D's process `pid`.
-    Ipc { pid: u32 },
+    Ipc {
+        pid: u32,
+    },
     /// Over tcp with pinned staging, to D's staged receiver at `addr`.
-    Staged { addr: String },
+    Staged {
+        addr: String,
+    },
 }
 
 /// P's engine for GPU KV (see the module docs).
@@ -81,10 +85,19 @@ impl GpuTransferEngine {
         let peer = CudaPeerEngine::new(cache, tcp.write_timeout)?;
         let writer = CudaIpcWriter::new(CudaBatchCopy::new(&ctx)?, cache.regions());
         let config = StagedConfig { deadline: tcp.write_timeout, ..StagedConfig::default() };
-        let staged = Arc::new(StagedSender::new(&ctx, cache.regions(), config).with_auth_token(tcp.auth_token.as_deref()));
+        let staged =
+            Arc::new(StagedSender::new(&ctx, cache.regions(), config).with_auth_token(tcp.auth_token.as_deref()));
         let path = tcp.gpu_path;
         let control = TcpTransferEngine::new(cache.region_table(), tcp);
-        Ok(Self { peer, ipc: CudaIpcEngine::new(writer), staged, control, path, routes: Mutex::default(), choosing: Mutex::default() })
+        Ok(Self {
+            peer,
+            ipc: CudaIpcEngine::new(writer),
+            staged,
+            control,
+            path,
+            routes: Mutex::default(),
+            choosing: Mutex::default(),
+        })
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Route>> {
@@ -97,7 +110,8 @@ impl GpuTransferEngine {
         if let Some(route) = self.cached(peer) {
             return Ok(route);
         }
-        let turn = self.choosing.lock().unwrap_or_else(PoisonError::into_inner).entry(peer.to_string()).or_default().clone();
+        let turn =
+            self.choosing.lock().unwrap_or_else(PoisonError::into_inner).entry(peer.to_string()).or_default().clone();
         let _turn = turn.lock().await;
         // The choice that held the turn may have made it meanwhile.
         if let Some(route) = self.cached(peer) {
@@ -169,7 +183,8 @@ impl GpuTransferEngine {
         let ipc = self.ipc.clone();
         let owned = peer.to_string();
         let limit = self.control.config().connect_timeout;
-        let opened = tokio::time::timeout(limit, tokio::task::spawn_blocking(move || ipc.register_peer(&owned, &export))).await;
+        let opened =
+            tokio::time::timeout(limit, tokio::task::spawn_blocking(move || ipc.register_peer(&owned, &export))).await;
         let Ok(opened) = opened else {
             return Err(TransferError::Timeout { peer: peer.to_string(), deadline: limit });
         };
@@ -178,8 +193,14 @@ impl GpuTransferEngine {
                 tracing::debug!(%peer, pid, "cuda-ipc: D's KV handles opened");
                 Ok(pid)
             }
-            Ok(Err(e)) => Err(TransferError::Refused { peer: peer.to_string(), reason: format!("D's CUDA IPC handles cannot be opened here ({e})") }),
-            Err(join) => Err(TransferError::Io { peer: peer.to_string(), source: std::io::Error::other(format!("opening D's handles: {join}")) }),
+            Ok(Err(e)) => Err(TransferError::Refused {
+                peer: peer.to_string(),
+                reason: format!("D's CUDA IPC handles cannot be opened here ({e})"),
+            }),
+            Err(join) => Err(TransferError::Io {
+                peer: peer.to_string(),
+                source: std::io::Error::other(format!("opening D's handles: {join}")),
+            }),
         }
     }
 
@@ -190,7 +211,10 @@ impl GpuTransferEngine {
         match tokio::time::timeout(limit, tokio::task::spawn_blocking(move || staged.warm(&owned))).await {
             Ok(Ok(Ok(()))) => Ok(()),
             Ok(Ok(Err(e))) => Err(sender::to_transfer_error(addr, e)),
-            Ok(Err(join)) => Err(TransferError::Io { peer: peer.to_string(), source: std::io::Error::other(format!("opening D's staged connections: {join}")) }),
+            Ok(Err(join)) => Err(TransferError::Io {
+                peer: peer.to_string(),
+                source: std::io::Error::other(format!("opening D's staged connections: {join}")),
+            }),
             Err(_) => Err(TransferError::Timeout { peer: addr.to_string(), deadline: limit }),
         }
     }
@@ -198,7 +222,10 @@ impl GpuTransferEngine {
     async fn write_plan(&self, peer: &str, plan: &TransferPlan) -> Result<TransferStats, TransferError> {
         let route = self.route(peer).await?;
         if plan.cut_after.is_some() && route != Route::Peer {
-            return Err(TransferError::Refused { peer: peer.to_string(), reason: "the cut_data fault cuts a tcp data connection; the cuda paths have none".into() });
+            return Err(TransferError::Refused {
+                peer: peer.to_string(),
+                reason: "the cut_data fault cuts a tcp data connection; the cuda paths have none".into(),
+            });
         }
         match route {
             Route::Peer => self.peer.write(peer, plan).await,
@@ -255,7 +282,12 @@ impl GpuTransferEngine {
                 if let Err(e) = hold.release().await {
                     tracing::debug!(%peer, error = %e, "the fence release did not leave: D releases when the connection closes");
                 }
-                joined.unwrap_or_else(|join| Err(TransferError::Io { peer: peer.to_string(), source: std::io::Error::other(format!("cuda-ipc write task failed: {join}")) }))
+                joined.unwrap_or_else(|join| {
+                    Err(TransferError::Io {
+                        peer: peer.to_string(),
+                        source: std::io::Error::other(format!("cuda-ipc write task failed: {join}")),
+                    })
+                })
             }
             Err(_) => {
                 // Keeps the hold until the copy task ends; that task is bounded by the copy's own
@@ -298,7 +330,11 @@ impl TransferEngine for GpuTransferEngine {
         Box::pin(async move { self.route(peer).await.map(|_| ()) })
     }
 
-    fn write<'a>(&'a self, peer: &'a str, plan: &'a TransferPlan) -> BoxFuture<'a, Result<TransferStats, TransferError>> {
+    fn write<'a>(
+        &'a self,
+        peer: &'a str,
+        plan: &'a TransferPlan,
+    ) -> BoxFuture<'a, Result<TransferStats, TransferError>> {
         Box::pin(self.write_plan(peer, plan))
     }
 }

@@ -33,9 +33,13 @@ pub const DEFAULT_WRITE_DEADLINE: Duration = Duration::from_secs(10);
 pub enum IpcError {
     #[error(transparent)]
     Cuda(#[from] CudaError),
-    #[error("IPC handle {index} is {len} bytes, not {IPC_HANDLE_LEN}: the export is corrupt or from another CUDA version")]
+    #[error(
+        "IPC handle {index} is {len} bytes, not {IPC_HANDLE_LEN}: the export is corrupt or from another CUDA version"
+    )]
     BadHandle { index: usize, len: usize },
-    #[error("D's region {region} ({base:#x}+{len}) does not lie inside one exported allocation: the export is inconsistent")]
+    #[error(
+        "D's region {region} ({base:#x}+{len}) does not lie inside one exported allocation: the export is inconsistent"
+    )]
     RegionNotExported { region: usize, base: u64, len: u64 },
     #[error("the export lists {handles} allocations but {mapped} mappings were given")]
     MappingCountMismatch { handles: usize, mapped: usize },
@@ -109,7 +113,8 @@ impl ExportedKv {
             let bytes = handle.reserved.iter().map(|&c| c as u8).collect();
             allocations.push(ExportedAllocation { handle: IpcMemHandle(bytes), base_addr: base, len: size as u64 });
         }
-        let export = Self { pid: std::process::id(), device: ctx.ordinal() as u32, allocations, regions: regions.to_vec() };
+        let export =
+            Self { pid: std::process::id(), device: ctx.ordinal() as u32, allocations, regions: regions.to_vec() };
         export.validate()?;
         Ok(export)
     }
@@ -122,7 +127,11 @@ impl ExportedKv {
             }
         }
         for (region, r) in self.regions.iter().enumerate() {
-            self.allocation_of(r.base_addr, r.len).ok_or(IpcError::RegionNotExported { region, base: r.base_addr, len: r.len })?;
+            self.allocation_of(r.base_addr, r.len).ok_or(IpcError::RegionNotExported {
+                region,
+                base: r.base_addr,
+                len: r.len,
+            })?;
         }
         Ok(())
     }
@@ -130,7 +139,9 @@ impl ExportedKv {
     /// The allocation that wholly contains `addr..addr+len`.
     fn allocation_of(&self, addr: u64, len: u64) -> Option<usize> {
         let end = addr.checked_add(len)?;
-        self.allocations.iter().position(|a| addr >= a.base_addr && a.base_addr.checked_add(a.len).is_some_and(|a_end| end <= a_end))
+        self.allocations
+            .iter()
+            .position(|a| addr >= a.base_addr && a.base_addr.checked_add(a.len).is_some_and(|a_end| end <= a_end))
     }
 }
 
@@ -148,11 +159,18 @@ impl PeerAddressMap {
     pub fn new(export: &ExportedKv, local_bases: &[u64]) -> Result<Self, IpcError> {
         export.validate()?;
         if local_bases.len() != export.allocations.len() {
-            return Err(IpcError::MappingCountMismatch { handles: export.allocations.len(), mapped: local_bases.len() });
+            return Err(IpcError::MappingCountMismatch {
+                handles: export.allocations.len(),
+                mapped: local_bases.len(),
+            });
         }
         let mut region_bases = Vec::with_capacity(export.regions.len());
         for (region, r) in export.regions.iter().enumerate() {
-            let a = export.allocation_of(r.base_addr, r.len).ok_or(IpcError::RegionNotExported { region, base: r.base_addr, len: r.len })?;
+            let a = export.allocation_of(r.base_addr, r.len).ok_or(IpcError::RegionNotExported {
+                region,
+                base: r.base_addr,
+                len: r.len,
+            })?;
             region_bases.push((export.allocations[a].base_addr, local_bases[a]));
         }
         Ok(Self { regions: export.regions.clone(), region_bases })
@@ -178,8 +196,11 @@ impl PeerAddressMap {
             .iter()
             .enumerate()
             .map(|(index, d)| {
-                region_of(local_regions, d.src, d.len).map_err(|source| IpcError::SourceOutOfRegion { index, source })?;
-                let dst = self.translate(d.dst, d.len).map_err(|source| IpcError::DestinationOutOfRegion { index, source })?;
+                region_of(local_regions, d.src, d.len)
+                    .map_err(|source| IpcError::SourceOutOfRegion { index, source })?;
+                let dst = self
+                    .translate(d.dst, d.len)
+                    .map_err(|source| IpcError::DestinationOutOfRegion { index, source })?;
                 Ok(Descriptor { src: d.src, dst, len: d.len })
             })
             .collect::<Result<_, IpcError>>()?;
@@ -210,7 +231,12 @@ impl ImportedKv {
         }
         ctx.bind_to_thread().map_err(CudaError::from)?;
         // Built up one handle at a time, so that a failure part-way closes what was opened.
-        let mut imported = Self { ctx: ctx.clone(), opened: Vec::new(), map: PeerAddressMap { regions: Vec::new(), region_bases: Vec::new() }, peer_pid: export.pid };
+        let mut imported = Self {
+            ctx: ctx.clone(),
+            opened: Vec::new(),
+            map: PeerAddressMap { regions: Vec::new(), region_bases: Vec::new() },
+            peer_pid: export.pid,
+        };
         for a in &export.allocations {
             let mut handle = sys::CUipcMemHandle { reserved: [0; IPC_HANDLE_LEN] };
             for (dst, &b) in handle.reserved.iter_mut().zip(&a.handle.0) {
@@ -344,7 +370,12 @@ impl CudaIpcWriter {
     /// As [`Self::write`], launching only once `go` allowed it (serving: D's data server acked
     /// the fence hold — the checks and the upload overlap that round trip); when `go` fails,
     /// nothing is launched and its error is returned.
-    pub fn write_when(&self, peer: &ImportedKv, plan: &TransferPlan, go: impl FnOnce() -> Result<(), IpcError>) -> Result<TransferStats, IpcError> {
+    pub fn write_when(
+        &self,
+        peer: &ImportedKv,
+        plan: &TransferPlan,
+        go: impl FnOnce() -> Result<(), IpcError>,
+    ) -> Result<TransferStats, IpcError> {
         let start = Instant::now();
         let prepared = self.prepare(peer, plan)?;
         if let Err(e) = go() {
@@ -353,7 +384,8 @@ impl CudaIpcWriter {
         }
         self.launch(&prepared)?;
         self.wait_complete()?;
-        let stats = TransferStats { bytes: prepared.bytes(), descriptors: prepared.descriptors(), duration: start.elapsed() };
+        let stats =
+            TransferStats { bytes: prepared.bytes(), descriptors: prepared.descriptors(), duration: start.elapsed() };
         // The launch has finished: its descriptor table can carry the next write.
         *self.spare.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(prepared.plan);
         Ok(stats)

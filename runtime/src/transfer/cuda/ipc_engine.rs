@@ -85,7 +85,12 @@ impl CudaIpcEngine {
 
     /// As [`Self::write_blocking`], launching only once `go` allowed it
     /// ([`CudaIpcWriter::write_when`]).
-    pub fn write_blocking_when(&self, peer: &str, plan: &TransferPlan, go: impl FnOnce() -> Result<(), IpcError>) -> Result<TransferStats, TransferError> {
+    pub fn write_blocking_when(
+        &self,
+        peer: &str,
+        plan: &TransferPlan,
+        go: impl FnOnce() -> Result<(), IpcError>,
+    ) -> Result<TransferStats, TransferError> {
         let imported = self.lock().get(peer).cloned().ok_or_else(|| unregistered(peer))?;
         self.writer.write_when(&imported, plan, go).map_err(|e| to_transfer_error(peer, e))
     }
@@ -121,14 +126,21 @@ impl TransferEngine for CudaIpcEngine {
         BACKEND
     }
 
-    fn write<'a>(&'a self, peer: &'a str, plan: &'a TransferPlan) -> BoxFuture<'a, Result<TransferStats, TransferError>> {
+    fn write<'a>(
+        &'a self,
+        peer: &'a str,
+        plan: &'a TransferPlan,
+    ) -> BoxFuture<'a, Result<TransferStats, TransferError>> {
         Box::pin(async move {
             let (engine, owned_peer, plan) = (self.clone(), peer.to_string(), plan.clone());
             let deadline = self.writer.deadline + JOIN_SLACK;
             let task = tokio::task::spawn_blocking(move || engine.write_blocking(&owned_peer, &plan));
             match tokio::time::timeout(deadline, task).await {
                 Ok(Ok(result)) => result,
-                Ok(Err(join)) => Err(TransferError::Io { peer: peer.to_string(), source: std::io::Error::other(format!("cuda-ipc write task failed: {join}")) }),
+                Ok(Err(join)) => Err(TransferError::Io {
+                    peer: peer.to_string(),
+                    source: std::io::Error::other(format!("cuda-ipc write task failed: {join}")),
+                }),
                 Err(_) => Err(TransferError::Timeout { peer: peer.to_string(), deadline }),
             }
         })

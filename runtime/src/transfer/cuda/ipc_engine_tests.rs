@@ -9,18 +9,23 @@ use pdflow_messages::layout::RegionDesc;
 
 use super::ipc::{CudaIpcWriter, IpcError};
 use super::ipc_engine::*;
-use crate::transfer::{TransferEngine, TransferError};
 use crate::memory::RegionError;
 use crate::planner::{build_plan, Descriptor};
 use crate::transfer::cuda::ipc_peer::DPeerProcess;
-use crate::transfer::cuda::{checksum_words, device_count, nvrtc_available, plan_checksum, CudaBatchCopy, CudaContext, DeviceBuffer, CHECKSUM_BASIS};
+use crate::transfer::cuda::{
+    checksum_words, device_count, nvrtc_available, plan_checksum, CudaBatchCopy, CudaContext, DeviceBuffer,
+    CHECKSUM_BASIS,
+};
+use crate::transfer::{TransferEngine, TransferError};
 
 const PEER: &str = "10.0.0.2:7000";
 
 #[test]
 fn ipc_failures_map_onto_the_transfer_errors_of_the_other_backends() {
     let region = RegionError::OutOfRegion { addr: 0x10, len: 0x20 };
-    assert!(matches!(to_transfer_error(PEER, IpcError::SourceOutOfRegion { index: 3, source: region.clone() }), TransferError::LocalRegion(r) if r == region));
+    assert!(
+        matches!(to_transfer_error(PEER, IpcError::SourceOutOfRegion { index: 3, source: region.clone() }), TransferError::LocalRegion(r) if r == region)
+    );
     match to_transfer_error(PEER, IpcError::DestinationOutOfRegion { index: 4, source: region }) {
         TransferError::Refused { peer, reason } => {
             assert_eq!(peer, PEER);
@@ -29,13 +34,19 @@ fn ipc_failures_map_onto_the_transfer_errors_of_the_other_backends() {
         other => panic!("expected Refused, got {other:?}"),
     }
     let deadline = Duration::from_millis(7);
-    assert!(matches!(to_transfer_error(PEER, IpcError::Timeout { deadline }), TransferError::Timeout { deadline: d, .. } if d == deadline));
+    assert!(
+        matches!(to_transfer_error(PEER, IpcError::Timeout { deadline }), TransferError::Timeout { deadline: d, .. } if d == deadline)
+    );
     match to_transfer_error(PEER, IpcError::SameProcess { pid: 9 }) {
-        TransferError::Io { peer, source } => assert!(peer == PEER && source.to_string().starts_with("cuda-ipc: "), "{source}"),
+        TransferError::Io { peer, source } => {
+            assert!(peer == PEER && source.to_string().starts_with("cuda-ipc: "), "{source}")
+        }
         other => panic!("expected Io, got {other:?}"),
     }
     match unregistered(PEER) {
-        TransferError::SameHostUnavailable { peer, reason } => assert!(peer == PEER && reason.contains("register_peer"), "{reason}"),
+        TransferError::SameHostUnavailable { peer, reason } => {
+            assert!(peer == PEER && reason.contains("register_peer"), "{reason}")
+        }
         other => panic!("expected SameHostUnavailable, got {other:?}"),
     }
 }
@@ -43,7 +54,9 @@ fn ipc_failures_map_onto_the_transfer_errors_of_the_other_backends() {
 fn gpus() -> Option<usize> {
     match device_count() {
         Err(e) => eprintln!("SKIP cuda ipc engine test: {e}"),
-        Ok(_) if !nvrtc_available() => eprintln!("SKIP cuda ipc engine test: {}", crate::transfer::cuda::CudaError::NoNvrtc),
+        Ok(_) if !nvrtc_available() => {
+            eprintln!("SKIP cuda ipc engine test: {}", crate::transfer::cuda::CudaError::NoNvrtc)
+        }
         Ok(n) => return Some(n),
     }
     None
@@ -71,7 +84,8 @@ fn the_engine_writes_into_another_process_through_the_trait() {
             RegionDesc { base_addr: p_mem.ptr + offset - r.len, ..*r }
         })
         .collect();
-    let engine = CudaIpcEngine::new(CudaIpcWriter::new(CudaBatchCopy::new(&ctx).expect("kernel compiles"), p_regions.clone()));
+    let engine =
+        CudaIpcEngine::new(CudaIpcWriter::new(CudaBatchCopy::new(&ctx).expect("kernel compiles"), p_regions.clone()));
     engine.writer().copier().fill_pattern(&p_mem, 0xabcd).expect("fill");
 
     let rt = tokio::runtime::Builder::new_current_thread().enable_time().build().expect("runtime");

@@ -38,7 +38,13 @@ impl PeerLayout {
 
     /// The regions laid out from `base`.
     pub fn regions_at(&self, base: u64) -> Vec<RegionDesc> {
-        (0..self.regions).map(|i| RegionDesc { base_addr: base + i * self.blocks * self.block_len, len: self.blocks * self.block_len, block_len: self.block_len }).collect()
+        (0..self.regions)
+            .map(|i| RegionDesc {
+                base_addr: base + i * self.blocks * self.block_len,
+                len: self.blocks * self.block_len,
+                block_len: self.block_len,
+            })
+            .collect()
     }
 }
 
@@ -48,7 +54,10 @@ pub enum PeerCommand {
     /// Set every byte of D's regions to 0 (before a write that is verified).
     Zero,
     /// Checksum the destination side of `dst` (D's addresses) and compare with `expected`.
-    Verify { dst: Vec<Descriptor>, expected: u64 },
+    Verify {
+        dst: Vec<Descriptor>,
+        expected: u64,
+    },
     Quit,
 }
 
@@ -93,7 +102,12 @@ fn send_line<T: Serialize>(out: &mut impl Write, msg: &T) -> Result<(), PeerErro
 
 /// Runs D: allocates `layout` on GPU `device`, exports it, then serves commands from `input` until
 /// `Quit` or end of input. Replies go to `output`.
-pub fn serve_d(device: usize, layout: PeerLayout, input: impl BufRead, mut output: impl Write) -> Result<(), PeerError> {
+pub fn serve_d(
+    device: usize,
+    layout: PeerLayout,
+    input: impl BufRead,
+    mut output: impl Write,
+) -> Result<(), PeerError> {
     let ctx = CudaContext::new(device).map_err(|e| IpcError::Cuda(CudaError::from(e)))?;
     let mem = DeviceBuffer::new(&ctx, layout.bytes() as usize).map_err(IpcError::from)?;
     mem.fill(0).map_err(IpcError::from)?;
@@ -120,11 +134,17 @@ pub fn serve_d(device: usize, layout: PeerLayout, input: impl BufRead, mut outpu
 }
 
 /// The checksum of the destination blocks, after checking that they are D's.
-fn verify(ctx: &Arc<CudaContext>, regions: &[RegionDesc], dst: Vec<Descriptor>, expected: u64) -> Result<(u64, bool), IpcError> {
+fn verify(
+    ctx: &Arc<CudaContext>,
+    regions: &[RegionDesc],
+    dst: Vec<Descriptor>,
+    expected: u64,
+) -> Result<(u64, bool), IpcError> {
     for (index, d) in dst.iter().enumerate() {
         region_of(regions, d.dst, d.len).map_err(|source| IpcError::DestinationOutOfRegion { index, source })?;
     }
-    let checksum = plan_checksum(ctx, &TransferPlan { descriptors: dst, fence: 0, cut_after: None, write_by: None }, false)?;
+    let checksum =
+        plan_checksum(ctx, &TransferPlan { descriptors: dst, fence: 0, cut_after: None, write_by: None }, false)?;
     Ok((checksum, checksum == expected))
 }
 
@@ -202,7 +222,11 @@ impl DPeerProcess {
         let start = Instant::now();
         while start.elapsed() < self.deadline {
             if let Some(status) = self.child.try_wait()? {
-                return if status.success() { Ok(()) } else { Err(PeerError::Failed(format!("D exited with {status}"))) };
+                return if status.success() {
+                    Ok(())
+                } else {
+                    Err(PeerError::Failed(format!("D exited with {status}")))
+                };
             }
             std::thread::sleep(Duration::from_millis(5));
         }

@@ -48,17 +48,29 @@ fn out_of_region_destinations_and_sources_are_refused_before_launch() {
     }
     let local = [RegionDesc { base_addr: 0x2000_0000, len: 0x8000, block_len: 0x1000 }];
     let good = Descriptor { src: 0x2000_0000, dst: 0x10_0000, len: 0x1000 };
-    let plan = TransferPlan { descriptors: vec![good, Descriptor { dst: 0x90_6000, ..good }], fence: 0, cut_after: None, write_by: None };
+    let plan = TransferPlan {
+        descriptors: vec![good, Descriptor { dst: 0x90_6000, ..good }],
+        fence: 0,
+        cut_after: None,
+        write_by: None,
+    };
     match map.translate_plan(&local, &plan) {
         Err(IpcError::DestinationOutOfRegion { index: 1, .. }) => {}
         other => panic!("expected descriptor 1's destination refused, got {other:?}"),
     }
-    let plan = TransferPlan { descriptors: vec![good, good, Descriptor { src: 0x2000_7800, ..good }], fence: 0, cut_after: None, write_by: None };
+    let plan = TransferPlan {
+        descriptors: vec![good, good, Descriptor { src: 0x2000_7800, ..good }],
+        fence: 0,
+        cut_after: None,
+        write_by: None,
+    };
     match map.translate_plan(&local, &plan) {
         Err(IpcError::SourceOutOfRegion { index: 2, .. }) => {}
         other => panic!("expected descriptor 2's source refused, got {other:?}"),
     }
-    let ok = map.translate_plan(&local, &TransferPlan { descriptors: vec![good], fence: 0, cut_after: None, write_by: None }).expect("in regions");
+    let ok = map
+        .translate_plan(&local, &TransferPlan { descriptors: vec![good], fence: 0, cut_after: None, write_by: None })
+        .expect("in regions");
     assert_eq!(ok.descriptors, vec![Descriptor { src: 0x2000_0000, dst: 0x7000_0000, len: 0x1000 }]);
 }
 
@@ -70,7 +82,10 @@ fn inconsistent_exports_are_refused() {
     let mut bad = fake_export();
     bad.regions[2].len = 0x8000; // runs past allocation B
     assert!(matches!(bad.validate(), Err(IpcError::RegionNotExported { region: 2, .. })));
-    assert!(matches!(PeerAddressMap::new(&fake_export(), &[1]), Err(IpcError::MappingCountMismatch { handles: 2, mapped: 1 })));
+    assert!(matches!(
+        PeerAddressMap::new(&fake_export(), &[1]),
+        Err(IpcError::MappingCountMismatch { handles: 2, mapped: 1 })
+    ));
 }
 
 #[test]
@@ -132,7 +147,8 @@ fn ipc_round_trip_in_two_processes() {
     let d_device = if n >= 2 { 1 } else { 0 };
     let exe = std::env::current_exe().expect("test binary path");
     let mut cmd = Command::new(exe);
-    cmd.args(["transfer::cuda::ipc_tests::d_role_child", "--exact", "--nocapture", "--test-threads=1"]).env(D_DEVICE_ENV, d_device.to_string());
+    cmd.args(["transfer::cuda::ipc_tests::d_role_child", "--exact", "--nocapture", "--test-threads=1"])
+        .env(D_DEVICE_ENV, d_device.to_string());
     let (mut d, export) = DPeerProcess::spawn(cmd, Duration::from_secs(60)).expect("D starts and exports");
     assert_ne!(export.pid, std::process::id());
 
@@ -154,9 +170,14 @@ fn ipc_round_trip_in_two_processes() {
     // A plan with one out-of-region descriptor is refused whole: nothing lands, not even its good part.
     d.zero().expect("zero");
     let mut bad = plan.clone();
-    bad.descriptors.push(Descriptor { src: p_mem.ptr, dst: export.regions[3].base_addr + export.regions[3].len - 8, len: 4096 });
+    bad.descriptors.push(Descriptor {
+        src: p_mem.ptr,
+        dst: export.regions[3].base_addr + export.regions[3].len - 8,
+        len: 4096,
+    });
     assert!(matches!(writer.write(&peer, &bad), Err(IpcError::DestinationOutOfRegion { .. })));
-    let zeros = (0..plan.descriptors.len()).fold(CHECKSUM_BASIS, |h, i| checksum_words(h, &vec![0u8; plan.descriptors[i].len as usize]));
+    let zeros = (0..plan.descriptors.len())
+        .fold(CHECKSUM_BASIS, |h, i| checksum_words(h, &vec![0u8; plan.descriptors[i].len as usize]));
     let (_, untouched) = d.verify(&plan, zeros).expect("D verifies");
     assert!(untouched, "a refused plan wrote bytes");
 

@@ -20,8 +20,8 @@
 
 use std::sync::Arc;
 
-pub use cudarc::driver::{CudaContext, CudaStream};
 use cudarc::driver::{result, sys, CudaFunction, DriverError, LaunchConfig, PushKernelArg};
+pub use cudarc::driver::{CudaContext, CudaStream};
 
 use crate::planner::TransferPlan;
 
@@ -245,7 +245,11 @@ impl CudaBatchCopy {
                 off += n;
             }
         }
-        let chunks = u32::try_from(src.len()).map_err(|_| CudaError::OutOfBounds { offset: 0, len: src.len() as u64, size: u64::from(u32::MAX) })?;
+        let chunks = u32::try_from(src.len()).map_err(|_| CudaError::OutOfBounds {
+            offset: 0,
+            len: src.len() as u64,
+            size: u64::from(u32::MAX),
+        })?;
         let (table, capacity) = match spare {
             Some(s) if s.capacity >= chunks && Arc::ptr_eq(&s.table.ctx, &self.ctx) => (s.table, s.capacity),
             _ => {
@@ -253,7 +257,8 @@ impl CudaBatchCopy {
                 (DeviceBuffer::new(&self.ctx, 3 * capacity as usize * 8)?, capacity)
             }
         };
-        let uploaded = UploadedPlan { table, capacity, chunks, descriptors: plan.descriptors.len(), bytes: plan.total_bytes() };
+        let uploaded =
+            UploadedPlan { table, capacity, chunks, descriptors: plan.descriptors.len(), bytes: plan.total_bytes() };
         self.ctx.bind_to_thread()?;
         for (at, words) in [(uploaded.src(), &src), (uploaded.dst(), &dst), (uploaded.len(), &len)] {
             if !words.is_empty() {
@@ -310,7 +315,9 @@ pub fn copy_per_descriptor(
     stream.context().bind_to_thread()?;
     for d in &plan.descriptors {
         // SAFETY: descriptors lie inside regions both contexts allocated.
-        check(unsafe { sys::cuMemcpyPeerAsync(d.dst, dst_ctx.cu_ctx(), d.src, src_ctx.cu_ctx(), d.len as usize, stream.cu_stream()) })?;
+        check(unsafe {
+            sys::cuMemcpyPeerAsync(d.dst, dst_ctx.cu_ctx(), d.src, src_ctx.cu_ctx(), d.len as usize, stream.cu_stream())
+        })?;
     }
     Ok(())
 }
@@ -326,7 +333,9 @@ pub fn copy_peer(
 ) -> Result<(), CudaError> {
     stream.context().bind_to_thread()?;
     // SAFETY: both ranges lie inside buffers the caller allocated.
-    check(unsafe { sys::cuMemcpyPeerAsync(dst, dst_ctx.cu_ctx(), src, src_ctx.cu_ctx(), bytes as usize, stream.cu_stream()) })
+    check(unsafe {
+        sys::cuMemcpyPeerAsync(dst, dst_ctx.cu_ctx(), src, src_ctx.cu_ctx(), bytes as usize, stream.cu_stream())
+    })
 }
 
 /// One driver copy per descriptor within `stream`'s context, addresses as that context sees them

@@ -79,31 +79,56 @@ impl CudaKvFill {
         if !super::nvrtc_available() {
             return Err(CudaError::NoNvrtc);
         }
-        let ptx = cudarc::nvrtc::compile_ptx_with_opts(SOURCE, cudarc::nvrtc::CompileOptions { name: Some("pdflow_model_kv.cu".into()), ..Default::default() })
-            .map_err(|e| CudaError::Compile(format!("{e:?}")))?;
+        let ptx = cudarc::nvrtc::compile_ptx_with_opts(
+            SOURCE,
+            cudarc::nvrtc::CompileOptions { name: Some("pdflow_model_kv.cu".into()), ..Default::default() },
+        )
+        .map_err(|e| CudaError::Compile(format!("{e:?}")))?;
         let module = ctx.load_module(ptx)?;
-        let sms = ctx.attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as u32;
-        Ok(Self { ctx: ctx.clone(), stream: ctx.default_stream(), fill: module.load_function("pdflow_fill_kv")?, sms: sms.max(1) })
+        let sms =
+            ctx.attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as u32;
+        Ok(Self {
+            ctx: ctx.clone(),
+            stream: ctx.default_stream(),
+            fill: module.load_function("pdflow_fill_kv")?,
+            sms: sms.max(1),
+        })
     }
 
     /// Writes the KV of `tokens` at positions `start..start + tokens.len()` of a request whose
     /// blocks are `block_ids` into the regions at `layer_bases` (one per layer, each
     /// `num_blocks` blocks of `shape`), and waits for it. Refuses, writing nothing, a position
     /// past the request's blocks or a block past the regions.
-    pub fn fill(&self, layer_bases: &[u64], num_blocks: usize, shape: KvShape, tokens: &[u32], start: usize, block_ids: &[BlockId]) -> Result<(), CudaError> {
+    pub fn fill(
+        &self,
+        layer_bases: &[u64],
+        num_blocks: usize,
+        shape: KvShape,
+        tokens: &[u32],
+        start: usize,
+        block_ids: &[BlockId],
+    ) -> Result<(), CudaError> {
         if tokens.is_empty() {
             return Ok(());
         }
         let block_len = shape.block_len() as u64;
         let region = num_blocks as u64 * block_len;
         if layer_bases.len() != shape.num_layers {
-            return Err(CudaError::OutOfBounds { offset: 0, len: layer_bases.len() as u64, size: shape.num_layers as u64 });
+            return Err(CudaError::OutOfBounds {
+                offset: 0,
+                len: layer_bases.len() as u64,
+                size: shape.num_layers as u64,
+            });
         }
         let last = start + tokens.len() - 1;
         let used = &block_ids[..block_ids.len().min(last / shape.block_size + 1)];
         if used.len() * shape.block_size <= last {
             // The request's blocks end before its last position.
-            return Err(CudaError::OutOfBounds { offset: last as u64, len: 1, size: (block_ids.len() * shape.block_size) as u64 });
+            return Err(CudaError::OutOfBounds {
+                offset: last as u64,
+                len: 1,
+                size: (block_ids.len() * shape.block_size) as u64,
+            });
         }
         if let Some(&b) = used.iter().find(|&&b| u64::from(b) >= num_blocks as u64) {
             return Err(CudaError::OutOfBounds { offset: u64::from(b) * block_len, len: block_len, size: region });
@@ -118,14 +143,28 @@ impl CudaKvFill {
         // SAFETY: `bases` holds exactly `layer_bases.len()` u64s.
         unsafe { result::memcpy_htod_sync(bases.ptr, layer_bases) }?;
         let (tokens_d, blocks_d) = (put32(tokens)?, put32(used)?);
-        let n = u32::try_from(tokens.len()).map_err(|_| CudaError::OutOfBounds { offset: 0, len: tokens.len() as u64, size: u64::from(u32::MAX) })?;
+        let n = u32::try_from(tokens.len()).map_err(|_| CudaError::OutOfBounds {
+            offset: 0,
+            len: tokens.len() as u64,
+            size: u64::from(u32::MAX),
+        })?;
         let items = u64::from(n) * (shape.num_layers * shape.num_kv_heads) as u64;
         let grid = u32::try_from(items.min(u64::from(self.sms) * 32)).unwrap_or(u32::MAX).max(1);
         let cfg = LaunchConfig { grid_dim: (grid, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
-        let (start, num_layers, num_heads, block_size) = (start as u64, shape.num_layers as u32, shape.num_kv_heads as u32, shape.block_size as u32);
+        let (start, num_layers, num_heads, block_size) =
+            (start as u64, shape.num_layers as u32, shape.num_kv_heads as u32, shape.block_size as u32);
         let slot_len = shape.slot_len() as u64;
         let mut b = self.stream.launch_builder(&self.fill);
-        b.arg(&bases.ptr).arg(&tokens_d.ptr).arg(&blocks_d.ptr).arg(&n).arg(&start).arg(&num_layers).arg(&num_heads).arg(&block_size).arg(&slot_len).arg(&block_len);
+        b.arg(&bases.ptr)
+            .arg(&tokens_d.ptr)
+            .arg(&blocks_d.ptr)
+            .arg(&n)
+            .arg(&start)
+            .arg(&num_layers)
+            .arg(&num_heads)
+            .arg(&block_size)
+            .arg(&slot_len)
+            .arg(&block_len);
         // SAFETY: every position's block is in `used` and inside the regions (checked above); each
         // slot lies inside its block; the arrays hold what the kernel reads.
         unsafe { b.launch(cfg) }?;
@@ -190,7 +229,13 @@ mod tests {
         let blocks: Vec<BlockId> = (17..=79).collect();
         let host = KvCache::new(shape, num_blocks);
         let model = Model { shape, vocab_size: 151_936 };
-        let mut item = ForwardItem { tokens: tokens.clone(), start: 0, block_ids: blocks.clone(), digest: ContextDigest::default(), sample: false };
+        let mut item = ForwardItem {
+            tokens: tokens.clone(),
+            start: 0,
+            block_ids: blocks.clone(),
+            digest: ContextDigest::default(),
+            sample: false,
+        };
         model.forward(&host, &mut item).expect("host forward");
         let fill = CudaKvFill::new(&ctx).expect("kernel compiles");
         for chunks in [&[(0, 1000)][..], &[(0, 600), (600, 1000)]] {
@@ -207,15 +252,25 @@ mod tests {
     #[test]
     fn slots_cut_short_of_a_word_match_too() {
         let Some(ctx) = gpu0() else { return };
-        let (shape, num_blocks) = (KvShape { num_layers: 3, num_kv_heads: 2, head_dim: 3, dtype_bytes: 2, block_size: 4 }, 8);
+        let (shape, num_blocks) =
+            (KvShape { num_layers: 3, num_kv_heads: 2, head_dim: 3, dtype_bytes: 2, block_size: 4 }, 8);
         let tokens = prompt(13);
         let blocks: Vec<BlockId> = vec![6, 1, 4, 2];
         let host = KvCache::new(shape, num_blocks);
-        let mut item = ForwardItem { tokens: tokens.clone(), start: 0, block_ids: blocks.clone(), digest: ContextDigest::default(), sample: false };
+        let mut item = ForwardItem {
+            tokens: tokens.clone(),
+            start: 0,
+            block_ids: blocks.clone(),
+            digest: ContextDigest::default(),
+            sample: false,
+        };
         Model { shape, vocab_size: 151_936 }.forward(&host, &mut item).expect("host forward");
         let device = device_regions(&ctx, shape, num_blocks);
         let bases: Vec<u64> = device.iter().map(|d| d.ptr).collect();
-        CudaKvFill::new(&ctx).expect("kernel compiles").fill(&bases, num_blocks, shape, &tokens, 0, &blocks).expect("filled");
+        CudaKvFill::new(&ctx)
+            .expect("kernel compiles")
+            .fill(&bases, num_blocks, shape, &tokens, 0, &blocks)
+            .expect("filled");
         assert_same_bytes(&host, &device);
     }
 
@@ -224,13 +279,20 @@ mod tests {
     #[test]
     fn out_of_range_positions_and_blocks_are_refused_before_the_launch() {
         let Some(ctx) = gpu0() else { return };
-        let (shape, num_blocks) = (KvShape { num_layers: 2, num_kv_heads: 2, head_dim: 8, dtype_bytes: 2, block_size: 4 }, 8);
+        let (shape, num_blocks) =
+            (KvShape { num_layers: 2, num_kv_heads: 2, head_dim: 8, dtype_bytes: 2, block_size: 4 }, 8);
         let device = device_regions(&ctx, shape, num_blocks);
         let bases: Vec<u64> = device.iter().map(|d| d.ptr).collect();
         let fill = CudaKvFill::new(&ctx).expect("kernel compiles");
         let tokens = prompt(9);
-        assert!(matches!(fill.fill(&bases, num_blocks, shape, &tokens, 0, &[0, 1]), Err(CudaError::OutOfBounds { .. })), "9 positions, 8 slots");
-        assert!(matches!(fill.fill(&bases, num_blocks, shape, &tokens, 0, &[0, 1, 8]), Err(CudaError::OutOfBounds { .. })), "block 8 of 8");
+        assert!(
+            matches!(fill.fill(&bases, num_blocks, shape, &tokens, 0, &[0, 1]), Err(CudaError::OutOfBounds { .. })),
+            "9 positions, 8 slots"
+        );
+        assert!(
+            matches!(fill.fill(&bases, num_blocks, shape, &tokens, 0, &[0, 1, 8]), Err(CudaError::OutOfBounds { .. })),
+            "block 8 of 8"
+        );
         for d in &device {
             let mut got = vec![1u8; d.len];
             d.read(0, &mut got).expect("read back");

@@ -62,8 +62,13 @@ pub struct NotOnDevice {
 
 /// Registers D's GPU cache under its data server's address `addr` (`host:port`, what D tells P
 /// in its pull), with the fence its data server enforces.
-pub fn register_local_peer(addr: &str, cache: &Arc<KvCache>, fence: Option<WriteFence>) -> Result<LocalPeerGuard, NotOnDevice> {
-    let device = cache.device().cloned().ok_or_else(|| NotOnDevice { addr: addr.to_string(), memory: cache.memory() })?;
+pub fn register_local_peer(
+    addr: &str,
+    cache: &Arc<KvCache>,
+    fence: Option<WriteFence>,
+) -> Result<LocalPeerGuard, NotOnDevice> {
+    let device =
+        cache.device().cloned().ok_or_else(|| NotOnDevice { addr: addr.to_string(), memory: cache.memory() })?;
     peers().insert(addr.to_string(), LocalPeer { regions: cache.region_table(), device, fence });
     Ok(LocalPeerGuard { addr: addr.to_string() })
 }
@@ -120,7 +125,8 @@ impl CudaPeerEngine {
         if let Some(write_by) = plan.write_by {
             timeout = timeout.min(write_by.saturating_duration_since(Instant::now()));
         }
-        let (copy, plan_owned, p_device, d_device) = (self.copy.clone(), plan.clone(), self.device.clone(), target.device.clone());
+        let (copy, plan_owned, p_device, d_device) =
+            (self.copy.clone(), plan.clone(), self.device.clone(), target.device.clone());
         let work = tokio::task::spawn_blocking(move || -> Result<(), CudaError> {
             // Released when the copy has really ended, even if the caller gave up waiting.
             let _guard = guard;
@@ -140,7 +146,11 @@ impl CudaPeerEngine {
             Err(_) => Err(TransferError::Timeout { peer: peer.to_string(), deadline: timeout }),
             Ok(Err(join)) => Err(io(format!("the GPU copy's thread ended abnormally: {join}"))),
             Ok(Ok(Err(e))) => Err(io(format!("GPU {} → GPU {}: {e}", self.device.ordinal(), target.device.ordinal()))),
-            Ok(Ok(Ok(()))) => Ok(TransferStats { bytes: plan.total_bytes(), descriptors: plan.descriptors.len(), duration: started.elapsed() }),
+            Ok(Ok(Ok(()))) => Ok(TransferStats {
+                bytes: plan.total_bytes(),
+                descriptors: plan.descriptors.len(),
+                duration: started.elapsed(),
+            }),
         }
     }
 }
@@ -150,7 +160,11 @@ impl TransferEngine for CudaPeerEngine {
         BACKEND
     }
 
-    fn write<'a>(&'a self, peer: &'a str, plan: &'a TransferPlan) -> BoxFuture<'a, Result<TransferStats, TransferError>> {
+    fn write<'a>(
+        &'a self,
+        peer: &'a str,
+        plan: &'a TransferPlan,
+    ) -> BoxFuture<'a, Result<TransferStats, TransferError>> {
         Box::pin(self.write_plan(peer, plan))
     }
 }

@@ -107,7 +107,9 @@ pub enum StagedError {
     Protocol(String),
     #[error("the staged write did not finish within {deadline:?}")]
     Timeout { deadline: Duration },
-    #[error("D closed the pull's fence while its part was landing (the pull ended): connection dropped, nothing more lands")]
+    #[error(
+        "D closed the pull's fence while its part was landing (the pull ended): connection dropped, nothing more lands"
+    )]
     Fenced,
 }
 

@@ -23,7 +23,8 @@ fn gpu0() -> Option<Arc<CudaContext>> {
 fn batch_copy_moves_aligned_and_unaligned_descriptors() {
     let Some(ctx) = gpu0() else { return };
     let copier = CudaBatchCopy::new(&ctx).expect("kernel compiles");
-    let (src, dst) = (DeviceBuffer::new(&ctx, 1 << 22).expect("alloc"), DeviceBuffer::new(&ctx, 1 << 22).expect("alloc"));
+    let (src, dst) =
+        (DeviceBuffer::new(&ctx, 1 << 22).expect("alloc"), DeviceBuffer::new(&ctx, 1 << 22).expect("alloc"));
     copier.fill_pattern(&src, 7).expect("fill");
     dst.fill(0).expect("memset");
     let plan = TransferPlan {
@@ -57,10 +58,13 @@ fn no_gpu_is_a_typed_error_not_a_panic() {
 fn a_reused_descriptor_table_carries_the_next_plan_and_grows_when_needed() {
     let Some(ctx) = gpu0() else { return };
     let copier = CudaBatchCopy::new(&ctx).expect("kernel compiles");
-    let (src, dst) = (DeviceBuffer::new(&ctx, 1 << 22).expect("alloc"), DeviceBuffer::new(&ctx, 1 << 22).expect("alloc"));
+    let (src, dst) =
+        (DeviceBuffer::new(&ctx, 1 << 22).expect("alloc"), DeviceBuffer::new(&ctx, 1 << 22).expect("alloc"));
     copier.fill_pattern(&src, 11).expect("fill");
     let plan = |n: u64, off: u64| TransferPlan {
-        descriptors: (0..n).map(|i| Descriptor { src: src.ptr + off + i * 4096, dst: dst.ptr + (n - 1 - i) * 4096, len: 4096 }).collect(),
+        descriptors: (0..n)
+            .map(|i| Descriptor { src: src.ptr + off + i * 4096, dst: dst.ptr + (n - 1 - i) * 4096, len: 4096 })
+            .collect(),
         fence: 0,
         cut_after: None,
         write_by: None,
@@ -75,12 +79,18 @@ fn a_reused_descriptor_table_carries_the_next_plan_and_grows_when_needed() {
     assert_eq!(second.src(), table, "the table was reused");
     assert_eq!(second.chunks, 7);
     copier.execute(&second).expect("launch");
-    assert_eq!(plan_checksum(&ctx, &second_plan, true).expect("read"), plan_checksum(&ctx, &second_plan, false).expect("read"));
+    assert_eq!(
+        plan_checksum(&ctx, &second_plan, true).expect("read"),
+        plan_checksum(&ctx, &second_plan, false).expect("read")
+    );
     // A plan larger than its capacity gets a new one.
     let big_plan = plan(1000, 0);
     let big = copier.upload_reusing(&big_plan, Some(second)).expect("upload");
     assert!(big.chunks == 1000, "all chunks uploaded");
     dst.fill(0).expect("memset");
     copier.execute(&big).expect("launch");
-    assert_eq!(plan_checksum(&ctx, &big_plan, true).expect("read"), plan_checksum(&ctx, &big_plan, false).expect("read"));
+    assert_eq!(
+        plan_checksum(&ctx, &big_plan, true).expect("read"),
+        plan_checksum(&ctx, &big_plan, false).expect("read")
+    );
 }

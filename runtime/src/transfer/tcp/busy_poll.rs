@@ -57,6 +57,9 @@ mod tests {
         let mut rest = [0u8; 1];
         std::io::Read::read_exact(&mut &server, &mut rest).expect("reads the byte");
         drop(client);
-        assert!(readable_within(fd, Duration::from_secs(5)), "the peer's close must end the poll (the read reports it)");
+        assert!(
+            readable_within(fd, Duration::from_secs(5)),
+            "the peer's close must end the poll (the read reports it)"
+        );
     }
 }

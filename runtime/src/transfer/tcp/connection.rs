@@ -139,7 +139,10 @@ fn serve_requests(stream: &TcpStream, shared: &Shared) -> Result<(), ConnectionE
                     Ok(None) => return Ok(()),
                     Err(e) if is_timeout(&e) => {
                         if let Some(h) = &held {
-                            tracing::warn!(token = h.token, "P held a fence for {HOLD_LIMIT:?} without releasing it: released, connection closed");
+                            tracing::warn!(
+                                token = h.token,
+                                "P held a fence for {HOLD_LIMIT:?} without releasing it: released, connection closed"
+                            );
                         }
                         return Ok(());
                     }
@@ -256,7 +259,9 @@ fn hold(fence: Option<&WriteFence>, token: u64) -> Result<Option<FenceGuard>, St
     match fence.enter(token) {
         Some(guard) => Ok(Some(guard)),
         None if token == 0 => Err("no fence named: this data server only accepts writes for a pull it opened".into()),
-        None => Err(format!("fence {token} is closed: D no longer expects this transfer (its pull ended); do not write")),
+        None => {
+            Err(format!("fence {token} is closed: D no longer expects this transfer (its pull ended); do not write"))
+        }
     }
 }
 
@@ -322,7 +327,10 @@ fn overlapping(descriptors: &[(u64, u64)]) -> Option<String> {
     let mut ranges: Vec<(u64, u64)> = descriptors.iter().copied().filter(|&(_, len)| len > 0).collect();
     ranges.sort_unstable();
     ranges.windows(2).find(|w| w[0].0.saturating_add(w[0].1) > w[1].0).map(|w| {
-        format!("descriptors {:#x}+{} and {:#x}+{} overlap in D's memory (a transfer plan writes each byte once)", w[0].0, w[0].1, w[1].0, w[1].1)
+        format!(
+            "descriptors {:#x}+{} and {:#x}+{} overlap in D's memory (a transfer plan writes each byte once)",
+            w[0].0, w[0].1, w[1].0, w[1].1
+        )
     })
 }
 
@@ -347,7 +355,11 @@ fn read_into(
             return Err(ConnectionError::Fenced);
         }
         let window = rest.len().min(MAX_IOVECS);
-        let read = if blocking { (&*stream).read_vectored(&mut rest[..window]) } else { read_vectored_now(stream, &mut rest[..window]) };
+        let read = if blocking {
+            (&*stream).read_vectored(&mut rest[..window])
+        } else {
+            read_vectored_now(stream, &mut rest[..window])
+        };
         match read {
             Ok(0) => return Err(WireError::Io(std::io::ErrorKind::UnexpectedEof.into()).into()),
             Ok(n) => {
@@ -470,5 +482,7 @@ impl AsyncWrite for Blocking<'_> {
 
 /// Runs a codec future over [`Blocking`] I/O to completion (one poll).
 fn now<T>(fut: impl Future<Output = Result<T, WireError>>) -> Result<T, WireError> {
-    fut.now_or_never().unwrap_or_else(|| Err(WireError::Io(std::io::Error::other("a blocking codec call did not complete in one poll"))))
+    fut.now_or_never().unwrap_or_else(|| {
+        Err(WireError::Io(std::io::Error::other("a blocking codec call did not complete in one poll")))
+    })
 }

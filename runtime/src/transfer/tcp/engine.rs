@@ -36,10 +36,10 @@ use tokio::net::{TcpSocket, TcpStream};
 
 use super::ack_wait;
 use super::wire::{self, Ack, HostInfo, WireError, MAX_DESCRIPTORS_PER_BATCH};
-use crate::transfer::same_host::SameHostMode;
 use super::SOCKET_BUFFER_BYTES;
 use crate::memory::RegionTable;
 use crate::planner::{Descriptor, TransferPlan};
+use crate::transfer::same_host::SameHostMode;
 use crate::transfer::{TransferEngine, TransferError, TransferStats};
 
 /// A share smaller than this is not worth its own connection.
@@ -133,14 +133,25 @@ struct Inner {
 
 impl std::fmt::Debug for TcpTransferEngine {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("TcpTransferEngine").field("local", &self.inner.local).field("config", &self.inner.config).finish_non_exhaustive()
+        f.debug_struct("TcpTransferEngine")
+            .field("local", &self.inner.local)
+            .field("config", &self.inner.config)
+            .finish_non_exhaustive()
     }
 }
 
 impl TcpTransferEngine {
     /// An engine reading from `local` (P's registered memory).
     pub fn new(local: RegionTable, config: TcpConfig) -> Self {
-        Self { inner: Arc::new(Inner { local, config, pool: Mutex::new(HashMap::new()), preparing: Mutex::new(HashSet::new()), next_batch_id: AtomicU64::new(1) }) }
+        Self {
+            inner: Arc::new(Inner {
+                local,
+                config,
+                pool: Mutex::new(HashMap::new()),
+                preparing: Mutex::new(HashSet::new()),
+                next_batch_id: AtomicU64::new(1),
+            }),
+        }
     }
 
     pub fn config(&self) -> &TcpConfig {
@@ -256,7 +267,9 @@ impl TcpTransferEngine {
         }
         let bytes: u64 = descriptors.iter().map(|d| d.len).sum();
         if bytes > 0 {
-            let streams = usize::try_from(bytes / MIN_BYTES_PER_STREAM).unwrap_or(usize::MAX).clamp(1, inner.config.streams_per_peer.max(1));
+            let streams = usize::try_from(bytes / MIN_BYTES_PER_STREAM)
+                .unwrap_or(usize::MAX)
+                .clamp(1, inner.config.streams_per_peer.max(1));
             let deadline = tokio::time::Instant::now() + inner.config.write_timeout;
             if streams == 1 {
                 let pooled = inner.checkout(peer);
@@ -294,7 +307,6 @@ impl TcpTransferEngine {
 }
 
 impl Inner {
-
     fn lock_preparing(&self) -> std::sync::MutexGuard<'_, HashSet<String>> {
         // A set of names: a panicking holder cannot break it.
         self.preparing.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
@@ -343,7 +355,14 @@ impl Inner {
     /// Sends the share's batches, each acked by D; with `cut = Some(n)`, stops right after the
     /// share's n-th payload byte (inside, or at the end of, the batch that holds it) without
     /// reading that batch's ack, and returns [`ShareEnd::Cut`] for the caller to cut the link.
-    async fn send_share(&self, peer: &str, stream: &mut TcpStream, share: &[Descriptor], fence: u64, mut cut: Option<u64>) -> Result<ShareEnd, TransferError> {
+    async fn send_share(
+        &self,
+        peer: &str,
+        stream: &mut TcpStream,
+        share: &[Descriptor],
+        fence: u64,
+        mut cut: Option<u64>,
+    ) -> Result<ShareEnd, TransferError> {
         let io = |source: std::io::Error| TransferError::Io { peer: peer.to_string(), source };
         let mut sent = 0u64;
         // D's fence token (0: none) goes in the same write as the share's first batch, always: a
@@ -355,7 +374,8 @@ impl Inner {
             let header = wire::encode_batch_header(batch_id, batch).map_err(|e| io(e.into_io()))?;
             // SAFETY: P's blocks under transfer are held (delayed free) and not written until
             // the transfer finishes; every range was checked against P's regions in `write_plan`.
-            let mut payloads = batch.iter().map(|d| unsafe { self.local.slice(d.src, d.len) }).collect::<Result<Vec<&[u8]>, _>>()?;
+            let mut payloads =
+                batch.iter().map(|d| unsafe { self.local.slice(d.src, d.len) }).collect::<Result<Vec<&[u8]>, _>>()?;
             let batch_bytes: u64 = batch.iter().map(|d| d.len).sum();
             // The batch that holds the cut: only its payload bytes before the cut go out.
             let cut_here = cut.filter(|&left| left <= batch_bytes);
@@ -448,7 +468,9 @@ pub(crate) fn still_open(stream: &impl std::os::fd::AsRawFd) -> bool {
     let mut byte = 0u8;
     // SAFETY: the socket is open for the call (`stream` owns it); one writable byte; MSG_PEEK and
     // MSG_DONTWAIT: consumes nothing and never blocks.
-    let n = unsafe { libc::recv(stream.as_raw_fd(), (&mut byte as *mut u8).cast(), 1, libc::MSG_PEEK | libc::MSG_DONTWAIT) };
+    let n = unsafe {
+        libc::recv(stream.as_raw_fd(), (&mut byte as *mut u8).cast(), 1, libc::MSG_PEEK | libc::MSG_DONTWAIT)
+    };
     n < 0 && std::io::Error::last_os_error().kind() == std::io::ErrorKind::WouldBlock
 }
 
@@ -516,7 +538,11 @@ impl TransferEngine for TcpTransferEngine {
         Box::pin(self.prepare_peer(peer))
     }
 
-    fn write<'a>(&'a self, peer: &'a str, plan: &'a TransferPlan) -> BoxFuture<'a, Result<TransferStats, TransferError>> {
+    fn write<'a>(
+        &'a self,
+        peer: &'a str,
+        plan: &'a TransferPlan,
+    ) -> BoxFuture<'a, Result<TransferStats, TransferError>> {
         Box::pin(self.write_plan(peer, plan))
     }
 }

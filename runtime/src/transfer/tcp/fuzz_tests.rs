@@ -21,7 +21,9 @@ use proptest::prelude::*;
 use proptest::test_runner::{Config, TestCaseError, TestRunner};
 use tokio::io::{AsyncRead, ReadBuf};
 
-use super::wire::{self, Ack, BatchHeader, HostInfo, Request, WireError, ACK_MAGIC, BATCH_MAGIC, HELLO_MAGIC, HOST_MAGIC};
+use super::wire::{
+    self, Ack, BatchHeader, HostInfo, Request, WireError, ACK_MAGIC, BATCH_MAGIC, HELLO_MAGIC, HOST_MAGIC,
+};
 use crate::planner::Descriptor;
 
 /// The largest single read a parser may ask for, whatever a count or length on the wire claims.
@@ -135,7 +137,14 @@ fn host_info() -> impl Strategy<Value = HostInfo> {
         prop::collection::vec(any::<u8>(), 0..=wire::MAX_CANARY_LEN),
         prop::collection::vec((any::<u64>(), any::<u64>(), any::<u64>()), 0..8),
     )
-        .prop_map(|(offered, pid, host_id, canary_addr, canary, regions)| HostInfo { offered, pid, host_id, canary_addr, canary, regions })
+        .prop_map(|(offered, pid, host_id, canary_addr, canary, regions)| HostInfo {
+            offered,
+            pid,
+            host_id,
+            canary_addr,
+            canary,
+            regions,
+        })
 }
 
 fn batch_bytes(batch_id: u64, descriptors: &[(u64, u64)]) -> Vec<u8> {
@@ -156,7 +165,8 @@ fn raw_ack(status: u8, batch_id: u64, reason: &[u8]) -> Vec<u8> {
 /// One valid message of each kind, as bytes.
 fn valid_message() -> impl Strategy<Value = Vec<u8>> {
     prop_oneof![
-        prop::collection::vec(any::<char>(), 0..40).prop_map(|t| wire::encode_hello(Some(&String::from_iter(t))).expect("short token")),
+        prop::collection::vec(any::<char>(), 0..40)
+            .prop_map(|t| wire::encode_hello(Some(&String::from_iter(t))).expect("short token")),
         (any::<u64>(), descriptors()).prop_map(|(id, d)| batch_bytes(id, &d)),
         any::<u32>().prop_map(wire::encode_info_request),
         host_info().prop_map(|h| wire::encode_host_info(&h).expect("small answer")),
@@ -193,9 +203,12 @@ fn mutation() -> impl Strategy<Value = Mutation> {
         any::<usize>().prop_map(Mutation::Truncate),
         (any::<usize>(), 0u8..8).prop_map(|(i, b)| Mutation::FlipBit(i, b)),
         (any::<usize>(), huge_u32()).prop_map(|(i, v)| Mutation::Huge(i, v)),
-        (any::<usize>(), prop_oneof![Just(u16::MAX), Just(1025u16), any::<u16>()]).prop_map(|(i, v)| Mutation::HugeU16(i, v)),
+        (any::<usize>(), prop_oneof![Just(u16::MAX), Just(1025u16), any::<u16>()])
+            .prop_map(|(i, v)| Mutation::HugeU16(i, v)),
         (0usize..4, any::<u8>()).prop_map(|(i, v)| Mutation::WrongMagic(i, v)),
-        any::<u8>().prop_filter("not this build's version", |v| *v != wire::PROTOCOL_VERSION).prop_map(Mutation::WrongVersion),
+        any::<u8>()
+            .prop_filter("not this build's version", |v| *v != wire::PROTOCOL_VERSION)
+            .prop_map(Mutation::WrongVersion),
     ]
 }
 
@@ -229,7 +242,17 @@ fn wire_readers_on_arbitrary_bytes_give_typed_errors() {
     let inputs = prop_oneof![
         prop::collection::vec(any::<u8>(), 0..256),
         // A valid magic, then anything: the parsers get past the first check.
-        (prop::sample::select(vec![HELLO_MAGIC, BATCH_MAGIC, wire::INFO_MAGIC, wire::FENCE_MAGIC, HOST_MAGIC, ACK_MAGIC]), prop::collection::vec(any::<u8>(), 0..256))
+        (
+            prop::sample::select(vec![
+                HELLO_MAGIC,
+                BATCH_MAGIC,
+                wire::INFO_MAGIC,
+                wire::FENCE_MAGIC,
+                HOST_MAGIC,
+                ACK_MAGIC
+            ]),
+            prop::collection::vec(any::<u8>(), 0..256)
+        )
             .prop_map(|(magic, rest)| [magic.to_vec(), rest].concat()),
     ];
     runner
@@ -269,7 +292,11 @@ fn mutated_wire_messages_never_panic_and_fail_as_they_must() {
                     prop_assert!(matches!(parsed.batch, Err(WireError::BadMagic { .. })), "{:?}", parsed.batch);
                 }
                 Mutation::WrongVersion(v) if msg[..4] == HELLO_MAGIC => {
-                    prop_assert!(matches!(parsed.hello, Err(WireError::UnsupportedVersion { found }) if found == v), "{:?}", parsed.hello);
+                    prop_assert!(
+                        matches!(parsed.hello, Err(WireError::UnsupportedVersion { found }) if found == v),
+                        "{:?}",
+                        parsed.hello
+                    );
                 }
                 Mutation::Truncate(_) if msg[..4] == BATCH_MAGIC => {
                     prop_assert!(matches!(parsed.batch, Err(WireError::Io(_)) | Ok(None)), "{:?}", parsed.batch);

@@ -63,7 +63,13 @@ pub struct DataServerOptions {
 
 impl Default for DataServerOptions {
     fn default() -> Self {
-        Self { auth_token: None, offer_same_host: false, fence: None, device_export: Vec::new(), max_connections: DEFAULT_MAX_CONNECTIONS }
+        Self {
+            auth_token: None,
+            offer_same_host: false,
+            fence: None,
+            device_export: Vec::new(),
+            max_connections: DEFAULT_MAX_CONNECTIONS,
+        }
     }
 }
 
@@ -111,13 +117,22 @@ impl TcpDataServer {
     /// Listens on `addr` (port 0 picks a free one) and serves writes into `regions`. With
     /// `auth_token`, connections must present the same token.
     /// The server offers the same-host path (see [`TcpDataServer::bind_with`]).
-    pub async fn bind(addr: SocketAddr, regions: RegionTable, auth_token: Option<String>) -> Result<Self, DataServerError> {
+    pub async fn bind(
+        addr: SocketAddr,
+        regions: RegionTable,
+        auth_token: Option<String>,
+    ) -> Result<Self, DataServerError> {
         Self::bind_with(addr, regions, auth_token, true).await
     }
 
     /// As [`TcpDataServer::bind`]; with `offer_same_host = false` the server tells P that the
     /// same-host path is not offered, so P always writes over TCP.
-    pub async fn bind_with(addr: SocketAddr, regions: RegionTable, auth_token: Option<String>, offer_same_host: bool) -> Result<Self, DataServerError> {
+    pub async fn bind_with(
+        addr: SocketAddr,
+        regions: RegionTable,
+        auth_token: Option<String>,
+        offer_same_host: bool,
+    ) -> Result<Self, DataServerError> {
         Self::bind_fenced(addr, regions, auth_token, offer_same_host, None).await
     }
 
@@ -131,11 +146,20 @@ impl TcpDataServer {
         offer_same_host: bool,
         fence: Option<WriteFence>,
     ) -> Result<Self, DataServerError> {
-        Self::bind_options(addr, regions, DataServerOptions { auth_token, offer_same_host, fence, ..DataServerOptions::default() }).await
+        Self::bind_options(
+            addr,
+            regions,
+            DataServerOptions { auth_token, offer_same_host, fence, ..DataServerOptions::default() },
+        )
+        .await
     }
 
     /// Listens on `addr` and serves writes into `regions` as `options` say.
-    pub async fn bind_options(addr: SocketAddr, regions: RegionTable, options: DataServerOptions) -> Result<Self, DataServerError> {
+    pub async fn bind_options(
+        addr: SocketAddr,
+        regions: RegionTable,
+        options: DataServerOptions,
+    ) -> Result<Self, DataServerError> {
         let DataServerOptions { auth_token, offer_same_host, fence, device_export, max_connections } = options;
         let listener = listen(addr).map_err(|source| DataServerError::Bind { addr, source })?;
         let local_addr = listener.local_addr().map_err(|source| DataServerError::Bind { addr, source })?;

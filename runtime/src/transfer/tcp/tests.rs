@@ -84,8 +84,10 @@ impl Pair {
 
 #[tokio::test]
 async fn plans_coalesced_or_not_contiguous_or_fragmented_arrive_intact() {
-    let cases: [(&[BlockId], &[BlockId]); 2] =
-        [(&[3, 4, 5, 6, 7, 8, 9, 10, 11, 12], &[17, 18, 19, 20, 21, 22, 23, 24, 25, 26]), (&[1, 2, 3, 7, 8, 20, 21, 22], &[30, 31, 5, 6, 7, 10, 12, 13])];
+    let cases: [(&[BlockId], &[BlockId]); 2] = [
+        (&[3, 4, 5, 6, 7, 8, 9, 10, 11, 12], &[17, 18, 19, 20, 21, 22, 23, 24, 25, 26]),
+        (&[1, 2, 3, 7, 8, 20, 21, 22], &[30, 31, 5, 6, 7, 10, 12, 13]),
+    ];
     for (src_blocks, dst_blocks) in cases {
         for coalesce in [true, false] {
             let p = pair(SMALL, 32, None, TcpConfig::default()).await;
@@ -127,7 +129,8 @@ async fn eight_concurrent_writes_to_one_peer_all_arrive() {
         .map(|k| ((4 * k..4 * k + 4).collect(), (4 * (7 - k)..4 * (7 - k) + 4).rev().collect(), k % 2 == 0))
         .collect();
     let plans: Vec<TransferPlan> = jobs.iter().map(|(s, d, c)| p.plan(s, d, *c)).collect();
-    let results = bounded("8 writes", futures::future::join_all(plans.iter().map(|plan| p.engine.write(&p.peer, plan)))).await;
+    let results =
+        bounded("8 writes", futures::future::join_all(plans.iter().map(|plan| p.engine.write(&p.peer, plan)))).await;
     for (result, (s, d, _)) in results.into_iter().zip(&jobs) {
         result.expect("each concurrent write succeeds");
         p.assert_copied(s, d);
@@ -140,9 +143,16 @@ async fn an_out_of_region_descriptor_is_refused_and_the_server_keeps_serving() {
     let mut plan = p.plan(&[1, 2], &[5, 6], true);
     let last = p.dst.regions()[SMALL.num_layers - 1];
     // Straddles the end of D's last region.
-    plan.descriptors.push(Descriptor { src: p.src.regions()[0].base_addr, dst: last.base_addr + last.len - 8, len: 64 });
+    plan.descriptors.push(Descriptor {
+        src: p.src.regions()[0].base_addr,
+        dst: last.base_addr + last.len - 8,
+        len: 64,
+    });
     let err = bounded("refused write", p.engine.write(&p.peer, &plan)).await.expect_err("refused");
-    assert!(matches!(&err, TransferError::Refused { reason, .. } if reason.contains("registered region")), "got {err:?}");
+    assert!(
+        matches!(&err, TransferError::Refused { reason, .. } if reason.contains("registered region")),
+        "got {err:?}"
+    );
     p.assert_untouched(&[5, 6]);
 
     let plan = p.plan(&[1, 2], &[5, 6], true);
@@ -153,7 +163,12 @@ async fn an_out_of_region_descriptor_is_refused_and_the_server_keeps_serving() {
 #[tokio::test]
 async fn a_source_outside_local_regions_is_refused_before_connecting() {
     let p = pair(SMALL, 8, None, TcpConfig::default()).await;
-    let plan = TransferPlan { descriptors: vec![Descriptor { src: 8, dst: p.dst.regions()[0].base_addr, len: 8 }], fence: 0, cut_after: None, write_by: None };
+    let plan = TransferPlan {
+        descriptors: vec![Descriptor { src: 8, dst: p.dst.regions()[0].base_addr, len: 8 }],
+        fence: 0,
+        cut_after: None,
+        write_by: None,
+    };
     let err = bounded("write", p.engine.write(&p.peer, &plan)).await.expect_err("refused locally");
     assert!(matches!(err, TransferError::LocalRegion(_)), "got {err:?}");
     assert_eq!(p.engine.pooled_connections(&p.peer), 0);
@@ -214,7 +229,12 @@ async fn connecting_to_a_closed_port_fails_fast_with_connect() {
     let cache = filled_cache(SMALL, 4, 1);
     let engine = TcpTransferEngine::new(cache.region_table(), TcpConfig::default());
     let r = cache.regions()[0];
-    let plan = TransferPlan { descriptors: vec![Descriptor { src: r.base_addr, dst: 0x1000, len: 16 }], fence: 0, cut_after: None, write_by: None };
+    let plan = TransferPlan {
+        descriptors: vec![Descriptor { src: r.base_addr, dst: 0x1000, len: 16 }],
+        fence: 0,
+        cut_after: None,
+        write_by: None,
+    };
     let started = Instant::now();
     let err = bounded("write", engine.write(&closed.to_string(), &plan)).await.expect_err("nobody listens");
     assert!(matches!(err, TransferError::Connect { .. }), "got {err:?}");
@@ -281,12 +301,17 @@ fn plan_bytes_match(p: &Pair, plan: &TransferPlan, range: std::ops::Range<u64>, 
     true
 }
 
-async fn fenced_pair(shape: KvShape, num_blocks: usize, config: TcpConfig) -> (Pair, crate::transfer::fence::WriteFence) {
+async fn fenced_pair(
+    shape: KvShape,
+    num_blocks: usize,
+    config: TcpConfig,
+) -> (Pair, crate::transfer::fence::WriteFence) {
     let fence = crate::transfer::fence::WriteFence::new();
     let src = filled_cache(shape, num_blocks, 1);
     let dst = KvCache::new(shape, num_blocks);
     let addr = "127.0.0.1:0".parse().expect("valid address");
-    let server = TcpDataServer::bind_fenced(addr, dst.region_table(), None, false, Some(fence.clone())).await.expect("binds");
+    let server =
+        TcpDataServer::bind_fenced(addr, dst.region_table(), None, false, Some(fence.clone())).await.expect("binds");
     let peer = server.local_addr().to_string();
     let engine = TcpTransferEngine::new(src.region_table(), config);
     (Pair { src, dst, server, engine, peer }, fence)
@@ -330,7 +355,9 @@ async fn a_cut_sends_exactly_k_payload_bytes_after_the_fence_and_header_then_clo
         let got = bounded("server sees the close", server).await.expect("server task");
         let mut r = &got[..];
         assert!(matches!(wire::read_request(&mut r).await, Ok(Some(wire::Request::Fence { token: 9 }))), "fence first");
-        let Ok(Some(wire::Request::Batch(header))) = wire::read_request(&mut r).await else { panic!("a batch header follows") };
+        let Ok(Some(wire::Request::Batch(header))) = wire::read_request(&mut r).await else {
+            panic!("a batch header follows")
+        };
         assert_eq!(header.total_len(), Some(total), "the header declares the whole batch");
         assert_eq!(r.len() as u64, k.min(total), "exactly the first K payload bytes (k = {k})");
         // Those bytes are the plan's first K bytes, in order.
@@ -371,7 +398,10 @@ async fn a_cut_write_fails_typed_d_keeps_nothing_past_k_and_its_closed_fence_ref
     // A late write for the closed pull is refused whole: nothing more lands.
     let late = TransferPlan { fence: 7, ..plan.clone() };
     let err = bounded("late write", p.engine.write(&p.peer, &late)).await.expect_err("fence closed");
-    assert!(matches!(&err, TransferError::Refused { reason, .. } if reason.contains("fence 7 is closed")), "got {err:?}");
+    assert!(
+        matches!(&err, TransferError::Refused { reason, .. } if reason.contains("fence 7 is closed")),
+        "got {err:?}"
+    );
     assert!(plan_bytes_match(&p, &plan, k..plan.total_bytes(), false), "a refused write landed");
     // The server keeps serving: a new pull's write arrives whole.
     fence.open(8);
@@ -460,7 +490,9 @@ async fn a_connection_the_peer_closed_is_not_reused() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     };
     let p = Pair { src, dst, server, engine, peer };
-    bounded("write to the restarted D", p.engine.write(&p.peer, &p.plan(&[3], &[4], true))).await.expect("a fresh connection");
+    bounded("write to the restarted D", p.engine.write(&p.peer, &p.plan(&[3], &[4], true)))
+        .await
+        .expect("a fresh connection");
     p.assert_copied(&[3], &[4]);
 }
 
@@ -492,7 +524,12 @@ async fn a_share_d_dropped_is_not_resent() {
     bounded("prepare", engine.prepare(&peer)).await.expect("prepared");
     assert_eq!((accepted.load(Ordering::SeqCst), engine.pooled_connections(&peer)), (1, 1));
     let r = src.regions()[0];
-    let plan = TransferPlan { descriptors: vec![Descriptor { src: r.base_addr, dst: 0x10_0000, len: r.len }], fence: 0, cut_after: None, write_by: None };
+    let plan = TransferPlan {
+        descriptors: vec![Descriptor { src: r.base_addr, dst: 0x10_0000, len: r.len }],
+        fence: 0,
+        cut_after: None,
+        write_by: None,
+    };
     let err = bounded("write", engine.write(&peer, &plan)).await.expect_err("D dropped the connection");
     assert!(matches!(err, TransferError::Io { .. }), "{err:?}");
     assert_eq!(accepted.load(Ordering::SeqCst), 1, "the share was sent again on a new connection");
@@ -534,12 +571,17 @@ async fn a_batch_stalled_mid_payload_stops_landing_when_d_closes_its_fence() {
         tokio::time::sleep(Duration::from_millis(1)).await;
     }
     // D's pull ends: closing the fence must not wait for the stalled batch's remaining bytes.
-    bounded("fence close", fence.close(5, Duration::from_secs(5))).await.expect("the stalled batch stops and leaves the fence");
+    bounded("fence close", fence.close(5, Duration::from_secs(5)))
+        .await
+        .expect("the stalled batch stops and leaves the fence");
     read_until_closed(&mut raw).await;
     // Whatever P sends now never lands.
     let _ = raw.write_all(&vec![0xCD; half]).await;
     tokio::time::sleep(Duration::from_millis(20)).await;
-    assert!(p.dst.block_bytes(3).expect("block")[half..].iter().all(|&b| b == 0), "bytes landed after the fence closed");
+    assert!(
+        p.dst.block_bytes(3).expect("block")[half..].iter().all(|&b| b == 0),
+        "bytes landed after the fence closed"
+    );
     // The server keeps serving the next pull.
     fence.open(6);
     let next = TransferPlan { fence: 6, ..p.plan(&[1], &[2], true) };
@@ -589,7 +631,10 @@ async fn requests_trickling_in_byte_by_byte_are_read_whole() {
     }
     assert_eq!(bounded("ack", wire::read_ack(&mut raw)).await.expect("ack"), Ack::Ok { batch_id: 77 });
     let got = p.dst.block_bytes(2).expect("block");
-    assert!(got[..len as usize].iter().enumerate().all(|(i, &b)| b == (i as u64 % 251) as u8 + 1), "the payload landed whole and in order");
+    assert!(
+        got[..len as usize].iter().enumerate().all(|(i, &b)| b == (i as u64 % 251) as u8 + 1),
+        "the payload landed whole and in order"
+    );
 }
 
 #[tokio::test]
@@ -598,8 +643,11 @@ async fn p_gets_d_s_device_export_or_nothing_and_the_connection_stays_usable() {
     let src = filled_cache(SMALL, 8, 1);
     let export = b"opaque export of the cuda backend".to_vec();
     for offered in [Some(export.clone()), None] {
-        let options = DataServerOptions { device_export: offered.clone().unwrap_or_default(), ..DataServerOptions::default() };
-        let server = TcpDataServer::bind_options("127.0.0.1:0".parse().expect("addr"), dst.region_table(), options).await.expect("binds");
+        let options =
+            DataServerOptions { device_export: offered.clone().unwrap_or_default(), ..DataServerOptions::default() };
+        let server = TcpDataServer::bind_options("127.0.0.1:0".parse().expect("addr"), dst.region_table(), options)
+            .await
+            .expect("binds");
         let peer = server.local_addr().to_string();
         let engine = TcpTransferEngine::new(src.region_table(), TcpConfig::default());
         let got = bounded("device export", engine.device_export(&peer)).await.expect("answered");
@@ -610,7 +658,10 @@ async fn p_gets_d_s_device_export_or_nothing_and_the_connection_stays_usable() {
         bounded("write", engine.write(&peer, &plan)).await.expect("write after the question");
         assert_eq!(engine.pooled_connections(&peer), 1, "one connection served both");
     }
-    assert!(wire::encode_device_export(&vec![0u8; wire::MAX_DEVICE_EXPORT_LEN + 1]).is_err(), "an oversize export is refused");
+    assert!(
+        wire::encode_device_export(&vec![0u8; wire::MAX_DEVICE_EXPORT_LEN + 1]).is_err(),
+        "an oversize export is refused"
+    );
 }
 
 #[tokio::test]
@@ -632,7 +683,10 @@ async fn a_held_fence_makes_d_s_close_wait_until_p_releases_it_and_a_closed_one_
     assert!(released.elapsed() < Duration::from_secs(2), "the release ended the wait, not the close's deadline");
     // The closed token is refused; the connection carries the next request.
     let err = bounded("late hold", p.engine.hold_fence(&p.peer, 5)).await.expect_err("closed");
-    assert!(matches!(&err, TransferError::Refused { reason, .. } if reason.contains("fence 5 is closed")), "got {err:?}");
+    assert!(
+        matches!(&err, TransferError::Refused { reason, .. } if reason.contains("fence 5 is closed")),
+        "got {err:?}"
+    );
     let err = bounded("unnamed hold", p.engine.hold_fence(&p.peer, 0)).await.expect_err("never opened");
     assert!(matches!(&err, TransferError::Refused { reason, .. } if reason.contains("no fence named")), "got {err:?}");
     assert_eq!(p.engine.pooled_connections(&p.peer), 1, "refusals and the release keep the one connection");
@@ -696,7 +750,9 @@ async fn a_server_at_its_connection_limit_closes_one_more_at_once_and_serves_aga
     let src = filled_cache(SMALL, 8, 1);
     let dst = KvCache::new(SMALL, 8);
     let options = DataServerOptions { max_connections: 2, ..DataServerOptions::default() };
-    let server = TcpDataServer::bind_options("127.0.0.1:0".parse().expect("address"), dst.region_table(), options).await.expect("binds");
+    let server = TcpDataServer::bind_options("127.0.0.1:0".parse().expect("address"), dst.region_table(), options)
+        .await
+        .expect("binds");
     let peer = server.local_addr().to_string();
     let (first, _second) = (hello(&peer).await, hello(&peer).await);
     assert_eq!(server.live_connections(), 2);

@@ -120,14 +120,20 @@ impl BatchHeader {
 pub enum Request {
     Batch(BatchHeader),
     /// The batches that follow serve the pull D opened fence `token` for.
-    Fence { token: u64 },
+    Fence {
+        token: u64,
+    },
     /// P (process `p_pid`) asks whether the same-host path is possible.
-    HostInfo { p_pid: u32 },
+    HostInfo {
+        p_pid: u32,
+    },
     /// P asks for D's device export: how to write D's GPU KV directly (empty: none).
     DeviceExport,
     /// P is about to write D's memory itself (cuda-ipc) for the pull of fence `token`: D counts
     /// a write in flight under it, or refuses when the token is not open.
-    Hold { token: u64 },
+    Hold {
+        token: u64,
+    },
     /// P's write under the hold has ended.
     Release,
 }

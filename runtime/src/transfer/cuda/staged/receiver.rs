@@ -20,8 +20,8 @@ use std::time::{Duration, Instant};
 use cudarc::driver::{sys, CudaStream};
 use pdflow_messages::layout::RegionDesc;
 
-use super::wire::{self, Reply};
 use super::rings::{LentRing, RingPool};
+use super::wire::{self, Reply};
 use super::{chunk_len, chunk_pieces, wait_event, Slot, StagedConfig, StagedError};
 use crate::transfer::cuda::ipc::region_of;
 use crate::transfer::cuda::{check, CudaContext, CudaError};
@@ -67,7 +67,12 @@ pub struct StagedReceiver {
 impl StagedReceiver {
     /// Listens on `addr` (e.g. `127.0.0.1:0`) for writes into `regions` (device memory of `ctx`'s
     /// GPU). `config.chunk_bytes` and `config.depth` size D's own staging rings.
-    pub fn bind(ctx: &Arc<CudaContext>, regions: Vec<RegionDesc>, addr: &str, config: StagedConfig) -> Result<Self, StagedError> {
+    pub fn bind(
+        ctx: &Arc<CudaContext>,
+        regions: Vec<RegionDesc>,
+        addr: &str,
+        config: StagedConfig,
+    ) -> Result<Self, StagedError> {
         Self::bind_fenced(ctx, regions, addr, config, None)
     }
 
@@ -75,7 +80,13 @@ impl StagedReceiver {
     /// it (D's Receiver opens one per pull): held while the part lands, so D waits for it before
     /// freeing the blocks; when D closes it mid-part, the part stops (the copies already enqueued
     /// finish first) and the connection is dropped — nothing more lands.
-    pub fn bind_fenced(ctx: &Arc<CudaContext>, regions: Vec<RegionDesc>, addr: &str, config: StagedConfig, fence: Option<WriteFence>) -> Result<Self, StagedError> {
+    pub fn bind_fenced(
+        ctx: &Arc<CudaContext>,
+        regions: Vec<RegionDesc>,
+        addr: &str,
+        config: StagedConfig,
+        fence: Option<WriteFence>,
+    ) -> Result<Self, StagedError> {
         Self::bind_guarded(ctx, regions, addr, config, fence, None)
     }
 
@@ -208,7 +219,12 @@ enum ChunkError {
 
 /// Reads exactly `buf` (the socket's read timeout is [`FENCE_CHECK`]): between waits, stops when
 /// D revoked the fence or the part's deadline passed.
-fn read_chunk(tcp: &mut TcpStream, buf: &mut [u8], fence: Option<&FenceGuard>, until: Instant) -> Result<(), ChunkError> {
+fn read_chunk(
+    tcp: &mut TcpStream,
+    buf: &mut [u8],
+    fence: Option<&FenceGuard>,
+    until: Instant,
+) -> Result<(), ChunkError> {
     let mut got = 0;
     while got < buf.len() {
         if fence.is_some_and(FenceGuard::is_revoked) {
@@ -232,7 +248,8 @@ fn read_chunk(tcp: &mut TcpStream, buf: &mut [u8], fence: Option<&FenceGuard>, u
 /// Why a part is refused: the first destination outside D's regions.
 pub fn check_destinations(regions: &[RegionDesc], offered: &[(u64, u64)]) -> Result<(), String> {
     for (index, &(dst, len)) in offered.iter().enumerate() {
-        region_of(regions, dst, len).map_err(|e| format!("descriptor {index}: destination is not in D's registered device memory: {e}"))?;
+        region_of(regions, dst, len)
+            .map_err(|e| format!("descriptor {index}: destination is not in D's registered device memory: {e}"))?;
     }
     Ok(())
 }
@@ -356,7 +373,14 @@ fn receive(
         for p in pieces {
             // SAFETY: the destination lies in D's regions (checked before ACCEPTED); the source
             // is inside this buffer (chunk_pieces), which is not reused until `done` completes.
-            check(unsafe { sys::cuMemcpyHtoDAsync_v2(p.addr, base.add(p.offset as usize).cast(), p.len as usize, stream.cu_stream()) })?;
+            check(unsafe {
+                sys::cuMemcpyHtoDAsync_v2(
+                    p.addr,
+                    base.add(p.offset as usize).cast(),
+                    p.len as usize,
+                    stream.cu_stream(),
+                )
+            })?;
         }
         slot.done.record(stream)?;
     }

@@ -34,7 +34,8 @@ impl RingPool {
     /// Pins rings until `n` are idle (at most [`MAX_SPARE_RINGS`]).
     pub fn prepin(&self, n: usize) -> Result<(), CudaError> {
         let have = self.spares().len();
-        let made = (have..n.min(MAX_SPARE_RINGS)).map(|_| ring(&self.ctx, &self.config)).collect::<Result<Vec<_>, _>>()?;
+        let made =
+            (have..n.min(MAX_SPARE_RINGS)).map(|_| ring(&self.ctx, &self.config)).collect::<Result<Vec<_>, _>>()?;
         self.spares().extend(made);
         Ok(())
     }

@@ -21,8 +21,8 @@ use cudarc::driver::{sys, CudaStream};
 use futures::future::BoxFuture;
 use pdflow_messages::layout::RegionDesc;
 
-use super::wire::{self, Reply};
 use super::rings::{LentRing, RingPool};
+use super::wire::{self, Reply};
 use super::{chunk_len, chunk_pieces, split_parts, wait_event, Slot, StagedConfig, StagedError};
 use crate::planner::{Descriptor, TransferPlan};
 use crate::transfer::cuda::ipc::region_of;
@@ -66,7 +66,14 @@ pub struct StagedSender {
 impl StagedSender {
     pub fn new(ctx: &Arc<CudaContext>, local_regions: Vec<RegionDesc>, config: StagedConfig) -> Self {
         let config = config.sane();
-        Self { ctx: ctx.clone(), local_regions, config, auth_token: Vec::new(), pool: Mutex::default(), rings: RingPool::new(ctx, config) }
+        Self {
+            ctx: ctx.clone(),
+            local_regions,
+            config,
+            auth_token: Vec::new(),
+            pool: Mutex::default(),
+            rings: RingPool::new(ctx, config),
+        }
     }
 
     /// The same sender presenting `token` to D's receiver (`None`: no token).
@@ -150,7 +157,8 @@ impl StagedSender {
     pub fn write(&self, peer: &str, plan: &TransferPlan) -> Result<TransferStats, StagedError> {
         let start = Instant::now();
         for (index, d) in plan.descriptors.iter().enumerate() {
-            region_of(&self.local_regions, d.src, d.len).map_err(|source| StagedError::SourceOutOfRegion { index, source })?;
+            region_of(&self.local_regions, d.src, d.len)
+                .map_err(|source| StagedError::SourceOutOfRegion { index, source })?;
         }
         let parts = split_parts(&plan.descriptors, self.config.streams);
         let mut conns = self.take_conns(peer, parts.len());
@@ -170,7 +178,10 @@ impl StagedSender {
                     s.spawn(move || send_part(ctx, conn, peer, request, config, until, refused, barrier))
                 })
                 .collect();
-            handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(StagedError::Protocol("a send thread panicked".into())))).collect()
+            handles
+                .into_iter()
+                .map(|h| h.join().unwrap_or_else(|_| Err(StagedError::Protocol("a send thread panicked".into()))))
+                .collect()
         });
         // A refusal leaves every connection in step (nothing was sent after it); any other error
         // leaves the stream's state unknown: those connections are dropped.
@@ -186,11 +197,17 @@ impl StagedSender {
         if clean {
             let now = Instant::now();
             let mut pool = self.pool.lock().unwrap_or_else(PoisonError::into_inner);
-            pool.entry(peer.to_string()).or_default().extend(conns.into_iter().map(|c| SendConn { idle_since: now, ..c }));
+            pool.entry(peer.to_string())
+                .or_default()
+                .extend(conns.into_iter().map(|c| SendConn { idle_since: now, ..c }));
         }
         match first_err {
             Some(e) => Err(e),
-            None => Ok(TransferStats { bytes: plan.total_bytes(), descriptors: plan.descriptors.len(), duration: start.elapsed() }),
+            None => Ok(TransferStats {
+                bytes: plan.total_bytes(),
+                descriptors: plan.descriptors.len(),
+                duration: start.elapsed(),
+            }),
         }
     }
 }
@@ -226,7 +243,10 @@ fn send_part(
     offered?;
     if refused.load(Ordering::SeqCst) {
         conn.tcp.write_all(&[wire::ABORT]).map_err(io)?;
-        return Err(StagedError::Refused { peer: peer.to_string(), reason: "another part of the plan was refused".into() });
+        return Err(StagedError::Refused {
+            peer: peer.to_string(),
+            reason: "another part of the plan was refused".into(),
+        });
     }
     conn.tcp.write_all(&[wire::GO]).map_err(io)?;
     ctx.bind_to_thread().map_err(CudaError::from)?;
@@ -237,7 +257,14 @@ fn send_part(
         for p in pieces {
             // SAFETY: `p.offset + p.len <= chunk_bytes` (chunk_pieces), the source lies in P's
             // regions (checked in `write`), and the buffer is not read until `done` completes.
-            check(unsafe { sys::cuMemcpyDtoHAsync_v2(base.add(p.offset as usize).cast(), p.addr, p.len as usize, stream.cu_stream()) })?;
+            check(unsafe {
+                sys::cuMemcpyDtoHAsync_v2(
+                    base.add(p.offset as usize).cast(),
+                    p.addr,
+                    p.len as usize,
+                    stream.cu_stream(),
+                )
+            })?;
         }
         slot.done.record(stream)?;
         Ok(())
@@ -264,7 +291,8 @@ fn send_part(
 
 /// Sends the part's destinations and reads D's verdict.
 fn offer(conn: &mut SendConn, peer: &str, request: Request<'_>) -> Result<(), StagedError> {
-    let bytes = wire::encode_request(request.auth, request.fence, request.part).map_err(|e| StagedError::Protocol(e.to_string()))?;
+    let bytes = wire::encode_request(request.auth, request.fence, request.part)
+        .map_err(|e| StagedError::Protocol(e.to_string()))?;
     conn.tcp.write_all(&bytes).map_err(|source| StagedError::Io { peer: peer.to_string(), source })?;
     match wire::read_reply(&mut conn.tcp).map_err(|e| wire_error(peer, e))? {
         Reply::Accepted => Ok(()),
@@ -302,14 +330,21 @@ impl TransferEngine for StagedEngine {
         BACKEND
     }
 
-    fn write<'a>(&'a self, peer: &'a str, plan: &'a TransferPlan) -> BoxFuture<'a, Result<TransferStats, TransferError>> {
+    fn write<'a>(
+        &'a self,
+        peer: &'a str,
+        plan: &'a TransferPlan,
+    ) -> BoxFuture<'a, Result<TransferStats, TransferError>> {
         Box::pin(async move {
             let (sender, owned_peer, plan) = (self.0.clone(), peer.to_string(), plan.clone());
             let deadline = self.0.config.deadline + Duration::from_secs(5);
             let task = tokio::task::spawn_blocking(move || sender.write(&owned_peer, &plan));
             match tokio::time::timeout(deadline, task).await {
                 Ok(Ok(result)) => result.map_err(|e| to_transfer_error(peer, e)),
-                Ok(Err(join)) => Err(TransferError::Io { peer: peer.to_string(), source: std::io::Error::other(format!("cuda-staged write task failed: {join}")) }),
+                Ok(Err(join)) => Err(TransferError::Io {
+                    peer: peer.to_string(),
+                    source: std::io::Error::other(format!("cuda-staged write task failed: {join}")),
+                }),
                 Err(_) => Err(TransferError::Timeout { peer: peer.to_string(), deadline }),
             }
         })

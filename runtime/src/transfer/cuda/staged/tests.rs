@@ -24,7 +24,14 @@ fn chunks_cut_across_descriptors_and_cover_every_byte_once() {
     let chunks = chunk_pieces([(0x1000, 300), (0x9000, 50), (0x20000, 700)], 256);
     assert_eq!(chunks.len(), 5, "1,050 bytes in chunks of 256");
     assert_eq!(chunks[0], vec![Piece { addr: 0x1000, offset: 0, len: 256 }]);
-    assert_eq!(chunks[1], vec![Piece { addr: 0x1100, offset: 0, len: 44 }, Piece { addr: 0x9000, offset: 44, len: 50 }, Piece { addr: 0x20000, offset: 94, len: 162 }]);
+    assert_eq!(
+        chunks[1],
+        vec![
+            Piece { addr: 0x1100, offset: 0, len: 44 },
+            Piece { addr: 0x9000, offset: 44, len: 50 },
+            Piece { addr: 0x20000, offset: 94, len: 162 }
+        ]
+    );
     assert_eq!(chunks.iter().map(|c| chunk_len(c)).collect::<Vec<_>>(), vec![256, 256, 256, 256, 26]);
     let mut covered: Vec<(u64, u64)> = chunks.iter().flatten().map(|p| (p.addr, p.len)).collect();
     covered.sort();
@@ -53,11 +60,17 @@ fn requests_and_replies_survive_the_wire_and_bad_input_is_refused() {
     let plan = [d(1, 0xdead_beef_0000, 4096), d(2, 0x10, 1)];
     let bytes = wire::encode_request(b"secret", 77, &plan).expect("encodes");
     let back = wire::read_request(&mut &bytes[..]).expect("reads").expect("a request");
-    assert_eq!(back, wire::Offer { auth: b"secret".to_vec(), fence: 77, ranges: vec![(0xdead_beef_0000, 4096), (0x10, 1)] });
+    assert_eq!(
+        back,
+        wire::Offer { auth: b"secret".to_vec(), fence: 77, ranges: vec![(0xdead_beef_0000, 4096), (0x10, 1)] }
+    );
     assert!(matches!(wire::encode_request(&[b'x'; 1025], 1, &plan), Err(WireError::TokenTooLong(1025))));
     let mut long_token = bytes[..6].to_vec();
     long_token.extend_from_slice(&(wire::MAX_TOKEN + 1).to_le_bytes());
-    assert!(matches!(wire::read_request(&mut &long_token[..]), Err(WireError::TokenTooLong(_))), "an oversize token is refused before it is read");
+    assert!(
+        matches!(wire::read_request(&mut &long_token[..]), Err(WireError::TokenTooLong(_))),
+        "an oversize token is refused before it is read"
+    );
     let bytes = wire::encode_request(b"", 77, &plan).expect("encodes");
     assert!(wire::read_request(&mut &[][..]).expect("clean end").is_none());
     assert!(matches!(wire::read_request(&mut &b"HTTP/1.1"[..]), Err(WireError::BadMagic(_))));
@@ -77,9 +90,13 @@ fn requests_and_replies_survive_the_wire_and_bad_input_is_refused() {
 
 #[test]
 fn destinations_outside_ds_regions_are_refused() {
-    let regions = [RegionDesc { base_addr: 0x10000, len: 0x4000, block_len: 0x1000 }, RegionDesc { base_addr: 0x20000, len: 0x4000, block_len: 0x1000 }];
+    let regions = [
+        RegionDesc { base_addr: 0x10000, len: 0x4000, block_len: 0x1000 },
+        RegionDesc { base_addr: 0x20000, len: 0x4000, block_len: 0x1000 },
+    ];
     assert!(check_destinations(&regions, &[(0x10000, 0x4000), (0x21000, 0x1000)]).is_ok());
-    let reason = check_destinations(&regions, &[(0x10000, 0x1000), (0x13000, 0x2000)]).expect_err("crosses the end of region 0");
+    let reason =
+        check_destinations(&regions, &[(0x10000, 0x1000), (0x13000, 0x2000)]).expect_err("crosses the end of region 0");
     assert!(reason.starts_with("descriptor 1:"), "{reason}");
     assert!(check_destinations(&regions, &[(u64::MAX - 4, 0x1000)]).is_err(), "overflow");
 }
@@ -93,7 +110,9 @@ const BYTES: usize = 4 * 32 * 4096;
 
 /// P's and D's device memory (GPU 0 and GPU 1, or GPU 0 twice), P's holding `pattern(i)` at byte
 /// `i` and D's zeroed; `None` after saying why the test skips.
-fn two_sides(pattern: impl Fn(usize) -> u8) -> Option<(Arc<CudaContext>, Arc<CudaContext>, DeviceBuffer, DeviceBuffer)> {
+fn two_sides(
+    pattern: impl Fn(usize) -> u8,
+) -> Option<(Arc<CudaContext>, Arc<CudaContext>, DeviceBuffer, DeviceBuffer)> {
     let n = match device_count() {
         Ok(n) => n,
         Err(e) => {
@@ -115,17 +134,34 @@ fn two_sides(pattern: impl Fn(usize) -> u8) -> Option<(Arc<CudaContext>, Arc<Cud
 
 #[test]
 fn staged_round_trip_through_loopback_tcp() {
-    let Some((ctx_p, ctx_d, p_mem, d_mem)) = two_sides(|i| (i as u64).wrapping_mul(0x9e37_79b9).to_le_bytes()[2]) else { return };
+    let Some((ctx_p, ctx_d, p_mem, d_mem)) = two_sides(|i| (i as u64).wrapping_mul(0x9e37_79b9).to_le_bytes()[2])
+    else {
+        return;
+    };
     let (p_regions, d_regions) = (regions_at(p_mem.ptr), regions_at(d_mem.ptr));
 
     // Small chunks and a shallow ring, so that buffers are reused many times within one part.
-    let config = StagedConfig { chunk_bytes: 12 * 1024, depth: 2, streams: 3, deadline: Duration::from_secs(20), ..StagedConfig::default() };
-    let receiver = StagedReceiver::bind(&ctx_d, d_regions.clone(), "127.0.0.1:0", StagedConfig { chunk_bytes: 20 * 1024, ..config }).expect("D listens");
+    let config = StagedConfig {
+        chunk_bytes: 12 * 1024,
+        depth: 2,
+        streams: 3,
+        deadline: Duration::from_secs(20),
+        ..StagedConfig::default()
+    };
+    let receiver = StagedReceiver::bind(
+        &ctx_d,
+        d_regions.clone(),
+        "127.0.0.1:0",
+        StagedConfig { chunk_bytes: 20 * 1024, ..config },
+    )
+    .expect("D listens");
     let peer = receiver.local_addr().to_string();
     let sender = Arc::new(StagedSender::new(&ctx_p, p_regions.clone(), config));
 
     let plan = build_plan(&p_regions, &[1, 2, 3, 9, 30, 31], &d_regions, &[20, 21, 22, 4, 0, 7], true).expect("plan");
-    let zeros = |plan: &TransferPlan| plan.descriptors.iter().fold(CHECKSUM_BASIS, |h, d| checksum_words(h, &vec![0u8; d.len as usize]));
+    let zeros = |plan: &TransferPlan| {
+        plan.descriptors.iter().fold(CHECKSUM_BASIS, |h, d| checksum_words(h, &vec![0u8; d.len as usize]))
+    };
     let expected = plan_checksum(&ctx_p, &plan, true).expect("source checksum");
     assert_ne!(expected, zeros(&plan), "the pattern is not all zeros");
 
@@ -165,10 +201,12 @@ fn a_fenced_receiver_takes_a_part_only_under_an_open_token() {
     let (p_regions, d_regions) = (regions_at(p_mem.ptr), regions_at(d_mem.ptr));
     let config = small_config();
     let fence = crate::transfer::fence::WriteFence::new();
-    let receiver = StagedReceiver::bind_fenced(&ctx_d, d_regions.clone(), "127.0.0.1:0", config, Some(fence.clone())).expect("D listens");
+    let receiver = StagedReceiver::bind_fenced(&ctx_d, d_regions.clone(), "127.0.0.1:0", config, Some(fence.clone()))
+        .expect("D listens");
     let peer = receiver.local_addr().to_string();
     let sender = StagedSender::new(&ctx_p, p_regions.clone(), config);
-    let plan = TransferPlan { fence: 5, ..build_plan(&p_regions, &[1, 2, 3], &d_regions, &[10, 11, 12], true).expect("plan") };
+    let plan =
+        TransferPlan { fence: 5, ..build_plan(&p_regions, &[1, 2, 3], &d_regions, &[10, 11, 12], true).expect("plan") };
     let zeros = plan.descriptors.iter().fold(CHECKSUM_BASIS, |h, d| checksum_words(h, &vec![0u8; d.len as usize]));
 
     // Never opened: refused whole, nothing lands.
@@ -192,7 +230,9 @@ fn a_receiver_with_an_auth_token_takes_only_requests_that_present_it() {
     let Some((ctx_p, ctx_d, p_mem, d_mem)) = two_sides(|i| (i as u64 * 13 + 1) as u8) else { return };
     let (p_regions, d_regions) = (regions_at(p_mem.ptr), regions_at(d_mem.ptr));
     let config = small_config();
-    let receiver = StagedReceiver::bind_guarded(&ctx_d, d_regions.clone(), "127.0.0.1:0", config, None, Some(b"s3cret".to_vec())).expect("D listens");
+    let receiver =
+        StagedReceiver::bind_guarded(&ctx_d, d_regions.clone(), "127.0.0.1:0", config, None, Some(b"s3cret".to_vec()))
+            .expect("D listens");
     let peer = receiver.local_addr().to_string();
     let plan = build_plan(&p_regions, &[4, 5], &d_regions, &[8, 9], true).expect("plan");
     let zeros = plan.descriptors.iter().fold(CHECKSUM_BASIS, |h, d| checksum_words(h, &vec![0u8; d.len as usize]));
@@ -201,7 +241,10 @@ fn a_receiver_with_an_auth_token_takes_only_requests_that_present_it() {
         // Twice: the second goes over the pooled connections, which the refusal left in step.
         for attempt in 0..2 {
             let err = sender.write(&peer, &plan).expect_err("no or a wrong token");
-            assert!(matches!(&err, StagedError::Refused { reason, .. } if reason.contains("auth token")), "{token:?}, attempt {attempt}: {err:?}");
+            assert!(
+                matches!(&err, StagedError::Refused { reason, .. } if reason.contains("auth token")),
+                "{token:?}, attempt {attempt}: {err:?}"
+            );
         }
         assert_eq!(plan_checksum(&ctx_d, &plan, false).expect("D checksum"), zeros, "an unauthorised part landed");
     }
@@ -252,12 +295,22 @@ fn a_sender_keeps_the_rings_of_dropped_connections_for_the_next_ones() {
 
 /// 16 KiB chunks, two buffers, two streams: each part reuses its buffers many times.
 fn small_config() -> StagedConfig {
-    StagedConfig { chunk_bytes: 16 * 1024, depth: 2, streams: 2, deadline: Duration::from_secs(20), ..StagedConfig::default() }
+    StagedConfig {
+        chunk_bytes: 16 * 1024,
+        depth: 2,
+        streams: 2,
+        deadline: Duration::from_secs(20),
+        ..StagedConfig::default()
+    }
 }
 
 /// D's bytes under `plan`'s destinations equal P's under its sources.
 fn assert_landed(ctx_p: &Arc<CudaContext>, ctx_d: &Arc<CudaContext>, plan: &TransferPlan, what: &str) {
-    assert_eq!(plan_checksum(ctx_d, plan, false).expect("D checksum"), plan_checksum(ctx_p, plan, true).expect("P checksum"), "{what}: D's bytes differ from P's");
+    assert_eq!(
+        plan_checksum(ctx_d, plan, false).expect("D checksum"),
+        plan_checksum(ctx_p, plan, true).expect("P checksum"),
+        "{what}: D's bytes differ from P's"
+    );
 }
 
 /// Waits (bounded) until `f` holds; `what` names it when it never does.
@@ -275,7 +328,13 @@ fn d_closes_idle_connections_and_p_writes_over_new_ones_instead_of_failing() {
     let (p_regions, d_regions) = (regions_at(p_mem.ptr), regions_at(d_mem.ptr));
     let base = small_config();
     // D lets idle connections go after 100 ms; P would keep reusing them for a minute.
-    let receiver = StagedReceiver::bind(&ctx_d, d_regions.clone(), "127.0.0.1:0", StagedConfig { idle_close: Duration::from_millis(100), ..base }).expect("D listens");
+    let receiver = StagedReceiver::bind(
+        &ctx_d,
+        d_regions.clone(),
+        "127.0.0.1:0",
+        StagedConfig { idle_close: Duration::from_millis(100), ..base },
+    )
+    .expect("D listens");
     let peer = receiver.local_addr().to_string();
     let sender = StagedSender::new(&ctx_p, p_regions.clone(), base);
     let plan = build_plan(&p_regions, &[3, 4, 5], &d_regions, &[6, 7, 8], true).expect("plan");
@@ -289,7 +348,8 @@ fn d_closes_idle_connections_and_p_writes_over_new_ones_instead_of_failing() {
     // D's receiver restarts at the same address (now without an idle close): P's pooled
     // connections to the old one are seen closed; warm() replaces them, and the write uses those.
     drop(receiver);
-    let receiver = StagedReceiver::bind(&ctx_d, d_regions.clone(), &peer, base).expect("D listens again at the same address");
+    let receiver =
+        StagedReceiver::bind(&ctx_d, d_regions.clone(), &peer, base).expect("D listens again at the same address");
     sender.warm(&peer).expect("warm");
     within("D serves the two warmed connections", || receiver.live_connections() == 2);
     assert_eq!(sender.pooled(&peer), 2, "warm replaced the closed connections, not added to them");
@@ -307,7 +367,8 @@ fn p_drops_connections_idle_past_its_pool_limit_and_d_lets_their_threads_go() {
     let receiver = StagedReceiver::bind(&ctx_d, d_regions.clone(), "127.0.0.1:0", base).expect("D listens");
     receiver.prepin(2).expect("pins two rings");
     let peer = receiver.local_addr().to_string();
-    let sender = StagedSender::new(&ctx_p, p_regions.clone(), StagedConfig { pool_idle: Duration::from_millis(20), ..base });
+    let sender =
+        StagedSender::new(&ctx_p, p_regions.clone(), StagedConfig { pool_idle: Duration::from_millis(20), ..base });
     let plan = build_plan(&p_regions, &[1, 2], &d_regions, &[3, 4], true).expect("plan");
     for round in 0..3 {
         d_mem.fill(0).expect("zero D");
@@ -329,7 +390,13 @@ fn a_receiver_at_its_connection_limit_closes_one_more_at_once() {
     use std::io::Read as _;
     let Some((ctx_p, ctx_d, p_mem, d_mem)) = two_sides(|i| (i as u64 * 23 + 7) as u8) else { return };
     let (p_regions, d_regions) = (regions_at(p_mem.ptr), regions_at(d_mem.ptr));
-    let receiver = StagedReceiver::bind(&ctx_d, d_regions.clone(), "127.0.0.1:0", StagedConfig { max_connections: 2, ..small_config() }).expect("D listens");
+    let receiver = StagedReceiver::bind(
+        &ctx_d,
+        d_regions.clone(),
+        "127.0.0.1:0",
+        StagedConfig { max_connections: 2, ..small_config() },
+    )
+    .expect("D listens");
     let peer = receiver.local_addr().to_string();
     let sender = StagedSender::new(&ctx_p, p_regions.clone(), small_config());
     let plan = build_plan(&p_regions, &[2, 3], &d_regions, &[4, 5], true).expect("plan");
@@ -340,7 +407,10 @@ fn a_receiver_at_its_connection_limit_closes_one_more_at_once() {
     third.set_read_timeout(Some(Duration::from_secs(10))).expect("timeout");
     let mut rest = Vec::new();
     let read = third.read_to_end(&mut rest);
-    assert!(matches!(&read, Ok(0)) || matches!(&read, Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset), "the connection over the limit was not closed: {read:?}");
+    assert!(
+        matches!(&read, Ok(0)) || matches!(&read, Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset),
+        "the connection over the limit was not closed: {read:?}"
+    );
     assert_eq!(receiver.live_connections(), 2, "the served connections are untouched");
     // The pooled two still carry writes.
     d_mem.fill(0).expect("zero D");

@@ -45,7 +45,8 @@ async fn hello(peer: &str, token: &[u8]) -> (TcpStream, Result<Ack, WireError>) 
     bytes.extend_from_slice(&(token.len() as u16).to_le_bytes());
     bytes.extend_from_slice(token);
     raw.write_all(&bytes).await.expect("sends");
-    let ack = tokio::time::timeout(BOUND, wire::read_ack(&mut raw)).await.expect("the server answers the hello in time");
+    let ack =
+        tokio::time::timeout(BOUND, wire::read_ack(&mut raw)).await.expect("the server answers the hello in time");
     (raw, ack)
 }
 
@@ -78,7 +79,10 @@ fn p_engine(byte: u8, token: Option<&str>) -> (Arc<KvCache>, TcpTransferEngine) 
             }
         }
     }
-    let engine = TcpTransferEngine::new(src.region_table(), TcpConfig { auth_token: token.map(str::to_string), ..TcpConfig::default() });
+    let engine = TcpTransferEngine::new(
+        src.region_table(),
+        TcpConfig { auth_token: token.map(str::to_string), ..TcpConfig::default() },
+    );
     (src, engine)
 }
 
@@ -100,7 +104,11 @@ async fn a_descriptor_count_above_the_limit_is_refused_with_a_clear_error() {
     header.extend_from_slice(&(wire::MAX_DESCRIPTORS_PER_BATCH as u32 + 1).to_le_bytes());
     raw.write_all(&header).await.expect("sends");
     let reason = refusal_then_close(&mut raw).await;
-    assert!(reason.contains(&format!("{} descriptors", wire::MAX_DESCRIPTORS_PER_BATCH + 1)) && reason.contains("allowed per batch"), "{reason}");
+    assert!(
+        reason.contains(&format!("{} descriptors", wire::MAX_DESCRIPTORS_PER_BATCH + 1))
+            && reason.contains("allowed per batch"),
+        "{reason}"
+    );
     assert_all_zero(&dst);
     still_serves(&dst, &peer, None).await;
 }
@@ -111,7 +119,8 @@ async fn a_fenced_server_writes_only_for_open_pulls() {
     let dst = KvCache::new(SMALL, NUM_BLOCKS);
     let fence = WriteFence::new();
     let addr = "127.0.0.1:0".parse().expect("valid address");
-    let server = TcpDataServer::bind_fenced(addr, dst.region_table(), None, false, Some(fence.clone())).await.expect("binds");
+    let server =
+        TcpDataServer::bind_fenced(addr, dst.region_table(), None, false, Some(fence.clone())).await.expect("binds");
     let peer = server.local_addr().to_string();
     let (src, engine) = p_engine(0x77, None);
     let mut plan = build_plan(&src.regions(), &[1], &dst.regions(), &[2], true).expect("plannable");
@@ -159,7 +168,9 @@ async fn a_refused_batch_too_large_to_drain_is_refused_and_closed_with_a_clear_e
     let (dst, _server, peer) = d_server(None).await;
     let r = dst.regions()[0];
     // Outside D's regions and 1 TiB of payload; then a sum of lengths that overflows u64.
-    for descs in [vec![(r.base_addr + r.len, 1u64 << 40)], vec![(r.base_addr, 8), (u64::MAX - 4, u64::MAX), (r.base_addr, 2)]] {
+    for descs in
+        [vec![(r.base_addr + r.len, 1u64 << 40)], vec![(r.base_addr, 8), (u64::MAX - 4, u64::MAX), (r.base_addr, 2)]]
+    {
         let (mut raw, ack) = hello(&peer, b"").await;
         assert_eq!(ack.expect("hello ack"), Ack::Ok { batch_id: 0 });
         raw.write_all(&batch_bytes(9, &descs)).await.expect("sends");
@@ -226,25 +237,34 @@ fn descriptors_outside_d_regions_are_refused_and_nothing_is_written() {
                 Outside::Anywhere(a) => (a, 8),
             };
             prop_assume!(table.check(bad.0, bad.1).is_err());
-            let descs: Vec<(u64, u64)> = before.iter().map(to_desc).chain([bad]).chain(after.iter().map(to_desc)).collect();
+            let descs: Vec<(u64, u64)> =
+                before.iter().map(to_desc).chain([bad]).chain(after.iter().map(to_desc)).collect();
             let total: u64 = descs.iter().map(|d| d.1).sum();
             rt.block_on(async {
                 let (mut raw, ack) = hello(&peer, b"").await;
                 prop_assert_eq!(ack.expect("hello ack"), Ack::Ok { batch_id: 0 });
                 raw.write_all(&batch_bytes(batch_id, &descs)).await.expect("sends header");
                 raw.write_all(&vec![0xab; total as usize]).await.expect("sends payload");
-                let ack = tokio::time::timeout(BOUND, wire::read_ack(&mut raw)).await.expect("answered in time").expect("an ack");
+                let ack = tokio::time::timeout(BOUND, wire::read_ack(&mut raw))
+                    .await
+                    .expect("answered in time")
+                    .expect("an ack");
                 match ack {
                     Ack::Refused { batch_id: id, reason } => {
                         prop_assert_eq!(id, batch_id);
-                        prop_assert!(reason.contains("registered region") && reason.contains("nothing of the batch was written"), "{}", reason);
+                        prop_assert!(
+                            reason.contains("registered region") && reason.contains("nothing of the batch was written"),
+                            "{}",
+                            reason
+                        );
                     }
                     other => prop_assert!(false, "{:?} accepted: {:?}", descs, other),
                 }
                 // The refused payload was drained: the connection still carries a valid batch.
                 let r = regions[0];
                 raw.write_all(&batch_bytes(batch_id ^ 1, &[(r.base_addr, 0)])).await.expect("sends");
-                let next = tokio::time::timeout(BOUND, wire::read_ack(&mut raw)).await.expect("in time").expect("an ack");
+                let next =
+                    tokio::time::timeout(BOUND, wire::read_ack(&mut raw)).await.expect("in time").expect("an ack");
                 prop_assert_eq!(next, Ack::Ok { batch_id: batch_id ^ 1 });
                 Ok(())
             })?;
@@ -282,7 +302,8 @@ fn wrong_missing_or_oversize_auth_tokens_are_refused() {
                 let (mut raw, ack) = hello(&peer, &token).await;
                 match ack {
                     Ok(Ack::Refused { batch_id: 0, reason }) => {
-                        let expected = if token.len() > wire::MAX_TOKEN_LEN { "exceeds" } else { "auth token does not match" };
+                        let expected =
+                            if token.len() > wire::MAX_TOKEN_LEN { "exceeds" } else { "auth token does not match" };
                         prop_assert!(reason.contains(expected), "{}", reason);
                     }
                     other => prop_assert!(false, "token {:?} got {:?}", token, other),
@@ -299,7 +320,8 @@ fn wrong_missing_or_oversize_auth_tokens_are_refused() {
         for token in [None, Some("wrong")] {
             let (src, engine) = p_engine(0x77, token);
             let plan = build_plan(&src.regions(), &[1], &dst.regions(), &[3], true).expect("plannable");
-            let err = tokio::time::timeout(BOUND, engine.write(&peer, &plan)).await.expect("in time").expect_err("refused");
+            let err =
+                tokio::time::timeout(BOUND, engine.write(&peer, &plan)).await.expect("in time").expect_err("refused");
             assert!(matches!(&err, TransferError::Refused { reason, .. } if reason.contains("auth")), "{err:?}");
         }
         assert_all_zero(&dst);
@@ -324,7 +346,13 @@ fn garbage_and_mutated_messages_never_hang_a_connection_or_stop_the_server() {
             move |g| [h.clone(), g].concat()
         }),
         // A valid hello and a mutated zero-payload batch or info request.
-        (prop_oneof![Just(batch_bytes(4, &[(r.base_addr, 16), (r.base_addr + 64, 8)])), Just(wire::encode_info_request(1))], mutation())
+        (
+            prop_oneof![
+                Just(batch_bytes(4, &[(r.base_addr, 16), (r.base_addr + 64, 8)])),
+                Just(wire::encode_info_request(1))
+            ],
+            mutation()
+        )
             .prop_map({
                 let h = hello_bytes.clone();
                 move |(msg, m)| [h.clone(), apply(&msg, &m), vec![0; 24]].concat()
