@@ -597,7 +597,7 @@ mod tests {
     #[test]
     fn two_namespaces_talk_over_their_link_and_a_cut_blackholes_them() {
         if let Err(reason) = available() {
-            eprintln!("skipped: {reason}");
+            pdflow_runtime::skip::skipped("network namespaces test", &reason);
             return;
         }
         let mut t = Topology::new().expect("topology");

@@ -16,4 +16,5 @@
 pub mod engine;
 pub mod memory;
 pub mod planner;
+pub mod skip;
 pub mod transfer;

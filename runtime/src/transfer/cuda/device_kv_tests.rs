@@ -22,11 +22,11 @@ const BLOCKS: usize = 32;
 fn gpus() -> Option<(usize, usize)> {
     match device_count() {
         Err(e) => {
-            eprintln!("SKIP GPU KV cache test: {e}");
+            crate::skip::skipped("GPU KV cache test", &e);
             None
         }
         Ok(_) if !nvrtc_available() => {
-            eprintln!("SKIP GPU KV cache test: {}", CudaError::NoNvrtc);
+            crate::skip::skipped("GPU KV cache test", &CudaError::NoNvrtc);
             None
         }
         Ok(n) => Some((0, usize::from(n > 1))),

@@ -53,9 +53,9 @@ fn ipc_failures_map_onto_the_transfer_errors_of_the_other_backends() {
 
 fn gpus() -> Option<usize> {
     match device_count() {
-        Err(e) => eprintln!("SKIP cuda ipc engine test: {e}"),
+        Err(e) => crate::skip::skipped("cuda ipc engine test", &e),
         Ok(_) if !nvrtc_available() => {
-            eprintln!("SKIP cuda ipc engine test: {}", crate::transfer::cuda::CudaError::NoNvrtc)
+            crate::skip::skipped("cuda ipc engine test", &crate::transfer::cuda::CudaError::NoNvrtc)
         }
         Ok(n) => return Some(n),
     }

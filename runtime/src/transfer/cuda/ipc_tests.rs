@@ -111,8 +111,8 @@ fn protocol_lines_are_found_behind_other_output() {
 /// The number of GPUs, or `None` after printing why the test skips.
 fn gpus() -> Option<usize> {
     match device_count() {
-        Err(e) => eprintln!("SKIP cuda ipc test: {e}"),
-        Ok(_) if !nvrtc_available() => eprintln!("SKIP cuda ipc test: {}", CudaError::NoNvrtc),
+        Err(e) => crate::skip::skipped("cuda ipc test", &e),
+        Ok(_) if !nvrtc_available() => crate::skip::skipped("cuda ipc test", &CudaError::NoNvrtc),
         Ok(n) => return Some(n),
     }
     None

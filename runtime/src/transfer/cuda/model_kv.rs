@@ -183,11 +183,11 @@ mod tests {
     fn gpu0() -> Option<Arc<CudaContext>> {
         match super::super::device_count() {
             Err(e) => {
-                eprintln!("SKIP cuda model KV test: {e}");
+                crate::skip::skipped("cuda model KV test", &e);
                 None
             }
             Ok(_) if !super::super::nvrtc_available() => {
-                eprintln!("SKIP cuda model KV test: {}", CudaError::NoNvrtc);
+                crate::skip::skipped("cuda model KV test", &CudaError::NoNvrtc);
                 None
             }
             Ok(_) => Some(CudaContext::new(0).expect("GPU 0 is visible")),

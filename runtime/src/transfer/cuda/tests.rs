@@ -7,11 +7,11 @@ use crate::planner::{Descriptor, TransferPlan};
 fn gpu0() -> Option<Arc<CudaContext>> {
     match device_count() {
         Err(e) => {
-            eprintln!("SKIP cuda test: {e}");
+            crate::skip::skipped("cuda test", &e);
             return None;
         }
         Ok(_) if !nvrtc_available() => {
-            eprintln!("SKIP cuda test: {}", CudaError::NoNvrtc);
+            crate::skip::skipped("cuda test", &CudaError::NoNvrtc);
             return None;
         }
         Ok(_) => {}

@@ -116,7 +116,7 @@ fn two_sides(
     let n = match device_count() {
         Ok(n) => n,
         Err(e) => {
-            eprintln!("SKIP cuda staged test: {e}");
+            crate::skip::skipped("cuda staged test", &e);
             return None;
         }
     };
