@@ -44,7 +44,7 @@ pub enum Command {
     /// Trace files: `pdflow trace render TRACE.json --out timeline.html`.
     #[command(subcommand)]
     Trace(TraceCmd),
-    /// The fault matrix (issue #5) on the simulated engines in this process: every actor kind ×
+    /// The fault matrix on the simulated engines in this process: every actor kind ×
     /// every step at which it is alive × the faults that apply, node kills of P, D and bootstrap;
     /// prints one row per cell (outcome, correctness, time to terminal, leaked blocks).
     Chaos(ChaosArgs),

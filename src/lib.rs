@@ -16,7 +16,7 @@
 //! - [`timeline`] — the seed's 43-step timeline rebuilt from captured spans.
 //! - [`demo`] — `pdflow demo`: the seed scenario end to end, verified.
 //! - [`bench`] — `pdflow bench …`: transfer, end-to-end and proxy benchmarks.
-//! - [`chaos`] — `pdflow chaos`: issue #5's fault matrix on the simulated engines.
+//! - [`chaos`] — `pdflow chaos`: the fault matrix on the simulated engines.
 //! - [`cli`] — the command line.
 
 pub mod bench;

@@ -36,7 +36,7 @@ fn init_tracing(capture: Option<SpanCapture>, export: Option<&TraceExport>, metr
         .try_init();
 }
 
-/// Issue #5: `PDFLOW_FAULT_PLAN` (JSON or `@path`), checked before anything binds and armed.
+/// `PDFLOW_FAULT_PLAN` (JSON or `@path`), checked before anything binds and armed.
 fn load_fault_plan() -> anyhow::Result<()> {
     match FaultPlan::from_env() {
         Ok(None) => Ok(()),

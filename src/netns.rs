@@ -1,4 +1,4 @@
-//! Network namespaces for network faults (issue #5: "network cuts between nodes that run in
+//! Network namespaces for network faults ("network cuts between nodes that run in
 //! their own network namespaces"): a typed, RAII topology of `ip netns` namespaces joined by veth
 //! pairs, processes started inside them, and links that can be cut, restored and throttled.
 //!

@@ -1,4 +1,4 @@
-//! Registers actors as fault-injection targets (issue #5, `pdflow_observability::fault`): a weak
+//! Registers actors as fault-injection targets (`pdflow_observability::fault`): a weak
 //! kameo ref whose `kill()` the fault layer calls. A no-op unless fault injection is enabled.
 //! Owns no seed step.
 

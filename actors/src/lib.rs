@@ -12,7 +12,7 @@
 //! - [`send_worker`] — one per transfer on P: wait for ready, plan, write, reply (14, 22, 27–29, 31).
 //! - [`receiver`] — D's pulls in flight and bootstrap look-ups (steps 5, 19, 20, 34).
 //! - [`pull_task`] — one side-channel exchange (ZeroMQ DEALER) with a deadline (steps 21, 30 receive).
-//! - [`fault_hooks`] — registers actors as targets of issue #5's fault plan (no-op without one).
+//! - [`fault_hooks`] — registers actors as targets of the fault plan (no-op without one).
 //! - [`error`] — the crate's error type.
 
 pub mod bootstrap;

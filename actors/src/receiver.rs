@@ -127,7 +127,7 @@ pub struct Receiver {
     lookups: HashMap<EngineId, Lookup>,
     /// P worker address → the layout id it acknowledged.
     layout_acks: HashMap<String, u64>,
-    /// P worker address → its generation, from bootstrap or its last answer (issue #5): every
+    /// P worker address → its generation, from bootstrap or its last answer: every
     /// pull names it, so that a restarted worker refuses at once what its predecessor held.
     p_generations: HashMap<String, u64>,
     in_flight: HashMap<RequestId, Recv>,

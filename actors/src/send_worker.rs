@@ -335,7 +335,7 @@ impl SendWorker {
         }
         // No byte after D's pull deadline (less a margin): D gives the blocks up then.
         let plan = pdflow_runtime::planner::TransferPlan { write_by: pull.write_by, ..plan };
-        // Fault injection (issue #5, `cut_data`): returns at once unless a fault plan is armed.
+        // Fault injection (`cut_data`): returns at once unless a fault plan is armed.
         let plan = match pdflow_observability::fault::data_cut(&p_req_id) {
             Some(after_bytes) => pdflow_runtime::planner::TransferPlan { cut_after: Some(after_bytes), ..plan },
             None => plan,

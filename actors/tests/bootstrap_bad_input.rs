@@ -1,4 +1,4 @@
-//! Fuzz target (issue 5, bad input) for the Bootstrap actor's HTTP server (seed steps 4, 7, 20):
+//! Fuzz target (bad input) for the Bootstrap actor's HTTP server (seed steps 4, 7, 20):
 //! a real [`Bootstrap`] on 127.0.0.1:0, fed arbitrary and near-valid `/register` bodies over HTTP.
 //!
 //! - A malformed body gets a 4xx with a clear message (`{"error": …, "detail": …}` naming what was

@@ -1,4 +1,4 @@
-//! Fuzz target (issue 5, bad input) for P's side channel (seed steps 21 and 30) end to end: a real
+//! Fuzz target (bad input) for P's side channel (seed steps 21 and 30) end to end: a real
 //! [`SenderListener`] on 127.0.0.1:0, fed garbage and mutated pdflow frames by a ZeroMQ DEALER.
 //!
 //! - Every frame that does not decode is answered with a `PullResponse` of status `Error`,

@@ -16,7 +16,7 @@ pub struct RegisterWorker {
     pub pp_rank: u32,
     /// The worker's side-channel address, `tcp://host:port`.
     pub addr: String,
-    /// The worker's generation (issue #5): a new, larger one each time the worker starts, so that
+    /// The worker's generation: a new, larger one each time the worker starts, so that
     /// a restarted worker replaces its previous incarnation here and D's pulls addressed to the
     /// previous one are refused at once. 0: not given (vLLM's Mooncake workers), never replaces.
     #[serde(default)]

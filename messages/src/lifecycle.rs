@@ -1,4 +1,4 @@
-//! The lifecycle of one request's transfer on each side, as explicit states (issue #5). Every
+//! The lifecycle of one request's transfer on each side, as explicit states. Every
 //! state a request can wait in is bounded by a named, configurable [`Deadline`], and an error a
 //! deadline causes names the side, the state and the deadline ([`DeadlinePassed`]). Owns no step:
 //! the actors that own the steps keep their requests in these states — P's SendWorker per

@@ -96,7 +96,7 @@ pub enum PullErrorCause {
     /// D aborted the transfer itself.
     CancelledByPeer,
     /// P no longer holds this transfer's KV: it was sent already, or D's pull came after P's
-    /// send expiry (issue #5's negative acknowledgement, instead of a wait for ready).
+    /// send expiry (negative acknowledgement, instead of a wait for ready).
     Expired,
     /// The pull addressed a previous generation of this P worker (it restarted) and the transfer
     /// is unknown to the current one: its KV went with the previous incarnation.

@@ -1,4 +1,4 @@
-//! Fuzz targets (issue 5, bad input) for pdflow's JSON bodies: `kv_transfer_params` (seed §2.3,
+//! Fuzz targets (bad input) for pdflow's JSON bodies: `kv_transfer_params` (seed §2.3,
 //! steps 9–11 and 16) and the bootstrap bodies (`POST /register`, `GET /query`: steps 4, 7, 20).
 //!
 //! Properties, each over a bounded number of proptest cases:

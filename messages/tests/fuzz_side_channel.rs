@@ -1,4 +1,4 @@
-//! Fuzz targets (issue 5, bad input) for the side channel's frame decoder, seed steps 21 and 30:
+//! Fuzz targets (bad input) for the side channel's frame decoder, seed steps 21 and 30:
 //! `frame::decode` of every message D and P exchange ([`SideChannelRequest`], [`PullResponse`]).
 //!
 //! Properties, each over a bounded number of proptest cases:

@@ -10,7 +10,7 @@
 //! - [`attrs`] — attribute keys.
 //! - [`capture`] — an in-process `tracing` layer that records step spans (the demo's timeline).
 //! - [`trace_context`] — W3C `traceparent` parsing and OpenTelemetry ids.
-//! - [`fault`] — issue #5's fault plan (`PDFLOW_FAULT_PLAN`), the layer that injects it at step
+//! - [`fault`] — the fault plan (`PDFLOW_FAULT_PLAN`), the layer that injects it at step
 //!   edges, and the registry of targets each node fills.
 //! - [`export`] — exporters chosen at run time: OTLP (gRPC, HTTP/protobuf), a Jaeger JSON file.
 //! - [`metrics`] — `/metrics`: step spans as Prometheus histograms, counters and gauges.

@@ -5,7 +5,7 @@ Scheduler calls it (real Request objects), timed per call; the worker hooks too.
 
 Prints a table (median / p99 / min µs per call) and writes the project's bench JSON
 ({"rows": [{"name", "backend", "plan", "concurrency", "bytes", "median_ms", "min_ms", "max_ms",
-"gbps"}]}). Target (issue 4): under 20 µs per scheduler hook call.
+"gbps"}]}). Target: under 20 µs per scheduler hook call.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""CUDA KV tensors through the bridge (issue 7): P's and D's worker connectors over torch CUDA
+"""CUDA KV tensors through the bridge: P's and D's worker connectors over torch CUDA
 tensors in two processes, driven through ``pdflow._native`` as vLLM's scheduler and model runner
 would drive them (no vLLM is needed: the GPU machine has none). P's prefilled blocks reach D's
 tensors by ``cuda-ipc`` (P's kernel writes D's memory under D's fence) or, with

@@ -144,7 +144,7 @@ impl KvCache {
         })
     }
 
-    /// A zeroed cache in the memory of CUDA device `device` (issue 7: GPU-resident KV): the
+    /// A zeroed cache in the memory of CUDA device `device` (GPU-resident KV): the
     /// model writes it with a kernel and the cuda engines move it; host paths refuse it.
     #[cfg(feature = "cuda")]
     pub fn new_cuda(

@@ -22,7 +22,7 @@ pub struct TransferPlan {
     /// D's write-fence token for the pull this plan serves (0: none). The tcp engine names it
     /// before the plan's batches; D's data server writes them only while the token is open.
     pub fence: u64,
-    /// Fault injection only (issue #5, `cut_data` at step 29): the tcp writer sends the first
+    /// Fault injection only (`cut_data` at step 29): the tcp writer sends the first
     /// `cut_after` payload bytes of the plan, then shuts its data connections down both ways and
     /// fails the write. `None` (always, unless a fault plan is armed): write everything. Never
     /// sent on the wire.

@@ -1,4 +1,4 @@
-//! `pdflow bench transfer --device cuda` (feature `cuda`, issue 7): the transfer bench on GPUs —
+//! `pdflow bench transfer --device cuda` (feature `cuda`): the transfer bench on GPUs —
 //! the seed request's KV (seed step 28's plan, and the uncoalesced, scattered and 32 KiB plans)
 //! moved GPU to GPU, each part with its same-run ceiling, in one table and one JSON:
 //!

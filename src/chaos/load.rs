@@ -1,4 +1,4 @@
-//! Load with faults (issue #5, `pdflow chaos --load`): N requests (default 2,000) at concurrency
+//! Load with faults (`pdflow chaos --load`): N requests (default 2,000) at concurrency
 //! C (default 64) through the proxy and 2P2D in this process, with ceil(N × rate) of them (default
 //! 1 %) each given one random per-request fault ([`faults`]: actor kills at the steps the actor is
 //! alive, drop / corrupt / delay of messages 21 and 30 — no node kills), all as one armed plan.

@@ -1,4 +1,4 @@
-//! The chaos matrix (issue #5): every actor kind × every request step at which it is alive × the
+//! The chaos matrix: every actor kind × every request step at which it is alive × the
 //! fault kinds that apply, plus node kills of P, D and bootstrap mid-request, and the side-channel
 //! message faults, and cuts of P's data connection during its write (step 29) after K payload
 //! bytes. `quick` is a reduced subset with at least one cell per actor kind and fault kind.

@@ -1,4 +1,4 @@
-//! `pdflow chaos` (issue #5): runs the fault matrix on the simulated engines in this process and
+//! `pdflow chaos`: runs the fault matrix on the simulated engines in this process and
 //! prints one row per cell — outcome (`completed` / `recomputed` / `failed_clean`), whether the
 //! tokens equal the single-engine reference, time to the terminal state, blocks leaked on P and D.
 //!

@@ -1,4 +1,4 @@
-//! The network cells of `pdflow chaos` (issue #5: "network cuts between nodes that run in their
+//! The network cells of `pdflow chaos` ("network cuts between nodes that run in their
 //! own network namespaces"): P, D and the proxy as separate `pdflow` processes in namespaces of
 //! their own ([`crate::netns`], as root), one link cut per cell at one step of the seed request —
 //! the P↔D link before D's bootstrap look-up (steps 18–19) or during P's KV write (step 29), the

@@ -268,7 +268,7 @@ impl EngineNode {
     }
 }
 
-/// The engine's deadline for holding blocks on the connector's behalf (issue #5): longer than
+/// The engine's deadline for holding blocks on the connector's behalf: longer than
 /// every deadline of the transfer path (a pull's bootstrap look-up and exchange on D; P's send
 /// expiry or a pull's exchange), so that when it passes no write can still land.
 pub fn kv_state_timeout(d: &Deadlines) -> std::time::Duration {

@@ -1,5 +1,5 @@
 //! What an engine whose KV lives on a GPU runs besides the host-memory path — shared by
-//! `pdflow serve --kv-device N` and the vLLM bridge's worker over CUDA KV tensors (issue 7):
+//! `pdflow serve --kv-device N` and the vLLM bridge's worker over CUDA KV tensors:
 //!
 //! - P: [`producer_engine`] — for host KV the automatic engine (same-host `process_vm_writev` when
 //!   D shares this host and the kernel allows it, tcp otherwise); for GPU KV the GPU engine

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Mooncake's TransferEngine over protocol "tcp", moving the seed request between two processes.
 
-The comparison point of `pdflow bench transfer --compare-mooncake` (issue 6). This is pdflow's own
+The comparison point of `pdflow bench transfer --compare-mooncake`. This is pdflow's own
 script: it installs `mooncake-transfer-engine-non-cuda` (pip) and `libibverbs1` (apt-get) when
 missing, starts a target process (D) that registers a buffer, and writes into it from this process
 (P) with Mooncake's engine:

@@ -1,4 +1,4 @@
-//! Issue #5, the fault matrix's reduced subset (`pdflow chaos --quick` runs more): each cell injects
+//! The fault matrix's reduced subset (`pdflow chaos --quick` runs more): each cell injects
 //! one fault into one request through proxy, P and D (one fresh cluster per cell, short deadlines,
 //! D's policy `recompute`) and asserts the cell's contract — a terminal state before the deadline,
 //! the expected outcome, tokens equal to the single-engine reference, no block leaked on P or D,

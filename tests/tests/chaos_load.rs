@@ -1,4 +1,4 @@
-//! Issue #5, load with faults, reduced (`pdflow chaos --load` runs 2,000 requests at
+//! Load with faults, reduced (`pdflow chaos --load` runs 2,000 requests at
 //! concurrency 64): 240 requests at concurrency 16 through the proxy and 2P2D in this process,
 //! 5 % of them (12) each given one random per-request fault from a fixed seed. Every request must
 //! end clean and correct, no engine may keep a block or a request, RSS must stay flat, and every

@@ -1,4 +1,4 @@
-//! GPU-resident KV with P and D as separate processes (issue 7): `pdflow serve --kv-device N`
+//! GPU-resident KV with P and D as separate processes: `pdflow serve --kv-device N`
 //! for both, `pdflow proxy` in front. P's KV reaches D's GPU through CUDA IPC (step 29 by
 //! `cuda-ipc`, counted in P's `/metrics`) — or, with `--gpu-path staged`, by tcp through pinned
 //! host buffers to D's staged receiver (`cuda-staged`, the cross-host path) — the output equals that of an engine on host memory, and

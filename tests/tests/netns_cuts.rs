@@ -1,4 +1,4 @@
-//! Network cuts between nodes in their own network namespaces (issue #5), with separate `pdflow`
+//! Network cuts between nodes in their own network namespaces, with separate `pdflow`
 //! processes: the proxy in the root namespace, P (and the bootstrap it launches) in `p`, D in
 //! `d`, three veth links — proxy↔P, proxy↔D and a dedicated P↔D link. Each test runs one of the
 //! network cells of `pdflow chaos` ([`pdflow::chaos::net`], where each cell's contract is

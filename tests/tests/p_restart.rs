@@ -1,4 +1,4 @@
-//! Issue #5, peer generations: P restarts (a new incarnation on the same addresses) while it holds
+//! Peer generations: P restarts (a new incarnation on the same addresses) while it holds
 //! the KV of a transfer D has not pulled yet. D still addresses the generation it learned from
 //! bootstrap; the new incarnation does not know the transfer, so it refuses the pull at once
 //! (`StaleGeneration`) instead of waiting for a ready that will never come (P's ready timeout is

@@ -1,4 +1,4 @@
-//! Bad-input tests (issue 5) of D's Receiver, seed steps 19–21 and 34: pulls addressed to engine
+//! Bad-input tests of D's Receiver, seed steps 19–21 and 34: pulls addressed to engine
 //! ids P's bootstrap does not know, bootstraps that answer garbage, and garbage bootstrap or worker
 //! addresses all fail the request cleanly (a reason naming the engine and the bootstrap, within the
 //! deadlines), send nothing to P, and leave the Receiver serving the next valid pull.

@@ -213,7 +213,7 @@ async fn silent_p_fails_after_pull_timeout_not_later() {
     let _ = h.next_pull().await;
     let out = h.settled("a", Duration::from_secs(3)).await;
     let elapsed = started.elapsed();
-    // The error names the state and its deadline (issue #5's lifecycle).
+    // The error names the state and its deadline (lifecycle).
     assert!(out.failed_recving["a"].contains("state `pulling` past its pull_timeout"), "{out:?}");
     assert!(elapsed >= timeout - Duration::from_millis(50) && elapsed < Duration::from_secs(2), "{elapsed:?}");
     // D told P to stop before giving the blocks up.

@@ -2,7 +2,7 @@
 //! retrying with exponential back-off as vLLM's Mooncake connector does. A 400 (conflict) is not
 //! retried: the registration itself is wrong.
 //!
-//! Beyond vLLM (issue #5): once registered, the worker repeats the (identical, idempotent)
+//! Beyond vLLM: once registered, the worker repeats the (identical, idempotent)
 //! registration every [`REREGISTER_INTERVAL`], so that a bootstrap that restarted with an empty
 //! table learns the worker again within that interval instead of never.
 

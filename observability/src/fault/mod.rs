@@ -1,4 +1,4 @@
-//! Fault injection (issue #5): a [`FaultPlan`] says which faults to inject at which step; the
+//! Fault injection: a [`FaultPlan`] says which faults to inject at which step; the
 //! [`FaultLayer`] watches step spans begin (created) and end (closed) and fires the plan's
 //! actions through a registry in which each node registers its actors by kind and role.
 //!

@@ -1,4 +1,4 @@
-//! The fault plan (issue #5): a typed, serde (JSON) description of the faults to inject — kill an
+//! The fault plan: a typed, serde (JSON) description of the faults to inject — kill an
 //! actor when a step begins or ends, drop / delay / corrupt the side-channel message of a step,
 //! cut P's data connection after K payload bytes, kill a whole node — loaded from
 //! `PDFLOW_FAULT_PLAN` (JSON text, or `@path` to a JSON file).

@@ -1,4 +1,4 @@
-//! The GPU transfer bench with P and D in separate processes (feature `cuda`, issue 7). The bench
+//! The GPU transfer bench with P and D in separate processes (feature `cuda`). The bench
 //! is P on GPU 0; it starts pdflow again as D (`--ipc-peer`) on GPU 1 (GPU 0 when
 //! only one is visible). D allocates its KV regions in Qwen3-8B's layout (36 regions × 1,024
 //! blocks × 64 KiB), exports them as CUDA IPC handles and writes nothing; P opens them, fills its

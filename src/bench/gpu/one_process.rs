@@ -1,4 +1,4 @@
-//! The GPU transfer bench in one process (feature `cuda`, issue 7). GPU 0 holds P's KV
+//! The GPU transfer bench in one process (feature `cuda`). GPU 0 holds P's KV
 //! regions and GPU 1 D's (peer access on; one GPU plays both when only one is visible), in
 //! Qwen3-8B's layout (36 regions × 1,024 blocks × 64 KiB). For the seed request's plan (seed step
 //! 28: blocks 17..=79 → 512..=574, 36 descriptors), the uncoalesced plan (2,268 × 64 KiB) and a plan

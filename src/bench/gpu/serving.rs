@@ -1,4 +1,4 @@
-//! The cuda-ipc write as a serving P makes it (issue 7), for the bench with P and D in separate
+//! The cuda-ipc write as a serving P makes it, for the bench with P and D in separate
 //! processes: P's bench memory registered as a GPU KV cache, `GpuTransferEngine` (the engine of
 //! `pdflow serve --kv-device`) writing to a data server that offers D's device export (D: the
 //! bench's child process, its KV exported as CUDA IPC handles) under D's write fence. Once: the

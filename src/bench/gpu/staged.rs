@@ -1,4 +1,4 @@
-//! The cross-host GPU path measured on one host (feature `cuda`, issue 7). P's KV on GPU 0, D's on GPU 1 (GPU 0 when only one is visible), each in Qwen3-8B's layout
+//! The cross-host GPU path measured on one host (feature `cuda`). P's KV on GPU 0, D's on GPU 1 (GPU 0 when only one is visible), each in Qwen3-8B's layout
 //! (36 regions × 1,024 blocks × 64 KiB); P writes the seed request (seed step 28's plan: blocks
 //! 17..=79 → 512..=574, coalesced 36 × 4,128,768 B = 148,635,648 B; and uncoalesced, 2,268 × 64 KiB)
 //! through pinned host staging and a real TCP socket on 127.0.0.1 (seed step 29 on the staged

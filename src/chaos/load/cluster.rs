@@ -1,4 +1,4 @@
-//! The cluster of a load run (issue #5, `pdflow chaos --load`): two producer engine nodes (P),
+//! The cluster of a load run (`pdflow chaos --load`): two producer engine nodes (P),
 //! each launching its own bootstrap as vLLM's P TP0 does (one bootstrap serves one P instance's
 //! dp ranks: two engines of dp rank 0 cannot share one), two consumer engine nodes (D) and the
 //! proxy routing over both Ps and both Ds — xPyD as vLLM's example proxy runs it — on loopback in

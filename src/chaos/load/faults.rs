@@ -1,4 +1,4 @@
-//! The faults a load run (issue #5, `pdflow chaos --load`) gives single requests: every actor
+//! The faults a load run (`pdflow chaos --load`) gives single requests: every actor
 //! kill the chaos matrix knows (each actor kind and role, at the beginning of every request step
 //! at which it is alive and at the end of every step it owns — [`matrix::alive_steps`],
 //! [`matrix::owned_steps`]) plus drop / corrupt / delay of the side-channel messages of steps 21

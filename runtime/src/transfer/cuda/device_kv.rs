@@ -1,4 +1,4 @@
-//! A KV cache in GPU memory (issue 7: "the simulated engine can keep its KV on a GPU"):
+//! A KV cache in GPU memory ("the simulated engine can keep its KV on a GPU"):
 //! [`DeviceKv`] owns one device allocation per layer in vLLM 0.33's layout and the two bulk
 //! operations the host needs of it — the model's KV written by one kernel launch per forward item
 //! ([`CudaKvFill`], seed steps 15 and 39) and blocks read back to the host by one gather launch

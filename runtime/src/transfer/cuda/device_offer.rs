@@ -1,4 +1,4 @@
-//! D's GPU KV as offered to P (issue 7). [`DeviceOffer`] is the device export D's tcp data server
+//! D's GPU KV as offered to P. [`DeviceOffer`] is the device export D's tcp data server
 //! answers a P with GPU KV with: D's host identity, the CUDA IPC export of D's KV allocations and
 //! regions, and the port of D's staged receiver. [`DeviceServing`] is D's side of it: it exports the
 //! handles and runs the [`StagedReceiver`] over D's regions, under the pulls' write fence and D's

@@ -1,4 +1,4 @@
-//! P and D in separate processes on GPUs of one host (issue 7): D exports the device allocations
+//! P and D in separate processes on GPUs of one host: D exports the device allocations
 //! behind its KV regions as CUDA IPC handles ([`ExportedKv`], serialisable, handed to P with D's
 //! layout in seed step 21); P opens them once per peer ([`ImportedKv`], closed on drop), translates
 //! every descriptor's destination from D's addresses to its own mapping ([`PeerAddressMap`]) after

@@ -1,4 +1,4 @@
-//! [`CudaIpcEngine`]: the [`TransferEngine`] over CUDA IPC (issue 7). P registers each peer's
+//! [`CudaIpcEngine`]: the [`TransferEngine`] over CUDA IPC. P registers each peer's
 //! [`ExportedKv`] once under the peer's data address ([`CudaIpcEngine::register_peer`] opens the
 //! handles in P's context); `write(peer, plan)` then checks every descriptor against both sides'
 //! regions, translates D's addresses into P's mapping, runs the whole plan as one launch of the

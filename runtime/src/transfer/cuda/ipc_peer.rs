@@ -1,4 +1,4 @@
-//! A D process for measuring and testing the IPC path (issue 7): D allocates its KV regions on its
+//! A D process for measuring and testing the IPC path: D allocates its KV regions on its
 //! GPU, exports them ([`ExportedKv`]) and, on request, zeroes them or verifies the bytes P wrote
 //! (a checksum over the destination blocks, compared with P's). It talks over its stdin/stdout,
 //! one JSON message per line behind [`LINE_PREFIX`] (so other output, e.g. libtest's, is skipped).

@@ -1,4 +1,4 @@
-//! GPU-resident KV transfer (issue 7, behind the `cuda` feature): executes a whole transfer plan
+//! GPU-resident KV transfer (behind the `cuda` feature): executes a whole transfer plan
 //! (seed step 28's descriptors, device addresses on both sides) as ONE launch of a gather/scatter
 //! copy kernel compiled at run time with NVRTC, plus the two references it is measured against:
 //! one driver copy per descriptor and one peer copy of the same bytes (the ceiling).

@@ -1,4 +1,4 @@
-//! The simulated model's KV written on the GPU (issue 7: "the simulated engine can keep its KV on
+//! The simulated model's KV written on the GPU ("the simulated engine can keep its KV on
 //! a GPU; prefill writes the deterministic pattern with a kernel"): [`CudaKvFill`] computes a
 //! forward item's KV — the very bytes [`crate::engine::model::fill_kv`] gives on the host, token
 //! `t` at position `p`, layer `l`, head `h` — in one kernel launch, straight into device regions

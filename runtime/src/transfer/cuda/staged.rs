@@ -1,4 +1,4 @@
-//! The cross-host GPU path (issue 7): tcp with pinned host staging, pipelined. P's KV is on P's
+//! The cross-host GPU path: tcp with pinned host staging, pipelined. P's KV is on P's
 //! GPU and D's on D's; there is no peer mapping, so P copies device→pinned host in chunks
 //! (`cuMemcpyDtoHAsync` into `cuMemHostAlloc` memory) and sends each chunk over TCP while the next
 //! ones are being copied; D receives each chunk into pinned host memory and copies it host→device

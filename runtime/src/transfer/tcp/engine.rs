@@ -14,7 +14,7 @@
 //! load the link (a network-namespace chaos cell measures the bytes D gets after it freed the
 //! blocks).
 //!
-//! Fault injection (issue #5, `cut_data`): a plan with `cut_after = Some(k)` is sent up to its
+//! Fault injection (`cut_data`): a plan with `cut_after = Some(k)` is sent up to its
 //! k-th payload byte — counted over the whole plan in plan order, whichever stream carries it — and
 //! every stream whose share reaches past byte k sends its batch header and its bytes before k,
 //! then shuts its connection down both ways and drops it (a peer crash mid-transfer: D sees the

@@ -1,4 +1,4 @@
-//! Fuzz targets (issue 5, bad input) for the data channel of seed step 29: the `tcp` backend's
+//! Fuzz targets (bad input) for the data channel of seed step 29: the `tcp` backend's
 //! wire parsers ([`wire`]) and D's [`TcpDataServer`] over real sockets on 127.0.0.1.
 //!
 //! - Every reader (hello, request/batch header, host info, ack) on arbitrary bytes and on

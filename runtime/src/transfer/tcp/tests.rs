@@ -279,7 +279,7 @@ fn split_by_bytes_balances_and_covers_exactly_the_plan() {
     }
 }
 
-// --- Fault injection: `cut_data` (issue #5) — the plan's `cut_after` cuts P's data connection. ---
+// --- Fault injection: `cut_data` — the plan's `cut_after` cuts P's data connection. ---
 
 /// Whether D's bytes at plan offsets `range` equal P's (`true`) or are all zero (`false`).
 fn plan_bytes_match(p: &Pair, plan: &TransferPlan, range: std::ops::Range<u64>, landed: bool) -> bool {

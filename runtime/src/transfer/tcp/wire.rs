@@ -379,7 +379,7 @@ async fn read_batch_body<R: AsyncRead + Unpin>(r: &mut R) -> Result<BatchHeader,
 }
 
 /// Reads `count` records of `LEN` bytes, at most [`READ_CHUNK`] bytes at a time, so that memory
-/// grows with the bytes that actually arrive, not with the count a peer claims (issue 5: a 16-byte
+/// grows with the bytes that actually arrive, not with the count a peer claims (a 16-byte
 /// header claiming 2^20 descriptors made D allocate 16 MiB before reading one).
 async fn read_records<R: AsyncRead + Unpin, const LEN: usize, T>(
     r: &mut R,
@@ -421,7 +421,7 @@ pub async fn read_ack<R: AsyncRead + Unpin>(r: &mut R) -> Result<Ack, WireError>
     expect_magic(&head[..4], ACK_MAGIC)?;
     let batch_id = u64::from_le_bytes(le8(&head[5..13]));
     // The whole reason is read (it is at most 64 KiB) so the next ack starts where it should; only
-    // the first MAX_REASON_LEN bytes are kept (issue 5: a longer one desynchronised the stream).
+    // the first MAX_REASON_LEN bytes are kept (a longer one desynchronised the stream).
     let reason_len = usize::from(u16::from_le_bytes([head[13], head[14]]));
     let mut reason = vec![0u8; reason_len];
     r.read_exact(&mut reason).await?;
