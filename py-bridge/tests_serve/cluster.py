@@ -226,15 +226,24 @@ class PdflowProxy(Process):
         self.url = ""
 
     def wait_ready(self, deadline: float) -> None:
+        """The ready line gives the address once the proxy listens; its `/health` answers 200 once
+        every P has an engine id and every D answered (the first probe round), as a user would wait."""
         while time.monotonic() < deadline:
-            for line in self.log_text().splitlines():
-                if line.startswith("{") and '"ready"' in line:
-                    self.url = "http://" + json.loads(line)["addr"]
-                    return
+            if not self.url:
+                for line in self.log_text().splitlines():
+                    if line.startswith("{") and '"ready"' in line:
+                        self.url = "http://" + json.loads(line)["addr"]
+            if self.url:
+                try:
+                    with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                        if r.status == 200:
+                            return
+                except (urllib.error.URLError, OSError):
+                    pass
             if not self.alive():
                 raise AssertionError(f"{self.name} exited before it was ready:\n{self.log_tail()}")
             time.sleep(0.1)
-        raise AssertionError(f"{self.name} not ready in time:\n{self.log_tail()}")
+        raise AssertionError(f"{self.name} not ready in time (url {self.url or 'not printed'}):\n{self.log_tail()}")
 
 
 def start_all(servers: list, deadline_s: float = READY_DEADLINE_S) -> None:
