@@ -57,10 +57,12 @@ status=0
 # The form: formatting and lints (with and without the cuda feature) are part of done.
 cargo fmt --all --check || { echo "cargo fmt --check: run cargo fmt --all" >&2; status=1; }
 cargo clippy --locked --workspace --all-targets -- -D warnings || status=1
-cargo clippy --locked -p pdflow-runtime -p pdflow -p pdflow-py --features pdflow-runtime/cuda,pdflow/cuda,pdflow-py/cuda --all-targets -- -D warnings || status=1
+cuda_crates=(pdflow-kv pdflow-transfer pdflow-sim-engine pdflow-node pdflow-tools pdflow pdflow-py)
+cuda_features=$(printf '%s/cuda,' "${cuda_crates[@]}")
+cargo clippy --locked "${cuda_crates[@]/#/--package=}" --features "${cuda_features%,}" --all-targets -- -D warnings || status=1
 
 # Tests that cannot run here (no GPU, no root, no browser) record themselves in this file
-# (pdflow_runtime::skip) and are counted as skipped, not passed.
+# (pdflow_telemetry::skip) and are counted as skipped, not passed.
 skip_log=$(mktemp)
 export PDFLOW_SKIP_LOG="$skip_log"
 
@@ -70,7 +72,8 @@ cargo test --locked --workspace --no-fail-fast -- --test-threads="${PDFLOW_TEST_
 
 # The `cuda` feature builds everywhere (the driver is loaded at run time); without a GPU its tests
 # skip, saying why.
-cargo test --locked -p pdflow-runtime --features cuda --lib transfer::cuda -- --nocapture 2>&1 | tee -a "$log" || status=$?
+cargo test --locked -p pdflow-kv -p pdflow-transfer -p pdflow-sim-engine \
+  --features pdflow-kv/cuda,pdflow-transfer/cuda,pdflow-sim-engine/cuda --lib cuda -- --nocapture 2>&1 | tee -a "$log" || status=$?
 
 # pdflow's wheel (abi3: one build for both environments).
 wheel_dir=target/wheels

@@ -5,10 +5,10 @@
 
 use std::time::Duration;
 
-use pdflow::config::{Deadlines, VllmEnv};
-use pdflow_runtime::transfer::same_host::SameHostMode;
-use pdflow_runtime::transfer::tcp::TcpConfig;
-use pdflow_runtime::transfer::GpuPath;
+use pdflow_node::config::{Deadlines, VllmEnv};
+use pdflow_transfer::same_host::SameHostMode;
+use pdflow_transfer::tcp::TcpConfig;
+use pdflow_transfer::GpuPath;
 use serde::Deserialize;
 
 use crate::error::BridgeError;

@@ -10,7 +10,6 @@ use std::time::Duration;
 
 use kameo::prelude::*;
 use kameo::supervision::RestartPolicy;
-use pdflow::node::supervisor::{NodeSupervisor, MAX_RESTARTS, RESTART_WINDOW};
 use pdflow_actors::scheduler_connector::{KvRole, SchedulerConnector, SchedulerConnectorArgs};
 use pdflow_messages::frame;
 use pdflow_messages::scheduler_connector::{
@@ -18,6 +17,7 @@ use pdflow_messages::scheduler_connector::{
     UpdateConnectorOutput, UpdateStateAfterAlloc,
 };
 use pdflow_messages::BlockId;
+use pdflow_node::supervisor::{NodeSupervisor, MAX_RESTARTS, RESTART_WINDOW};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 

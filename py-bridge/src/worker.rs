@@ -16,19 +16,19 @@ use std::time::Duration;
 
 use kameo::prelude::*;
 use kameo::supervision::RestartPolicy;
-use pdflow::node::gpu_kv::{self, Held};
-use pdflow::node::supervisor::{NodeSupervisor, MAX_RESTARTS, RESTART_WINDOW};
-use pdflow::node::BootstrapNode;
 use pdflow_actors::receiver::{Receiver, ReceiverArgs};
 use pdflow_actors::scheduler_connector::KvRole;
 use pdflow_actors::sender_listener::{SenderListener, SenderListenerArgs};
+use pdflow_kv::memory::{KvCache, KvShape};
 use pdflow_messages::frame;
 use pdflow_messages::receiver::{GetFinishedRecving, StartLoadKv};
 use pdflow_messages::scheduler_connector::ConnectorMetadata;
 use pdflow_messages::sender_listener::{GetFinishedSending, RecordSendReqs};
 use pdflow_messages::{BlockId, RequestId};
-use pdflow_runtime::memory::{KvCache, KvShape};
-use pdflow_runtime::transfer::tcp::TcpDataServer;
+use pdflow_node::gpu_kv::{self, Held};
+use pdflow_node::supervisor::{NodeSupervisor, MAX_RESTARTS, RESTART_WINDOW};
+use pdflow_node::BootstrapNode;
+use pdflow_transfer::tcp::TcpDataServer;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use tokio::sync::Notify;
@@ -212,7 +212,7 @@ fn register_memory(
     owner: Py<PyAny>,
     device: Option<usize>,
 ) -> Result<Arc<KvCache>, BridgeError> {
-    let registration = |e: pdflow_runtime::memory::ExternalRegionError| BridgeError::Registration(e.to_string());
+    let registration = |e: pdflow_kv::memory::ExternalRegionError| BridgeError::Registration(e.to_string());
     match device {
         // SAFETY: the addresses come from the tensors in `owner` (host memory, checked contiguous
         // by the Python side), which the cache keeps alive; vLLM's block manager gives each block

@@ -2,7 +2,8 @@
 # Builds, on the dev machine, what scripts/device/gpu_kv.sh runs on the device machine (which has
 # no Rust toolchain), into target/cuda-carry (carry it: `carry: ["target/cuda-carry"]`):
 #   pdflow            the `pdflow` binary with `--features cuda` (release, stripped)
-#   runtime-tests     pdflow-runtime's unit tests with `--features cuda` (release, stripped)
+#   cuda-tests/       the unit tests of pdflow-kv, pdflow-transfer and pdflow-sim-engine with
+#                     `--features cuda` (release, stripped; each runs its `cuda` tests)
 #   gpu-kv-processes  the separate-process GPU KV tests (stripped)
 #   wheels/           the `pdflow` Python wheel with `--features cuda`, and pytest's pure-Python
 #                     wheels (the device machine's python3 has torch, not pytest)
@@ -23,8 +24,12 @@ print(exes[-1])' "$1"
 cargo build --locked --release --features cuda --bin pdflow
 strip -o "$CARRY/pdflow" target/release/pdflow
 
-exe=$(cargo test --locked --release -p pdflow-runtime --features cuda --lib --no-run --message-format=json | executable_of pdflow_runtime)
-strip -o "$CARRY/runtime-tests" "$exe"
+mkdir -p "$CARRY/cuda-tests"
+for crate in kv transfer sim-engine; do
+  exe=$(cargo test --locked --release -p "pdflow-$crate" --features cuda --lib --no-run --message-format=json \
+    | executable_of "pdflow_${crate//-/_}")
+  strip -o "$CARRY/cuda-tests/$crate" "$exe"
+done
 
 exe=$(cargo test --locked -p pdflow-tests --test gpu_kv_processes --no-run --message-format=json | executable_of gpu_kv_processes)
 strip -o "$CARRY/gpu-kv-processes" "$exe"

@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
-# Issue 7: GPU-resident KV on the device machine, in one call (one GPU is enough; with two, P's KV
+# GPU-resident KV on the device machine, in one call (one GPU is enough; with two, P's KV
 # is on GPU 0 and D's on GPU 1). Builds nothing: runs binaries built on the dev machine and carried
 # (scripts/device/build_carry.sh builds them all):
 #   cargo build --release --features cuda --bin pdflow          -> target/cuda-carry/pdflow (stripped copy)
-#   cargo test -p pdflow-runtime --features cuda --lib --no-run -> target/cuda-carry/runtime-tests (stripped copy)
+#   cargo test -p pdflow-{kv,transfer,sim-engine} --features cuda --lib --no-run -> target/cuda-carry/cuda-tests/ (stripped copies)
 #   cargo test -p pdflow-tests --test gpu_kv_processes --no-run  -> target/cuda-carry/gpu-kv-processes (stripped copy)
 #   maturin build --release --features cuda (in py-bridge/)     -> target/cuda-carry/wheels/pdflow-*.whl
 #   pip download pytest (pure-Python wheels)                    -> target/cuda-carry/wheels/
-# (carry: target/cuda-carry). Writes its log, the demo's report and trace under $OUT.
+# (carry: target/cuda-carry). Writes its log, the demo's report and trace under $OUT
+# (default: target/device-results/<UTC time>_gpu_kv/).
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-OUT=${OUT:-/tmp/gpu-kv-out}; mkdir -p "$OUT"
+OUT=${OUT:-$(cd "$(dirname "$0")/../.." && pwd)/target/device-results/$(date -u +%Y-%m-%dT%H%M)_gpu_kv}; mkdir -p "$OUT"
 CARRY=${CARRY:-target/cuda-carry}
 T0=$SECONDS
 elapsed() { echo "-- $1 done at +$((SECONDS - T0)) s"; }
@@ -18,7 +19,9 @@ elapsed() { echo "-- $1 done at +$((SECONDS - T0)) s"; }
   echo "== machine"; nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv
   . "$(dirname "$0")/nvrtc_env.sh"
   echo "== cuda tests (GPU)"
-  timeout 150 "$CARRY/runtime-tests" transfer::cuda --nocapture --test-threads 1; echo "tests rc=$?"; elapsed tests
+  for t in "$CARRY"/cuda-tests/*; do
+    timeout 150 "$t" cuda --nocapture --test-threads 1; echo "tests $(basename "$t") rc=$?"
+  done; elapsed tests
   echo "== GPU KV with P and D as separate pdflow serve processes (cuda-ipc)"
   GPUS=$(nvidia-smi --query-gpu=index --format=csv,noheader | wc -l)
   PDFLOW_TEST_GPUS=$([ "$GPUS" -ge 2 ] && echo 0,1 || echo 0,0) PDFLOW_BIN="$PWD/$CARRY/pdflow" PDFLOW_TEST_LOG=1 \

@@ -12,14 +12,14 @@ use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
-use pdflow::config::Deadlines;
-use pdflow::node::engine_node::{serve_http, BootstrapPlacement};
-use pdflow::node::{EngineNode, EngineNodeConfig, ProxyNode};
 use pdflow_actors::proxy::{PrefillTarget, ProxyArgs};
 use pdflow_actors::scheduler_connector::KvRole;
-use pdflow_runtime::engine::{api, Engine, EngineConfig, LoadFailurePolicy};
-use pdflow_runtime::memory::{KvCache, KvShape};
-use pdflow_runtime::transfer::tcp::TcpConfig;
+use pdflow_kv::memory::{KvCache, KvShape};
+use pdflow_node::config::Deadlines;
+use pdflow_node::engine_node::{serve_http, BootstrapPlacement};
+use pdflow_node::{EngineNode, EngineNodeConfig, ProxyNode};
+use pdflow_sim_engine::{api, Engine, EngineConfig, LoadFailurePolicy};
+use pdflow_transfer::tcp::TcpConfig;
 use serde_json::{json, Value};
 
 /// A small model shape for fast tests: 4 layers, 2 KV heads, head_dim 16, block 16 (8 KiB per block).
@@ -255,7 +255,7 @@ pub async fn wait_healthy(client: &reqwest::Client, url: &str, deadline: Duratio
 }
 
 /// A deterministic prompt of `n` words (= tokens for the simulated tokenizer).
-pub use pdflow::demo::prompt_words as prompt;
+pub use pdflow_tools::demo::prompt_words as prompt;
 
 /// A completion request body.
 pub fn completion(prompt: &str, max_tokens: usize) -> Value {
@@ -273,7 +273,7 @@ pub async fn reference(shape: KvShape, body: &Value) -> anyhow::Result<Value> {
     let engine = Engine::start(cfg.clone(), KvCache::new(cfg.shape, cfg.num_blocks), None);
     let (addr, stop, task) = serve_http("127.0.0.1", 0, api::router(engine.clone())).await?;
     let result = post(&http_client(), &format!("http://{addr}/v1/completions"), body).await;
-    pdflow::node::engine_node::stop_http(stop, task).await;
+    pdflow_node::engine_node::stop_http(stop, task).await;
     engine.shutdown().await;
     let (status, v) = result?;
     anyhow::ensure!(status == 200, "reference run failed: {status} {v}");
@@ -310,15 +310,15 @@ pub mod direct {
 }
 
 /// Installs a span capture as this test binary's global subscriber (once) and returns it.
-pub fn capture() -> pdflow_observability::capture::SpanCapture {
+pub fn capture() -> pdflow_telemetry::capture::SpanCapture {
     use std::sync::OnceLock;
     use tracing_subscriber::layer::SubscriberExt;
     use tracing_subscriber::util::SubscriberInitExt;
     use tracing_subscriber::Layer;
-    static CAPTURE: OnceLock<pdflow_observability::capture::SpanCapture> = OnceLock::new();
+    static CAPTURE: OnceLock<pdflow_telemetry::capture::SpanCapture> = OnceLock::new();
     CAPTURE
         .get_or_init(|| {
-            let c = pdflow_observability::capture::SpanCapture::new();
+            let c = pdflow_telemetry::capture::SpanCapture::new();
             // PDFLOW_TEST_LOG=<filter> also prints logs (e.g. `pdflow_actors=debug`).
             let fmt = std::env::var("PDFLOW_TEST_LOG").ok().map(|f| {
                 tracing_subscriber::fmt::layer().with_test_writer().with_filter(tracing_subscriber::EnvFilter::new(f))
@@ -332,7 +332,7 @@ pub fn capture() -> pdflow_observability::capture::SpanCapture {
 /// Waits (bounded) until a span of `step` whose `pd.transfer_id` is `transfer_id` exists
 /// (`closed`: and has ended).
 pub async fn wait_for_step(
-    capture: &pdflow_observability::capture::SpanCapture,
+    capture: &pdflow_telemetry::capture::SpanCapture,
     step: u8,
     transfer_id: &str,
     closed: bool,
@@ -341,7 +341,7 @@ pub async fn wait_for_step(
     loop {
         let seen = capture.spans().iter().any(|s| {
             s.step == step
-                && s.attr(pdflow_observability::attrs::TRANSFER_ID) == Some(transfer_id)
+                && s.attr(pdflow_telemetry::attrs::TRANSFER_ID) == Some(transfer_id)
                 && (!closed || s.end.is_some())
         });
         if seen {

@@ -89,8 +89,8 @@ impl ProcCluster {
         let abort = spec.deadlines.ready_timeout.as_secs().max(1).to_string();
         let engine_args = |role: &str, o: &crate::EngineOpts| -> Vec<String> {
             let policy = match o.policy {
-                pdflow_runtime::engine::LoadFailurePolicy::Recompute => "recompute",
-                pdflow_runtime::engine::LoadFailurePolicy::Fail => "fail",
+                pdflow_sim_engine::LoadFailurePolicy::Recompute => "recompute",
+                pdflow_sim_engine::LoadFailurePolicy::Fail => "fail",
             };
             let mut a: Vec<String> = ["serve", "--role", role, "--kv-shape", &shape, "--abort-request-timeout", &abort]
                 .iter()

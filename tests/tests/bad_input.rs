@@ -2,15 +2,15 @@
 //! bootstrap registration, a garbage side-channel frame, an out-of-region descriptor, malformed
 //! JSON and invalid kv_transfer_params.
 
+use pdflow_kv::memory::KvCache;
+use pdflow_kv::planner::{Descriptor, TransferPlan};
 use pdflow_messages::bootstrap::QueryResponse;
 use pdflow_messages::frame;
 use pdflow_messages::sender_listener::{PullResponse, PullStatus};
-use pdflow_runtime::memory::KvCache;
-use pdflow_runtime::planner::{Descriptor, TransferPlan};
-use pdflow_runtime::transfer::tcp::{TcpConfig, TcpTransferEngine};
-use pdflow_runtime::transfer::{TransferEngine, TransferError};
 use pdflow_tests::processes::ProcCluster;
 use pdflow_tests::{completion, post, prompt, reference_tokens, token_ids, Cluster, ClusterSpec, Endpoints, SMALL};
+use pdflow_transfer::tcp::{TcpConfig, TcpTransferEngine};
+use pdflow_transfer::{TransferEngine, TransferError};
 use zeromq::{Socket, SocketRecv, SocketSend};
 
 async fn still_serves(cluster: &Endpoints, seed: u64) {

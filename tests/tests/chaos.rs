@@ -4,9 +4,9 @@
 //! the expected outcome, tokens equal to the single-engine reference, no block leaked on P or D,
 //! and the next request served correctly (the supervisor brought the node back).
 
-use pdflow::chaos::{self, CellEnv, CellSpec, Outcome, Reference};
-use pdflow_observability::fault::{ActorKind, Fault, FaultAction, FaultPlan, NodeKind, Role, When};
-use pdflow_runtime::engine::LoadFailurePolicy;
+use pdflow_fault::{ActorKind, Fault, FaultAction, FaultPlan, NodeKind, Role, When};
+use pdflow_sim_engine::LoadFailurePolicy;
+use pdflow_tools::chaos::{self, CellEnv, CellSpec, Outcome, Reference};
 
 fn cell(actor: &str, fault: Fault) -> CellSpec {
     CellSpec {

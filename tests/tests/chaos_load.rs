@@ -5,7 +5,7 @@
 //! P and D must serve again afterwards. (Proxy actor kills included: the proxy's HTTP server
 //! outlives its actor, so no client is refused while it restarts.)
 
-use pdflow::chaos::{self, load};
+use pdflow_tools::chaos::{self, load};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn load_with_faults_ends_every_request_clean_with_no_leak_and_flat_memory() {

@@ -46,7 +46,7 @@ async fn start_or_skip(name: &str, args: &[&str]) -> Option<Proc> {
             let mut text = String::new();
             let _ = stderr.read_to_string(&mut text).await;
             assert!(no_gpu_here(&text), "{name} exited before it was ready:\n{text}");
-            pdflow_runtime::skip::skipped("GPU KV in separate processes", &text.lines().last().unwrap_or_default());
+            pdflow_telemetry::skip::skipped("GPU KV in separate processes", &text.lines().last().unwrap_or_default());
             None
         }
     }

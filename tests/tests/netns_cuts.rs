@@ -1,7 +1,7 @@
 //! Network cuts between nodes in their own network namespaces, with separate `pdflow`
 //! processes: the proxy in the root namespace, P (and the bootstrap it launches) in `p`, D in
 //! `d`, three veth links — proxy↔P, proxy↔D and a dedicated P↔D link. Each test runs one of the
-//! network cells of `pdflow chaos` ([`pdflow::chaos::net`], where each cell's contract is
+//! network cells of `pdflow chaos` ([`pdflow_tools::chaos::net`], where each cell's contract is
 //! written) against the built `pdflow` binary and asserts its row: a terminal state within the
 //! bound its deadlines give, an outcome the cell allows, tokens equal to the single-engine
 //! reference, no block leaked on P or D after the restore, the next request served, and the cut
@@ -10,10 +10,10 @@
 //! Cells run one at a time (their time bounds would not mean much on two shared cores) and skip,
 //! saying why, where namespaces are unavailable (not root, no `ip netns`).
 
-use pdflow::chaos::net::{self, NetCell, NetEnv};
-use pdflow::chaos::{render_row, Reference};
-use pdflow_runtime::memory::KvShape;
+use pdflow_kv::memory::KvShape;
 use pdflow_tests::processes::pdflow_bin;
+use pdflow_tools::chaos::net::{self, NetCell, NetEnv};
+use pdflow_tools::chaos::{render_row, Reference};
 
 /// One cell at a time.
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
@@ -21,7 +21,7 @@ static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 /// Runs `cell` (or skips, printing why) and asserts that its row passed.
 async fn check(cell: NetCell) {
     if let Err(reason) = net::available() {
-        pdflow_runtime::skip::skipped(&cell.name(), &reason);
+        pdflow_telemetry::skip::skipped(&cell.name(), &reason);
         return;
     }
     let _serial = SERIAL.lock().await;
@@ -95,8 +95,8 @@ async fn harness_without_a_cut_the_kv_crosses_the_pd_link() {
 /// says why instead, and asking for the network cells alone is an error.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_full_run_reports_the_network_cells_or_why_they_did_not_run() {
-    use pdflow::chaos::{self, ChaosOptions, NetworkCells};
-    use pdflow_runtime::engine::LoadFailurePolicy;
+    use pdflow_sim_engine::LoadFailurePolicy;
+    use pdflow_tools::chaos::{self, ChaosOptions, NetworkCells};
     let _serial = SERIAL.lock().await;
     let capture = chaos::install_layers();
     let bin = pdflow_bin().expect("the pdflow binary");

@@ -7,11 +7,11 @@
 
 use std::time::{Duration, Instant};
 
-use pdflow::chaos::{ChaosCluster, ChaosSpec, CHAOS_SHAPE};
-use pdflow::config::Deadlines;
+use pdflow_fault::NodeKind;
 use pdflow_messages::kv_transfer_params::KvTransferParams;
-use pdflow_observability::fault::NodeKind;
-use pdflow_runtime::engine::LoadFailurePolicy;
+use pdflow_node::config::Deadlines;
+use pdflow_sim_engine::LoadFailurePolicy;
+use pdflow_tools::chaos::{ChaosCluster, ChaosSpec, CHAOS_SHAPE};
 use serde_json::{json, Value};
 
 const PROMPT: &str = "the quick brown fox jumps over the lazy dog and keeps running far away";

@@ -2,7 +2,7 @@
 //! proxy, P and D over real sockets — in one process and as separate processes: D's output equals
 //! a single engine's, and both engines return to their baseline block count.
 
-use pdflow_runtime::memory::KvShape;
+use pdflow_kv::memory::KvShape;
 use pdflow_tests::processes::ProcCluster;
 use pdflow_tests::{completion, prompt, reference_tokens, token_ids, Cluster, ClusterSpec, Endpoints, EngineOpts};
 

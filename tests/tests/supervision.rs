@@ -45,7 +45,7 @@ where
 async fn killed_actors_are_restarted_and_the_node_keeps_serving() {
     let _capture = pdflow_tests::capture();
     let mut spec = ClusterSpec::one_p_one_d();
-    spec.deadlines = pdflow::config::Deadlines::from_abort_timeout(Duration::from_secs(3));
+    spec.deadlines = pdflow_node::config::Deadlines::from_abort_timeout(Duration::from_secs(3));
     let cluster = Cluster::start(spec).await.expect("cluster starts");
     served(&cluster, 1).await;
     let p = &cluster.prefill[0];

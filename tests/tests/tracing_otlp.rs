@@ -322,7 +322,7 @@ async fn run_chromium(bin: &Path, args: &[&str]) -> std::process::Output {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn timeline_screenshot_in_headless_chromium() {
     let Some(bin) = chromium() else {
-        pdflow_runtime::skip::skipped(
+        pdflow_telemetry::skip::skipped(
             "timeline_screenshot_in_headless_chromium",
             &"no chromium on PATH (Debian: `apt-get install -y chromium`, or set PDFLOW_CHROMIUM)",
         );

@@ -1,0 +1,391 @@
+//! Receiver tests: a real Receiver, real PullTasks, a scripted P side channel (ZeroMQ ROUTER) and
+//! a real axum `/query` stub, all in process on 127.0.0.1:0.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use kameo::prelude::*;
+use pdflow_kv::memory::{KvCache, KvShape};
+use pdflow_messages::lifecycle::TransferState;
+use pdflow_messages::receiver::{GetFinishedRecving, StartLoadKv, TransferStates};
+use pdflow_messages::scheduler_connector::{ConnectorOutput, PullMeta};
+use pdflow_messages::sender_listener::{
+    PullErr, PullErrorCause, PullRequest, PullResponse, PullStatus, SideChannelRequest,
+};
+use tokio::sync::Notify;
+
+use super::fake_peers::{FakeBootstrap, FakeP, WAIT};
+use super::{PullTaskRefs, Receiver, ReceiverArgs};
+
+const P_ENGINE: &str = "p-engine-6c1f";
+const TINY: KvShape = KvShape { num_layers: 2, num_kv_heads: 1, head_dim: 4, dtype_bytes: 2, block_size: 4 };
+
+struct Harness {
+    receiver: ActorRef<Receiver>,
+    events: Arc<Notify>,
+    p: FakeP,
+    bootstrap: FakeBootstrap,
+    collected: ConnectorOutput,
+}
+
+impl Harness {
+    async fn start(pull_timeout: Duration) -> Self {
+        let p = FakeP::start().await;
+        let bootstrap = FakeBootstrap::start(P_ENGINE, &p.addr).await;
+        let events = Arc::new(Notify::new());
+        let receiver = Receiver::spawn(ReceiverArgs {
+            engine_id: "d-engine".into(),
+            tp_rank: 0,
+            tp_size: 1,
+            pp_size: 1,
+            kv_cache: KvCache::new(TINY, 32),
+            data_addr: "127.0.0.1:9".into(),
+            pull_timeout,
+            bootstrap_timeout: Duration::from_secs(2),
+            events: events.clone(),
+            verify_checksums: true,
+            fence: None,
+        });
+        Self { receiver, events, p, bootstrap, collected: ConnectorOutput::default() }
+    }
+
+    fn meta(&self, req: &str, blocks: Vec<u32>) -> PullMeta {
+        PullMeta {
+            d_req_id: req.into(),
+            transfer_id: format!("xfer-{req}"),
+            local_block_ids: blocks,
+            remote_engine_id: P_ENGINE.into(),
+            remote_bootstrap_addr: self.bootstrap.addr.clone(),
+            traceparent: None,
+        }
+    }
+
+    async fn pull(&self, metas: Vec<PullMeta>) {
+        let reqs = metas.into_iter().map(|m| (m.d_req_id.clone(), m)).collect();
+        let msg = StartLoadKv {
+            reqs_to_recv: BTreeMap::from([(P_ENGINE.to_string(), reqs)]),
+            reqs_to_abort: BTreeSet::new(),
+        };
+        self.receiver.tell(msg).await.expect("receiver alive");
+    }
+
+    async fn abort(&self, req: &str) {
+        let msg = StartLoadKv { reqs_to_recv: BTreeMap::new(), reqs_to_abort: BTreeSet::from([req.to_string()]) };
+        self.receiver.tell(msg).await.expect("receiver alive");
+    }
+
+    /// Collects results (also a mailbox barrier: every earlier message has been handled).
+    async fn collect(&mut self) -> &ConnectorOutput {
+        let out = self.receiver.ask(GetFinishedRecving).await.expect("receiver answers");
+        self.collected.merge(out);
+        &self.collected
+    }
+
+    /// Waits (bounded by `within`) until `req` is finished or failed.
+    async fn settled(&mut self, req: &str, within: Duration) -> &ConnectorOutput {
+        let events = self.events.clone();
+        let done = tokio::time::timeout(within, async {
+            loop {
+                let notified = events.notified();
+                tokio::pin!(notified);
+                notified.as_mut().enable();
+                let out = self.collect().await;
+                if out.finished_recving.contains(req) || out.failed_recving.contains_key(req) {
+                    return;
+                }
+                notified.await;
+            }
+        })
+        .await;
+        assert!(done.is_ok(), "request {req} not settled within {within:?}: {:?}", self.collected);
+        &self.collected
+    }
+
+    async fn next_pull(&mut self) -> (Bytes, PullRequest) {
+        match self.p.next_request().await {
+            (id, SideChannelRequest::Pull(pull)) => (id, pull),
+            (_, other) => panic!("expected a pull, got {other:?}"),
+        }
+    }
+}
+
+fn finish(pull: &PullRequest, ok: &[&str]) -> PullResponse {
+    PullResponse {
+        pull_id: pull.pull_id,
+        status: PullStatus::Finish,
+        ok_reqs: ok.iter().map(|s| s.to_string()).collect(),
+        err_reqs: vec![],
+        layout_id: Some(pull.layout_id),
+        error: None,
+        p_generation: 0,
+    }
+}
+
+#[tokio::test]
+async fn pull_completes_into_finished_recving() {
+    let mut h = Harness::start(Duration::from_secs(5)).await;
+    h.pull(vec![h.meta("cmpl-d-1", vec![3, 4, 5])]).await;
+    let (id, pull) = h.next_pull().await;
+    assert_eq!(pull.reqs.len(), 1);
+    assert_eq!(pull.reqs[0].block_ids, vec![3, 4, 5]);
+    assert_eq!(pull.reqs[0].transfer_id, "xfer-cmpl-d-1");
+    assert!(pull.layout.is_some(), "first pull carries the full layout");
+    assert_eq!(pull.data_addr, "127.0.0.1:9");
+    // The request's lifecycle state while P has not answered.
+    let states = h.receiver.ask(TransferStates).await.expect("alive");
+    assert_eq!(states, BTreeMap::from([("cmpl-d-1".to_string(), TransferState::Pulling)]));
+    h.p.reply(&id, &finish(&pull, &["cmpl-d-1"]));
+    let out = h.settled("cmpl-d-1", WAIT).await;
+    assert!(out.finished_recving.contains("cmpl-d-1") && out.failed_recving.is_empty(), "{out:?}");
+    assert!(h.receiver.ask(TransferStates).await.expect("alive").is_empty(), "nothing tracked once reported");
+
+    // P acknowledged the layout: the next pull to that worker omits it and needs no new look-up.
+    h.pull(vec![h.meta("cmpl-d-2", vec![6])]).await;
+    let (id, pull) = h.next_pull().await;
+    assert!(pull.layout.is_none(), "acknowledged layout is not resent");
+    h.p.reply(&id, &finish(&pull, &["cmpl-d-2"]));
+    assert!(h.settled("cmpl-d-2", WAIT).await.finished_recving.contains("cmpl-d-2"));
+    assert_eq!(h.bootstrap.calls(), 1);
+}
+
+#[tokio::test]
+async fn continue_then_finish_settles_every_request() {
+    let mut h = Harness::start(Duration::from_secs(5)).await;
+    h.pull(vec![h.meta("a", vec![1]), h.meta("b", vec![2])]).await;
+    let (id, pull) = h.next_pull().await;
+    assert_eq!(pull.reqs.len(), 2, "one pull per engine for the step's requests");
+    h.p.reply(&id, &PullResponse { status: PullStatus::Continue, ..finish(&pull, &["a"]) });
+    h.p.reply(&id, &finish(&pull, &["b"]));
+    h.settled("a", WAIT).await;
+    let out = h.settled("b", WAIT).await;
+    assert_eq!(out.finished_recving, BTreeSet::from(["a".to_string(), "b".to_string()]));
+}
+
+#[tokio::test]
+async fn concurrent_pulls_for_a_new_engine_query_bootstrap_once() {
+    let mut h = Harness::start(Duration::from_secs(5)).await;
+    *h.bootstrap.gate.lock().await = true;
+    h.pull(vec![h.meta("a", vec![1])]).await;
+    h.pull(vec![h.meta("b", vec![2])]).await;
+    h.collect().await; // both StartLoadKv handled while the look-up is held
+    h.bootstrap.release.notify_waiters();
+    h.bootstrap.release.notify_one();
+    let (id, pull) = h.next_pull().await;
+    let reqs: BTreeSet<_> = pull.reqs.iter().map(|r| r.d_req_id.as_str()).collect();
+    assert_eq!(reqs, BTreeSet::from(["a", "b"]), "the queued requests share one pull");
+    h.p.reply(&id, &finish(&pull, &["a", "b"]));
+    h.settled("a", WAIT).await;
+    h.settled("b", WAIT).await;
+    assert_eq!(h.bootstrap.calls(), 1, "exactly one /query");
+}
+
+#[tokio::test]
+async fn p_error_response_fails_the_request() {
+    let mut h = Harness::start(Duration::from_secs(5)).await;
+    h.pull(vec![h.meta("a", vec![1])]).await;
+    let (id, pull) = h.next_pull().await;
+    h.p.reply(&id, &PullResponse::error(pull.pull_id, "bad layout"));
+    let out = h.settled("a", WAIT).await;
+    assert!(out.failed_recving["a"].contains("bad layout"), "{out:?}");
+    assert!(out.finished_recving.is_empty());
+}
+
+#[tokio::test]
+async fn p_err_reqs_fail_with_cause_and_detail() {
+    let mut h = Harness::start(Duration::from_secs(5)).await;
+    h.pull(vec![h.meta("a", vec![1])]).await;
+    let (id, pull) = h.next_pull().await;
+    let err =
+        PullErr { d_req_id: "a".into(), cause: PullErrorCause::ReadyTimeout, detail: "prefill never finished".into() };
+    h.p.reply(&id, &PullResponse { err_reqs: vec![err], ..finish(&pull, &[]) });
+    let out = h.settled("a", WAIT).await;
+    assert_eq!(out.failed_recving["a"], "ReadyTimeout: prefill never finished");
+}
+
+#[tokio::test]
+async fn silent_p_fails_after_pull_timeout_not_later() {
+    let timeout = Duration::from_millis(300);
+    let mut h = Harness::start(timeout).await;
+    h.pull(vec![h.meta("a", vec![1])]).await;
+    let started = Instant::now();
+    let _ = h.next_pull().await;
+    let out = h.settled("a", Duration::from_secs(3)).await;
+    let elapsed = started.elapsed();
+    // The error names the state and its deadline (lifecycle).
+    assert!(out.failed_recving["a"].contains("state `pulling` past its pull_timeout"), "{out:?}");
+    assert!(elapsed >= timeout - Duration::from_millis(50) && elapsed < Duration::from_secs(2), "{elapsed:?}");
+    // D told P to stop before giving the blocks up.
+    match h.p.next_request().await.1 {
+        SideChannelRequest::Abort(abort) => assert_eq!(abort.transfer_ids, vec!["xfer-a".to_string()]),
+        other => panic!("expected an abort, got {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn an_engine_registered_while_its_look_up_runs_is_pulled_from() {
+    // The bootstrap restarted with an empty table; P registers again a moment later.
+    let mut h = Harness::start(Duration::from_secs(5)).await;
+    let registered = h.bootstrap.body.lock().await.clone();
+    *h.bootstrap.body.lock().await = serde_json::json!({});
+    h.pull(vec![h.meta("a", vec![1])]).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(
+        h.receiver.ask(TransferStates).await.expect("alive"),
+        BTreeMap::from([("a".to_string(), TransferState::LookingUp)]),
+        "still looking P up, within its bootstrap_timeout"
+    );
+    *h.bootstrap.body.lock().await = registered;
+    let (id, pull) = h.next_pull().await;
+    h.p.reply(&id, &finish(&pull, &["a"]));
+    let out = h.settled("a", WAIT).await;
+    assert!(out.finished_recving.contains("a"), "{out:?}");
+    assert!(h.bootstrap.calls() > 1, "asked again");
+}
+
+#[tokio::test]
+async fn engine_missing_from_query_fails_naming_it() {
+    let mut h = Harness::start(Duration::from_secs(5)).await;
+    let mut meta = h.meta("a", vec![1]);
+    meta.remote_engine_id = "ghost-engine".into();
+    let msg = StartLoadKv {
+        reqs_to_recv: BTreeMap::from([("ghost-engine".to_string(), BTreeMap::from([("a".to_string(), meta)]))]),
+        reqs_to_abort: BTreeSet::new(),
+    };
+    h.receiver.tell(msg).await.expect("receiver alive");
+    let reason = h.settled("a", WAIT).await.failed_recving["a"].clone();
+    assert!(reason.contains("ghost-engine") && reason.contains(&h.bootstrap.addr), "{reason}");
+    assert!(reason.contains("state `looking_up` past its bootstrap_timeout"), "{reason}");
+    assert!(h.p.quiet_for(Duration::from_millis(100)).await, "no pull was sent");
+}
+
+#[tokio::test]
+async fn unreachable_bootstrap_fails_naming_the_address() {
+    let mut h = Harness::start(Duration::from_secs(5)).await;
+    let mut meta = h.meta("a", vec![1]);
+    let dead = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("binds");
+    meta.remote_bootstrap_addr = format!("http://{}", dead.local_addr().expect("addr"));
+    drop(dead);
+    let addr = meta.remote_bootstrap_addr.clone();
+    h.pull(vec![meta]).await;
+    let reason = h.settled("a", WAIT).await.failed_recving["a"].clone();
+    assert!(reason.contains(P_ENGINE) && reason.contains(&addr), "{reason}");
+}
+
+#[tokio::test]
+async fn garbage_reply_fails_the_request() {
+    let mut h = Harness::start(Duration::from_secs(5)).await;
+    h.pull(vec![h.meta("a", vec![1])]).await;
+    let (id, _) = h.next_pull().await;
+    h.p.reply_raw(&id, b"GARBAGE!".to_vec());
+    let out = h.settled("a", WAIT).await;
+    assert!(out.failed_recving["a"].contains("not a pull response"), "{out:?}");
+}
+
+#[tokio::test]
+async fn abort_in_flight_sends_abort_and_waits_for_p() {
+    let mut h = Harness::start(Duration::from_secs(5)).await;
+    h.pull(vec![h.meta("a", vec![1, 2])]).await;
+    let (id, pull) = h.next_pull().await;
+    h.abort("a").await;
+    match h.p.next_request().await.1 {
+        SideChannelRequest::Abort(abort) => {
+            assert_eq!(abort.pull_id, pull.pull_id);
+            assert_eq!(abort.transfer_ids, vec!["xfer-a".to_string()]);
+        }
+        other => panic!("expected an abort, got {other:?}"),
+    }
+    let out = h.collect().await;
+    assert!(
+        out.failed_recving.is_empty() && out.finished_recving.is_empty(),
+        "nothing settles before P answers: {out:?}"
+    );
+    let err = PullErr { d_req_id: "a".into(), cause: PullErrorCause::CancelledByPeer, detail: "aborted by D".into() };
+    h.p.reply(&id, &PullResponse { err_reqs: vec![err], ..finish(&pull, &[]) });
+    let out = h.settled("a", WAIT).await;
+    assert!(out.failed_recving["a"].starts_with("CancelledByPeer"), "{out:?}");
+}
+
+#[tokio::test]
+async fn killed_pull_task_fails_its_requests() {
+    let mut h = Harness::start(Duration::from_secs(30)).await;
+    h.pull(vec![h.meta("a", vec![1])]).await;
+    let _ = h.next_pull().await;
+    let tasks = h.receiver.ask(PullTaskRefs).await.expect("receiver answers");
+    assert_eq!(tasks.len(), 1);
+    tasks[0].kill();
+    let out = h.settled("a", WAIT).await;
+    assert!(out.failed_recving["a"].contains("died"), "{out:?}");
+    assert!(h.receiver.is_alive(), "the receiver survives its PullTask");
+}
+
+#[tokio::test]
+async fn empty_block_ids_are_sent_but_not_reported() {
+    let mut h = Harness::start(Duration::from_secs(5)).await;
+    h.pull(vec![h.meta("gone", vec![]), h.meta("a", vec![1])]).await;
+    let (id, pull) = h.next_pull().await;
+    assert!(pull.reqs.iter().any(|r| r.d_req_id == "gone" && r.block_ids.is_empty()), "P is told to free");
+    h.p.reply(&id, &finish(&pull, &["gone", "a"]));
+    let out = h.settled("a", WAIT).await;
+    assert!(!out.finished_recving.contains("gone") && !out.failed_recving.contains_key("gone"), "{out:?}");
+}
+
+#[tokio::test]
+async fn unknown_layout_is_retried_once_with_the_full_layout() {
+    let mut h = Harness::start(Duration::from_secs(5)).await;
+    h.pull(vec![h.meta("a", vec![1])]).await;
+    let (id, pull) = h.next_pull().await;
+    h.p.reply(&id, &finish(&pull, &["a"]));
+    h.settled("a", WAIT).await;
+
+    h.pull(vec![h.meta("b", vec![2])]).await;
+    let (id, pull) = h.next_pull().await;
+    assert!(pull.layout.is_none());
+    let unknown = PullErr { d_req_id: "b".into(), cause: PullErrorCause::UnknownLayout, detail: "P restarted".into() };
+    h.p.reply(&id, &PullResponse { err_reqs: vec![unknown], layout_id: None, ..finish(&pull, &[]) });
+    let (id, retry) = h.next_pull().await;
+    assert!(retry.layout.is_some(), "the retry carries the full layout");
+    assert_ne!(retry.pull_id, pull.pull_id);
+    h.p.reply(&id, &finish(&retry, &["b"]));
+    assert!(h.settled("b", WAIT).await.finished_recving.contains("b"));
+}
+
+#[tokio::test]
+async fn dead_cached_worker_drops_the_cache_entry() {
+    let mut h = Harness::start(Duration::from_millis(500)).await;
+    h.pull(vec![h.meta("a", vec![1])]).await;
+    let (id, pull) = h.next_pull().await;
+    h.p.reply(&id, &finish(&pull, &["a"]));
+    h.settled("a", WAIT).await;
+    // P goes away: the cached address now refuses connections.
+    let old = std::mem::replace(&mut h.p, FakeP::start().await);
+    drop(old);
+    h.pull(vec![h.meta("b", vec![2])]).await;
+    h.settled("b", WAIT).await;
+    // P registered again at a new address: the next request looks it up again and reaches it.
+    *h.bootstrap.body.lock().await =
+        serde_json::json!({"0": {"engine_id": P_ENGINE, "worker_addr": {"0": {"0": h.p.addr.clone()}}}});
+    h.pull(vec![h.meta("c", vec![3])]).await;
+    let (id, pull) = h.next_pull().await;
+    h.p.reply(&id, &finish(&pull, &["c"]));
+    assert!(h.settled("c", WAIT).await.finished_recving.contains("c"));
+    assert_eq!(h.bootstrap.calls(), 2);
+}
+
+#[tokio::test]
+async fn abort_during_lookup_fails_at_once_and_pull_only_frees() {
+    let mut h = Harness::start(Duration::from_secs(5)).await;
+    *h.bootstrap.gate.lock().await = true;
+    h.pull(vec![h.meta("a", vec![1, 2])]).await;
+    h.abort("a").await;
+    let out = h.collect().await;
+    assert!(out.failed_recving["a"].contains("before its pull was sent"), "{out:?}");
+    h.bootstrap.release.notify_waiters();
+    h.bootstrap.release.notify_one();
+    let (id, pull) = h.next_pull().await;
+    assert!(pull.reqs[0].block_ids.is_empty(), "P is only told to free: nothing is written into D's freed blocks");
+    h.p.reply(&id, &finish(&pull, &["a"]));
+    h.collect().await;
+    assert!(!h.collected.finished_recving.contains("a"), "{:?}", h.collected);
+}

@@ -1,0 +1,660 @@
+//! SendWorker — one per transfer_id on a P worker: wait for `ready`, plan, write, report
+//! (seed steps 14, 22, 27, 28, 29, 31).
+//!
+//! The [`crate::sender_listener::SenderListener`] spawns one SendWorker per transfer_id, either when
+//! P's scheduler first names the request (step 14, [`RecordSendPending`]) or when D's pull arrives
+//! first (step 22, a placeholder). The worker then:
+//! - waits for [`RecordSendReady`] (step 27) with a deadline (`ready_timeout`) for each waiting pull,
+//!   while the transfer engine makes the data channel to D ready (connections, handshakes);
+//! - builds the transfer plan (step 28, coalesced descriptors) and writes it into D's memory through
+//!   the [`TransferEngine`] in a task it owns (step 29); the mailbox never waits on the write;
+//! - marks the request sent (step 31) and reports a [`SendOutcome`] to the listener, which answers
+//!   D on the side channel (step 30) and adds the P request to finished_sending.
+//!
+//! Rules kept here: P's blocks are counted as sent (so P frees them) exactly once, and only once
+//! nothing reads them any more (write ended, or no write will ever start); after ready, a transfer
+//! that D never pulls expires after `send_expiry`; a request P aborted (reqs_not_processed) answers
+//! every pull with `Aborted` at once and is never counted. The worker never stops itself: it reports
+//! `finished` and the listener removes it from its routing table, then stops it.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::time::Duration;
+
+use kameo::prelude::*;
+use pdflow_kv::memory::KvCache;
+use pdflow_kv::planner::build_plan;
+use pdflow_messages::lifecycle::TransferState;
+use pdflow_messages::send_worker::{
+    AbortSend, AbortSource, PullReply, RecordSendPending, RecordSendReady, SendOutcome, ServePull,
+};
+use pdflow_messages::sender_listener::{PullErr, PullErrorCause};
+use pdflow_messages::{BlockId, RequestId, TransferId};
+use pdflow_telemetry::{attrs, step_span, steps};
+use pdflow_transfer::{TransferEngine, TransferStats};
+use tokio::task::JoinHandle;
+use tracing::{Instrument, Span};
+
+use crate::ActorError;
+
+/// What a SendWorker is given by the listener.
+#[derive(Clone)]
+pub struct SendWorkerArgs {
+    pub transfer_id: TransferId,
+    /// The listener's number for this worker, echoed in every [`SendOutcome`].
+    pub generation: u64,
+    /// Where outcomes go (the listener); weak, so a worker never keeps its listener alive.
+    pub listener: WeakRecipient<SendOutcome>,
+    pub kv_cache: Arc<KvCache>,
+    pub transfer: Arc<dyn TransferEngine>,
+    /// How long a pull waits for P's prefill to finish (step 22's deadline).
+    pub ready_timeout: Duration,
+    /// After ready, how long P keeps the blocks if D never pulls (step 27's expire_time).
+    pub send_expiry: Duration,
+    /// Record `pd.kv_checksum` of the sent blocks on step 29.
+    pub verify_checksums: bool,
+}
+
+/// Where the transfer stands (the P side of [`TransferState`], plus the end).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    /// P's blocks are not final yet (or P's request is not known yet); a pull waits here for
+    /// `ready_timeout`.
+    Waiting,
+    /// Ready (step 27): P's block ids are known and held, for `send_expiry` if D never pulls.
+    Ready,
+    /// The write task runs, under the transfer engine's write deadline.
+    Writing,
+    /// Reported `finished`; the listener is about to stop this worker.
+    Finished,
+}
+
+impl Phase {
+    /// The lifecycle state this phase is, and so its deadline (`Finished` is terminal: the
+    /// `Writing` entry stands for it, never used).
+    fn state(self) -> TransferState {
+        match self {
+            Phase::Waiting => TransferState::WaitingForPrefill,
+            Phase::Ready => TransferState::HeldForPull,
+            Phase::Writing | Phase::Finished => TransferState::Writing,
+        }
+    }
+}
+
+/// A scheduled self-message (a timer); aborted when no longer wanted.
+type Timer<M> = JoinHandle<Result<(), SendError<M>>>;
+
+/// A pull waiting for ready (step 22), with its span and deadline.
+struct WaitingPull {
+    pull: ServePull,
+    span: Span,
+    deadline: Option<Timer<ReadyDeadline>>,
+}
+
+/// The write in flight (step 29).
+struct Writing {
+    pull: ServePull,
+    span: Span,
+    task: JoinHandle<()>,
+}
+
+/// One transfer on P.
+pub struct SendWorker {
+    args: SendWorkerArgs,
+    p_req_id: Option<RequestId>,
+    local_block_ids: Vec<BlockId>,
+    phase: Phase,
+    pulls: VecDeque<WaitingPull>,
+    writing: Option<Writing>,
+    /// P's request was aborted or failed (reqs_not_processed): its KV will never exist.
+    producer_aborted: bool,
+    /// D gave the transfer up (AbortPull, or its pull timed out): free P's blocks once ready.
+    consumer_gone: bool,
+    /// finished_sending was reported already.
+    counted: bool,
+    timer_epoch: u64,
+    expiry: Option<(u64, Timer<ExpiryDue>)>,
+    linger: Option<(u64, Timer<LingerDue>)>,
+    /// The data channel to D made ready while P still prefills (see [`SendWorker::prepare`]).
+    preparing: Option<JoinHandle<()>>,
+}
+
+/// Timer: a waiting pull's ready deadline passed.
+struct ReadyDeadline {
+    pull_id: u64,
+    d_req_id: RequestId,
+}
+
+/// Timer: ready, but D did not pull within `send_expiry`.
+struct ExpiryDue {
+    epoch: u64,
+}
+
+/// Timer: a placeholder or aborted transfer has lingered long enough to answer late messages.
+struct LingerDue {
+    epoch: u64,
+}
+
+/// The write task's result.
+struct WriteDone {
+    result: Result<TransferStats, String>,
+}
+
+impl Actor for SendWorker {
+    type Args = SendWorkerArgs;
+    type Error = ActorError;
+
+    async fn on_start(args: Self::Args, _actor_ref: ActorRef<Self>) -> Result<Self, Self::Error> {
+        Ok(Self {
+            args,
+            p_req_id: None,
+            local_block_ids: Vec::new(),
+            phase: Phase::Waiting,
+            pulls: VecDeque::new(),
+            writing: None,
+            producer_aborted: false,
+            consumer_gone: false,
+            counted: false,
+            timer_epoch: 0,
+            expiry: None,
+            linger: None,
+            preparing: None,
+        })
+    }
+
+    async fn on_stop(&mut self, _: WeakActorRef<Self>, _reason: ActorStopReason) -> Result<(), Self::Error> {
+        self.cancel_timers();
+        for p in self.pulls.drain(..) {
+            if let Some(d) = p.deadline {
+                d.abort();
+            }
+        }
+        if let Some(p) = self.preparing.take() {
+            p.abort();
+        }
+        if let Some(w) = self.writing.take() {
+            tracing::warn!(transfer_id = %self.args.transfer_id, "send worker stopped while writing: the write is aborted");
+            w.task.abort();
+        }
+        Ok(())
+    }
+}
+
+impl SendWorker {
+    fn cancel_timers(&mut self) {
+        if let Some((_, h)) = self.expiry.take() {
+            h.abort();
+        }
+        if let Some((_, h)) = self.linger.take() {
+            h.abort();
+        }
+    }
+
+    fn next_epoch(&mut self) -> u64 {
+        self.timer_epoch += 1;
+        self.timer_epoch
+    }
+
+    fn arm_expiry(&mut self, me: &ActorRef<Self>) {
+        let epoch = self.next_epoch();
+        let handle = me.tell(ExpiryDue { epoch }).send_after(self.args.send_expiry);
+        if let Some((_, old)) = self.expiry.replace((epoch, handle)) {
+            old.abort();
+        }
+    }
+
+    fn arm_linger(&mut self, me: &ActorRef<Self>, after: Duration) {
+        let epoch = self.next_epoch();
+        let handle = me.tell(LingerDue { epoch }).send_after(after);
+        if let Some((_, old)) = self.linger.replace((epoch, handle)) {
+            old.abort();
+        }
+    }
+
+    fn err(d_req_id: &RequestId, cause: PullErrorCause, detail: impl Into<String>) -> PullErr {
+        PullErr { d_req_id: d_req_id.clone(), cause, detail: detail.into() }
+    }
+
+    /// Sends one outcome to the listener. `counts_as_sent` is honoured at most once, and only for a
+    /// request P has named (steps 27, 31).
+    async fn report(&mut self, reply: Option<PullReply>, counts_as_sent: bool, finished: bool) {
+        let counts = counts_as_sent && !self.counted && self.p_req_id.is_some();
+        if counts {
+            self.counted = true;
+        }
+        if finished {
+            self.phase = Phase::Finished;
+            self.cancel_timers();
+        }
+        let outcome = SendOutcome {
+            transfer_id: self.args.transfer_id.clone(),
+            generation: self.args.generation,
+            p_req_id: self.p_req_id.clone(),
+            reply,
+            counts_as_sent: counts,
+            finished,
+        };
+        match self.args.listener.upgrade() {
+            Some(listener) => {
+                if let Err(e) = listener.tell(outcome).await {
+                    tracing::warn!(transfer_id = %self.args.transfer_id, error = %e, "sender listener did not take a send outcome");
+                }
+            }
+            None => {
+                tracing::warn!(transfer_id = %self.args.transfer_id, "sender listener is gone: send outcome dropped")
+            }
+        }
+    }
+
+    async fn reply_err(&mut self, pull: &ServePull, err: PullErr, counts_as_sent: bool, finished: bool) {
+        let reply = PullReply { pull_id: pull.pull_id, d_req_id: pull.d_req_id.clone(), result: Err(err) };
+        self.report(Some(reply), counts_as_sent, finished).await;
+    }
+
+    /// A pull came before P's prefill finished (step 22): the transfer engine gets the data channel
+    /// to D ready meanwhile (connections, handshakes, the path), in a task this actor owns and
+    /// bounded by the engine's connect deadline, so that the write starts at once at ready.
+    fn prepare(&mut self, peer: &str) {
+        if self.preparing.as_ref().is_some_and(|p| !p.is_finished()) {
+            return;
+        }
+        let (transfer, peer, transfer_id) =
+            (self.args.transfer.clone(), peer.to_string(), self.args.transfer_id.clone());
+        self.preparing = Some(tokio::spawn(async move {
+            if let Err(e) = transfer.prepare(&peer).await {
+                tracing::debug!(%transfer_id, %peer, error = %e, "could not prepare the data channel ahead of the write (the write connects itself)");
+            }
+        }));
+    }
+
+    /// Steps 28 and 29: plan the write and start it in a task this actor owns.
+    async fn serve(&mut self, waiting: WaitingPull, me: &ActorRef<Self>) {
+        let WaitingPull { pull, span: wait_span, deadline } = waiting;
+        if let Some(d) = deadline {
+            d.abort();
+        }
+        wait_span.record(attrs::OUTCOME, "ready");
+        drop(wait_span);
+        if let Some((_, h)) = self.expiry.take() {
+            h.abort();
+        }
+        let p_req_id = self.p_req_id.clone().unwrap_or_default();
+
+        let plan_span = step_span!(
+            steps::P_BUILD_TRANSFER,
+            request_id = p_req_id.as_str(),
+            transfer_id = self.args.transfer_id.as_str()
+        );
+        let regions = self.args.kv_cache.regions();
+        // D's prefix cache may already hold the prompt's first blocks: it then asks only for the
+        // rest, and P sends the tail of its blocks (a D asking for more than P holds is refused).
+        let skip = self.local_block_ids.len().saturating_sub(pull.block_ids.len());
+        let src_blocks = self.local_block_ids[skip..].to_vec();
+        let plan =
+            plan_span.in_scope(|| build_plan(&regions, &src_blocks, &pull.layout.regions, &pull.block_ids, true));
+        let plan = match plan {
+            // D's fence for these blocks: its data server writes them only while D expects them.
+            Ok(plan) => pdflow_kv::planner::TransferPlan { fence: pull.fence, ..plan },
+            Err(e) => {
+                plan_span.record(attrs::OUTCOME, "layout_mismatch");
+                drop(plan_span);
+                tracing::warn!(transfer_id = %self.args.transfer_id, d_req_id = %pull.d_req_id, error = %e, "cannot plan the transfer: answering D with an error");
+                let err = Self::err(&pull.d_req_id, PullErrorCause::LayoutMismatch, e.to_string());
+                // No write will ever start: P's blocks can be freed.
+                self.reply_err(&pull, err, true, true).await;
+                return;
+            }
+        };
+        plan_span.record(attrs::BLOCKS, src_blocks.len() as u64);
+        plan_span.record(attrs::DESCRIPTORS, plan.descriptors.len() as u64);
+        plan_span.record(attrs::BYTES, plan.total_bytes());
+        drop(plan_span);
+
+        let write_span = step_span!(
+            steps::P_TRANSFER_WRITE,
+            request_id = p_req_id.as_str(),
+            transfer_id = self.args.transfer_id.as_str()
+        );
+        write_span.record(attrs::BLOCKS, src_blocks.len() as u64);
+        write_span.record(attrs::DESCRIPTORS, plan.descriptors.len() as u64);
+        write_span.record(attrs::BYTES, plan.total_bytes());
+        if let Some(tp) = &pull.traceparent {
+            write_span.record(attrs::TRACEPARENT, tp.as_str());
+        }
+        if self.args.verify_checksums {
+            // Computed before the write: nothing writes P's blocks while they are held for sending.
+            match self.args.kv_cache.blocks_checksum(&src_blocks) {
+                // A plain u64, as the receiver records D's side on step 34 (the demo compares them).
+                Ok(sum) => {
+                    write_span.record(attrs::KV_CHECKSUM, sum);
+                }
+                Err(e) => {
+                    tracing::warn!(transfer_id = %self.args.transfer_id, error = %e, "cannot checksum P's blocks")
+                }
+            }
+        }
+        // No byte after D's pull deadline (less a margin): D gives the blocks up then.
+        let plan = pdflow_kv::planner::TransferPlan { write_by: pull.write_by, ..plan };
+        // Fault injection (`cut_data`): returns at once unless a fault plan is armed.
+        let plan = match pdflow_fault::data_cut(&p_req_id) {
+            Some(after_bytes) => pdflow_kv::planner::TransferPlan { cut_after: Some(after_bytes), ..plan },
+            None => plan,
+        };
+        let transfer = self.args.transfer.clone();
+        let peer = pull.data_addr.clone();
+        let me = me.clone();
+        let task = tokio::spawn(
+            async move {
+                let result = transfer.write(&peer, &plan).await.map_err(|e| e.to_string());
+                // Which path moved the bytes (tcp, same-host…), for the trace.
+                tracing::Span::current().record(attrs::BACKEND, transfer.backend_for(&peer));
+                if me.tell(WriteDone { result }).await.is_err() {
+                    tracing::warn!("send worker stopped before its write finished");
+                }
+            }
+            .instrument(write_span.clone()),
+        );
+        self.phase = Phase::Writing;
+        self.writing = Some(Writing { pull, span: write_span, task });
+    }
+}
+
+impl Message<RecordSendPending> for SendWorker {
+    type Reply = ();
+
+    /// Step 14: SendBlockMeta created, ready not set.
+    async fn handle(&mut self, msg: RecordSendPending, _ctx: &mut Context<Self, Self::Reply>) {
+        let _span = step_span!(
+            steps::P_RECORD_SEND_PENDING,
+            request_id = msg.p_req_id.as_str(),
+            transfer_id = self.args.transfer_id.as_str()
+        )
+        .entered();
+        if self.p_req_id.is_none() {
+            self.p_req_id = Some(msg.p_req_id);
+        }
+        // A placeholder became a real request: P will either set ready or abort it.
+        if self.phase == Phase::Waiting && !self.producer_aborted {
+            if let Some((_, h)) = self.linger.take() {
+                h.abort();
+            }
+        }
+    }
+}
+
+impl Message<RecordSendReady> for SendWorker {
+    type Reply = ();
+
+    /// Step 27: block ids recorded, ready set; a waiting pull is served at once.
+    async fn handle(&mut self, msg: RecordSendReady, ctx: &mut Context<Self, Self::Reply>) {
+        let span = step_span!(
+            steps::P_RECORD_SEND_READY,
+            request_id = msg.p_req_id.as_str(),
+            transfer_id = self.args.transfer_id.as_str()
+        );
+        span.record(attrs::BLOCKS, msg.block_ids.len() as u64);
+        self.p_req_id = Some(msg.p_req_id);
+        match self.phase {
+            Phase::Finished => {
+                // Late: this transfer is over (expired placeholder, or aborted). P holds the blocks
+                // and nothing will read them: let P free them.
+                span.record(attrs::OUTCOME, "late");
+                drop(span);
+                self.report(None, true, true).await;
+            }
+            Phase::Ready | Phase::Writing => {
+                tracing::warn!(transfer_id = %self.args.transfer_id, "ready recorded twice: the second record is ignored");
+            }
+            Phase::Waiting => {
+                drop(span);
+                self.local_block_ids = msg.block_ids;
+                self.phase = Phase::Ready;
+                self.producer_aborted = false;
+                if let Some((_, h)) = self.linger.take() {
+                    h.abort();
+                }
+                let me = ctx.actor_ref().clone();
+                if let Some(next) = self.pulls.pop_front() {
+                    self.serve(next, &me).await;
+                } else if self.consumer_gone {
+                    tracing::info!(transfer_id = %self.args.transfer_id, "D gave this transfer up: P's blocks are freed at once");
+                    self.report(None, true, true).await;
+                } else {
+                    self.arm_expiry(&me);
+                }
+            }
+        }
+    }
+}
+
+impl Message<ServePull> for SendWorker {
+    type Reply = ();
+
+    /// Step 22: D's pull for this transfer; served now if ready, else waits with a deadline.
+    async fn handle(&mut self, pull: ServePull, ctx: &mut Context<Self, Self::Reply>) {
+        if self.phase == Phase::Finished || self.producer_aborted {
+            let detail = if self.producer_aborted {
+                "P's request was aborted or failed before its KV was final (reqs_not_processed)"
+            } else {
+                "this transfer is already over on P (sent, expired or given up)"
+            };
+            let err = Self::err(&pull.d_req_id, PullErrorCause::Aborted, detail);
+            self.reply_err(&pull, err, false, false).await;
+            return;
+        }
+        self.consumer_gone = false;
+        let p_req_id = self.p_req_id.clone().unwrap_or_default();
+        let span = step_span!(
+            steps::P_PULL_WAIT_READY,
+            request_id = p_req_id.as_str(),
+            transfer_id = self.args.transfer_id.as_str()
+        );
+        span.record(attrs::BLOCKS, pull.block_ids.len() as u64);
+        if let Some(tp) = &pull.traceparent {
+            span.record(attrs::TRACEPARENT, tp.as_str());
+        }
+        let me = ctx.actor_ref().clone();
+        match self.phase {
+            Phase::Ready => self.serve(WaitingPull { pull, span, deadline: None }, &me).await,
+            Phase::Waiting => {
+                if let Some((_, h)) = self.linger.take() {
+                    h.abort();
+                }
+                let deadline = me
+                    .tell(ReadyDeadline { pull_id: pull.pull_id, d_req_id: pull.d_req_id.clone() })
+                    .send_after(self.args.ready_timeout);
+                self.prepare(&pull.data_addr);
+                self.pulls.push_back(WaitingPull { pull, span, deadline: Some(deadline) });
+            }
+            // A second pull while the first writes: answered when the write ends.
+            Phase::Writing | Phase::Finished => self.pulls.push_back(WaitingPull { pull, span, deadline: None }),
+        }
+    }
+}
+
+impl Message<ReadyDeadline> for SendWorker {
+    type Reply = ();
+
+    async fn handle(&mut self, msg: ReadyDeadline, ctx: &mut Context<Self, Self::Reply>) {
+        if self.phase != Phase::Waiting {
+            return;
+        }
+        let Some(pos) =
+            self.pulls.iter().position(|p| p.pull.pull_id == msg.pull_id && p.pull.d_req_id == msg.d_req_id)
+        else {
+            return;
+        };
+        let Some(waiting) = self.pulls.remove(pos) else { return };
+        waiting.span.record(attrs::OUTCOME, "ready_timeout");
+        drop(waiting.span);
+        tracing::warn!(transfer_id = %self.args.transfer_id, d_req_id = %msg.d_req_id, timeout = ?self.args.ready_timeout, "P's prefill was not ready in time for D's pull");
+        let detail = Phase::Waiting
+            .state()
+            .passed(
+                self.args.ready_timeout,
+                format!("P's prefill for transfer {} did not finish", self.args.transfer_id),
+            )
+            .to_string();
+        let err = Self::err(&msg.d_req_id, PullErrorCause::ReadyTimeout, detail);
+        self.reply_err(&waiting.pull, err, false, false).await;
+        if self.pulls.is_empty() {
+            self.consumer_gone = true;
+            if self.p_req_id.is_none() {
+                let me = ctx.actor_ref().clone();
+                self.arm_linger(&me, self.args.send_expiry);
+            }
+        }
+    }
+}
+
+impl Message<ExpiryDue> for SendWorker {
+    type Reply = ();
+
+    async fn handle(&mut self, msg: ExpiryDue, _ctx: &mut Context<Self, Self::Reply>) {
+        if self.expiry.as_ref().map(|(e, _)| *e) != Some(msg.epoch)
+            || self.phase != Phase::Ready
+            || !self.pulls.is_empty()
+        {
+            return;
+        }
+        self.expiry = None;
+        let expired =
+            Phase::Ready.state().passed(self.args.send_expiry, "D never pulled this transfer: P's blocks are freed");
+        tracing::warn!(transfer_id = %self.args.transfer_id, p_req_id = ?self.p_req_id, "{expired}");
+        self.report(None, true, true).await;
+    }
+}
+
+impl Message<LingerDue> for SendWorker {
+    type Reply = ();
+
+    async fn handle(&mut self, msg: LingerDue, _ctx: &mut Context<Self, Self::Reply>) {
+        if self.linger.as_ref().map(|(e, _)| *e) != Some(msg.epoch)
+            || self.phase != Phase::Waiting
+            || !self.pulls.is_empty()
+        {
+            return;
+        }
+        self.linger = None;
+        tracing::debug!(transfer_id = %self.args.transfer_id, "send worker retired");
+        self.report(None, false, true).await;
+    }
+}
+
+impl Message<WriteDone> for SendWorker {
+    type Reply = ();
+
+    /// Steps 29 (end) and 31: mark sent and report.
+    async fn handle(&mut self, msg: WriteDone, _ctx: &mut Context<Self, Self::Reply>) {
+        let Some(writing) = self.writing.take() else { return };
+        let Writing { pull, span, task: _ } = writing;
+        let result = match msg.result {
+            Ok(stats) => {
+                span.record(attrs::BYTES, stats.bytes);
+                span.record(attrs::DESCRIPTORS, stats.descriptors as u64);
+                span.record(attrs::OUTCOME, "ok");
+                drop(span);
+                if self.producer_aborted {
+                    Err(Self::err(
+                        &pull.d_req_id,
+                        PullErrorCause::Aborted,
+                        "P's request was aborted during the write: do not use the KV",
+                    ))
+                } else {
+                    let p_req_id = self.p_req_id.clone().unwrap_or_default();
+                    drop(step_span!(
+                        steps::P_MARK_SENT,
+                        request_id = p_req_id.as_str(),
+                        transfer_id = self.args.transfer_id.as_str()
+                    ));
+                    Ok(())
+                }
+            }
+            Err(e) => {
+                span.record(attrs::OUTCOME, "transfer_failed");
+                drop(span);
+                tracing::warn!(transfer_id = %self.args.transfer_id, d_req_id = %pull.d_req_id, error = %e, "write into D's memory failed");
+                Err(Self::err(&pull.d_req_id, PullErrorCause::TransferFailed, e))
+            }
+        };
+        // Any further pull for this transfer comes too late: P's blocks are released below.
+        while let Some(extra) = self.pulls.pop_front() {
+            if let Some(d) = extra.deadline {
+                d.abort();
+            }
+            let err = Self::err(
+                &extra.pull.d_req_id,
+                PullErrorCause::Aborted,
+                "this transfer was already served by an earlier pull",
+            );
+            self.reply_err(&extra.pull, err, false, false).await;
+        }
+        // The write task has ended: nothing reads P's blocks any more (unless P aborted, in which
+        // case P's scheduler freed them already).
+        let counts = !self.producer_aborted;
+        let reply = PullReply { pull_id: pull.pull_id, d_req_id: pull.d_req_id.clone(), result };
+        self.report(Some(reply), counts, true).await;
+    }
+}
+
+impl Message<AbortSend> for SendWorker {
+    type Reply = ();
+
+    async fn handle(&mut self, msg: AbortSend, ctx: &mut Context<Self, Self::Reply>) {
+        let me = ctx.actor_ref().clone();
+        match (msg.source, self.phase) {
+            (_, Phase::Finished) => {}
+            // Let the write finish: D waits for the answer, so it never frees blocks under a write.
+            (AbortSource::Producer, Phase::Writing) => self.producer_aborted = true,
+            (AbortSource::Consumer, Phase::Writing) => {
+                tracing::info!(transfer_id = %self.args.transfer_id, "D cancelled during the write: answering once it ends");
+            }
+            (AbortSource::Producer, Phase::Waiting | Phase::Ready) => {
+                self.producer_aborted = true;
+                self.phase = Phase::Waiting;
+                self.local_block_ids.clear();
+                if let Some((_, h)) = self.expiry.take() {
+                    h.abort();
+                }
+                while let Some(waiting) = self.pulls.pop_front() {
+                    if let Some(d) = waiting.deadline {
+                        d.abort();
+                    }
+                    waiting.span.record(attrs::OUTCOME, "aborted");
+                    let err = Self::err(
+                        &waiting.pull.d_req_id,
+                        PullErrorCause::Aborted,
+                        "P's request was aborted or failed: its KV will never exist",
+                    );
+                    self.reply_err(&waiting.pull, err, false, false).await;
+                }
+                // Stay a while so that a pull arriving late is answered `Aborted` at once too.
+                self.arm_linger(&me, self.args.ready_timeout);
+            }
+            (AbortSource::Consumer, Phase::Ready) => {
+                tracing::info!(transfer_id = %self.args.transfer_id, "D cancelled the transfer: P's blocks are freed");
+                self.report(None, true, true).await;
+            }
+            (AbortSource::Consumer, Phase::Waiting) => {
+                self.consumer_gone = true;
+                while let Some(waiting) = self.pulls.pop_front() {
+                    if let Some(d) = waiting.deadline {
+                        d.abort();
+                    }
+                    waiting.span.record(attrs::OUTCOME, "cancelled_by_peer");
+                    let err =
+                        Self::err(&waiting.pull.d_req_id, PullErrorCause::CancelledByPeer, "D cancelled the pull");
+                    self.reply_err(&waiting.pull, err, false, false).await;
+                }
+                if self.p_req_id.is_none() {
+                    self.arm_linger(&me, self.args.send_expiry);
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod test_support;
+#[cfg(test)]
+mod tests;

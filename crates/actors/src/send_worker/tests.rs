@@ -1,0 +1,221 @@
+//! SendWorker alone, its outcomes collected by a stand-in listener.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use kameo::error::Infallible;
+use kameo::prelude::*;
+use pdflow_kv::memory::KvCache;
+use pdflow_messages::send_worker::{
+    AbortSend, AbortSource, RecordSendPending, RecordSendReady, SendOutcome, ServePull,
+};
+use pdflow_messages::sender_listener::PullErrorCause;
+use pdflow_transfer::TransferEngine;
+use tokio::sync::mpsc;
+
+use super::test_support::{filled_cache, MemcpyTransfer, SHAPE};
+use super::{SendWorker, SendWorkerArgs};
+
+/// Stands in for the SenderListener: forwards every outcome to the test.
+struct Collector(mpsc::UnboundedSender<SendOutcome>);
+
+impl Actor for Collector {
+    type Args = Self;
+    type Error = Infallible;
+
+    async fn on_start(args: Self::Args, _: ActorRef<Self>) -> Result<Self, Self::Error> {
+        Ok(args)
+    }
+}
+
+impl Message<SendOutcome> for Collector {
+    type Reply = ();
+
+    async fn handle(&mut self, msg: SendOutcome, _: &mut Context<Self, Self::Reply>) {
+        let _ = self.0.send(msg);
+    }
+}
+
+struct Rig {
+    worker: ActorRef<SendWorker>,
+    outcomes: mpsc::UnboundedReceiver<SendOutcome>,
+    _collector: ActorRef<Collector>,
+    d: Arc<KvCache>,
+}
+
+fn rig(transfer: impl FnOnce(&Arc<KvCache>, &Arc<KvCache>) -> Arc<dyn TransferEngine>, send_expiry: Duration) -> Rig {
+    let p = filled_cache(8, 1);
+    let d = KvCache::new(SHAPE, 16);
+    let (tx, outcomes) = mpsc::unbounded_channel();
+    let collector = Collector::spawn(Collector(tx));
+    let args = SendWorkerArgs {
+        transfer_id: "xfer-1".into(),
+        generation: 7,
+        listener: collector.clone().recipient::<SendOutcome>().downgrade(),
+        kv_cache: p.clone(),
+        transfer: transfer(&p, &d),
+        ready_timeout: Duration::from_secs(30),
+        send_expiry,
+        verify_checksums: true,
+    };
+    Rig { worker: SendWorker::spawn_with_mailbox(args, mailbox::unbounded()), outcomes, _collector: collector, d }
+}
+
+fn memcpy(p: &Arc<KvCache>, d: &Arc<KvCache>) -> Arc<dyn TransferEngine> {
+    MemcpyTransfer::new(p, d)
+}
+
+impl Rig {
+    async fn next(&mut self) -> SendOutcome {
+        tokio::time::timeout(Duration::from_secs(5), self.outcomes.recv())
+            .await
+            .expect("an outcome in time")
+            .expect("collector alive")
+    }
+
+    async fn ready(&self, blocks: Vec<u32>) {
+        self.worker
+            .tell(RecordSendPending { p_req_id: "cmpl-p".into(), transfer_id: "xfer-1".into() })
+            .await
+            .expect("worker alive");
+        self.worker
+            .tell(RecordSendReady { p_req_id: "cmpl-p".into(), transfer_id: "xfer-1".into(), block_ids: blocks })
+            .await
+            .expect("worker alive");
+    }
+
+    async fn pull(&self, blocks: Vec<u32>) {
+        let serve = ServePull {
+            pull_id: 3,
+            d_req_id: "cmpl-d".into(),
+            transfer_id: "xfer-1".into(),
+            block_ids: blocks,
+            data_addr: "127.0.0.1:1".into(),
+            layout: self.d.layout(),
+            traceparent: None,
+            fence: 0,
+            write_by: None,
+        };
+        self.worker.tell(serve).await.expect("worker alive");
+    }
+}
+
+#[tokio::test]
+async fn ready_then_pull_writes_and_counts_as_sent() {
+    let mut rig = rig(memcpy, Duration::from_secs(30));
+    rig.ready(vec![2, 3, 5]).await;
+    rig.pull(vec![10, 11, 12]).await;
+    let out = rig.next().await;
+    assert_eq!(out.generation, 7);
+    assert_eq!(out.p_req_id.as_deref(), Some("cmpl-p"));
+    assert!(out.counts_as_sent && out.finished);
+    assert_eq!(out.reply.expect("answers the pull").result, Ok(()));
+}
+
+/// A rig whose memcpy engine records what it is asked to do.
+fn recording_rig() -> (Rig, Arc<MemcpyTransfer>) {
+    let engine = std::sync::OnceLock::new();
+    let rig = rig(
+        |p, d| {
+            let m = MemcpyTransfer::new(p, d);
+            let _ = engine.set(m.clone());
+            m
+        },
+        Duration::from_secs(30),
+    );
+    let engine = engine.get().expect("the rig made its engine").clone();
+    (rig, engine)
+}
+
+/// A pull that comes while P still prefills has the engine prepare the data channel to D at
+/// once (connections, handshakes), so the write at ready starts on it; a pull after ready writes
+/// straight away, with nothing to prepare.
+#[tokio::test]
+async fn a_pull_before_ready_prepares_the_data_channel_while_p_prefills() {
+    let (mut rig, engine) = recording_rig();
+    rig.pull(vec![10, 11, 12]).await;
+    let until = std::time::Instant::now() + Duration::from_secs(5);
+    while engine.calls().is_empty() {
+        assert!(std::time::Instant::now() < until, "the pull before ready did not prepare the data channel");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert_eq!(engine.calls(), vec!["prepare 127.0.0.1:1".to_string()], "prepared, nothing written before ready");
+    rig.ready(vec![2, 3, 5]).await;
+    assert_eq!(rig.next().await.reply.expect("answers the pull").result, Ok(()));
+    assert_eq!(engine.calls(), vec!["prepare 127.0.0.1:1".to_string(), "write 127.0.0.1:1".to_string()]);
+
+    let (mut later, engine) = recording_rig();
+    later.ready(vec![2, 3, 5]).await;
+    later.pull(vec![10, 11, 12]).await;
+    assert_eq!(later.next().await.reply.expect("answers the pull").result, Ok(()));
+    assert_eq!(engine.calls(), vec!["write 127.0.0.1:1".to_string()], "nothing to prepare after ready");
+}
+
+#[tokio::test]
+async fn ready_without_pull_expires_and_counts_as_sent() {
+    let mut rig = rig(memcpy, Duration::from_millis(50));
+    rig.ready(vec![1]).await;
+    let out = rig.next().await;
+    assert!(out.reply.is_none());
+    assert!(out.counts_as_sent && out.finished);
+}
+
+#[tokio::test]
+async fn block_count_mismatch_is_a_layout_error_and_frees_p() {
+    let mut rig = rig(memcpy, Duration::from_secs(30));
+    rig.ready(vec![1, 2]).await;
+    rig.pull(vec![4, 5, 6]).await;
+    let out = rig.next().await;
+    let err = out.reply.expect("answers the pull").result.expect_err("mismatch");
+    assert_eq!(err.cause, PullErrorCause::LayoutMismatch);
+    assert!(out.counts_as_sent && out.finished);
+    assert!(rig.d.block_bytes(4).expect("in range").iter().all(|b| *b == 0), "nothing written");
+}
+
+#[tokio::test]
+async fn d_with_a_cached_prefix_gets_the_tail_of_ps_blocks() {
+    let mut rig = rig(memcpy, Duration::from_secs(30));
+    rig.ready(vec![1, 2, 3]).await;
+    // D's prefix cache held the first block: it asks for two.
+    rig.pull(vec![10, 11]).await;
+    let out = rig.next().await;
+    assert_eq!(out.reply.expect("answers the pull").result, Ok(()));
+    let p = filled_cache(8, 1);
+    assert_eq!(rig.d.block_bytes(10).expect("in range"), p.block_bytes(2).expect("in range"));
+    assert_eq!(rig.d.block_bytes(11).expect("in range"), p.block_bytes(3).expect("in range"));
+}
+
+#[tokio::test]
+async fn failed_write_reports_transfer_failed_and_frees_p() {
+    let mut rig = rig(|p, d| MemcpyTransfer::failing(p, d, "link down"), Duration::from_secs(30));
+    rig.ready(vec![1]).await;
+    rig.pull(vec![4]).await;
+    let out = rig.next().await;
+    let err = out.reply.expect("answers the pull").result.expect_err("write fails");
+    assert_eq!(err.cause, PullErrorCause::TransferFailed);
+    assert!(err.detail.contains("link down"), "{}", err.detail);
+    assert!(out.counts_as_sent && out.finished);
+}
+
+#[tokio::test]
+async fn consumer_abort_before_ready_frees_p_once_ready() {
+    let mut rig = rig(memcpy, Duration::from_secs(30));
+    rig.worker
+        .tell(RecordSendPending { p_req_id: "cmpl-p".into(), transfer_id: "xfer-1".into() })
+        .await
+        .expect("alive");
+    rig.pull(vec![4]).await;
+    rig.worker.tell(AbortSend { transfer_id: "xfer-1".into(), source: AbortSource::Consumer }).await.expect("alive");
+    let out = rig.next().await;
+    assert_eq!(
+        out.reply.expect("answers the pull").result.expect_err("cancelled").cause,
+        PullErrorCause::CancelledByPeer
+    );
+    assert!(!out.counts_as_sent && !out.finished);
+    rig.worker
+        .tell(RecordSendReady { p_req_id: "cmpl-p".into(), transfer_id: "xfer-1".into(), block_ids: vec![1] })
+        .await
+        .expect("alive");
+    let out = rig.next().await;
+    assert!(out.reply.is_none() && out.counts_as_sent && out.finished);
+}

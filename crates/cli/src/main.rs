@@ -1,0 +1,318 @@
+//! The `pdflow` binary: parses the command line ([`cli`]), validates the configuration
+//! before anything binds, runs the node, and shuts it down on Ctrl-C / SIGTERM.
+
+mod cli;
+
+use std::process::ExitCode;
+use std::time::Duration;
+
+use crate::cli::{BenchCmd, Cli, Command, DemoArgs, DemoDevice, GpuPathArg, TraceArgs, TraceCmd};
+use anyhow::Context as _;
+use clap::Parser;
+use pdflow_tools::chaos::Progress;
+
+use pdflow_fault::{FaultPlan, NodeKind};
+use pdflow_node::config::VllmEnv;
+use pdflow_node::{BootstrapNode, EngineNode, ProxyNode};
+use pdflow_telemetry::capture::SpanCapture;
+use pdflow_telemetry::export::{self, ExportConfig, TraceExport};
+use pdflow_telemetry::metrics::{self, MetricsLayer};
+use pdflow_tools::demo::{self, DemoOptions, KvPlacement};
+use tracing_subscriber::layer::SubscriberExt;
+use tracing_subscriber::util::SubscriberInitExt;
+use tracing_subscriber::EnvFilter;
+
+/// Installs the log output, the demo's capture, the trace exporters and the `/metrics` layer
+/// (each optional).
+fn init_tracing(capture: Option<SpanCapture>, export: Option<&TraceExport>, metrics: Option<MetricsLayer>) {
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("warn"));
+    let fmt = tracing_subscriber::fmt::layer().with_writer(std::io::stderr).with_filter(filter);
+    use tracing_subscriber::Layer as _;
+    // The fault layer only when a plan was armed (load_fault_plan), so that no fault code runs otherwise.
+    let faults = pdflow_fault::enabled().then_some(pdflow_fault::FaultLayer);
+    let _ = tracing_subscriber::registry()
+        .with(fmt)
+        .with(capture)
+        .with(export.and_then(TraceExport::layer))
+        .with(metrics)
+        .with(faults)
+        .try_init();
+}
+
+/// `PDFLOW_FAULT_PLAN` (JSON or `@path`), checked before anything binds and armed.
+fn load_fault_plan() -> anyhow::Result<()> {
+    match FaultPlan::from_env() {
+        Ok(None) => Ok(()),
+        Ok(Some(plan)) => {
+            eprintln!("pdflow: fault plan armed ({} faults from {})", plan.faults.len(), pdflow_fault::ENV_FAULT_PLAN);
+            pdflow_fault::arm(plan);
+            Ok(())
+        }
+        Err(errors) => anyhow::bail!(
+            "invalid fault plan:\n  {}",
+            errors.iter().map(|e| e.to_string()).collect::<Vec<_>>().join("\n  ")
+        ),
+    }
+}
+
+/// Registers this process as the `kill_node` target `node`: the process exits at once (137, as
+/// after SIGKILL), without shutting anything down.
+fn register_process_kill(node: NodeKind) {
+    pdflow_fault::register(pdflow_fault::Registration {
+        target: pdflow_fault::Target::Node(node),
+        role: None,
+        transfer_ids: Vec::new(),
+        alive: Box::new(|| true),
+        kill: std::sync::Arc::new(move || {
+            eprintln!("pdflow: fault plan: killing this {} node", node.name());
+            std::process::exit(137);
+        }),
+    });
+}
+
+async fn run_chaos(args: crate::cli::ChaosArgs) -> anyhow::Result<bool> {
+    if args.load {
+        let opts = args
+            .to_load_options()
+            .map_err(|e| anyhow::anyhow!("invalid chaos --load arguments:\n  {}", e.join("\n  ")))?;
+        return Ok(pdflow_tools::chaos::load::run_cli(&opts, args.json.as_deref()).await?);
+    }
+    let capture = pdflow_tools::chaos::install_layers();
+    let opts = args.to_options();
+    let bin = std::env::current_exe().context("locating the pdflow binary the network cells start")?;
+    let report = pdflow_tools::chaos::run_selected(&opts, &capture, &bin, |p| match p {
+        Progress::Section(title) => println!("\npdflow chaos: {title}\n{}", pdflow_tools::chaos::render_header()),
+        Progress::Cell { index, of, row } => println!("{}  [{index}/{of}]", pdflow_tools::chaos::render_row(row)),
+    })
+    .await?;
+    println!("\n{}", pdflow_tools::chaos::render_summary(&report));
+    if let Some(path) = &args.json {
+        let json = serde_json::to_string_pretty(&report).context("serialising the report")?;
+        std::fs::write(path, json).with_context(|| format!("writing {}", path.display()))?;
+        println!("report written to {}", path.display());
+    }
+    Ok(report.failed == 0)
+}
+
+/// Starts the exporters `args` ask for; `service` names the node (`None`: by step, the demo).
+fn start_export(args: &TraceArgs, service: Option<&str>) -> anyhow::Result<TraceExport> {
+    let config = ExportConfig::from_settings(&args.settings(), service).map_err(|e| {
+        anyhow::anyhow!(
+            "invalid trace export settings:\n  {}",
+            e.iter().map(|e| e.to_string()).collect::<Vec<_>>().join("\n  ")
+        )
+    })?;
+    TraceExport::start(&config).context("starting trace export")
+}
+
+/// Sends what is left and writes the trace file, within a deadline.
+fn finish_export(
+    export: &TraceExport,
+    keep: fn(&[export::FinishedSpan]) -> Vec<export::FinishedSpan>,
+) -> anyhow::Result<()> {
+    tokio::task::block_in_place(|| export.finish(Duration::from_secs(5), keep)).context("finishing trace export")?;
+    if let Some(path) = export.trace_file() {
+        eprintln!("trace written to {}", path.display());
+    }
+    Ok(())
+}
+
+fn ready_line(value: serde_json::Value) {
+    println!("{value}");
+}
+
+async fn wait_for_shutdown_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(s) => s,
+            Err(_) => {
+                let _ = ctrl_c.await;
+                return;
+            }
+        };
+        tokio::select! {
+            _ = ctrl_c => {}
+            _ = term.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = ctrl_c.await;
+}
+
+async fn run_demo(args: DemoArgs) -> anyhow::Result<bool> {
+    let capture = SpanCapture::new();
+    let trace_export = start_export(&args.trace, None)?;
+    init_tracing(Some(capture.clone()), Some(&trace_export), Some(MetricsLayer::global()));
+    metrics::global().set_block_bytes(args.kv_shape.bytes_per_block() as u64);
+    let device = match args.device {
+        DemoDevice::Cpu => KvPlacement::Host,
+        DemoDevice::Cuda => KvPlacement::cuda()?,
+    };
+    if args.gpu_path != GpuPathArg::Auto && device == KvPlacement::Host {
+        anyhow::bail!("--gpu-path {:?} needs --device cuda (the path is between GPU KV caches)", args.gpu_path);
+    }
+    let gpu_path = args.gpu_path.into();
+    let opts = DemoOptions {
+        prompt_tokens: args.prompt_tokens,
+        max_tokens: args.max_tokens,
+        shape: args.kv_shape,
+        num_blocks: args.num_blocks,
+        device,
+        gpu_path,
+        ..DemoOptions::default()
+    };
+    let placement = match device {
+        KvPlacement::Host => "KV in host memory".to_string(),
+        KvPlacement::Cuda { p, d } => {
+            format!("KV on GPUs: P on GPU {p}, D on GPU {d}, path {}", opts.gpu_path.as_str())
+        }
+    };
+    println!(
+        "pdflow demo: 1 prefill (P, launches bootstrap) + 1 decode (D) + proxy on 127.0.0.1; one request of {} prompt tokens, max_tokens {}; {placement}",
+        opts.prompt_tokens, opts.max_tokens
+    );
+    let report = demo::run(opts, capture).await.context("the demo could not run")?;
+    println!("\n{}", report.timeline_table);
+    println!(
+        "KV transferred : {} bytes in {} blocks, {} descriptors, {:.3} ms (step 29)",
+        report.kv_bytes, report.blocks, report.descriptors, report.transfer_ms
+    );
+    println!("KV checksum    : P sent {:?}, D holds {:?}", report.kv_checksum_p, report.kv_checksum_d);
+    println!(
+        "KV path        : {} (step 29), P's KV in {}, D's in {}",
+        report.backend.as_deref().unwrap_or("?"),
+        report.kv_memory_p,
+        report.kv_memory_d
+    );
+    println!(
+        "tokens         : {} prompt, {} completion; TTFT {:.3} ms",
+        report.prompt_tokens, report.completion_tokens, report.ttft_ms
+    );
+    println!("output matches single-engine reference: {}", report.output_matches_reference);
+    for p in &report.problems {
+        println!("PROBLEM: {p}");
+    }
+    println!("verified: {}", report.verified);
+    finish_export(&trace_export, export::keep_request_and_startup_traces)?;
+    if let Some(path) = &args.json {
+        let json = serde_json::to_string_pretty(&report).context("serialising the report")?;
+        std::fs::write(path, json).with_context(|| format!("writing {}", path.display()))?;
+        println!("report written to {}", path.display());
+    }
+    Ok(report.verified)
+}
+
+async fn run(cli: Cli) -> anyhow::Result<bool> {
+    match cli.command {
+        Command::Demo(args) => run_demo(args).await,
+        Command::Trace(TraceCmd::Render(args)) => {
+            let summary = pdflow_telemetry::render::render_file(&args.trace, &args.out, args.trace_id.as_deref())?;
+            println!("{summary}");
+            println!("timeline written to {}", args.out.display());
+            Ok(true)
+        }
+        Command::Bench(cmd) => {
+            // The e2e bench reads the step spans back (a capture keeps every one); the others
+            // run what a `pdflow proxy` / `serve` process runs: the `/metrics` layer.
+            let capture = SpanCapture::new();
+            match &cmd {
+                BenchCmd::E2e(_) => init_tracing(Some(capture.clone()), None, None),
+                BenchCmd::Transfer(_) | BenchCmd::Proxy(_) => init_tracing(None, None, Some(MetricsLayer::global())),
+            }
+            match cmd {
+                BenchCmd::Transfer(o) => pdflow_tools::bench::transfer::run(o).await?,
+                BenchCmd::E2e(o) => pdflow_tools::bench::e2e::run(o, capture).await?,
+                BenchCmd::Proxy(o) => pdflow_tools::bench::proxy::run(o).await?,
+            }
+            Ok(true)
+        }
+        Command::Chaos(args) => run_chaos(args).await,
+        Command::Bootstrap(args) => {
+            load_fault_plan()?;
+            let trace_export = start_export(&args.trace, Some(export::SERVICE_BOOTSTRAP))?;
+            init_tracing(None, Some(&trace_export), None);
+            let env = VllmEnv::from_env()
+                .map_err(|e| anyhow::anyhow!(e.iter().map(|e| e.to_string()).collect::<Vec<_>>().join("\n")))?;
+            let addr = format!("{}:{}", args.host, args.port.unwrap_or(env.bootstrap_port));
+            let bind = addr.parse().with_context(|| format!("--host/--port {addr} is not an IP address and port"))?;
+            let node = BootstrapNode::start(bind).await?;
+            register_process_kill(NodeKind::Bootstrap);
+            ready_line(serde_json::json!({"event": "ready", "service": "bootstrap", "addr": node.addr.to_string()}));
+            wait_for_shutdown_signal().await;
+            node.shutdown().await;
+            finish_export(&trace_export, export::keep_all)?;
+            Ok(true)
+        }
+        Command::Proxy(cmd) => {
+            load_fault_plan()?;
+            let trace_export = start_export(&cmd.trace, Some(export::SERVICE_PROXY))?;
+            init_tracing(None, Some(&trace_export), Some(MetricsLayer::global()));
+            let args = cmd.to_args().map_err(|e| anyhow::anyhow!("invalid proxy arguments:\n  {}", e.join("\n  ")))?;
+            let node = ProxyNode::start(args).await?;
+            register_process_kill(NodeKind::Proxy);
+            ready_line(serde_json::json!({"event": "ready", "service": "proxy", "addr": node.addr.to_string()}));
+            wait_for_shutdown_signal().await;
+            node.shutdown().await;
+            finish_export(&trace_export, export::keep_all)?;
+            Ok(true)
+        }
+        Command::Serve(cmd) => {
+            load_fault_plan()?;
+            let service = if cmd.role == crate::cli::RoleArg::Producer {
+                export::SERVICE_PREFILL
+            } else {
+                export::SERVICE_DECODE
+            };
+            let trace_export = start_export(&cmd.trace, Some(service))?;
+            init_tracing(None, Some(&trace_export), Some(MetricsLayer::global()));
+            metrics::global().set_block_bytes(cmd.kv_shape.bytes_per_block() as u64);
+            let env = VllmEnv::from_env()
+                .map_err(|e| anyhow::anyhow!(e.iter().map(|e| e.to_string()).collect::<Vec<_>>().join("\n")))?;
+            let cfg =
+                cmd.to_config(&env).map_err(|e| anyhow::anyhow!("invalid serve arguments:\n  {}", e.join("\n  ")))?;
+            let node = EngineNode::start(cfg).await?;
+            register_process_kill(if node.role == pdflow_actors::scheduler_connector::KvRole::Consumer {
+                NodeKind::D
+            } else {
+                NodeKind::P
+            });
+            if node.bootstrap.is_some() {
+                register_process_kill(NodeKind::Bootstrap);
+            }
+            ready_line(serde_json::json!({
+                "event": "ready",
+                "service": "engine",
+                "role": format!("{:?}", node.role).to_lowercase(),
+                "addr": node.http_addr.to_string(),
+                "engine_id": node.engine_id,
+                "bootstrap_addr": node.bootstrap.as_ref().map(|b| b.addr.to_string()),
+                "data_addr": node.data_addr().map(|a| a.to_string()),
+            }));
+            wait_for_shutdown_signal().await;
+            tokio::time::timeout(Duration::from_secs(10), node.shutdown()).await.ok();
+            finish_export(&trace_export, export::keep_all)?;
+            Ok(true)
+        }
+    }
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("pdflow: cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(run(cli)) {
+        Ok(true) => ExitCode::SUCCESS,
+        Ok(false) => ExitCode::FAILURE,
+        Err(e) => {
+            eprintln!("pdflow: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

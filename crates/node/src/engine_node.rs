@@ -1,0 +1,327 @@
+//! An engine node (`pdflow serve --role producer|consumer`): the simulated engine and its HTTP API,
+//! with the connector's actors under the node's supervisor.
+//!
+//! P (producer): SchedulerConnector, SenderListener (side channel + registration, steps 1, 3, 4)
+//! with the transfer engine for its KV memory ([`super::gpu_kv::producer_engine`]: same-host or
+//! tcp for host KV; cuda-peer, cuda-ipc or cuda-staged for GPU KV), and — when P's TP0 launches
+//! it — the Bootstrap (step 2).
+//! D (consumer): SchedulerConnector, Receiver (step 5) and the tcp data server that P writes into
+//! ([`super::gpu_kv::serve_kv_data`]; with GPU KV also the device offer and the staged receiver).
+
+use std::net::SocketAddr;
+use std::sync::atomic::AtomicU16;
+use std::sync::Arc;
+
+use kameo::prelude::*;
+use kameo::supervision::RestartPolicy;
+use pdflow_actors::fault_hooks::register_actor;
+use pdflow_actors::receiver::{Receiver, ReceiverArgs};
+use pdflow_actors::scheduler_connector::{KvRole, SchedulerConnector, SchedulerConnectorArgs};
+use pdflow_actors::sender_listener::{SenderListener, SenderListenerArgs};
+use pdflow_fault::{ActorKind, Role};
+use pdflow_kv::memory::KvCache;
+use pdflow_sim_engine::ports::{Connector, WorkerConnectorPort};
+use pdflow_sim_engine::{api, Engine, EngineConfig, EngineHandle};
+use pdflow_transfer::tcp::{TcpConfig, TcpDataServer};
+use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
+
+use super::bootstrap_node::BootstrapNode;
+use super::gpu_kv::{producer_engine, serve_kv_data, Held, KvDataServing};
+use super::supervisor::{NodeSupervisor, MAX_RESTARTS, RESTART_WINDOW};
+use super::{started, NodeError};
+use crate::config::Deadlines;
+use crate::ports::{ConsumerWorkerPort, ProducerWorkerPort, SchedulerPort};
+
+/// Where a producer's bootstrap is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum BootstrapPlacement {
+    /// This node launches it on this port of its host (seed step 2: P's TP0), and registers there.
+    Launch { port: u16 },
+    /// Register with an existing bootstrap at this URL (`pdflow bootstrap`).
+    External { url: String },
+    /// Do not register (tests of the engine alone).
+    None,
+}
+
+/// Everything an engine node needs.
+#[derive(Debug, Clone)]
+pub struct EngineNodeConfig {
+    pub role: KvRole,
+    /// Host to bind every socket on (HTTP, side channel, data server).
+    pub host: String,
+    /// HTTP port (0: any).
+    pub port: u16,
+    pub engine: EngineConfig,
+    pub bootstrap: BootstrapPlacement,
+    pub deadlines: Deadlines,
+    pub tcp: TcpConfig,
+    /// Record KV checksums on both sides of every transfer (steps 29 and 34).
+    pub verify_checksums: bool,
+    /// Keep the KV cache on this CUDA device instead of host memory (feature `cuda`): P writes a
+    /// D in this process by cuda-peer, on this host by cuda-ipc, elsewhere by cuda-staged
+    /// (`tcp.gpu_path` chooses).
+    pub kv_device: Option<usize>,
+}
+
+/// A running engine node.
+pub struct EngineNode {
+    pub http_addr: SocketAddr,
+    pub engine: EngineHandle,
+    pub engine_id: String,
+    pub kv_cache: Arc<KvCache>,
+    pub role: KvRole,
+    pub connector: ActorRef<SchedulerConnector>,
+    pub sender_listener: Option<ActorRef<SenderListener>>,
+    pub receiver: Option<ActorRef<Receiver>>,
+    pub bootstrap: Option<BootstrapNode>,
+    data_server: Option<TcpDataServer>,
+    /// D's serving of GPU KV, while it serves: its registration as a GPU peer of this process
+    /// and its staged receiver (GPU KV only).
+    _gpu_serving: Vec<Held>,
+    supervisor: ActorRef<NodeSupervisor>,
+    http_stop: CancellationToken,
+    http_task: tokio::task::JoinHandle<()>,
+    side_channel: Arc<AtomicU16>,
+}
+
+impl EngineNode {
+    pub async fn start(cfg: EngineNodeConfig) -> Result<Self, NodeError> {
+        Self::start_on(cfg, 0).await
+    }
+
+    /// Starts the node with P's side channel on `side_channel_port` (0: any), so that a node
+    /// started again after a crash binds and registers the same address (`pdflow chaos`).
+    pub async fn start_on(cfg: EngineNodeConfig, side_channel_port: u16) -> Result<Self, NodeError> {
+        let engine_id = cfg.engine.engine_id.clone();
+        let side_channel = Arc::new(AtomicU16::new(side_channel_port));
+        let kv_cache = new_kv_cache(&cfg)?;
+        let supervisor = NodeSupervisor::spawn(format!("engine-{engine_id}"));
+        // P answers D's kv_transfer_params with its bootstrap (for a proxy that forwards them).
+        let bootstrap_addr = match &cfg.bootstrap {
+            BootstrapPlacement::Launch { port } if *port != 0 => Some(format!("http://{}:{port}", cfg.host)),
+            BootstrapPlacement::External { url } => Some(url.clone()),
+            _ => None,
+        };
+        let args = SchedulerConnectorArgs { engine_id: engine_id.clone(), role: cfg.role, bootstrap_addr };
+        let connector = SchedulerConnector::supervise(&supervisor, args)
+            .restart_policy(RestartPolicy::Transient)
+            .restart_limit(MAX_RESTARTS, RESTART_WINDOW)
+            .spawn()
+            .await;
+        started("SchedulerConnector", &connector).await?;
+        let role = if cfg.role == KvRole::Consumer { Role::D } else { Role::P };
+        register_actor(ActorKind::SchedulerConnector, role, Vec::new(), &connector);
+        let events = Arc::new(Notify::new());
+        let (mut sender_listener, mut receiver, mut bootstrap, mut data_server) = (None, None, None, None);
+        let mut gpu_serving: Vec<Held> = Vec::new();
+        let worker: Arc<dyn WorkerConnectorPort> = match cfg.role {
+            KvRole::Producer | KvRole::Both => {
+                let bootstrap_url = match &cfg.bootstrap {
+                    BootstrapPlacement::Launch { port } => {
+                        let bind: SocketAddr = format!("{}:{port}", cfg.host)
+                            .parse()
+                            .map_err(|e| NodeError::Config(format!("bootstrap address {}:{port}: {e}", cfg.host)))?;
+                        let node = BootstrapNode::start_under(&supervisor, bind).await?;
+                        let url = node.url();
+                        bootstrap = Some(node);
+                        Some(url)
+                    }
+                    BootstrapPlacement::External { url } => Some(url.clone()),
+                    BootstrapPlacement::None => None,
+                };
+                let transfer = producer_engine(&kv_cache, &cfg.tcp)?;
+                let args = SenderListenerArgs {
+                    engine_id: engine_id.clone(),
+                    dp_rank: 0,
+                    tp_rank: 0,
+                    pp_rank: 0,
+                    bind_host: cfg.host.clone(),
+                    side_channel_port: side_channel.clone(),
+                    bootstrap_url,
+                    kv_cache: kv_cache.clone(),
+                    transfer,
+                    ready_timeout: cfg.deadlines.ready_timeout,
+                    send_expiry: cfg.deadlines.send_expiry,
+                    register_attempts: 8,
+                    register_backoff: std::time::Duration::from_millis(100),
+                    events: events.clone(),
+                    verify_checksums: cfg.verify_checksums,
+                    lineage: Default::default(),
+                };
+                let listener = SenderListener::supervise(&supervisor, args)
+                    .restart_policy(RestartPolicy::Transient)
+                    .restart_limit(MAX_RESTARTS, RESTART_WINDOW)
+                    .spawn()
+                    .await;
+                started("SenderListener", &listener).await?;
+                register_actor(ActorKind::SenderListener, Role::P, Vec::new(), &listener);
+                sender_listener = Some(listener.clone());
+                Arc::new(ProducerWorkerPort { listener, events: events.clone() })
+            }
+            KvRole::Consumer => {
+                let KvDataServing { server, fence, held } =
+                    serve_kv_data(&kv_cache, &cfg.host, &format!("{}:0", cfg.host), &cfg.tcp).await?;
+                gpu_serving.extend(held);
+                let args = ReceiverArgs {
+                    engine_id: engine_id.clone(),
+                    tp_rank: 0,
+                    tp_size: 1,
+                    pp_size: 1,
+                    kv_cache: kv_cache.clone(),
+                    data_addr: server.local_addr().to_string(),
+                    pull_timeout: cfg.deadlines.pull_timeout,
+                    bootstrap_timeout: cfg.deadlines.bootstrap_timeout,
+                    events: events.clone(),
+                    verify_checksums: cfg.verify_checksums,
+                    fence: Some(fence),
+                };
+                data_server = Some(server);
+                let r = Receiver::supervise(&supervisor, args)
+                    .restart_policy(RestartPolicy::Transient)
+                    .restart_limit(MAX_RESTARTS, RESTART_WINDOW)
+                    .spawn()
+                    .await;
+                started("Receiver", &r).await?;
+                register_actor(ActorKind::Receiver, Role::D, Vec::new(), &r);
+                receiver = Some(r.clone());
+                Arc::new(ConsumerWorkerPort { receiver: r, events: events.clone() })
+            }
+        };
+        let mut engine_cfg = cfg.engine.clone();
+        engine_cfg.kv_state_timeout.get_or_insert(kv_state_timeout(&cfg.deadlines));
+        let engine = Engine::start(
+            engine_cfg,
+            kv_cache.clone(),
+            Some(Connector { scheduler: Arc::new(SchedulerPort(connector.clone())), worker }),
+        );
+        let (http_addr, http_stop, http_task) = serve_http(&cfg.host, cfg.port, api::router(engine.clone())).await?;
+        Ok(Self {
+            http_addr,
+            engine,
+            engine_id,
+            kv_cache,
+            role: cfg.role,
+            connector,
+            sender_listener,
+            receiver,
+            bootstrap,
+            data_server,
+            _gpu_serving: gpu_serving,
+            supervisor,
+            http_stop,
+            http_task,
+            side_channel,
+        })
+    }
+
+    /// P's side-channel port (0 on D).
+    pub fn side_channel_port(&self) -> u16 {
+        self.side_channel.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    /// Stops the node at once, as a process kill would: open HTTP responses are cut, the actors
+    /// are killed (not stopped), the engine loop and the data server end. Nothing is handed over.
+    pub async fn kill(self) {
+        self.http_stop.cancel();
+        self.http_task.abort();
+        self.supervisor.kill();
+        self.connector.kill();
+        if let Some(l) = &self.sender_listener {
+            l.kill();
+        }
+        if let Some(r) = &self.receiver {
+            r.kill();
+        }
+        if let Some(b) = self.bootstrap {
+            b.kill().await;
+        }
+        self.engine.shutdown().await;
+        let _ = tokio::time::timeout(HTTP_STOP_DEADLINE, self.supervisor.wait_for_shutdown()).await;
+        if let Some(d) = self.data_server {
+            d.shutdown().await;
+        }
+    }
+
+    /// `http://host:port` of the engine's API.
+    pub fn url(&self) -> String {
+        format!("http://{}", self.http_addr)
+    }
+
+    /// D's data server address (where P writes KV), if this node has one.
+    pub fn data_addr(&self) -> Option<SocketAddr> {
+        self.data_server.as_ref().map(|d| d.local_addr())
+    }
+
+    /// Stops the HTTP server, the engine, the actors and the data server.
+    pub async fn shutdown(self) {
+        stop_http(self.http_stop, self.http_task).await;
+        self.engine.shutdown().await;
+        if let Some(b) = self.bootstrap {
+            b.shutdown().await;
+        }
+        let _ = self.supervisor.stop_gracefully().await;
+        self.supervisor.wait_for_shutdown().await;
+        if let Some(d) = self.data_server {
+            d.shutdown().await;
+        }
+    }
+}
+
+/// The engine's deadline for holding blocks on the connector's behalf: longer than
+/// every deadline of the transfer path (a pull's bootstrap look-up and exchange on D; P's send
+/// expiry or a pull's exchange), so that when it passes no write can still land.
+pub fn kv_state_timeout(d: &Deadlines) -> std::time::Duration {
+    d.send_expiry.max(d.pull_timeout) + d.bootstrap_timeout + std::time::Duration::from_secs(2)
+}
+
+/// Serves `router` on `host:port` until the returned token is cancelled.
+pub async fn serve_http(
+    host: &str,
+    port: u16,
+    router: axum::Router,
+) -> Result<(SocketAddr, CancellationToken, tokio::task::JoinHandle<()>), NodeError> {
+    let addr = format!("{host}:{port}");
+    let listener = tokio::net::TcpListener::bind(&addr).await.map_err(|source| NodeError::Bind {
+        what: "engine HTTP API",
+        addr: addr.clone(),
+        source,
+    })?;
+    let local = listener.local_addr().map_err(|source| NodeError::Bind { what: "engine HTTP API", addr, source })?;
+    let stop = CancellationToken::new();
+    let token = stop.clone();
+    let task = tokio::spawn(async move {
+        let result = axum::serve(listener, router).with_graceful_shutdown(async move { token.cancelled().await }).await;
+        if let Err(e) = result {
+            tracing::error!(error = %e, "engine HTTP server failed");
+        }
+    });
+    Ok((local, stop, task))
+}
+
+/// How long a stopping HTTP server may take to finish its open responses.
+pub const HTTP_STOP_DEADLINE: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Stops a server started by [`serve_http`]: graceful first, aborted after [`HTTP_STOP_DEADLINE`]
+/// (an open stream must not hold a node's shutdown forever).
+pub async fn stop_http(stop: CancellationToken, mut task: tokio::task::JoinHandle<()>) {
+    stop.cancel();
+    if tokio::time::timeout(HTTP_STOP_DEADLINE, &mut task).await.is_err() {
+        tracing::warn!("HTTP server still had open responses after {HTTP_STOP_DEADLINE:?}: aborted");
+        task.abort();
+    }
+}
+
+/// The node's KV cache: host memory, or GPU memory with `kv_device` (feature `cuda`).
+fn new_kv_cache(cfg: &EngineNodeConfig) -> Result<Arc<KvCache>, NodeError> {
+    let (shape, blocks) = (cfg.engine.shape, cfg.engine.num_blocks);
+    match cfg.kv_device {
+        None => Ok(KvCache::new(shape, blocks)),
+        #[cfg(feature = "cuda")]
+        Some(device) => KvCache::new_cuda(shape, blocks, device).map_err(|e| NodeError::Config(format!("KV cache on GPU {device}: {e}"))),
+        #[cfg(not(feature = "cuda"))]
+        Some(device) => Err(NodeError::Config(format!(
+            "KV cache on GPU {device}: this pdflow was built without GPU support (build it with `cargo build --release --features cuda`)"
+        ))),
+    }
+}

@@ -1,0 +1,56 @@
+//! pdflow-node — node assembly: each process (or each part of `pdflow demo`) is a node — an engine
+//! (P or D), the bootstrap server, or the proxy — built as a supervision tree under one
+//! [`supervisor::NodeSupervisor`]. Nothing is spawned outside a node; shutting a node down stops
+//! everything it started. `pdflow serve`, the demo and the Python bridge all build nodes here.
+//!
+//! # Layout
+//! - [`config`] — one typed config per process, from flags and vLLM's environment variables,
+//!   validated before anything binds.
+//! - [`ports`] — the engine's connector ports implemented over the actors (the bridge between the
+//!   simulated engine and SchedulerConnector / SenderListener / Receiver).
+//! - [`engine_node`], [`bootstrap_node`], [`proxy_node`] — the nodes; [`gpu_kv`] — GPU-resident KV.
+
+pub mod bootstrap_node;
+pub mod config;
+pub mod engine_node;
+pub mod gpu_kv;
+pub mod ports;
+pub mod proxy_node;
+pub mod supervisor;
+
+pub use bootstrap_node::BootstrapNode;
+pub use engine_node::{EngineNode, EngineNodeConfig};
+pub use proxy_node::ProxyNode;
+
+/// Why a node could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum NodeError {
+    #[error("{actor} did not start: {reason}")]
+    ActorStart { actor: &'static str, reason: String },
+    #[error("cannot bind the {what} on {addr}: {source} (is the port free? use port 0 for any)")]
+    Bind { what: &'static str, addr: String, source: std::io::Error },
+    #[error("the transfer engine could not start: {0}")]
+    Transfer(String),
+    #[error("{0}")]
+    Config(String),
+}
+
+/// Waits for a freshly spawned actor's `on_start` and turns its failure into a [`NodeError`].
+pub async fn started<A: kameo::Actor>(actor: &'static str, r: &kameo::actor::ActorRef<A>) -> Result<(), NodeError>
+where
+    A::Error: std::fmt::Display,
+{
+    r.wait_for_startup_with_result(|res| res.map_err(|e| NodeError::ActorStart { actor, reason: e.to_string() })).await
+}
+
+/// Resolves port 0 to a concrete free port, so that an actor its supervisor restarts binds the
+/// same address as before (clients and registrations keep working). A port already given is
+/// returned as is.
+pub fn fixed_port(addr: std::net::SocketAddr, what: &'static str) -> Result<std::net::SocketAddr, NodeError> {
+    if addr.port() != 0 {
+        return Ok(addr);
+    }
+    let probe =
+        std::net::TcpListener::bind(addr).map_err(|source| NodeError::Bind { what, addr: addr.to_string(), source })?;
+    probe.local_addr().map_err(|source| NodeError::Bind { what, addr: addr.to_string(), source })
+}

@@ -1,0 +1,54 @@
+//! The engine's configuration (DESIGN §5): one typed struct, defaults from the seed (Qwen/Qwen3-8B,
+//! block 16, `max_num_batched_tokens` 8192, `max_model_len` 4096).
+
+use pdflow_kv::memory::KvShape;
+
+/// What D does when a remote KV load fails (vLLM's `kv_load_failure_policy`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LoadFailurePolicy {
+    /// Prefill the prompt locally (the blocks are kept and rewritten).
+    #[default]
+    Recompute,
+    /// Finish the request with an error; the client gets an HTTP error.
+    Fail,
+}
+
+/// The simulated engine's configuration.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EngineConfig {
+    pub engine_id: String,
+    pub served_model_name: String,
+    pub shape: KvShape,
+    pub num_blocks: usize,
+    /// Token budget of one step; a smaller value than a prompt means chunked prefill.
+    pub max_num_batched_tokens: usize,
+    pub max_model_len: usize,
+    pub vocab_size: u32,
+    pub eos_token_id: u32,
+    pub kv_load_failure_policy: LoadFailurePolicy,
+    /// Deadline of the states in which the engine holds blocks for the connector
+    /// (`WAITING_FOR_REMOTE_KVS` and aborted-while-receiving on D, finished-with-delayed-free on
+    /// P): past it, D treats the load as failed (then `kv_load_failure_policy`) and P frees the
+    /// blocks — even if the connector lost track of the request (an actor restarted). Set it
+    /// longer than every deadline of the transfer path, so that no write can still land.
+    /// `None`: no deadline.
+    pub kv_state_timeout: Option<std::time::Duration>,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        Self {
+            engine_id: uuid::Uuid::new_v4().to_string(),
+            served_model_name: "Qwen/Qwen3-8B".to_owned(),
+            shape: KvShape::QWEN3_8B,
+            num_blocks: 512,
+            max_num_batched_tokens: 8192,
+            max_model_len: 4096,
+            vocab_size: 32000,
+            eos_token_id: 2,
+            kv_load_failure_policy: LoadFailurePolicy::Recompute,
+            kv_state_timeout: None,
+        }
+    }
+}

@@ -1,0 +1,197 @@
+//! `pdflow bench e2e`: the seed request through proxy, P and D (in this process, real sockets).
+//!
+//! TTFT is measured at the client (a streaming request; the first event that carries a token) and
+//! split as the seed splits it, from the step spans of each request: proxy (8 → 9/10 dispatch),
+//! P prefill (11–15), P next step (23–27), transfer (28–30), D notice (34–37), D first forward
+//! (38–39); the connector's own overhead is what remains of TTFT after P's prefill, the transfer
+//! and D's first forward. The first request to a new P (bootstrap look-up, side-channel connect)
+//! is reported apart. Then requests/s for small prompts at several concurrencies.
+
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use futures::StreamExt;
+use pdflow_kv::memory::KvShape;
+use pdflow_telemetry::capture::{CapturedSpan, SpanCapture};
+use serde_json::json;
+
+use super::report::{self, quantile, Row};
+use crate::demo::{prompt_words, DemoOptions, LocalCluster};
+
+/// Options of `pdflow bench e2e`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct Options {
+    /// Write the rows as JSON to this file.
+    #[arg(long)]
+    pub json: Option<std::path::PathBuf>,
+    /// Seed requests measured (after the first, reported apart).
+    #[arg(long, default_value_t = 20)]
+    pub runs: usize,
+    /// Small-prompt requests per concurrency level.
+    #[arg(long, default_value_t = 256)]
+    pub small_requests: usize,
+    /// Concurrency levels for the small-prompt throughput.
+    #[arg(long, value_delimiter = ',', default_value = "1,16,64")]
+    pub concurrency: Vec<usize>,
+}
+
+/// One seed request's figures, in ms.
+#[derive(Debug, Clone, Default)]
+struct Split {
+    ttft: f64,
+    proxy: f64,
+    p_prefill: f64,
+    p_next_step: f64,
+    transfer: f64,
+    d_notice: f64,
+    d_first_forward: f64,
+}
+
+fn first(spans: &[CapturedSpan], step: u8, after: Instant) -> Option<&CapturedSpan> {
+    spans.iter().filter(|s| s.step == step && s.start >= after).min_by_key(|s| s.start)
+}
+
+fn between(spans: &[CapturedSpan], from: u8, to: u8, after: Instant) -> Option<f64> {
+    let a = first(spans, from, after)?.start;
+    let b = first(spans, to, after)?.end?;
+    Some(b.saturating_duration_since(a).as_secs_f64() * 1e3)
+}
+
+/// Sends one streaming request; returns the time to the first token event.
+async fn ttft(client: &reqwest::Client, url: &str, body: &serde_json::Value) -> anyhow::Result<f64> {
+    let started = Instant::now();
+    let resp = client.post(url).json(body).send().await.with_context(|| format!("POST {url}"))?;
+    anyhow::ensure!(resp.status().is_success(), "POST {url}: {}", resp.status());
+    let mut stream = resp.bytes_stream();
+    let mut first = None;
+    let mut seen = String::new();
+    while let Some(chunk) = stream.next().await {
+        seen.push_str(&String::from_utf8_lossy(&chunk?));
+        if first.is_none() && seen.contains("\"token_ids\"") {
+            first = Some(started.elapsed().as_secs_f64() * 1e3);
+        }
+    }
+    first.context("the stream carried no token")
+}
+
+async fn seed_split(cluster: &LocalCluster, capture: &SpanCapture, seed: u64) -> anyhow::Result<Split> {
+    let body = json!({"model": "Qwen/Qwen3-8B", "prompt": prompt_words(1000, seed), "max_tokens": 8, "temperature": 0, "stream": true});
+    capture.clear();
+    let start = Instant::now();
+    let ttft = ttft(&cluster.client, &format!("{}/v1/completions", cluster.proxy.url()), &body).await?;
+    // P's spans (up to 33) may still close after D has answered: wait for them, bounded.
+    let until = Instant::now() + Duration::from_secs(5);
+    while Instant::now() < until && !capture.spans().iter().any(|s| s.step == 33 && s.end.is_some()) {
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    let spans = capture.spans();
+    let dispatch = first(&spans, 9, start).zip(first(&spans, 10, start)).map(|(a, b)| a.start.min(b.start));
+    Ok(Split {
+        ttft,
+        proxy: first(&spans, 8, start)
+            .zip(dispatch)
+            .map(|(a, d)| d.saturating_duration_since(a.start).as_secs_f64() * 1e3)
+            .unwrap_or(f64::NAN),
+        p_prefill: between(&spans, 11, 15, start).unwrap_or(f64::NAN),
+        p_next_step: between(&spans, 23, 27, start).unwrap_or(f64::NAN),
+        transfer: between(&spans, 28, 30, start).unwrap_or(f64::NAN),
+        d_notice: between(&spans, 34, 37, start).unwrap_or(f64::NAN),
+        d_first_forward: between(&spans, 38, 39, start).unwrap_or(f64::NAN),
+    })
+}
+
+/// Small prompts from `concurrency` clients; returns per-request latencies and the wall time.
+async fn small_load(cluster: &LocalCluster, total: usize, concurrency: usize) -> anyhow::Result<(Vec<f64>, Duration)> {
+    let url = format!("{}/v1/completions", cluster.proxy.url());
+    let next = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let started = Instant::now();
+    let mut tasks = tokio::task::JoinSet::new();
+    for _ in 0..concurrency.max(1) {
+        let (client, url, next) = (cluster.client.clone(), url.clone(), next.clone());
+        tasks.spawn(async move {
+            let mut latencies = Vec::new();
+            loop {
+                let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                if i >= total {
+                    return Ok::<_, anyhow::Error>(latencies);
+                }
+                let body = json!({"model": "Qwen/Qwen3-8B", "prompt": prompt_words(128, 10_000 + i as u64), "max_tokens": 4, "temperature": 0});
+                let t = Instant::now();
+                let resp = client.post(&url).json(&body).send().await?;
+                anyhow::ensure!(resp.status().is_success(), "small request {i}: {}", resp.status());
+                resp.bytes().await?;
+                latencies.push(t.elapsed().as_secs_f64() * 1e3);
+            }
+        });
+    }
+    let mut all = Vec::new();
+    while let Some(j) = tasks.join_next().await {
+        all.extend(j.context("load task panicked")??);
+    }
+    Ok((all, started.elapsed()))
+}
+
+/// A labelled part of the TTFT split.
+type Part = (&'static str, fn(&Split) -> f64);
+
+fn split_rows(name: &str, splits: &[Split]) -> Vec<Row> {
+    let col = |f: fn(&Split) -> f64| splits.iter().map(f).filter(|v| v.is_finite()).collect::<Vec<_>>();
+    let overhead = |s: &Split| s.ttft - s.p_prefill - s.transfer - s.d_first_forward;
+    let parts: [Part; 8] = [
+        ("TTFT (client, streaming)", |s| s.ttft),
+        ("  proxy (8→9/10)", |s| s.proxy),
+        ("  P prefill (11–15)", |s| s.p_prefill),
+        ("  P next step (23–27)", |s| s.p_next_step),
+        ("  transfer (28–30)", |s| s.transfer),
+        ("  D notice (34–37)", |s| s.d_notice),
+        ("  D first forward (38–39)", |s| s.d_first_forward),
+        ("  connector overhead", overhead),
+    ];
+    parts
+        .iter()
+        .map(|(label, f)| {
+            report::row(&format!("{name}: {label}"), Some("auto"), None, Some(1), Some(148_635_648), &col(*f))
+        })
+        .map(|mut r| {
+            r.gbps = None;
+            r
+        })
+        .collect()
+}
+
+/// Runs the benchmark; prints the table; writes the JSON. `capture` must be a `tracing` layer.
+pub async fn run(opts: Options, capture: SpanCapture) -> anyhow::Result<()> {
+    let max_conc = opts.concurrency.iter().copied().max().unwrap_or(1);
+    // Enough blocks for the seed request, and for every small request in flight at once.
+    let num_blocks = 80.max(max_conc * 10 + 8);
+    let demo = DemoOptions { shape: KvShape::QWEN3_8B, num_blocks, ..DemoOptions::default() };
+    let cluster = LocalCluster::start(&demo, false).await?;
+    let mut rows = Vec::new();
+    let first_split = seed_split(&cluster, &capture, 1).await?;
+    rows.extend(split_rows("seed, first to a new P", std::slice::from_ref(&first_split)));
+    let mut splits = Vec::new();
+    for i in 0..opts.runs {
+        splits.push(seed_split(&cluster, &capture, 2 + i as u64).await?);
+    }
+    rows.extend(split_rows(&format!("seed, median of {}", opts.runs), &splits));
+    for &c in &opts.concurrency {
+        let (samples, wall) = small_load(&cluster, opts.small_requests, c).await?;
+        let mut r = report::row("128-token prompts, max_tokens 4", Some("auto"), None, Some(c as u32), None, &samples);
+        r.p99_ms = quantile(&samples, 0.99);
+        r.requests_per_s = Some(samples.len() as f64 / wall.as_secs_f64());
+        rows.push(r);
+    }
+    let (p, d) = cluster.shutdown().await;
+    println!("{}", report::render(&rows));
+    if p.free != p.total || d.free != d.total {
+        println!(
+            "WARNING: blocks still held after the bench: P {}/{} free, D {}/{} free",
+            p.free, p.total, d.free, d.total
+        );
+    }
+    if let Some(path) = &opts.json {
+        report::write_json(path, &rows).with_context(|| format!("writing {}", path.display()))?;
+        println!("rows written to {}", path.display());
+    }
+    Ok(())
+}

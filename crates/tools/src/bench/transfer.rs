@@ -1,0 +1,449 @@
+//! `pdflow bench transfer`: the seed request's KV (Qwen3-8B, 63 blocks, P 17..=79 → D 512..=574,
+//! 148,635,648 B) moved P→D — seed steps 19–35 for the transfer — through the real actors (P's
+//! SenderListener and SendWorkers, D's Receiver and PullTasks, the ZeroMQ side channel, D's data
+//! server, the bootstrap look-up) and the transfer engine under test, all in this process over
+//! 127.0.0.1. Rows (median/min/max over `--runs` after `--warmup`; D's bytes checked against P's
+//! once per mode with `KvCache::blocks_checksum`):
+//!
+//! - `actors seed coalesced` at concurrency 1 and 8 (8 requests in one step), timed from
+//!   `StartLoadKv` to `GetFinishedRecving` reporting them; the first (cold) pull separately;
+//! - `engine …` rows call `TransferEngine::write` directly: the coalesced plan (36 descriptors), the
+//!   uncoalesced one (2,268 × 64 KiB — the SendWorker always coalesces, so this plan is measured at
+//!   the engine level), and one 32 KiB write's latency, back to back and after 1 ms idle (D's
+//!   connection thread then sleeps in the kernel instead of polling);
+//! - same-run ceilings: single-thread memcpy of the same bytes, plain loopback TCP (1 and 4
+//!   streams), and for the 32 KiB write one round trip (32 KiB out, a 15-byte answer back)
+//!   between two blocking threads;
+//! - with `--compare-mooncake`, Mooncake's TransferEngine over TCP (`tests/peers/mooncake_tcp.py`)
+//!   and the ratios pdflow/Mooncake.
+
+mod ceilings;
+mod harness;
+mod mooncake;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context as _};
+use pdflow_kv::memory::{KvCache, KvShape};
+use pdflow_kv::planner::{build_plan, Descriptor, TransferPlan};
+use pdflow_messages::BlockId;
+use pdflow_transfer::same_host::SameHostMode;
+use pdflow_transfer::tcp::{TcpConfig, TcpDataServer};
+use pdflow_transfer::{AutoTransferEngine, TransferEngine};
+
+use super::report::{self, Row};
+use harness::ActorPair;
+use pdflow_node::BootstrapNode;
+
+const SHAPE: KvShape = KvShape::QWEN3_8B;
+/// P's blocks in the seed (steps 25–27) and D's (step 16).
+const P_BLOCKS: std::ops::RangeInclusive<BlockId> = 17..=79;
+const D_BLOCKS: std::ops::RangeInclusive<BlockId> = 512..=574;
+const P_NUM_BLOCKS: usize = 80;
+const D_NUM_BLOCKS: usize = 1024;
+const CONCURRENT: usize = 8;
+const SMALL_WRITE: u64 = 32 * 1024;
+/// The pause before each write of the "after idle" row: longer than D's busy-poll window.
+const IDLE_GAP: Duration = Duration::from_millis(1);
+
+/// Which transfer backend P uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Backend {
+    /// The tcp backend only.
+    Tcp,
+    /// The same-host path only (`process_vm_writev`); fails if unavailable.
+    SameHost,
+    /// What a node uses: same-host when possible, tcp otherwise.
+    Auto,
+}
+
+impl Backend {
+    fn mode(self) -> SameHostMode {
+        match self {
+            Backend::Tcp => SameHostMode::Off,
+            Backend::SameHost => SameHostMode::Required,
+            Backend::Auto => SameHostMode::Auto,
+        }
+    }
+}
+
+/// Options of `pdflow bench transfer`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct Options {
+    /// Write the rows as JSON to this file.
+    #[arg(long)]
+    pub json: Option<std::path::PathBuf>,
+    /// Measured runs per row (median, min, max over them).
+    #[arg(long, default_value_t = 15)]
+    pub runs: usize,
+    /// Unmeasured runs before each row's measured ones.
+    #[arg(long, default_value_t = 3)]
+    pub warmup: usize,
+    /// Also run Mooncake's TransferEngine over TCP (tests/peers/mooncake_tcp.py) and report ratios.
+    #[arg(long)]
+    pub compare_mooncake: bool,
+    /// The backend to measure; without it, both tcp and same-host are measured.
+    #[arg(long, value_enum)]
+    pub backend: Option<Backend>,
+    /// TCP streams per peer (the tcp backend's `streams_per_peer`).
+    #[arg(long, default_value_t = TcpConfig::default().streams_per_peer)]
+    pub streams: usize,
+    /// Skip the actor rows (engine rows and ceilings only).
+    #[arg(long)]
+    pub engine_only: bool,
+    /// `cuda`: the same request GPU to GPU (one process, separate processes over CUDA IPC, and
+    /// the staged cross-host path), each with its same-run ceiling (feature `cuda`).
+    #[arg(long, value_enum, default_value = "cpu")]
+    pub device: crate::demo::DemoDevice,
+    /// Internal: run as the CUDA IPC part's D process on this GPU.
+    #[arg(long, hide = true)]
+    pub ipc_peer: Option<usize>,
+}
+
+/// Runs the benchmark; prints the table; writes the JSON.
+pub async fn run(opts: Options) -> anyhow::Result<()> {
+    if opts.runs == 0 {
+        bail!("--runs must be at least 1");
+    }
+    if opts.device == crate::demo::DemoDevice::Cuda || opts.ipc_peer.is_some() {
+        return run_on_gpus(opts).await;
+    }
+    let backends = match opts.backend {
+        Some(b) => vec![b],
+        None => vec![Backend::Tcp, Backend::SameHost],
+    };
+    let p_blocks: Vec<BlockId> = P_BLOCKS.collect();
+    let bytes = (p_blocks.len() * SHAPE.bytes_per_block()) as u64;
+    let p_cache = KvCache::new(SHAPE, P_NUM_BLOCKS);
+    fill(&p_cache, &p_blocks);
+    let d_cache = KvCache::new(SHAPE, D_NUM_BLOCKS);
+    let d_server = TcpDataServer::bind("127.0.0.1:0".parse()?, d_cache.region_table(), None).await?;
+    let d_addr = d_server.local_addr().to_string();
+    let mut rows = Vec::new();
+    let mut result = Ok(());
+    for backend in &backends {
+        eprintln!("bench transfer: {backend:?} …");
+        let config =
+            TcpConfig { same_host: backend.mode(), streams_per_peer: opts.streams.max(1), ..TcpConfig::default() };
+        let engine = Arc::new(AutoTransferEngine::new(p_cache.region_table(), config));
+        // One bootstrap per P engine (a bootstrap serves one engine per dp rank).
+        let bootstrap = BootstrapNode::start("127.0.0.1:0".parse()?).await?;
+        let setup = Setup {
+            engine: &engine,
+            p_cache: &p_cache,
+            d_cache: &d_cache,
+            d_addr: &d_addr,
+            bootstrap: &bootstrap,
+            p_blocks: &p_blocks,
+        };
+        let measured = measure_backend(&opts, *backend, &setup, &mut rows).await;
+        bootstrap.shutdown().await;
+        if let Err(e) = measured {
+            result = Err(e.context(format!("backend {backend:?}")));
+            break;
+        }
+    }
+    d_server.shutdown().await;
+    result?;
+
+    eprintln!("bench transfer: ceilings …");
+    let memcpy = tokio::task::spawn_blocking({
+        let (warmup, runs) = (opts.warmup, opts.runs);
+        move || ceilings::memcpy_ms(bytes as usize, warmup, runs)
+    })
+    .await?;
+    rows.push(report::row("ceiling memcpy (1 thread)", Some("memcpy"), None, Some(1), Some(bytes), &memcpy));
+    for streams in [1, 4] {
+        let samples = ceilings::loopback_tcp_ms(bytes as usize, streams, opts.warmup, opts.runs).await?;
+        rows.push(report::row(
+            &format!("ceiling loopback tcp ({streams} stream{})", if streams > 1 { "s" } else { "" }),
+            Some("tokio-tcp"),
+            None,
+            Some(1),
+            Some(bytes),
+            &samples,
+        ));
+    }
+    let round_trip = tokio::task::spawn_blocking({
+        let (warmup, runs) = (opts.warmup.max(10), (opts.runs * 10).max(100));
+        move || ceilings::loopback_round_trip_ms(SMALL_WRITE as usize, warmup, runs)
+    })
+    .await??;
+    rows.push(report::row(
+        "ceiling loopback round trip 32 KiB + ack",
+        Some("blocking-tcp"),
+        Some("single"),
+        Some(1),
+        Some(SMALL_WRITE),
+        &round_trip,
+    ));
+
+    if opts.compare_mooncake {
+        eprintln!("bench transfer: mooncake …");
+        let theirs = mooncake::rows(opts.runs, opts.warmup).await;
+        let ratios = ratio_rows(&rows, &theirs);
+        rows.extend(theirs);
+        rows.extend(ratios);
+    }
+    print!("{}", report::render(&rows));
+    if let Some(path) = &opts.json {
+        report::write_json(path, &rows).with_context(|| format!("cannot write {}", path.display()))?;
+        eprintln!("bench transfer: rows written to {}", path.display());
+    }
+    Ok(())
+}
+
+/// What one backend's measurements run on.
+struct Setup<'a> {
+    engine: &'a Arc<AutoTransferEngine>,
+    p_cache: &'a Arc<KvCache>,
+    d_cache: &'a Arc<KvCache>,
+    d_addr: &'a str,
+    bootstrap: &'a BootstrapNode,
+    p_blocks: &'a [BlockId],
+}
+
+async fn measure_backend(
+    opts: &Options,
+    backend: Backend,
+    setup: &Setup<'_>,
+    rows: &mut Vec<Row>,
+) -> anyhow::Result<()> {
+    let Setup { engine, p_cache, d_cache, d_addr, p_blocks, .. } = *setup;
+    let bytes = (p_blocks.len() * SHAPE.bytes_per_block()) as u64;
+    let seed_d: Vec<BlockId> = D_BLOCKS.collect();
+    if !opts.engine_only {
+        let tag = format!("{backend:?}").to_lowercase();
+        measure_actors(opts, &tag, setup, rows).await?;
+    }
+
+    // The engine alone: the coalesced plan, the uncoalesced one, a 32 KiB write.
+    let label = |engine: &AutoTransferEngine| engine.backend_for(d_addr).to_string();
+    for (coalesce, plan_name, row_name) in [
+        (true, "coalesced", "engine seed coalesced (36 desc)"),
+        (false, "uncoalesced", "engine seed uncoalesced (2,268 desc)"),
+    ] {
+        let plan = build_plan(&p_cache.regions(), p_blocks, &d_cache.regions(), &seed_d, coalesce)?;
+        zero(d_cache, &seed_d);
+        engine.write(d_addr, &plan).await?;
+        verify(p_cache, p_blocks, d_cache, &seed_d, row_name)?;
+        let samples = repeat(opts, || timed_write(engine, d_addr, &plan)).await?;
+        rows.push(report::row(row_name, Some(&label(engine)), Some(plan_name), Some(1), Some(bytes), &samples));
+    }
+    let (src, dst) =
+        (p_cache.regions()[0].block_addr(*P_BLOCKS.start()), d_cache.regions()[0].block_addr(*D_BLOCKS.start()));
+    let small = TransferPlan {
+        descriptors: vec![Descriptor { src, dst, len: SMALL_WRITE }],
+        fence: 0,
+        cut_after: None,
+        write_by: None,
+    };
+    let small_opts = Options { runs: (opts.runs * 10).max(100), warmup: opts.warmup.max(10), ..opts.clone() };
+    let samples = repeat(&small_opts, || timed_write(engine, d_addr, &small)).await?;
+    rows.push(report::row(
+        "engine 32 KiB write",
+        Some(&label(engine)),
+        Some("single"),
+        Some(1),
+        Some(SMALL_WRITE),
+        &samples,
+    ));
+    // The same write after the connections sat idle for a millisecond: D's connection thread has
+    // stopped polling and sleeps in the kernel, so this one pays its wake-up.
+    let samples = repeat(&small_opts, || async {
+        tokio::time::sleep(IDLE_GAP).await;
+        timed_write(engine, d_addr, &small).await
+    })
+    .await?;
+    rows.push(report::row(
+        "engine 32 KiB write after 1 ms idle",
+        Some(&label(engine)),
+        Some("single"),
+        Some(1),
+        Some(SMALL_WRITE),
+        &samples,
+    ));
+    Ok(())
+}
+
+/// `--device cuda`: the GPU benches, on a blocking thread (they wait on the GPU).
+#[cfg(feature = "cuda")]
+async fn run_on_gpus(opts: Options) -> anyhow::Result<()> {
+    tokio::task::spawn_blocking(move || match opts.ipc_peer {
+        Some(device) => super::gpu::serve_peer(device),
+        None => super::gpu::run(opts.runs.max(20), opts.json.as_deref()).map(|_| ()),
+    })
+    .await
+    .context("the GPU bench's thread ended abnormally")?
+}
+
+#[cfg(not(feature = "cuda"))]
+async fn run_on_gpus(_opts: Options) -> anyhow::Result<()> {
+    bail!("--device cuda: this pdflow was built without GPU support (build it with `cargo build --release --features cuda`)")
+}
+
+/// The actor rows: concurrency 1 (the cold first pull, then measured runs) and 8.
+async fn measure_actors(opts: &Options, tag: &str, setup: &Setup<'_>, rows: &mut Vec<Row>) -> anyhow::Result<()> {
+    let Setup { engine, p_cache, d_cache, d_addr, bootstrap, p_blocks } = *setup;
+    let bytes = (p_blocks.len() * SHAPE.bytes_per_block()) as u64;
+    let transfer: Arc<dyn TransferEngine> = engine.clone();
+    let pair = ActorPair::start(tag, bootstrap, p_cache, transfer, d_cache, d_addr.to_string()).await?;
+    let result = async {
+        // Concurrency 1: the seed's blocks. The first pull (bootstrap look-up, side-channel
+        // connect, D's full layout) is cold; it also checks the bytes.
+        let seed_d: Vec<BlockId> = D_BLOCKS.collect();
+        zero(d_cache, &seed_d);
+        let cold = pair.transfer(p_blocks, std::slice::from_ref(&seed_d)).await?;
+        verify(p_cache, p_blocks, d_cache, &seed_d, "actors c=1")?;
+        let name = engine.backend_for(d_addr).to_string();
+        rows.push(report::row(
+            "actors seed first pull (cold)",
+            Some(&name),
+            Some("coalesced"),
+            Some(1),
+            Some(bytes),
+            &[ms(cold)],
+        ));
+        let samples = repeat(opts, || pair.transfer(p_blocks, std::slice::from_ref(&seed_d))).await?;
+        rows.push(report::row("actors seed coalesced", Some(&name), Some("coalesced"), Some(1), Some(bytes), &samples));
+
+        // Concurrency 8: eight requests in one step, into disjoint D blocks.
+        let sets: Vec<Vec<BlockId>> = std::iter::once(seed_d.clone())
+            .chain((0..CONCURRENT as u32 - 1).map(|i| (i * 64..i * 64 + 63).collect()))
+            .collect();
+        for set in &sets {
+            zero(d_cache, set);
+        }
+        pair.transfer(p_blocks, &sets).await?;
+        for set in &sets {
+            verify(p_cache, p_blocks, d_cache, set, "actors c=8")?;
+        }
+        let samples = repeat(opts, || pair.transfer(p_blocks, &sets)).await?;
+        rows.push(report::row(
+            "actors seed coalesced",
+            Some(&name),
+            Some("coalesced"),
+            Some(CONCURRENT as u32),
+            Some(bytes),
+            &samples,
+        ));
+        anyhow::Ok(())
+    }
+    .await;
+    pair.shutdown().await;
+    result
+}
+
+async fn timed_write(engine: &AutoTransferEngine, peer: &str, plan: &TransferPlan) -> anyhow::Result<Duration> {
+    let started = Instant::now();
+    engine.write(peer, plan).await?;
+    Ok(started.elapsed())
+}
+
+/// `opts.warmup` unmeasured runs, then `opts.runs` measured ones, in milliseconds.
+async fn repeat<F, Fut>(opts: &Options, mut once: F) -> anyhow::Result<Vec<f64>>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = anyhow::Result<Duration>>,
+{
+    for _ in 0..opts.warmup {
+        once().await?;
+    }
+    let mut samples = Vec::with_capacity(opts.runs);
+    for _ in 0..opts.runs {
+        samples.push(ms(once().await?));
+    }
+    Ok(samples)
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+/// Fills `blocks` of every layer with a pattern that differs per layer and block.
+fn fill(cache: &Arc<KvCache>, blocks: &[BlockId]) {
+    let table = cache.region_table();
+    for (layer, r) in table.regions().iter().enumerate() {
+        for &b in blocks {
+            // SAFETY: the bench owns the cache; nothing else touches these blocks now.
+            if let Ok(bytes) = unsafe { table.slice_mut(r.block_addr(b), r.block_len) } {
+                for (i, chunk) in bytes.chunks_mut(8).enumerate() {
+                    let word = ((layer as u64) << 48) ^ (u64::from(b) << 32) ^ (i as u64).wrapping_mul(0x9E37_79B9);
+                    chunk.copy_from_slice(&word.to_le_bytes()[..chunk.len()]);
+                }
+            }
+        }
+    }
+}
+
+/// Zeroes `blocks` of every layer (so a later check proves the transfer wrote them).
+fn zero(cache: &Arc<KvCache>, blocks: &[BlockId]) {
+    let table = cache.region_table();
+    for r in table.regions() {
+        for &b in blocks {
+            // SAFETY: as in `fill`; no transfer is in flight between runs.
+            if let Ok(bytes) = unsafe { table.slice_mut(r.block_addr(b), r.block_len) } {
+                bytes.fill(0);
+            }
+        }
+    }
+}
+
+fn verify(p: &KvCache, p_blocks: &[BlockId], d: &KvCache, d_blocks: &[BlockId], what: &str) -> anyhow::Result<()> {
+    let (sent, got) = (p.blocks_checksum(p_blocks)?, d.blocks_checksum(d_blocks)?);
+    if sent != got {
+        bail!(
+            "{what}: D's blocks {}..={} hold checksum {got:#x}, P's blocks {sent:#x}: the bytes differ",
+            d_blocks[0],
+            d_blocks[d_blocks.len() - 1]
+        );
+    }
+    Ok(())
+}
+
+/// pdflow/Mooncake ratios of medians (below 1: pdflow is faster), and pdflow's uncoalesced/coalesced.
+fn ratio_rows(ours: &[Row], theirs: &[Row]) -> Vec<Row> {
+    let median = |rows: &[Row], name: &str| {
+        rows.iter().find(|r| r.name.starts_with(name) && r.median_ms.is_some()).and_then(|r| r.median_ms)
+    };
+    let mut out = Vec::new();
+    let backends: Vec<String> = ours
+        .iter()
+        .filter(|r| r.name == "actors seed coalesced")
+        .filter_map(|r| r.backend.clone())
+        .collect::<std::collections::BTreeSet<_>>()
+        .into_iter()
+        .collect();
+    for backend in backends {
+        let mine: Vec<Row> = ours
+            .iter()
+            .filter(|r| r.backend.as_deref() == Some(&backend) && r.concurrency == Some(1))
+            .cloned()
+            .collect();
+        let pairs = [
+            ("actors seed coalesced", "mooncake seed coalesced", "coalesced"),
+            ("engine seed coalesced", "mooncake seed coalesced", "coalesced"),
+            ("engine seed uncoalesced", "mooncake seed uncoalesced (queue", "uncoalesced"),
+            ("engine 32 KiB write", "mooncake 32 KiB write", "single"),
+        ];
+        for (a, b, plan) in pairs {
+            if let (Some(x), Some(y)) = (median(&mine, a), median(theirs, b)) {
+                out.push(Row {
+                    name: format!("ratio {a} / mooncake = {:.2}x", x / y),
+                    backend: Some(backend.clone()),
+                    plan: Some(plan.into()),
+                    ..Row::default()
+                });
+            }
+        }
+        if let (Some(u), Some(c)) = (median(&mine, "engine seed uncoalesced"), median(&mine, "engine seed coalesced")) {
+            out.push(Row {
+                name: format!("ratio uncoalesced / coalesced = {:.2}x", u / c),
+                backend: Some(backend.clone()),
+                ..Row::default()
+            });
+        }
+    }
+    out
+}

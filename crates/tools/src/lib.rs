@@ -1,0 +1,14 @@
+//! pdflow-tools — what `pdflow` runs besides serving, never linked into vLLM.
+//!
+//! # Layout
+//! - [`timeline`] — the seed's 43-step timeline rebuilt from captured spans.
+//! - [`demo`] — `pdflow demo`: the seed scenario end to end, verified.
+//! - [`bench`] — `pdflow bench …`: transfer, end-to-end and proxy benchmarks.
+//! - [`chaos`] — `pdflow chaos`: the fault matrix on the simulated engines.
+//! - [`netns`] — network namespaces for the chaos matrix's network cuts (root only).
+
+pub mod bench;
+pub mod chaos;
+pub mod demo;
+pub mod netns;
+pub mod timeline;

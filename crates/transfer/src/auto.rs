@@ -1,0 +1,195 @@
+//! [`AutoTransferEngine`]: the engine a P node uses for seed step 29. Per peer it chooses the
+//! same-host path ([`super::same_host`]) when D's data server offers it, names this host, and the
+//! kernel lets P read D's canary back; tcp ([`super::tcp`]) otherwise, and whenever the kernel
+//! later refuses. The choice is cached per peer and re-checked (canary read, ~µs) before every
+//! same-host write, so a D restarted at the same address is probed again.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use futures::future::BoxFuture;
+use pdflow_messages::layout::RegionDesc;
+
+use super::same_host::{self, SameHostError, SameHostMode, SameHostPeer};
+use super::tcp::{TcpConfig, TcpTransferEngine};
+use super::{TransferEngine, TransferError, TransferStats};
+use pdflow_kv::memory::RegionTable;
+use pdflow_kv::planner::{Descriptor, TransferPlan};
+
+/// Backend names reported by [`TransferEngine::backend_for`].
+pub const BACKEND_TCP: &str = "tcp";
+pub const BACKEND_SAME_HOST: &str = "same-host";
+
+#[derive(Debug, Clone)]
+enum Route {
+    Tcp,
+    SameHost(Arc<SameHostPeer>),
+}
+
+/// Same-host when possible, tcp otherwise (see the module docs).
+#[derive(Debug)]
+pub struct AutoTransferEngine {
+    tcp: TcpTransferEngine,
+    local: RegionTable,
+    mode: SameHostMode,
+    threads: usize,
+    routes: Mutex<HashMap<String, Route>>,
+}
+
+impl AutoTransferEngine {
+    /// An engine reading from `local` (P's memory); `config.same_host` says whether the same-host
+    /// path may (`Auto`), may not (`Off`) or must (`Required`) be used.
+    pub fn new(local: RegionTable, config: TcpConfig) -> Self {
+        let threads = std::thread::available_parallelism().map_or(1, usize::from).min(4);
+        let mode = config.same_host;
+        Self {
+            tcp: TcpTransferEngine::new(local.clone(), config),
+            local,
+            mode,
+            threads,
+            routes: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// The tcp engine used as the fallback.
+    pub fn tcp(&self) -> &TcpTransferEngine {
+        &self.tcp
+    }
+
+    fn lock_routes(&self) -> std::sync::MutexGuard<'_, HashMap<String, Route>> {
+        // A plain cache: a panicking holder cannot break it.
+        self.routes.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn set_route(&self, peer: &str, route: Route) {
+        self.lock_routes().insert(peer.to_string(), route);
+    }
+
+    /// The cached route, or a fresh probe of the peer's data server.
+    async fn route(&self, peer: &str) -> Result<Route, TransferError> {
+        if self.mode == SameHostMode::Off {
+            return Ok(Route::Tcp);
+        }
+        if let Some(route) = self.lock_routes().get(peer).cloned() {
+            return Ok(route);
+        }
+        let route = match self.probe(peer).await {
+            Ok(peer_info) => Route::SameHost(Arc::new(peer_info)),
+            Err(reason) => {
+                tracing::debug!(%peer, "same-host path not used: {reason}");
+                if self.mode == SameHostMode::Required {
+                    return Err(TransferError::SameHostUnavailable { peer: peer.to_string(), reason });
+                }
+                Route::Tcp
+            }
+        };
+        self.set_route(peer, route.clone());
+        Ok(route)
+    }
+
+    /// Asks the peer for its details and checks them; `Err(reason)` means tcp.
+    async fn probe(&self, peer: &str) -> Result<SameHostPeer, String> {
+        let info =
+            self.tcp.host_info(peer).await.map_err(|e| format!("the data server gave no same-host details: {e}"))?;
+        if !info.offered {
+            return Err("the data server does not offer it".into());
+        }
+        if info.host_id != same_host::host_identity() {
+            return Err(format!("different host ({} here, {} there)", same_host::host_identity(), info.host_id));
+        }
+        let pid = i32::try_from(info.pid).map_err(|_| format!("pid {} out of range", info.pid))?;
+        let regions =
+            info.regions.iter().map(|&(base_addr, len, block_len)| RegionDesc { base_addr, len, block_len }).collect();
+        let candidate = SameHostPeer { pid, canary_addr: info.canary_addr, canary: info.canary, regions };
+        match same_host::verify_canary(&candidate) {
+            Ok(true) => Ok(candidate),
+            Ok(false) => Err(format!("pid {pid} does not hold the data server's canary")),
+            Err(e) => Err(e.to_string()),
+        }
+    }
+
+    async fn write_plan(&self, peer: &str, plan: &TransferPlan) -> Result<TransferStats, TransferError> {
+        let started = Instant::now();
+        let descriptors: Vec<Descriptor> = plan.descriptors.iter().copied().filter(|d| d.len > 0).collect();
+        for d in &descriptors {
+            self.local.check_host(d.src, d.len)?;
+        }
+        // Fault injection (`cut_data`) cuts the tcp data connection: such a plan always goes by tcp.
+        if plan.cut_after.is_some() {
+            return self.tcp.write(peer, plan).await;
+        }
+        let mut route = self.route(peer).await?;
+        if let Route::SameHost(p) = &route {
+            // The cached pid must still be D (a restarted D gets a new canary).
+            if !matches!(same_host::verify_canary(p), Ok(true)) {
+                self.lock_routes().remove(peer);
+                route = self.route(peer).await?;
+            }
+        }
+        let Route::SameHost(p) = route else {
+            return self.tcp.write(peer, plan).await;
+        };
+        // The write deadline, or D's pull deadline (less a margin) if sooner: the same-host path
+        // has no data-server fence, so it stops (between system calls) before D can give the
+        // blocks up — a late byte never lands in blocks D reuses.
+        let now = tokio::time::Instant::now();
+        let mut timeout = self.tcp.config().write_timeout;
+        if let Some(write_by) = plan.write_by {
+            timeout = timeout.min(write_by.saturating_duration_since(now.into_std()));
+        }
+        if timeout.is_zero() {
+            return Err(TransferError::Timeout { peer: peer.to_string(), deadline: timeout });
+        }
+        match same_host::write(&p, &self.local, &descriptors, self.threads, now + timeout).await {
+            Ok(bytes) => Ok(TransferStats { bytes, descriptors: plan.descriptors.len(), duration: started.elapsed() }),
+            Err(SameHostError::OutOfRegion(e)) => Err(TransferError::Refused {
+                peer: peer.to_string(),
+                reason: format!("{e}; nothing of the plan was written"),
+            }),
+            Err(e @ SameHostError::Unavailable { .. }) if self.mode == SameHostMode::Auto => {
+                tracing::warn!(%peer, "{e}");
+                self.set_route(peer, Route::Tcp);
+                self.tcp.write(peer, plan).await
+            }
+            Err(SameHostError::DeadlinePassed { .. }) => {
+                Err(TransferError::Timeout { peer: peer.to_string(), deadline: timeout })
+            }
+            Err(e) => Err(TransferError::SameHostUnavailable { peer: peer.to_string(), reason: e.to_string() }),
+        }
+    }
+}
+
+impl TransferEngine for AutoTransferEngine {
+    fn name(&self) -> &'static str {
+        "auto"
+    }
+
+    fn backend_for(&self, peer: &str) -> &'static str {
+        match self.lock_routes().get(peer) {
+            Some(Route::SameHost(_)) => BACKEND_SAME_HOST,
+            _ => BACKEND_TCP,
+        }
+    }
+
+    /// Chooses the path now (the same-host probe) and, for tcp, opens the data connections.
+    fn prepare<'a>(&'a self, peer: &'a str) -> BoxFuture<'a, Result<(), TransferError>> {
+        Box::pin(async move {
+            match self.route(peer).await? {
+                Route::Tcp => self.tcp.prepare(peer).await,
+                Route::SameHost(_) => Ok(()),
+            }
+        })
+    }
+
+    fn write<'a>(
+        &'a self,
+        peer: &'a str,
+        plan: &'a TransferPlan,
+    ) -> BoxFuture<'a, Result<TransferStats, TransferError>> {
+        Box::pin(self.write_plan(peer, plan))
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,36 @@
+//! The `tcp` transfer backend (DESIGN §4), the default everywhere: seed step 29 (P writes the KV
+//! bytes into D's blocks) over plain TCP.
+//!
+//! - [`TcpDataServer`] (D) listens, authenticates each connection, checks every descriptor against
+//!   D's [`RegionTable`](pdflow_kv::memory::RegionTable) and reads each payload straight into the
+//!   registered destination.
+//! - [`TcpTransferEngine`] (P) implements [`TransferEngine`](super::TransferEngine): it checks the
+//!   source descriptors against P's regions, splits a plan by bytes across a pool of connections per
+//!   peer, writes straight from P's memory and waits for every ack.
+//! - [`wire`] is the binary protocol between them.
+//!
+//! Step spans (`step.29.p_transfer_write`) belong to the caller (the send worker), which knows the
+//! request and transfer ids; this module only logs at debug level.
+
+mod ack_wait;
+mod busy_poll;
+mod connection;
+mod engine;
+mod server;
+pub mod wire;
+
+#[cfg(feature = "cuda")]
+pub(crate) use connection::constant_time_eq;
+pub(crate) use engine::split_by_bytes;
+#[cfg(any(feature = "cuda", test))]
+pub(crate) use engine::still_open;
+pub use engine::{FenceHold, TcpConfig, TcpTransferEngine};
+pub use server::{DataServerError, DataServerOptions, TcpDataServer, DEFAULT_MAX_CONNECTIONS};
+
+/// Socket buffer size asked of the OS on both ends (it may grant less).
+const SOCKET_BUFFER_BYTES: u32 = 4 << 20;
+
+#[cfg(test)]
+mod fuzz_tests;
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,488 @@
+//! One of P's data connections as D serves it (the receiving half of seed step 29), on a thread
+//! of its own: hello and auth, then requests — fence tokens, same-host and device questions,
+//! fence holds for P's own (cuda-ipc) writes, batches — until P closes, the connection idles out, or D's server stops.
+//!
+//! The connection runs on a dedicated thread with blocking reads, not as a task of D's runtime:
+//! a batch's bytes are copied straight into D's registered memory by `readv` without occupying a
+//! worker of the runtime D's actors run on, and a small batch is answered without the reactor's
+//! wake-up hop. After each ack the thread polls for P's next request for a bounded time
+//! ([`busy_poll`](super::busy_poll)) before sleeping in `recv`.
+//!
+//! Every descriptor of a batch is checked against the [`RegionTable`] before any payload byte is
+//! read; a batch with one descriptor outside the regions is refused as a whole (nothing written,
+//! its payload drained so the connection stays usable). Garbage, oversize headers and wrong auth
+//! tokens close the connection.
+
+use std::future::Future;
+use std::io::{IoSliceMut, Read as _, Write as _};
+use std::net::{Shutdown, TcpStream};
+use std::os::fd::AsRawFd;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use futures::FutureExt;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio_util::sync::CancellationToken;
+
+use super::busy_poll::{self, SPIN_AFTER_ACK};
+use super::wire::{self, Ack, HostInfo, Request, WireError};
+use crate::fence::{FenceGuard, WriteFence};
+use pdflow_kv::memory::RegionTable;
+
+/// How long a new connection may take to send its hello.
+const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long an idle connection is kept between batches (P's pool drops its side sooner).
+const IDLE_TIMEOUT: Duration = Duration::from_secs(300);
+/// How long one payload read may stall.
+const STALL_TIMEOUT: Duration = Duration::from_secs(30);
+/// While a batch lands under a fence, how often a stalled read looks whether D revoked it.
+const FENCE_CHECK: Duration = Duration::from_millis(5);
+/// The most destination slices one `readv` is given (Linux's IOV_MAX).
+const MAX_IOVECS: usize = 1024;
+/// The most payload bytes drained from a refused batch; beyond that the connection is closed.
+const MAX_DRAIN_BYTES: u64 = 4 << 30;
+/// How many bytes of P's next requests are peeked at once: a fence and a batch header of up to
+/// 60 descriptors (a larger header is read the blocking way).
+const PEEK_BYTES: usize = 1024;
+/// How long P may hold a fence for its own write (a cuda-ipc launch takes well under 1 ms).
+const HOLD_LIMIT: Duration = Duration::from_secs(30);
+/// How long a refusal's last ack may take to leave.
+const REFUSAL_WRITE_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// What every connection of one data server shares.
+pub(super) struct Shared {
+    pub(super) regions: RegionTable,
+    pub(super) auth_token: Option<Vec<u8>>,
+    /// The same-host answer, when offered (its canary is owned by the server).
+    pub(super) host_info: Option<HostInfo>,
+    /// When set, a batch is written only under an open fence token (no write-after-free).
+    pub(super) fence: Option<WriteFence>,
+    /// D's device export (GPU KV), answered to [`Request::DeviceExport`]; empty when none.
+    pub(super) device_export: Vec<u8>,
+    /// Cancelled when the server stops; the server also shuts every socket down to wake reads.
+    pub(super) cancel: CancellationToken,
+}
+
+/// Why one data connection was closed (logged, never fatal to the server).
+#[derive(Debug, thiserror::Error)]
+pub(super) enum ConnectionError {
+    #[error("bad message: {0}")]
+    Wire(#[from] WireError),
+    #[error("auth token does not match")]
+    Unauthorised,
+    #[error("no hello within {0:?}")]
+    HelloTimeout(Duration),
+    #[error("payload stalled for {0:?}")]
+    Stalled(Duration),
+    #[error("refused batch declares {0:?} payload bytes, too many to drain")]
+    UndrainableBatch(Option<u64>),
+    #[error("D closed the pull's fence while its batch was landing (the pull ended): connection dropped")]
+    Fenced,
+    #[error("the data server is stopping")]
+    Stopping,
+}
+
+/// Serves one connection until it ends; `Ok` for an orderly end (P closed, idle, server stop).
+pub(super) fn serve(stream: &TcpStream, shared: &Shared) -> Result<(), ConnectionError> {
+    let result = serve_requests(stream, shared);
+    // A read woken by the server's shutdown of the socket is not the connection's fault.
+    if shared.cancel.is_cancelled() {
+        return Ok(());
+    }
+    result
+}
+
+fn serve_requests(stream: &TcpStream, shared: &Shared) -> Result<(), ConnectionError> {
+    stream.set_nodelay(true).map_err(WireError::from)?;
+    stream.set_write_timeout(Some(STALL_TIMEOUT)).map_err(WireError::from)?;
+    let mut timeout = ReadTimeout::new(stream);
+    timeout.set(HELLO_TIMEOUT)?;
+    let token = match now(wire::read_hello(&mut Blocking(stream))) {
+        Err(e) if is_timeout(&e) => return Err(ConnectionError::HelloTimeout(HELLO_TIMEOUT)),
+        Err(e) => return Err(refuse_and_close(stream, 0, e.into())),
+        Ok(token) => token,
+    };
+    if let Some(expected) = &shared.auth_token {
+        if !constant_time_eq(expected, &token) {
+            return Err(refuse_and_close(stream, 0, ConnectionError::Unauthorised));
+        }
+    }
+    now(wire::write_ack(&mut Blocking(stream), &Ack::Ok { batch_id: 0 }))?;
+
+    // The fence token the batches on this connection currently serve (P names it per plan).
+    let mut fence_token: Option<u64> = None;
+    // A write P makes itself into D's memory (cuda-ipc), counted under its fence token until P
+    // releases it (or the connection ends).
+    let mut held: Option<Held> = None;
+    let mut peeked = [0u8; PEEK_BYTES];
+    let mut pending: std::collections::VecDeque<Request> = std::collections::VecDeque::new();
+    loop {
+        if shared.cancel.is_cancelled() {
+            return Err(ConnectionError::Stopping);
+        }
+        if pending.is_empty() {
+            // P's next request usually follows an ack at once: poll for it before sleeping, and
+            // take every request that is already queued whole in one go.
+            if busy_poll::readable_within(stream.as_raw_fd(), SPIN_AFTER_ACK) {
+                match queued_requests(stream, &mut peeked) {
+                    Ok(requests) => pending.extend(requests),
+                    Err(e) => return Err(refuse_and_close(stream, 0, e.into())),
+                }
+            }
+        }
+        let request = match pending.pop_front() {
+            Some(request) => request,
+            None => {
+                timeout.set(if held.is_some() { HOLD_LIMIT } else { IDLE_TIMEOUT })?;
+                match now(wire::read_request(&mut Blocking(stream))) {
+                    Ok(None) => return Ok(()),
+                    Err(e) if is_timeout(&e) => {
+                        if let Some(h) = &held {
+                            tracing::warn!(
+                                token = h.token,
+                                "P held a fence for {HOLD_LIMIT:?} without releasing it: released, connection closed"
+                            );
+                        }
+                        return Ok(());
+                    }
+                    Err(e) => return Err(refuse_and_close(stream, 0, e.into())),
+                    Ok(Some(request)) => request,
+                }
+            }
+        };
+        if held.is_some() && request != Request::Release {
+            let e = WireError::Io(std::io::Error::other("a request other than release while a fence is held"));
+            return Err(refuse_and_close(stream, 0, e.into()));
+        }
+        let header = match request {
+            Request::Batch(header) => header,
+            Request::Hold { token } => {
+                let ack = match hold(shared.fence.as_ref(), token) {
+                    Ok(guard) => {
+                        held = Some(Held { token, _guard: guard });
+                        Ack::Ok { batch_id: 0 }
+                    }
+                    Err(reason) => Ack::Refused { batch_id: 0, reason },
+                };
+                now(wire::write_ack(&mut Blocking(stream), &ack))?;
+                continue;
+            }
+            Request::Release => {
+                if held.take().is_none() {
+                    tracing::debug!("P released a fence it did not hold");
+                }
+                continue;
+            }
+            Request::Fence { token } => {
+                fence_token = (token != 0).then_some(token);
+                continue;
+            }
+            Request::DeviceExport => {
+                tracing::debug!(offered = !shared.device_export.is_empty(), "P asked for the device export");
+                (&*stream).write_all(&wire::encode_device_export(&shared.device_export)?).map_err(WireError::from)?;
+                continue;
+            }
+            Request::HostInfo { p_pid } => {
+                tracing::debug!(p_pid, offered = shared.host_info.is_some(), "P asked for the same-host details");
+                let answer = wire::encode_host_info(shared.host_info.as_ref().unwrap_or(&HostInfo::default()))?;
+                (&*stream).write_all(&answer).map_err(WireError::from)?;
+                continue;
+            }
+        };
+        let batch_id = header.batch_id;
+        // Check every descriptor before touching the payload.
+        let refusal = header
+            .descriptors
+            .iter()
+            .find_map(|&(dst, len)| shared.regions.check_host(dst, len).err().map(|e| e.to_string()))
+            .or_else(|| overlapping(&header.descriptors));
+        // Held while the payload lands: D's Receiver waits for it before freeing the blocks.
+        let mut fence_guard = None;
+        let refusal = refusal.or_else(|| {
+            let fence = shared.fence.as_ref()?;
+            match fence_token.and_then(|t| fence.enter(t)) {
+                Some(guard) => {
+                    fence_guard = Some(guard);
+                    None
+                }
+                None => Some(match fence_token {
+                    Some(t) => format!("fence {t} is closed: D no longer expects this transfer (its pull ended)"),
+                    None => "no fence named: this data server only accepts writes for a pull it opened".to_string(),
+                }),
+            }
+        });
+        match refusal {
+            None => {
+                // SAFETY: each checked above to lie wholly inside a registered region, and no two
+                // overlap (so the slices never alias); D's block pool gives the blocks under
+                // transfer to this write alone until it is acked.
+                let dsts = header
+                    .descriptors
+                    .iter()
+                    .filter(|&&(_, len)| len > 0)
+                    .map(|&(dst, len)| unsafe { shared.regions.slice_mut(dst, len) })
+                    .collect::<Result<Vec<&mut [u8]>, _>>()
+                    .map_err(|e| WireError::Io(invalid(e)))?;
+                read_into(stream, &mut timeout, dsts, fence_guard.as_ref(), &shared.cancel)?;
+                drop(fence_guard);
+                now(wire::write_ack(&mut Blocking(stream), &Ack::Ok { batch_id }))?;
+            }
+            Some(e) => {
+                let reason = format!("batch {batch_id}: {e}; nothing of the batch was written");
+                tracing::warn!("{reason}");
+                match header.total_len().filter(|&n| n <= MAX_DRAIN_BYTES) {
+                    Some(n) => {
+                        drain(stream, &mut timeout, n)?;
+                        now(wire::write_ack(&mut Blocking(stream), &Ack::Refused { batch_id, reason }))?;
+                    }
+                    None => {
+                        let err = ConnectionError::UndrainableBatch(header.total_len());
+                        return Err(refuse_and_close(stream, batch_id, err));
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// A fence held for P's own write into D's memory ([`Request::Hold`]).
+struct Held {
+    token: u64,
+    /// `None` when D's server has no fence (nothing to count the write under).
+    _guard: Option<FenceGuard>,
+}
+
+/// Enters fence `token` for a write P makes itself; the refusal's reason when it is not open.
+fn hold(fence: Option<&WriteFence>, token: u64) -> Result<Option<FenceGuard>, String> {
+    let Some(fence) = fence else { return Ok(None) };
+    match fence.enter(token) {
+        Some(guard) => Ok(Some(guard)),
+        None if token == 0 => Err("no fence named: this data server only accepts writes for a pull it opened".into()),
+        None => {
+            Err(format!("fence {token} is closed: D no longer expects this transfer (its pull ended); do not write"))
+        }
+    }
+}
+
+/// P's requests that are already queued whole on the socket, up to and including the first one
+/// that is not a fence (a batch's payload follows its header): peeked, parsed by the same codec,
+/// then consumed with one `recv`. Empty when the first request is not whole yet — its bytes stay
+/// queued for the blocking read. A malformed first request is an error; one after a whole
+/// request is left for the next round to report.
+fn queued_requests(stream: &TcpStream, buf: &mut [u8]) -> Result<Vec<Request>, WireError> {
+    let fd = stream.as_raw_fd();
+    // SAFETY: `fd` is the socket `stream` owns, open for the call; `buf` is writable for its
+    // length. MSG_PEEK consumes nothing, MSG_DONTWAIT never blocks.
+    let n = unsafe { libc::recv(fd, buf.as_mut_ptr().cast(), buf.len(), libc::MSG_PEEK | libc::MSG_DONTWAIT) };
+    let Ok(n) = usize::try_from(n) else { return Ok(Vec::new()) };
+    let mut rest = &buf[..n];
+    let mut requests = Vec::new();
+    let mut consumed = 0;
+    loop {
+        match now(wire::read_request(&mut rest)) {
+            Ok(Some(request)) => {
+                consumed = n - rest.len();
+                let fence = matches!(request, Request::Fence { .. } | Request::Release);
+                requests.push(request);
+                if !fence {
+                    break;
+                }
+            }
+            // The peeked bytes ended at a request's boundary.
+            Ok(None) => break,
+            // The next request is not whole yet: it stays queued.
+            Err(WireError::Io(e)) if e.kind() == std::io::ErrorKind::UnexpectedEof => break,
+            Err(e) if requests.is_empty() => return Err(e),
+            Err(_) => break,
+        }
+    }
+    if consumed > 0 {
+        // SAFETY: as above; the `consumed` bytes were just peeked on a stream only this thread
+        // reads, so this returns exactly them without blocking.
+        let got = unsafe { libc::recv(fd, buf.as_mut_ptr().cast(), consumed, libc::MSG_DONTWAIT) };
+        if usize::try_from(got).ok() != Some(consumed) {
+            return Err(WireError::Io(std::io::Error::other(format!("read {got} of {consumed} peeked request bytes"))));
+        }
+    }
+    Ok(requests)
+}
+
+/// One `readv` that never blocks (`recvmsg` with `MSG_DONTWAIT`): a batch whose payload is already
+/// queued lands without touching the socket's timeout.
+fn read_vectored_now(stream: &TcpStream, slices: &mut [IoSliceMut<'_>]) -> std::io::Result<usize> {
+    // SAFETY: a zeroed msghdr is valid (no name, no control data); `IoSliceMut` is ABI-compatible
+    // with `iovec` on Unix, and the slices are writable for their lengths for the whole call.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = slices.as_mut_ptr().cast();
+    msg.msg_iovlen = slices.len() as _;
+    // SAFETY: `stream` owns the open socket for the call; `msg` is valid as set up above.
+    let n = unsafe { libc::recvmsg(stream.as_raw_fd(), &mut msg, libc::MSG_DONTWAIT) };
+    usize::try_from(n).map_err(|_| std::io::Error::last_os_error())
+}
+
+/// Why a batch's destinations overlap, if they do: a plan never writes one byte twice, and
+/// overlapping destinations would make two live `&mut` slices of the same memory.
+fn overlapping(descriptors: &[(u64, u64)]) -> Option<String> {
+    let mut ranges: Vec<(u64, u64)> = descriptors.iter().copied().filter(|&(_, len)| len > 0).collect();
+    ranges.sort_unstable();
+    ranges.windows(2).find(|w| w[0].0.saturating_add(w[0].1) > w[1].0).map(|w| {
+        format!(
+            "descriptors {:#x}+{} and {:#x}+{} overlap in D's memory (a transfer plan writes each byte once)",
+            w[0].0, w[0].1, w[1].0, w[1].1
+        )
+    })
+}
+
+/// Reads exactly the bytes of every slice of `dsts`, in order, straight into them: vectored reads
+/// of up to [`MAX_IOVECS`] slices. A read may stall for [`STALL_TIMEOUT`]; under a fence, a
+/// stalled read looks every [`FENCE_CHECK`] whether D revoked the batch, and stops if so.
+fn read_into(
+    stream: &TcpStream,
+    timeout: &mut ReadTimeout<'_>,
+    mut dsts: Vec<&mut [u8]>,
+    fence: Option<&FenceGuard>,
+    cancel: &CancellationToken,
+) -> Result<(), ConnectionError> {
+    let mut slices: Vec<IoSliceMut<'_>> = dsts.iter_mut().map(|d| IoSliceMut::new(d)).collect();
+    let mut rest: &mut [IoSliceMut<'_>] = &mut slices;
+    let mut progress = Instant::now();
+    // The first read takes what is queued without blocking; the timeout is set only when a read
+    // has to wait.
+    let mut blocking = false;
+    while !rest.is_empty() {
+        if fence.is_some_and(FenceGuard::is_revoked) {
+            return Err(ConnectionError::Fenced);
+        }
+        let window = rest.len().min(MAX_IOVECS);
+        let read = if blocking {
+            (&*stream).read_vectored(&mut rest[..window])
+        } else {
+            read_vectored_now(stream, &mut rest[..window])
+        };
+        match read {
+            Ok(0) => return Err(WireError::Io(std::io::ErrorKind::UnexpectedEof.into()).into()),
+            Ok(n) => {
+                IoSliceMut::advance_slices(&mut rest, n);
+                progress = Instant::now();
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) if !blocking && e.kind() == std::io::ErrorKind::WouldBlock => {
+                blocking = true;
+                timeout.set(if fence.is_some() { FENCE_CHECK } else { STALL_TIMEOUT })?;
+            }
+            Err(e) if is_timeout_io(&e) => {
+                if cancel.is_cancelled() {
+                    return Err(ConnectionError::Stopping);
+                }
+                if progress.elapsed() >= STALL_TIMEOUT {
+                    return Err(ConnectionError::Stalled(STALL_TIMEOUT));
+                }
+            }
+            Err(e) => return Err(WireError::from(e).into()),
+        }
+    }
+    Ok(())
+}
+
+/// Reads and discards `n` payload bytes of a refused batch.
+fn drain(stream: &TcpStream, timeout: &mut ReadTimeout<'_>, mut n: u64) -> Result<(), ConnectionError> {
+    timeout.set(STALL_TIMEOUT)?;
+    let mut buf = vec![0u8; 64 * 1024];
+    while n > 0 {
+        let want = buf.len().min(usize::try_from(n).unwrap_or(usize::MAX));
+        match (&*stream).read_exact(&mut buf[..want]) {
+            Err(e) if is_timeout_io(&e) => return Err(ConnectionError::Stalled(STALL_TIMEOUT)),
+            r => r.map_err(WireError::from)?,
+        }
+        n -= want as u64;
+    }
+    Ok(())
+}
+
+/// Tells the peer why (best effort, bounded), closes the write side, and returns the error.
+fn refuse_and_close(stream: &TcpStream, batch_id: u64, err: ConnectionError) -> ConnectionError {
+    let ack = Ack::Refused { batch_id, reason: err.to_string() };
+    let _ = stream.set_write_timeout(Some(REFUSAL_WRITE_TIMEOUT));
+    let _ = now(wire::write_ack(&mut Blocking(stream), &ack));
+    let _ = stream.shutdown(Shutdown::Write);
+    err
+}
+
+pub(crate) fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+fn invalid(e: impl std::fmt::Display) -> std::io::Error {
+    std::io::Error::new(std::io::ErrorKind::InvalidData, e.to_string())
+}
+
+/// A read that ran into the socket's receive timeout (`SO_RCVTIMEO` reports `EAGAIN`).
+fn is_timeout_io(e: &std::io::Error) -> bool {
+    matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut)
+}
+
+fn is_timeout(e: &WireError) -> bool {
+    matches!(e, WireError::Io(io) if is_timeout_io(io))
+}
+
+/// The socket's receive timeout, changed only when a phase asks for another one.
+struct ReadTimeout<'a> {
+    stream: &'a TcpStream,
+    current: Option<Duration>,
+}
+
+impl<'a> ReadTimeout<'a> {
+    fn new(stream: &'a TcpStream) -> Self {
+        Self { stream, current: None }
+    }
+
+    fn set(&mut self, timeout: Duration) -> Result<(), WireError> {
+        if self.current != Some(timeout) {
+            self.stream.set_read_timeout(Some(timeout))?;
+            self.current = Some(timeout);
+        }
+        Ok(())
+    }
+}
+
+/// The wire codec (written once, over tokio's async I/O traits) run on this blocking socket: every
+/// poll does the blocking system call and is ready at once, so a codec future completes in one
+/// poll ([`now`]).
+struct Blocking<'a>(&'a TcpStream);
+
+impl AsyncRead for Blocking<'_> {
+    fn poll_read(self: Pin<&mut Self>, _cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<std::io::Result<()>> {
+        loop {
+            match (&*self.0).read(buf.initialize_unfilled()) {
+                Ok(n) => {
+                    buf.advance(n);
+                    return Poll::Ready(Ok(()));
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Poll::Ready(Err(e)),
+            }
+        }
+    }
+}
+
+impl AsyncWrite for Blocking<'_> {
+    fn poll_write(self: Pin<&mut Self>, _cx: &mut Context<'_>, buf: &[u8]) -> Poll<std::io::Result<usize>> {
+        Poll::Ready((&*self.0).write(buf))
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Poll::Ready(self.0.shutdown(Shutdown::Write))
+    }
+}
+
+/// Runs a codec future over [`Blocking`] I/O to completion (one poll).
+fn now<T>(fut: impl Future<Output = Result<T, WireError>>) -> Result<T, WireError> {
+    fut.now_or_never().unwrap_or_else(|| {
+        Err(WireError::Io(std::io::Error::other("a blocking codec call did not complete in one poll")))
+    })
+}
