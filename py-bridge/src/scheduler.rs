@@ -13,8 +13,8 @@ use kameo::supervision::RestartPolicy;
 use pdflow_actors::scheduler_connector::{KvRole, SchedulerConnector, SchedulerConnectorArgs};
 use pdflow_messages::frame;
 use pdflow_messages::scheduler_connector::{
-    BuildConnectorMeta, ConnectorOutput, FinishStatus, GetNumNewMatchedTokens, OnNewRequest, RequestFinished,
-    UpdateConnectorOutput, UpdateStateAfterAlloc,
+    BuildConnectorMeta, ConnectorOutput, FinishStatus, GetNumNewMatchedTokens, LoadFailure, LoadFailureCause,
+    OnNewRequest, RequestFinished, UpdateConnectorOutput, UpdateStateAfterAlloc,
 };
 use pdflow_messages::BlockId;
 use pdflow_node::supervisor::{NodeSupervisor, MAX_RESTARTS, RESTART_WINDOW};
@@ -209,9 +209,9 @@ impl SchedulerBridge {
         output
             .finished_recving
             .extend(finished_recving.unwrap_or_default().into_iter().filter(|r| !failed.contains(r)));
-        output
-            .failed_recving
-            .extend(failed.into_iter().map(|r| (r, "the KV load failed (reported by the worker)".to_string())));
+        output.failed_recving.extend(
+            failed.into_iter().map(|r| (r, LoadFailure::new(LoadFailureCause::ReportedByWorker, "the KV load failed"))),
+        );
         if output.is_empty() {
             return Ok(());
         }

@@ -1,37 +1,31 @@
-//! `pdflow._native.WorkerConnector` — the worker role of `PdflowConnector`: the same worker-side
-//! actors `pdflow serve` runs, over vLLM's own KV tensors.
+//! `pdflow._native.WorkerConnector` — the worker role of `PdflowConnector`: the worker side
+//! `pdflow serve` runs ([`pdflow_node::worker::Worker`]), over vLLM's own KV tensors.
 //!
 //! `register_kv_caches` (seed step 3) registers the tensors' memory as regions — host memory, or
-//! with `device` a CUDA device's memory (a build with `--features cuda`) — and starts, on P,
-//! the Bootstrap (step 2, TP0 only, unless an external one is configured) and the SenderListener
-//! (side channel + registration, steps 1, 4); on D, the tcp data server and the Receiver (step 5).
+//! with `device` a CUDA device's memory (a build with `--features cuda`) — and starts the worker:
+//! on P the Bootstrap (step 2, TP0 only, unless an external one is configured) and the
+//! SenderListener (side channel + registration, steps 1, 4); on D the tcp data server and the
+//! Receiver (step 5); both for kv_both.
 //! `start_load_kv` forwards the step's metadata (steps 14, 19), `get_transfer_results` collects
 //! `finished_sending` (step 32) and `finished_recving` / failed loads (step 35).
 
-use std::collections::{BTreeSet, HashMap};
-use std::net::SocketAddr;
+use std::collections::BTreeSet;
 use std::sync::atomic::AtomicU16;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use kameo::prelude::*;
-use kameo::supervision::RestartPolicy;
-use pdflow_actors::receiver::{Receiver, ReceiverArgs};
 use pdflow_actors::scheduler_connector::KvRole;
-use pdflow_actors::sender_listener::{SenderListener, SenderListenerArgs};
 use pdflow_kv::memory::{KvCache, KvShape};
 use pdflow_messages::frame;
-use pdflow_messages::receiver::{GetFinishedRecving, StartLoadKv};
-use pdflow_messages::scheduler_connector::ConnectorMetadata;
-use pdflow_messages::sender_listener::{GetFinishedSending, RecordSendReqs};
-use pdflow_messages::{BlockId, RequestId};
-use pdflow_node::gpu_kv::{self, Held};
-use pdflow_node::supervisor::{NodeSupervisor, MAX_RESTARTS, RESTART_WINDOW};
-use pdflow_node::BootstrapNode;
-use pdflow_transfer::tcp::TcpDataServer;
+use pdflow_messages::scheduler_connector::{ConnectorMetadata, ConnectorOutput};
+use pdflow_messages::BlockId;
+use pdflow_node::ports::{ConnectorError, WorkerConnectorPort, WorkerPort};
+use pdflow_node::supervisor::NodeSupervisor;
+use pdflow_node::worker::{BootstrapPlacement, Worker, WorkerSpec};
+use pdflow_node::NodeError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
-use tokio::sync::Notify;
 
 use crate::config::BridgeConfig;
 use crate::error::BridgeError;
@@ -47,24 +41,9 @@ const RUNTIME_THREADS: usize = 2;
 struct Running {
     supervisor: ActorRef<NodeSupervisor>,
     kv_cache: Arc<KvCache>,
-    sender_listener: Option<ActorRef<SenderListener>>,
-    receiver: Option<ActorRef<Receiver>>,
-    bootstrap: Option<BootstrapNode>,
-    data_server: Option<TcpDataServer>,
-    /// D's serving of GPU KV (staged receiver, local-peer registration), while it serves.
-    _gpu_serving: Vec<Held>,
+    worker: Worker,
+    port: Arc<WorkerPort>,
     info: Vec<(&'static str, String)>,
-}
-
-/// P's SenderListener or D's Receiver (whichever this worker runs).
-type WorkerRefs = (Option<ActorRef<SenderListener>>, Option<ActorRef<Receiver>>);
-
-#[derive(Default)]
-struct Ledger {
-    /// D: the local blocks of every pull not yet settled, by request id.
-    recv_blocks: HashMap<RequestId, Vec<BlockId>>,
-    /// D: blocks of failed loads, until `get_block_ids_with_load_errors` drains them.
-    load_errors: BTreeSet<BlockId>,
 }
 
 /// The worker role.
@@ -76,7 +55,8 @@ pub struct WorkerBridge {
     config: BridgeConfig,
     rt: BridgeRuntime,
     running: Mutex<Option<Running>>,
-    ledger: Mutex<Ledger>,
+    /// D: blocks of failed loads, until `get_block_ids_with_load_errors` drains them.
+    load_errors: Mutex<BTreeSet<BlockId>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -84,123 +64,66 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-async fn started<A: kameo::Actor>(actor: &'static str, r: &ActorRef<A>) -> Result<(), BridgeError>
-where
-    A::Error: std::fmt::Display,
-{
-    r.wait_for_startup_with_result(|res| {
-        res.map_err(|e| BridgeError::unavailable(actor, format!("did not start: {e}")))
-    })
-    .await
+/// A node error, as the bridge reports it: a bootstrap that cannot start names the settings that
+/// move it.
+fn node_error(e: NodeError) -> BridgeError {
+    match &e {
+        NodeError::ActorStart { actor: "Bootstrap", .. } | NodeError::Bind { what: "bootstrap HTTP server", .. } => {
+            BridgeError::Config(format!(
+                "{e} (set VLLM_MOONCAKE_BOOTSTRAP_PORT or kv_connector_extra_config[\"bootstrap_port\"])"
+            ))
+        }
+        NodeError::ActorStart { actor, reason } => BridgeError::unavailable(actor, format!("did not start: {reason}")),
+        NodeError::Bind { .. } | NodeError::Transfer(_) | NodeError::Config(_) => BridgeError::Config(e.to_string()),
+    }
+}
+
+/// A port error, as the bridge reports it.
+fn port_error(what: &'static str, e: ConnectorError) -> BridgeError {
+    match e {
+        ConnectorError::Refused(reason) => BridgeError::Config(reason),
+        ConnectorError::Unavailable(reason) => BridgeError::unavailable(what, reason),
+    }
 }
 
 impl WorkerBridge {
-    fn refs(&self) -> Result<WorkerRefs, BridgeError> {
+    fn port(&self) -> Result<Arc<WorkerPort>, BridgeError> {
         let running = lock(&self.running);
         let r = running
             .as_ref()
             .ok_or_else(|| BridgeError::unavailable("worker connector", "register_kv_caches has not been called"))?;
-        Ok((r.sender_listener.clone(), r.receiver.clone()))
+        Ok(r.port.clone())
     }
 
     async fn start(&self, kv_cache: Arc<KvCache>, tp_rank: u32) -> Result<Running, BridgeError> {
         let cfg = &self.config;
         let supervisor = NodeSupervisor::spawn(format!("vllm-worker-{}-tp{tp_rank}", self.engine_id));
-        let events = Arc::new(Notify::new());
-        let mut info = vec![("engine_id", self.engine_id.clone())];
-        let (mut sender_listener, mut receiver, mut bootstrap, mut data_server) = (None, None, None, None);
-        let mut gpu_serving: Vec<Held> = Vec::new();
-        // kv_both runs both halves: it may prefill for a peer and load from one.
-        let (produces, consumes) = (
-            matches!(self.role, KvRole::Producer | KvRole::Both),
-            matches!(self.role, KvRole::Consumer | KvRole::Both),
-        );
-        if produces {
-            let bootstrap_url = match &cfg.bootstrap_url {
-                Some(url) => url.clone(),
-                None if tp_rank == 0 => {
-                    let bind: SocketAddr = format!("{}:{}", cfg.host, cfg.bootstrap_port).parse().map_err(|e| {
-                        BridgeError::Config(format!("bootstrap address {}:{}: {e}", cfg.host, cfg.bootstrap_port))
-                    })?;
-                    let node = BootstrapNode::start_under(&supervisor, bind).await.map_err(|e| {
-                        BridgeError::Config(format!(
-                            "{e} (set VLLM_MOONCAKE_BOOTSTRAP_PORT or kv_connector_extra_config[\"bootstrap_port\"])"
-                        ))
-                    })?;
-                    let url = node.url();
-                    bootstrap = Some(node);
-                    url
-                }
-                None => cfg.bootstrap_addr(),
-            };
-            info.push(("bootstrap_url", bootstrap_url.clone()));
-            let transfer =
-                gpu_kv::producer_engine(&kv_cache, &cfg.tcp).map_err(|e| BridgeError::Config(e.to_string()))?;
-            let args = SenderListenerArgs {
-                engine_id: self.engine_id.clone(),
-                dp_rank: 0,
-                tp_rank,
-                pp_rank: 0,
-                bind_host: cfg.host.clone(),
-                side_channel_port: Arc::new(AtomicU16::new(0)),
-                bootstrap_url: Some(bootstrap_url),
-                kv_cache: kv_cache.clone(),
-                transfer,
-                ready_timeout: cfg.deadlines.ready_timeout,
-                send_expiry: cfg.deadlines.send_expiry,
-                register_attempts: 8,
-                register_backoff: Duration::from_millis(100),
-                events: events.clone(),
-                verify_checksums: cfg.verify_checksums,
-                lineage: Default::default(),
-            };
-            let listener = SenderListener::supervise(&supervisor, args)
-                .restart_policy(RestartPolicy::Transient)
-                .restart_limit(MAX_RESTARTS, RESTART_WINDOW)
-                .spawn()
-                .await;
-            started("SenderListener", &listener).await?;
-            sender_listener = Some(listener);
-        }
-        if consumes {
-            let gpu_kv::KvDataServing { server, fence, held } =
-                gpu_kv::serve_kv_data(&kv_cache, &cfg.host, &format!("{}:0", cfg.host), &cfg.tcp)
-                    .await
-                    .map_err(|e| BridgeError::unavailable("KV data server", e))?;
-            gpu_serving.extend(held);
-            info.push(("data_addr", server.local_addr().to_string()));
-            let args = ReceiverArgs {
-                engine_id: self.engine_id.clone(),
-                tp_rank,
-                tp_size: 1,
-                pp_size: 1,
-                kv_cache: kv_cache.clone(),
-                data_addr: server.local_addr().to_string(),
-                pull_timeout: cfg.deadlines.pull_timeout,
-                bootstrap_timeout: cfg.deadlines.bootstrap_timeout,
-                events: events.clone(),
-                verify_checksums: cfg.verify_checksums,
-                fence: Some(fence),
-            };
-            data_server = Some(server);
-            let r = Receiver::supervise(&supervisor, args)
-                .restart_policy(RestartPolicy::Transient)
-                .restart_limit(MAX_RESTARTS, RESTART_WINDOW)
-                .spawn()
-                .await;
-            started("Receiver", &r).await?;
-            receiver = Some(r);
-        }
-        Ok(Running {
-            supervisor,
-            kv_cache,
-            sender_listener,
-            receiver,
+        let bootstrap = match &cfg.bootstrap_url {
+            Some(url) => BootstrapPlacement::External { url: url.clone() },
+            None if tp_rank == 0 => BootstrapPlacement::Launch { port: cfg.bootstrap_port },
+            None => BootstrapPlacement::External { url: cfg.bootstrap_addr() },
+        };
+        let spec = WorkerSpec {
+            engine_id: self.engine_id.clone(),
+            role: self.role,
+            tp_rank,
+            host: cfg.host.clone(),
             bootstrap,
-            data_server,
-            _gpu_serving: gpu_serving,
-            info,
-        })
+            side_channel: Arc::new(AtomicU16::new(0)),
+            deadlines: cfg.deadlines,
+            tcp: cfg.tcp.clone(),
+            verify_checksums: cfg.verify_checksums,
+        };
+        let worker = Worker::start_under(&supervisor, &kv_cache, &spec).await.map_err(node_error)?;
+        let mut info = vec![("engine_id", self.engine_id.clone())];
+        if let Some(url) = &worker.bootstrap_url {
+            info.push(("bootstrap_url", url.clone()));
+        }
+        if let Some(addr) = worker.data_addr() {
+            info.push(("data_addr", addr.to_string()));
+        }
+        let port = Arc::new(worker.port());
+        Ok(Running { supervisor, kv_cache, worker, port, info })
     }
 }
 
@@ -241,7 +164,7 @@ impl WorkerBridge {
         let role = parse_role(kv_role)?;
         let config = BridgeConfig::from_json(extra_config_json, &|k| std::env::var(k).ok())?;
         let rt = BridgeRuntime::multi_thread(RUNTIME_THREADS, "pdflow-worker")?;
-        Ok(Self { engine_id, role, config, rt, running: Mutex::new(None), ledger: Mutex::new(Ledger::default()) })
+        Ok(Self { engine_id, role, config, rt, running: Mutex::new(None), load_errors: Mutex::new(BTreeSet::new()) })
     }
 
     /// Seed step 3: registers one region per entry of `regions` (`(address, length)` of host
@@ -311,40 +234,14 @@ impl WorkerBridge {
         }
         let meta: ConnectorMetadata =
             frame::decode(metadata, "connector metadata").map_err(|e| BridgeError::Metadata(e.to_string()))?;
-        let (listener, receiver) = self.refs()?;
+        let port = self.port()?;
         py.detach(|| -> Result<(), BridgeError> {
-            if let Some(listener) = listener {
-                if !meta.reqs_to_send.is_empty() || !meta.reqs_not_processed.is_empty() {
-                    let msg = RecordSendReqs { reqs_to_send: meta.reqs_to_send.clone(), reqs_not_processed: meta.reqs_not_processed.clone(), traceparents: meta.traceparents.clone() };
-                    self.rt
-                        .block_on(async { tokio::time::timeout(CALL_DEADLINE, listener.tell(msg)).await })?
-                        .map_err(|_| BridgeError::unavailable("SenderListener", "mailbox did not accept the sends in time"))?
-                        .map_err(|e| BridgeError::unavailable("SenderListener", e))?;
-                }
-            }
-            if receiver.is_none() && !meta.reqs_to_recv.is_empty() {
-                return Err(BridgeError::Config(format!(
-                    "this worker is a kv_producer but the scheduler asked it to load {} request(s) from remote engines: \
-                     the scheduler and worker roles disagree (check kv_role)",
-                    meta.reqs_to_recv.values().map(|m| m.len()).sum::<usize>()
-                )));
-            }
-            if let Some(receiver) = receiver {
-                if !meta.reqs_to_recv.is_empty() || !meta.reqs_to_abort.is_empty() {
-                    {
-                        let mut ledger = lock(&self.ledger);
-                        for pull in meta.reqs_to_recv.values().flat_map(|m| m.values()) {
-                            ledger.recv_blocks.insert(pull.d_req_id.clone(), pull.local_block_ids.clone());
-                        }
-                    }
-                    let msg = StartLoadKv { reqs_to_recv: meta.reqs_to_recv, reqs_to_abort: meta.reqs_to_abort };
-                    self.rt
-                        .block_on(async { tokio::time::timeout(CALL_DEADLINE, receiver.tell(msg)).await })?
-                        .map_err(|_| BridgeError::unavailable("Receiver", "mailbox did not accept the pulls in time"))?
-                        .map_err(|e| BridgeError::unavailable("Receiver", e))?;
-                }
-            }
-            Ok(())
+            self.rt
+                .block_on(async { tokio::time::timeout(CALL_DEADLINE, port.start_load_kv(meta)).await })?
+                .map_err(|_| {
+                    BridgeError::unavailable("worker connector", "the actors did not take the step's work in time")
+                })?
+                .map_err(|e| port_error("worker connector", e))
         })?;
         Ok(())
     }
@@ -353,53 +250,30 @@ impl WorkerBridge {
     /// A failed load is in `finished_recving` too (vLLM must release the request) and its blocks
     /// are reported by `get_block_ids_with_load_errors`.
     fn get_transfer_results(&self, py: Python<'_>) -> PyResult<(Vec<String>, Vec<String>, Vec<String>)> {
-        let (listener, receiver) = self.refs()?;
-        let (sending, output) = py.detach(|| -> Result<_, BridgeError> {
-            let sending = match listener {
-                Some(l) => self
-                    .rt
-                    .block_on(async { tokio::time::timeout(CALL_DEADLINE, l.ask(GetFinishedSending)).await })?
-                    .map_err(|_| {
-                        BridgeError::unavailable("SenderListener", format!("no answer within {CALL_DEADLINE:?}"))
-                    })?
-                    .map_err(|e| BridgeError::unavailable("SenderListener", e))?,
-                None => BTreeSet::new(),
-            };
-            let output = match receiver {
-                Some(r) => Some(
-                    self.rt
-                        .block_on(async { tokio::time::timeout(CALL_DEADLINE, r.ask(GetFinishedRecving)).await })?
-                        .map_err(|_| {
-                            BridgeError::unavailable("Receiver", format!("no answer within {CALL_DEADLINE:?}"))
-                        })?
-                        .map_err(|e| BridgeError::unavailable("Receiver", e))?,
-                ),
-                None => None,
-            };
-            Ok((sending, output))
+        let port = self.port()?;
+        let output: ConnectorOutput = py.detach(|| -> Result<_, BridgeError> {
+            self.rt
+                .block_on(async { tokio::time::timeout(CALL_DEADLINE, port.get_finished()).await })?
+                .map_err(|_| {
+                    BridgeError::unavailable("worker connector", format!("no answer within {CALL_DEADLINE:?}"))
+                })?
+                .map_err(|e| port_error("worker connector", e))
         })?;
-        let (mut recving, mut failed) = (Vec::new(), Vec::new());
-        if let Some(output) = output {
-            let mut ledger = lock(&self.ledger);
-            for req_id in output.finished_recving {
-                ledger.recv_blocks.remove(&req_id);
-                recving.push(req_id);
-            }
-            for (req_id, reason) in output.failed_recving {
-                tracing::warn!(request_id = %req_id, %reason, "KV load failed; vLLM's kv_load_failure_policy decides (recompute or fail)");
-                if let Some(blocks) = ledger.recv_blocks.remove(&req_id) {
-                    ledger.load_errors.extend(blocks);
-                }
-                recving.push(req_id.clone());
-                failed.push(req_id);
-            }
+        let mut recving: Vec<String> = output.finished_recving.into_iter().collect();
+        let mut failed = Vec::new();
+        let mut load_errors = lock(&self.load_errors);
+        for (req_id, failure) in output.failed_recving {
+            tracing::warn!(request_id = %req_id, reason = %failure, "KV load failed; vLLM's kv_load_failure_policy decides (recompute or fail)");
+            load_errors.extend(failure.block_ids);
+            recving.push(req_id.clone());
+            failed.push(req_id);
         }
-        Ok((sending.into_iter().collect(), recving, failed))
+        Ok((output.finished_sending.into_iter().collect(), recving, failed))
     }
 
     /// Blocks whose load failed since the last call (drained).
     fn get_block_ids_with_load_errors(&self) -> Vec<BlockId> {
-        std::mem::take(&mut lock(&self.ledger).load_errors).into_iter().collect()
+        std::mem::take(&mut *lock(&self.load_errors)).into_iter().collect()
     }
 
     /// What `register_kv_caches` returned, or None before it.
@@ -422,15 +296,12 @@ impl WorkerBridge {
         }
         py.detach(|| {
             self.rt.block_on(async move {
+                let mut worker = r.worker;
                 let stop = async {
-                    if let Some(b) = r.bootstrap {
-                        b.shutdown().await;
-                    }
+                    worker.stop_bootstrap(false).await;
                     let _ = r.supervisor.stop_gracefully().await;
                     r.supervisor.wait_for_shutdown().await;
-                    if let Some(d) = r.data_server {
-                        d.shutdown().await;
-                    }
+                    worker.stop_data_server().await;
                 };
                 if tokio::time::timeout(Duration::from_secs(10), stop).await.is_err() {
                     tracing::warn!("pdflow worker connector: shutdown still running after 10 s; abandoned");

@@ -294,14 +294,21 @@ def test_one_trace_per_request_across_proxy_p_and_d_in_otlp_and_in_the_trace_fil
             and d_steps <= by.get("pdflow-decode", set())
         )
 
+    seen: dict[str, set[int]] = {}
+
     def otlp_steps():
         by: dict[str, set[int]] = {}
         for s in pair.otlp.snapshot():
             if s["trace_id"] == trace_id and s["attrs"].get("pd.step"):
                 by.setdefault(s["service"], set()).add(int(s["attrs"]["pd.step"]))
+        seen.clear()
+        seen.update(by)
         return by if complete(by) else None
 
-    wait_until(otlp_steps, "the request's steps at the OTLP receiver", timeout=20)
+    try:
+        wait_until(otlp_steps, "the request's steps at the OTLP receiver", timeout=60)
+    except AssertionError as e:
+        raise AssertionError(f"{e}; steps seen per service: {seen}") from None
     # The servers are still running: their files are written while they run.
     def file_steps():
         by = steps_by_service(pair.p_spans() + pair.d_spans())

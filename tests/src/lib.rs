@@ -179,7 +179,7 @@ impl Cluster {
                 .iter()
                 .map(|p| PrefillTarget {
                     url: p.url(),
-                    bootstrap_port: p.bootstrap.as_ref().map(|b| b.addr.port()).unwrap_or(0),
+                    bootstrap_port: p.worker.bootstrap.as_ref().map(|b| b.addr.port()).unwrap_or(0),
                 })
                 .collect(),
             decode: decode.iter().map(|d| d.url()).collect(),
@@ -191,7 +191,7 @@ impl Cluster {
         let endpoint = |n: &EngineNode| EngineEndpoint {
             url: n.url(),
             engine_id: n.engine_id.clone(),
-            bootstrap_url: n.bootstrap.as_ref().map(|b| b.url()),
+            bootstrap_url: n.worker.bootstrap.as_ref().map(|b| b.url()),
             data_addr: n.data_addr().map(|a| a.to_string()),
         };
         let client = http_client();

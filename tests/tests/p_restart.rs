@@ -1,7 +1,7 @@
 //! Peer generations: P restarts (a new incarnation on the same addresses) while it holds
 //! the KV of a transfer D has not pulled yet. D still addresses the generation it learned from
 //! bootstrap; the new incarnation does not know the transfer, so it refuses the pull at once
-//! (`StaleGeneration`) instead of waiting for a ready that will never come (P's ready timeout is
+//! (`stale_generation`) instead of waiting for a ready that will never come (P's ready timeout is
 //! 20 s here). D fails the request cleanly under policy `fail`, frees its blocks, addresses the new
 //! generation from then on, and the next request through the proxy is served.
 
@@ -69,7 +69,7 @@ async fn a_pull_addressed_to_a_restarted_p_is_refused_at_once_not_after_the_read
     let (status, body) = post(&client, &format!("{d_url}/v1/completions"), &d_body).await;
     let took = started.elapsed();
     assert!(status >= 500, "policy fail: a clean error, got {status}: {body}");
-    assert!(body.to_string().contains("StaleGeneration"), "the error names the cause: {body}");
+    assert!(body.to_string().contains("stale_generation"), "the error names the cause: {body}");
     assert!(took < Duration::from_secs(8), "refused at once, not after P's 20 s ready timeout: took {took:?}");
 
     // Nothing leaked (P: the new incarnation holds nothing; D freed the blocks it had reserved).

@@ -51,7 +51,7 @@ async fn killed_actors_are_restarted_and_the_node_keeps_serving() {
     let p = &cluster.prefill[0];
     let d = &cluster.decode[0];
 
-    kill_and_wait_restart("P's SenderListener", p.sender_listener.as_ref().expect("P has a listener"), || {
+    kill_and_wait_restart("P's SenderListener", p.worker.sender_listener.as_ref().expect("P has a listener"), || {
         SideChannelAddr
     })
     .await;
@@ -61,7 +61,8 @@ async fn killed_actors_are_restarted_and_the_node_keeps_serving() {
     served(&cluster, 2).await;
     kill_and_wait_restart("P's SchedulerConnector", &p.connector, || BuildConnectorMeta).await;
     served(&cluster, 3).await;
-    kill_and_wait_restart("D's Receiver", d.receiver.as_ref().expect("D has a receiver"), || GetFinishedRecving).await;
+    kill_and_wait_restart("D's Receiver", d.worker.receiver.as_ref().expect("D has a receiver"), || GetFinishedRecving)
+        .await;
     served(&cluster, 4).await;
     kill_and_wait_restart("D's SchedulerConnector", &d.connector, || BuildConnectorMeta).await;
     served(&cluster, 5).await;

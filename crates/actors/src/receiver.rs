@@ -37,10 +37,10 @@ use pdflow_messages::lifecycle::TransferState;
 use pdflow_messages::receiver::{
     CancelTransfers, GetFinishedRecving, PullOutcome, PullTransportFailed, StartLoadKv, TransferStates,
 };
-use pdflow_messages::scheduler_connector::{ConnectorOutput, PullMeta};
+use pdflow_messages::scheduler_connector::{ConnectorOutput, LoadFailure, LoadFailureCause, PullMeta};
 use pdflow_messages::sender_listener::{PullErrorCause, PullReq, PullRequest};
 use pdflow_messages::{EngineId, RequestId};
-use pdflow_telemetry::{attrs, step_span, steps};
+use pdflow_telemetry::{attrs, step_span, steps, Outcome};
 use pdflow_transfer::fence::WriteFence;
 use tokio::task::{JoinHandle, JoinSet};
 use tracing::Instrument;
@@ -86,7 +86,7 @@ struct Recv {
     /// Pulls of this request that have not answered.
     pending: BTreeSet<u64>,
     /// The first failure seen; the request fails once `pending` is empty.
-    failure: Option<String>,
+    failure: Option<LoadFailure>,
     aborted: bool,
     layout_retried: bool,
     /// This request's write-fence token (non-zero).
@@ -136,7 +136,7 @@ pub struct Receiver {
     pull_of_task: HashMap<ActorId, u64>,
     next_pull_id: u64,
     finished_recving: BTreeSet<RequestId>,
-    failed_recving: BTreeMap<RequestId, String>,
+    failed_recving: BTreeMap<RequestId, LoadFailure>,
     /// Failed requests whose fence is draining before they are reported (`draining_fence`).
     draining: BTreeSet<RequestId>,
     /// Best-effort aborts of orphaned pulls, and failures waiting for their fence to drain.
@@ -214,7 +214,11 @@ impl Actor for Receiver {
                 ORPHAN_ABORT_BOUND,
             ));
             for req in &pull.reqs {
-                self.settle(req, pull_id, Some(format!("{:?}: {reason}", PullErrorCause::TransferFailed)));
+                self.settle(
+                    req,
+                    pull_id,
+                    Some(LoadFailure::new(LoadFailureCause::Pull(PullErrorCause::TransferFailed), reason.clone())),
+                );
             }
         }
         while self.helpers.try_join_next().is_some() {}
@@ -237,7 +241,7 @@ impl Receiver {
     }
 
     /// Step 34 for one request: it is settled; report it.
-    fn complete(&mut self, meta: &PullMeta, failure: Option<String>) {
+    fn complete(&mut self, meta: &PullMeta, failure: Option<LoadFailure>) {
         let span = step_span!(steps::D_PULL_RESULT, request_id = %meta.d_req_id, transfer_id = %meta.transfer_id);
         span.record(attrs::ENGINE_ID, meta.remote_engine_id.as_str());
         span.record(attrs::BLOCKS, meta.local_block_ids.len() as u64);
@@ -246,17 +250,18 @@ impl Receiver {
         }
         if meta.local_block_ids.is_empty() {
             // D gave the request up before the pull: P was only told to free its blocks.
-            span.record(attrs::OUTCOME, "freed_only");
+            Outcome::FreedOnly.record(&span);
             return;
         }
         match failure {
-            Some(reason) => {
-                span.record(attrs::OUTCOME, "failed");
-                tracing::warn!(parent: &span, request_id = %meta.d_req_id, %reason, "KV receive failed");
-                self.failed_recving.insert(meta.d_req_id.clone(), reason);
+            Some(mut failure) => {
+                Outcome::FAILED.record(&span);
+                tracing::warn!(parent: &span, request_id = %meta.d_req_id, reason = %failure, "KV receive failed");
+                failure.block_ids.clone_from(&meta.local_block_ids);
+                self.failed_recving.insert(meta.d_req_id.clone(), failure);
             }
             None => {
-                span.record(attrs::OUTCOME, "ok");
+                Outcome::Ok.record(&span);
                 if self.args.verify_checksums {
                     match self.args.kv_cache.blocks_checksum(&meta.local_block_ids) {
                         Ok(sum) => {
@@ -281,7 +286,7 @@ impl Receiver {
     /// [`Receiver::complete`] for a request whose pull ran under fence `token`: the token is
     /// closed first, and a failure is reported (the engine then frees or reuses the blocks) only
     /// once no batch of the pull is still landing — a stalled write that resumes is refused.
-    fn complete_fenced(&mut self, meta: &PullMeta, failure: Option<String>, token: u64) {
+    fn complete_fenced(&mut self, meta: &PullMeta, failure: Option<LoadFailure>, token: u64) {
         let Some(fence) = self.args.fence.clone() else { return self.complete(meta, failure) };
         let landing = fence.close_now(token);
         if landing == 0 || failure.is_none() {
@@ -289,7 +294,8 @@ impl Receiver {
         }
         tracing::info!(request_id = %meta.d_req_id, landing, "pull ended with its KV still landing: reporting once the fence drains");
         self.draining.insert(meta.d_req_id.clone());
-        let (me, meta, reason) = (self.me.clone(), meta.clone(), failure.unwrap_or_default());
+        let Some(reason) = failure else { return self.complete(meta, None) };
+        let (me, meta) = (self.me.clone(), meta.clone());
         self.helpers.spawn(async move {
             if let Err(e) = fence.close(token, FENCE_DRAIN_DEADLINE).await {
                 let passed = TransferState::DrainingFence
@@ -301,7 +307,7 @@ impl Receiver {
     }
 
     /// One pull of `req` has answered (with `failure` or not).
-    fn settle(&mut self, req: &RequestId, pull_id: u64, failure: Option<String>) {
+    fn settle(&mut self, req: &RequestId, pull_id: u64, failure: Option<LoadFailure>) {
         let Some(recv) = self.in_flight.get_mut(req) else { return };
         if !recv.pending.remove(&pull_id) {
             return;
@@ -385,7 +391,8 @@ impl Receiver {
     async fn start_pulls(&mut self, engine_id: &str, metas: Vec<PullMeta>, me: &ActorRef<Self>) {
         let Some(workers) = self.remote_agents.get(engine_id) else {
             for meta in metas {
-                self.complete(&meta, Some(format!("P engine {engine_id} has no cached workers")));
+                let detail = format!("P engine {engine_id} has no cached workers");
+                self.complete(&meta, Some(LoadFailure::new(LoadFailureCause::Bootstrap, detail)));
             }
             return;
         };
@@ -393,7 +400,7 @@ impl Receiver {
             Ok(peers) => peers,
             Err(reason) => {
                 for meta in metas {
-                    self.complete(&meta, Some(reason.clone()));
+                    self.complete(&meta, Some(LoadFailure::new(LoadFailureCause::Bootstrap, reason.clone())));
                 }
                 return;
             }
@@ -455,7 +462,8 @@ impl Receiver {
                 // Nothing was sent: the pull will go with no block ids, so P only frees its blocks.
                 let reported = meta.clone();
                 meta.local_block_ids.clear();
-                self.complete(&reported, Some("aborted by D before its pull was sent".into()));
+                let detail = "aborted by D before its pull was sent";
+                self.complete(&reported, Some(LoadFailure::new(LoadFailureCause::AbortedByD, detail)));
             }
             return;
         }
@@ -541,7 +549,7 @@ impl Message<LookupDone> for Receiver {
             }
         };
         for meta in lookup.queued.into_values() {
-            self.complete(&meta, Some(failure.clone()));
+            self.complete(&meta, Some(LoadFailure::new(LoadFailureCause::Bootstrap, failure.clone())));
         }
     }
 }
@@ -582,14 +590,12 @@ impl Message<PullOutcome> for Receiver {
                     }
                 }
             }
-            self.settle(&err.d_req_id, pull_id, Some(format!("{:?}: {}", err.cause, err.detail)));
+            self.settle(&err.d_req_id, pull_id, Some(LoadFailure::new(LoadFailureCause::Pull(err.cause), err.detail)));
         }
         for req in &pull.reqs {
-            let reason = format!(
-                "{:?}: P's answer to pull {pull_id} did not mention this request",
-                PullErrorCause::TransferFailed
-            );
-            self.settle(req, pull_id, Some(reason));
+            let detail = format!("P's answer to pull {pull_id} did not mention this request");
+            let failure = LoadFailure::new(LoadFailureCause::Pull(PullErrorCause::TransferFailed), detail);
+            self.settle(req, pull_id, Some(failure));
         }
         if !retry.is_empty() {
             tracing::info!(pull_id, worker_addr = %pull.worker_addr, "P does not know D's layout: pulling again with the full layout");
@@ -621,7 +627,7 @@ impl Message<PullTransportFailed> for Receiver {
 /// Internal: a failed request's fence has drained; report it now.
 struct FenceDrained {
     meta: PullMeta,
-    reason: String,
+    reason: LoadFailure,
 }
 
 impl Message<FenceDrained> for Receiver {

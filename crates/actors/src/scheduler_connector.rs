@@ -22,7 +22,7 @@ use pdflow_messages::scheduler_connector::{
     UpdateStateAfterAlloc,
 };
 use pdflow_messages::{BlockId, RequestId, TransferId};
-use pdflow_telemetry::{attrs, step_span, steps};
+use pdflow_telemetry::{attrs, step_span, steps, Outcome};
 
 use crate::ActorError;
 
@@ -38,10 +38,12 @@ pub enum KvRole {
 }
 
 impl KvRole {
-    fn produces(self) -> bool {
+    /// Prefills for a peer and sends its KV (kv_producer, kv_both).
+    pub fn produces(self) -> bool {
         matches!(self, KvRole::Producer | KvRole::Both)
     }
-    fn consumes(self) -> bool {
+    /// Loads KV from a peer (kv_consumer, kv_both).
+    pub fn consumes(self) -> bool {
         matches!(self, KvRole::Consumer | KvRole::Both)
     }
 }
@@ -346,15 +348,15 @@ impl Message<UpdateConnectorOutput> for SchedulerConnector {
             drop(report);
             let span = step_span!(steps::D_MARK_RECV, request_id = %req_id);
             self.join_trace(&span, req_id);
-            span.record(attrs::OUTCOME, "received");
+            Outcome::Received.record(&span);
             self.recv_in_flight.remove(req_id);
             self.reqs_to_abort.remove(req_id);
             self.traceparents.remove(req_id);
         }
-        for (req_id, reason) in &failed_recving {
+        for (req_id, failure) in &failed_recving {
             let span = step_span!(steps::D_REPORT_RECV, request_id = %req_id);
             self.join_trace(&span, req_id);
-            span.record(attrs::OUTCOME, reason.as_str());
+            Outcome::Failed(failure.cause.label()).record(&span);
             self.recv_in_flight.remove(req_id);
             self.reqs_to_abort.remove(req_id);
             self.traceparents.remove(req_id);

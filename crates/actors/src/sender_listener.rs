@@ -42,7 +42,7 @@ use pdflow_messages::sender_listener::{
     RecordSendReqs, SideChannelAddr, SideChannelRequest,
 };
 use pdflow_messages::{RequestId, TransferId};
-use pdflow_telemetry::{attrs, step_span, steps};
+use pdflow_telemetry::{attrs, step_span, steps, Outcome};
 use pdflow_transfer::TransferEngine;
 use tokio::sync::{mpsc, Notify};
 use tokio::task::JoinHandle;
@@ -202,11 +202,11 @@ impl Actor for SenderListener {
             .instrument(span.clone())
             .await;
             if let Err(e) = registered {
-                span.record(attrs::OUTCOME, "failed");
+                Outcome::FAILED.record(&span);
                 listener.cancel.cancel();
                 return Err(e);
             }
-            span.record(attrs::OUTCOME, "ok");
+            Outcome::Ok.record(&span);
             let mut listener = listener;
             listener.tasks.push(tokio::spawn(register::keep_registered(url, body_again, listener.cancel.clone())));
             tracing::info!(engine_id = %listener.args.engine_id, addr = %listener.addr, "sender listener serving the side channel");
@@ -331,11 +331,11 @@ impl SenderListener {
         span.record(attrs::ENGINE_ID, self.args.engine_id.as_str());
         let (ok_reqs, err_reqs) = match result {
             Ok(()) => {
-                span.record(attrs::OUTCOME, "ok");
+                Outcome::Ok.record(&span);
                 (vec![d_req_id.clone()], vec![])
             }
             Err(err) => {
-                span.record(attrs::OUTCOME, format!("{:?}", err.cause).as_str());
+                Outcome::Failed(err.cause.label()).record(&span);
                 (vec![], vec![err])
             }
         };

@@ -278,7 +278,7 @@ async fn run(cli: Cli) -> anyhow::Result<bool> {
             } else {
                 NodeKind::P
             });
-            if node.bootstrap.is_some() {
+            if node.worker.bootstrap.is_some() {
                 register_process_kill(NodeKind::Bootstrap);
             }
             ready_line(serde_json::json!({
@@ -287,7 +287,7 @@ async fn run(cli: Cli) -> anyhow::Result<bool> {
                 "role": format!("{:?}", node.role).to_lowercase(),
                 "addr": node.http_addr.to_string(),
                 "engine_id": node.engine_id,
-                "bootstrap_addr": node.bootstrap.as_ref().map(|b| b.addr.to_string()),
+                "bootstrap_addr": node.worker.bootstrap.as_ref().map(|b| b.addr.to_string()),
                 "data_addr": node.data_addr().map(|a| a.to_string()),
             }));
             wait_for_shutdown_signal().await;

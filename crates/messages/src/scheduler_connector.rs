@@ -12,6 +12,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use serde::{Deserialize, Serialize};
 
 use crate::kv_transfer_params::KvTransferParams;
+use crate::sender_listener::PullErrorCause;
 use crate::{BlockId, EngineId, RequestId, TransferId};
 
 /// What the hooks see of a request.
@@ -138,8 +139,62 @@ pub struct ConnectorOutput {
     pub finished_sending: BTreeSet<RequestId>,
     /// D request ids whose KV has arrived.
     pub finished_recving: BTreeSet<RequestId>,
-    /// D request ids whose KV will not arrive, with the reason; no write can land any more.
-    pub failed_recving: BTreeMap<RequestId, String>,
+    /// D request ids whose KV will not arrive, with why; no write can land any more.
+    pub failed_recving: BTreeMap<RequestId, LoadFailure>,
+}
+
+/// Why a request's KV will not arrive on D (step 34's failure, reported at step 35).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LoadFailure {
+    pub cause: LoadFailureCause,
+    /// What happened, in words a user can act on.
+    pub detail: String,
+    /// D's blocks the pull was to write: their bytes are undefined (vLLM's
+    /// `get_block_ids_with_load_errors`).
+    pub block_ids: Vec<BlockId>,
+}
+
+impl LoadFailure {
+    pub fn new(cause: LoadFailureCause, detail: impl Into<String>) -> Self {
+        Self { cause, detail: detail.into(), block_ids: Vec::new() }
+    }
+}
+
+impl std::fmt::Display for LoadFailure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}: {}", self.cause.label(), self.detail)
+    }
+}
+
+/// The kind of a [`LoadFailure`]: a closed set, so that it can label metrics and spans.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum LoadFailureCause {
+    /// The pull ended with this error: P's answer, or the pull's own (the side channel failed,
+    /// P's answer was not one, or none came before the pull's deadline).
+    Pull(PullErrorCause),
+    /// The bootstrap could not say where P's workers are (the look-up failed, P is not
+    /// registered there, or no P worker pairs with this D worker).
+    Bootstrap,
+    /// D gave the request up before its pull was sent.
+    AbortedByD,
+    /// The engine held the request's blocks for the connector past its deadline.
+    Deadline,
+    /// A worker in another process reported the load failed (vLLM's scheduler hears request ids
+    /// only; the cause is in that worker's log).
+    ReportedByWorker,
+}
+
+impl LoadFailureCause {
+    /// A short fixed name (a metric label, a span outcome).
+    pub fn label(&self) -> &'static str {
+        match self {
+            LoadFailureCause::Pull(cause) => cause.label(),
+            LoadFailureCause::Bootstrap => "bootstrap",
+            LoadFailureCause::AbortedByD => "aborted_by_d",
+            LoadFailureCause::Deadline => "deadline",
+            LoadFailureCause::ReportedByWorker => "reported_by_worker",
+        }
+    }
 }
 
 impl ConnectorOutput {

@@ -103,6 +103,22 @@ pub enum PullErrorCause {
     StaleGeneration,
 }
 
+impl PullErrorCause {
+    /// A short fixed name (a metric label, a span outcome).
+    pub fn label(&self) -> &'static str {
+        match self {
+            PullErrorCause::Aborted => "aborted",
+            PullErrorCause::ReadyTimeout => "ready_timeout",
+            PullErrorCause::LayoutMismatch => "layout_mismatch",
+            PullErrorCause::TransferFailed => "transfer_failed",
+            PullErrorCause::UnknownLayout => "unknown_layout",
+            PullErrorCause::CancelledByPeer => "cancelled_by_peer",
+            PullErrorCause::Expired => "expired",
+            PullErrorCause::StaleGeneration => "stale_generation",
+        }
+    }
+}
+
 /// One failed request of a pull.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PullErr {

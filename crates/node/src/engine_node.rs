@@ -1,12 +1,7 @@
-//! An engine node (`pdflow serve --role producer|consumer`): the simulated engine and its HTTP API,
-//! with the connector's actors under the node's supervisor.
-//!
-//! P (producer): SchedulerConnector, SenderListener (side channel + registration, steps 1, 3, 4)
-//! with the transfer engine for its KV memory ([`super::gpu_kv::producer_engine`]: same-host or
-//! tcp for host KV; cuda-peer, cuda-ipc or cuda-staged for GPU KV), and — when P's TP0 launches
-//! it — the Bootstrap (step 2).
-//! D (consumer): SchedulerConnector, Receiver (step 5) and the tcp data server that P writes into
-//! ([`super::gpu_kv::serve_kv_data`]; with GPU KV also the device offer and the staged receiver).
+//! An engine node (`pdflow serve --role producer|consumer|both`): the simulated engine and its
+//! HTTP API, with the connector's actors under the node's supervisor: the SchedulerConnector
+//! (the scheduler role) and the worker side ([`crate::worker::Worker`]: P's Bootstrap and
+//! SenderListener, D's data server and Receiver).
 
 use std::net::SocketAddr;
 use std::sync::atomic::AtomicU16;
@@ -15,34 +10,20 @@ use std::sync::Arc;
 use kameo::prelude::*;
 use kameo::supervision::RestartPolicy;
 use pdflow_actors::fault_hooks::register_actor;
-use pdflow_actors::receiver::{Receiver, ReceiverArgs};
 use pdflow_actors::scheduler_connector::{KvRole, SchedulerConnector, SchedulerConnectorArgs};
-use pdflow_actors::sender_listener::{SenderListener, SenderListenerArgs};
 use pdflow_fault::{ActorKind, Role};
 use pdflow_kv::memory::KvCache;
-use pdflow_sim_engine::ports::{Connector, WorkerConnectorPort};
+use pdflow_sim_engine::ports::Connector;
 use pdflow_sim_engine::{api, Engine, EngineConfig, EngineHandle};
-use pdflow_transfer::tcp::{TcpConfig, TcpDataServer};
-use tokio::sync::Notify;
+use pdflow_transfer::tcp::TcpConfig;
 use tokio_util::sync::CancellationToken;
 
-use super::bootstrap_node::BootstrapNode;
-use super::gpu_kv::{producer_engine, serve_kv_data, Held, KvDataServing};
-use super::supervisor::{NodeSupervisor, MAX_RESTARTS, RESTART_WINDOW};
-use super::{started, NodeError};
 use crate::config::Deadlines;
-use crate::ports::{ConsumerWorkerPort, ProducerWorkerPort, SchedulerPort};
-
-/// Where a producer's bootstrap is.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum BootstrapPlacement {
-    /// This node launches it on this port of its host (seed step 2: P's TP0), and registers there.
-    Launch { port: u16 },
-    /// Register with an existing bootstrap at this URL (`pdflow bootstrap`).
-    External { url: String },
-    /// Do not register (tests of the engine alone).
-    None,
-}
+use crate::ports::SchedulerPort;
+use crate::supervisor::{NodeSupervisor, MAX_RESTARTS, RESTART_WINDOW};
+pub use crate::worker::BootstrapPlacement;
+use crate::worker::{Worker, WorkerSpec};
+use crate::{started, NodeError};
 
 /// Everything an engine node needs.
 #[derive(Debug, Clone)]
@@ -72,13 +53,7 @@ pub struct EngineNode {
     pub kv_cache: Arc<KvCache>,
     pub role: KvRole,
     pub connector: ActorRef<SchedulerConnector>,
-    pub sender_listener: Option<ActorRef<SenderListener>>,
-    pub receiver: Option<ActorRef<Receiver>>,
-    pub bootstrap: Option<BootstrapNode>,
-    data_server: Option<TcpDataServer>,
-    /// D's serving of GPU KV, while it serves: its registration as a GPU peer of this process
-    /// and its staged receiver (GPU KV only).
-    _gpu_serving: Vec<Held>,
+    pub worker: Worker,
     supervisor: ActorRef<NodeSupervisor>,
     http_stop: CancellationToken,
     http_task: tokio::task::JoinHandle<()>,
@@ -98,11 +73,7 @@ impl EngineNode {
         let kv_cache = new_kv_cache(&cfg)?;
         let supervisor = NodeSupervisor::spawn(format!("engine-{engine_id}"));
         // P answers D's kv_transfer_params with its bootstrap (for a proxy that forwards them).
-        let bootstrap_addr = match &cfg.bootstrap {
-            BootstrapPlacement::Launch { port } if *port != 0 => Some(format!("http://{}:{port}", cfg.host)),
-            BootstrapPlacement::External { url } => Some(url.clone()),
-            _ => None,
-        };
+        let bootstrap_addr = cfg.bootstrap.url(&cfg.host);
         let args = SchedulerConnectorArgs { engine_id: engine_id.clone(), role: cfg.role, bootstrap_addr };
         let connector = SchedulerConnector::supervise(&supervisor, args)
             .restart_policy(RestartPolicy::Transient)
@@ -112,89 +83,23 @@ impl EngineNode {
         started("SchedulerConnector", &connector).await?;
         let role = if cfg.role == KvRole::Consumer { Role::D } else { Role::P };
         register_actor(ActorKind::SchedulerConnector, role, Vec::new(), &connector);
-        let events = Arc::new(Notify::new());
-        let (mut sender_listener, mut receiver, mut bootstrap, mut data_server) = (None, None, None, None);
-        let mut gpu_serving: Vec<Held> = Vec::new();
-        let worker: Arc<dyn WorkerConnectorPort> = match cfg.role {
-            KvRole::Producer | KvRole::Both => {
-                let bootstrap_url = match &cfg.bootstrap {
-                    BootstrapPlacement::Launch { port } => {
-                        let bind: SocketAddr = format!("{}:{port}", cfg.host)
-                            .parse()
-                            .map_err(|e| NodeError::Config(format!("bootstrap address {}:{port}: {e}", cfg.host)))?;
-                        let node = BootstrapNode::start_under(&supervisor, bind).await?;
-                        let url = node.url();
-                        bootstrap = Some(node);
-                        Some(url)
-                    }
-                    BootstrapPlacement::External { url } => Some(url.clone()),
-                    BootstrapPlacement::None => None,
-                };
-                let transfer = producer_engine(&kv_cache, &cfg.tcp)?;
-                let args = SenderListenerArgs {
-                    engine_id: engine_id.clone(),
-                    dp_rank: 0,
-                    tp_rank: 0,
-                    pp_rank: 0,
-                    bind_host: cfg.host.clone(),
-                    side_channel_port: side_channel.clone(),
-                    bootstrap_url,
-                    kv_cache: kv_cache.clone(),
-                    transfer,
-                    ready_timeout: cfg.deadlines.ready_timeout,
-                    send_expiry: cfg.deadlines.send_expiry,
-                    register_attempts: 8,
-                    register_backoff: std::time::Duration::from_millis(100),
-                    events: events.clone(),
-                    verify_checksums: cfg.verify_checksums,
-                    lineage: Default::default(),
-                };
-                let listener = SenderListener::supervise(&supervisor, args)
-                    .restart_policy(RestartPolicy::Transient)
-                    .restart_limit(MAX_RESTARTS, RESTART_WINDOW)
-                    .spawn()
-                    .await;
-                started("SenderListener", &listener).await?;
-                register_actor(ActorKind::SenderListener, Role::P, Vec::new(), &listener);
-                sender_listener = Some(listener.clone());
-                Arc::new(ProducerWorkerPort { listener, events: events.clone() })
-            }
-            KvRole::Consumer => {
-                let KvDataServing { server, fence, held } =
-                    serve_kv_data(&kv_cache, &cfg.host, &format!("{}:0", cfg.host), &cfg.tcp).await?;
-                gpu_serving.extend(held);
-                let args = ReceiverArgs {
-                    engine_id: engine_id.clone(),
-                    tp_rank: 0,
-                    tp_size: 1,
-                    pp_size: 1,
-                    kv_cache: kv_cache.clone(),
-                    data_addr: server.local_addr().to_string(),
-                    pull_timeout: cfg.deadlines.pull_timeout,
-                    bootstrap_timeout: cfg.deadlines.bootstrap_timeout,
-                    events: events.clone(),
-                    verify_checksums: cfg.verify_checksums,
-                    fence: Some(fence),
-                };
-                data_server = Some(server);
-                let r = Receiver::supervise(&supervisor, args)
-                    .restart_policy(RestartPolicy::Transient)
-                    .restart_limit(MAX_RESTARTS, RESTART_WINDOW)
-                    .spawn()
-                    .await;
-                started("Receiver", &r).await?;
-                register_actor(ActorKind::Receiver, Role::D, Vec::new(), &r);
-                receiver = Some(r.clone());
-                Arc::new(ConsumerWorkerPort { receiver: r, events: events.clone() })
-            }
+        let spec = WorkerSpec {
+            engine_id: engine_id.clone(),
+            role: cfg.role,
+            tp_rank: 0,
+            host: cfg.host.clone(),
+            bootstrap: if cfg.role.produces() { cfg.bootstrap.clone() } else { BootstrapPlacement::None },
+            side_channel: side_channel.clone(),
+            deadlines: cfg.deadlines,
+            tcp: cfg.tcp.clone(),
+            verify_checksums: cfg.verify_checksums,
         };
+        let worker = Worker::start_under(&supervisor, &kv_cache, &spec).await?;
         let mut engine_cfg = cfg.engine.clone();
         engine_cfg.kv_state_timeout.get_or_insert(kv_state_timeout(&cfg.deadlines));
-        let engine = Engine::start(
-            engine_cfg,
-            kv_cache.clone(),
-            Some(Connector { scheduler: Arc::new(SchedulerPort(connector.clone())), worker }),
-        );
+        let connector_ports =
+            Connector { scheduler: Arc::new(SchedulerPort(connector.clone())), worker: Arc::new(worker.port()) };
+        let engine = Engine::start(engine_cfg, kv_cache.clone(), Some(connector_ports));
         let (http_addr, http_stop, http_task) = serve_http(&cfg.host, cfg.port, api::router(engine.clone())).await?;
         Ok(Self {
             http_addr,
@@ -203,11 +108,7 @@ impl EngineNode {
             kv_cache,
             role: cfg.role,
             connector,
-            sender_listener,
-            receiver,
-            bootstrap,
-            data_server,
-            _gpu_serving: gpu_serving,
+            worker,
             supervisor,
             http_stop,
             http_task,
@@ -227,20 +128,12 @@ impl EngineNode {
         self.http_task.abort();
         self.supervisor.kill();
         self.connector.kill();
-        if let Some(l) = &self.sender_listener {
-            l.kill();
-        }
-        if let Some(r) = &self.receiver {
-            r.kill();
-        }
-        if let Some(b) = self.bootstrap {
-            b.kill().await;
-        }
+        self.worker.kill_actors();
+        let mut worker = self.worker;
+        worker.stop_bootstrap(true).await;
         self.engine.shutdown().await;
         let _ = tokio::time::timeout(HTTP_STOP_DEADLINE, self.supervisor.wait_for_shutdown()).await;
-        if let Some(d) = self.data_server {
-            d.shutdown().await;
-        }
+        worker.stop_data_server().await;
     }
 
     /// `http://host:port` of the engine's API.
@@ -250,21 +143,18 @@ impl EngineNode {
 
     /// D's data server address (where P writes KV), if this node has one.
     pub fn data_addr(&self) -> Option<SocketAddr> {
-        self.data_server.as_ref().map(|d| d.local_addr())
+        self.worker.data_addr()
     }
 
     /// Stops the HTTP server, the engine, the actors and the data server.
     pub async fn shutdown(self) {
         stop_http(self.http_stop, self.http_task).await;
         self.engine.shutdown().await;
-        if let Some(b) = self.bootstrap {
-            b.shutdown().await;
-        }
+        let mut worker = self.worker;
+        worker.stop_bootstrap(false).await;
         let _ = self.supervisor.stop_gracefully().await;
         self.supervisor.wait_for_shutdown().await;
-        if let Some(d) = self.data_server {
-            d.shutdown().await;
-        }
+        worker.stop_data_server().await;
     }
 }
 

@@ -8,6 +8,9 @@
 //!   validated before anything binds.
 //! - [`ports`] — the engine's connector ports implemented over the actors (the bridge between the
 //!   simulated engine and SchedulerConnector / SenderListener / Receiver).
+//! - [`worker`] — the worker side of one engine (P's Bootstrap and SenderListener, D's data
+//!   server and Receiver): the one place those actors are assembled, for every engine node and
+//!   for vLLM's workers through the bridge.
 //! - [`engine_node`], [`bootstrap_node`], [`proxy_node`] — the nodes; [`gpu_kv`] — GPU-resident KV.
 
 pub mod bootstrap_node;
@@ -17,10 +20,12 @@ pub mod gpu_kv;
 pub mod ports;
 pub mod proxy_node;
 pub mod supervisor;
+pub mod worker;
 
 pub use bootstrap_node::BootstrapNode;
 pub use engine_node::{EngineNode, EngineNodeConfig};
 pub use proxy_node::ProxyNode;
+pub use worker::{BootstrapPlacement, Worker, WorkerSpec};
 
 /// Why a node could not start.
 #[derive(Debug, thiserror::Error)]

@@ -1,6 +1,6 @@
 //! The engine's connector ports ([`pdflow_sim_engine::ports`]) implemented over pdflow's
 //! actors: the scheduler role over [`SchedulerConnector`], the worker role over
-//! [`SenderListener`] (P) or [`Receiver`] (D). This is where the simulated engine — and, later,
+//! [`SenderListener`] (P), [`Receiver`] (D) or both (kv_both). This is where the simulated engine — and, later,
 //! vLLM through the Python bridge — meets the actors; it converts and forwards, nothing more.
 
 use std::sync::Arc;
@@ -18,7 +18,7 @@ use pdflow_messages::scheduler_connector::{
     RequestFinishedReply, UpdateConnectorOutput, UpdateStateAfterAlloc,
 };
 use pdflow_messages::sender_listener::{GetFinishedSending, RecordSendReqs};
-use pdflow_sim_engine::ports::{ConnectorError, SchedulerConnectorPort, WorkerConnectorPort};
+pub use pdflow_sim_engine::ports::{ConnectorError, SchedulerConnectorPort, WorkerConnectorPort};
 use tokio::sync::Notify;
 
 fn unavailable(what: &str, e: impl std::fmt::Display) -> ConnectorError {
@@ -55,61 +55,68 @@ impl SchedulerConnectorPort for SchedulerPort {
     }
 }
 
-/// P's worker role, over the SenderListener actor (steps 14, 27, 32).
-pub struct ProducerWorkerPort {
-    pub listener: ActorRef<SenderListener>,
+/// The worker role over the worker's actors: P's SenderListener (steps 14, 27, 32), D's Receiver
+/// (steps 19, 35), both for `kv_both`.
+pub struct WorkerPort {
+    pub listener: Option<ActorRef<SenderListener>>,
+    pub receiver: Option<ActorRef<Receiver>>,
     pub events: Arc<Notify>,
 }
 
-impl WorkerConnectorPort for ProducerWorkerPort {
+impl WorkerConnectorPort for WorkerPort {
     fn start_load_kv(&self, meta: ConnectorMetadata) -> BoxFuture<'_, Result<(), ConnectorError>> {
         async move {
-            if meta.reqs_to_send.is_empty() && meta.reqs_not_processed.is_empty() {
-                return Ok(());
+            let ConnectorMetadata {
+                reqs_to_recv, reqs_to_abort, reqs_to_send, reqs_not_processed, traceparents, ..
+            } = meta;
+            // A half this worker does not run has nothing to free or cancel; asked to send or load,
+            // the roles disagree.
+            if let Some(listener) = &self.listener {
+                if !reqs_to_send.is_empty() || !reqs_not_processed.is_empty() {
+                    let msg = RecordSendReqs { reqs_to_send, reqs_not_processed, traceparents };
+                    listener.tell(msg).await.map_err(|e| unavailable("record_send_reqs", e))?;
+                }
+            } else if !reqs_to_send.is_empty() {
+                return Err(roles_disagree("send the KV of", reqs_to_send.len(), "kv_consumer"));
             }
-            let msg = RecordSendReqs {
-                reqs_to_send: meta.reqs_to_send,
-                reqs_not_processed: meta.reqs_not_processed,
-                traceparents: meta.traceparents,
+            if let Some(receiver) = &self.receiver {
+                if !reqs_to_recv.is_empty() || !reqs_to_abort.is_empty() {
+                    let msg = StartLoadKv { reqs_to_recv, reqs_to_abort };
+                    receiver.tell(msg).await.map_err(|e| unavailable("start_load_kv", e))?;
+                }
+            } else if !reqs_to_recv.is_empty() {
+                let pulls = reqs_to_recv.values().map(|m| m.len()).sum();
+                return Err(roles_disagree("load from remote engines", pulls, "kv_producer"));
+            }
+            Ok(())
+        }
+        .boxed()
+    }
+
+    fn get_finished(&self) -> BoxFuture<'_, Result<ConnectorOutput, ConnectorError>> {
+        async move {
+            let mut output = match &self.receiver {
+                Some(r) => r.ask(GetFinishedRecving).await.map_err(|e| unavailable("get_finished", e))?,
+                None => ConnectorOutput::default(),
             };
-            self.listener.tell(msg).await.map_err(|e| unavailable("record_send_reqs", e))
-        }
-        .boxed()
-    }
-    fn get_finished(&self) -> BoxFuture<'_, Result<ConnectorOutput, ConnectorError>> {
-        async move {
-            let finished_sending =
-                self.listener.ask(GetFinishedSending).await.map_err(|e| unavailable("get_finished", e))?;
-            Ok(ConnectorOutput { finished_sending, ..ConnectorOutput::default() })
-        }
-        .boxed()
-    }
-    fn kv_events(&self) -> Arc<Notify> {
-        self.events.clone()
-    }
-}
-
-/// D's worker role, over the Receiver actor (steps 19, 35).
-pub struct ConsumerWorkerPort {
-    pub receiver: ActorRef<Receiver>,
-    pub events: Arc<Notify>,
-}
-
-impl WorkerConnectorPort for ConsumerWorkerPort {
-    fn start_load_kv(&self, meta: ConnectorMetadata) -> BoxFuture<'_, Result<(), ConnectorError>> {
-        async move {
-            if meta.reqs_to_recv.is_empty() && meta.reqs_to_abort.is_empty() {
-                return Ok(());
+            if let Some(l) = &self.listener {
+                output.finished_sending =
+                    l.ask(GetFinishedSending).await.map_err(|e| unavailable("get_finished", e))?;
             }
-            let msg = StartLoadKv { reqs_to_recv: meta.reqs_to_recv, reqs_to_abort: meta.reqs_to_abort };
-            self.receiver.tell(msg).await.map_err(|e| unavailable("start_load_kv", e))
+            Ok(output)
         }
         .boxed()
     }
-    fn get_finished(&self) -> BoxFuture<'_, Result<ConnectorOutput, ConnectorError>> {
-        async move { self.receiver.ask(GetFinishedRecving).await.map_err(|e| unavailable("get_finished", e)) }.boxed()
-    }
+
     fn kv_events(&self) -> Arc<Notify> {
         self.events.clone()
     }
+}
+
+/// The scheduler asked a worker for what its role does not do.
+fn roles_disagree(what: &str, count: usize, role: &str) -> ConnectorError {
+    ConnectorError::Refused(format!(
+        "this worker is a {role} but the scheduler asked it to {what} {count} request(s): \
+         the scheduler and worker roles disagree (check kv_role)"
+    ))
 }

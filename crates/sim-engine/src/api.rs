@@ -16,7 +16,7 @@ use pdflow_messages::scheduler_connector::FinishStatus;
 use pdflow_telemetry::{attrs, steps};
 use tracing::Span;
 
-use super::core::{finish_reason, EngineHandle};
+use super::core::{finish_outcome, finish_reason, EngineHandle};
 use super::model::Tokenizer;
 use super::openai::*;
 use super::request::{EngineError, EngineRequest, RequestStream};
@@ -329,7 +329,7 @@ async fn generate(handle: EngineHandle, g: Generation) -> Response {
         };
         tokens.extend(out.new_token_ids);
         let Some(status) = out.finish else { continue };
-        span.record(attrs::OUTCOME, finish_reason(status));
+        finish_outcome(status).record(&span);
         span.record(attrs::TOKENS, tokens.len());
         return match status {
             FinishStatus::LengthCapped | FinishStatus::Stopped => {
@@ -398,7 +398,7 @@ fn stream_response(stream: RequestStream, meta: Meta, span: Span) -> Response {
                     }
                     Some(status) => {
                         st.finished = true;
-                        st.span.record(attrs::OUTCOME, finish_reason(status));
+                        finish_outcome(status).record(&st.span);
                         st.span.record(attrs::TOKENS, st.sent);
                         st.meta.chunk(
                             out.new_token_ids,

@@ -12,6 +12,7 @@ use std::time::Duration;
 
 use pdflow_messages::kv_transfer_params::TransferRole;
 use pdflow_messages::scheduler_connector::{ConnectorMetadata, ConnectorOutput, FinishStatus, SchedRequest};
+use pdflow_telemetry::Outcome;
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
@@ -344,6 +345,16 @@ async fn step(scheduler: &mut Scheduler, model: Model, kv_cache: &Arc<KvCache>) 
 }
 
 /// Maps a finish status to vLLM's `finish_reason`.
+/// The outcome a finished request's spans record.
+pub fn finish_outcome(status: FinishStatus) -> Outcome {
+    match status {
+        FinishStatus::LengthCapped => Outcome::Length,
+        FinishStatus::Stopped => Outcome::Stop,
+        FinishStatus::Aborted => Outcome::ABORTED,
+        FinishStatus::Error => Outcome::ERROR,
+    }
+}
+
 pub fn finish_reason(status: FinishStatus) -> &'static str {
     match status {
         FinishStatus::LengthCapped => "length",

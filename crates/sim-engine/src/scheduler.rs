@@ -17,7 +17,8 @@ use std::sync::{Arc, Mutex};
 
 use pdflow_messages::lifecycle::TransferState;
 use pdflow_messages::scheduler_connector::{
-    ConnectorOutput, FinishStatus, GetNumNewMatchedTokens, RequestFinished, SchedRequest, UpdateStateAfterAlloc,
+    ConnectorOutput, FinishStatus, GetNumNewMatchedTokens, LoadFailure, LoadFailureCause, RequestFinished,
+    SchedRequest, UpdateStateAfterAlloc,
 };
 use pdflow_telemetry::{attrs, steps};
 use tracing::Span;
@@ -467,7 +468,7 @@ impl Scheduler {
         } else {
             Span::none()
         };
-        span.record(attrs::OUTCOME, format!("{status:?}").as_str());
+        crate::core::finish_outcome(status).record(&span);
         span.record(attrs::BLOCKS, r.block_ids.len());
         let (delay, params) = match &self.connector {
             Some(conn) => {
@@ -497,7 +498,7 @@ impl Scheduler {
         };
         let output_span =
             if r.is_prefill_role() { req_span!(steps::P_ENGINE_OUTPUT, r, engine_id) } else { Span::none() };
-        output_span.record(attrs::OUTCOME, format!("{status:?}").as_str());
+        crate::core::finish_outcome(status).record(&output_span);
         output_span.record(attrs::TOKENS, new_token_ids.len());
         r.emit(new_token_ids, Some(status), error, params);
         drop(output_span);
@@ -554,7 +555,12 @@ impl Scheduler {
                     };
                     let reason = TransferState::WaitingForRemoteKvs.passed(timeout, what).to_string();
                     tracing::warn!(request_id = %id, "{reason}");
-                    out.failed_recving.entry(id.clone()).or_insert(reason);
+                    let failure = LoadFailure {
+                        cause: LoadFailureCause::Deadline,
+                        detail: reason,
+                        block_ids: r.block_ids.clone(),
+                    };
+                    out.failed_recving.entry(id.clone()).or_insert(failure);
                 }
                 Status::FinishedDelayFree if !out.finished_sending.contains(id) => {
                     let freed = TransferState::DelayedFree

@@ -9,6 +9,7 @@ use std::sync::{Arc, Mutex};
 use futures::future::BoxFuture;
 use pdflow_messages::kv_transfer_params::KvTransferParams;
 use pdflow_messages::scheduler_connector::*;
+use pdflow_messages::sender_listener::PullErrorCause;
 use pdflow_messages::BlockId;
 use tokio::sync::{mpsc, Notify};
 
@@ -280,7 +281,11 @@ async fn failed_recv_recomputes_or_fails_by_policy() {
         let task = tokio::spawn(async move { run(&handle, d_request("r", prompt(13), 5, "p-engine")).await });
         d.meta(|m| (!m.reqs_to_recv.is_empty()).then_some(())).await;
         d.worker.report(ConnectorOutput {
-            failed_recving: [("r".to_owned(), "peer gone".to_owned())].into(),
+            failed_recving: [(
+                "r".to_owned(),
+                LoadFailure::new(LoadFailureCause::Pull(PullErrorCause::TransferFailed), "peer gone"),
+            )]
+            .into(),
             ..Default::default()
         });
         let (tokens, status, error) = tokio::time::timeout(DEADLINE, task).await.expect("in time").expect("joined");
@@ -348,7 +353,11 @@ async fn http_kv_load_failure_with_policy_fail_is_a_500() {
     });
     let d_req = d.meta(|m| m.reqs_to_recv.get("p-engine").and_then(|r| r.keys().next().cloned())).await;
     d.worker.report(ConnectorOutput {
-        failed_recving: [(d_req, "transfer timed out".to_owned())].into(),
+        failed_recving: [(
+            d_req,
+            LoadFailure::new(LoadFailureCause::Pull(PullErrorCause::TransferFailed), "transfer timed out"),
+        )]
+        .into(),
         ..Default::default()
     });
     let raw = tokio::time::timeout(DEADLINE, client).await.expect("in time").expect("joined");

@@ -7,7 +7,7 @@
 //!
 //! # Layout
 //! - [`steps`] — the catalogue: number, short name, owning actor, side, span name.
-//! - [`attrs`] — attribute keys.
+//! - [`attrs`] — attribute keys; [`outcome`] — the closed set of `pd.outcome` values.
 //! - [`capture`] — an in-process `tracing` layer that records step spans (the demo's timeline).
 //! - [`trace_context`] — W3C `traceparent` parsing and OpenTelemetry ids.
 //! - [`export`] — exporters chosen at run time: OTLP (gRPC, HTTP/protobuf), a Jaeger JSON file.
@@ -19,11 +19,13 @@ pub mod attrs;
 pub mod capture;
 pub mod export;
 pub mod metrics;
+pub mod outcome;
 pub mod render;
 pub mod skip;
 pub mod steps;
 pub mod trace_context;
 
+pub use outcome::Outcome;
 pub use steps::{Step, STEPS};
 
 /// The `tracing` target of every step span.

@@ -232,8 +232,12 @@ impl LocalCluster {
             &format!("decode-{}", uuid::Uuid::new_v4()),
         ))
         .await?;
-        let bootstrap_port =
-            prefill.bootstrap.as_ref().map(|b| b.addr.port()).unwrap_or(pdflow_node::config::DEFAULT_BOOTSTRAP_PORT);
+        let bootstrap_port = prefill
+            .worker
+            .bootstrap
+            .as_ref()
+            .map(|b| b.addr.port())
+            .unwrap_or(pdflow_node::config::DEFAULT_BOOTSTRAP_PORT);
         let proxy = ProxyNode::start(ProxyArgs {
             bind: SocketAddr::from(([127, 0, 0, 1], 0)),
             prefill: vec![PrefillTarget { url: prefill.url(), bootstrap_port }],

@@ -119,7 +119,7 @@ impl Harness {
         })
         .await;
         assert!(done.is_ok(), "request {req} not settled within {within:?}: {:?}", self.collected);
-        self.collected.failed_recving.get(req).cloned()
+        self.collected.failed_recving.get(req).map(|f| f.to_string())
     }
 
     /// Fails the test unless `req` fails with a reason that contains each of `needles`.

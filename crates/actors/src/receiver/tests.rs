@@ -10,7 +10,7 @@ use kameo::prelude::*;
 use pdflow_kv::memory::{KvCache, KvShape};
 use pdflow_messages::lifecycle::TransferState;
 use pdflow_messages::receiver::{GetFinishedRecving, StartLoadKv, TransferStates};
-use pdflow_messages::scheduler_connector::{ConnectorOutput, PullMeta};
+use pdflow_messages::scheduler_connector::{ConnectorOutput, LoadFailureCause, PullMeta};
 use pdflow_messages::sender_listener::{
     PullErr, PullErrorCause, PullRequest, PullResponse, PullStatus, SideChannelRequest,
 };
@@ -188,7 +188,9 @@ async fn p_error_response_fails_the_request() {
     let (id, pull) = h.next_pull().await;
     h.p.reply(&id, &PullResponse::error(pull.pull_id, "bad layout"));
     let out = h.settled("a", WAIT).await;
-    assert!(out.failed_recving["a"].contains("bad layout"), "{out:?}");
+    let failure = &out.failed_recving["a"];
+    assert!(failure.detail.contains("bad layout"), "{out:?}");
+    assert_eq!(failure.block_ids, vec![1], "the blocks whose bytes are undefined");
     assert!(out.finished_recving.is_empty());
 }
 
@@ -201,7 +203,10 @@ async fn p_err_reqs_fail_with_cause_and_detail() {
         PullErr { d_req_id: "a".into(), cause: PullErrorCause::ReadyTimeout, detail: "prefill never finished".into() };
     h.p.reply(&id, &PullResponse { err_reqs: vec![err], ..finish(&pull, &[]) });
     let out = h.settled("a", WAIT).await;
-    assert_eq!(out.failed_recving["a"], "ReadyTimeout: prefill never finished");
+    let failure = &out.failed_recving["a"];
+    assert_eq!(failure.cause, LoadFailureCause::Pull(PullErrorCause::ReadyTimeout), "{out:?}");
+    assert_eq!(failure.detail, "prefill never finished");
+    assert_eq!(failure.to_string(), "ready_timeout: prefill never finished");
 }
 
 #[tokio::test]
@@ -214,7 +219,7 @@ async fn silent_p_fails_after_pull_timeout_not_later() {
     let out = h.settled("a", Duration::from_secs(3)).await;
     let elapsed = started.elapsed();
     // The error names the state and its deadline (lifecycle).
-    assert!(out.failed_recving["a"].contains("state `pulling` past its pull_timeout"), "{out:?}");
+    assert!(out.failed_recving["a"].detail.contains("state `pulling` past its pull_timeout"), "{out:?}");
     assert!(elapsed >= timeout - Duration::from_millis(50) && elapsed < Duration::from_secs(2), "{elapsed:?}");
     // D told P to stop before giving the blocks up.
     match h.p.next_request().await.1 {
@@ -254,7 +259,9 @@ async fn engine_missing_from_query_fails_naming_it() {
         reqs_to_abort: BTreeSet::new(),
     };
     h.receiver.tell(msg).await.expect("receiver alive");
-    let reason = h.settled("a", WAIT).await.failed_recving["a"].clone();
+    let failure = h.settled("a", WAIT).await.failed_recving["a"].clone();
+    assert_eq!(failure.cause, LoadFailureCause::Bootstrap, "{failure}");
+    let reason = failure.detail;
     assert!(reason.contains("ghost-engine") && reason.contains(&h.bootstrap.addr), "{reason}");
     assert!(reason.contains("state `looking_up` past its bootstrap_timeout"), "{reason}");
     assert!(h.p.quiet_for(Duration::from_millis(100)).await, "no pull was sent");
@@ -269,8 +276,9 @@ async fn unreachable_bootstrap_fails_naming_the_address() {
     drop(dead);
     let addr = meta.remote_bootstrap_addr.clone();
     h.pull(vec![meta]).await;
-    let reason = h.settled("a", WAIT).await.failed_recving["a"].clone();
-    assert!(reason.contains(P_ENGINE) && reason.contains(&addr), "{reason}");
+    let failure = h.settled("a", WAIT).await.failed_recving["a"].clone();
+    assert_eq!(failure.cause, LoadFailureCause::Bootstrap, "{failure}");
+    assert!(failure.detail.contains(P_ENGINE) && failure.detail.contains(&addr), "{failure}");
 }
 
 #[tokio::test]
@@ -280,7 +288,7 @@ async fn garbage_reply_fails_the_request() {
     let (id, _) = h.next_pull().await;
     h.p.reply_raw(&id, b"GARBAGE!".to_vec());
     let out = h.settled("a", WAIT).await;
-    assert!(out.failed_recving["a"].contains("not a pull response"), "{out:?}");
+    assert!(out.failed_recving["a"].detail.contains("not a pull response"), "{out:?}");
 }
 
 #[tokio::test]
@@ -304,7 +312,7 @@ async fn abort_in_flight_sends_abort_and_waits_for_p() {
     let err = PullErr { d_req_id: "a".into(), cause: PullErrorCause::CancelledByPeer, detail: "aborted by D".into() };
     h.p.reply(&id, &PullResponse { err_reqs: vec![err], ..finish(&pull, &[]) });
     let out = h.settled("a", WAIT).await;
-    assert!(out.failed_recving["a"].starts_with("CancelledByPeer"), "{out:?}");
+    assert_eq!(out.failed_recving["a"].cause, LoadFailureCause::Pull(PullErrorCause::CancelledByPeer), "{out:?}");
 }
 
 #[tokio::test]
@@ -316,7 +324,7 @@ async fn killed_pull_task_fails_its_requests() {
     assert_eq!(tasks.len(), 1);
     tasks[0].kill();
     let out = h.settled("a", WAIT).await;
-    assert!(out.failed_recving["a"].contains("died"), "{out:?}");
+    assert!(out.failed_recving["a"].detail.contains("died"), "{out:?}");
     assert!(h.receiver.is_alive(), "the receiver survives its PullTask");
 }
 
@@ -380,7 +388,8 @@ async fn abort_during_lookup_fails_at_once_and_pull_only_frees() {
     h.pull(vec![h.meta("a", vec![1, 2])]).await;
     h.abort("a").await;
     let out = h.collect().await;
-    assert!(out.failed_recving["a"].contains("before its pull was sent"), "{out:?}");
+    assert_eq!(out.failed_recving["a"].cause, LoadFailureCause::AbortedByD, "{out:?}");
+    assert!(out.failed_recving["a"].detail.contains("before its pull was sent"), "{out:?}");
     h.bootstrap.release.notify_waiters();
     h.bootstrap.release.notify_one();
     let (id, pull) = h.next_pull().await;

@@ -68,10 +68,6 @@ const MAX_CAUSES_PER_STEP: usize = 32;
 /// A pull still pending after this long is forgotten (its end was never seen).
 const PENDING_PULL_TTL: Duration = Duration::from_secs(600);
 
-/// `pd.outcome` values that are not failures (besides HTTP 2xx codes).
-const SUCCESS_OUTCOMES: &[&str] =
-    &["ok", "ready", "received", "length", "stop", "LengthCapped", "Stopped", "freed_only"];
-
 /// The service label of a side.
 pub fn service_of(side: Side) -> &'static str {
     match side {
@@ -81,11 +77,7 @@ pub fn service_of(side: Side) -> &'static str {
     }
 }
 
-/// True when `outcome` (a span's `pd.outcome`) is a success.
-pub fn is_success(outcome: &str) -> bool {
-    SUCCESS_OUTCOMES.contains(&outcome)
-        || (outcome.len() == 3 && outcome.starts_with('2') && outcome.bytes().all(|b| b.is_ascii_digit()))
-}
+pub use crate::outcome::is_success;
 
 /// One sample of a gauge: its labels and value.
 #[derive(Debug, Clone, PartialEq)]

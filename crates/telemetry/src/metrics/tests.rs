@@ -135,7 +135,7 @@ fn gauges_registered_and_extra_share_families() {
 
 #[test]
 fn outcomes_classified() {
-    for ok in ["ok", "ready", "received", "length", "stop", "LengthCapped", "Stopped", "200", "204"] {
+    for ok in ["ok", "ready", "received", "length", "stop", "freed_only", "200", "204"] {
         assert!(is_success(ok), "{ok}");
     }
     for bad in ["failed", "transfer_failed", "503", "abort", "Aborted", "timeout", "2000"] {

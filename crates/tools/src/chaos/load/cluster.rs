@@ -68,6 +68,7 @@ impl LoadCluster {
                 .iter()
                 .map(|p| {
                     let bootstrap_port = p
+                        .worker
                         .bootstrap
                         .as_ref()
                         .map(|b| b.addr.port())
@@ -134,14 +135,14 @@ impl LoadCluster {
         let mut out = BTreeMap::new();
         for (label, node) in self.engines() {
             let mut n = 0usize;
-            if let Some(listener) = &node.sender_listener {
+            if let Some(listener) = &node.worker.sender_listener {
                 n += tokio::time::timeout(ASK, listener.ask(InFlightPulls))
                     .await
                     .ok()
                     .and_then(Result::ok)
                     .unwrap_or(usize::MAX);
             }
-            if let Some(receiver) = &node.receiver {
+            if let Some(receiver) = &node.worker.receiver {
                 let tracked = tokio::time::timeout(ASK, receiver.ask(TransferStates)).await.ok().and_then(Result::ok);
                 n = n.saturating_add(tracked.map_or(usize::MAX, |t| t.len()));
             }
