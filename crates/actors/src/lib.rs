@@ -3,8 +3,8 @@
 //! # Layout
 //! - [`bootstrap`] — engine_id → dp → tp → pp → side-channel address; vLLM-compatible HTTP
 //!   (steps 2, 4 and 20 server side, 7).
-//! - [`proxy`] — P/D pools, health, engine ids, round robin; [`proxy_flow`] — one request's fan-out
-//!   and streaming back (steps 6–10, 25, 42–43).
+//! - [`proxy`] — P/D pools, health, engine ids, round robin; [`proxy::flow`] — one request's
+//!   fan-out and streaming back (steps 6–10, 25, 42–43).
 //! - [`scheduler_connector`] — the scheduler-side hooks, producer and consumer roles
 //!   (steps 13, 18, 26, 32, 35, 36 and the hook halves of 12, 17, 23, 33, 37, 41).
 //! - [`sender_listener`] — P's side-channel socket (ZeroMQ ROUTER) and bootstrap registration
@@ -19,7 +19,6 @@ pub mod bootstrap;
 pub mod error;
 pub mod fault_hooks;
 pub mod proxy;
-pub mod proxy_flow;
 pub mod pull_task;
 mod rebind;
 pub mod receiver;

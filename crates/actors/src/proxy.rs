@@ -4,14 +4,15 @@
 //!
 //! Seed steps: 6 (`GET /health` of each P until it answers) and 7 (`GET /query` on P's bootstrap,
 //! dp rank → engine id) run in the poller ([`poller`]); 8–10, 25 and 42–43 run per request in
-//! [`crate::proxy_flow`], in the HTTP handler's task, which only asks this actor for a
-//! [`Route`]. The actor's mailbox never waits on I/O.
+//! [`flow`], in the HTTP handler's task, which only asks this actor for a [`Route`]. The actor's
+//! mailbox never waits on I/O.
 //!
 //! Until every P has an engine id and every D has answered `/health`, the proxy answers 503.
 //! After that, requests go round robin over the healthy P × dp ranks and the healthy D; the
 //! poller keeps probing, re-queries a P's engine ids every [`REQUERY_EVERY`] rounds, after a P
 //! came back from being unhealthy, and after a failed prefill ([`PrefillFailed`]).
 
+pub mod flow;
 mod poller;
 mod server;
 #[cfg(test)]

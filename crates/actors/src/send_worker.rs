@@ -16,6 +16,15 @@
 //! that D never pulls expires after `send_expiry`; a request P aborted (reqs_not_processed) answers
 //! every pull with `Aborted` at once and is never counted. The worker never stops itself: it reports
 //! `finished` and the listener removes it from its routing table, then stops it.
+//!
+//! # Layout
+//! - this file — the worker's state, its reports to the listener, P's records (steps 14, 27) and
+//!   D's pulls (step 22);
+//! - [`write`] — the plan, the write and its end (steps 28, 29, 31);
+//! - [`ending`] — deadlines, expiry, linger and aborts: how a transfer ends without a write.
+
+mod ending;
+mod write;
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -23,19 +32,17 @@ use std::time::Duration;
 
 use kameo::prelude::*;
 use pdflow_kv::memory::KvCache;
-use pdflow_kv::planner::build_plan;
 use pdflow_messages::lifecycle::TransferState;
-use pdflow_messages::send_worker::{
-    AbortSend, AbortSource, PullReply, RecordSendPending, RecordSendReady, SendOutcome, ServePull,
-};
+use pdflow_messages::send_worker::{PullReply, RecordSendPending, RecordSendReady, SendOutcome, ServePull};
 use pdflow_messages::sender_listener::{PullErr, PullErrorCause};
 use pdflow_messages::{BlockId, RequestId, TransferId};
 use pdflow_telemetry::{attrs, step_span, steps};
 use pdflow_transfer::{TransferEngine, TransferStats};
 use tokio::task::JoinHandle;
-use tracing::{Instrument, Span};
+use tracing::Span;
 
 use crate::ActorError;
+use pdflow_telemetry::Outcome;
 
 /// What a SendWorker is given by the listener.
 #[derive(Clone)]
@@ -266,97 +273,6 @@ impl SendWorker {
             }
         }));
     }
-
-    /// Steps 28 and 29: plan the write and start it in a task this actor owns.
-    async fn serve(&mut self, waiting: WaitingPull, me: &ActorRef<Self>) {
-        let WaitingPull { pull, span: wait_span, deadline } = waiting;
-        if let Some(d) = deadline {
-            d.abort();
-        }
-        wait_span.record(attrs::OUTCOME, "ready");
-        drop(wait_span);
-        if let Some((_, h)) = self.expiry.take() {
-            h.abort();
-        }
-        let p_req_id = self.p_req_id.clone().unwrap_or_default();
-
-        let plan_span = step_span!(
-            steps::P_BUILD_TRANSFER,
-            request_id = p_req_id.as_str(),
-            transfer_id = self.args.transfer_id.as_str()
-        );
-        let regions = self.args.kv_cache.regions();
-        // D's prefix cache may already hold the prompt's first blocks: it then asks only for the
-        // rest, and P sends the tail of its blocks (a D asking for more than P holds is refused).
-        let skip = self.local_block_ids.len().saturating_sub(pull.block_ids.len());
-        let src_blocks = self.local_block_ids[skip..].to_vec();
-        let plan =
-            plan_span.in_scope(|| build_plan(&regions, &src_blocks, &pull.layout.regions, &pull.block_ids, true));
-        let plan = match plan {
-            // D's fence for these blocks: its data server writes them only while D expects them.
-            Ok(plan) => pdflow_kv::planner::TransferPlan { fence: pull.fence, ..plan },
-            Err(e) => {
-                plan_span.record(attrs::OUTCOME, "layout_mismatch");
-                drop(plan_span);
-                tracing::warn!(transfer_id = %self.args.transfer_id, d_req_id = %pull.d_req_id, error = %e, "cannot plan the transfer: answering D with an error");
-                let err = Self::err(&pull.d_req_id, PullErrorCause::LayoutMismatch, e.to_string());
-                // No write will ever start: P's blocks can be freed.
-                self.reply_err(&pull, err, true, true).await;
-                return;
-            }
-        };
-        plan_span.record(attrs::BLOCKS, src_blocks.len() as u64);
-        plan_span.record(attrs::DESCRIPTORS, plan.descriptors.len() as u64);
-        plan_span.record(attrs::BYTES, plan.total_bytes());
-        drop(plan_span);
-
-        let write_span = step_span!(
-            steps::P_TRANSFER_WRITE,
-            request_id = p_req_id.as_str(),
-            transfer_id = self.args.transfer_id.as_str()
-        );
-        write_span.record(attrs::BLOCKS, src_blocks.len() as u64);
-        write_span.record(attrs::DESCRIPTORS, plan.descriptors.len() as u64);
-        write_span.record(attrs::BYTES, plan.total_bytes());
-        if let Some(tp) = &pull.traceparent {
-            write_span.record(attrs::TRACEPARENT, tp.as_str());
-        }
-        if self.args.verify_checksums {
-            // Computed before the write: nothing writes P's blocks while they are held for sending.
-            match self.args.kv_cache.blocks_checksum(&src_blocks) {
-                // A plain u64, as the receiver records D's side on step 34 (the demo compares them).
-                Ok(sum) => {
-                    write_span.record(attrs::KV_CHECKSUM, sum);
-                }
-                Err(e) => {
-                    tracing::warn!(transfer_id = %self.args.transfer_id, error = %e, "cannot checksum P's blocks")
-                }
-            }
-        }
-        // No byte after D's pull deadline (less a margin): D gives the blocks up then.
-        let plan = pdflow_kv::planner::TransferPlan { write_by: pull.write_by, ..plan };
-        // Fault injection (`cut_data`): returns at once unless a fault plan is armed.
-        let plan = match pdflow_fault::data_cut(&p_req_id) {
-            Some(after_bytes) => pdflow_kv::planner::TransferPlan { cut_after: Some(after_bytes), ..plan },
-            None => plan,
-        };
-        let transfer = self.args.transfer.clone();
-        let peer = pull.data_addr.clone();
-        let me = me.clone();
-        let task = tokio::spawn(
-            async move {
-                let result = transfer.write(&peer, &plan).await.map_err(|e| e.to_string());
-                // Which path moved the bytes (tcp, same-host…), for the trace.
-                tracing::Span::current().record(attrs::BACKEND, transfer.backend_for(&peer));
-                if me.tell(WriteDone { result }).await.is_err() {
-                    tracing::warn!("send worker stopped before its write finished");
-                }
-            }
-            .instrument(write_span.clone()),
-        );
-        self.phase = Phase::Writing;
-        self.writing = Some(Writing { pull, span: write_span, task });
-    }
 }
 
 impl Message<RecordSendPending> for SendWorker {
@@ -398,7 +314,7 @@ impl Message<RecordSendReady> for SendWorker {
             Phase::Finished => {
                 // Late: this transfer is over (expired placeholder, or aborted). P holds the blocks
                 // and nothing will read them: let P free them.
-                span.record(attrs::OUTCOME, "late");
+                Outcome::LATE.record(&span);
                 drop(span);
                 self.report(None, true, true).await;
             }
@@ -443,10 +359,10 @@ impl Message<ServePull> for SendWorker {
             return;
         }
         self.consumer_gone = false;
-        let p_req_id = self.p_req_id.clone().unwrap_or_default();
+        // Before P's scheduler named the request, the span carries the transfer id only.
         let span = step_span!(
             steps::P_PULL_WAIT_READY,
-            request_id = p_req_id.as_str(),
+            request_id = self.p_req_id.as_deref(),
             transfer_id = self.args.transfer_id.as_str()
         );
         span.record(attrs::BLOCKS, pull.block_ids.len() as u64);
@@ -468,188 +384,6 @@ impl Message<ServePull> for SendWorker {
             }
             // A second pull while the first writes: answered when the write ends.
             Phase::Writing | Phase::Finished => self.pulls.push_back(WaitingPull { pull, span, deadline: None }),
-        }
-    }
-}
-
-impl Message<ReadyDeadline> for SendWorker {
-    type Reply = ();
-
-    async fn handle(&mut self, msg: ReadyDeadline, ctx: &mut Context<Self, Self::Reply>) {
-        if self.phase != Phase::Waiting {
-            return;
-        }
-        let Some(pos) =
-            self.pulls.iter().position(|p| p.pull.pull_id == msg.pull_id && p.pull.d_req_id == msg.d_req_id)
-        else {
-            return;
-        };
-        let Some(waiting) = self.pulls.remove(pos) else { return };
-        waiting.span.record(attrs::OUTCOME, "ready_timeout");
-        drop(waiting.span);
-        tracing::warn!(transfer_id = %self.args.transfer_id, d_req_id = %msg.d_req_id, timeout = ?self.args.ready_timeout, "P's prefill was not ready in time for D's pull");
-        let detail = Phase::Waiting
-            .state()
-            .passed(
-                self.args.ready_timeout,
-                format!("P's prefill for transfer {} did not finish", self.args.transfer_id),
-            )
-            .to_string();
-        let err = Self::err(&msg.d_req_id, PullErrorCause::ReadyTimeout, detail);
-        self.reply_err(&waiting.pull, err, false, false).await;
-        if self.pulls.is_empty() {
-            self.consumer_gone = true;
-            if self.p_req_id.is_none() {
-                let me = ctx.actor_ref().clone();
-                self.arm_linger(&me, self.args.send_expiry);
-            }
-        }
-    }
-}
-
-impl Message<ExpiryDue> for SendWorker {
-    type Reply = ();
-
-    async fn handle(&mut self, msg: ExpiryDue, _ctx: &mut Context<Self, Self::Reply>) {
-        if self.expiry.as_ref().map(|(e, _)| *e) != Some(msg.epoch)
-            || self.phase != Phase::Ready
-            || !self.pulls.is_empty()
-        {
-            return;
-        }
-        self.expiry = None;
-        let expired =
-            Phase::Ready.state().passed(self.args.send_expiry, "D never pulled this transfer: P's blocks are freed");
-        tracing::warn!(transfer_id = %self.args.transfer_id, p_req_id = ?self.p_req_id, "{expired}");
-        self.report(None, true, true).await;
-    }
-}
-
-impl Message<LingerDue> for SendWorker {
-    type Reply = ();
-
-    async fn handle(&mut self, msg: LingerDue, _ctx: &mut Context<Self, Self::Reply>) {
-        if self.linger.as_ref().map(|(e, _)| *e) != Some(msg.epoch)
-            || self.phase != Phase::Waiting
-            || !self.pulls.is_empty()
-        {
-            return;
-        }
-        self.linger = None;
-        tracing::debug!(transfer_id = %self.args.transfer_id, "send worker retired");
-        self.report(None, false, true).await;
-    }
-}
-
-impl Message<WriteDone> for SendWorker {
-    type Reply = ();
-
-    /// Steps 29 (end) and 31: mark sent and report.
-    async fn handle(&mut self, msg: WriteDone, _ctx: &mut Context<Self, Self::Reply>) {
-        let Some(writing) = self.writing.take() else { return };
-        let Writing { pull, span, task: _ } = writing;
-        let result = match msg.result {
-            Ok(stats) => {
-                span.record(attrs::BYTES, stats.bytes);
-                span.record(attrs::DESCRIPTORS, stats.descriptors as u64);
-                span.record(attrs::OUTCOME, "ok");
-                drop(span);
-                if self.producer_aborted {
-                    Err(Self::err(
-                        &pull.d_req_id,
-                        PullErrorCause::Aborted,
-                        "P's request was aborted during the write: do not use the KV",
-                    ))
-                } else {
-                    let p_req_id = self.p_req_id.clone().unwrap_or_default();
-                    drop(step_span!(
-                        steps::P_MARK_SENT,
-                        request_id = p_req_id.as_str(),
-                        transfer_id = self.args.transfer_id.as_str()
-                    ));
-                    Ok(())
-                }
-            }
-            Err(e) => {
-                span.record(attrs::OUTCOME, "transfer_failed");
-                drop(span);
-                tracing::warn!(transfer_id = %self.args.transfer_id, d_req_id = %pull.d_req_id, error = %e, "write into D's memory failed");
-                Err(Self::err(&pull.d_req_id, PullErrorCause::TransferFailed, e))
-            }
-        };
-        // Any further pull for this transfer comes too late: P's blocks are released below.
-        while let Some(extra) = self.pulls.pop_front() {
-            if let Some(d) = extra.deadline {
-                d.abort();
-            }
-            let err = Self::err(
-                &extra.pull.d_req_id,
-                PullErrorCause::Aborted,
-                "this transfer was already served by an earlier pull",
-            );
-            self.reply_err(&extra.pull, err, false, false).await;
-        }
-        // The write task has ended: nothing reads P's blocks any more (unless P aborted, in which
-        // case P's scheduler freed them already).
-        let counts = !self.producer_aborted;
-        let reply = PullReply { pull_id: pull.pull_id, d_req_id: pull.d_req_id.clone(), result };
-        self.report(Some(reply), counts, true).await;
-    }
-}
-
-impl Message<AbortSend> for SendWorker {
-    type Reply = ();
-
-    async fn handle(&mut self, msg: AbortSend, ctx: &mut Context<Self, Self::Reply>) {
-        let me = ctx.actor_ref().clone();
-        match (msg.source, self.phase) {
-            (_, Phase::Finished) => {}
-            // Let the write finish: D waits for the answer, so it never frees blocks under a write.
-            (AbortSource::Producer, Phase::Writing) => self.producer_aborted = true,
-            (AbortSource::Consumer, Phase::Writing) => {
-                tracing::info!(transfer_id = %self.args.transfer_id, "D cancelled during the write: answering once it ends");
-            }
-            (AbortSource::Producer, Phase::Waiting | Phase::Ready) => {
-                self.producer_aborted = true;
-                self.phase = Phase::Waiting;
-                self.local_block_ids.clear();
-                if let Some((_, h)) = self.expiry.take() {
-                    h.abort();
-                }
-                while let Some(waiting) = self.pulls.pop_front() {
-                    if let Some(d) = waiting.deadline {
-                        d.abort();
-                    }
-                    waiting.span.record(attrs::OUTCOME, "aborted");
-                    let err = Self::err(
-                        &waiting.pull.d_req_id,
-                        PullErrorCause::Aborted,
-                        "P's request was aborted or failed: its KV will never exist",
-                    );
-                    self.reply_err(&waiting.pull, err, false, false).await;
-                }
-                // Stay a while so that a pull arriving late is answered `Aborted` at once too.
-                self.arm_linger(&me, self.args.ready_timeout);
-            }
-            (AbortSource::Consumer, Phase::Ready) => {
-                tracing::info!(transfer_id = %self.args.transfer_id, "D cancelled the transfer: P's blocks are freed");
-                self.report(None, true, true).await;
-            }
-            (AbortSource::Consumer, Phase::Waiting) => {
-                self.consumer_gone = true;
-                while let Some(waiting) = self.pulls.pop_front() {
-                    if let Some(d) = waiting.deadline {
-                        d.abort();
-                    }
-                    waiting.span.record(attrs::OUTCOME, "cancelled_by_peer");
-                    let err =
-                        Self::err(&waiting.pull.d_req_id, PullErrorCause::CancelledByPeer, "D cancelled the pull");
-                    self.reply_err(&waiting.pull, err, false, false).await;
-                }
-                if self.p_req_id.is_none() {
-                    self.arm_linger(&me, self.args.send_expiry);
-                }
-            }
         }
     }
 }

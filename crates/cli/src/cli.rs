@@ -459,6 +459,38 @@ impl ProxyCmd {
 impl ServeCmd {
     /// The engine node's config, from flags and vLLM's environment variables; every error at once.
     pub fn to_config(&self, env: &VllmEnv) -> Result<EngineNodeConfig, Vec<String>> {
+        let mut errors = self.count_errors();
+        let flags = self.deadline_flags(&mut errors);
+        if self.role == RoleArg::Consumer && (self.bootstrap_url.is_some() || self.bootstrap_port.is_some()) {
+            errors.push("--bootstrap-url/--bootstrap-port are for producers: a consumer finds P's bootstrap in each request's kv_transfer_params".to_string());
+        }
+        if !errors.is_empty() {
+            return Err(errors);
+        }
+        let role = match self.role {
+            RoleArg::Producer => KvRole::Producer,
+            RoleArg::Consumer => KvRole::Consumer,
+        };
+        Ok(EngineNodeConfig {
+            role,
+            host: self.host.clone(),
+            port: self.port,
+            engine: self.engine_config(),
+            bootstrap: self.bootstrap(role, env),
+            deadlines: self.deadlines(env, flags),
+            tcp: TcpConfig {
+                streams_per_peer: self.streams_per_peer,
+                auth_token: self.transfer_token.clone(),
+                gpu_path: self.gpu_path.into(),
+                ..TcpConfig::default()
+            },
+            verify_checksums: self.verify_checksums,
+            kv_device: self.kv_device,
+        })
+    }
+
+    /// The flags that count something and must not be 0.
+    fn count_errors(&self) -> Vec<String> {
         let mut errors = Vec::new();
         if self.num_blocks == 0 {
             errors.push("--num-blocks must be at least 1".to_string());
@@ -472,73 +504,79 @@ impl ServeCmd {
         if self.abort_request_timeout == Some(0) {
             errors.push("--abort-request-timeout 0 would fail every transfer; use at least 1".to_string());
         }
-        let mut seconds = |flag: &str, value: Option<f64>| -> Option<Duration> {
-            let v = value?;
-            // A day bounds every deadline of the transfer path (and keeps Duration from overflowing).
-            if v.is_finite() && v > 0.0 && v <= MAX_DEADLINE_S {
-                Some(Duration::from_secs_f64(v))
-            } else {
-                errors.push(format!(
-                    "{flag} {v}: expected a number of seconds above 0 and at most {MAX_DEADLINE_S} (e.g. 2.5)"
-                ));
-                None
-            }
-        };
-        let ready_timeout = seconds("--ready-timeout", self.ready_timeout);
-        let send_expiry = seconds("--send-expiry", self.send_expiry);
-        let pull_timeout = seconds("--pull-timeout", self.pull_timeout);
-        let bootstrap_timeout = seconds("--bootstrap-timeout", self.bootstrap_timeout);
-        if self.role == RoleArg::Consumer && (self.bootstrap_url.is_some() || self.bootstrap_port.is_some()) {
-            errors.push("--bootstrap-url/--bootstrap-port are for producers: a consumer finds P's bootstrap in each request's kv_transfer_params".to_string());
+        errors
+    }
+
+    /// The deadline flags given, each checked ([`deadline_seconds`]).
+    fn deadline_flags(&self, errors: &mut Vec<String>) -> DeadlineFlags {
+        DeadlineFlags {
+            ready_timeout: deadline_seconds("--ready-timeout", self.ready_timeout, errors),
+            send_expiry: deadline_seconds("--send-expiry", self.send_expiry, errors),
+            pull_timeout: deadline_seconds("--pull-timeout", self.pull_timeout, errors),
+            bootstrap_timeout: deadline_seconds("--bootstrap-timeout", self.bootstrap_timeout, errors),
         }
-        if !errors.is_empty() {
-            return Err(errors);
+    }
+
+    /// The deadlines: each flag given, else the default derived from the abort-request timeout
+    /// (the flag, else `VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT`).
+    fn deadlines(&self, env: &VllmEnv, flags: DeadlineFlags) -> Deadlines {
+        let abort = self.abort_request_timeout.map(Duration::from_secs).unwrap_or(env.abort_request_timeout);
+        let defaults = Deadlines::from_abort_timeout(abort);
+        Deadlines {
+            ready_timeout: flags.ready_timeout.unwrap_or(defaults.ready_timeout),
+            send_expiry: flags.send_expiry.unwrap_or(defaults.send_expiry),
+            pull_timeout: flags.pull_timeout.unwrap_or(defaults.pull_timeout),
+            bootstrap_timeout: flags.bootstrap_timeout.unwrap_or(defaults.bootstrap_timeout),
         }
-        let role = match self.role {
-            RoleArg::Producer => KvRole::Producer,
-            RoleArg::Consumer => KvRole::Consumer,
-        };
-        let bootstrap = match (role, &self.bootstrap_url) {
+    }
+
+    /// Where a producer's bootstrap runs: an external one, or launched on the flag's port (else
+    /// `VLLM_MOONCAKE_BOOTSTRAP_PORT`); a consumer has none.
+    fn bootstrap(&self, role: KvRole, env: &VllmEnv) -> BootstrapPlacement {
+        match (role, &self.bootstrap_url) {
             (KvRole::Consumer, _) => BootstrapPlacement::None,
             (_, Some(url)) => BootstrapPlacement::External { url: url.trim_end_matches('/').to_string() },
             (_, None) => BootstrapPlacement::Launch { port: self.bootstrap_port.unwrap_or(env.bootstrap_port) },
-        };
-        let abort = self.abort_request_timeout.map(Duration::from_secs).unwrap_or(env.abort_request_timeout);
-        let defaults = Deadlines::from_abort_timeout(abort);
-        let deadlines = Deadlines {
-            ready_timeout: ready_timeout.unwrap_or(defaults.ready_timeout),
-            send_expiry: send_expiry.unwrap_or(defaults.send_expiry),
-            pull_timeout: pull_timeout.unwrap_or(defaults.pull_timeout),
-            bootstrap_timeout: bootstrap_timeout.unwrap_or(defaults.bootstrap_timeout),
-        };
-        Ok(EngineNodeConfig {
-            role,
-            host: self.host.clone(),
-            port: self.port,
-            engine: EngineConfig {
-                engine_id: self.engine_id.clone().unwrap_or_else(|| uuid::Uuid::new_v4().to_string()),
-                served_model_name: self.served_model_name.clone(),
-                shape: self.kv_shape,
-                num_blocks: self.num_blocks,
-                max_num_batched_tokens: self.max_num_batched_tokens,
-                max_model_len: self.max_model_len,
-                kv_load_failure_policy: match self.kv_load_failure_policy {
-                    PolicyArg::Recompute => LoadFailurePolicy::Recompute,
-                    PolicyArg::Fail => LoadFailurePolicy::Fail,
-                },
-                ..EngineConfig::default()
+        }
+    }
+
+    /// The simulated engine's config.
+    fn engine_config(&self) -> EngineConfig {
+        EngineConfig {
+            engine_id: self.engine_id.clone().unwrap_or_else(|| uuid::Uuid::new_v4().to_string()),
+            served_model_name: self.served_model_name.clone(),
+            shape: self.kv_shape,
+            num_blocks: self.num_blocks,
+            max_num_batched_tokens: self.max_num_batched_tokens,
+            max_model_len: self.max_model_len,
+            kv_load_failure_policy: match self.kv_load_failure_policy {
+                PolicyArg::Recompute => LoadFailurePolicy::Recompute,
+                PolicyArg::Fail => LoadFailurePolicy::Fail,
             },
-            bootstrap,
-            deadlines,
-            tcp: TcpConfig {
-                streams_per_peer: self.streams_per_peer,
-                auth_token: self.transfer_token.clone(),
-                gpu_path: self.gpu_path.into(),
-                ..TcpConfig::default()
-            },
-            verify_checksums: self.verify_checksums,
-            kv_device: self.kv_device,
-        })
+            ..EngineConfig::default()
+        }
+    }
+}
+
+/// The deadline flags of `pdflow serve` that were given (and valid).
+struct DeadlineFlags {
+    ready_timeout: Option<Duration>,
+    send_expiry: Option<Duration>,
+    pull_timeout: Option<Duration>,
+    bootstrap_timeout: Option<Duration>,
+}
+
+/// A deadline flag's seconds: above 0 and at most [`MAX_DEADLINE_S`]; an invalid value is
+/// reported in `errors`.
+fn deadline_seconds(flag: &str, value: Option<f64>, errors: &mut Vec<String>) -> Option<Duration> {
+    let v = value?;
+    // A day bounds every deadline of the transfer path (and keeps Duration from overflowing).
+    if v.is_finite() && v > 0.0 && v <= MAX_DEADLINE_S {
+        Some(Duration::from_secs_f64(v))
+    } else {
+        errors
+            .push(format!("{flag} {v}: expected a number of seconds above 0 and at most {MAX_DEADLINE_S} (e.g. 2.5)"));
+        None
     }
 }
 

@@ -6,7 +6,9 @@ mod cli;
 use std::process::ExitCode;
 use std::time::Duration;
 
-use crate::cli::{BenchCmd, Cli, Command, DemoArgs, DemoDevice, GpuPathArg, TraceArgs, TraceCmd};
+use crate::cli::{
+    BenchCmd, BootstrapCmd, Cli, Command, DemoArgs, DemoDevice, GpuPathArg, ProxyCmd, ServeCmd, TraceArgs, TraceCmd,
+};
 use anyhow::Context as _;
 use clap::Parser;
 use pdflow_tools::chaos::Progress;
@@ -213,89 +215,112 @@ async fn run(cli: Cli) -> anyhow::Result<bool> {
             println!("timeline written to {}", args.out.display());
             Ok(true)
         }
-        Command::Bench(cmd) => {
-            // The e2e bench reads the step spans back (a capture keeps every one); the others
-            // run what a `pdflow proxy` / `serve` process runs: the `/metrics` layer.
-            let capture = SpanCapture::new();
-            match &cmd {
-                BenchCmd::E2e(_) => init_tracing(Some(capture.clone()), None, None),
-                BenchCmd::Transfer(_) | BenchCmd::Proxy(_) => init_tracing(None, None, Some(MetricsLayer::global())),
-            }
-            match cmd {
-                BenchCmd::Transfer(o) => pdflow_tools::bench::transfer::run(o).await?,
-                BenchCmd::E2e(o) => pdflow_tools::bench::e2e::run(o, capture).await?,
-                BenchCmd::Proxy(o) => pdflow_tools::bench::proxy::run(o).await?,
-            }
-            Ok(true)
-        }
+        Command::Bench(cmd) => run_bench(cmd).await,
         Command::Chaos(args) => run_chaos(args).await,
-        Command::Bootstrap(args) => {
-            load_fault_plan()?;
-            let trace_export = start_export(&args.trace, Some(export::SERVICE_BOOTSTRAP))?;
-            init_tracing(None, Some(&trace_export), None);
-            let env = VllmEnv::from_env()
-                .map_err(|e| anyhow::anyhow!(e.iter().map(|e| e.to_string()).collect::<Vec<_>>().join("\n")))?;
-            let addr = format!("{}:{}", args.host, args.port.unwrap_or(env.bootstrap_port));
-            let bind = addr.parse().with_context(|| format!("--host/--port {addr} is not an IP address and port"))?;
-            let node = BootstrapNode::start(bind).await?;
-            register_process_kill(NodeKind::Bootstrap);
-            ready_line(serde_json::json!({"event": "ready", "service": "bootstrap", "addr": node.addr.to_string()}));
-            wait_for_shutdown_signal().await;
-            node.shutdown().await;
-            finish_export(&trace_export, export::keep_all)?;
-            Ok(true)
-        }
-        Command::Proxy(cmd) => {
-            load_fault_plan()?;
-            let trace_export = start_export(&cmd.trace, Some(export::SERVICE_PROXY))?;
-            init_tracing(None, Some(&trace_export), Some(MetricsLayer::global()));
-            let args = cmd.to_args().map_err(|e| anyhow::anyhow!("invalid proxy arguments:\n  {}", e.join("\n  ")))?;
-            let node = ProxyNode::start(args).await?;
-            register_process_kill(NodeKind::Proxy);
-            ready_line(serde_json::json!({"event": "ready", "service": "proxy", "addr": node.addr.to_string()}));
-            wait_for_shutdown_signal().await;
-            node.shutdown().await;
-            finish_export(&trace_export, export::keep_all)?;
-            Ok(true)
-        }
-        Command::Serve(cmd) => {
-            load_fault_plan()?;
-            let service = if cmd.role == crate::cli::RoleArg::Producer {
-                export::SERVICE_PREFILL
-            } else {
-                export::SERVICE_DECODE
-            };
-            let trace_export = start_export(&cmd.trace, Some(service))?;
-            init_tracing(None, Some(&trace_export), Some(MetricsLayer::global()));
-            metrics::global().set_block_bytes(cmd.kv_shape.bytes_per_block() as u64);
-            let env = VllmEnv::from_env()
-                .map_err(|e| anyhow::anyhow!(e.iter().map(|e| e.to_string()).collect::<Vec<_>>().join("\n")))?;
-            let cfg =
-                cmd.to_config(&env).map_err(|e| anyhow::anyhow!("invalid serve arguments:\n  {}", e.join("\n  ")))?;
-            let node = EngineNode::start(cfg).await?;
-            register_process_kill(if node.role == pdflow_actors::scheduler_connector::KvRole::Consumer {
-                NodeKind::D
-            } else {
-                NodeKind::P
-            });
-            if node.worker.bootstrap.is_some() {
-                register_process_kill(NodeKind::Bootstrap);
-            }
-            ready_line(serde_json::json!({
-                "event": "ready",
-                "service": "engine",
-                "role": format!("{:?}", node.role).to_lowercase(),
-                "addr": node.http_addr.to_string(),
-                "engine_id": node.engine_id,
-                "bootstrap_addr": node.worker.bootstrap.as_ref().map(|b| b.addr.to_string()),
-                "data_addr": node.data_addr().map(|a| a.to_string()),
-            }));
-            wait_for_shutdown_signal().await;
-            tokio::time::timeout(Duration::from_secs(10), node.shutdown()).await.ok();
-            finish_export(&trace_export, export::keep_all)?;
-            Ok(true)
-        }
+        Command::Bootstrap(args) => run_bootstrap(args).await,
+        Command::Proxy(cmd) => run_proxy(cmd).await,
+        Command::Serve(cmd) => run_serve(&cmd).await,
     }
+}
+
+/// `pdflow bench transfer|e2e|proxy`.
+async fn run_bench(cmd: BenchCmd) -> anyhow::Result<bool> {
+    // The e2e bench reads the step spans back (a capture keeps every one); the others
+    // run what a `pdflow proxy` / `serve` process runs: the `/metrics` layer.
+    let capture = SpanCapture::new();
+    match &cmd {
+        BenchCmd::E2e(_) => init_tracing(Some(capture.clone()), None, None),
+        BenchCmd::Transfer(_) | BenchCmd::Proxy(_) => init_tracing(None, None, Some(MetricsLayer::global())),
+    }
+    match cmd {
+        BenchCmd::Transfer(o) => pdflow_tools::bench::transfer::run(o).await?,
+        BenchCmd::E2e(o) => pdflow_tools::bench::e2e::run(o, capture).await?,
+        BenchCmd::Proxy(o) => pdflow_tools::bench::proxy::run(o).await?,
+    }
+    Ok(true)
+}
+
+/// A node's start: the fault plan checked and armed, its trace export started (`service` names
+/// the node) and the tracing installed (with the `/metrics` layer when given).
+fn start_node_telemetry(
+    trace: &TraceArgs,
+    service: &str,
+    metrics: Option<MetricsLayer>,
+) -> anyhow::Result<TraceExport> {
+    load_fault_plan()?;
+    let trace_export = start_export(trace, Some(service))?;
+    init_tracing(None, Some(&trace_export), metrics);
+    Ok(trace_export)
+}
+
+/// vLLM's environment variables, every error at once.
+fn vllm_env() -> anyhow::Result<VllmEnv> {
+    VllmEnv::from_env().map_err(|e| anyhow::anyhow!(e.iter().map(|e| e.to_string()).collect::<Vec<_>>().join("\n")))
+}
+
+/// Serves until Ctrl-C / SIGTERM, then stops the node (`stop`) and finishes the trace export.
+async fn serve_until_signal<F: std::future::Future<Output = ()>>(
+    trace_export: &TraceExport,
+    stop: impl FnOnce() -> F,
+) -> anyhow::Result<bool> {
+    wait_for_shutdown_signal().await;
+    stop().await;
+    finish_export(trace_export, export::keep_all)?;
+    Ok(true)
+}
+
+/// `pdflow bootstrap`: vLLM's bootstrap server alone.
+async fn run_bootstrap(args: BootstrapCmd) -> anyhow::Result<bool> {
+    let trace_export = start_node_telemetry(&args.trace, export::SERVICE_BOOTSTRAP, None)?;
+    let env = vllm_env()?;
+    let addr = format!("{}:{}", args.host, args.port.unwrap_or(env.bootstrap_port));
+    let bind = addr.parse().with_context(|| format!("--host/--port {addr} is not an IP address and port"))?;
+    let node = BootstrapNode::start(bind).await?;
+    register_process_kill(NodeKind::Bootstrap);
+    ready_line(serde_json::json!({"event": "ready", "service": "bootstrap", "addr": node.addr.to_string()}));
+    serve_until_signal(&trace_export, || node.shutdown()).await
+}
+
+/// `pdflow proxy`: the P/D proxy.
+async fn run_proxy(cmd: ProxyCmd) -> anyhow::Result<bool> {
+    let trace_export = start_node_telemetry(&cmd.trace, export::SERVICE_PROXY, Some(MetricsLayer::global()))?;
+    let args = cmd.to_args().map_err(|e| anyhow::anyhow!("invalid proxy arguments:\n  {}", e.join("\n  ")))?;
+    let node = ProxyNode::start(args).await?;
+    register_process_kill(NodeKind::Proxy);
+    ready_line(serde_json::json!({"event": "ready", "service": "proxy", "addr": node.addr.to_string()}));
+    serve_until_signal(&trace_export, || node.shutdown()).await
+}
+
+/// `pdflow serve`: a simulated engine as P (producer) or D (consumer).
+async fn run_serve(cmd: &ServeCmd) -> anyhow::Result<bool> {
+    let service =
+        if cmd.role == crate::cli::RoleArg::Producer { export::SERVICE_PREFILL } else { export::SERVICE_DECODE };
+    let trace_export = start_node_telemetry(&cmd.trace, service, Some(MetricsLayer::global()))?;
+    metrics::global().set_block_bytes(cmd.kv_shape.bytes_per_block() as u64);
+    let env = vllm_env()?;
+    let cfg = cmd.to_config(&env).map_err(|e| anyhow::anyhow!("invalid serve arguments:\n  {}", e.join("\n  ")))?;
+    let node = EngineNode::start(cfg).await?;
+    register_process_kill(if node.role == pdflow_actors::scheduler_connector::KvRole::Consumer {
+        NodeKind::D
+    } else {
+        NodeKind::P
+    });
+    if node.worker.bootstrap.is_some() {
+        register_process_kill(NodeKind::Bootstrap);
+    }
+    ready_line(serde_json::json!({
+        "event": "ready",
+        "service": "engine",
+        "role": format!("{:?}", node.role).to_lowercase(),
+        "addr": node.http_addr.to_string(),
+        "engine_id": node.engine_id,
+        "bootstrap_addr": node.worker.bootstrap.as_ref().map(|b| b.addr.to_string()),
+        "data_addr": node.data_addr().map(|a| a.to_string()),
+    }));
+    serve_until_signal(&trace_export, || async move {
+        let _ = tokio::time::timeout(Duration::from_secs(10), node.shutdown()).await;
+    })
+    .await
 }
 
 fn main() -> ExitCode {

@@ -11,20 +11,22 @@
 //! Admission: a waiting request is admitted only when the free blocks cover every admitted
 //! request's worst case (`prompt + max_tokens`); vLLM preempts instead, which this engine never
 //! needs to.
+//!
+//! # Layout
+//! - this file — requests added, `schedule()`'s running pass, the forward's inputs and results,
+//!   finishes and aborts (steps 11/16, 23, 24, 41);
+//! - [`admission`] — the waiting queue's admission (steps 12, 17, 37, 38);
+//! - [`kv_output`] — the connector's output of each step (steps 33, 35–36, failed loads).
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::{Arc, Mutex};
 
-use pdflow_messages::lifecycle::TransferState;
-use pdflow_messages::scheduler_connector::{
-    ConnectorOutput, FinishStatus, GetNumNewMatchedTokens, LoadFailure, LoadFailureCause, RequestFinished,
-    SchedRequest, UpdateStateAfterAlloc,
-};
+use pdflow_messages::scheduler_connector::{FinishStatus, RequestFinished, SchedRequest};
 use pdflow_telemetry::{attrs, steps};
 use tracing::Span;
 
 use super::block_pool::BlockPool;
-use super::config::{EngineConfig, LoadFailurePolicy};
+use super::config::EngineConfig;
 use super::model::{ContextDigest, ForwardItem};
 use super::ports::Connector;
 use super::request::{EngineError, Request, Status};
@@ -52,6 +54,11 @@ macro_rules! req_span {
     }};
 }
 
+mod admission;
+mod kv_output;
+
+use admission::WaitingOutcome;
+
 /// One request's share of a step.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ScheduledItem {
@@ -67,13 +74,6 @@ pub struct ForwardResult {
     pub digest: ContextDigest,
     /// The sampled token, or why the forward failed.
     pub sampled: Result<Option<u32>, String>,
-}
-
-enum WaitingOutcome {
-    Scheduled(usize),
-    Skip,
-    Blocked,
-    Gone,
 }
 
 pub(crate) struct Scheduler {
@@ -149,21 +149,6 @@ impl Scheduler {
         Ok(())
     }
 
-    fn worst_blocks(&self, r: &Request) -> usize {
-        self.config.shape.blocks_for(r.prompt_len + r.max_tokens)
-    }
-
-    /// Blocks that admitted, unfinished requests may still take.
-    fn reserved_blocks(&self) -> usize {
-        self.requests
-            .values()
-            .filter(|r| {
-                r.admitted && matches!(r.status, Status::Waiting | Status::WaitingForRemoteKvs | Status::Running)
-            })
-            .map(|r| self.worst_blocks(r).saturating_sub(r.block_ids.len()))
-            .sum()
-    }
-
     /// Grows `id`'s block table to cover `tokens` tokens; false if the pool is short.
     fn allocate_for(&mut self, id: &str, tokens: usize) -> bool {
         let Some(r) = self.requests.get_mut(id) else { return false };
@@ -224,140 +209,6 @@ impl Scheduler {
         self.waiting = still_waiting;
         self.publish_stats();
         items
-    }
-
-    async fn schedule_waiting(&mut self, id: &str, budget: usize, blocked: bool) -> WaitingOutcome {
-        let engine_id = self.config.engine_id.clone();
-        let Some(r) = self.requests.get_mut(id) else { return WaitingOutcome::Gone };
-        let mut resumed = false;
-        match r.status {
-            Status::WaitingForRemoteKvs => {
-                if !self.finished_recving_kv_req_ids.remove(id) {
-                    return WaitingOutcome::Skip;
-                }
-                // Step 37: the KV has arrived; recompute the last prompt token to get its logits.
-                let span = req_span!(steps::D_RESUME, r, engine_id.as_str());
-                r.status = Status::Waiting;
-                if r.num_computed_tokens == r.num_tokens() {
-                    r.num_computed_tokens = r.num_tokens() - 1;
-                }
-                span.record(attrs::TOKENS, r.num_computed_tokens);
-                span.record(attrs::BLOCKS, r.block_ids.len());
-                r.first_token_pending = r.is_decode_role();
-                resumed = true;
-            }
-            Status::Waiting => {}
-            _ => return WaitingOutcome::Gone,
-        }
-        if !r.admitted {
-            let worst = self.config.shape.blocks_for(r.prompt_len + r.max_tokens);
-            if blocked || self.pool.num_free() < self.reserved_blocks() + worst {
-                return WaitingOutcome::Blocked;
-            }
-        }
-        let Some(r) = self.requests.get_mut(id) else { return WaitingOutcome::Gone };
-        let connector = self.connector.clone();
-        if let (Some(conn), false) = (&connector, r.connector_matched) {
-            r.connector_matched = true;
-            let asked =
-                GetNumNewMatchedTokens { request: r.sched_request(), num_computed_tokens: r.num_computed_tokens };
-            match conn.scheduler.get_num_new_matched_tokens(asked).await {
-                Err(e) => {
-                    self.finish_request(id, FinishStatus::Error, Vec::new(), Some(format!("KV connector failed: {e}")))
-                        .await;
-                    return WaitingOutcome::Gone;
-                }
-                Ok(m) if m.load_async && m.count > 0 => return self.wait_for_remote_kvs(id, m.count).await,
-                Ok(m) if m.count > 0 => {
-                    tracing::warn!(request_id = %id, count = m.count, "synchronous external KV loads are not simulated; prefilling locally");
-                }
-                Ok(_) => {}
-            }
-        }
-        let Some(r) = self.requests.get(id) else { return WaitingOutcome::Gone };
-        let (computed, num_new) = (r.num_computed_tokens, (r.num_tokens() - r.num_computed_tokens).min(budget));
-        let was_admitted = r.admitted;
-        if !self.allocate_for(id, computed + num_new) {
-            return WaitingOutcome::Blocked;
-        }
-        let Some(r) = self.requests.get_mut(id) else { return WaitingOutcome::Gone };
-        r.admitted = true;
-        let span = if r.is_prefill_role() && !was_admitted {
-            req_span!(steps::P_SCHEDULE_ALLOC, r, engine_id.as_str())
-        } else if resumed {
-            req_span!(steps::D_SCHEDULE_FIRST, r, engine_id.as_str())
-        } else {
-            Span::none()
-        };
-        span.record(attrs::BLOCKS, r.block_ids.len());
-        span.record(attrs::TOKENS, num_new);
-        if let Some(conn) = &connector {
-            let msg = UpdateStateAfterAlloc {
-                request: r.sched_request(),
-                block_ids: r.block_ids.clone(),
-                num_external_tokens: 0,
-            };
-            match conn.scheduler.update_state_after_alloc(msg).await {
-                Ok(Some(params)) => {
-                    if let Some(r) = self.requests.get_mut(id) {
-                        r.kv_transfer_params = Some(params);
-                    }
-                }
-                Ok(None) => {}
-                Err(e) => {
-                    drop(span);
-                    self.finish_request(id, FinishStatus::Error, Vec::new(), Some(format!("KV connector failed: {e}")))
-                        .await;
-                    return WaitingOutcome::Gone;
-                }
-            }
-        }
-        if let Some(r) = self.requests.get_mut(id) {
-            r.status = Status::Running;
-        }
-        WaitingOutcome::Scheduled(num_new)
-    }
-
-    /// Seed step 17: blocks for the whole prompt, the pull registered, `WAITING_FOR_REMOTE_KVS`.
-    async fn wait_for_remote_kvs(&mut self, id: &str, count: usize) -> WaitingOutcome {
-        let Some(r) = self.requests.get(id) else { return WaitingOutcome::Gone };
-        let tokens = r.num_computed_tokens + count;
-        if !self.allocate_for(id, tokens) {
-            if let Some(r) = self.requests.get_mut(id) {
-                r.connector_matched = false;
-            }
-            return WaitingOutcome::Blocked;
-        }
-        let Some(r) = self.requests.get_mut(id) else { return WaitingOutcome::Gone };
-        r.admitted = true;
-        let span = req_span!(steps::D_SCHEDULE_REMOTE, r, self.config.engine_id.as_str());
-        span.record(attrs::BLOCKS, r.block_ids.len());
-        span.record(attrs::TOKENS, count);
-        let msg = UpdateStateAfterAlloc {
-            request: r.sched_request(),
-            block_ids: r.block_ids.clone(),
-            num_external_tokens: count,
-        };
-        let Some(conn) = self.connector.clone() else { return WaitingOutcome::Gone };
-        match conn.scheduler.update_state_after_alloc(msg).await {
-            Ok(params) => {
-                if let Some(r) = self.requests.get_mut(id) {
-                    if let Some(p) = params {
-                        r.kv_transfer_params = Some(p);
-                    }
-                    r.status = Status::WaitingForRemoteKvs;
-                    r.held_since = Some(std::time::Instant::now());
-                    r.num_computed_tokens = tokens;
-                }
-                WaitingOutcome::Skip
-            }
-            Err(e) => {
-                drop(span);
-                self.finish_request(id, FinishStatus::Error, Vec::new(), Some(format!("KV connector failed: {e}")))
-                    .await;
-                WaitingOutcome::Gone
-            }
-        }
     }
 
     /// The forward's inputs for this step, and the spans (15, 39) to hold around it.
@@ -535,102 +386,5 @@ impl Scheduler {
             Status::FinishedDelayFree | Status::AbortedAwaitingRecv => return,
         }
         self.finish_request(id, FinishStatus::Aborted, Vec::new(), None).await;
-    }
-
-    /// `kv_state_timeout`: a request held for the connector past its deadline is settled as if
-    /// the connector had said so — D's load failed (then the policy), P's blocks were sent — so
-    /// that a connector that lost track of it (an actor restarted) cannot strand its blocks.
-    fn expire_held_states(&mut self, out: &mut ConnectorOutput) {
-        let Some(timeout) = self.config.kv_state_timeout else { return };
-        for (id, r) in &self.requests {
-            if r.held_since.is_none_or(|t| t.elapsed() < timeout) {
-                continue;
-            }
-            match r.status {
-                Status::WaitingForRemoteKvs | Status::AbortedAwaitingRecv if !out.finished_recving.contains(id) => {
-                    let what = if r.status == Status::WaitingForRemoteKvs {
-                        "no KV received"
-                    } else {
-                        "aborted, and no end of its receive reported"
-                    };
-                    let reason = TransferState::WaitingForRemoteKvs.passed(timeout, what).to_string();
-                    tracing::warn!(request_id = %id, "{reason}");
-                    let failure = LoadFailure {
-                        cause: LoadFailureCause::Deadline,
-                        detail: reason,
-                        block_ids: r.block_ids.clone(),
-                    };
-                    out.failed_recving.entry(id.clone()).or_insert(failure);
-                }
-                Status::FinishedDelayFree if !out.finished_sending.contains(id) => {
-                    let freed = TransferState::DelayedFree
-                        .passed(timeout, "P held the blocks for a send never reported: freed");
-                    tracing::warn!(request_id = %id, "{freed}");
-                    out.finished_sending.insert(id.clone());
-                }
-                _ => {}
-            }
-        }
-    }
-
-    fn release(&mut self, id: &str) -> usize {
-        let Some(mut r) = self.requests.remove(id) else { return 0 };
-        let n = r.block_ids.len();
-        self.pool.free(std::mem::take(&mut r.block_ids));
-        n
-    }
-
-    /// The workers' output of one step (steps 33, 35–36; failed loads by policy).
-    pub async fn process_kv_output(&mut self, mut out: ConnectorOutput) {
-        self.expire_held_states(&mut out);
-        let engine_id = self.config.engine_id.clone();
-        for id in &out.finished_sending {
-            let Some(r) = self.requests.get(id) else { continue };
-            if r.status == Status::FinishedDelayFree {
-                let span = req_span!(steps::P_FREE_BLOCKS, r, engine_id.as_str());
-                span.record(attrs::BLOCKS, self.release(id));
-            }
-        }
-        for id in &out.finished_recving {
-            match self.requests.get(id).map(|r| r.status) {
-                Some(Status::WaitingForRemoteKvs) => {
-                    self.finished_recving_kv_req_ids.insert(id.clone());
-                }
-                Some(Status::AbortedAwaitingRecv) => {
-                    self.release(id);
-                }
-                _ => {}
-            }
-        }
-        for (id, reason) in &out.failed_recving {
-            let Some(r) = self.requests.get_mut(id) else { continue };
-            match r.status {
-                Status::WaitingForRemoteKvs => {
-                    tracing::warn!(request_id = %id, reason = %reason, policy = ?self.config.kv_load_failure_policy, "remote KV load failed");
-                    r.status = Status::Waiting;
-                    match self.config.kv_load_failure_policy {
-                        LoadFailurePolicy::Recompute => {
-                            r.num_computed_tokens = 0;
-                            r.digest = ContextDigest::default();
-                            r.first_token_pending = false;
-                        }
-                        LoadFailurePolicy::Fail => {
-                            let msg = format!("loading the prompt's KV from the prefill engine failed ({reason}); kv_load_failure_policy is `fail`");
-                            self.finish_request(id, FinishStatus::Error, Vec::new(), Some(msg)).await;
-                        }
-                    }
-                }
-                Status::AbortedAwaitingRecv => {
-                    self.release(id);
-                }
-                _ => {}
-            }
-        }
-        self.publish_stats();
-        if let Some(conn) = &self.connector {
-            if let Err(e) = conn.scheduler.update_connector_output(out).await {
-                tracing::warn!(error = %e, "update_connector_output failed");
-            }
-        }
     }
 }

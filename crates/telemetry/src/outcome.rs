@@ -37,6 +37,18 @@ impl Outcome {
     pub const BAD_REQUEST: Outcome = Outcome::Failed("bad_request");
     /// A request ended by an abort.
     pub const ABORTED: Outcome = Outcome::Failed("aborted");
+    /// The proxy has not yet found every P's engine id and every D healthy (step 8).
+    pub const NOT_READY: Outcome = Outcome::Failed("not_ready");
+    /// The proxy's actor did not answer (step 8).
+    pub const PROXY_UNAVAILABLE: Outcome = Outcome::Failed("proxy_unavailable");
+    /// A health probe got no 2xx answer in time (step 6).
+    pub const UNHEALTHY: Outcome = Outcome::Failed("unhealthy");
+    /// The bootstrap answered, but names no engine yet (step 7).
+    pub const NOT_REGISTERED: Outcome = Outcome::Failed("not_registered");
+    /// D's request was cancelled because P's prefill failed (step 10).
+    pub const PREFILL_FAILED: Outcome = Outcome::Failed("prefill_failed");
+    /// An answer arrived after its request had already ended (step 31).
+    pub const LATE: Outcome = Outcome::Failed("late");
 
     /// The recorded value.
     pub fn label(&self) -> Cow<'static, str> {
@@ -98,6 +110,12 @@ mod tests {
             Outcome::TIMEOUT,
             Outcome::BAD_REQUEST,
             Outcome::ABORTED,
+            Outcome::NOT_READY,
+            Outcome::PROXY_UNAVAILABLE,
+            Outcome::UNHEALTHY,
+            Outcome::NOT_REGISTERED,
+            Outcome::PREFILL_FAILED,
+            Outcome::LATE,
             Outcome::Failed("ready_timeout"),
         ];
         for o in all {

@@ -22,6 +22,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use super::{Proxy, REQUERY_EVERY};
+use pdflow_telemetry::Outcome;
 
 /// How long a report to the actor may wait for mailbox space.
 const TELL_DEADLINE: Duration = Duration::from_secs(5);
@@ -48,84 +49,70 @@ enum PrefillProbe {
 }
 
 impl Poller {
+    /// Probes every target once a round, a round every `interval`, and reports to the actor until
+    /// shut down or the actor is gone.
     pub async fn run(self, mut requery_rx: mpsc::UnboundedReceiver<usize>, shutdown: CancellationToken) {
-        let ready_deadline = self.ready_timeout.map(|t| Instant::now() + t);
-        let mut deadline_reported = false;
-        let mut discovered = vec![false; self.prefill.len()];
-        let mut requested: BTreeSet<usize> = BTreeSet::new();
-        let mut round: u64 = 0;
-        // Consecutive failed probes per target: one slow probe on a loaded engine is not an outage.
-        let mut p_failures = vec![0u32; self.prefill.len()];
-        let mut d_failures = vec![0u32; self.decode.len()];
+        let mut rounds = Rounds {
+            ready_deadline: self.ready_timeout.map(|t| Instant::now() + t),
+            deadline_reported: false,
+            discovered: vec![false; self.prefill.len()],
+            requested: BTreeSet::new(),
+            round: 0,
+            p_failures: vec![0u32; self.prefill.len()],
+            d_failures: vec![0u32; self.decode.len()],
+        };
         loop {
-            let requery_all = round > 0 && round.is_multiple_of(REQUERY_EVERY);
-            let p_probes = self.prefill.iter().enumerate().map(|(i, (url, bootstrap))| {
-                let query = !discovered[i] || requery_all || requested.contains(&i);
-                self.probe_prefill(url, bootstrap, query, !discovered[i])
-            });
-            let d_probes = self.decode.iter().map(|url| self.probe_health(url));
-            let (p_results, d_results) = tokio::select! {
-                _ = shutdown.cancelled() => return,
-                r = futures::future::join(join_all(p_probes), join_all(d_probes)) => r,
-            };
-            requested.clear();
-
-            let mut reports: Vec<Report> = Vec::new();
-            for (i, probe) in p_results.into_iter().enumerate() {
-                match probe {
-                    PrefillProbe::Unhealthy => {
-                        p_failures[i] += 1;
-                        // Before discovery every failure counts; after, only a run of them.
-                        if !discovered[i] || p_failures[i] >= UNHEALTHY_AFTER {
-                            discovered[i] = false;
-                            reports.push(Report::Health(TargetHealth {
-                                pool: Pool::Prefill,
-                                index: i,
-                                healthy: false,
-                            }));
-                        }
-                    }
-                    PrefillProbe::Healthy => {
-                        p_failures[i] = 0;
-                        reports.push(Report::Health(TargetHealth { pool: Pool::Prefill, index: i, healthy: true }))
-                    }
-                    PrefillProbe::Discovered(dp_engine_id) => {
-                        p_failures[i] = 0;
-                        discovered[i] = true;
-                        reports.push(Report::Discovered(PrefillDiscovered { prefill_index: i, dp_engine_id }));
-                    }
-                }
-            }
-            for (j, healthy) in d_results.into_iter().enumerate() {
-                d_failures[j] = if healthy { 0 } else { d_failures[j] + 1 };
-                if healthy || d_failures[j] >= UNHEALTHY_AFTER {
-                    reports.push(Report::Health(TargetHealth { pool: Pool::Decode, index: j, healthy }));
-                }
-            }
-            if let Some(deadline) = ready_deadline {
-                if !deadline_reported && Instant::now() >= deadline {
-                    deadline_reported = true;
-                    reports.push(Report::Deadline);
-                }
-            }
+            let Some((p_results, d_results)) = self.probe_all(&rounds, &shutdown).await else { return };
+            rounds.requested.clear();
+            let mut reports = rounds.prefill_reports(p_results);
+            reports.extend(rounds.decode_reports(d_results));
+            reports.extend(rounds.deadline_report());
             for report in reports {
                 if !self.report(report).await {
                     return;
                 }
             }
+            rounds.round = rounds.round.wrapping_add(1);
+            if !self.pause(&mut rounds.requested, &mut requery_rx, &shutdown).await {
+                return;
+            }
+        }
+    }
 
-            round = round.wrapping_add(1);
-            let pause = tokio::time::sleep(self.interval);
-            tokio::pin!(pause);
-            loop {
-                tokio::select! {
-                    _ = shutdown.cancelled() => return,
-                    _ = &mut pause => break,
-                    asked = requery_rx.recv() => match asked {
-                        Some(i) => { requested.insert(i); }
-                        None => return,
-                    },
-                }
+    /// One round's probes, all at once: steps 6 and (where due) 7 on every P, `/health` on every
+    /// D; `None` when the poller is shut down meanwhile.
+    async fn probe_all(&self, rounds: &Rounds, shutdown: &CancellationToken) -> Option<(Vec<PrefillProbe>, Vec<bool>)> {
+        let requery_all = rounds.round > 0 && rounds.round.is_multiple_of(REQUERY_EVERY);
+        let p_probes = self.prefill.iter().enumerate().map(|(i, (url, bootstrap))| {
+            let discovered = rounds.discovered[i];
+            let query = !discovered || requery_all || rounds.requested.contains(&i);
+            self.probe_prefill(url, bootstrap, query, !discovered)
+        });
+        let d_probes = self.decode.iter().map(|url| self.probe_health(url));
+        tokio::select! {
+            _ = shutdown.cancelled() => None,
+            r = futures::future::join(join_all(p_probes), join_all(d_probes)) => Some(r),
+        }
+    }
+
+    /// The pause between two rounds, taking the actor's re-query requests meanwhile; `false` when
+    /// the poller is shut down or the actor is gone.
+    async fn pause(
+        &self,
+        requested: &mut BTreeSet<usize>,
+        requery_rx: &mut mpsc::UnboundedReceiver<usize>,
+        shutdown: &CancellationToken,
+    ) -> bool {
+        let pause = tokio::time::sleep(self.interval);
+        tokio::pin!(pause);
+        loop {
+            tokio::select! {
+                _ = shutdown.cancelled() => return false,
+                _ = &mut pause => return true,
+                asked = requery_rx.recv() => match asked {
+                    Some(i) => { requested.insert(i); }
+                    None => return false,
+                },
             }
         }
     }
@@ -164,7 +151,7 @@ impl Poller {
     async fn probe_prefill(&self, url: &str, bootstrap: &str, query: bool, discovering: bool) -> PrefillProbe {
         let health_span = if discovering { step_span!(steps::PROXY_HEALTH) } else { tracing::Span::none() };
         let healthy = self.probe_health(url).instrument(health_span.clone()).await;
-        health_span.record(attrs::OUTCOME, if healthy { "ok" } else { "unhealthy" });
+        if healthy { Outcome::Ok } else { Outcome::UNHEALTHY }.record(&health_span);
         drop(health_span);
         if !healthy {
             return PrefillProbe::Unhealthy;
@@ -177,16 +164,16 @@ impl Poller {
             Ok(ids) if !ids.is_empty() => {
                 let joined: Vec<&str> = ids.values().map(String::as_str).collect();
                 query_span.record(attrs::ENGINE_ID, joined.join(",").as_str());
-                query_span.record(attrs::OUTCOME, "ok");
+                Outcome::Ok.record(&query_span);
                 PrefillProbe::Discovered(ids)
             }
             Ok(_) => {
-                query_span.record(attrs::OUTCOME, "no engine registered yet");
+                Outcome::NOT_REGISTERED.record(&query_span);
                 tracing::info!(%bootstrap, "bootstrap has no engine registered yet");
                 PrefillProbe::Healthy
             }
             Err(reason) => {
-                query_span.record(attrs::OUTCOME, "error");
+                Outcome::ERROR.record(&query_span);
                 tracing::warn!(%bootstrap, %reason, "bootstrap /query failed");
                 PrefillProbe::Healthy
             }
@@ -213,6 +200,73 @@ impl Poller {
                 Ok((dp, entry.engine_id))
             })
             .collect()
+    }
+}
+
+/// What the poller remembers between rounds.
+struct Rounds {
+    /// When the actor is told that the proxy did not get ready in time (`ready_timeout`).
+    ready_deadline: Option<Instant>,
+    deadline_reported: bool,
+    /// Per P: its engine ids are known (step 7 done).
+    discovered: Vec<bool>,
+    /// The P the actor asked to re-query (a failed prefill).
+    requested: BTreeSet<usize>,
+    round: u64,
+    /// Consecutive failed probes per target: one slow probe on a loaded engine is not an outage.
+    p_failures: Vec<u32>,
+    d_failures: Vec<u32>,
+}
+
+impl Rounds {
+    /// What this round's P probes tell the actor. Before discovery every failure counts; after,
+    /// only a run of [`UNHEALTHY_AFTER`].
+    fn prefill_reports(&mut self, probes: Vec<PrefillProbe>) -> Vec<Report> {
+        let mut reports = Vec::new();
+        for (i, probe) in probes.into_iter().enumerate() {
+            match probe {
+                PrefillProbe::Unhealthy => {
+                    self.p_failures[i] += 1;
+                    if !self.discovered[i] || self.p_failures[i] >= UNHEALTHY_AFTER {
+                        self.discovered[i] = false;
+                        reports.push(Report::Health(TargetHealth { pool: Pool::Prefill, index: i, healthy: false }));
+                    }
+                }
+                PrefillProbe::Healthy => {
+                    self.p_failures[i] = 0;
+                    reports.push(Report::Health(TargetHealth { pool: Pool::Prefill, index: i, healthy: true }))
+                }
+                PrefillProbe::Discovered(dp_engine_id) => {
+                    self.p_failures[i] = 0;
+                    self.discovered[i] = true;
+                    reports.push(Report::Discovered(PrefillDiscovered { prefill_index: i, dp_engine_id }));
+                }
+            }
+        }
+        reports
+    }
+
+    /// What this round's D probes tell the actor: a healthy D at once, an unhealthy one after a
+    /// run of [`UNHEALTHY_AFTER`] failures.
+    fn decode_reports(&mut self, results: Vec<bool>) -> Vec<Report> {
+        let mut reports = Vec::new();
+        for (j, healthy) in results.into_iter().enumerate() {
+            self.d_failures[j] = if healthy { 0 } else { self.d_failures[j] + 1 };
+            if healthy || self.d_failures[j] >= UNHEALTHY_AFTER {
+                reports.push(Report::Health(TargetHealth { pool: Pool::Decode, index: j, healthy }));
+            }
+        }
+        reports
+    }
+
+    /// The ready deadline's report, once, when it has passed.
+    fn deadline_report(&mut self) -> Option<Report> {
+        let deadline = self.ready_deadline?;
+        if self.deadline_reported || Instant::now() < deadline {
+            return None;
+        }
+        self.deadline_reported = true;
+        Some(Report::Deadline)
     }
 }
 

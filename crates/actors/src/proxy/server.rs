@@ -1,9 +1,8 @@
 //! The proxy's HTTP server: the listening socket and the per-request flows (seed steps 8–10, 25,
-//! 43 in [`crate::proxy_flow`]). It is not part of the Proxy actor: it reaches the actor through
-//! an `ActorRef`, which stays valid across the supervisor's restarts (same mailbox), so killing
-//! the actor never closes the socket or a client's connection — flows that ask it meanwhile wait
-//! for the restarted actor (bounded by the flow's ask deadline). Found by the load run of issue
-//! #5: when the actor owned the server, every client arriving during its restart was refused.
+//! 43 in [`super::flow`]). It is not part of the Proxy actor: it reaches the actor through an
+//! `ActorRef`, which stays valid across the supervisor's restarts (same mailbox), so killing the
+//! actor never closes the socket or a client's connection — flows that ask it meanwhile wait for
+//! the restarted actor (bounded by the flow's ask deadline).
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -13,8 +12,8 @@ use kameo::prelude::*;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::AbortOnDropHandle;
 
+use super::flow::{self, FlowContext};
 use super::Proxy;
-use crate::proxy_flow::{self, FlowContext};
 use crate::ActorError;
 
 /// How long [`ProxyServer::shutdown`] waits for open connections to finish.
@@ -45,12 +44,8 @@ impl ProxyServer {
             .pool_idle_timeout(Duration::from_secs(90))
             .build()
             .map_err(|e| ActorError::Other(format!("cannot build the proxy's HTTP client: {e}")))?;
-        let app = proxy_flow::router(Arc::new(FlowContext {
-            proxy,
-            client,
-            upstream_timeout,
-            was_ready: Default::default(),
-        }));
+        let app =
+            flow::router(Arc::new(FlowContext { proxy, client, upstream_timeout, was_ready: Default::default() }));
         let shutdown = CancellationToken::new();
         let stop = shutdown.clone().cancelled_owned();
         let task = tokio::spawn(async move { axum::serve(listener, app).with_graceful_shutdown(stop).await });

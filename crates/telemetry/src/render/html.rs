@@ -97,6 +97,17 @@ fn bars(svg: &mut String, p: &Panel, bars: &[Bar]) {
 
 /// The page.
 pub fn page(t: &Timeline) -> String {
+    let rows = ttft_rows(t);
+    let missing = if t.missing.is_empty() {
+        String::new()
+    } else {
+        format!("<p class=\"missing\">steps not in the trace: {:?}</p>", t.missing)
+    };
+    document(&esc(&t.trace_id), &timeline_svg(t), &rows, &missing)
+}
+
+/// The start-up panel (no width when the trace has no start-up spans) and the request panel.
+fn panels(t: &Timeline) -> (Panel, Panel) {
     let body_w = WIDTH - LABEL_W - 20.0;
     let has_startup = !t.startup.is_empty();
     let startup_w = if has_startup { (body_w - GAP_W) * 0.22 } else { 0.0 };
@@ -106,6 +117,12 @@ pub fn page(t: &Timeline) -> String {
         w: body_w - if has_startup { startup_w + GAP_W } else { 0.0 },
         span_us: panel_span(&t.request),
     };
+    (sp, rp)
+}
+
+/// The timeline: lanes, both panels' axes and bars, the gap between them, the TTFT bar.
+fn timeline_svg(t: &Timeline) -> String {
+    let (sp, rp) = panels(t);
     let lanes_bottom = TOP + LANES.len() as f64 * LANE_H;
     let ttft_y = lanes_bottom + 30.0;
     let height = ttft_y + TTFT_H + 40.0;
@@ -115,6 +132,21 @@ pub fn page(t: &Timeline) -> String {
         svg,
         r##"<svg xmlns="http://www.w3.org/2000/svg" id="timeline" width="{WIDTH}" height="{height:.0}" viewBox="0 0 {WIDTH} {height:.0}" font-family="sans-serif" font-size="12">"##
     );
+    lanes(&mut svg);
+    if !t.startup.is_empty() {
+        axis(&mut svg, &sp, lanes_bottom, "start-up (steps 1–7)");
+        gap(&mut svg, &sp, lanes_bottom, t.gap_us);
+    }
+    axis(&mut svg, &rp, lanes_bottom, &format!("request (steps 8–43) · trace {}", t.trace_id));
+    bars(&mut svg, &sp, &t.startup);
+    bars(&mut svg, &rp, &t.request);
+    ttft_parts(&mut svg, t, &rp, ttft_y);
+    svg.push_str("</svg>");
+    svg
+}
+
+/// A lane per participant, its name on the left.
+fn lanes(svg: &mut String) {
     for (i, name) in LANES.iter().enumerate() {
         let y = TOP + i as f64 * LANE_H;
         let _ = write!(
@@ -125,73 +157,74 @@ pub fn page(t: &Timeline) -> String {
             ty = y + LANE_H / 2.0 + 4.0,
         );
     }
-    if has_startup {
-        axis(&mut svg, &sp, lanes_bottom, "start-up (steps 1–7)");
-        let gx = sp.x0 + sp.w + GAP_W / 2.0;
+}
+
+/// The dashed line after the start-up panel, labelled with the time until the request's first span.
+fn gap(svg: &mut String, sp: &Panel, lanes_bottom: f64, gap_us: u64) {
+    let gx = sp.x0 + sp.w + GAP_W / 2.0;
+    let _ = write!(
+        svg,
+        r##"<line class="gap" x1="{gx:.1}" y1="{TOP}" x2="{gx:.1}" y2="{lanes_bottom:.1}"/><text class="gap-label" x="{gx:.1}" y="{:.1}" text-anchor="middle">+{}</text>"##,
+        lanes_bottom + 14.0,
+        ms(gap_us)
+    );
+}
+
+/// The TTFT decomposition, on the request panel's scale.
+fn ttft_parts(svg: &mut String, t: &Timeline, rp: &Panel, ttft_y: f64) {
+    let Some(ttft) = t.ttft_us else { return };
+    let _ = write!(
+        svg,
+        r##"<text class="ttft-title" x="8" y="{:.1}">TTFT {}</text>"##,
+        ttft_y + TTFT_H / 2.0 + 4.0,
+        ms(ttft)
+    );
+    let named: Vec<&str> = super::TTFT_SEGMENTS.iter().map(|s| s.0).collect();
+    for seg in &t.ttft {
+        let colour = named.iter().position(|n| *n == seg.label).map(|i| PART_COLOURS[i]).unwrap_or(PART_COLOURS[6]);
+        let x = rp.x(seg.start_us);
+        let w = (rp.x(seg.end_us) - x).max(1.0);
         let _ = write!(
             svg,
-            r##"<line class="gap" x1="{gx:.1}" y1="{TOP}" x2="{gx:.1}" y2="{lanes_bottom:.1}"/><text class="gap-label" x="{gx:.1}" y="{:.1}" text-anchor="middle">+{}</text>"##,
-            lanes_bottom + 14.0,
-            ms(t.gap_us)
+            r##"<g class="ttft-part" data-part="{label}"><title>{label} {steps} · {d}</title><rect x="{x:.2}" y="{ttft_y:.1}" width="{w:.2}" height="{TTFT_H}" fill="{colour}"/>{text}</g>"##,
+            label = esc(&seg.label),
+            steps = esc(&seg.steps),
+            d = ms(seg.end_us - seg.start_us),
+            text = if w > 7.0 * (seg.label.len() as f64 + 1.0) {
+                format!(
+                    r##"<text class="part-label" x="{:.2}" y="{:.1}">{}</text>"##,
+                    x + 4.0,
+                    ttft_y + TTFT_H / 2.0 + 4.0,
+                    esc(&seg.label)
+                )
+            } else {
+                String::new()
+            },
         );
     }
-    axis(&mut svg, &rp, lanes_bottom, &format!("request (steps 8–43) · trace {}", t.trace_id));
-    bars(&mut svg, &sp, &t.startup);
-    bars(&mut svg, &rp, &t.request);
+}
 
-    // TTFT decomposition, on the request panel's scale.
-    if let Some(ttft) = t.ttft_us {
-        let _ = write!(
-            svg,
-            r##"<text class="ttft-title" x="8" y="{:.1}">TTFT {}</text>"##,
-            ttft_y + TTFT_H / 2.0 + 4.0,
-            ms(ttft)
-        );
-        let named: Vec<&str> = super::TTFT_SEGMENTS.iter().map(|s| s.0).collect();
-        for seg in &t.ttft {
-            let colour = named.iter().position(|n| *n == seg.label).map(|i| PART_COLOURS[i]).unwrap_or(PART_COLOURS[6]);
-            let x = rp.x(seg.start_us);
-            let w = (rp.x(seg.end_us) - x).max(1.0);
-            let _ = write!(
-                svg,
-                r##"<g class="ttft-part" data-part="{label}"><title>{label} {steps} · {d}</title><rect x="{x:.2}" y="{ttft_y:.1}" width="{w:.2}" height="{TTFT_H}" fill="{colour}"/>{text}</g>"##,
-                label = esc(&seg.label),
-                steps = esc(&seg.steps),
-                d = ms(seg.end_us - seg.start_us),
-                text = if w > 7.0 * (seg.label.len() as f64 + 1.0) {
-                    format!(
-                        r##"<text class="part-label" x="{:.2}" y="{:.1}">{}</text>"##,
-                        x + 4.0,
-                        ttft_y + TTFT_H / 2.0 + 4.0,
-                        esc(&seg.label)
-                    )
-                } else {
-                    String::new()
-                },
-            );
-        }
-    }
-    svg.push_str("</svg>");
-
+/// The TTFT table's rows: part, steps, time, share of TTFT.
+fn ttft_rows(t: &Timeline) -> String {
     let mut rows = String::new();
-    if let Some(ttft) = t.ttft_us {
-        for seg in &t.ttft {
-            let d = seg.end_us - seg.start_us;
-            let _ = write!(
-                rows,
-                "<tr><td>{}</td><td>{}</td><td>{}</td><td>{:.1}%</td></tr>",
-                esc(&seg.label),
-                esc(&seg.steps),
-                ms(d),
-                100.0 * d as f64 / ttft.max(1) as f64
-            );
-        }
+    let Some(ttft) = t.ttft_us else { return rows };
+    for seg in &t.ttft {
+        let d = seg.end_us - seg.start_us;
+        let _ = write!(
+            rows,
+            "<tr><td>{}</td><td>{}</td><td>{}</td><td>{:.1}%</td></tr>",
+            esc(&seg.label),
+            esc(&seg.steps),
+            ms(d),
+            100.0 * d as f64 / ttft.max(1) as f64
+        );
     }
-    let missing = if t.missing.is_empty() {
-        String::new()
-    } else {
-        format!("<p class=\"missing\">steps not in the trace: {:?}</p>", t.missing)
-    };
+    rows
+}
+
+/// The HTML document around the timeline, the TTFT table and the missing steps; `trace` is
+/// escaped already.
+fn document(trace: &str, svg: &str, rows: &str, missing: &str) -> String {
     format!(
         r##"<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>pdflow timeline · trace {trace}</title>
@@ -215,6 +248,5 @@ td:first-child, th:first-child {{ text-align: left; }}
 {missing}
 </body></html>
 "##,
-        trace = esc(&t.trace_id),
     )
 }

@@ -13,6 +13,7 @@
 //! its payload drained so the connection stays usable). Garbage, oversize headers and wrong auth
 //! tokens close the connection.
 
+use std::collections::VecDeque;
 use std::future::Future;
 use std::io::{IoSliceMut, Read as _, Write as _};
 use std::net::{Shutdown, TcpStream};
@@ -26,7 +27,7 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio_util::sync::CancellationToken;
 
 use super::busy_poll::{self, SPIN_AFTER_ACK};
-use super::wire::{self, Ack, HostInfo, Request, WireError};
+use super::wire::{self, Ack, BatchHeader, HostInfo, Request, WireError};
 use crate::fence::{FenceGuard, WriteFence};
 use pdflow_kv::memory::RegionTable;
 
@@ -93,154 +94,203 @@ pub(super) fn serve(stream: &TcpStream, shared: &Shared) -> Result<(), Connectio
     result
 }
 
+/// Hello and auth, then P's requests one at a time until the connection ends.
 fn serve_requests(stream: &TcpStream, shared: &Shared) -> Result<(), ConnectionError> {
     stream.set_nodelay(true).map_err(WireError::from)?;
     stream.set_write_timeout(Some(STALL_TIMEOUT)).map_err(WireError::from)?;
-    let mut timeout = ReadTimeout::new(stream);
-    timeout.set(HELLO_TIMEOUT)?;
-    let token = match now(wire::read_hello(&mut Blocking(stream))) {
-        Err(e) if is_timeout(&e) => return Err(ConnectionError::HelloTimeout(HELLO_TIMEOUT)),
-        Err(e) => return Err(refuse_and_close(stream, 0, e.into())),
-        Ok(token) => token,
+    let mut conn = Conn {
+        stream,
+        shared,
+        timeout: ReadTimeout::new(stream),
+        fence_token: None,
+        held: None,
+        peeked: [0u8; PEEK_BYTES],
+        pending: VecDeque::new(),
     };
-    if let Some(expected) = &shared.auth_token {
-        if !constant_time_eq(expected, &token) {
-            return Err(refuse_and_close(stream, 0, ConnectionError::Unauthorised));
-        }
-    }
-    now(wire::write_ack(&mut Blocking(stream), &Ack::Ok { batch_id: 0 }))?;
-
-    // The fence token the batches on this connection currently serve (P names it per plan).
-    let mut fence_token: Option<u64> = None;
-    // A write P makes itself into D's memory (cuda-ipc), counted under its fence token until P
-    // releases it (or the connection ends).
-    let mut held: Option<Held> = None;
-    let mut peeked = [0u8; PEEK_BYTES];
-    let mut pending: std::collections::VecDeque<Request> = std::collections::VecDeque::new();
+    conn.hello()?;
     loop {
         if shared.cancel.is_cancelled() {
             return Err(ConnectionError::Stopping);
         }
-        if pending.is_empty() {
-            // P's next request usually follows an ack at once: poll for it before sleeping, and
-            // take every request that is already queued whole in one go.
-            if busy_poll::readable_within(stream.as_raw_fd(), SPIN_AFTER_ACK) {
-                match queued_requests(stream, &mut peeked) {
-                    Ok(requests) => pending.extend(requests),
-                    Err(e) => return Err(refuse_and_close(stream, 0, e.into())),
-                }
-            }
-        }
-        let request = match pending.pop_front() {
-            Some(request) => request,
-            None => {
-                timeout.set(if held.is_some() { HOLD_LIMIT } else { IDLE_TIMEOUT })?;
-                match now(wire::read_request(&mut Blocking(stream))) {
-                    Ok(None) => return Ok(()),
-                    Err(e) if is_timeout(&e) => {
-                        if let Some(h) = &held {
-                            tracing::warn!(
-                                token = h.token,
-                                "P held a fence for {HOLD_LIMIT:?} without releasing it: released, connection closed"
-                            );
-                        }
-                        return Ok(());
-                    }
-                    Err(e) => return Err(refuse_and_close(stream, 0, e.into())),
-                    Ok(Some(request)) => request,
-                }
-            }
-        };
-        if held.is_some() && request != Request::Release {
+        let Some(request) = conn.next_request()? else { return Ok(()) };
+        if conn.held.is_some() && request != Request::Release {
             let e = WireError::Io(std::io::Error::other("a request other than release while a fence is held"));
             return Err(refuse_and_close(stream, 0, e.into()));
         }
-        let header = match request {
-            Request::Batch(header) => header,
-            Request::Hold { token } => {
-                let ack = match hold(shared.fence.as_ref(), token) {
-                    Ok(guard) => {
-                        held = Some(Held { token, _guard: guard });
-                        Ack::Ok { batch_id: 0 }
-                    }
-                    Err(reason) => Ack::Refused { batch_id: 0, reason },
-                };
-                now(wire::write_ack(&mut Blocking(stream), &ack))?;
-                continue;
-            }
-            Request::Release => {
-                if held.take().is_none() {
-                    tracing::debug!("P released a fence it did not hold");
-                }
-                continue;
-            }
-            Request::Fence { token } => {
-                fence_token = (token != 0).then_some(token);
-                continue;
-            }
-            Request::DeviceExport => {
-                tracing::debug!(offered = !shared.device_export.is_empty(), "P asked for the device export");
-                (&*stream).write_all(&wire::encode_device_export(&shared.device_export)?).map_err(WireError::from)?;
-                continue;
-            }
-            Request::HostInfo { p_pid } => {
-                tracing::debug!(p_pid, offered = shared.host_info.is_some(), "P asked for the same-host details");
-                let answer = wire::encode_host_info(shared.host_info.as_ref().unwrap_or(&HostInfo::default()))?;
-                (&*stream).write_all(&answer).map_err(WireError::from)?;
-                continue;
-            }
+        match request {
+            Request::Batch(header) => conn.serve_batch(&header)?,
+            Request::Hold { token } => conn.hold(token)?,
+            Request::Release => conn.release(),
+            Request::Fence { token } => conn.fence_token = (token != 0).then_some(token),
+            Request::DeviceExport => conn.answer_device_export()?,
+            Request::HostInfo { p_pid } => conn.answer_host_info(p_pid)?,
+        }
+    }
+}
+
+/// One connection's state between P's requests.
+struct Conn<'a> {
+    stream: &'a TcpStream,
+    shared: &'a Shared,
+    timeout: ReadTimeout<'a>,
+    /// The fence token the batches on this connection currently serve (P names it per plan).
+    fence_token: Option<u64>,
+    /// A write P makes itself into D's memory (cuda-ipc), counted under its fence token until P
+    /// releases it (or the connection ends).
+    held: Option<Held>,
+    peeked: [u8; PEEK_BYTES],
+    /// Requests read ahead from the socket, not served yet.
+    pending: VecDeque<Request>,
+}
+
+impl Conn<'_> {
+    /// P's hello under [`HELLO_TIMEOUT`]: its auth token checked, then acked.
+    fn hello(&mut self) -> Result<(), ConnectionError> {
+        self.timeout.set(HELLO_TIMEOUT)?;
+        let token = match now(wire::read_hello(&mut Blocking(self.stream))) {
+            Err(e) if is_timeout(&e) => return Err(ConnectionError::HelloTimeout(HELLO_TIMEOUT)),
+            Err(e) => return Err(refuse_and_close(self.stream, 0, e.into())),
+            Ok(token) => token,
         };
-        let batch_id = header.batch_id;
-        // Check every descriptor before touching the payload.
+        if let Some(expected) = &self.shared.auth_token {
+            if !constant_time_eq(expected, &token) {
+                return Err(refuse_and_close(self.stream, 0, ConnectionError::Unauthorised));
+            }
+        }
+        now(wire::write_ack(&mut Blocking(self.stream), &Ack::Ok { batch_id: 0 }))?;
+        Ok(())
+    }
+
+    /// P's next request; `None` for an orderly end (P closed, idle, or a hold never released).
+    fn next_request(&mut self) -> Result<Option<Request>, ConnectionError> {
+        // P's next request usually follows an ack at once: poll for it before sleeping, and take
+        // every request that is already queued whole in one go.
+        if self.pending.is_empty() && busy_poll::readable_within(self.stream.as_raw_fd(), SPIN_AFTER_ACK) {
+            match queued_requests(self.stream, &mut self.peeked) {
+                Ok(requests) => self.pending.extend(requests),
+                Err(e) => return Err(refuse_and_close(self.stream, 0, e.into())),
+            }
+        }
+        if let Some(request) = self.pending.pop_front() {
+            return Ok(Some(request));
+        }
+        self.timeout.set(if self.held.is_some() { HOLD_LIMIT } else { IDLE_TIMEOUT })?;
+        match now(wire::read_request(&mut Blocking(self.stream))) {
+            Ok(None) => Ok(None),
+            Err(e) if is_timeout(&e) => {
+                if let Some(h) = &self.held {
+                    tracing::warn!(
+                        token = h.token,
+                        "P held a fence for {HOLD_LIMIT:?} without releasing it: released, connection closed"
+                    );
+                }
+                Ok(None)
+            }
+            Err(e) => Err(refuse_and_close(self.stream, 0, e.into())),
+            Ok(Some(request)) => Ok(Some(request)),
+        }
+    }
+
+    /// [`Request::Hold`]: fence `token` entered for P's own write, or refused.
+    fn hold(&mut self, token: u64) -> Result<(), ConnectionError> {
+        let ack = match hold(self.shared.fence.as_ref(), token) {
+            Ok(guard) => {
+                self.held = Some(Held { token, _guard: guard });
+                Ack::Ok { batch_id: 0 }
+            }
+            Err(reason) => Ack::Refused { batch_id: 0, reason },
+        };
+        now(wire::write_ack(&mut Blocking(self.stream), &ack))?;
+        Ok(())
+    }
+
+    /// [`Request::Release`]: P's write under the hold has ended.
+    fn release(&mut self) {
+        if self.held.take().is_none() {
+            tracing::debug!("P released a fence it did not hold");
+        }
+    }
+
+    /// [`Request::DeviceExport`]: D's device export (empty: none).
+    fn answer_device_export(&self) -> Result<(), ConnectionError> {
+        let export = &self.shared.device_export;
+        tracing::debug!(offered = !export.is_empty(), "P asked for the device export");
+        (&*self.stream).write_all(&wire::encode_device_export(export)?).map_err(WireError::from)?;
+        Ok(())
+    }
+
+    /// [`Request::HostInfo`]: the same-host details, when offered.
+    fn answer_host_info(&self, p_pid: u32) -> Result<(), ConnectionError> {
+        let host_info = self.shared.host_info.as_ref();
+        tracing::debug!(p_pid, offered = host_info.is_some(), "P asked for the same-host details");
+        let answer = wire::encode_host_info(host_info.unwrap_or(&HostInfo::default()))?;
+        (&*self.stream).write_all(&answer).map_err(WireError::from)?;
+        Ok(())
+    }
+
+    /// One batch: written into D's memory when admitted, else refused with its payload drained.
+    fn serve_batch(&mut self, header: &BatchHeader) -> Result<(), ConnectionError> {
+        match self.admit_batch(header) {
+            Ok(fence_guard) => self.write_batch(header, fence_guard),
+            Err(e) => self.refuse_batch(header, e),
+        }
+    }
+
+    /// Checks every descriptor before touching the payload, then enters the batch's fence: the
+    /// guard held while the payload lands (D's Receiver waits for it before freeing the blocks),
+    /// or why the batch is refused.
+    fn admit_batch(&self, header: &BatchHeader) -> Result<Option<FenceGuard>, String> {
         let refusal = header
             .descriptors
             .iter()
-            .find_map(|&(dst, len)| shared.regions.check_host(dst, len).err().map(|e| e.to_string()))
+            .find_map(|&(dst, len)| self.shared.regions.check_host(dst, len).err().map(|e| e.to_string()))
             .or_else(|| overlapping(&header.descriptors));
-        // Held while the payload lands: D's Receiver waits for it before freeing the blocks.
-        let mut fence_guard = None;
-        let refusal = refusal.or_else(|| {
-            let fence = shared.fence.as_ref()?;
-            match fence_token.and_then(|t| fence.enter(t)) {
-                Some(guard) => {
-                    fence_guard = Some(guard);
-                    None
-                }
-                None => Some(match fence_token {
-                    Some(t) => format!("fence {t} is closed: D no longer expects this transfer (its pull ended)"),
-                    None => "no fence named: this data server only accepts writes for a pull it opened".to_string(),
-                }),
+        if let Some(refusal) = refusal {
+            return Err(refusal);
+        }
+        let Some(fence) = self.shared.fence.as_ref() else { return Ok(None) };
+        match self.fence_token.and_then(|t| fence.enter(t)) {
+            Some(guard) => Ok(Some(guard)),
+            None => Err(match self.fence_token {
+                Some(t) => format!("fence {t} is closed: D no longer expects this transfer (its pull ended)"),
+                None => "no fence named: this data server only accepts writes for a pull it opened".to_string(),
+            }),
+        }
+    }
+
+    /// An admitted batch's payload read straight into D's memory, then acked.
+    fn write_batch(&mut self, header: &BatchHeader, fence_guard: Option<FenceGuard>) -> Result<(), ConnectionError> {
+        // SAFETY: each checked by `admit_batch` to lie wholly inside a registered region, and no
+        // two overlap (so the slices never alias); D's block pool gives the blocks under transfer
+        // to this write alone until it is acked.
+        let dsts = header
+            .descriptors
+            .iter()
+            .filter(|&&(_, len)| len > 0)
+            .map(|&(dst, len)| unsafe { self.shared.regions.slice_mut(dst, len) })
+            .collect::<Result<Vec<&mut [u8]>, _>>()
+            .map_err(|e| WireError::Io(invalid(e)))?;
+        read_into(self.stream, &mut self.timeout, dsts, fence_guard.as_ref(), &self.shared.cancel)?;
+        drop(fence_guard);
+        now(wire::write_ack(&mut Blocking(self.stream), &Ack::Ok { batch_id: header.batch_id }))?;
+        Ok(())
+    }
+
+    /// A refused batch: its payload drained (so the connection stays usable) and the refusal
+    /// acked; a payload too large to drain closes the connection.
+    fn refuse_batch(&mut self, header: &BatchHeader, e: String) -> Result<(), ConnectionError> {
+        let batch_id = header.batch_id;
+        let reason = format!("batch {batch_id}: {e}; nothing of the batch was written");
+        tracing::warn!("{reason}");
+        match header.total_len().filter(|&n| n <= MAX_DRAIN_BYTES) {
+            Some(n) => {
+                drain(self.stream, &mut self.timeout, n)?;
+                now(wire::write_ack(&mut Blocking(self.stream), &Ack::Refused { batch_id, reason }))?;
+                Ok(())
             }
-        });
-        match refusal {
             None => {
-                // SAFETY: each checked above to lie wholly inside a registered region, and no two
-                // overlap (so the slices never alias); D's block pool gives the blocks under
-                // transfer to this write alone until it is acked.
-                let dsts = header
-                    .descriptors
-                    .iter()
-                    .filter(|&&(_, len)| len > 0)
-                    .map(|&(dst, len)| unsafe { shared.regions.slice_mut(dst, len) })
-                    .collect::<Result<Vec<&mut [u8]>, _>>()
-                    .map_err(|e| WireError::Io(invalid(e)))?;
-                read_into(stream, &mut timeout, dsts, fence_guard.as_ref(), &shared.cancel)?;
-                drop(fence_guard);
-                now(wire::write_ack(&mut Blocking(stream), &Ack::Ok { batch_id }))?;
-            }
-            Some(e) => {
-                let reason = format!("batch {batch_id}: {e}; nothing of the batch was written");
-                tracing::warn!("{reason}");
-                match header.total_len().filter(|&n| n <= MAX_DRAIN_BYTES) {
-                    Some(n) => {
-                        drain(stream, &mut timeout, n)?;
-                        now(wire::write_ack(&mut Blocking(stream), &Ack::Refused { batch_id, reason }))?;
-                    }
-                    None => {
-                        let err = ConnectionError::UndrainableBatch(header.total_len());
-                        return Err(refuse_and_close(stream, batch_id, err));
-                    }
-                }
+                let err = ConnectionError::UndrainableBatch(header.total_len());
+                Err(refuse_and_close(self.stream, batch_id, err))
             }
         }
     }

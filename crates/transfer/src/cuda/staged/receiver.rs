@@ -264,18 +264,8 @@ fn serve_conn(mut tcp: TcpStream, shared: &Shared) -> Result<(), StagedError> {
     // Lent at the first accepted request: a connection that never sends one pins nothing.
     let mut lent: Option<LentRing> = None;
     loop {
-        // Idle between requests: up to `idle_close` until one begins (then the connection is
-        // closed: P's pool drops idle ones sooner); once its first byte is here, the whole request
-        // must follow within the part's deadline.
-        tcp.set_read_timeout(Some(shared.config.idle_close)).map_err(io)?;
-        match tcp.peek(&mut [0u8; 1]) {
-            Ok(0) => return Ok(()),
-            Ok(_) => {}
-            Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {
-                tracing::debug!(%peer, idle = ?shared.config.idle_close, "idle staged data connection closed");
-                return Ok(());
-            }
-            Err(source) => return Err(StagedError::Io { peer, source }),
+        if !wait_for_request(&mut tcp, &peer, shared)? {
+            return Ok(());
         }
         tcp.set_read_timeout(Some(shared.config.deadline)).map_err(io)?;
         let wire::Offer { auth, fence: token, ranges: offered } = match wire::read_request(&mut tcp) {
@@ -284,58 +274,103 @@ fn serve_conn(mut tcp: TcpStream, shared: &Shared) -> Result<(), StagedError> {
             Err(e) => return Err(StagedError::Protocol(e.to_string())),
         };
         tcp.set_read_timeout(Some(shared.config.deadline)).map_err(io)?;
-        if let Some(expected) = &shared.auth_token {
-            if !crate::tcp::constant_time_eq(expected, &auth) {
-                // Refused like a bad destination: nothing is received, and the connection stays in
-                // step (P sends a payload only after ACCEPTED), so P's pool keeps a usable one.
-                tracing::warn!(%peer, "staged request with a wrong or missing auth token refused");
-                let reason = "the auth token does not match D's (--transfer-token / PDFLOW_TRANSFER_TOKEN must be the same on P and D)";
-                wire::write_reply(&mut tcp, &Reply::Refused(reason.into())).map_err(io)?;
-                continue;
-            }
-        }
-        if let Err(reason) = check_destinations(&shared.regions, &offered) {
+        if let Some(reason) = refusal(shared, &peer, &auth, &offered) {
             wire::write_reply(&mut tcp, &Reply::Refused(reason)).map_err(io)?;
             continue;
         }
-        let LentRing { stream, ring, .. } = match &mut lent {
+        let lent_ring = match &mut lent {
             Some(lent) => lent,
             empty => empty.insert(shared.rings.lend()?),
         };
         // Held while the part lands: D's Receiver waits for it before freeing the blocks.
-        let guard = match &shared.fence {
-            None => None,
-            Some(fence) => match fence.enter(token) {
-                Some(guard) => Some(guard),
-                None => {
-                    let reason = format!("fence {token} is closed: D no longer expects this transfer (its pull ended); nothing will be received");
-                    wire::write_reply(&mut tcp, &Reply::Refused(reason)).map_err(io)?;
-                    continue;
-                }
-            },
+        let guard = match enter_fence(shared, token) {
+            Ok(guard) => guard,
+            Err(reason) => {
+                wire::write_reply(&mut tcp, &Reply::Refused(reason)).map_err(io)?;
+                continue;
+            }
         };
         wire::write_reply(&mut tcp, &Reply::Accepted).map_err(io)?;
         if !wire::read_go(&mut tcp).map_err(|e| StagedError::Protocol(e.to_string()))? {
             continue;
         }
-        let until = Instant::now() + shared.config.deadline;
-        // Short reads while the payload lands, so that a revoked fence is seen within FENCE_CHECK.
-        tcp.set_read_timeout(Some(FENCE_CHECK)).map_err(io)?;
-        let received = receive(&mut tcp, &peer, stream, ring, &offered, shared, until, guard.as_ref());
-        if received.is_err() {
-            // Every copy already enqueued lands before the guard lets D free the blocks.
-            let _ = stream.synchronize();
+        receive_part(&mut tcp, &peer, lent_ring, &offered, shared, guard)?;
+    }
+}
+
+/// Idle between requests: up to `idle_close` until one begins (then the connection is closed:
+/// P's pool drops idle ones sooner); once its first byte is here, the whole request must follow
+/// within the part's deadline. `false` when the connection ends in order (P closed, or idle).
+fn wait_for_request(tcp: &mut TcpStream, peer: &str, shared: &Shared) -> Result<bool, StagedError> {
+    let io = |source| StagedError::Io { peer: peer.to_string(), source };
+    tcp.set_read_timeout(Some(shared.config.idle_close)).map_err(io)?;
+    match tcp.peek(&mut [0u8; 1]) {
+        Ok(0) => Ok(false),
+        Ok(_) => Ok(true),
+        Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {
+            tracing::debug!(%peer, idle = ?shared.config.idle_close, "idle staged data connection closed");
+            Ok(false)
         }
-        drop(guard);
-        match received {
-            Ok(()) => wire::write_reply(&mut tcp, &Reply::Done).map_err(io)?,
-            // The payload's remainder is still on the wire: report, then close the connection.
-            Err(e @ (StagedError::Cuda(_) | StagedError::Timeout { .. })) => {
-                let _ = wire::write_reply(&mut tcp, &Reply::Failed(e.to_string()));
-                return Err(e);
-            }
-            Err(e) => return Err(e),
+        Err(source) => Err(io(source)),
+    }
+}
+
+/// Why a request is refused before anything is received or pinned for it: a wrong or missing
+/// auth token, or a destination outside D's regions.
+fn refusal(shared: &Shared, peer: &str, auth: &[u8], offered: &[(u64, u64)]) -> Option<String> {
+    if let Some(expected) = &shared.auth_token {
+        if !crate::tcp::constant_time_eq(expected, auth) {
+            // Refused like a bad destination: nothing is received, and the connection stays in
+            // step (P sends a payload only after ACCEPTED), so P's pool keeps a usable one.
+            tracing::warn!(%peer, "staged request with a wrong or missing auth token refused");
+            let reason = "the auth token does not match D's (--transfer-token / PDFLOW_TRANSFER_TOKEN must be the same on P and D)";
+            return Some(reason.into());
         }
+    }
+    check_destinations(&shared.regions, offered).err()
+}
+
+/// Enters fence `token` for one part (when D's receiver has a fence); the refusal's reason when
+/// it is closed.
+fn enter_fence(shared: &Shared, token: u64) -> Result<Option<FenceGuard>, String> {
+    let Some(fence) = &shared.fence else { return Ok(None) };
+    match fence.enter(token) {
+        Some(guard) => Ok(Some(guard)),
+        None => Err(format!(
+            "fence {token} is closed: D no longer expects this transfer (its pull ended); nothing will be received"
+        )),
+    }
+}
+
+/// One accepted part: its payload received under the fence `guard`, then `DONE`. A failure that
+/// leaves the payload's remainder on the wire is reported and ends the connection.
+fn receive_part(
+    tcp: &mut TcpStream,
+    peer: &str,
+    lent: &mut LentRing,
+    offered: &[(u64, u64)],
+    shared: &Shared,
+    guard: Option<FenceGuard>,
+) -> Result<(), StagedError> {
+    let io = |source| StagedError::Io { peer: peer.to_string(), source };
+    let until = Instant::now() + shared.config.deadline;
+    // Short reads while the payload lands, so that a revoked fence is seen within FENCE_CHECK.
+    tcp.set_read_timeout(Some(FENCE_CHECK)).map_err(io)?;
+    let LentRing { stream, ring, .. } = lent;
+    let received = receive(tcp, peer, stream, ring, offered, shared, until, guard.as_ref());
+    if received.is_err() {
+        // Every copy already enqueued lands before the guard lets D free the blocks.
+        let _ = stream.synchronize();
+    }
+    drop(guard);
+    match received {
+        Ok(()) => wire::write_reply(tcp, &Reply::Done).map_err(io),
+        // The payload's remainder is still on the wire: report, then close the connection.
+        Err(e @ (StagedError::Cuda(_) | StagedError::Timeout { .. })) => {
+            let _ = wire::write_reply(tcp, &Reply::Failed(e.to_string()));
+            Err(e)
+        }
+        Err(e) => Err(e),
     }
 }
 

@@ -1,0 +1,195 @@
+//! The write of one transfer (seed steps 28, 29 and 31): the pull's wait ends, the transfer plan
+//! is built from P's blocks and D's offered ones, the write runs in a task the worker owns, and
+//! its end marks the request sent and answers every pull.
+
+use kameo::prelude::*;
+use pdflow_kv::planner::{build_plan, TransferPlan};
+use pdflow_messages::send_worker::{PullReply, ServePull};
+use pdflow_messages::sender_listener::{PullErr, PullErrorCause};
+use pdflow_messages::BlockId;
+use pdflow_telemetry::{attrs, step_span, steps};
+use tracing::{Instrument, Span};
+
+use super::{Phase, SendWorker, WaitingPull, WriteDone, Writing};
+use pdflow_telemetry::Outcome;
+
+impl SendWorker {
+    /// Steps 28 and 29: plan the write and start it in a task this actor owns.
+    pub(super) async fn serve(&mut self, waiting: WaitingPull, me: &ActorRef<Self>) {
+        let pull = self.end_wait(waiting);
+        // Ready means P's scheduler named the request; its spans carry the transfer id regardless.
+        let p_req_id = self.p_req_id.clone();
+        let (plan, src_blocks) = match self.build_transfer(&pull, p_req_id.as_deref()) {
+            Ok(planned) => planned,
+            Err(err) => {
+                // No write will ever start: P's blocks can be freed.
+                self.reply_err(&pull, err, true, true).await;
+                return;
+            }
+        };
+        let write_span = self.write_span(&pull, p_req_id.as_deref(), &plan, &src_blocks);
+        // No byte after D's pull deadline (less a margin): D gives the blocks up then.
+        let plan = TransferPlan { write_by: pull.write_by, ..plan };
+        // Fault injection (`cut_data`): returns at once unless a fault plan is armed.
+        let plan = match p_req_id.as_deref().and_then(pdflow_fault::data_cut) {
+            Some(after_bytes) => TransferPlan { cut_after: Some(after_bytes), ..plan },
+            None => plan,
+        };
+        self.start_write(pull, plan, write_span, me);
+    }
+
+    /// The pull's wait for ready (step 22) ends: its deadline and the ready blocks' expiry are
+    /// cancelled.
+    fn end_wait(&mut self, waiting: WaitingPull) -> ServePull {
+        let WaitingPull { pull, span: wait_span, deadline } = waiting;
+        if let Some(d) = deadline {
+            d.abort();
+        }
+        Outcome::Ready.record(&wait_span);
+        drop(wait_span);
+        if let Some((_, h)) = self.expiry.take() {
+            h.abort();
+        }
+        pull
+    }
+
+    /// Step 28: the transfer plan (coalesced descriptors, under D's fence) and P's blocks it
+    /// reads; `Err` answers D when the layouts do not match.
+    fn build_transfer(
+        &self,
+        pull: &ServePull,
+        p_req_id: Option<&str>,
+    ) -> Result<(TransferPlan, Vec<BlockId>), PullErr> {
+        let plan_span =
+            step_span!(steps::P_BUILD_TRANSFER, request_id = p_req_id, transfer_id = self.args.transfer_id.as_str());
+        let regions = self.args.kv_cache.regions();
+        // D's prefix cache may already hold the prompt's first blocks: it then asks only for the
+        // rest, and P sends the tail of its blocks (a D asking for more than P holds is refused).
+        let skip = self.local_block_ids.len().saturating_sub(pull.block_ids.len());
+        let src_blocks = self.local_block_ids[skip..].to_vec();
+        let plan =
+            plan_span.in_scope(|| build_plan(&regions, &src_blocks, &pull.layout.regions, &pull.block_ids, true));
+        let plan = match plan {
+            // D's fence for these blocks: its data server writes them only while D expects them.
+            Ok(plan) => TransferPlan { fence: pull.fence, ..plan },
+            Err(e) => {
+                Outcome::Failed(PullErrorCause::LayoutMismatch.label()).record(&plan_span);
+                drop(plan_span);
+                tracing::warn!(transfer_id = %self.args.transfer_id, d_req_id = %pull.d_req_id, error = %e, "cannot plan the transfer: answering D with an error");
+                return Err(Self::err(&pull.d_req_id, PullErrorCause::LayoutMismatch, e.to_string()));
+            }
+        };
+        plan_span.record(attrs::BLOCKS, src_blocks.len() as u64);
+        plan_span.record(attrs::DESCRIPTORS, plan.descriptors.len() as u64);
+        plan_span.record(attrs::BYTES, plan.total_bytes());
+        Ok((plan, src_blocks))
+    }
+
+    /// Step 29's span: the plan's size, D's trace context and, when asked, the checksum of P's
+    /// blocks.
+    fn write_span(
+        &self,
+        pull: &ServePull,
+        p_req_id: Option<&str>,
+        plan: &TransferPlan,
+        src_blocks: &[BlockId],
+    ) -> Span {
+        let write_span =
+            step_span!(steps::P_TRANSFER_WRITE, request_id = p_req_id, transfer_id = self.args.transfer_id.as_str());
+        write_span.record(attrs::BLOCKS, src_blocks.len() as u64);
+        write_span.record(attrs::DESCRIPTORS, plan.descriptors.len() as u64);
+        write_span.record(attrs::BYTES, plan.total_bytes());
+        if let Some(tp) = &pull.traceparent {
+            write_span.record(attrs::TRACEPARENT, tp.as_str());
+        }
+        if self.args.verify_checksums {
+            // Computed before the write: nothing writes P's blocks while they are held for sending.
+            match self.args.kv_cache.blocks_checksum(src_blocks) {
+                // A plain u64, as the receiver records D's side on step 34 (the demo compares them).
+                Ok(sum) => {
+                    write_span.record(attrs::KV_CHECKSUM, sum);
+                }
+                Err(e) => {
+                    tracing::warn!(transfer_id = %self.args.transfer_id, error = %e, "cannot checksum P's blocks")
+                }
+            }
+        }
+        write_span
+    }
+
+    /// Step 29: the write into D's memory, in a task this actor owns; its end comes back as
+    /// [`WriteDone`].
+    fn start_write(&mut self, pull: ServePull, plan: TransferPlan, write_span: Span, me: &ActorRef<Self>) {
+        let transfer = self.args.transfer.clone();
+        let peer = pull.data_addr.clone();
+        let me = me.clone();
+        let task = tokio::spawn(
+            async move {
+                let result = transfer.write(&peer, &plan).await.map_err(|e| e.to_string());
+                // Which path moved the bytes (tcp, same-host…), for the trace.
+                tracing::Span::current().record(attrs::BACKEND, transfer.backend_for(&peer));
+                if me.tell(WriteDone { result }).await.is_err() {
+                    tracing::warn!("send worker stopped before its write finished");
+                }
+            }
+            .instrument(write_span.clone()),
+        );
+        self.phase = Phase::Writing;
+        self.writing = Some(Writing { pull, span: write_span, task });
+    }
+}
+
+impl Message<WriteDone> for SendWorker {
+    type Reply = ();
+
+    /// Steps 29 (end) and 31: mark sent and report.
+    async fn handle(&mut self, msg: WriteDone, _ctx: &mut Context<Self, Self::Reply>) {
+        let Some(writing) = self.writing.take() else { return };
+        let Writing { pull, span, task: _ } = writing;
+        let result = match msg.result {
+            Ok(stats) => {
+                span.record(attrs::BYTES, stats.bytes);
+                span.record(attrs::DESCRIPTORS, stats.descriptors as u64);
+                Outcome::Ok.record(&span);
+                drop(span);
+                if self.producer_aborted {
+                    Err(Self::err(
+                        &pull.d_req_id,
+                        PullErrorCause::Aborted,
+                        "P's request was aborted during the write: do not use the KV",
+                    ))
+                } else {
+                    drop(step_span!(
+                        steps::P_MARK_SENT,
+                        request_id = self.p_req_id.as_deref(),
+                        transfer_id = self.args.transfer_id.as_str()
+                    ));
+                    Ok(())
+                }
+            }
+            Err(e) => {
+                Outcome::Failed(PullErrorCause::TransferFailed.label()).record(&span);
+                drop(span);
+                tracing::warn!(transfer_id = %self.args.transfer_id, d_req_id = %pull.d_req_id, error = %e, "write into D's memory failed");
+                Err(Self::err(&pull.d_req_id, PullErrorCause::TransferFailed, e))
+            }
+        };
+        // Any further pull for this transfer comes too late: P's blocks are released below.
+        while let Some(extra) = self.pulls.pop_front() {
+            if let Some(d) = extra.deadline {
+                d.abort();
+            }
+            let err = Self::err(
+                &extra.pull.d_req_id,
+                PullErrorCause::Aborted,
+                "this transfer was already served by an earlier pull",
+            );
+            self.reply_err(&extra.pull, err, false, false).await;
+        }
+        // The write task has ended: nothing reads P's blocks any more (unless P aborted, in which
+        // case P's scheduler freed them already).
+        let counts = !self.producer_aborted;
+        let reply = PullReply { pull_id: pull.pull_id, d_req_id: pull.d_req_id.clone(), result };
+        self.report(Some(reply), counts, true).await;
+    }
+}
