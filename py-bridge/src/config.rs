@@ -97,36 +97,7 @@ impl BridgeConfig {
         if let Some(d) = seconds("bootstrap_timeout_s", extra.bootstrap_timeout_s)? {
             deadlines.bootstrap_timeout = d;
         }
-        let mut tcp = TcpConfig { auth_token: extra.auth_token.clone(), ..TcpConfig::default() };
-        if let Some(d) = seconds("write_timeout_s", extra.write_timeout_s)? {
-            tcp.write_timeout = d;
-        }
-        if let Some(n) = extra.tcp_streams {
-            if n == 0 || n > 64 {
-                return Err(BridgeError::Config(format!(
-                    "kv_connector_extra_config[\"tcp_streams\"] = {n}: expected 1..=64"
-                )));
-            }
-            tcp.streams_per_peer = n;
-        }
-        tcp.same_host = match extra.transport.as_deref() {
-            None | Some("auto") => SameHostMode::Auto,
-            Some("tcp") => SameHostMode::Off,
-            Some(other) => {
-                return Err(BridgeError::Config(format!(
-                    "kv_connector_extra_config[\"transport\"] = {other:?}: expected \"auto\" or \"tcp\""
-                )))
-            }
-        };
-        tcp.gpu_path = match extra.gpu_path.as_deref() {
-            None | Some("auto") => GpuPath::Auto,
-            Some("staged") => GpuPath::Staged,
-            Some(other) => {
-                return Err(BridgeError::Config(format!(
-                    "kv_connector_extra_config[\"gpu_path\"] = {other:?}: expected \"auto\" or \"staged\""
-                )));
-            }
-        };
+        let tcp = tcp_config(&extra)?;
         if extra.bootstrap_port == Some(0) {
             return Err(BridgeError::Config(
                 "kv_connector_extra_config[\"bootstrap_port\"] = 0: expected a TCP port (1-65535)".into(),
@@ -158,4 +129,39 @@ impl BridgeConfig {
             verify_checksums: extra.verify_checksums.unwrap_or(false),
         })
     }
+}
+
+/// The data plane's settings from `kv_connector_extra_config`.
+fn tcp_config(extra: &ExtraConfig) -> Result<TcpConfig, BridgeError> {
+    let mut tcp = TcpConfig { auth_token: extra.auth_token.clone(), ..TcpConfig::default() };
+    if let Some(d) = seconds("write_timeout_s", extra.write_timeout_s)? {
+        tcp.write_timeout = d;
+    }
+    if let Some(n) = extra.tcp_streams {
+        if n == 0 || n > 64 {
+            return Err(BridgeError::Config(format!(
+                "kv_connector_extra_config[\"tcp_streams\"] = {n}: expected 1..=64"
+            )));
+        }
+        tcp.streams_per_peer = n;
+    }
+    tcp.same_host = match extra.transport.as_deref() {
+        None | Some("auto") => SameHostMode::Auto,
+        Some("tcp") => SameHostMode::Off,
+        Some(other) => {
+            return Err(BridgeError::Config(format!(
+                "kv_connector_extra_config[\"transport\"] = {other:?}: expected \"auto\" or \"tcp\""
+            )))
+        }
+    };
+    tcp.gpu_path = match extra.gpu_path.as_deref() {
+        None | Some("auto") => GpuPath::Auto,
+        Some("staged") => GpuPath::Staged,
+        Some(other) => {
+            return Err(BridgeError::Config(format!(
+                "kv_connector_extra_config[\"gpu_path\"] = {other:?}: expected \"auto\" or \"staged\""
+            )));
+        }
+    };
+    Ok(tcp)
 }

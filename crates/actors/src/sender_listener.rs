@@ -15,8 +15,12 @@
 //! - `SendOutcome`s come back from the workers: the listener answers D (`Continue` / `Finish`,
 //!   step 30) and collects finished_sending (step 31), which P's worker fetches with
 //!   `GetFinishedSending` (step 32 is the scheduler connector's).
+//!
+//! Its parts: [`pull`] (a pull checked, routed and answered), `side_channel` (the ROUTER socket),
+//! `register` (the bootstrap registration), [`lineage`] (generations across restarts).
 
 pub mod lineage;
+mod pull;
 mod register;
 mod side_channel;
 #[cfg(test)]
@@ -34,12 +38,10 @@ use pdflow_kv::memory::KvCache;
 use pdflow_messages::bootstrap::RegisterWorker;
 use pdflow_messages::frame;
 use pdflow_messages::layout::KvLayout;
-use pdflow_messages::send_worker::{
-    AbortSend, AbortSource, RecordSendPending, RecordSendReady, SendOutcome, ServePull,
-};
+use pdflow_messages::send_worker::{AbortSend, AbortSource, RecordSendPending, RecordSendReady, SendOutcome};
 use pdflow_messages::sender_listener::{
-    GetFinishedSending, InFlightPulls, PullErr, PullErrorCause, PullReq, PullRequest, PullResponse, PullStatus,
-    RecordSendReqs, SideChannelAddr, SideChannelRequest,
+    GetFinishedSending, InFlightPulls, PullErr, PullErrorCause, PullResponse, RecordSendReqs, SideChannelAddr,
+    SideChannelRequest,
 };
 use pdflow_messages::{RequestId, TransferId};
 use pdflow_telemetry::{attrs, step_span, steps, Outcome};
@@ -297,188 +299,6 @@ impl SenderListener {
             WorkerEntry { actor: actor.clone(), generation: self.next_generation, ready_p_req: None, counted: false },
         );
         actor
-    }
-
-    fn send(&self, identity: Bytes, response: &PullResponse) {
-        let response = &PullResponse { p_generation: self.p_generation, ..response.clone() };
-        match frame::encode(response) {
-            Ok(body) => {
-                if self.replies.send((identity, body)).is_err() {
-                    tracing::error!(addr = %self.addr, "side-channel writer is gone: response dropped");
-                }
-            }
-            Err(e) => tracing::error!(error = %e, "cannot encode a side-channel response"),
-        }
-    }
-
-    fn mark_sent(&mut self, p_req_id: RequestId) {
-        if self.finished_sending.insert(p_req_id) {
-            self.args.events.notify_waiters();
-            self.args.events.notify_one();
-        }
-    }
-
-    /// Step 30: one request of a pull is settled: `Continue` while others remain, else `Finish`.
-    fn settle(&mut self, key: u64, d_req_id: &RequestId, result: Result<(), PullErr>) {
-        let Some(pull) = self.pulls.get_mut(&key) else {
-            tracing::debug!(d_req_id = %d_req_id, "outcome for a pull already answered");
-            return;
-        };
-        let Some(transfer_id) = pull.remaining.remove(d_req_id) else { return };
-        let last = pull.remaining.is_empty();
-        let span =
-            step_span!(steps::P_REPLY_FINISH, request_id = d_req_id.as_str(), transfer_id = transfer_id.as_str());
-        span.record(attrs::ENGINE_ID, self.args.engine_id.as_str());
-        let (ok_reqs, err_reqs) = match result {
-            Ok(()) => {
-                Outcome::Ok.record(&span);
-                (vec![d_req_id.clone()], vec![])
-            }
-            Err(err) => {
-                Outcome::Failed(err.cause.label()).record(&span);
-                (vec![], vec![err])
-            }
-        };
-        let response = PullResponse {
-            pull_id: pull.pull_id,
-            status: if last { PullStatus::Finish } else { PullStatus::Continue },
-            ok_reqs,
-            err_reqs,
-            layout_id: Some(pull.layout_id),
-            error: None,
-            p_generation: self.p_generation,
-        };
-        let identity = pull.identity.clone();
-        if last {
-            self.pulls.remove(&key);
-        }
-        match pdflow_fault::message_fault(steps::P_REPLY_FINISH.number, d_req_id) {
-            None => span.in_scope(|| self.send(identity, &response)),
-            Some(pdflow_fault::MessageFault::Drop) => {}
-            Some(pdflow_fault::MessageFault::Corrupt) => span.in_scope(|| match frame::encode(&response) {
-                Ok(mut body) => {
-                    pdflow_fault::corrupt_frame(&mut body);
-                    let _ = self.replies.send((identity, body));
-                }
-                Err(e) => tracing::error!(error = %e, "cannot encode a side-channel response"),
-            }),
-        }
-    }
-
-    /// Steps 21 (receive) and 22 (routing): check, track and route one pull.
-    async fn on_pull(&mut self, identity: Bytes, pull: PullRequest, me: &ActorRef<Self>) {
-        let received = std::time::Instant::now();
-        let mut d_reqs = BTreeSet::new();
-        if pull.reqs.is_empty() || !pull.reqs.iter().all(|r| d_reqs.insert(r.d_req_id.clone())) {
-            let why = "a pull must name at least one request, each d_req_id once";
-            tracing::warn!(pull_id = pull.pull_id, engine_id = %pull.engine_id, why);
-            self.send(identity, &PullResponse::error(pull.pull_id, why));
-            return;
-        }
-        let layout_key = (pull.engine_id.clone(), pull.layout_id);
-        let layout = match pull.layout {
-            Some(layout) => {
-                self.layouts.insert(layout_key, layout.clone());
-                layout
-            }
-            None => match self.layouts.get(&layout_key) {
-                Some(layout) => layout.clone(),
-                None => {
-                    let why = format!(
-                        "P has no cached layout {:#x} for engine {}: resend the pull with the full layout",
-                        pull.layout_id, pull.engine_id
-                    );
-                    tracing::warn!(pull_id = pull.pull_id, "{why}");
-                    // A restarted worker also forgot D's layout: its predecessor's transfers are
-                    // refused as such, not sent round again with the full layout.
-                    let err_reqs = pull
-                        .reqs
-                        .iter()
-                        .map(|r| {
-                            self.stale_generation(pull.p_generation, r).unwrap_or_else(|| PullErr {
-                                d_req_id: r.d_req_id.clone(),
-                                cause: PullErrorCause::UnknownLayout,
-                                detail: why.clone(),
-                            })
-                        })
-                        .collect();
-                    let response = PullResponse { err_reqs, ..PullResponse::error(pull.pull_id, why) };
-                    self.send(identity, &response);
-                    return;
-                }
-            },
-        };
-        // D gives the blocks up `deadline_ms` after it sent the pull (so at the latest that long
-        // after now): P stops writing a margin before.
-        let write_by = (pull.deadline_ms > 0).then(|| {
-            let deadline = Duration::from_millis(pull.deadline_ms);
-            received + deadline - WRITE_MARGIN.min(deadline / 2)
-        });
-        self.next_pull_key += 1;
-        let key = self.next_pull_key;
-        let remaining = pull.reqs.iter().map(|r| (r.d_req_id.clone(), r.transfer_id.clone())).collect();
-        self.pulls.insert(key, InFlightPull { identity, pull_id: pull.pull_id, layout_id: pull.layout_id, remaining });
-        tracing::debug!(pull_id = pull.pull_id, engine_id = %pull.engine_id, reqs = pull.reqs.len(), "pull received");
-        for req in pull.reqs {
-            if let Some(err) = self.stale_generation(pull.p_generation, &req) {
-                self.settle(key, &req.d_req_id, Err(err));
-                continue;
-            }
-            if self.is_retired(&req.transfer_id) {
-                let detail = format!(
-                    "P no longer holds the KV of transfer {}: it was sent already or expired before this pull",
-                    req.transfer_id
-                );
-                let err = PullErr { d_req_id: req.d_req_id.clone(), cause: PullErrorCause::Expired, detail };
-                self.settle(key, &req.d_req_id, Err(err));
-                continue;
-            }
-            let worker = self.worker(&req.transfer_id, me).await;
-            let serve = ServePull {
-                pull_id: key,
-                d_req_id: req.d_req_id.clone(),
-                transfer_id: req.transfer_id.clone(),
-                block_ids: req.block_ids,
-                data_addr: pull.data_addr.clone(),
-                layout: layout.clone(),
-                traceparent: req.traceparent.clone().or_else(|| pull.traceparent.clone()),
-                fence: req.fence,
-                write_by,
-            };
-            if let Err(e) = worker.tell(serve).await {
-                let err = PullErr {
-                    d_req_id: req.d_req_id.clone(),
-                    cause: PullErrorCause::TransferFailed,
-                    detail: format!("P's send worker is gone: {e}"),
-                };
-                self.settle(key, &req.d_req_id, Err(err));
-            }
-        }
-    }
-
-    /// The refusal of `req` when its pull addressed another generation of this worker, this
-    /// incarnation does not know the transfer, and its record is gone: its ready went to an earlier
-    /// incarnation, or the generation is not this engine's (the node restarted). A transfer an
-    /// earlier incarnation never recorded ready is still to come: the pull waits (see [`lineage`]).
-    fn stale_generation(&self, addressed: u64, req: &PullReq) -> Option<PullErr> {
-        let elsewhere = addressed != 0 && addressed != self.p_generation;
-        if !elsewhere || self.workers.contains_key(&req.transfer_id) || self.retired.contains_key(&req.transfer_id) {
-            return None;
-        }
-        let why = match self.args.lineage.unknown(&req.transfer_id, addressed, self.p_generation) {
-            lineage::Unknown::NotReadyYet => return None,
-            lineage::Unknown::Lost { generation } => {
-                format!("its ready went to generation {generation}, whose record went with it (the listener restarted)")
-            }
-            lineage::Unknown::ForeignGeneration => {
-                "its KV went with the previous one (the worker restarted)".to_string()
-            }
-        };
-        let detail = format!(
-            "P worker {} is generation {}, the pull addressed generation {addressed}: transfer {} is unknown to this incarnation, {why}",
-            self.addr, self.p_generation, req.transfer_id
-        );
-        Some(PullErr { d_req_id: req.d_req_id.clone(), cause: PullErrorCause::StaleGeneration, detail })
     }
 
     /// Whether `transfer_id`'s KV was released recently (tombstones older than `ready_timeout`

@@ -259,89 +259,16 @@ impl Metrics {
 
     /// The exposition text, plus `extra` gauges (an endpoint's own, e.g. its engine's blocks).
     pub fn render_with(&self, extra: &[Gauge]) -> String {
-        let mut families = Vec::new();
-        {
+        let mut families = {
             let mut st = self.lock();
             let now = Instant::now();
             st.d_pending.retain(|_, at| now.saturating_duration_since(*at) < PENDING_PULL_TTL);
             st.p_pending.retain(|_, at| now.saturating_duration_since(*at) < PENDING_PULL_TTL);
-            let mut step_family = Family::new(
-                "pdflow_step_duration_seconds",
-                "Duration of each step of the seed's timeline (one span per step).",
-                Kind::Histogram,
-            );
-            for ((service, n), h) in &st.steps {
-                let name = steps::by_number(*n).map(|s| s.short_name).unwrap_or("unknown");
-                step_family.histogram(
-                    vec![("service", (*service).to_owned()), ("step", n.to_string()), ("name", name.to_owned())],
-                    h,
-                );
-            }
-            families.push(step_family);
-            let side_families: [(&str, &str, &BTreeMap<SideKey, Histogram>); 4] = [
-                (
-                    "pdflow_transfer_bytes",
-                    "KV bytes per transfer (P: step 29; D: step 34, blocks x block bytes).",
-                    &st.transfer_bytes,
-                ),
-                (
-                    "pdflow_transfer_duration_seconds",
-                    "KV transfer duration (P: step 29; D: step 21 start to step 34).",
-                    &st.transfer_duration,
-                ),
-                (
-                    "pdflow_transfer_descriptors",
-                    "Coalesced descriptors per transfer (step 29).",
-                    &st.transfer_descriptors,
-                ),
-                ("pdflow_transfer_blocks", "KV blocks per transfer (P: step 29; D: step 34).", &st.transfer_blocks),
-            ];
-            for (name, help, map) in side_families {
-                let mut f = Family::new(name, help, Kind::Histogram);
-                for ((service, side), h) in map {
-                    f.histogram(vec![("service", (*service).to_owned()), ("side", (*side).to_owned())], h);
-                }
-                families.push(f);
-            }
-            let mut failures = Family::new(
-                "pdflow_failures_total",
-                "Step spans that ended in failure, by step and cause (pd.outcome).",
-                Kind::Counter,
-            );
-            for ((service, n), causes) in &st.failures {
-                for (cause, count) in causes {
-                    failures.sample(
-                        vec![("service", (*service).to_owned()), ("step", n.to_string()), ("cause", cause.clone())],
-                        *count as f64,
-                    );
-                }
-            }
-            families.push(failures);
-            let mut writes = Family::new(
-                "pdflow_transfer_writes_total",
-                "P's KV writes (step 29) by transfer backend and outcome.",
-                Kind::Counter,
-            );
-            for ((service, backend, outcome), count) in &st.writes {
-                writes.sample(
-                    vec![
-                        ("service", (*service).to_owned()),
-                        ("backend", backend.clone()),
-                        ("outcome", outcome.clone()),
-                    ],
-                    *count as f64,
-                );
-            }
-            families.push(writes);
-            let mut pulls = Family::new(
-                "pdflow_pulls_in_flight",
-                "Pulls in flight: D sent (step 21) and not settled (34); P received (22) and not answered (30).",
-                Kind::Gauge,
-            );
-            pulls.sample(vec![("service", "prefill".to_owned()), ("side", "p".to_owned())], st.p_pending.len() as f64);
-            pulls.sample(vec![("service", "decode".to_owned()), ("side", "d".to_owned())], st.d_pending.len() as f64);
-            families.push(pulls);
-        }
+            let mut families = vec![step_family(&st)];
+            families.extend(side_families(&st));
+            families.extend([failures_family(&st), writes_family(&st), pulls_family(&st)]);
+            families
+        };
         let registered: Vec<_> = self.gauges.lock().unwrap_or_else(|p| p.into_inner()).clone();
         let gauges =
             registered.iter().map(|(name, help, f)| Gauge { name, help, samples: f() }).chain(extra.iter().cloned());
@@ -360,4 +287,92 @@ impl Metrics {
         }
         expo::render(&families)
     }
+}
+
+/// `pdflow_step_duration_seconds`: every step span's duration.
+fn step_family(st: &State) -> Family {
+    let mut f = Family::new(
+        "pdflow_step_duration_seconds",
+        "Duration of each step of the seed's timeline (one span per step).",
+        Kind::Histogram,
+    );
+    for ((service, n), h) in &st.steps {
+        let name = steps::by_number(*n).map(|s| s.short_name).unwrap_or("unknown");
+        f.histogram(vec![("service", (*service).to_owned()), ("step", n.to_string()), ("name", name.to_owned())], h);
+    }
+    f
+}
+
+/// The transfer histograms, per side (P's step 29, D's step 34).
+fn side_families(st: &State) -> Vec<Family> {
+    let side_families: [(&str, &str, &BTreeMap<SideKey, Histogram>); 4] = [
+        (
+            "pdflow_transfer_bytes",
+            "KV bytes per transfer (P: step 29; D: step 34, blocks x block bytes).",
+            &st.transfer_bytes,
+        ),
+        (
+            "pdflow_transfer_duration_seconds",
+            "KV transfer duration (P: step 29; D: step 21 start to step 34).",
+            &st.transfer_duration,
+        ),
+        ("pdflow_transfer_descriptors", "Coalesced descriptors per transfer (step 29).", &st.transfer_descriptors),
+        ("pdflow_transfer_blocks", "KV blocks per transfer (P: step 29; D: step 34).", &st.transfer_blocks),
+    ];
+    side_families
+        .into_iter()
+        .map(|(name, help, map)| {
+            let mut f = Family::new(name, help, Kind::Histogram);
+            for ((service, side), h) in map {
+                f.histogram(vec![("service", (*service).to_owned()), ("side", (*side).to_owned())], h);
+            }
+            f
+        })
+        .collect()
+}
+
+/// `pdflow_failures_total`: failed step spans by step and cause.
+fn failures_family(st: &State) -> Family {
+    let mut f = Family::new(
+        "pdflow_failures_total",
+        "Step spans that ended in failure, by step and cause (pd.outcome).",
+        Kind::Counter,
+    );
+    for ((service, n), causes) in &st.failures {
+        for (cause, count) in causes {
+            f.sample(
+                vec![("service", (*service).to_owned()), ("step", n.to_string()), ("cause", cause.clone())],
+                *count as f64,
+            );
+        }
+    }
+    f
+}
+
+/// `pdflow_transfer_writes_total`: P's step-29 writes by backend and outcome.
+fn writes_family(st: &State) -> Family {
+    let mut f = Family::new(
+        "pdflow_transfer_writes_total",
+        "P's KV writes (step 29) by transfer backend and outcome.",
+        Kind::Counter,
+    );
+    for ((service, backend, outcome), count) in &st.writes {
+        f.sample(
+            vec![("service", (*service).to_owned()), ("backend", backend.clone()), ("outcome", outcome.clone())],
+            *count as f64,
+        );
+    }
+    f
+}
+
+/// `pdflow_pulls_in_flight`: pulls between step 21 and 34 (D), 22 and 30 (P).
+fn pulls_family(st: &State) -> Family {
+    let mut f = Family::new(
+        "pdflow_pulls_in_flight",
+        "Pulls in flight: D sent (step 21) and not settled (34); P received (22) and not answered (30).",
+        Kind::Gauge,
+    );
+    f.sample(vec![("service", "prefill".to_owned()), ("side", "p".to_owned())], st.p_pending.len() as f64);
+    f.sample(vec![("service", "decode".to_owned()), ("side", "d".to_owned())], st.d_pending.len() as f64);
+    f
 }
