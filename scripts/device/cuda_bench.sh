@@ -20,7 +20,7 @@ TESTS=${TESTS:-target/cuda-carry/cuda-tests}
   ldd "$PDFLOW" | grep -i 'not found' && echo "missing shared libraries"
   echo "== cuda tests (GPU)"
   for t in "$TESTS"/*; do
-    timeout 90 "$t" cuda --nocapture; echo "tests $(basename "$t") rc=$?"
+    timeout 90 "$t" cuda --nocapture; rc=$?; echo "tests $(basename "$t") rc=$rc"
   done; elapsed tests
   echo "== pdflow bench transfer --device cuda (one process, separate processes over CUDA IPC, staged tcp)"
   timeout 420 "$PDFLOW" bench transfer --device cuda --runs 20 --json "$OUT/cuda_bench.json"; echo "bench rc=$?"; elapsed bench

@@ -20,7 +20,7 @@ elapsed() { echo "-- $1 done at +$((SECONDS - T0)) s"; }
   . "$(dirname "$0")/nvrtc_env.sh"
   echo "== cuda tests (GPU)"
   for t in "$CARRY"/cuda-tests/*; do
-    timeout 150 "$t" cuda --nocapture --test-threads 1; echo "tests $(basename "$t") rc=$?"
+    timeout 150 "$t" cuda --nocapture --test-threads 1; rc=$?; echo "tests $(basename "$t") rc=$rc"
   done; elapsed tests
   echo "== GPU KV with P and D as separate pdflow serve processes (cuda-ipc)"
   GPUS=$(nvidia-smi --query-gpu=index --format=csv,noheader | wc -l)

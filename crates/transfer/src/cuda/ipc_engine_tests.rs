@@ -67,7 +67,7 @@ fn the_engine_writes_into_another_process_through_the_trait() {
     let Some(n) = gpus() else { return };
     let exe = std::env::current_exe().expect("test binary path");
     let mut cmd = Command::new(exe);
-    cmd.args(["transfer::cuda::ipc_tests::d_role_child", "--exact", "--nocapture", "--test-threads=1"])
+    cmd.args([super::ipc_tests::d_role_child_test().as_str(), "--exact", "--nocapture", "--test-threads=1"])
         .env("PDFLOW_IPC_D_DEVICE", if n >= 2 { "1" } else { "0" });
     let (mut d, export) = DPeerProcess::spawn(cmd, Duration::from_secs(60)).expect("D starts and exports");
 

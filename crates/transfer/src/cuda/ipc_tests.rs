@@ -141,13 +141,25 @@ fn an_export_cannot_be_opened_by_its_own_process() {
     assert!(matches!(ImportedKv::open(&ctx, &export), Err(IpcError::SameProcess { .. })));
 }
 
+/// The name the test harness knows `d_role_child` by (its module path without the crate's name),
+/// for running this binary again as D.
+pub(super) fn d_role_child_test() -> String {
+    let module = module_path!().split_once("::").map_or(module_path!(), |(_, rest)| rest);
+    format!("{module}::d_role_child")
+}
+
+#[test]
+fn d_role_child_is_named_as_the_harness_names_it() {
+    assert_eq!(d_role_child_test(), "cuda::ipc_tests::d_role_child");
+}
+
 #[test]
 fn ipc_round_trip_in_two_processes() {
     let Some(n) = gpus() else { return };
     let d_device = if n >= 2 { 1 } else { 0 };
     let exe = std::env::current_exe().expect("test binary path");
     let mut cmd = Command::new(exe);
-    cmd.args(["transfer::cuda::ipc_tests::d_role_child", "--exact", "--nocapture", "--test-threads=1"])
+    cmd.args([d_role_child_test().as_str(), "--exact", "--nocapture", "--test-threads=1"])
         .env(D_DEVICE_ENV, d_device.to_string());
     let (mut d, export) = DPeerProcess::spawn(cmd, Duration::from_secs(60)).expect("D starts and exports");
     assert_ne!(export.pid, std::process::id());
