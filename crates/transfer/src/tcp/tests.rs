@@ -493,9 +493,8 @@ async fn a_connection_the_peer_closed_is_not_reused() {
 }
 
 /// A D that drops the connection while a share lands (its pull ended and its fence closed): the
-/// write fails, and the share is not sent again on another connection — even on a pooled one,
-/// which used to be retried — so the link does not carry the whole share once more into batches
-/// D would refuse.
+/// write fails, and the share is not sent again on another connection — not even on a pooled one
+/// — so the link does not carry the whole share once more into batches D would refuse.
 #[tokio::test]
 async fn a_share_d_dropped_is_not_resent() {
     use std::sync::atomic::{AtomicUsize, Ordering};
