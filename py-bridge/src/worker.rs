@@ -113,6 +113,7 @@ impl WorkerBridge {
             deadlines: cfg.deadlines,
             tcp: cfg.tcp.clone(),
             verify_checksums: cfg.verify_checksums,
+            faults: pdflow_actors::fault_seam::no_faults(),
         };
         let worker = Worker::start_under(&supervisor, &kv_cache, &spec).await.map_err(node_error)?;
         let mut info = vec![("engine_id", self.engine_id.clone())];

@@ -163,6 +163,7 @@ impl Cluster {
             tcp: TcpConfig::default(),
             verify_checksums: spec.verify_checksums,
             kv_device: None,
+            faults: pdflow_actors::fault_seam::no_faults(),
         };
         let mut prefill = Vec::new();
         for (i, o) in spec.prefill.iter().enumerate() {

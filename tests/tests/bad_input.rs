@@ -83,7 +83,6 @@ async fn scenario(cluster: &Endpoints) {
     let plan = TransferPlan {
         descriptors: vec![Descriptor { src: src.base_addr, dst: 0x1000, len: src.block_len }],
         fence: 0,
-        cut_after: None,
         write_by: None,
     };
     let data_addr = cluster.decode[0].data_addr.clone().expect("D has a data server");

@@ -21,18 +21,19 @@ fn kill(kind: ActorKind, role: Role, step: u8, when: When) -> Fault {
     Fault::new(step, when, FaultAction::Kill { actor: kind, role: Some(role) })
 }
 
-/// Runs `cells` one after another (the fault plan is process-wide) and checks each.
+/// Runs `cells` one after another and checks each.
 async fn run(policy: LoadFailurePolicy, cells: Vec<(CellSpec, &[Outcome])>) {
-    // The fault plan and the target registry are process-wide: one test at a time.
+    // One span capture and one fault domain serve this process's subscriber: one test at a time.
     static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
     let _turn = ONE_AT_A_TIME.lock().await;
-    let capture = chaos::install_layers();
+    let layers = chaos::install_layers();
     let spec = chaos::chaos_spec(policy);
     let reference = Reference::start(spec.shape).await.expect("reference engine");
     let client = reqwest::Client::builder().no_proxy().build().expect("client");
     let env = CellEnv {
         spec,
-        capture: &capture,
+        capture: &layers.capture,
+        faults: &layers.faults,
         client: &client,
         reference_url: &reference.url,
         terminal_deadline: chaos::terminal_deadline(&spec),

@@ -9,7 +9,7 @@ use pdflow_tools::chaos::{self, load};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn load_with_faults_ends_every_request_clean_with_no_leak_and_flat_memory() {
-    let capture = chaos::install_layers();
+    let layers = chaos::install_layers();
     let opts = load::LoadOptions {
         requests: 240,
         concurrency: 16,
@@ -19,7 +19,7 @@ async fn load_with_faults_ends_every_request_clean_with_no_leak_and_flat_memory(
         ..load::LoadOptions::default()
     };
     let started = std::time::Instant::now();
-    let r = load::run(&opts, &capture, |_, _, _| {}).await.expect("the load cluster starts");
+    let r = load::run(&opts, &layers, |_, _, _| {}).await.expect("the load cluster starts");
     eprintln!("{}\n(in {:.1} s)", load::render(&r), started.elapsed().as_secs_f64());
     assert_eq!(r.faults_planned, 12);
     assert!(r.faults_fired >= 1, "no planned fault fired: {:?}", r.planned);

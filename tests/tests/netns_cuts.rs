@@ -98,7 +98,7 @@ async fn a_full_run_reports_the_network_cells_or_why_they_did_not_run() {
     use pdflow_sim_engine::LoadFailurePolicy;
     use pdflow_tools::chaos::{self, ChaosOptions, NetworkCells};
     let _serial = SERIAL.lock().await;
-    let capture = chaos::install_layers();
+    let layers = chaos::install_layers();
     let bin = pdflow_bin().expect("the pdflow binary");
     let opts = |network| ChaosOptions {
         quick: false,
@@ -107,7 +107,7 @@ async fn a_full_run_reports_the_network_cells_or_why_they_did_not_run() {
         network,
     };
     let mut sections = Vec::new();
-    let report = chaos::run_selected(&opts(NetworkCells::WhereAvailable), &capture, &bin, |p| {
+    let report = chaos::run_selected(&opts(NetworkCells::WhereAvailable), &layers, &bin, |p| {
         if let chaos::Progress::Section(title) = p {
             sections.push(title);
         }
@@ -125,7 +125,7 @@ async fn a_full_run_reports_the_network_cells_or_why_they_did_not_run() {
         Err(why) => {
             assert!(report.cells.is_empty());
             assert_eq!(report.network_skipped, Some(why));
-            let alone = chaos::run_selected(&opts(NetworkCells::Only), &capture, &bin, |_| {}).await;
+            let alone = chaos::run_selected(&opts(NetworkCells::Only), &layers, &bin, |_| {}).await;
             assert!(alone.is_err_and(|e| e.to_string().contains("cannot run here")), "asked for alone, they must fail");
         }
     }

@@ -38,7 +38,8 @@ async fn a_pull_addressed_to_a_restarted_p_is_refused_at_once_not_after_the_read
         upstream_timeout: Duration::from_secs(60),
     };
     let _ = tracing_subscriber::fmt().with_env_filter("info,pdflow_actors=debug").with_test_writer().try_init();
-    let mut cluster = ChaosCluster::start(spec).await.expect("cluster starts");
+    let faults = pdflow_fault::FaultDomain::new(pdflow_transfer::tcp::TcpConfig::default());
+    let mut cluster = ChaosCluster::start(spec, &faults).await.expect("cluster starts");
     let client = reqwest::Client::builder().no_proxy().build().expect("client");
     let completion =
         |max_tokens: usize| json!({"model": "m", "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0});

@@ -12,12 +12,13 @@
 //! - [`send_worker`] — one per transfer on P: wait for ready, plan, write, reply (14, 22, 27–29, 31).
 //! - [`receiver`] — D's pulls in flight and bootstrap look-ups (steps 5, 19, 20, 34).
 //! - [`pull_task`] — one side-channel exchange (ZeroMQ DEALER) with a deadline (steps 21, 30 receive).
-//! - [`fault_hooks`] — registers actors as targets of the fault plan (no-op without one).
+//! - [`fault_seam`] — the one seam a fault-injection tool reaches the actors through (a no-op in
+//!   production).
 //! - [`error`] — the crate's error type.
 
 pub mod bootstrap;
 pub mod error;
-pub mod fault_hooks;
+pub mod fault_seam;
 pub mod proxy;
 pub mod pull_task;
 mod rebind;

@@ -30,6 +30,7 @@ use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use zeromq::{DealerSocket, Socket, SocketEvent, SocketOptions, SocketRecv, SocketSend, ZmqMessage};
 
+use crate::fault_seam::Faults;
 use crate::ActorError;
 
 /// How long a best-effort `AbortPull` may take to send once the deadline has passed.
@@ -50,6 +51,8 @@ pub struct PullTaskArgs {
     pub outcomes: Recipient<PullOutcome>,
     /// Where a socket-level failure is reported (so a stale bootstrap answer can be dropped).
     pub transport_failures: Recipient<PullTransportFailed>,
+    /// The node's fault seam: the pull's frame leaves through it.
+    pub faults: Faults,
 }
 
 /// One pull in flight to one P worker.
@@ -300,14 +303,8 @@ async fn run(
         .await
         .map_err(|e| Stop::Transport(format!("connect to {}: {e}", args.worker_addr)))?;
     let first_req = request.reqs.first().map(|r| r.d_req_id.as_str()).unwrap_or_default();
-    match pdflow_fault::message_fault(steps::D_SEND_PULL_META.number, first_req) {
-        None => socket.send(ZmqMessage::from(bytes)).await.map_err(|e| Stop::Transport(format!("send: {e}")))?,
-        Some(pdflow_fault::MessageFault::Drop) => {}
-        Some(pdflow_fault::MessageFault::Corrupt) => {
-            let mut bytes = bytes;
-            pdflow_fault::corrupt_frame(&mut bytes);
-            socket.send(ZmqMessage::from(bytes)).await.map_err(|e| Stop::Transport(format!("send: {e}")))?;
-        }
+    if let Some(bytes) = args.faults.outgoing(steps::D_SEND_PULL_META.number, first_req, bytes) {
+        socket.send(ZmqMessage::from(bytes)).await.map_err(|e| Stop::Transport(format!("send: {e}")))?;
     }
     drop(spans);
 
@@ -444,6 +441,7 @@ mod tests {
             deadline_ms: 0,
         };
         let task = PullTask::spawn(PullTaskArgs {
+            faults: crate::fault_seam::no_faults(),
             pull_id: 42,
             remote_engine_id: "p".into(),
             worker_addr: worker_addr.into(),

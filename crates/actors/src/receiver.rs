@@ -45,6 +45,7 @@ use pdflow_transfer::fence::WriteFence;
 use tokio::task::{JoinHandle, JoinSet};
 use tracing::Instrument;
 
+use crate::fault_seam::{register_actor, ActorKind, Faults, Role};
 use crate::pull_task::{self, PullTask, PullTaskArgs};
 use crate::ActorError;
 
@@ -77,6 +78,8 @@ pub struct ReceiverArgs {
     /// get a token, open while its pull runs; a failed request is reported only once no byte of
     /// its pull can land any more (no write-after-free). `None`: unfenced (tests of the actor alone).
     pub fence: Option<WriteFence>,
+    /// The node's fault seam ([`crate::fault_seam::no_faults`] in production).
+    pub faults: Faults,
 }
 
 /// One D request whose pull has been issued.
@@ -359,6 +362,7 @@ impl Receiver {
             deadline: self.args.pull_timeout,
             outcomes: me.clone().recipient(),
             transport_failures: me.clone().recipient(),
+            faults: self.args.faults.clone(),
         };
         if let Some(fence) = &self.args.fence {
             for r in reqs {
@@ -369,12 +373,7 @@ impl Receiver {
         }
         let task = PullTask::spawn_link(me, args).await;
         let transfer_ids = metas.iter().map(|m| m.transfer_id.clone()).collect();
-        crate::fault_hooks::register_actor(
-            pdflow_fault::ActorKind::PullTask,
-            pdflow_fault::Role::D,
-            transfer_ids,
-            &task,
-        );
+        register_actor(&self.args.faults, ActorKind::PullTask, Role::D, transfer_ids, &task);
         self.pull_of_task.insert(task.id(), pull_id);
         for r in reqs {
             if let Some(recv) = self.in_flight.get_mut(r) {

@@ -41,6 +41,7 @@ use pdflow_transfer::{TransferEngine, TransferStats};
 use tokio::task::JoinHandle;
 use tracing::Span;
 
+use crate::fault_seam::Faults;
 use crate::ActorError;
 use pdflow_telemetry::Outcome;
 
@@ -60,6 +61,8 @@ pub struct SendWorkerArgs {
     pub send_expiry: Duration,
     /// Record `pd.kv_checksum` of the sent blocks on step 29.
     pub verify_checksums: bool,
+    /// The node's fault seam: step 29 takes its engine there.
+    pub faults: Faults,
 }
 
 /// Where the transfer stands (the P side of [`TransferState`], plus the end).

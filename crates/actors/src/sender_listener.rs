@@ -51,6 +51,7 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
+use crate::fault_seam::{register_actor, ActorKind, Faults, Role};
 use crate::send_worker::{SendWorker, SendWorkerArgs};
 use crate::ActorError;
 use side_channel::{Outgoing, SideChannelFrame, SocketClosed};
@@ -86,6 +87,8 @@ pub struct SenderListenerArgs {
     /// Shared by every incarnation of this listener (restarts clone the args): the generations
     /// registered and which one recorded each transfer ready (see [`lineage`]).
     pub lineage: Arc<lineage::ListenerLineage>,
+    /// The node's fault seam ([`crate::fault_seam::no_faults`] in production).
+    pub faults: Faults,
 }
 
 /// One SendWorker in the routing table.
@@ -285,15 +288,11 @@ impl SenderListener {
             ready_timeout: self.args.ready_timeout,
             send_expiry: self.args.send_expiry,
             verify_checksums: self.args.verify_checksums,
+            faults: self.args.faults.clone(),
         };
         // Unbounded: the listener never waits on a worker's mailbox (workers wait on the listener's).
         let actor = SendWorker::spawn_link_with_mailbox(me, args, mailbox::unbounded()).await;
-        crate::fault_hooks::register_actor(
-            pdflow_fault::ActorKind::SendWorker,
-            pdflow_fault::Role::P,
-            vec![transfer_id.clone()],
-            &actor,
-        );
+        register_actor(&self.args.faults, ActorKind::SendWorker, Role::P, vec![transfer_id.clone()], &actor);
         self.workers.insert(
             transfer_id.clone(),
             WorkerEntry { actor: actor.clone(), generation: self.next_generation, ready_p_req: None, counted: false },

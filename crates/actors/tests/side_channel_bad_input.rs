@@ -37,6 +37,7 @@ async fn listener() -> (ActorRef<SenderListener>, String) {
     let kv_cache = KvCache::new(TINY, 8);
     let transfer = Arc::new(TcpTransferEngine::new(kv_cache.region_table(), TcpConfig::default()));
     let listener = SenderListener::spawn(SenderListenerArgs {
+        faults: pdflow_actors::fault_seam::no_faults(),
         engine_id: "engine-p".into(),
         dp_rank: 0,
         tp_rank: 0,

@@ -486,6 +486,7 @@ impl ServeCmd {
             },
             verify_checksums: self.verify_checksums,
             kv_device: self.kv_device,
+            faults: pdflow_actors::fault_seam::no_faults(),
         })
     }
 

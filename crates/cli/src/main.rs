@@ -13,25 +13,32 @@ use anyhow::Context as _;
 use clap::Parser;
 use pdflow_tools::chaos::Progress;
 
-use pdflow_fault::{FaultPlan, NodeKind};
+use std::sync::Arc;
+
+use pdflow_actors::fault_seam::{no_faults, Faults, Killable};
+use pdflow_fault::{FaultDomain, FaultLayer, FaultPlan, NodeKind};
 use pdflow_node::config::VllmEnv;
 use pdflow_node::{BootstrapNode, EngineNode, ProxyNode};
 use pdflow_telemetry::capture::SpanCapture;
 use pdflow_telemetry::export::{self, ExportConfig, TraceExport};
 use pdflow_telemetry::metrics::{self, MetricsLayer};
 use pdflow_tools::demo::{self, DemoOptions, KvPlacement};
+use pdflow_transfer::tcp::TcpConfig;
 use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::util::SubscriberInitExt;
 use tracing_subscriber::EnvFilter;
 
-/// Installs the log output, the demo's capture, the trace exporters and the `/metrics` layer
-/// (each optional).
-fn init_tracing(capture: Option<SpanCapture>, export: Option<&TraceExport>, metrics: Option<MetricsLayer>) {
+/// Installs the log output, the demo's capture, the trace exporters, the `/metrics` layer and a
+/// fault plan's layer (each optional).
+fn init_tracing(
+    capture: Option<SpanCapture>,
+    export: Option<&TraceExport>,
+    metrics: Option<MetricsLayer>,
+    faults: Option<FaultLayer>,
+) {
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("warn"));
     let fmt = tracing_subscriber::fmt::layer().with_writer(std::io::stderr).with_filter(filter);
     use tracing_subscriber::Layer as _;
-    // The fault layer only when a plan was armed (load_fault_plan), so that no fault code runs otherwise.
-    let faults = pdflow_fault::enabled().then_some(pdflow_fault::FaultLayer);
     let _ = tracing_subscriber::registry()
         .with(fmt)
         .with(capture)
@@ -41,14 +48,16 @@ fn init_tracing(capture: Option<SpanCapture>, export: Option<&TraceExport>, metr
         .try_init();
 }
 
-/// `PDFLOW_FAULT_PLAN` (JSON or `@path`), checked before anything binds and armed.
-fn load_fault_plan() -> anyhow::Result<()> {
+/// `PDFLOW_FAULT_PLAN` (JSON or `@path`), checked before anything binds: this process's fault
+/// domain with the plan armed (its cut writes use the node's data-channel settings `tcp`), or none.
+fn load_fault_plan(tcp: TcpConfig) -> anyhow::Result<Option<Arc<FaultDomain>>> {
     match FaultPlan::from_env() {
-        Ok(None) => Ok(()),
+        Ok(None) => Ok(None),
         Ok(Some(plan)) => {
             eprintln!("pdflow: fault plan armed ({} faults from {})", plan.faults.len(), pdflow_fault::ENV_FAULT_PLAN);
-            pdflow_fault::arm(plan);
-            Ok(())
+            let domain = FaultDomain::new(tcp);
+            domain.arm(plan);
+            Ok(Some(domain))
         }
         Err(errors) => anyhow::bail!(
             "invalid fault plan:\n  {}",
@@ -57,19 +66,30 @@ fn load_fault_plan() -> anyhow::Result<()> {
     }
 }
 
-/// Registers this process as the `kill_node` target `node`: the process exits at once (137, as
-/// after SIGKILL), without shutting anything down.
-fn register_process_kill(node: NodeKind) {
-    pdflow_fault::register(pdflow_fault::Registration {
-        target: pdflow_fault::Target::Node(node),
-        role: None,
-        transfer_ids: Vec::new(),
-        alive: Box::new(|| true),
-        kill: std::sync::Arc::new(move || {
-            eprintln!("pdflow: fault plan: killing this {} node", node.name());
-            std::process::exit(137);
-        }),
-    });
+/// A node process's fault plan, if it was given one.
+struct NodeFaults(Option<Arc<FaultDomain>>);
+
+impl NodeFaults {
+    /// The seam the node's actors are offered to.
+    fn seam(&self) -> Faults {
+        self.0.as_ref().map_or_else(no_faults, FaultDomain::seam)
+    }
+
+    /// Registers this process as the `kill_node` target `node`: the process exits at once (137,
+    /// as after SIGKILL), without shutting anything down.
+    fn register_process_kill(&self, node: NodeKind) {
+        let Some(domain) = &self.0 else { return };
+        domain.register_node(
+            node,
+            Killable {
+                alive: Box::new(|| true),
+                kill: Arc::new(move || {
+                    eprintln!("pdflow: fault plan: killing this {} node", node.name());
+                    std::process::exit(137);
+                }),
+            },
+        );
+    }
 }
 
 async fn run_chaos(args: crate::cli::ChaosArgs) -> anyhow::Result<bool> {
@@ -79,10 +99,10 @@ async fn run_chaos(args: crate::cli::ChaosArgs) -> anyhow::Result<bool> {
             .map_err(|e| anyhow::anyhow!("invalid chaos --load arguments:\n  {}", e.join("\n  ")))?;
         return Ok(pdflow_tools::chaos::load::run_cli(&opts, args.json.as_deref()).await?);
     }
-    let capture = pdflow_tools::chaos::install_layers();
+    let layers = pdflow_tools::chaos::install_layers();
     let opts = args.to_options();
     let bin = std::env::current_exe().context("locating the pdflow binary the network cells start")?;
-    let report = pdflow_tools::chaos::run_selected(&opts, &capture, &bin, |p| match p {
+    let report = pdflow_tools::chaos::run_selected(&opts, &layers, &bin, |p| match p {
         Progress::Section(title) => println!("\npdflow chaos: {title}\n{}", pdflow_tools::chaos::render_header()),
         Progress::Cell { index, of, row } => println!("{}  [{index}/{of}]", pdflow_tools::chaos::render_row(row)),
     })
@@ -146,7 +166,7 @@ async fn wait_for_shutdown_signal() {
 async fn run_demo(args: DemoArgs) -> anyhow::Result<bool> {
     let capture = SpanCapture::new();
     let trace_export = start_export(&args.trace, None)?;
-    init_tracing(Some(capture.clone()), Some(&trace_export), Some(MetricsLayer::global()));
+    init_tracing(Some(capture.clone()), Some(&trace_export), Some(MetricsLayer::global()), None);
     metrics::global().set_block_bytes(args.kv_shape.bytes_per_block() as u64);
     let device = match args.device {
         DemoDevice::Cpu => KvPlacement::Host,
@@ -229,8 +249,8 @@ async fn run_bench(cmd: BenchCmd) -> anyhow::Result<bool> {
     // run what a `pdflow proxy` / `serve` process runs: the `/metrics` layer.
     let capture = SpanCapture::new();
     match &cmd {
-        BenchCmd::E2e(_) => init_tracing(Some(capture.clone()), None, None),
-        BenchCmd::Transfer(_) | BenchCmd::Proxy(_) => init_tracing(None, None, Some(MetricsLayer::global())),
+        BenchCmd::E2e(_) => init_tracing(Some(capture.clone()), None, None, None),
+        BenchCmd::Transfer(_) | BenchCmd::Proxy(_) => init_tracing(None, None, Some(MetricsLayer::global()), None),
     }
     match cmd {
         BenchCmd::Transfer(o) => pdflow_tools::bench::transfer::run(o).await?,
@@ -240,17 +260,19 @@ async fn run_bench(cmd: BenchCmd) -> anyhow::Result<bool> {
     Ok(true)
 }
 
-/// A node's start: the fault plan checked and armed, its trace export started (`service` names
-/// the node) and the tracing installed (with the `/metrics` layer when given).
+/// A node's start: the fault plan checked and armed (for a node whose data channel uses `tcp`),
+/// its trace export started (`service` names the node) and the tracing installed (with the
+/// `/metrics` layer when given).
 fn start_node_telemetry(
     trace: &TraceArgs,
     service: &str,
     metrics: Option<MetricsLayer>,
-) -> anyhow::Result<TraceExport> {
-    load_fault_plan()?;
+    tcp: TcpConfig,
+) -> anyhow::Result<(TraceExport, NodeFaults)> {
+    let faults = NodeFaults(load_fault_plan(tcp)?);
     let trace_export = start_export(trace, Some(service))?;
-    init_tracing(None, Some(&trace_export), metrics);
-    Ok(trace_export)
+    init_tracing(None, Some(&trace_export), metrics, faults.0.as_ref().map(FaultDomain::layer));
+    Ok((trace_export, faults))
 }
 
 /// vLLM's environment variables, every error at once.
@@ -271,22 +293,24 @@ async fn serve_until_signal<F: std::future::Future<Output = ()>>(
 
 /// `pdflow bootstrap`: vLLM's bootstrap server alone.
 async fn run_bootstrap(args: BootstrapCmd) -> anyhow::Result<bool> {
-    let trace_export = start_node_telemetry(&args.trace, export::SERVICE_BOOTSTRAP, None)?;
+    let (trace_export, faults) =
+        start_node_telemetry(&args.trace, export::SERVICE_BOOTSTRAP, None, TcpConfig::default())?;
     let env = vllm_env()?;
     let addr = format!("{}:{}", args.host, args.port.unwrap_or(env.bootstrap_port));
     let bind = addr.parse().with_context(|| format!("--host/--port {addr} is not an IP address and port"))?;
-    let node = BootstrapNode::start(bind).await?;
-    register_process_kill(NodeKind::Bootstrap);
+    let node = BootstrapNode::start_with(bind, &faults.seam()).await?;
+    faults.register_process_kill(NodeKind::Bootstrap);
     ready_line(serde_json::json!({"event": "ready", "service": "bootstrap", "addr": node.addr.to_string()}));
     serve_until_signal(&trace_export, || node.shutdown()).await
 }
 
 /// `pdflow proxy`: the P/D proxy.
 async fn run_proxy(cmd: ProxyCmd) -> anyhow::Result<bool> {
-    let trace_export = start_node_telemetry(&cmd.trace, export::SERVICE_PROXY, Some(MetricsLayer::global()))?;
+    let (trace_export, faults) =
+        start_node_telemetry(&cmd.trace, export::SERVICE_PROXY, Some(MetricsLayer::global()), TcpConfig::default())?;
     let args = cmd.to_args().map_err(|e| anyhow::anyhow!("invalid proxy arguments:\n  {}", e.join("\n  ")))?;
-    let node = ProxyNode::start(args).await?;
-    register_process_kill(NodeKind::Proxy);
+    let node = ProxyNode::start_with(args, &faults.seam()).await?;
+    faults.register_process_kill(NodeKind::Proxy);
     ready_line(serde_json::json!({"event": "ready", "service": "proxy", "addr": node.addr.to_string()}));
     serve_until_signal(&trace_export, || node.shutdown()).await
 }
@@ -295,18 +319,20 @@ async fn run_proxy(cmd: ProxyCmd) -> anyhow::Result<bool> {
 async fn run_serve(cmd: &ServeCmd) -> anyhow::Result<bool> {
     let service =
         if cmd.role == crate::cli::RoleArg::Producer { export::SERVICE_PREFILL } else { export::SERVICE_DECODE };
-    let trace_export = start_node_telemetry(&cmd.trace, service, Some(MetricsLayer::global()))?;
-    metrics::global().set_block_bytes(cmd.kv_shape.bytes_per_block() as u64);
     let env = vllm_env()?;
-    let cfg = cmd.to_config(&env).map_err(|e| anyhow::anyhow!("invalid serve arguments:\n  {}", e.join("\n  ")))?;
+    let mut cfg = cmd.to_config(&env).map_err(|e| anyhow::anyhow!("invalid serve arguments:\n  {}", e.join("\n  ")))?;
+    let (trace_export, faults) =
+        start_node_telemetry(&cmd.trace, service, Some(MetricsLayer::global()), cfg.tcp.clone())?;
+    metrics::global().set_block_bytes(cmd.kv_shape.bytes_per_block() as u64);
+    cfg.faults = faults.seam();
     let node = EngineNode::start(cfg).await?;
-    register_process_kill(if node.role == pdflow_actors::scheduler_connector::KvRole::Consumer {
+    faults.register_process_kill(if node.role == pdflow_actors::scheduler_connector::KvRole::Consumer {
         NodeKind::D
     } else {
         NodeKind::P
     });
     if node.worker.bootstrap.is_some() {
-        register_process_kill(NodeKind::Bootstrap);
+        faults.register_process_kill(NodeKind::Bootstrap);
     }
     ready_line(serde_json::json!({
         "event": "ready",

@@ -1,6 +1,8 @@
 //! The `tracing` layer that turns step-span edges into faults: on a step span's creation (the step
-//! begins) and on its close (the step ends) it asks the armed plan for the faults of that edge.
-//! Installed by a node only when a plan is given; without an armed plan it returns at once.
+//! begins) and on its close (the step ends) it asks its domain's armed plan for the faults of that
+//! edge. Installed by a tool only with a domain; without an armed plan it returns at once.
+
+use std::sync::Arc;
 
 use tracing::field::{Field, Visit};
 use tracing::span::{Attributes, Id};
@@ -10,11 +12,14 @@ use tracing_subscriber::registry::LookupSpan;
 use tracing_subscriber::Layer;
 
 use super::plan::When;
+use super::FaultDomain;
 use pdflow_telemetry::{attrs, STEP_TARGET};
 
-/// The fault layer: stateless; the armed plan is global ([`super::arm`]).
-#[derive(Debug, Clone, Copy, Default)]
-pub struct FaultLayer;
+/// The fault layer of one [`FaultDomain`] ([`FaultDomain::layer`]).
+#[derive(Clone)]
+pub struct FaultLayer {
+    pub(crate) domain: Arc<FaultDomain>,
+}
 
 /// What the layer keeps on a step span to fire its end faults.
 #[derive(Debug, Default)]
@@ -56,10 +61,10 @@ impl<S: Subscriber + for<'a> LookupSpan<'a>> Layer<S> for FaultLayer {
         if attrs.metadata().target() != STEP_TARGET {
             return;
         }
-        let Some(injector) = super::active() else { return };
+        let Some(injector) = self.domain.active() else { return };
         let mut edge = StepEdge::default();
         attrs.record(&mut edge);
-        injector.on_step(edge.step, When::Begin, &edge.request_id, &edge.transfer_id);
+        injector.on_step(&self.domain.registry, edge.step, When::Begin, &edge.request_id, &edge.transfer_id);
         if let Some(span) = ctx.span(id) {
             span.extensions_mut().insert(edge);
         }
@@ -69,8 +74,8 @@ impl<S: Subscriber + for<'a> LookupSpan<'a>> Layer<S> for FaultLayer {
         let Some(span) = ctx.span(&id) else { return };
         let Some(edge) = span.extensions_mut().remove::<StepEdge>() else { return };
         drop(span);
-        if let Some(injector) = super::active() {
-            injector.on_step(edge.step, When::End, &edge.request_id, &edge.transfer_id);
+        if let Some(injector) = self.domain.active() {
+            injector.on_step(&self.domain.registry, edge.step, When::End, &edge.request_id, &edge.transfer_id);
         }
     }
 }

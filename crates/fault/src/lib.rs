@@ -1,24 +1,23 @@
-//! Fault injection: a [`FaultPlan`] says which faults to inject at which step; the
-//! [`FaultLayer`] watches step spans begin (created) and end (closed) and fires the plan's
-//! actions through a registry in which each node registers its actors by kind and role.
-//!
-//! Nothing here runs unless a plan is given: nodes register only once [`enable`] was called (a
-//! plan was loaded, or `pdflow chaos` runs), the layer is installed only with a plan, and the
-//! hooks the actors call ([`message_fault`], [`data_cut`]) return at once while no plan is armed.
+//! Fault injection for pdflow's chaos tools. A [`FaultPlan`] says which faults to inject at which
+//! step; a [`FaultDomain`] holds one armed plan and the targets of the nodes it was given to. It
+//! reaches those nodes only through their fault seam (`pdflow_actors::fault_seam`, which the
+//! domain implements) and through its [`FaultLayer`], which watches step spans begin (created)
+//! and end (closed). Production nodes get no domain: their seam does nothing, and no code of this
+//! crate is in them.
 //!
 //! - kill: the registered actor's kameo `kill()` (its supervisor restarts the long-lived ones);
 //! - delay: the thread that runs the step stalls (`std::thread::sleep`, a pause or slow peer);
 //! - drop / corrupt: the side-channel message of steps 21 and 30 is not sent / sent with its frame
-//!   header damaged — the sending actor asks [`message_fault`] just before it sends;
-//! - cut_data: P's data connection is cut after K payload bytes of the step-29 write — the
-//!   SendWorker asks [`data_cut`] just before it starts the write and hands K to the transfer
-//!   engine in the plan (`TransferPlan::cut_after`); the tcp writer sends K bytes and shuts the
-//!   connection down both ways;
+//!   header damaged — the seam's `outgoing` hook, just before the actor sends;
+//! - cut_data: step 29's write goes through a [`CutLink`] that dies after K bytes — the seam's
+//!   `data_engine` hook hands the SendWorker a [`CutEngine`] for that request;
 //! - kill_node: the node's registered node handle (`pdflow serve|proxy|bootstrap`: the process
 //!   exits at once; `pdflow chaos`: the runner stops the node hard and starts it again).
 //!
-//! Owns no seed step; acts on all of them.
+//! Each domain is its own: two domains in one process share nothing. Owns no seed step; acts on
+//! all of them.
 
+mod cut_link;
 mod layer;
 pub mod plan;
 mod registry;
@@ -27,94 +26,149 @@ use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
+use pdflow_actors::fault_seam::{FaultSeam, Faults, Killable, Target};
+use pdflow_kv::memory::RegionTable;
+use pdflow_transfer::tcp::TcpConfig;
+use pdflow_transfer::TransferEngine;
+
+pub use cut_link::{CutEngine, CutLink};
 pub use layer::FaultLayer;
-pub use plan::{
-    ActorKind, Fault, FaultAction, FaultPlan, FaultPlanError, NodeKind, Role, When, DATA_STEPS, ENV_FAULT_PLAN,
-    MESSAGE_STEPS,
-};
-pub use registry::{register, Registration, Target};
+pub use pdflow_actors::fault_seam::{ActorKind, NodeKind, Role};
+pub use plan::{Fault, FaultAction, FaultPlan, FaultPlanError, When, DATA_STEPS, ENV_FAULT_PLAN, MESSAGE_STEPS};
+use registry::Registry;
 
-/// Registrations are recorded (a plan was loaded or a chaos run started).
-static ENABLED: AtomicBool = AtomicBool::new(false);
-/// A plan is armed: the layer and the message hooks consult it.
-static ARMED: AtomicBool = AtomicBool::new(false);
-static ACTIVE: Mutex<Option<Arc<FaultInjector>>> = Mutex::new(None);
-
-/// Starts recording registrations (nodes started from now on can be targeted).
-pub fn enable() {
-    ENABLED.store(true, Ordering::Release);
+/// One armed plan (or none) and the targets of the nodes it was given to.
+pub struct FaultDomain {
+    registry: Registry,
+    /// A plan is armed: the layer and the seam's hooks consult it.
+    armed: AtomicBool,
+    active: Mutex<Option<Arc<FaultInjector>>>,
+    /// The data channel's settings of the nodes (a cut write makes its own tcp engine with them).
+    tcp: TcpConfig,
 }
 
-/// Whether registrations are recorded.
-pub fn enabled() -> bool {
-    ENABLED.load(Ordering::Acquire)
-}
-
-/// Arms `plan` (replacing any armed one) and returns its injector, to read what fired.
-pub fn arm(plan: FaultPlan) -> Arc<FaultInjector> {
-    enable();
-    let injector = Arc::new(FaultInjector::new(plan));
-    *ACTIVE.lock().unwrap_or_else(|p| p.into_inner()) = Some(injector.clone());
-    ARMED.store(true, Ordering::Release);
-    injector
-}
-
-/// Disarms the plan; returns it if one was armed.
-pub fn disarm() -> Option<Arc<FaultInjector>> {
-    ARMED.store(false, Ordering::Release);
-    ACTIVE.lock().unwrap_or_else(|p| p.into_inner()).take()
-}
-
-fn active() -> Option<Arc<FaultInjector>> {
-    if !ARMED.load(Ordering::Acquire) {
-        return None;
+impl std::fmt::Debug for FaultDomain {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FaultDomain").field("armed", &self.armed.load(Ordering::Relaxed)).finish_non_exhaustive()
     }
-    ACTIVE.lock().unwrap_or_else(|p| p.into_inner()).clone()
 }
 
-/// What a sending actor does with the message of a step.
+impl FaultDomain {
+    /// A domain with no plan armed, for nodes whose data channel uses `tcp`.
+    pub fn new(tcp: TcpConfig) -> Arc<Self> {
+        Arc::new(Self { registry: Registry::default(), armed: AtomicBool::new(false), active: Mutex::new(None), tcp })
+    }
+
+    /// The seam to give this domain's nodes.
+    pub fn seam(self: &Arc<Self>) -> Faults {
+        self.clone()
+    }
+
+    /// The tracing layer that fires this domain's kills and delays at step edges.
+    pub fn layer(self: &Arc<Self>) -> FaultLayer {
+        FaultLayer { domain: self.clone() }
+    }
+
+    /// Registers a whole node as a `kill_node` target.
+    pub fn register_node(&self, node: NodeKind, killable: Killable) {
+        self.registry.register(Target::Node(node), None, Vec::new(), killable);
+    }
+
+    /// Arms `plan` (replacing any armed one) and returns its injector, to read what fired.
+    pub fn arm(&self, plan: FaultPlan) -> Arc<FaultInjector> {
+        let injector = Arc::new(FaultInjector::new(plan));
+        *self.lock_active() = Some(injector.clone());
+        self.armed.store(true, Ordering::Release);
+        injector
+    }
+
+    /// Disarms the plan; returns it if one was armed.
+    pub fn disarm(&self) -> Option<Arc<FaultInjector>> {
+        self.armed.store(false, Ordering::Release);
+        self.lock_active().take()
+    }
+
+    fn lock_active(&self) -> std::sync::MutexGuard<'_, Option<Arc<FaultInjector>>> {
+        self.active.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn active(&self) -> Option<Arc<FaultInjector>> {
+        if !self.armed.load(Ordering::Acquire) {
+            return None;
+        }
+        self.lock_active().clone()
+    }
+
+    /// The drop / corrupt fault of `step` (21 or 30) for `request_id`, claimed if one applies.
+    pub fn message_fault(&self, step: u8, request_id: &str) -> Option<MessageFault> {
+        let injector = self.active()?;
+        let fault = injector.take(step, None, request_id, |a| matches!(a, FaultAction::Drop | FaultAction::Corrupt));
+        fault.into_iter().find_map(|(index, action)| {
+            let f = match action {
+                FaultAction::Drop => MessageFault::Drop,
+                FaultAction::Corrupt => MessageFault::Corrupt,
+                _ => return None,
+            };
+            injector.record(index, step, When::Begin, request_id, 0);
+            tracing::warn!(step, request_id, fault = ?f, "fault injected");
+            Some(f)
+        })
+    }
+
+    /// The cut of step 29's write for `request_id`, claimed if one applies: `Some(k)` means the
+    /// link dies after `k` bytes (the smallest `k` when several faults apply).
+    pub fn data_cut(&self, request_id: &str) -> Option<u64> {
+        let injector = self.active()?;
+        let step = plan::DATA_STEPS[0];
+        let claimed = injector.take(step, None, request_id, |a| matches!(a, FaultAction::CutData { .. }));
+        let mut cut: Option<u64> = None;
+        for (index, action) in claimed {
+            if let FaultAction::CutData { after_bytes } = action {
+                injector.record(index, step, When::Begin, request_id, 0);
+                cut = Some(cut.map_or(after_bytes, |c| c.min(after_bytes)));
+            }
+        }
+        if let Some(after_bytes) = cut {
+            tracing::warn!(step, request_id, after_bytes, "fault injected: the data link will be cut");
+        }
+        cut
+    }
+}
+
+impl FaultSeam for FaultDomain {
+    fn register(&self, target: Target, role: Option<Role>, transfer_ids: Vec<String>, killable: Killable) {
+        self.registry.register(target, role, transfer_ids, killable);
+    }
+
+    fn outgoing(&self, step: u8, request_id: &str, mut frame: Vec<u8>) -> Option<Vec<u8>> {
+        match self.message_fault(step, request_id) {
+            None => Some(frame),
+            Some(MessageFault::Drop) => None,
+            Some(MessageFault::Corrupt) => {
+                corrupt_frame(&mut frame);
+                Some(frame)
+            }
+        }
+    }
+
+    fn data_engine(
+        &self,
+        request_id: &str,
+        local: &RegionTable,
+        engine: &Arc<dyn TransferEngine>,
+    ) -> Arc<dyn TransferEngine> {
+        match self.data_cut(request_id) {
+            Some(after_bytes) => Arc::new(CutEngine::new(local.clone(), self.tcp.clone(), after_bytes)),
+            None => engine.clone(),
+        }
+    }
+}
+
+/// What the seam does with the side-channel message of a step.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum MessageFault {
     Drop,
     Corrupt,
-}
-
-/// Asked by the actor that sends the side-channel message of `step` (21 or 30) for the request
-/// `request_id`, just before it sends: `None` (no plan armed, or no fault for it) means send.
-pub fn message_fault(step: u8, request_id: &str) -> Option<MessageFault> {
-    let injector = active()?;
-    let fault = injector.take(step, None, request_id, |a| matches!(a, FaultAction::Drop | FaultAction::Corrupt));
-    fault.into_iter().find_map(|(index, action)| {
-        let f = match action {
-            FaultAction::Drop => MessageFault::Drop,
-            FaultAction::Corrupt => MessageFault::Corrupt,
-            _ => return None,
-        };
-        injector.record(index, step, When::Begin, request_id, 0);
-        tracing::warn!(step, request_id, fault = ?f, "fault injected");
-        Some(f)
-    })
-}
-
-/// Asked by P's SendWorker just before it starts the step-29 write for the request `request_id`:
-/// `Some(k)` means the data connection must be cut after `k` payload bytes of the plan (the
-/// smallest `k` when several faults apply); `None` (no plan armed, or no fault for it) means write
-/// normally.
-pub fn data_cut(request_id: &str) -> Option<u64> {
-    let injector = active()?;
-    let step = plan::DATA_STEPS[0];
-    let claimed = injector.take(step, None, request_id, |a| matches!(a, FaultAction::CutData { .. }));
-    let mut cut: Option<u64> = None;
-    for (index, action) in claimed {
-        if let FaultAction::CutData { after_bytes } = action {
-            injector.record(index, step, When::Begin, request_id, 0);
-            cut = Some(cut.map_or(after_bytes, |c| c.min(after_bytes)));
-        }
-    }
-    if let Some(after_bytes) = cut {
-        tracing::warn!(step, request_id, after_bytes, "fault injected: the data connection will be cut");
-    }
-    cut
 }
 
 /// Damages a frame so that its receiver must refuse it (the magic's first byte is flipped).
@@ -191,8 +245,9 @@ impl FaultInjector {
         self.fired.lock().unwrap_or_else(|p| p.into_inner()).push(fired);
     }
 
-    /// The layer's entry point: fire the kill / delay / kill_node faults of this step edge.
-    fn on_step(&self, step: u8, when: When, request_id: &str, transfer_id: &str) {
+    /// The layer's entry point: fire the kill / delay / kill_node faults of this step edge on
+    /// `registry`'s targets.
+    fn on_step(&self, registry: &Registry, step: u8, when: When, request_id: &str, transfer_id: &str) {
         // Message faults and data cuts are claimed by the actor that sends (message_fault, data_cut).
         let claimed = self.take(step, Some(when), request_id, |a| {
             !matches!(a, FaultAction::Drop | FaultAction::Corrupt | FaultAction::CutData { .. })
@@ -201,9 +256,9 @@ impl FaultInjector {
             let killed = match &action {
                 FaultAction::Kill { actor, role } => {
                     let role = role.or(actor.natural_role());
-                    registry::kill(Target::Actor(*actor), role, transfer_id)
+                    registry.kill(Target::Actor(*actor), role, transfer_id)
                 }
-                FaultAction::KillNode { node } => registry::kill(Target::Node(*node), None, ""),
+                FaultAction::KillNode { node } => registry.kill(Target::Node(*node), None, ""),
                 FaultAction::Delay { ms } => {
                     self.record(index, step, when, request_id, 0);
                     std::thread::sleep(std::time::Duration::from_millis(*ms));
@@ -220,3 +275,6 @@ impl FaultInjector {
 
 #[cfg(test)]
 mod tests;
+
+#[cfg(test)]
+mod cut_link_tests;

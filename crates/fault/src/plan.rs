@@ -1,6 +1,6 @@
 //! The fault plan: a typed, serde (JSON) description of the faults to inject — kill an
 //! actor when a step begins or ends, drop / delay / corrupt the side-channel message of a step,
-//! cut P's data connection after K payload bytes, kill a whole node — loaded from
+//! cut P's data link after K bytes, kill a whole node — loaded from
 //! `PDFLOW_FAULT_PLAN` (JSON text, or `@path` to a JSON file).
 //!
 //! ```json
@@ -15,10 +15,10 @@
 //! ]}
 //! ```
 //!
-//! `cut_data` acts on step 29 only (P's write into D's memory): P's tcp writer sends the first
-//! `after_bytes` payload bytes of the transfer plan — counted over the whole plan, in plan order,
-//! whichever streams carry them — then shuts every data connection of that write down hard, as a
-//! network cut or a crash of P mid-transfer would (see `pdflow_transfer::tcp`).
+//! `cut_data` acts on step 29 only (P's write into D's memory): the write goes over tcp through a
+//! link that carries the first `after_bytes` bytes P sends on it — hello, fence, batch headers and
+//! payload, over every stream of the write — then shuts every connection down both ways, as a
+//! network cut or a crash of P mid-transfer would ([`crate::CutLink`]).
 //!
 //! Every fault fires once unless `times` says otherwise; `request_id` (a substring of the step
 //! span's `pd.request_id`) limits it to one request. The plan is validated as a whole: every bad
@@ -39,84 +39,7 @@ pub const MESSAGE_STEPS: [u8; 2] = [steps::D_SEND_PULL_META.number, steps::P_REP
 /// write into D's memory).
 pub const DATA_STEPS: [u8; 1] = [steps::P_TRANSFER_WRITE.number];
 
-/// An actor kind (DESIGN §2); per-request kinds (SendWorker, PullTask) are matched by transfer_id.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum ActorKind {
-    /// The proxy actor (every request's flow asks it for a route).
-    Proxy,
-    Bootstrap,
-    SchedulerConnector,
-    SenderListener,
-    SendWorker,
-    Receiver,
-    PullTask,
-}
-
-impl ActorKind {
-    pub const ALL: [ActorKind; 7] = [
-        ActorKind::Proxy,
-        ActorKind::Bootstrap,
-        ActorKind::SchedulerConnector,
-        ActorKind::SenderListener,
-        ActorKind::SendWorker,
-        ActorKind::Receiver,
-        ActorKind::PullTask,
-    ];
-
-    /// The snake_case name used in plans and reports.
-    pub fn name(self) -> &'static str {
-        match self {
-            ActorKind::Proxy => "proxy",
-            ActorKind::Bootstrap => "bootstrap",
-            ActorKind::SchedulerConnector => "scheduler_connector",
-            ActorKind::SenderListener => "sender_listener",
-            ActorKind::SendWorker => "send_worker",
-            ActorKind::Receiver => "receiver",
-            ActorKind::PullTask => "pull_task",
-        }
-    }
-
-    /// The side this kind lives on when it lives on one only (`None`: both, say which).
-    pub fn natural_role(self) -> Option<Role> {
-        match self {
-            ActorKind::Proxy => Some(Role::Proxy),
-            ActorKind::Bootstrap | ActorKind::SenderListener | ActorKind::SendWorker => Some(Role::P),
-            ActorKind::Receiver | ActorKind::PullTask => Some(Role::D),
-            ActorKind::SchedulerConnector => None,
-        }
-    }
-}
-
-/// Which participant an actor belongs to.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Role {
-    P,
-    D,
-    Proxy,
-}
-
-/// A node that `kill_node` can kill.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum NodeKind {
-    P,
-    D,
-    Bootstrap,
-    Proxy,
-}
-
-impl NodeKind {
-    pub fn name(self) -> &'static str {
-        match self {
-            NodeKind::P => "p",
-            NodeKind::D => "d",
-            NodeKind::Bootstrap => "bootstrap",
-            NodeKind::Proxy => "proxy",
-        }
-    }
-}
+pub use pdflow_actors::fault_seam::{ActorKind, NodeKind, Role};
 
 /// When, relative to the step's span, a fault fires.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
@@ -148,8 +71,8 @@ pub enum FaultAction {
     Delay { ms: u64 },
     /// The whole node stops at once (a process kill).
     KillNode { node: NodeKind },
-    /// P's data connection is cut after this many payload bytes of the step's transfer plan
-    /// (step 29): the bytes before the cut are sent, then the connection is shut down both ways.
+    /// P's data link is cut after it carried this many bytes of the step's write (step 29): the
+    /// bytes before the cut reach D, then every connection of the write is shut down both ways.
     CutData { after_bytes: u64 },
 }
 

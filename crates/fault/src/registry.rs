@@ -1,65 +1,59 @@
-//! The registry of fault targets: each node registers its actors (by kind, role and, for
-//! per-request actors, the transfer ids they serve) and itself, with a kill handle. Entries hold
-//! only weak handles (the caller's closures), and dead ones are pruned on every registration.
+//! A domain's fault targets: the actors its nodes offered through their seam (by kind, role and,
+//! for per-request actors, the transfer ids they serve) and the nodes themselves, each with a kill
+//! handle. Entries hold only weak handles, and dead ones are pruned on every registration.
 
 use std::sync::{Arc, Mutex};
 
-use super::plan::{ActorKind, NodeKind, Role};
-
-/// What a registration stands for.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Target {
-    Actor(ActorKind),
-    Node(NodeKind),
-}
+use pdflow_actors::fault_seam::{Killable, Role, Target};
 
 /// One registered target.
-pub struct Registration {
-    pub target: Target,
-    pub role: Option<Role>,
+struct Registration {
+    target: Target,
+    role: Option<Role>,
     /// Transfer ids a per-request actor serves (empty: serves all).
-    pub transfer_ids: Vec<String>,
-    /// Whether the target still exists.
-    pub alive: Box<dyn Fn() -> bool + Send + Sync>,
-    /// Kills it (kameo `kill()`, or the node's hard stop).
-    pub kill: Arc<dyn Fn() + Send + Sync>,
+    transfer_ids: Vec<String>,
+    killable: Killable,
 }
 
-static REGISTRY: Mutex<Vec<Registration>> = Mutex::new(Vec::new());
+/// The targets of one fault domain.
+#[derive(Default)]
+pub(crate) struct Registry {
+    all: Mutex<Vec<Registration>>,
+}
 
-/// Registers a target; a no-op unless fault injection is enabled ([`super::enable`]).
-pub fn register(registration: Registration) {
-    if !super::enabled() {
-        return;
+impl Registry {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Registration>> {
+        // A list of weak handles: a panicking holder cannot break it.
+        self.all.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
-    let mut all = REGISTRY.lock().unwrap_or_else(|p| p.into_inner());
-    all.retain(|r| (r.alive)());
-    all.push(registration);
-}
 
-/// Kills every live target of `target` (and `role`, if given) that serves `transfer_id`: a
-/// long-lived actor (registered with no transfer ids) always does; a per-request one (SendWorker,
-/// PullTask) only when it serves that transfer — a fault aimed at one request never kills the
-/// workers of the others (all of them only when `transfer_id` is empty). Returns how many were
-/// killed.
-pub(super) fn kill(target: Target, role: Option<Role>, transfer_id: &str) -> usize {
-    let mut all = REGISTRY.lock().unwrap_or_else(|p| p.into_inner());
-    all.retain(|r| (r.alive)());
-    let serves = |r: &Registration| {
-        transfer_id.is_empty() || r.transfer_ids.is_empty() || r.transfer_ids.iter().any(|t| t == transfer_id)
-    };
-    let victims: Vec<&Registration> =
-        all.iter().filter(|r| r.target == target && (role.is_none() || r.role == role) && serves(r)).collect();
-    let kills: Vec<Arc<dyn Fn() + Send + Sync>> = victims.iter().map(|r| r.kill.clone()).collect();
-    drop(all);
-    // Outside the lock: a kill may close spans, which come back through the layer.
-    for kill in &kills {
-        kill();
+    pub(crate) fn register(&self, target: Target, role: Option<Role>, transfer_ids: Vec<String>, killable: Killable) {
+        let mut all = self.lock();
+        all.retain(|r| (r.killable.alive)());
+        all.push(Registration { target, role, transfer_ids, killable });
     }
-    kills.len()
-}
 
-#[cfg(test)]
-pub(super) fn clear() {
-    REGISTRY.lock().unwrap_or_else(|p| p.into_inner()).clear();
+    /// Kills every live target of `target` (and `role`, if given) that serves `transfer_id`: a
+    /// long-lived actor (registered with no transfer ids) always does; a per-request one
+    /// (SendWorker, PullTask) only when it serves that transfer — a fault aimed at one request
+    /// never kills the workers of the others (all of them only when `transfer_id` is empty).
+    /// Returns how many were killed.
+    pub(crate) fn kill(&self, target: Target, role: Option<Role>, transfer_id: &str) -> usize {
+        let mut all = self.lock();
+        all.retain(|r| (r.killable.alive)());
+        let serves = |r: &Registration| {
+            transfer_id.is_empty() || r.transfer_ids.is_empty() || r.transfer_ids.iter().any(|t| t == transfer_id)
+        };
+        let kills: Vec<Arc<dyn Fn() + Send + Sync>> = all
+            .iter()
+            .filter(|r| r.target == target && (role.is_none() || r.role == role) && serves(r))
+            .map(|r| r.killable.kill.clone())
+            .collect();
+        drop(all);
+        // Outside the lock: a kill may close spans, which come back through the layer.
+        for kill in &kills {
+            kill();
+        }
+        kills.len()
+    }
 }

@@ -22,11 +22,6 @@ pub struct TransferPlan {
     /// D's write-fence token for the pull this plan serves (0: none). The tcp engine names it
     /// before the plan's batches; D's data server writes them only while the token is open.
     pub fence: u64,
-    /// Fault injection only (`cut_data` at step 29): the tcp writer sends the first
-    /// `cut_after` payload bytes of the plan, then shuts its data connections down both ways and
-    /// fails the write. `None` (always, unless a fault plan is armed): write everything. Never
-    /// sent on the wire.
-    pub cut_after: Option<u64>,
     /// No byte may be written after this instant (D's pull deadline, less a margin): the
     /// same-host path, which no data-server fence guards, stops between system calls there, so a
     /// late write never lands in blocks D gave up. `None`: the engine's write deadline only.
@@ -90,7 +85,7 @@ pub fn build_plan(
             });
         }
     }
-    Ok(TransferPlan { descriptors, fence: 0, cut_after: None, write_by: None })
+    Ok(TransferPlan { descriptors, fence: 0, write_by: None })
 }
 
 /// Runs `(start index, length)` over which both id lists advance by exactly one.

@@ -6,8 +6,7 @@ use std::net::SocketAddr;
 use kameo::prelude::*;
 use kameo::supervision::RestartPolicy;
 use pdflow_actors::bootstrap::{Bootstrap, BootstrapArgs};
-use pdflow_actors::fault_hooks::register_actor;
-use pdflow_fault::{ActorKind, Role};
+use pdflow_actors::fault_seam::{no_faults, register_actor, ActorKind, Faults, Role};
 use pdflow_messages::bootstrap::BootstrapAddr;
 
 use super::supervisor::{NodeSupervisor, MAX_RESTARTS, RESTART_WINDOW};
@@ -23,14 +22,23 @@ pub struct BootstrapNode {
 impl BootstrapNode {
     /// Starts a bootstrap server under its own supervisor.
     pub async fn start(bind: SocketAddr) -> Result<Self, NodeError> {
+        Self::start_with(bind, &no_faults()).await
+    }
+
+    /// [`BootstrapNode::start`], its actor offered to `faults`.
+    pub async fn start_with(bind: SocketAddr, faults: &Faults) -> Result<Self, NodeError> {
         let supervisor = NodeSupervisor::spawn("bootstrap".to_string());
-        let mut node = Self::start_under(&supervisor, bind).await?;
+        let mut node = Self::start_under(&supervisor, bind, faults).await?;
         node.supervisor = Some(supervisor);
         Ok(node)
     }
 
     /// Starts a bootstrap server under an existing node's supervisor.
-    pub async fn start_under(supervisor: &ActorRef<NodeSupervisor>, bind: SocketAddr) -> Result<Self, NodeError> {
+    pub async fn start_under(
+        supervisor: &ActorRef<NodeSupervisor>,
+        bind: SocketAddr,
+        faults: &Faults,
+    ) -> Result<Self, NodeError> {
         let bind = super::fixed_port(bind, "bootstrap HTTP server")?;
         let bootstrap = Bootstrap::supervise(supervisor, BootstrapArgs { bind })
             .restart_policy(RestartPolicy::Transient)
@@ -38,7 +46,7 @@ impl BootstrapNode {
             .spawn()
             .await;
         started("Bootstrap", &bootstrap).await?;
-        register_actor(ActorKind::Bootstrap, Role::P, Vec::new(), &bootstrap);
+        register_actor(faults, ActorKind::Bootstrap, Role::P, Vec::new(), &bootstrap);
         let addr = bootstrap
             .ask(BootstrapAddr)
             .await

@@ -9,9 +9,8 @@ use std::sync::Arc;
 
 use kameo::prelude::*;
 use kameo::supervision::RestartPolicy;
-use pdflow_actors::fault_hooks::register_actor;
+use pdflow_actors::fault_seam::{register_actor, ActorKind, Faults, Role};
 use pdflow_actors::scheduler_connector::{KvRole, SchedulerConnector, SchedulerConnectorArgs};
-use pdflow_fault::{ActorKind, Role};
 use pdflow_kv::memory::KvCache;
 use pdflow_sim_engine::ports::Connector;
 use pdflow_sim_engine::{api, Engine, EngineConfig, EngineHandle};
@@ -43,6 +42,8 @@ pub struct EngineNodeConfig {
     /// D in this process by cuda-peer, on this host by cuda-ipc, elsewhere by cuda-staged
     /// (`tcp.gpu_path` chooses).
     pub kv_device: Option<usize>,
+    /// The fault seam its actors are offered to ([`pdflow_actors::fault_seam::no_faults`]: none).
+    pub faults: Faults,
 }
 
 /// A running engine node.
@@ -82,7 +83,7 @@ impl EngineNode {
             .await;
         started("SchedulerConnector", &connector).await?;
         let role = if cfg.role == KvRole::Consumer { Role::D } else { Role::P };
-        register_actor(ActorKind::SchedulerConnector, role, Vec::new(), &connector);
+        register_actor(&cfg.faults, ActorKind::SchedulerConnector, role, Vec::new(), &connector);
         let spec = WorkerSpec {
             engine_id: engine_id.clone(),
             role: cfg.role,
@@ -93,6 +94,7 @@ impl EngineNode {
             deadlines: cfg.deadlines,
             tcp: cfg.tcp.clone(),
             verify_checksums: cfg.verify_checksums,
+            faults: cfg.faults.clone(),
         };
         let worker = Worker::start_under(&supervisor, &kv_cache, &spec).await?;
         let mut engine_cfg = cfg.engine.clone();

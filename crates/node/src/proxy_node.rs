@@ -6,10 +6,9 @@ use std::net::SocketAddr;
 
 use kameo::prelude::*;
 use kameo::supervision::RestartPolicy;
-use pdflow_actors::fault_hooks::register_actor;
+use pdflow_actors::fault_seam::{no_faults, register_actor, ActorKind, Faults, Role};
 use pdflow_actors::proxy::{Proxy, ProxyArgs, ProxyServer};
 use pdflow_actors::ActorError;
-use pdflow_fault::{ActorKind, Role};
 
 use super::supervisor::{NodeSupervisor, MAX_RESTARTS, RESTART_WINDOW};
 use super::{started, NodeError};
@@ -24,6 +23,11 @@ pub struct ProxyNode {
 
 impl ProxyNode {
     pub async fn start(args: ProxyArgs) -> Result<Self, NodeError> {
+        Self::start_with(args, &no_faults()).await
+    }
+
+    /// [`ProxyNode::start`], its actor offered to `faults`.
+    pub async fn start_with(args: ProxyArgs, faults: &Faults) -> Result<Self, NodeError> {
         let bind = args.bind;
         let upstream_timeout = args.upstream_timeout;
         let supervisor = NodeSupervisor::spawn("proxy".to_string());
@@ -33,7 +37,7 @@ impl ProxyNode {
             .spawn()
             .await;
         started("Proxy", &proxy).await?;
-        register_actor(ActorKind::Proxy, Role::Proxy, Vec::new(), &proxy);
+        register_actor(faults, ActorKind::Proxy, Role::Proxy, Vec::new(), &proxy);
         let server = match ProxyServer::start(bind, proxy.clone(), upstream_timeout).await {
             Ok(server) => server,
             Err(e) => {

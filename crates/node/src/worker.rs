@@ -18,11 +18,10 @@ use std::time::Duration;
 
 use kameo::prelude::*;
 use kameo::supervision::RestartPolicy;
-use pdflow_actors::fault_hooks::register_actor;
+use pdflow_actors::fault_seam::{register_actor, ActorKind, Faults, Role};
 use pdflow_actors::receiver::{Receiver, ReceiverArgs};
 use pdflow_actors::scheduler_connector::KvRole;
 use pdflow_actors::sender_listener::{SenderListener, SenderListenerArgs};
-use pdflow_fault::{ActorKind, Role};
 use pdflow_kv::memory::KvCache;
 use pdflow_transfer::tcp::{TcpConfig, TcpDataServer};
 use tokio::sync::Notify;
@@ -77,6 +76,8 @@ pub struct WorkerSpec {
     pub tcp: TcpConfig,
     /// Record KV checksums on both sides of every transfer (steps 29 and 34).
     pub verify_checksums: bool,
+    /// The fault seam its actors are offered to ([`pdflow_actors::fault_seam::no_faults`]: none).
+    pub faults: Faults,
 }
 
 /// The running worker side of one engine.
@@ -132,7 +133,7 @@ impl Worker {
                 let bind: SocketAddr = format!("{}:{port}", spec.host)
                     .parse()
                     .map_err(|e| NodeError::Config(format!("bootstrap address {}:{port}: {e}", spec.host)))?;
-                let node = BootstrapNode::start_under(supervisor, bind).await?;
+                let node = BootstrapNode::start_under(supervisor, bind, &spec.faults).await?;
                 let url = node.url();
                 self.bootstrap = Some(node);
                 Some(url)
@@ -157,6 +158,7 @@ impl Worker {
             events: self.events.clone(),
             verify_checksums: spec.verify_checksums,
             lineage: Default::default(),
+            faults: spec.faults.clone(),
         };
         let listener = SenderListener::supervise(supervisor, args)
             .restart_policy(RestartPolicy::Transient)
@@ -164,7 +166,7 @@ impl Worker {
             .spawn()
             .await;
         started("SenderListener", &listener).await?;
-        register_actor(ActorKind::SenderListener, Role::P, Vec::new(), &listener);
+        register_actor(&spec.faults, ActorKind::SenderListener, Role::P, Vec::new(), &listener);
         self.sender_listener = Some(listener);
         Ok(())
     }
@@ -191,6 +193,7 @@ impl Worker {
             events: self.events.clone(),
             verify_checksums: spec.verify_checksums,
             fence: Some(fence),
+            faults: spec.faults.clone(),
         };
         self.data_server = Some(server);
         let receiver = Receiver::supervise(supervisor, args)
@@ -199,7 +202,7 @@ impl Worker {
             .spawn()
             .await;
         started("Receiver", &receiver).await?;
-        register_actor(ActorKind::Receiver, Role::D, Vec::new(), &receiver);
+        register_actor(&spec.faults, ActorKind::Receiver, Role::D, Vec::new(), &receiver);
         self.receiver = Some(receiver);
         Ok(())
     }

@@ -219,6 +219,7 @@ impl LocalCluster {
             tcp: TcpConfig { gpu_path: opts.gpu_path, ..TcpConfig::default() },
             verify_checksums,
             kv_device: opts.device.of(role),
+            faults: pdflow_actors::fault_seam::no_faults(),
         };
         let prefill = EngineNode::start(node_cfg(
             KvRole::Producer,

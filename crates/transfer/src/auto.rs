@@ -115,10 +115,6 @@ impl AutoTransferEngine {
         for d in &descriptors {
             self.local.check_host(d.src, d.len)?;
         }
-        // Fault injection (`cut_data`) cuts the tcp data connection: such a plan always goes by tcp.
-        if plan.cut_after.is_some() {
-            return self.tcp.write(peer, plan).await;
-        }
         let mut route = self.route(peer).await?;
         if let Route::SameHost(p) = &route {
             // The cached pid must still be D (a restarted D gets a new canary).

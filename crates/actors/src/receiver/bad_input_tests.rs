@@ -58,6 +58,7 @@ impl Harness {
         register(&bootstrap, P_ENGINE, 0, &p.addr).await;
         let events = Arc::new(Notify::new());
         let receiver = Receiver::spawn(ReceiverArgs {
+            faults: crate::fault_seam::no_faults(),
             engine_id: "d-engine".into(),
             tp_rank: 0,
             tp_size: 1,

@@ -49,6 +49,7 @@ fn rig(transfer: impl FnOnce(&Arc<KvCache>, &Arc<KvCache>) -> Arc<dyn TransferEn
     let (tx, outcomes) = mpsc::unbounded_channel();
     let collector = Collector::spawn(Collector(tx));
     let args = SendWorkerArgs {
+        faults: crate::fault_seam::no_faults(),
         transfer_id: "xfer-1".into(),
         generation: 7,
         listener: collector.clone().recipient::<SendOutcome>().downgrade(),

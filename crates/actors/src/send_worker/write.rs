@@ -2,12 +2,15 @@
 //! is built from P's blocks and D's offered ones, the write runs in a task the worker owns, and
 //! its end marks the request sent and answers every pull.
 
+use std::sync::Arc;
+
 use kameo::prelude::*;
 use pdflow_kv::planner::{build_plan, TransferPlan};
 use pdflow_messages::send_worker::{PullReply, ServePull};
 use pdflow_messages::sender_listener::{PullErr, PullErrorCause};
 use pdflow_messages::BlockId;
 use pdflow_telemetry::{attrs, step_span, steps};
+use pdflow_transfer::TransferEngine;
 use tracing::{Instrument, Span};
 
 use super::{Phase, SendWorker, WaitingPull, WriteDone, Writing};
@@ -30,12 +33,12 @@ impl SendWorker {
         let write_span = self.write_span(&pull, p_req_id.as_deref(), &plan, &src_blocks);
         // No byte after D's pull deadline (less a margin): D gives the blocks up then.
         let plan = TransferPlan { write_by: pull.write_by, ..plan };
-        // Fault injection (`cut_data`): returns at once unless a fault plan is armed.
-        let plan = match p_req_id.as_deref().and_then(pdflow_fault::data_cut) {
-            Some(after_bytes) => TransferPlan { cut_after: Some(after_bytes), ..plan },
-            None => plan,
-        };
-        self.start_write(pull, plan, write_span, me);
+        let transfer = self.args.faults.data_engine(
+            p_req_id.as_deref().unwrap_or_default(),
+            &self.args.kv_cache.region_table(),
+            &self.args.transfer,
+        );
+        self.start_write(pull, plan, transfer, write_span, me);
     }
 
     /// The pull's wait for ready (step 22) ends: its deadline and the ready blocks' expiry are
@@ -119,8 +122,14 @@ impl SendWorker {
 
     /// Step 29: the write into D's memory, in a task this actor owns; its end comes back as
     /// [`WriteDone`].
-    fn start_write(&mut self, pull: ServePull, plan: TransferPlan, write_span: Span, me: &ActorRef<Self>) {
-        let transfer = self.args.transfer.clone();
+    fn start_write(
+        &mut self,
+        pull: ServePull,
+        plan: TransferPlan,
+        transfer: Arc<dyn TransferEngine>,
+        write_span: Span,
+        me: &ActorRef<Self>,
+    ) {
         let peer = pull.data_addr.clone();
         let me = me.clone();
         let task = tokio::spawn(

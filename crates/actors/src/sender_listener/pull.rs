@@ -38,12 +38,27 @@ impl SenderListener {
     pub(super) fn send(&self, identity: Bytes, response: &PullResponse) {
         let response = &PullResponse { p_generation: self.p_generation, ..response.clone() };
         match frame::encode(response) {
+            Ok(body) => self.send_frame(identity, body),
+            Err(e) => tracing::error!(error = %e, "cannot encode a side-channel response"),
+        }
+    }
+
+    /// Sends the answer of `step` about D's request `d_req_id` through the node's fault seam.
+    fn send_step(&self, step: u8, d_req_id: &str, identity: Bytes, response: &PullResponse) {
+        let response = &PullResponse { p_generation: self.p_generation, ..response.clone() };
+        match frame::encode(response) {
             Ok(body) => {
-                if self.replies.send((identity, body)).is_err() {
-                    tracing::error!(addr = %self.addr, "side-channel writer is gone: response dropped");
+                if let Some(body) = self.args.faults.outgoing(step, d_req_id, body) {
+                    self.send_frame(identity, body);
                 }
             }
             Err(e) => tracing::error!(error = %e, "cannot encode a side-channel response"),
+        }
+    }
+
+    fn send_frame(&self, identity: Bytes, body: Vec<u8>) {
+        if self.replies.send((identity, body)).is_err() {
+            tracing::error!(addr = %self.addr, "side-channel writer is gone: response dropped");
         }
     }
 
@@ -88,17 +103,7 @@ impl SenderListener {
         if last {
             self.pulls.remove(&key);
         }
-        match pdflow_fault::message_fault(steps::P_REPLY_FINISH.number, d_req_id) {
-            None => span.in_scope(|| self.send(identity, &response)),
-            Some(pdflow_fault::MessageFault::Drop) => {}
-            Some(pdflow_fault::MessageFault::Corrupt) => span.in_scope(|| match frame::encode(&response) {
-                Ok(mut body) => {
-                    pdflow_fault::corrupt_frame(&mut body);
-                    let _ = self.replies.send((identity, body));
-                }
-                Err(e) => tracing::error!(error = %e, "cannot encode a side-channel response"),
-            }),
-        }
+        span.in_scope(|| self.send_step(steps::P_REPLY_FINISH.number, d_req_id, identity, &response));
     }
 
     /// Steps 21 (receive) and 22 (routing): check, track and route one pull.

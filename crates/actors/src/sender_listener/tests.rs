@@ -37,6 +37,7 @@ fn args(
     bootstrap_url: Option<String>,
 ) -> SenderListenerArgs {
     SenderListenerArgs {
+        faults: crate::fault_seam::no_faults(),
         side_channel_port: Arc::new(std::sync::atomic::AtomicU16::new(0)),
         engine_id: "engine-p".into(),
         dp_rank: 0,

@@ -34,7 +34,6 @@ fn batch_copy_moves_aligned_and_unaligned_descriptors() {
             Descriptor { src: src.ptr + (1 << 20), dst: dst.ptr + (3 << 20), len: 64 * 1024 * 3 },
         ],
         fence: 0,
-        cut_after: None,
         write_by: None,
     };
     let up = copier.upload(&plan).expect("upload");
@@ -66,7 +65,6 @@ fn a_reused_descriptor_table_carries_the_next_plan_and_grows_when_needed() {
             .map(|i| Descriptor { src: src.ptr + off + i * 4096, dst: dst.ptr + (n - 1 - i) * 4096, len: 4096 })
             .collect(),
         fence: 0,
-        cut_after: None,
         write_by: None,
     };
     let first = copier.upload(&plan(10, 0)).expect("upload");

@@ -3,8 +3,10 @@
 //! to the single-engine reference, P and D back at their block baseline, and the next request
 //! served correctly.
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use pdflow_fault::FaultDomain;
 use pdflow_telemetry::capture::SpanCapture;
 use pdflow_telemetry::{attrs, steps};
 use serde::Serialize;
@@ -112,6 +114,8 @@ pub(super) fn judge(
 pub struct CellEnv<'a> {
     pub spec: ChaosSpec,
     pub capture: &'a SpanCapture,
+    /// The domain the cells' clusters are given and their plans are armed in.
+    pub faults: &'a Arc<FaultDomain>,
     pub client: &'a reqwest::Client,
     /// URL of the single engine that gives the reference tokens.
     pub reference_url: &'a str,
@@ -163,7 +167,7 @@ pub(super) async fn reference_tokens(
 /// Runs one cell; a cluster that cannot start is a failed cell, not an error.
 pub async fn run_cell(cell: &CellSpec, seed: u64, env: &CellEnv<'_>) -> CellResult {
     let mut result = CellResult::new(&cell.actor, cell.step, &cell.fault);
-    let mut cluster = match ChaosCluster::start(env.spec).await {
+    let mut cluster = match ChaosCluster::start(env.spec, env.faults).await {
         Ok(c) => c,
         Err(e) => {
             result.detail = format!("cluster did not start: {e}");
@@ -171,7 +175,7 @@ pub async fn run_cell(cell: &CellSpec, seed: u64, env: &CellEnv<'_>) -> CellResu
         }
     };
     let problems = drive(cell, seed, env, &mut cluster, &mut result).await;
-    pdflow_fault::disarm();
+    env.faults.disarm();
     cluster.shutdown().await;
     result.passed = problems.is_empty();
     result.detail = problems.join("; ");
@@ -193,7 +197,7 @@ async fn drive(
         Err(e) => return vec![e],
     };
     env.capture.clear();
-    let injector = pdflow_fault::arm(cell.plan.clone());
+    let injector = env.faults.arm(cell.plan.clone());
     let started = Instant::now();
     let client_deadline = env.terminal_deadline * 2;
     let request = {
@@ -228,7 +232,7 @@ async fn drive(
     let settle = pdflow_node::engine_node::kv_state_timeout(&env.spec.deadlines) + Duration::from_secs(1);
     (result.leaked_blocks_p, result.leaked_blocks_d) = settle_blocks(cluster, settle, &mut problems).await;
     let fired = injector.fired();
-    pdflow_fault::disarm();
+    env.faults.disarm();
     // A node killed by the very last edge is restarted before the next request.
     restart_killed(cluster, &mut problems).await;
     result.fired =

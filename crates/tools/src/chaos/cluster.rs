@@ -8,9 +8,10 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use pdflow_actors::fault_seam::{Faults, Killable};
 use pdflow_actors::proxy::{PrefillTarget, ProxyArgs};
 use pdflow_actors::scheduler_connector::KvRole;
-use pdflow_fault::{NodeKind, Registration, Target};
+use pdflow_fault::{FaultDomain, NodeKind};
 use pdflow_kv::memory::KvShape;
 use pdflow_sim_engine::scheduler::BlockStats;
 use pdflow_sim_engine::{EngineConfig, LoadFailurePolicy};
@@ -52,11 +53,19 @@ pub struct ChaosCluster {
     kill_tx: Arc<mpsc::UnboundedSender<NodeKind>>,
     /// Nodes killed and started again during the cell.
     pub restarted: Vec<NodeKind>,
+    /// The seam every node of the cluster is given.
+    faults: Faults,
 }
 
 /// One engine node's config for a chaos cluster (loopback, port 0, the spec's shape, blocks, policy
-/// and deadlines).
-pub fn node_cfg(spec: &ChaosSpec, role: KvRole, id: String, bootstrap: BootstrapPlacement) -> EngineNodeConfig {
+/// and deadlines; its actors offered to `faults`).
+pub fn node_cfg(
+    spec: &ChaosSpec,
+    role: KvRole,
+    id: String,
+    bootstrap: BootstrapPlacement,
+    faults: &Faults,
+) -> EngineNodeConfig {
     EngineNodeConfig {
         role,
         host: "127.0.0.1".into(),
@@ -73,6 +82,7 @@ pub fn node_cfg(spec: &ChaosSpec, role: KvRole, id: String, bootstrap: Bootstrap
         tcp: TcpConfig::default(),
         verify_checksums: false,
         kv_device: None,
+        faults: faults.clone(),
     }
 }
 
@@ -94,8 +104,10 @@ where
 }
 
 impl ChaosCluster {
-    pub async fn start(spec: ChaosSpec) -> Result<Self, NodeError> {
-        let bootstrap = BootstrapNode::start(SocketAddr::from(([127, 0, 0, 1], 0))).await?;
+    /// Starts the cluster, its nodes and their actors registered in `domain`.
+    pub async fn start(spec: ChaosSpec, domain: &Arc<FaultDomain>) -> Result<Self, NodeError> {
+        let faults = domain.seam();
+        let bootstrap = BootstrapNode::start_with(SocketAddr::from(([127, 0, 0, 1], 0)), &faults).await?;
         let bootstrap_addr = bootstrap.addr;
         let suffix = uuid::Uuid::new_v4().simple().to_string();
         let mut p_cfg = node_cfg(
@@ -103,21 +115,26 @@ impl ChaosCluster {
             KvRole::Producer,
             format!("prefill-{}", &suffix[..8]),
             BootstrapPlacement::External { url: bootstrap.url() },
+            &faults,
         );
         let prefill = EngineNode::start(p_cfg.clone()).await?;
         p_cfg.port = prefill.http_addr.port();
         let p_side_channel_port = prefill.side_channel_port();
-        let mut d_cfg = node_cfg(&spec, KvRole::Consumer, format!("decode-{}", &suffix[..8]), BootstrapPlacement::None);
+        let mut d_cfg =
+            node_cfg(&spec, KvRole::Consumer, format!("decode-{}", &suffix[..8]), BootstrapPlacement::None, &faults);
         let decode = EngineNode::start(d_cfg.clone()).await?;
         d_cfg.port = decode.http_addr.port();
-        let proxy = ProxyNode::start(ProxyArgs {
-            bind: SocketAddr::from(([127, 0, 0, 1], 0)),
-            prefill: vec![PrefillTarget { url: prefill.url(), bootstrap_port: bootstrap_addr.port() }],
-            decode: vec![decode.url()],
-            health_interval: Duration::from_millis(25),
-            upstream_timeout: spec.upstream_timeout,
-            ready_timeout: None,
-        })
+        let proxy = ProxyNode::start_with(
+            ProxyArgs {
+                bind: SocketAddr::from(([127, 0, 0, 1], 0)),
+                prefill: vec![PrefillTarget { url: prefill.url(), bootstrap_port: bootstrap_addr.port() }],
+                decode: vec![decode.url()],
+                health_interval: Duration::from_millis(25),
+                upstream_timeout: spec.upstream_timeout,
+                ready_timeout: None,
+            },
+            &faults,
+        )
         .await?;
         let client = reqwest::Client::builder()
             .no_proxy()
@@ -130,17 +147,17 @@ impl ChaosCluster {
         let kill_tx = Arc::new(tx);
         for node in [NodeKind::P, NodeKind::D, NodeKind::Bootstrap] {
             let (alive, kill) = (Arc::downgrade(&kill_tx), Arc::downgrade(&kill_tx));
-            pdflow_fault::register(Registration {
-                target: Target::Node(node),
-                role: None,
-                transfer_ids: Vec::new(),
-                alive: Box::new(move || alive.upgrade().is_some_and(|tx| !tx.is_closed())),
-                kill: Arc::new(move || {
-                    if let Some(tx) = kill.upgrade() {
-                        let _ = tx.send(node);
-                    }
-                }),
-            });
+            domain.register_node(
+                node,
+                Killable {
+                    alive: Box::new(move || alive.upgrade().is_some_and(|tx| !tx.is_closed())),
+                    kill: Arc::new(move || {
+                        if let Some(tx) = kill.upgrade() {
+                            let _ = tx.send(node);
+                        }
+                    }),
+                },
+            );
         }
         Ok(Self {
             spec,
@@ -155,6 +172,7 @@ impl ChaosCluster {
             kills,
             kill_tx,
             restarted: Vec::new(),
+            faults,
         })
     }
 
@@ -185,7 +203,8 @@ impl ChaosCluster {
                     b.kill().await;
                 }
                 let addr = self.bootstrap_addr;
-                self.bootstrap = Some(retry_bind(|| BootstrapNode::start(addr)).await?);
+                let faults = self.faults.clone();
+                self.bootstrap = Some(retry_bind(|| BootstrapNode::start_with(addr, &faults)).await?);
             }
             NodeKind::Proxy => {
                 return Err(NodeError::Config(

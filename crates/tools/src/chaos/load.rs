@@ -46,7 +46,7 @@ pub use report::{render, BadRequest, LoadReport, TerminalMs};
 
 use super::cell::{body, token_ids, truncate, Outcome};
 use super::cluster::ChaosSpec;
-use super::Reference;
+use super::{ChaosLayers, Reference};
 use pdflow_node::NodeError;
 use verdict::{classify, outcome_name, verdict, Answer, Problem};
 
@@ -317,13 +317,13 @@ async fn blast(
 /// `pdflow chaos --load`: runs the load, prints progress and the summary, writes `json`;
 /// `Ok(true)` when it passed.
 pub async fn run_cli(opts: &LoadOptions, json: Option<&std::path::Path>) -> Result<bool, NodeError> {
-    let capture = super::install_layers();
+    let layers = super::install_layers();
     println!(
         "pdflow chaos --load: {} requests at concurrency {} through the proxy and {PREFILLS}P{DECODES}D, fault rate {} (seed {}), D's policy {:?}",
         opts.requests, opts.concurrency, opts.fault_rate, opts.seed, opts.policy
     );
     let step = |total: usize| (total / 10).max(1);
-    let report = run(opts, &capture, |phase, n, total| {
+    let report = run(opts, &layers, |phase, n, total| {
         if n % step(total) == 0 || n == total {
             eprintln!("  {phase:?}: {n}/{total}");
         }
@@ -349,11 +349,10 @@ pub enum Phase {
 /// Runs the load; `progress` sees (phase, answered, total) after every answer.
 pub async fn run(
     opts: &LoadOptions,
-    capture: &SpanCapture,
+    layers: &ChaosLayers,
     mut progress: impl FnMut(Phase, usize, usize),
 ) -> Result<LoadReport, NodeError> {
     opts.validate().map_err(|e| NodeError::Config(e.join("; ")))?;
-    pdflow_fault::enable();
     let spec = load_spec(opts);
     let client =
         reqwest::Client::builder().no_proxy().build().map_err(|e| NodeError::Config(format!("HTTP client: {e}")))?;
@@ -362,12 +361,12 @@ pub async fn run(
     let prompts = Prompts::make(opts, &mut rng, &client, &reference).await;
     reference.shutdown().await;
     let prompts = prompts?;
-    let cluster = LoadCluster::start(&spec, PREFILLS, DECODES).await?;
+    let cluster = LoadCluster::start(&spec, PREFILLS, DECODES, &layers.faults.seam()).await?;
     let log = Arc::new(Mutex::new(SpanLog::default()));
     let stop = CancellationToken::new();
-    let drain = spawn_drain(capture.clone(), log.clone(), stop.clone());
-    let result = drive(opts, &spec, &cluster, &client, &prompts, &mut rng, capture, &log, &mut progress).await;
-    pdflow_fault::disarm();
+    let drain = spawn_drain(layers.capture.clone(), log.clone(), stop.clone());
+    let result = drive(opts, &spec, &cluster, &client, &prompts, &mut rng, layers, &log, &mut progress).await;
+    layers.faults.disarm();
     stop.cancel();
     let _ = drain.await;
     cluster.shutdown().await;
@@ -382,10 +381,11 @@ async fn drive(
     client: &reqwest::Client,
     prompts: &Prompts,
     rng: &mut SplitMix64,
-    capture: &SpanCapture,
+    layers: &ChaosLayers,
     log: &Mutex<SpanLog>,
     progress: &mut impl FnMut(Phase, usize, usize),
 ) -> LoadReport {
+    let capture = &layers.capture;
     let url = format!("{}/v1/completions", cluster.proxy_url());
     let terminal_deadline = super::terminal_deadline(spec);
     let client_deadline = terminal_deadline * 2;
@@ -417,7 +417,7 @@ async fn drive(
         problems.push(format!("--exclude {:?} leaves no fault to give", opts.exclude));
     }
     let (plan, planned) = faults::plan(opts.requests, opts.fault_rate, &menu, rng, client_id);
-    let injector = pdflow_fault::arm(plan);
+    let injector = layers.faults.arm(plan);
     let started = Instant::now();
     let answers =
         blast(to, prompts, &ids, &prompt_of, opts.concurrency, |n| progress(Phase::Run, n, opts.requests)).await;
@@ -427,7 +427,7 @@ async fn drive(
     // Blocks: the plan stays armed while the tails (P's steps 31–33) finish.
     let held = cluster.wait_baseline(settle_within).await;
     let fired = injector.fired();
-    pdflow_fault::disarm();
+    layers.faults.disarm();
     log.lock().unwrap_or_else(|p| p.into_inner()).drain(capture);
 
     // Classify.

@@ -121,7 +121,7 @@ fn delay(actor: &str, step: u8, ms: u64) -> CellSpec {
     )
 }
 
-/// The data connection of P's write (step 29) is cut after `after_bytes` payload bytes.
+/// The data link of P's write (step 29) is cut after it carried `after_bytes` bytes.
 fn cut_data(after_bytes: u64) -> CellSpec {
     let f = Fault::new(steps::P_TRANSFER_WRITE.number, When::Begin, FaultAction::CutData { after_bytes });
     CellSpec::new("send_worker".into(), format!("cut_data@{after_bytes}"), f)
@@ -130,8 +130,9 @@ fn cut_data(after_bytes: u64) -> CellSpec {
 /// The prompt length of a chaos request (`chaos::run` and the chaos tests send 40 tokens).
 const CHAOS_PROMPT_TOKENS: usize = 40;
 
-/// Where the data cuts fall in a chaos request's plan: before the first payload byte, inside the
-/// first layer's descriptor, half-way, and after the last byte (D's ack is never read).
+/// Where the data cuts fall in a chaos request's write (bytes P sends on the link: hello, fence
+/// and batch header come before the payload): before the hello, inside the first layer's
+/// descriptor, half-way, and a header's length before the last payload byte.
 pub fn cut_points() -> [u64; 4] {
     let shape = super::CHAOS_SHAPE;
     let request_bytes = (CHAOS_PROMPT_TOKENS.div_ceil(shape.block_size) * shape.bytes_per_block()) as u64;

@@ -22,11 +22,14 @@ pub mod net;
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use pdflow_fault::FaultDomain;
 use pdflow_kv::memory::{KvCache, KvShape};
 use pdflow_sim_engine::{api, Engine, EngineConfig, LoadFailurePolicy};
 use pdflow_telemetry::capture::SpanCapture;
+use pdflow_transfer::tcp::TcpConfig;
 use serde::Serialize;
 
 pub use cell::{run_cell, CellEnv, CellResult, Outcome};
@@ -131,10 +134,9 @@ pub fn terminal_deadline(spec: &ChaosSpec) -> Duration {
 /// Runs the matrix; `progress` sees each result as it comes.
 pub async fn run(
     opts: &ChaosOptions,
-    capture: &SpanCapture,
+    layers: &ChaosLayers,
     mut progress: impl FnMut(usize, usize, &CellResult),
 ) -> Result<ChaosReport, NodeError> {
-    pdflow_fault::enable();
     let started = Instant::now();
     let spec = chaos_spec(opts.policy);
     let cells: Vec<CellSpec> = cells(opts.quick, &spec.deadlines)
@@ -146,7 +148,8 @@ pub async fn run(
         reqwest::Client::builder().no_proxy().build().map_err(|e| NodeError::Config(format!("HTTP client: {e}")))?;
     let env = CellEnv {
         spec,
-        capture,
+        capture: &layers.capture,
+        faults: &layers.faults,
         client: &client,
         reference_url: &reference.url,
         terminal_deadline: terminal_deadline(&spec),
@@ -177,7 +180,7 @@ pub enum Progress<'a> {
 /// (`network_skipped`); asked for alone, that is an error.
 pub async fn run_selected(
     opts: &ChaosOptions,
-    capture: &SpanCapture,
+    layers: &ChaosLayers,
     bin: &std::path::Path,
     mut progress: impl FnMut(Progress<'_>),
 ) -> Result<ChaosReport, NodeError> {
@@ -189,7 +192,7 @@ pub async fn run_selected(
             "{kind} matrix, D's kv_load_failure_policy {:?}; one fresh P + D + bootstrap + proxy per cell",
             opts.policy
         )));
-        cells = run(opts, capture, |index, of, row| progress(Progress::Cell { index, of, row })).await?.cells;
+        cells = run(opts, layers, |index, of, row| progress(Progress::Cell { index, of, row })).await?.cells;
     }
     let mut network_skipped = None;
     if opts.network != NetworkCells::Off {
@@ -274,27 +277,36 @@ pub fn render_summary(r: &ChaosReport) -> String {
     s
 }
 
-/// Installs, once per process, a global subscriber with a span capture and the fault layer (for
-/// tests and `pdflow chaos`); returns the capture.
-pub fn install_layers() -> SpanCapture {
+/// What the in-process chaos runs watch and inject through: the span capture their verdicts
+/// read, and the fault domain their clusters' nodes are given (its layer fires the kills and
+/// delays at step edges).
+#[derive(Clone)]
+pub struct ChaosLayers {
+    pub capture: SpanCapture,
+    pub faults: Arc<FaultDomain>,
+}
+
+/// Installs, once per process, the global subscriber with a span capture and one fault domain's
+/// layer (for tests and `pdflow chaos`), and returns them. A process has one global subscriber,
+/// so its in-process chaos runs share these: they run one at a time, each arming its plan.
+pub fn install_layers() -> ChaosLayers {
     use std::sync::OnceLock;
     use tracing_subscriber::layer::SubscriberExt;
     use tracing_subscriber::util::SubscriberInitExt;
     use tracing_subscriber::Layer;
-    static CAPTURE: OnceLock<SpanCapture> = OnceLock::new();
-    CAPTURE
+    static LAYERS: OnceLock<ChaosLayers> = OnceLock::new();
+    LAYERS
         .get_or_init(|| {
-            let capture = SpanCapture::new();
+            let layers = ChaosLayers { capture: SpanCapture::new(), faults: FaultDomain::new(TcpConfig::default()) };
             let filter = tracing_subscriber::EnvFilter::try_from_env("PDFLOW_CHAOS_LOG")
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("error"));
             let fmt = tracing_subscriber::fmt::layer().with_writer(std::io::stderr).with_filter(filter);
             let _ = tracing_subscriber::registry()
-                .with(capture.clone())
-                .with(pdflow_fault::FaultLayer)
+                .with(layers.capture.clone())
+                .with(layers.faults.layer())
                 .with(fmt)
                 .try_init();
-            pdflow_fault::enable();
-            capture
+            layers
         })
         .clone()
 }

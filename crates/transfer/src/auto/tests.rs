@@ -118,7 +118,6 @@ async fn an_out_of_region_destination_is_refused_and_nothing_is_written() {
     let plan = TransferPlan {
         descriptors: vec![Descriptor { src: p.src.regions()[0].base_addr, dst: p.src.regions()[1].base_addr, len: 64 }],
         fence: 0,
-        cut_after: None,
         write_by: None,
     };
     let err = bounded("refused write", p.engine.write(&p.peer, &plan)).await.expect_err("refused");

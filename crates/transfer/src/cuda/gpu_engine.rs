@@ -221,12 +221,6 @@ impl GpuTransferEngine {
 
     async fn write_plan(&self, peer: &str, plan: &TransferPlan) -> Result<TransferStats, TransferError> {
         let route = self.route(peer).await?;
-        if plan.cut_after.is_some() && route != Route::Peer {
-            return Err(TransferError::Refused {
-                peer: peer.to_string(),
-                reason: "the cut_data fault cuts a tcp data connection; the cuda paths have none".into(),
-            });
-        }
         match route {
             Route::Peer => self.peer.write(peer, plan).await,
             Route::Ipc { .. } => self.write_ipc(peer, plan).await,

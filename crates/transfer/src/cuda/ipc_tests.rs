@@ -48,12 +48,8 @@ fn out_of_region_destinations_and_sources_are_refused_before_launch() {
     }
     let local = [RegionDesc { base_addr: 0x2000_0000, len: 0x8000, block_len: 0x1000 }];
     let good = Descriptor { src: 0x2000_0000, dst: 0x10_0000, len: 0x1000 };
-    let plan = TransferPlan {
-        descriptors: vec![good, Descriptor { dst: 0x90_6000, ..good }],
-        fence: 0,
-        cut_after: None,
-        write_by: None,
-    };
+    let plan =
+        TransferPlan { descriptors: vec![good, Descriptor { dst: 0x90_6000, ..good }], fence: 0, write_by: None };
     match map.translate_plan(&local, &plan) {
         Err(IpcError::DestinationOutOfRegion { index: 1, .. }) => {}
         other => panic!("expected descriptor 1's destination refused, got {other:?}"),
@@ -61,7 +57,6 @@ fn out_of_region_destinations_and_sources_are_refused_before_launch() {
     let plan = TransferPlan {
         descriptors: vec![good, good, Descriptor { src: 0x2000_7800, ..good }],
         fence: 0,
-        cut_after: None,
         write_by: None,
     };
     match map.translate_plan(&local, &plan) {
@@ -69,7 +64,7 @@ fn out_of_region_destinations_and_sources_are_refused_before_launch() {
         other => panic!("expected descriptor 2's source refused, got {other:?}"),
     }
     let ok = map
-        .translate_plan(&local, &TransferPlan { descriptors: vec![good], fence: 0, cut_after: None, write_by: None })
+        .translate_plan(&local, &TransferPlan { descriptors: vec![good], fence: 0, write_by: None })
         .expect("in regions");
     assert_eq!(ok.descriptors, vec![Descriptor { src: 0x2000_0000, dst: 0x7000_0000, len: 0x1000 }]);
 }

@@ -104,9 +104,6 @@ impl CudaPeerEngine {
     async fn write_plan(&self, peer: &str, plan: &TransferPlan) -> Result<TransferStats, TransferError> {
         let started = Instant::now();
         let refused = |reason: String| TransferError::Refused { peer: peer.to_string(), reason };
-        if plan.cut_after.is_some() {
-            return Err(refused("the cut_data fault cuts a tcp data connection; the cuda-peer path has none".into()));
-        }
         let target = peers().get(peer).cloned().ok_or_else(|| {
             refused(format!("no GPU KV cache of this process is registered at {peer}: the cuda-peer path needs P and D in one process"))
         })?;

@@ -13,19 +13,9 @@
 //! the pull up and closed its fence, and the whole share again into refused batches would only
 //! load the link (a network-namespace chaos cell measures the bytes D gets after it freed the
 //! blocks).
-//!
-//! Fault injection (`cut_data`): a plan with `cut_after = Some(k)` is sent up to its
-//! k-th payload byte — counted over the whole plan in plan order, whichever stream carries it — and
-//! every stream whose share reaches past byte k sends its batch header and its bytes before k,
-//! then shuts its connection down both ways and drops it (a peer crash mid-transfer: D sees the
-//! batch torn, never acks it). Shares wholly before byte k are written and acked as usual. With
-//! k ≥ the plan's bytes, the last stream sends everything and is cut before D's ack is read. The
-//! write fails with [`TransferError::Io`] (kind `ConnectionAborted`), as a real cut does; a cut
-//! connection is never pooled and a cut is never retried.
 
 use std::collections::{HashMap, HashSet};
 use std::io::IoSlice;
-use std::net::Shutdown;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -273,8 +263,7 @@ impl TcpTransferEngine {
             let deadline = tokio::time::Instant::now() + inner.config.write_timeout;
             if streams == 1 {
                 let pooled = inner.checkout(peer);
-                let cut = cut_budget(plan.cut_after, 0, bytes, bytes);
-                inner.write_share(peer, pooled, &descriptors, plan.fence, cut, deadline).await?;
+                inner.write_share(peer, pooled, &descriptors, plan.fence, deadline).await?;
             } else {
                 // One task per share: the kernel copies of the streams run on every core. Each
                 // share gets its own connection (checked out here, so shares never queue behind
@@ -283,13 +272,9 @@ impl TcpTransferEngine {
                 let split = split_by_bytes(&descriptors, streams);
                 let pooled: Vec<Option<TcpStream>> = split.iter().map(|_| inner.checkout(peer)).collect();
                 let mut shares = tokio::task::JoinSet::new();
-                let mut offset = 0;
                 for (share, pooled) in split.into_iter().zip(pooled) {
-                    let share_bytes: u64 = share.iter().map(|d| d.len).sum();
-                    let cut = cut_budget(plan.cut_after, offset, share_bytes, bytes);
-                    offset += share_bytes;
                     let (inner, peer, fence) = (inner.clone(), peer.to_string(), plan.fence);
-                    shares.spawn(async move { inner.write_share(&peer, pooled, &share, fence, cut, deadline).await });
+                    shares.spawn(async move { inner.write_share(&peer, pooled, &share, fence, deadline).await });
                 }
                 while let Some(done) = shares.join_next().await {
                     match done {
@@ -318,53 +303,38 @@ impl Inner {
     }
 
     /// Sends one share over `pooled` (or a fresh connection); retries once on a fresh connection if
-    /// a pooled one failed. With `cut = Some(n)` the connection is cut after `n` payload bytes of
-    /// the share (fault injection, see the module docs).
+    /// a pooled one failed.
     async fn write_share(
         &self,
         peer: &str,
         pooled: Option<TcpStream>,
         share: &[Descriptor],
         fence: u64,
-        cut: Option<u64>,
         deadline: tokio::time::Instant,
     ) -> Result<(), TransferError> {
         let mut stream = match pooled {
             Some(stream) => stream,
             None => self.connect(peer, deadline).await?,
         };
-        match tokio::time::timeout_at(deadline, self.send_share(peer, &mut stream, share, fence, cut)).await {
-            Ok(Ok(ShareEnd::Acked)) => {
+        match tokio::time::timeout_at(deadline, self.send_share(peer, &mut stream, share, fence)).await {
+            Ok(Ok(())) => {
                 self.checkin(peer, stream);
                 Ok(())
-            }
-            Ok(Ok(ShareEnd::Cut { sent })) => {
-                cut_connection(stream);
-                tracing::warn!(%peer, sent, "fault injected: data connection cut after {sent} payload bytes of this stream");
-                let source = std::io::Error::new(
-                    std::io::ErrorKind::ConnectionAborted,
-                    format!("the data connection was cut after {sent} payload bytes of this stream (fault injection: cut_data)"),
-                );
-                Err(TransferError::Io { peer: peer.to_string(), source })
             }
             Ok(Err(e)) => Err(e),
             Err(_) => Err(TransferError::Timeout { peer: peer.to_string(), deadline: self.config.write_timeout }),
         }
     }
 
-    /// Sends the share's batches, each acked by D; with `cut = Some(n)`, stops right after the
-    /// share's n-th payload byte (inside, or at the end of, the batch that holds it) without
-    /// reading that batch's ack, and returns [`ShareEnd::Cut`] for the caller to cut the link.
+    /// Sends the share's batches, each acked by D.
     async fn send_share(
         &self,
         peer: &str,
         stream: &mut TcpStream,
         share: &[Descriptor],
         fence: u64,
-        mut cut: Option<u64>,
-    ) -> Result<ShareEnd, TransferError> {
+    ) -> Result<(), TransferError> {
         let io = |source: std::io::Error| TransferError::Io { peer: peer.to_string(), source };
-        let mut sent = 0u64;
         // D's fence token (0: none) goes in the same write as the share's first batch, always: a
         // pooled connection must not carry the previous plan's token over.
         let fence_msg = wire::encode_fence(fence);
@@ -374,14 +344,9 @@ impl Inner {
             let header = wire::encode_batch_header(batch_id, batch).map_err(|e| io(e.into_io()))?;
             // SAFETY: P's blocks under transfer are held (delayed free) and not written until
             // the transfer finishes; every range was checked against P's regions in `write_plan`.
-            let mut payloads =
+            let payloads =
                 batch.iter().map(|d| unsafe { self.local.slice(d.src, d.len) }).collect::<Result<Vec<&[u8]>, _>>()?;
             let batch_bytes: u64 = batch.iter().map(|d| d.len).sum();
-            // The batch that holds the cut: only its payload bytes before the cut go out.
-            let cut_here = cut.filter(|&left| left <= batch_bytes);
-            if let Some(left) = cut_here {
-                truncate_payloads(&mut payloads, left);
-            }
             let fence_slice = if std::mem::take(&mut name_fence) { &fence_msg[..] } else { &[][..] };
             let mut slices: Vec<IoSlice<'_>> = std::iter::once(IoSlice::new(fence_slice))
                 .chain(std::iter::once(IoSlice::new(&header)))
@@ -390,11 +355,6 @@ impl Inner {
                 .collect();
             write_all_vectored(stream, &mut slices).await.map_err(io)?;
             stream.flush().await.map_err(io)?;
-            if let Some(left) = cut_here {
-                return Ok(ShareEnd::Cut { sent: sent + left });
-            }
-            sent += batch_bytes;
-            cut = cut.map(|left| left - batch_bytes);
             match ack_wait::read_ack(stream, batch_bytes).await.map_err(|e| io(e.into_io()))? {
                 Ack::Ok { batch_id: acked } if acked == batch_id => {}
                 Ack::Ok { batch_id: acked } => {
@@ -404,7 +364,7 @@ impl Inner {
                 Ack::Refused { reason, .. } => return Err(TransferError::Refused { peer: peer.to_string(), reason }),
             }
         }
-        Ok(ShareEnd::Acked)
+        Ok(())
     }
 
     /// A pooled connection to `peer` that is young and still open, if there is one; dead or old
@@ -472,47 +432,6 @@ pub(crate) fn still_open(stream: &impl std::os::fd::AsRawFd) -> bool {
         libc::recv(stream.as_raw_fd(), (&mut byte as *mut u8).cast(), 1, libc::MSG_PEEK | libc::MSG_DONTWAIT)
     };
     n < 0 && std::io::Error::last_os_error().kind() == std::io::ErrorKind::WouldBlock
-}
-
-/// How a share's sending ended (when it did not fail).
-enum ShareEnd {
-    /// Every batch was sent and acked: the connection is healthy.
-    Acked,
-    /// The share was cut (fault injection) after `sent` payload bytes: the connection must go.
-    Cut { sent: u64 },
-}
-
-/// The payload bytes a share starting at plan byte `offset` with `share_bytes` bytes may send
-/// before its connection is cut, for a plan of `total` bytes cut after `cut_after` (see the module
-/// docs): `None` for a share wholly before the cut (unless it is the last one and the cut lies at
-/// or past the plan's end).
-pub(crate) fn cut_budget(cut_after: Option<u64>, offset: u64, share_bytes: u64, total: u64) -> Option<u64> {
-    let k = cut_after?;
-    let end = offset + share_bytes;
-    (k < end || (end == total && k >= total)).then(|| k.saturating_sub(offset).min(share_bytes))
-}
-
-/// Keeps only the first `keep` bytes of `payloads` (in order).
-fn truncate_payloads(payloads: &mut Vec<&[u8]>, mut keep: u64) {
-    for p in payloads.iter_mut() {
-        let take = usize::try_from(keep).unwrap_or(usize::MAX).min(p.len());
-        *p = &p[..take];
-        keep -= take as u64;
-    }
-    payloads.retain(|p| !p.is_empty());
-}
-
-/// Cuts a data connection hard: shut down both ways (D reads end-of-stream mid-batch, P's side
-/// can neither send nor receive) and closed; never pooled again.
-fn cut_connection(stream: TcpStream) {
-    match stream.into_std() {
-        Ok(std_stream) => {
-            if let Err(e) = std_stream.shutdown(Shutdown::Both) {
-                tracing::debug!("shutting the cut data connection down: {e}");
-            }
-        }
-        Err(e) => tracing::debug!("cut data connection already unusable: {e}"),
-    }
 }
 
 /// Writes every slice, `MAX_IOVECS` at a time, resuming after partial writes.

@@ -166,7 +166,6 @@ async fn a_source_outside_local_regions_is_refused_before_connecting() {
     let plan = TransferPlan {
         descriptors: vec![Descriptor { src: 8, dst: p.dst.regions()[0].base_addr, len: 8 }],
         fence: 0,
-        cut_after: None,
         write_by: None,
     };
     let err = bounded("write", p.engine.write(&p.peer, &plan)).await.expect_err("refused locally");
@@ -232,7 +231,6 @@ async fn connecting_to_a_closed_port_fails_fast_with_connect() {
     let plan = TransferPlan {
         descriptors: vec![Descriptor { src: r.base_addr, dst: 0x1000, len: 16 }],
         fence: 0,
-        cut_after: None,
         write_by: None,
     };
     let started = Instant::now();
@@ -279,7 +277,7 @@ fn split_by_bytes_balances_and_covers_exactly_the_plan() {
     }
 }
 
-// --- Fault injection: `cut_data` — the plan's `cut_after` cuts P's data connection. ---
+// --- A P whose link dies mid-batch: D keeps what arrived, and nothing of that pull after it. ---
 
 /// Whether D's bytes at plan offsets `range` equal P's (`true`) or are all zero (`false`).
 fn plan_bytes_match(p: &Pair, plan: &TransferPlan, range: std::ops::Range<u64>, landed: bool) -> bool {
@@ -313,75 +311,33 @@ async fn fenced_pair(shape: KvShape, num_blocks: usize, config: TcpConfig) -> (P
     (Pair { src, dst, server, engine, peer }, fence)
 }
 
-fn assert_cut(err: &TransferError) {
-    assert!(
-        matches!(err, TransferError::Io { source, .. } if source.kind() == std::io::ErrorKind::ConnectionAborted && source.to_string().contains("cut_data")),
-        "expected the typed cut error, got {err:?}"
-    );
-}
-
-/// A raw data server: answers the hello, then records every byte P sends until P closes.
-async fn recording_server() -> (String, tokio::task::JoinHandle<Vec<u8>>) {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("binds");
-    let addr = listener.local_addr().expect("address").to_string();
-    let task = tokio::spawn(async move {
-        let (mut stream, _) = listener.accept().await.expect("P connects");
-        wire::read_hello(&mut stream).await.expect("hello");
-        wire::write_ack(&mut stream, &Ack::Ok { batch_id: 0 }).await.expect("hello ack");
-        let mut got = Vec::new();
-        stream.read_to_end(&mut got).await.expect("P closes cleanly (shutdown, not reset)");
-        got
-    });
-    (addr, task)
-}
-
-#[tokio::test]
-async fn a_cut_sends_exactly_k_payload_bytes_after_the_fence_and_header_then_closes() {
-    let src = filled_cache(SMALL, 8, 1);
-    let dst = KvCache::new(SMALL, 8);
-    let plan = build_plan(&src.regions(), &[1, 2, 3], &dst.regions(), &[4, 5, 6], true).expect("plannable");
-    let total = plan.total_bytes();
-    for k in [0, 5, plan.descriptors[0].len + 3, total, total + 10] {
-        let (peer, server) = recording_server().await;
-        let engine = TcpTransferEngine::new(src.region_table(), TcpConfig::default());
-        let cut = TransferPlan { fence: 9, cut_after: Some(k), ..plan.clone() };
-        let err = bounded("cut write", engine.write(&peer, &cut)).await.expect_err("a cut write fails");
-        assert_cut(&err);
-        assert_eq!(engine.pooled_connections(&peer), 0, "a cut connection is never pooled");
-        let got = bounded("server sees the close", server).await.expect("server task");
-        let mut r = &got[..];
-        assert!(matches!(wire::read_request(&mut r).await, Ok(Some(wire::Request::Fence { token: 9 }))), "fence first");
-        let Ok(Some(wire::Request::Batch(header))) = wire::read_request(&mut r).await else {
-            panic!("a batch header follows")
-        };
-        assert_eq!(header.total_len(), Some(total), "the header declares the whole batch");
-        assert_eq!(r.len() as u64, k.min(total), "exactly the first K payload bytes (k = {k})");
-        // Those bytes are the plan's first K bytes, in order.
-        let mut want = Vec::new();
-        for d in &plan.descriptors {
-            want.extend_from_slice(unsafe { src.region_table().slice(d.src, d.len) }.expect("in P's regions"));
-        }
-        assert_eq!(r, &want[..r.len()]);
+/// What P's engine sends on a fresh connection — hello, `fence`, one batch header for the whole
+/// plan — then only the plan's first `k` payload bytes, and the link dies (shut down both ways).
+async fn torn_write(p: &Pair, plan: &TransferPlan, fence: u64, k: u64) {
+    let mut stream = TcpStream::connect(&p.peer).await.expect("connects");
+    stream.write_all(&wire::encode_hello(None).expect("hello")).await.expect("sends the hello");
+    assert!(matches!(wire::read_ack(&mut stream).await, Ok(Ack::Ok { .. })), "hello accepted");
+    let header = wire::encode_batch_header(1, &plan.descriptors).expect("header");
+    let mut payload = Vec::new();
+    for d in &plan.descriptors {
+        // SAFETY: test only; the plan was checked against P's regions.
+        payload.extend_from_slice(unsafe { p.src.region_table().slice(d.src, d.len) }.expect("in P's regions"));
     }
+    let k = usize::try_from(k).expect("small").min(payload.len());
+    for part in [&wire::encode_fence(fence)[..], &header, &payload[..k]] {
+        stream.write_all(part).await.expect("sends");
+    }
+    stream.into_std().expect("std socket").shutdown(std::net::Shutdown::Both).expect("shuts down");
 }
 
 #[tokio::test]
-async fn a_cut_write_fails_typed_d_keeps_nothing_past_k_and_its_closed_fence_refuses_the_rest() {
+async fn a_batch_torn_mid_payload_keeps_the_bytes_before_and_its_closed_fence_refuses_the_rest() {
     let (p, fence) = fenced_pair(SMALL, 32, TcpConfig::default()).await;
     let (src_blocks, dst_blocks): (Vec<BlockId>, Vec<BlockId>) = ((1..5).collect(), (10..14).collect());
-    // Warm the pool: the cut must also apply on a reused connection (and not be retried).
-    fence.open(1);
-    let warm = TransferPlan { fence: 1, ..p.plan(&[20], &[20], true) };
-    bounded("warm-up write", p.engine.write(&p.peer, &warm)).await.expect("write succeeds");
-    assert_eq!(p.engine.pooled_connections(&p.peer), 1);
-
     let plan = p.plan(&src_blocks, &dst_blocks, true);
     let k = plan.descriptors[0].len + plan.descriptors[1].len / 2;
     fence.open(7);
-    let cut = TransferPlan { fence: 7, cut_after: Some(k), ..plan.clone() };
-    let err = bounded("cut write", p.engine.write(&p.peer, &cut)).await.expect_err("a cut write fails");
-    assert_cut(&err);
-    assert_eq!(p.engine.pooled_connections(&p.peer), 0, "the cut connection is dropped, not pooled");
+    torn_write(&p, &plan, 7, k).await;
     // D reads the bytes before the cut (a torn batch: never acked), then end-of-stream.
     let until = Instant::now() + BOUND;
     while !plan_bytes_match(&p, &plan, 0..k, true) {
@@ -404,33 +360,6 @@ async fn a_cut_write_fails_typed_d_keeps_nothing_past_k_and_its_closed_fence_ref
     let next = TransferPlan { fence: 8, ..p.plan(&[6, 7], &[16, 17], true) };
     bounded("next write", p.engine.write(&p.peer, &next)).await.expect("the next write succeeds");
     p.assert_copied(&[6, 7], &[16, 17]);
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_cut_spread_over_streams_counts_k_over_the_whole_plan() {
-    let (p, fence) = fenced_pair(LARGE, 16, TcpConfig { streams_per_peer: 4, ..TcpConfig::default() }).await;
-    let (src_blocks, dst_blocks): (Vec<BlockId>, Vec<BlockId>) = ((0..12).collect(), (3..15).collect());
-    let plan = p.plan(&src_blocks, &dst_blocks, true);
-    let k = plan.total_bytes() / 2 + 4096;
-    fence.open(3);
-    let cut = TransferPlan { fence: 3, cut_after: Some(k), ..plan.clone() };
-    let err = bounded("cut write", p.engine.write(&p.peer, &cut)).await.expect_err("a cut write fails");
-    assert_cut(&err);
-    bounded("fence close", fence.close(3, Duration::from_secs(5))).await.expect("every torn batch ended");
-    assert!(plan_bytes_match(&p, &plan, k..plan.total_bytes(), false), "D holds bytes past the cut");
-    assert!(p.engine.pooled_connections(&p.peer) <= 2, "cut streams are not pooled");
-}
-
-#[test]
-fn cut_budgets_follow_plan_order() {
-    // Three shares of 100 bytes (plan bytes 0..300).
-    let budgets = |k| [0, 100, 200].map(|off| super::engine::cut_budget(Some(k), off, 100, 300));
-    assert_eq!(budgets(0), [Some(0), Some(0), Some(0)]);
-    assert_eq!(budgets(150), [None, Some(50), Some(0)]);
-    assert_eq!(budgets(100), [None, Some(0), Some(0)]);
-    assert_eq!(budgets(300), [None, None, Some(100)], "k = the plan's bytes: the last stream is cut before its ack");
-    assert_eq!(budgets(999), [None, None, Some(100)]);
-    assert_eq!(super::engine::cut_budget(None, 0, 100, 300), None);
 }
 
 /// `prepare` opens the connections a large write uses (one per stream, hello included) ahead of
@@ -522,7 +451,6 @@ async fn a_share_d_dropped_is_not_resent() {
     let plan = TransferPlan {
         descriptors: vec![Descriptor { src: r.base_addr, dst: 0x10_0000, len: r.len }],
         fence: 0,
-        cut_after: None,
         write_by: None,
     };
     let err = bounded("write", engine.write(&peer, &plan)).await.expect_err("D dropped the connection");

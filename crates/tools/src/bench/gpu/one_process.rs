@@ -129,7 +129,6 @@ pub(super) fn run(runs: usize) -> anyhow::Result<(Vec<Row>, bool)> {
     let whole = TransferPlan {
         descriptors: vec![Descriptor { src: p_mem.ptr, dst: d_mem.ptr, len: bytes }],
         fence: 0,
-        cut_after: None,
         write_by: None,
     };
     verify("single peer copy", &whole, &|| Ok(cuda::copy_peer(&stream0, &ctx0, p_mem.ptr, &ctx1, d_mem.ptr, bytes)?))?;

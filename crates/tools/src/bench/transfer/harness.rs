@@ -49,6 +49,7 @@ impl ActorPair {
     ) -> anyhow::Result<Self> {
         let p_engine_id = format!("bench-p-{tag}");
         let listener = SenderListener::spawn(SenderListenerArgs {
+            faults: pdflow_actors::fault_seam::no_faults(),
             engine_id: p_engine_id.clone(),
             dp_rank: 0,
             tp_rank: 0,
@@ -69,6 +70,7 @@ impl ActorPair {
         pdflow_node::started("SenderListener", &listener).await?;
         let d_events = Arc::new(Notify::new());
         let receiver = Receiver::spawn(ReceiverArgs {
+            faults: pdflow_actors::fault_seam::no_faults(),
             engine_id: format!("bench-d-{tag}"),
             tp_rank: 0,
             tp_size: 1,

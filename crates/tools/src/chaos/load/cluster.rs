@@ -11,6 +11,7 @@ use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
+use pdflow_actors::fault_seam::Faults;
 use pdflow_actors::proxy::{PrefillTarget, ProxyArgs};
 use pdflow_actors::scheduler_connector::KvRole;
 use pdflow_messages::receiver::TransferStates;
@@ -40,7 +41,8 @@ pub struct Held {
 
 impl LoadCluster {
     /// Starts `prefills` Ps and `decodes` Ds (at least one each) and waits until the proxy is ready.
-    pub async fn start(spec: &ChaosSpec, prefills: usize, decodes: usize) -> Result<Self, NodeError> {
+    /// Their actors are offered to `faults`.
+    pub async fn start(spec: &ChaosSpec, prefills: usize, decodes: usize, faults: &Faults) -> Result<Self, NodeError> {
         if prefills == 0 || decodes == 0 {
             return Err(NodeError::Config(format!(
                 "a load cluster needs at least one P and one D (asked for {prefills}P{decodes}D)"
@@ -54,34 +56,43 @@ impl LoadCluster {
                 KvRole::Producer,
                 format!("prefill{i}-{}", &suffix[..8]),
                 BootstrapPlacement::Launch { port: 0 },
+                faults,
             );
             prefill.push(EngineNode::start(cfg).await?);
         }
         let mut decode = Vec::with_capacity(decodes);
         for i in 0..decodes {
-            let cfg = node_cfg(spec, KvRole::Consumer, format!("decode{i}-{}", &suffix[..8]), BootstrapPlacement::None);
+            let cfg = node_cfg(
+                spec,
+                KvRole::Consumer,
+                format!("decode{i}-{}", &suffix[..8]),
+                BootstrapPlacement::None,
+                faults,
+            );
             decode.push(EngineNode::start(cfg).await?);
         }
-        let proxy = ProxyNode::start(ProxyArgs {
-            bind: SocketAddr::from(([127, 0, 0, 1], 0)),
-            prefill: prefill
-                .iter()
-                .map(|p| {
-                    let bootstrap_port = p
-                        .worker
-                        .bootstrap
-                        .as_ref()
-                        .map(|b| b.addr.port())
-                        .ok_or_else(|| NodeError::Config(format!("P {} launched no bootstrap", p.engine_id)))?;
-                    Ok(PrefillTarget { url: p.url(), bootstrap_port })
-                })
-                .collect::<Result<_, NodeError>>()?,
-            decode: decode.iter().map(EngineNode::url).collect(),
-            health_interval: Duration::from_millis(25),
-            upstream_timeout: spec.upstream_timeout,
-            ready_timeout: None,
-        })
-        .await?;
+        let proxy =
+            ProxyNode::start_with(
+                ProxyArgs {
+                    bind: SocketAddr::from(([127, 0, 0, 1], 0)),
+                    prefill: prefill
+                        .iter()
+                        .map(|p| {
+                            let bootstrap_port =
+                                p.worker.bootstrap.as_ref().map(|b| b.addr.port()).ok_or_else(|| {
+                                    NodeError::Config(format!("P {} launched no bootstrap", p.engine_id))
+                                })?;
+                            Ok(PrefillTarget { url: p.url(), bootstrap_port })
+                        })
+                        .collect::<Result<_, NodeError>>()?,
+                    decode: decode.iter().map(EngineNode::url).collect(),
+                    health_interval: Duration::from_millis(25),
+                    upstream_timeout: spec.upstream_timeout,
+                    ready_timeout: None,
+                },
+                faults,
+            )
+            .await?;
         let cluster = Self { prefill, decode, proxy };
         let client = reqwest::Client::builder()
             .no_proxy()

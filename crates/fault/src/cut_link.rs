@@ -1,0 +1,227 @@
+//! `cut_data`: a data link that dies part-way through P's write (seed step 29), made of real
+//! sockets. [`CutLink`] is a TCP relay in front of D's data server that forwards what P sends
+//! until it has carried K bytes — counted over every connection of the write, hello, fence, batch
+//! headers and payload alike — then shuts every connection down both ways, on P's side and on D's,
+//! and closes any connection made after: D reads a batch torn mid-way and end-of-stream, P's write
+//! fails on a dead socket. D's answers travel back untouched.
+//!
+//! [`CutEngine`] is the transfer engine a fault seam hands step 29 for a request given such a
+//! fault: a tcp engine of its own (never the node's pool, so no connection of another request is
+//! touched, and a cut is never retried on a pooled one) writing through a fresh link per write.
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+
+use futures::future::BoxFuture;
+use pdflow_kv::memory::RegionTable;
+use pdflow_kv::planner::TransferPlan;
+use pdflow_transfer::tcp::{TcpConfig, TcpTransferEngine};
+use pdflow_transfer::{TransferEngine, TransferError, TransferStats};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::Notify;
+use tokio::task::JoinSet;
+
+/// Bytes a relay moves per read.
+const CHUNK: usize = 64 * 1024;
+
+/// A relay to one data server that cuts after `after_bytes` bytes from P; stops when dropped.
+pub struct CutLink {
+    addr: SocketAddr,
+    state: Arc<LinkState>,
+    accept: tokio::task::JoinHandle<()>,
+}
+
+struct LinkState {
+    /// Bytes from P the link may still carry.
+    budget: AtomicU64,
+    cut: AtomicBool,
+    on_cut: Notify,
+}
+
+impl LinkState {
+    /// Takes up to `want` bytes of the budget; the last byte taken cuts the link.
+    fn take(&self, want: u64) -> u64 {
+        let mut granted = 0;
+        let _ = self.budget.fetch_update(Ordering::AcqRel, Ordering::Acquire, |left| {
+            granted = left.min(want);
+            Some(left - granted)
+        });
+        granted
+    }
+
+    fn cut(&self) {
+        self.cut.store(true, Ordering::Release);
+        self.on_cut.notify_waiters();
+    }
+
+    fn is_cut(&self) -> bool {
+        self.cut.load(Ordering::Acquire)
+    }
+}
+
+impl CutLink {
+    /// Starts a relay on 127.0.0.1 to the data server at `to`, cutting after `after_bytes` bytes.
+    pub async fn start(to: &str, after_bytes: u64) -> std::io::Result<Self> {
+        let listener = TcpListener::bind("127.0.0.1:0").await?;
+        let addr = listener.local_addr()?;
+        let state = Arc::new(LinkState {
+            budget: AtomicU64::new(after_bytes),
+            cut: AtomicBool::new(false),
+            on_cut: Notify::new(),
+        });
+        if after_bytes == 0 {
+            state.cut();
+        }
+        let accept = tokio::spawn(accept_loop(listener, to.to_string(), state.clone()));
+        Ok(Self { addr, state, accept })
+    }
+
+    /// Where P connects instead of D's data server.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Whether the link has been cut.
+    pub fn is_cut(&self) -> bool {
+        self.state.is_cut()
+    }
+}
+
+impl Drop for CutLink {
+    fn drop(&mut self) {
+        // Ends every relayed connection with it (the accept loop owns their tasks).
+        self.accept.abort();
+    }
+}
+
+async fn accept_loop(listener: TcpListener, to: String, state: Arc<LinkState>) {
+    let mut conns = JoinSet::new();
+    loop {
+        let Ok((p_side, _)) = listener.accept().await else { return };
+        if state.is_cut() {
+            shut(p_side).await;
+            continue;
+        }
+        let Ok(d_side) = TcpStream::connect(&to).await else {
+            shut(p_side).await;
+            continue;
+        };
+        let _ = (p_side.set_nodelay(true), d_side.set_nodelay(true));
+        conns.spawn(relay(p_side, d_side, state.clone()));
+        while conns.try_join_next().is_some() {}
+    }
+}
+
+/// One connection: P's bytes go to D within the budget, D's come back; both sockets are shut down
+/// once the link is cut.
+async fn relay(p_side: TcpStream, d_side: TcpStream, state: Arc<LinkState>) {
+    let (mut p_read, mut p_write) = p_side.into_split();
+    let (mut d_read, mut d_write) = d_side.into_split();
+    let to_d = async {
+        let mut buf = vec![0u8; CHUNK];
+        loop {
+            let n = match p_read.read(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => n,
+            };
+            let granted = usize::try_from(state.take(n as u64)).unwrap_or(n);
+            if d_write.write_all(&buf[..granted]).await.is_err() {
+                return;
+            }
+            if granted < n || state.budget.load(Ordering::Acquire) == 0 {
+                state.cut();
+                return;
+            }
+        }
+    };
+    let to_p = async {
+        let mut buf = vec![0u8; CHUNK];
+        loop {
+            match d_read.read(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => {
+                    if p_write.write_all(&buf[..n]).await.is_err() {
+                        return;
+                    }
+                }
+            }
+        }
+    };
+    tokio::select! {
+        _ = async { tokio::join!(to_d, to_p) } => {}
+        _ = wait_cut(&state) => {}
+    }
+    // Both ways, on both sides: D reads end-of-stream mid-batch, P can neither send nor receive.
+    let p_side = p_read.reunite(p_write);
+    let d_side = d_read.reunite(d_write);
+    for side in [p_side, d_side].into_iter().flatten() {
+        shut(side).await;
+    }
+}
+
+async fn wait_cut(state: &LinkState) {
+    loop {
+        let notified = state.on_cut.notified();
+        if state.is_cut() {
+            return;
+        }
+        notified.await;
+    }
+}
+
+async fn shut(stream: TcpStream) {
+    if let Ok(std) = stream.into_std() {
+        let _ = std.shutdown(std::net::Shutdown::Both);
+    }
+}
+
+/// Step 29's engine for a request given `cut_data`: every write goes over tcp through a fresh
+/// [`CutLink`] that cuts after `after_bytes` bytes.
+pub struct CutEngine {
+    tcp: TcpTransferEngine,
+    after_bytes: u64,
+}
+
+impl CutEngine {
+    pub fn new(local: RegionTable, config: TcpConfig, after_bytes: u64) -> Self {
+        Self { tcp: TcpTransferEngine::new(local, config), after_bytes }
+    }
+
+    async fn write_cut(&self, peer: &str, plan: &TransferPlan) -> Result<TransferStats, TransferError> {
+        let link = CutLink::start(peer, self.after_bytes)
+            .await
+            .map_err(|source| TransferError::Connect { peer: peer.to_string(), source })?;
+        let result = self.tcp.write(&link.addr().to_string(), plan).await;
+        match result {
+            // A cut past the write's last byte still cuts the link before D's last ack reaches P.
+            Ok(_) if link.is_cut() => {
+                Err(TransferError::Io { peer: peer.to_string(), source: cut_error(self.after_bytes) })
+            }
+            Ok(stats) => Ok(stats),
+            Err(e) => Err(e),
+        }
+    }
+}
+
+fn cut_error(after_bytes: u64) -> std::io::Error {
+    std::io::Error::new(
+        std::io::ErrorKind::ConnectionAborted,
+        format!("the data link was cut after {after_bytes} bytes (fault injection: cut_data)"),
+    )
+}
+
+impl TransferEngine for CutEngine {
+    fn name(&self) -> &'static str {
+        "tcp"
+    }
+
+    fn write<'a>(
+        &'a self,
+        peer: &'a str,
+        plan: &'a TransferPlan,
+    ) -> BoxFuture<'a, Result<TransferStats, TransferError>> {
+        Box::pin(self.write_cut(peer, plan))
+    }
+}
