@@ -46,7 +46,7 @@ pub fn sched_request(
 ) -> PyResult<SchedRequest> {
     let kv_transfer_params = params.map(params_from_dict).transpose()?;
     let traceparent = kv_transfer_params.as_ref().and_then(|p| p.traceparent.clone());
-    Ok(SchedRequest { request_id, prompt_len: num_prompt_tokens, kv_transfer_params, traceparent })
+    Ok(SchedRequest { request_id: request_id.into(), prompt_len: num_prompt_tokens, kv_transfer_params, traceparent })
 }
 
 /// A JSON value as the Python object `json.loads` would give.
@@ -74,8 +74,8 @@ pub fn json_to_py<'py>(py: Python<'py>, v: &serde_json::Value) -> PyResult<Bound
     })
 }
 
-fn str_set<'py>(py: Python<'py>, items: &BTreeSet<String>) -> PyResult<Bound<'py, PySet>> {
-    PySet::new(py, items.iter())
+fn str_set<'py, T: AsRef<str>>(py: Python<'py>, items: &BTreeSet<T>) -> PyResult<Bound<'py, PySet>> {
+    PySet::new(py, items.iter().map(AsRef::as_ref))
 }
 
 /// The metadata as plain Python data, shaped like vLLM's `MooncakeConnectorMetadata`:
@@ -86,8 +86,11 @@ pub fn metadata_to_py<'py>(py: Python<'py>, meta: &ConnectorMetadata) -> PyResul
     let send = PyDict::new(py);
     for (req_id, (transfer_id, blocks)) in &meta.reqs_to_send {
         send.set_item(
-            req_id,
-            PyTuple::new(py, [transfer_id.into_pyobject(py)?.into_any(), PyList::new(py, blocks)?.into_any()])?,
+            req_id.as_str(),
+            PyTuple::new(
+                py,
+                [transfer_id.as_str().into_pyobject(py)?.into_any(), PyList::new(py, blocks)?.into_any()],
+            )?,
         )?;
     }
     let recv = PyDict::new(py);
@@ -95,15 +98,15 @@ pub fn metadata_to_py<'py>(py: Python<'py>, meta: &ConnectorMetadata) -> PyResul
         let per_engine = PyDict::new(py);
         for (req_id, pull) in pulls {
             let p = PyDict::new(py);
-            p.set_item("d_req_id", &pull.d_req_id)?;
-            p.set_item("transfer_id", &pull.transfer_id)?;
+            p.set_item("d_req_id", pull.d_req_id.as_str())?;
+            p.set_item("transfer_id", pull.transfer_id.as_str())?;
             p.set_item("local_block_ids", PyList::new(py, &pull.local_block_ids)?)?;
-            p.set_item("remote_engine_id", &pull.remote_engine_id)?;
+            p.set_item("remote_engine_id", pull.remote_engine_id.as_str())?;
             p.set_item("remote_bootstrap_addr", &pull.remote_bootstrap_addr)?;
             p.set_item("traceparent", pull.traceparent.as_deref())?;
-            per_engine.set_item(req_id, p)?;
+            per_engine.set_item(req_id.as_str(), p)?;
         }
-        recv.set_item(engine_id, per_engine)?;
+        recv.set_item(engine_id.as_str(), per_engine)?;
     }
     out.set_item("reqs_to_send", send)?;
     out.set_item("reqs_to_recv", recv)?;

@@ -90,7 +90,7 @@ impl SchedulerBridge {
                 let supervisor = NodeSupervisor::spawn(format!("vllm-scheduler-{engine_id}"));
                 let actor = SchedulerConnector::supervise(
                     &supervisor,
-                    SchedulerConnectorArgs { engine_id: engine_id.clone(), role, bootstrap_addr },
+                    SchedulerConnectorArgs { engine_id: engine_id.clone().into(), role, bootstrap_addr },
                 )
                 .restart_policy(RestartPolicy::Transient)
                 .restart_limit(MAX_RESTARTS, RESTART_WINDOW)
@@ -205,12 +205,14 @@ impl SchedulerBridge {
     ) -> PyResult<()> {
         let mut output = ConnectorOutput::default();
         let failed: std::collections::BTreeSet<String> = failed_recving.unwrap_or_default().into_iter().collect();
-        output.finished_sending.extend(finished_sending.unwrap_or_default());
+        output.finished_sending.extend(finished_sending.unwrap_or_default().into_iter().map(Into::into));
         output
             .finished_recving
-            .extend(finished_recving.unwrap_or_default().into_iter().filter(|r| !failed.contains(r)));
+            .extend(finished_recving.unwrap_or_default().into_iter().filter(|r| !failed.contains(r)).map(Into::into));
         output.failed_recving.extend(
-            failed.into_iter().map(|r| (r, LoadFailure::new(LoadFailureCause::ReportedByWorker, "the KV load failed"))),
+            failed
+                .into_iter()
+                .map(|r| (r.into(), LoadFailure::new(LoadFailureCause::ReportedByWorker, "the KV load failed"))),
         );
         if output.is_empty() {
             return Ok(());

@@ -260,16 +260,16 @@ impl WorkerBridge {
                 })?
                 .map_err(|e| port_error("worker connector", e))
         })?;
-        let mut recving: Vec<String> = output.finished_recving.into_iter().collect();
+        let mut recving: Vec<String> = output.finished_recving.into_iter().map(String::from).collect();
         let mut failed = Vec::new();
         let mut load_errors = lock(&self.load_errors);
         for (req_id, failure) in output.failed_recving {
             tracing::warn!(request_id = %req_id, reason = %failure, "KV load failed; vLLM's kv_load_failure_policy decides (recompute or fail)");
             load_errors.extend(failure.block_ids);
-            recving.push(req_id.clone());
-            failed.push(req_id);
+            recving.push(req_id.to_string());
+            failed.push(req_id.to_string());
         }
-        Ok((output.finished_sending.into_iter().collect(), recving, failed))
+        Ok((output.finished_sending.into_iter().map(String::from).collect(), recving, failed))
     }
 
     /// Blocks whose load failed since the last call (drained).

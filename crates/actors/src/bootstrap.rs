@@ -27,6 +27,7 @@ use kameo::prelude::*;
 use pdflow_messages::bootstrap::{
     BootstrapAddr, EngineEntry, QueryEngines, QueryResponse, RegisterRejected, RegisterWorker,
 };
+use pdflow_messages::EngineId;
 use pdflow_telemetry::{step_span, steps};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::AbortOnDropHandle;
@@ -48,7 +49,7 @@ pub struct BootstrapArgs {
 /// One dp rank's engine and its workers, with numeric ranks.
 #[derive(Debug, Clone)]
 struct DpEntry {
-    engine_id: String,
+    engine_id: EngineId,
     /// tp_rank → pp_rank → the worker.
     workers: BTreeMap<u32, BTreeMap<u32, Worker>>,
 }
@@ -119,8 +120,8 @@ impl Bootstrap {
             if entry.engine_id != w.engine_id {
                 return Err(RegisterRejected::EngineIdMismatch {
                     dp_rank: w.dp_rank,
-                    registered: entry.engine_id.clone(),
-                    offered: w.engine_id,
+                    registered: entry.engine_id.to_string(),
+                    offered: w.engine_id.to_string(),
                 });
             }
             if let Some(registered) = entry.workers.get(&w.tp_rank).and_then(|pps| pps.get(&w.pp_rank)) {

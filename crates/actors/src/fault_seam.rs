@@ -15,6 +15,7 @@ use std::sync::Arc;
 
 use kameo::prelude::*;
 use pdflow_kv::memory::RegionTable;
+use pdflow_messages::TransferId;
 use pdflow_transfer::TransferEngine;
 use serde::{Deserialize, Serialize};
 
@@ -132,7 +133,7 @@ impl Killable {
 /// overrides what it injects.
 pub trait FaultSeam: std::fmt::Debug + Send + Sync + 'static {
     /// `target` (on `role`, serving `transfer_ids`: empty means every transfer) has started.
-    fn register(&self, target: Target, role: Option<Role>, transfer_ids: Vec<String>, killable: Killable) {
+    fn register(&self, target: Target, role: Option<Role>, transfer_ids: Vec<TransferId>, killable: Killable) {
         let _ = (target, role, transfer_ids, killable);
     }
 
@@ -175,7 +176,7 @@ pub fn register_actor<A: Actor>(
     faults: &Faults,
     kind: ActorKind,
     role: Role,
-    transfer_ids: Vec<String>,
+    transfer_ids: Vec<TransferId>,
     actor: &ActorRef<A>,
 ) {
     faults.register(Target::Actor(kind), Some(role), transfer_ids, Killable::actor(actor));

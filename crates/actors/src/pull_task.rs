@@ -429,8 +429,8 @@ mod tests {
             reqs: reqs
                 .iter()
                 .map(|r| PullReq {
-                    d_req_id: r.to_string(),
-                    transfer_id: format!("xfer-{r}"),
+                    d_req_id: (*r).into(),
+                    transfer_id: format!("xfer-{r}").into(),
                     block_ids: vec![1, 2],
                     traceparent: None,
                     fence: 0,
@@ -461,7 +461,7 @@ mod tests {
         PullResponse {
             pull_id: 42,
             status,
-            ok_reqs: ok.iter().map(|s| s.to_string()).collect(),
+            ok_reqs: ok.iter().map(|s| (*s).into()).collect(),
             err_reqs: vec![],
             layout_id: None,
             error: None,
@@ -479,7 +479,7 @@ mod tests {
         p.reply(&id, &response(PullStatus::Continue, &["a"]));
         p.reply(&id, &PullResponse { layout_id: Some(7), ..response(PullStatus::Finish, &["b"]) });
         let Reported::Outcome(outcome) = next(&mut rx).await else { panic!("expected an outcome") };
-        assert_eq!(outcome.ok_reqs, vec!["a".to_string(), "b".to_string()]);
+        assert_eq!(outcome.ok_reqs, vec!["a", "b"]);
         assert!(outcome.err_reqs.is_empty());
         assert_eq!(outcome.layout_acked, Some(7));
         tokio::time::timeout(WAIT, task.wait_for_shutdown()).await.expect("the task stops after reporting");
@@ -492,7 +492,7 @@ mod tests {
         let (id, _) = p.next_request().await;
         p.reply(&id, &response(PullStatus::Finish, &["a"]));
         let Reported::Outcome(outcome) = next(&mut rx).await else { panic!("expected an outcome") };
-        assert_eq!(outcome.ok_reqs, vec!["a".to_string()]);
+        assert_eq!(outcome.ok_reqs, vec!["a"]);
         assert_eq!(outcome.err_reqs.len(), 1);
         assert_eq!(outcome.err_reqs[0].d_req_id, "b");
     }

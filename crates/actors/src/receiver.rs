@@ -59,7 +59,7 @@ const FENCE_DRAIN_DEADLINE: Duration = Duration::from_secs(5);
 /// Arguments of [`Receiver`].
 #[derive(Debug, Clone)]
 pub struct ReceiverArgs {
-    pub engine_id: String,
+    pub engine_id: EngineId,
     pub tp_rank: u32,
     pub tp_size: u32,
     pub pp_size: u32,
@@ -333,7 +333,7 @@ impl Receiver {
         let metas: Vec<&PullMeta> = reqs.iter().filter_map(|r| self.in_flight.get(r)).map(|r| &r.meta).collect();
         let request = PullRequest {
             pull_id,
-            engine_id: self.args.engine_id.clone(),
+            engine_id: self.args.engine_id.to_string(),
             data_addr: self.args.data_addr.clone(),
             tp_size: self.args.tp_size,
             tp_rank: self.args.tp_rank,
@@ -356,7 +356,7 @@ impl Receiver {
         };
         let args = PullTaskArgs {
             pull_id,
-            remote_engine_id: engine_id.to_string(),
+            remote_engine_id: engine_id.into(),
             worker_addr: worker_addr.to_string(),
             request,
             deadline: self.args.pull_timeout,
@@ -382,7 +382,7 @@ impl Receiver {
         }
         self.pulls.insert(
             pull_id,
-            Pull { task, engine_id: engine_id.to_string(), worker_addr: worker_addr.to_string(), reqs: reqs.to_vec() },
+            Pull { task, engine_id: engine_id.into(), worker_addr: worker_addr.to_string(), reqs: reqs.to_vec() },
         );
     }
 
@@ -432,11 +432,11 @@ impl Receiver {
         let engine = engine_id.to_string();
         let task = tokio::spawn(async move {
             let result = lookup::query_until_registered(&http, &addr, &engine, timeout).instrument(span).await;
-            if let Err(e) = me.tell(LookupDone { engine_id: engine, result }).await {
+            if let Err(e) = me.tell(LookupDone { engine_id: engine.into(), result }).await {
                 tracing::debug!(error = %e, "receiver gone before its bootstrap look-up answered");
             }
         });
-        self.lookups.insert(engine_id.to_string(), Lookup { bootstrap_addr: bootstrap_addr.to_string(), queued, task });
+        self.lookups.insert(engine_id.into(), Lookup { bootstrap_addr: bootstrap_addr.to_string(), queued, task });
     }
 
     /// D gave `req` up: cancel its transfers, or drop its blocks from a pull not sent yet.
@@ -529,7 +529,7 @@ impl Message<LookupDone> for Receiver {
         let engine_id = msg.engine_id;
         let failure = match msg.result {
             Ok(answer) => {
-                let named: Vec<String> = answer.engines.keys().cloned().collect();
+                let named: Vec<String> = answer.engines.keys().map(EngineId::to_string).collect();
                 self.remote_agents.extend(answer.engines);
                 self.p_generations.extend(answer.generations);
                 if self.remote_agents.contains_key(&engine_id) {

@@ -21,7 +21,7 @@ use pdflow_messages::scheduler_connector::{
     OnNewRequest, PullMeta, RequestFinished, RequestFinishedReply, SchedRequest, UpdateConnectorOutput,
     UpdateStateAfterAlloc,
 };
-use pdflow_messages::{BlockId, RequestId, TransferId};
+use pdflow_messages::{BlockId, EngineId, RequestId, TransferId};
 use pdflow_telemetry::{attrs, step_span, steps, Outcome};
 
 use crate::ActorError;
@@ -51,7 +51,7 @@ impl KvRole {
 /// Arguments of [`SchedulerConnector`].
 #[derive(Debug, Clone)]
 pub struct SchedulerConnectorArgs {
-    pub engine_id: String,
+    pub engine_id: EngineId,
     pub role: KvRole,
     /// P: the bootstrap its workers register with (`http://host:port`). With it, a finished P
     /// request answers the `kv_transfer_params` D needs (vLLM's toy proxy forwards P's answer to
@@ -62,7 +62,7 @@ pub struct SchedulerConnectorArgs {
 /// The scheduler-side connector actor.
 #[derive(Debug)]
 pub struct SchedulerConnector {
-    engine_id: String,
+    engine_id: EngineId,
     role: KvRole,
     bootstrap_addr: Option<String>,
     /// P: request id → (transfer_id, block ids) for the next metadata (steps 13, 26).
@@ -103,7 +103,7 @@ impl Actor for SchedulerConnector {
 fn with_transfer_named(mut request: SchedRequest) -> SchedRequest {
     if let Some(p) = request.kv_transfer_params.as_mut() {
         if p.do_remote_decode && !p.do_remote_prefill && p.transfer_id.as_deref().is_none_or(str::is_empty) {
-            p.transfer_id = Some(request.request_id.clone());
+            p.transfer_id = Some(request.request_id.to_string());
         }
     }
     request
@@ -196,9 +196,9 @@ impl Message<UpdateStateAfterAlloc> for SchedulerConnector {
                     request.request_id.clone(),
                     PullMeta {
                         d_req_id: request.request_id.clone(),
-                        transfer_id,
+                        transfer_id: transfer_id.into(),
                         local_block_ids,
-                        remote_engine_id,
+                        remote_engine_id: remote_engine_id.into(),
                         remote_bootstrap_addr,
                         traceparent: request.traceparent.clone(),
                     },
@@ -210,7 +210,7 @@ impl Message<UpdateStateAfterAlloc> for SchedulerConnector {
             Ok(TransferRole::Prefill { transfer_id }) if self.role.produces() => {
                 self.remember_trace(&request);
                 // An empty list tells the worker to create the send's wait object (step 13/14).
-                self.reqs_need_send.entry(request.request_id.clone()).or_insert((transfer_id, Vec::new()));
+                self.reqs_need_send.entry(request.request_id.clone()).or_insert((transfer_id.into(), Vec::new()));
                 None
             }
             _ => None,
@@ -287,9 +287,9 @@ impl SchedulerConnector {
                     request.request_id.clone(),
                     PullMeta {
                         d_req_id: request.request_id.clone(),
-                        transfer_id,
+                        transfer_id: transfer_id.into(),
                         local_block_ids: Vec::new(),
-                        remote_engine_id,
+                        remote_engine_id: remote_engine_id.into(),
                         remote_bootstrap_addr,
                         traceparent: request.traceparent.clone(),
                     },
@@ -317,13 +317,13 @@ impl SchedulerConnector {
                     traceparent: request.traceparent.clone(),
                     ..KvTransferParams::for_decode(transfer_id.clone(), addr.clone(), self.engine_id.clone())
                 });
-                self.reqs_need_send.insert(request.request_id.clone(), (transfer_id, msg.block_ids));
+                self.reqs_need_send.insert(request.request_id.clone(), (transfer_id.into(), msg.block_ids));
                 RequestFinishedReply { delay_free_blocks: true, kv_transfer_params: for_d }
             }
             _ => {
                 // Aborted or failed: no KV to send; the worker answers D's pull with an error.
                 self.reqs_need_send.remove(&request.request_id);
-                self.reqs_not_processed.insert(transfer_id);
+                self.reqs_not_processed.insert(transfer_id.into());
                 self.traceparents.remove(&request.request_id);
                 no_delay
             }
@@ -516,7 +516,7 @@ mod tests {
         assert_eq!(updated, None);
         // Step 13: the pending send with an empty block list.
         let meta = p.ask(BuildConnectorMeta).await.expect("ask delivered");
-        assert_eq!(meta.reqs_to_send.get("p1"), Some(&("xfer-p1".to_string(), vec![])));
+        assert_eq!(meta.reqs_to_send.get("p1"), Some(&("xfer-p1".into(), vec![])));
         assert!(
             p.ask(BuildConnectorMeta).await.expect("ask delivered").is_empty(),
             "metadata is cleared after each build"

@@ -43,7 +43,7 @@ use pdflow_messages::sender_listener::{
     GetFinishedSending, InFlightPulls, PullErr, PullErrorCause, PullResponse, RecordSendReqs, SideChannelAddr,
     SideChannelRequest,
 };
-use pdflow_messages::{RequestId, TransferId};
+use pdflow_messages::{EngineId, RequestId, TransferId};
 use pdflow_telemetry::{attrs, step_span, steps, Outcome};
 use pdflow_transfer::TransferEngine;
 use tokio::sync::{mpsc, Notify};
@@ -59,7 +59,7 @@ use side_channel::{Outgoing, SideChannelFrame, SocketClosed};
 /// What a SenderListener is started with.
 #[derive(Clone)]
 pub struct SenderListenerArgs {
-    pub engine_id: String,
+    pub engine_id: EngineId,
     pub dp_rank: u32,
     pub tp_rank: u32,
     pub pp_rank: u32,

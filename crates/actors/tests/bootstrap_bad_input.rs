@@ -62,7 +62,7 @@ fn table(q: &QueryResponse) -> Vec<(String, String, String, String, String)> {
     for (dp, e) in q {
         for (tp, pps) in &e.worker_addr {
             for (pp, addr) in pps {
-                out.push((dp.clone(), e.engine_id.clone(), tp.clone(), pp.clone(), addr.clone()));
+                out.push((dp.clone(), e.engine_id.to_string(), tp.clone(), pp.clone(), addr.clone()));
             }
         }
     }
@@ -153,8 +153,13 @@ fn malformed_register_bodies_get_a_clear_4xx_and_bootstrap_keeps_serving() {
                     // Only a well-formed registration is accepted, and it is what the table gains.
                     let w: pdflow_messages::bootstrap::RegisterWorker = serde_json::from_slice(&body)
                         .map_err(|e| TestCaseError::fail(format!("accepted {shown:?}: {e}")))?;
-                    let row =
-                        (w.dp_rank.to_string(), w.engine_id, w.tp_rank.to_string(), w.pp_rank.to_string(), w.addr);
+                    let row = (
+                        w.dp_rank.to_string(),
+                        w.engine_id.into_string(),
+                        w.tp_rank.to_string(),
+                        w.pp_rank.to_string(),
+                        w.addr,
+                    );
                     prop_assert!(after.contains(&row), "accepted but not in /query: {:?}", row);
                     prop_assert!(after.iter().all(|r| before.contains(r) || *r == row));
                 } else {

@@ -37,7 +37,7 @@ async fn the_scheduler_side_step_spans_join_the_requests_trace() {
         .await
         .expect("ask delivered");
     d.ask(BuildConnectorMeta).await.expect("ask delivered");
-    let output = ConnectorOutput { finished_recving: ["d1".to_string()].into(), ..ConnectorOutput::default() };
+    let output = ConnectorOutput { finished_recving: ["d1".into()].into(), ..ConnectorOutput::default() };
     d.ask(UpdateConnectorOutput { output }).await.expect("ask delivered");
     let seen: Vec<(u8, Option<String>)> =
         capture.spans().iter().map(|s| (s.step, s.attr(attrs::TRACEPARENT).map(str::to_owned))).collect();

@@ -103,7 +103,10 @@ fn bad_frame() -> impl Strategy<Value = Vec<u8>> {
             let msg = if ids.is_empty() {
                 pull(pull_id, layout_id)
             } else {
-                SideChannelRequest::Abort(AbortPull { pull_id, transfer_ids: ids })
+                SideChannelRequest::Abort(AbortPull {
+                    pull_id,
+                    transfer_ids: ids.into_iter().map(Into::into).collect(),
+                })
             };
             frame::encode(&msg).expect("encodes")
         },

@@ -28,6 +28,7 @@ use std::time::Instant;
 
 use pdflow_actors::fault_seam::{FaultSeam, Faults, Killable, Target};
 use pdflow_kv::memory::RegionTable;
+use pdflow_messages::TransferId;
 use pdflow_transfer::tcp::TcpConfig;
 use pdflow_transfer::TransferEngine;
 
@@ -136,7 +137,7 @@ impl FaultDomain {
 }
 
 impl FaultSeam for FaultDomain {
-    fn register(&self, target: Target, role: Option<Role>, transfer_ids: Vec<String>, killable: Killable) {
+    fn register(&self, target: Target, role: Option<Role>, transfer_ids: Vec<TransferId>, killable: Killable) {
         self.registry.register(target, role, transfer_ids, killable);
     }
 

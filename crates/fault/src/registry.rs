@@ -5,13 +5,14 @@
 use std::sync::{Arc, Mutex};
 
 use pdflow_actors::fault_seam::{Killable, Role, Target};
+use pdflow_messages::TransferId;
 
 /// One registered target.
 struct Registration {
     target: Target,
     role: Option<Role>,
     /// Transfer ids a per-request actor serves (empty: serves all).
-    transfer_ids: Vec<String>,
+    transfer_ids: Vec<TransferId>,
     killable: Killable,
 }
 
@@ -27,7 +28,13 @@ impl Registry {
         self.all.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    pub(crate) fn register(&self, target: Target, role: Option<Role>, transfer_ids: Vec<String>, killable: Killable) {
+    pub(crate) fn register(
+        &self,
+        target: Target,
+        role: Option<Role>,
+        transfer_ids: Vec<TransferId>,
+        killable: Killable,
+    ) {
         let mut all = self.lock();
         all.retain(|r| (r.killable.alive)());
         all.push(Registration { target, role, transfer_ids, killable });

@@ -5,6 +5,7 @@ use std::sync::Arc;
 
 use pdflow_actors::fault_seam::{FaultSeam, Killable, Target};
 use pdflow_kv::memory::{KvCache, KvShape};
+use pdflow_messages::TransferId;
 use pdflow_transfer::tcp::TcpConfig;
 use pdflow_transfer::TransferEngine;
 use tracing_subscriber::layer::SubscriberExt;
@@ -23,7 +24,7 @@ fn counting(kills: &Arc<AtomicUsize>) -> Killable {
 }
 
 fn target(domain: &FaultDomain, kind: ActorKind, role: Role, transfer_ids: &[&str], kills: &Arc<AtomicUsize>) {
-    let ids = transfer_ids.iter().map(|t| t.to_string()).collect();
+    let ids = transfer_ids.iter().map(|t| TransferId::from(*t)).collect();
     domain.register(Target::Actor(kind), Some(role), ids, counting(kills));
 }
 

@@ -7,10 +7,12 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
+use crate::EngineId;
+
 /// One P worker's registration (seed step 4).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RegisterWorker {
-    pub engine_id: String,
+    pub engine_id: EngineId,
     pub dp_rank: u32,
     pub tp_rank: u32,
     pub pp_rank: u32,
@@ -26,7 +28,7 @@ pub struct RegisterWorker {
 /// One data-parallel engine's entry in `/query`.
 #[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
 pub struct EngineEntry {
-    pub engine_id: String,
+    pub engine_id: EngineId,
     /// tp_rank → pp_rank → side-channel address (keys are decimal strings, as in vLLM's JSON).
     pub worker_addr: BTreeMap<String, BTreeMap<String, String>>,
     /// tp_rank → pp_rank → the worker's generation (pdflow's addition: absent from vLLM's JSON

@@ -13,9 +13,11 @@
 //! - [`frame`] — binary frames: magic, version byte, postcard body; typed decode errors.
 //! - [`layout`] — memory regions as peers describe them (base, length, block length).
 //! - [`proxy`] — the proxy's routing ask and its health poller's readiness reports (steps 6–10).
+//! - `ids` — [`RequestId`], [`TransferId`], [`EngineId`]: one type each, a plain string on the wire.
 
 pub mod bootstrap;
 pub mod frame;
+mod ids;
 pub mod kv_transfer_params;
 pub mod layout;
 pub mod lifecycle;
@@ -27,9 +29,4 @@ pub mod sender_listener;
 
 /// A KV block id in an engine's block pool.
 pub type BlockId = u32;
-/// An engine's request id (P's and D's differ for one client request).
-pub type RequestId = String;
-/// The id that ties P's request to D's request: `xfer-<proxy request id>` (seed step 9).
-pub type TransferId = String;
-/// An engine's id, as registered with bootstrap.
-pub type EngineId = String;
+pub use ids::{EngineId, RequestId, TransferId};

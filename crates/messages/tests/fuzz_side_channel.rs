@@ -100,8 +100,8 @@ fn layout() -> impl Strategy<Value = KvLayout> {
 fn pull_req() -> impl Strategy<Value = PullReq> {
     (text(), text(), prop::collection::vec(any::<u32>(), 0..40), prop::option::of(text())).prop_map(
         |(d_req_id, transfer_id, block_ids, traceparent)| PullReq {
-            d_req_id,
-            transfer_id,
+            d_req_id: d_req_id.into(),
+            transfer_id: transfer_id.into(),
             block_ids,
             traceparent,
             fence: 3,
@@ -146,8 +146,12 @@ fn pull_request() -> impl Strategy<Value = PullRequest> {
 fn side_channel_request() -> impl Strategy<Value = SideChannelRequest> {
     prop_oneof![
         pull_request().prop_map(SideChannelRequest::Pull),
-        (any::<u64>(), prop::collection::vec(text(), 0..8))
-            .prop_map(|(pull_id, transfer_ids)| SideChannelRequest::Abort(AbortPull { pull_id, transfer_ids })),
+        (any::<u64>(), prop::collection::vec(text(), 0..8)).prop_map(|(pull_id, transfer_ids)| {
+            SideChannelRequest::Abort(AbortPull {
+                pull_id,
+                transfer_ids: transfer_ids.into_iter().map(Into::into).collect(),
+            })
+        }),
     ]
 }
 
@@ -163,7 +167,11 @@ fn pull_response() -> impl Strategy<Value = PullResponse> {
         Just(PullErrorCause::Expired),
         Just(PullErrorCause::StaleGeneration),
     ];
-    let err = (text(), cause, text()).prop_map(|(d_req_id, cause, detail)| PullErr { d_req_id, cause, detail });
+    let err = (text(), cause, text()).prop_map(|(d_req_id, cause, detail)| PullErr {
+        d_req_id: d_req_id.into(),
+        cause,
+        detail,
+    });
     (
         any::<u64>(),
         status,
@@ -176,7 +184,7 @@ fn pull_response() -> impl Strategy<Value = PullResponse> {
         .prop_map(|(pull_id, status, ok_reqs, err_reqs, layout_id, error, p_generation)| PullResponse {
             pull_id,
             status,
-            ok_reqs,
+            ok_reqs: ok_reqs.into_iter().map(Into::into).collect(),
             err_reqs,
             layout_id,
             error,

@@ -75,7 +75,7 @@ impl EngineNode {
         let supervisor = NodeSupervisor::spawn(format!("engine-{engine_id}"));
         // P answers D's kv_transfer_params with its bootstrap (for a proxy that forwards them).
         let bootstrap_addr = cfg.bootstrap.url(&cfg.host);
-        let args = SchedulerConnectorArgs { engine_id: engine_id.clone(), role: cfg.role, bootstrap_addr };
+        let args = SchedulerConnectorArgs { engine_id: engine_id.clone().into(), role: cfg.role, bootstrap_addr };
         let connector = SchedulerConnector::supervise(&supervisor, args)
             .restart_policy(RestartPolicy::Transient)
             .restart_limit(MAX_RESTARTS, RESTART_WINDOW)

@@ -142,7 +142,7 @@ impl Worker {
             BootstrapPlacement::None => None,
         };
         let args = SenderListenerArgs {
-            engine_id: spec.engine_id.clone(),
+            engine_id: spec.engine_id.clone().into(),
             dp_rank: 0,
             tp_rank: spec.tp_rank,
             pp_rank: 0,
@@ -182,7 +182,7 @@ impl Worker {
             serve_kv_data(kv_cache, &spec.host, &format!("{}:0", spec.host), &spec.tcp).await?;
         self._gpu_serving.extend(held);
         let args = ReceiverArgs {
-            engine_id: spec.engine_id.clone(),
+            engine_id: spec.engine_id.clone().into(),
             tp_rank: spec.tp_rank,
             tp_size: 1,
             pp_size: 1,

@@ -141,7 +141,7 @@ impl EngineHandle {
             return;
         }
         let request = SchedRequest {
-            request_id: req.request_id.clone(),
+            request_id: req.request_id.clone().into(),
             prompt_len: req.prompt_token_ids.len(),
             kv_transfer_params: Some(params.clone()),
             traceparent: req.traceparent.clone(),

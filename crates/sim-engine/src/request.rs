@@ -204,7 +204,7 @@ impl Request {
     /// What the connector hooks see.
     pub fn sched_request(&self) -> SchedRequest {
         SchedRequest {
-            request_id: self.id.clone(),
+            request_id: self.id.clone().into(),
             prompt_len: self.prompt_len,
             kv_transfer_params: self.kv_transfer_params.clone(),
             traceparent: self.traceparent.clone(),

@@ -10,7 +10,7 @@ use futures::future::BoxFuture;
 use pdflow_messages::kv_transfer_params::KvTransferParams;
 use pdflow_messages::scheduler_connector::*;
 use pdflow_messages::sender_listener::PullErrorCause;
-use pdflow_messages::BlockId;
+use pdflow_messages::{BlockId, EngineId, RequestId, TransferId};
 use tokio::sync::{mpsc, Notify};
 
 use super::ports::{Connector, ConnectorError, SchedulerConnectorPort, WorkerConnectorPort};
@@ -20,13 +20,13 @@ use pdflow_kv::memory::{KvCache, KvShape};
 
 #[derive(Default)]
 struct SchedState {
-    reqs_need_send: BTreeMap<String, (String, Vec<BlockId>)>,
-    reqs_need_recv: BTreeMap<String, BTreeMap<String, PullMeta>>,
-    reqs_not_processed: BTreeSet<String>,
-    reqs_to_abort: BTreeSet<String>,
+    reqs_need_send: BTreeMap<RequestId, (TransferId, Vec<BlockId>)>,
+    reqs_need_recv: BTreeMap<EngineId, BTreeMap<RequestId, PullMeta>>,
+    reqs_not_processed: BTreeSet<TransferId>,
+    reqs_to_abort: BTreeSet<RequestId>,
     /// (request id, num_external_tokens, blocks) of every `update_state_after_alloc`.
-    allocs: Vec<(String, usize, usize)>,
-    finished: Vec<(String, FinishStatus)>,
+    allocs: Vec<(RequestId, usize, usize)>,
+    finished: Vec<(RequestId, FinishStatus)>,
 }
 
 #[derive(Default)]
@@ -49,10 +49,10 @@ impl SchedulerConnectorPort for TestScheduler {
         st.allocs.push((msg.request.request_id.clone(), msg.num_external_tokens, msg.block_ids.len()));
         let mut p = msg.request.kv_transfer_params.clone().unwrap_or_default();
         let reply = if p.do_remote_prefill && msg.num_external_tokens > 0 {
-            let engine = p.remote_engine_id.clone().unwrap_or_default();
+            let engine: EngineId = p.remote_engine_id.clone().unwrap_or_default().into();
             let pull = PullMeta {
                 d_req_id: msg.request.request_id.clone(),
-                transfer_id: p.transfer_id.clone().unwrap_or_default(),
+                transfer_id: p.transfer_id.clone().unwrap_or_default().into(),
                 local_block_ids: msg.block_ids,
                 remote_engine_id: engine.clone(),
                 remote_bootstrap_addr: p.remote_bootstrap_addr.clone().unwrap_or_default(),
@@ -64,7 +64,7 @@ impl SchedulerConnectorPort for TestScheduler {
         } else {
             if p.do_remote_decode {
                 st.reqs_need_send
-                    .insert(msg.request.request_id, (p.transfer_id.clone().unwrap_or_default(), Vec::new()));
+                    .insert(msg.request.request_id, (p.transfer_id.clone().unwrap_or_default().into(), Vec::new()));
             }
             None
         };
@@ -85,7 +85,7 @@ impl SchedulerConnectorPort for TestScheduler {
         let mut st = self.0.lock().expect("lock");
         st.finished.push((msg.request.request_id.clone(), msg.status));
         let p = msg.request.kv_transfer_params.clone().unwrap_or_default();
-        let tid = p.transfer_id.clone().unwrap_or_default();
+        let tid: TransferId = p.transfer_id.clone().unwrap_or_default().into();
         let mut delay = false;
         if p.do_remote_prefill
             || (msg.status == FinishStatus::Aborted
@@ -221,15 +221,16 @@ async fn p_then_d_equals_single_engine(shape: KvShape, prompt_len: u32, max_toke
     let mut d_stream =
         d.engine.add_request(d_request("r1", prompt(prompt_len), max_tokens, &p_id)).await.expect("accepted");
     // Steps 17–18: D waits for remote KV, its pull names its blocks.
-    let d_blocks =
-        d.meta(|m| m.reqs_to_recv.get(&p_id).and_then(|r| r.get("r1")).map(|pull| pull.local_block_ids.clone())).await;
+    let d_blocks = d
+        .meta(|m| m.reqs_to_recv.get(p_id.as_str()).and_then(|r| r.get("r1")).map(|pull| pull.local_block_ids.clone()))
+        .await;
     assert_eq!(d_blocks.len(), shape.blocks_for(prompt_len as usize));
     // Steps 11–15, 23–24: P prefills (chunked or not) and finishes length-capped with one token.
     let (p_tokens, p_status, _) = run(&p.engine, p_request("r1", prompt(prompt_len))).await;
     assert_eq!((p_tokens, p_status), (vec![want[0]], FinishStatus::LengthCapped));
     // Step 13 then 26: reqs_to_send first without blocks, then with them (after the finish).
     let first = p.meta(|m| m.reqs_to_send.get("r1").cloned()).await;
-    assert_eq!(first, ("xfer-r1".to_owned(), vec![]));
+    assert_eq!(first, ("xfer-r1".into(), vec![]));
     let (_, p_blocks) = p.meta(|m| m.reqs_to_send.get("r1").filter(|(_, b)| !b.is_empty()).cloned()).await;
     assert_eq!(p_blocks.len(), d_blocks.len());
     // Delayed free: P still holds the blocks and the request.
@@ -237,8 +238,8 @@ async fn p_then_d_equals_single_engine(shape: KvShape, prompt_len: u32, max_toke
     assert_eq!((held.requests, held.free), (1, held.total - p_blocks.len()));
     // Steps 29–35: the "transfer", then both workers report.
     copy_blocks(p.engine.kv_cache(), &p_blocks, d.engine.kv_cache(), &d_blocks);
-    p.worker.report(ConnectorOutput { finished_sending: ["r1".to_owned()].into(), ..Default::default() });
-    d.worker.report(ConnectorOutput { finished_recving: ["r1".to_owned()].into(), ..Default::default() });
+    p.worker.report(ConnectorOutput { finished_sending: ["r1".into()].into(), ..Default::default() });
+    d.worker.report(ConnectorOutput { finished_recving: ["r1".into()].into(), ..Default::default() });
     let mut got = Vec::new();
     let status = loop {
         let out = tokio::time::timeout(DEADLINE, d_stream.next_output()).await.expect("in time").expect("output");
@@ -282,7 +283,7 @@ async fn failed_recv_recomputes_or_fails_by_policy() {
         d.meta(|m| (!m.reqs_to_recv.is_empty()).then_some(())).await;
         d.worker.report(ConnectorOutput {
             failed_recving: [(
-                "r".to_owned(),
+                "r".into(),
                 LoadFailure::new(LoadFailureCause::Pull(PullErrorCause::TransferFailed), "peer gone"),
             )]
             .into(),
@@ -311,8 +312,8 @@ async fn aborted_while_waiting_for_kv_holds_blocks_until_the_worker_reports() {
     // A late write could still land: the blocks stay held.
     let held = d.engine.block_stats();
     assert_eq!((held.requests, held.free), (1, 32 - 4));
-    assert_eq!(d.sched.0.lock().expect("lock").finished, vec![("r".to_owned(), FinishStatus::Aborted)]);
-    d.worker.report(ConnectorOutput { finished_recving: ["r".to_owned()].into(), ..Default::default() });
+    assert_eq!(d.sched.0.lock().expect("lock").finished, vec![("r".into(), FinishStatus::Aborted)]);
+    d.worker.report(ConnectorOutput { finished_recving: ["r".into()].into(), ..Default::default() });
     wait_stats(&d.engine, d.baseline()).await;
 }
 
@@ -422,7 +423,7 @@ async fn a_request_refused_at_admission_still_tells_the_connector_about_its_tran
     assert!(matches!(refused, Err(EngineError::TooLong { .. })), "{refused:?}");
     let not_processed = p.meta(|m| m.reqs_not_processed.contains("xfer-r").then_some(())).await;
     assert_eq!(not_processed, ());
-    assert_eq!(p.sched.0.lock().expect("lock").finished, vec![("r".to_owned(), FinishStatus::Error)]);
+    assert_eq!(p.sched.0.lock().expect("lock").finished, vec![("r".into(), FinishStatus::Error)]);
     wait_stats(&p.engine, p.baseline()).await;
 
     // D: refused too; its connector hears of the request (finished with an error, no blocks), so
@@ -432,7 +433,7 @@ async fn a_request_refused_at_admission_still_tells_the_connector_about_its_tran
     assert!(matches!(refused, Err(EngineError::TooLong { .. })), "{refused:?}");
     let aborted = d.meta(|m| m.reqs_to_abort.contains("q").then_some(())).await;
     assert_eq!(aborted, ());
-    assert_eq!(d.sched.0.lock().expect("lock").finished, vec![("q".to_owned(), FinishStatus::Error)]);
+    assert_eq!(d.sched.0.lock().expect("lock").finished, vec![("q".into(), FinishStatus::Error)]);
 
     // A request without a transfer is refused without bothering the connector.
     let refused = d.engine.add_request(request("local", prompt(300), 8)).await;

@@ -38,6 +38,7 @@ use axum::{Json, Router};
 use futures::stream::StreamExt;
 use kameo::prelude::*;
 use pdflow_messages::proxy::{NotReady, ProxyStatus, Route, RouteDecision};
+use pdflow_messages::{RequestId, TransferId};
 use pdflow_telemetry::{attrs, step_span, steps};
 use tokio_util::task::AbortOnDropHandle;
 use tracing::Instrument;
@@ -145,7 +146,7 @@ async fn route(
 /// `x-request-id` (streamed ones too: headers go first).
 async fn serve(ctx: Arc<FlowContext>, api: &'static str, headers: HeaderMap, body: Bytes) -> Response {
     let request_id = flow_request_id(&headers);
-    let mut response = flow(ctx, api, headers, body, request_id.clone()).await;
+    let mut response = flow(ctx, api, headers, body, request_id.clone().into()).await;
     if let Ok(v) = HeaderValue::from_str(&request_id) {
         response.headers_mut().insert("x-request-id", v);
     }
@@ -158,7 +159,7 @@ async fn flow(
     api: &'static str,
     headers: HeaderMap,
     body: Bytes,
-    request_id: String,
+    request_id: RequestId,
 ) -> Response {
     let transfer_id = format!("xfer-{request_id}");
     let step8 = step_span!(steps::CLIENT_REQUEST, request_id = %request_id, transfer_id = %transfer_id);
@@ -178,7 +179,7 @@ async fn flow(
         api,
         route,
         request_id,
-        transfer_id,
+        transfer_id: transfer_id.into(),
         traceparent,
     };
     let mut p_task = Some(upstream.dispatch_prefill(&request));
@@ -236,8 +237,8 @@ struct Upstream {
     ctx: Arc<FlowContext>,
     api: &'static str,
     route: RouteDecision,
-    request_id: String,
-    transfer_id: String,
+    request_id: RequestId,
+    transfer_id: TransferId,
     traceparent: String,
     /// Sent to P and D ([`upstream_headers`]).
     headers: reqwest::header::HeaderMap,

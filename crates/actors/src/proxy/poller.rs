@@ -162,7 +162,7 @@ impl Poller {
         let query_span = step_span!(steps::PROXY_QUERY);
         match self.query(bootstrap).instrument(query_span.clone()).await {
             Ok(ids) if !ids.is_empty() => {
-                let joined: Vec<&str> = ids.values().map(String::as_str).collect();
+                let joined: Vec<&str> = ids.values().map(EngineId::as_str).collect();
                 query_span.record(attrs::ENGINE_ID, joined.join(",").as_str());
                 Outcome::Ok.record(&query_span);
                 PrefillProbe::Discovered(ids)
@@ -197,7 +197,7 @@ impl Poller {
             .into_iter()
             .map(|(dp, entry)| {
                 let dp = dp.parse::<u32>().map_err(|_| format!("non-numeric dp rank `{dp}` in /query"))?;
-                Ok((dp, entry.engine_id))
+                Ok((dp, entry.engine_id.into()))
             })
             .collect()
     }

@@ -87,15 +87,15 @@ impl Harness {
         self.next_req += 1;
         let req = format!("cmpl-d-{}", self.next_req);
         let meta = PullMeta {
-            d_req_id: req.clone(),
-            transfer_id: format!("xfer-{req}"),
+            d_req_id: req.clone().into(),
+            transfer_id: format!("xfer-{req}").into(),
             local_block_ids: vec![1, 2],
             remote_engine_id: engine_id.into(),
             remote_bootstrap_addr: bootstrap_addr.into(),
             traceparent: None,
         };
         let msg = StartLoadKv {
-            reqs_to_recv: BTreeMap::from([(engine_id.to_string(), BTreeMap::from([(req.clone(), meta)]))]),
+            reqs_to_recv: BTreeMap::from([(engine_id.into(), BTreeMap::from([(req.clone().into(), meta)]))]),
             reqs_to_abort: BTreeSet::new(),
         };
         self.receiver.tell(msg).await.expect("receiver alive");
@@ -154,7 +154,7 @@ impl Harness {
             &PullResponse {
                 pull_id: pull.pull_id,
                 status: PullStatus::Finish,
-                ok_reqs: vec![req.clone()],
+                ok_reqs: vec![req.clone().into()],
                 err_reqs: vec![],
                 layout_id: Some(pull.layout_id),
                 error: None,
@@ -378,7 +378,7 @@ fn mutated_or_garbage_pull_responses_settle_the_request_and_the_receiver_keeps_s
                 let valid = PullResponse {
                     pull_id: pull.pull_id,
                     status: PullStatus::Finish,
-                    ok_reqs: vec![req.clone()],
+                    ok_reqs: vec![req.clone().into()],
                     err_reqs: vec![],
                     layout_id: Some(pull.layout_id),
                     error: None,

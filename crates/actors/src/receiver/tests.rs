@@ -55,7 +55,7 @@ impl Harness {
     fn meta(&self, req: &str, blocks: Vec<u32>) -> PullMeta {
         PullMeta {
             d_req_id: req.into(),
-            transfer_id: format!("xfer-{req}"),
+            transfer_id: format!("xfer-{req}").into(),
             local_block_ids: blocks,
             remote_engine_id: P_ENGINE.into(),
             remote_bootstrap_addr: self.bootstrap.addr.clone(),
@@ -65,15 +65,13 @@ impl Harness {
 
     async fn pull(&self, metas: Vec<PullMeta>) {
         let reqs = metas.into_iter().map(|m| (m.d_req_id.clone(), m)).collect();
-        let msg = StartLoadKv {
-            reqs_to_recv: BTreeMap::from([(P_ENGINE.to_string(), reqs)]),
-            reqs_to_abort: BTreeSet::new(),
-        };
+        let msg =
+            StartLoadKv { reqs_to_recv: BTreeMap::from([(P_ENGINE.into(), reqs)]), reqs_to_abort: BTreeSet::new() };
         self.receiver.tell(msg).await.expect("receiver alive");
     }
 
     async fn abort(&self, req: &str) {
-        let msg = StartLoadKv { reqs_to_recv: BTreeMap::new(), reqs_to_abort: BTreeSet::from([req.to_string()]) };
+        let msg = StartLoadKv { reqs_to_recv: BTreeMap::new(), reqs_to_abort: BTreeSet::from([req.into()]) };
         self.receiver.tell(msg).await.expect("receiver alive");
     }
 
@@ -116,7 +114,7 @@ fn finish(pull: &PullRequest, ok: &[&str]) -> PullResponse {
     PullResponse {
         pull_id: pull.pull_id,
         status: PullStatus::Finish,
-        ok_reqs: ok.iter().map(|s| s.to_string()).collect(),
+        ok_reqs: ok.iter().map(|s| (*s).into()).collect(),
         err_reqs: vec![],
         layout_id: Some(pull.layout_id),
         error: None,
@@ -136,7 +134,7 @@ async fn pull_completes_into_finished_recving() {
     assert_eq!(pull.data_addr, "127.0.0.1:9");
     // The request's lifecycle state while P has not answered.
     let states = h.receiver.ask(TransferStates).await.expect("alive");
-    assert_eq!(states, BTreeMap::from([("cmpl-d-1".to_string(), TransferState::Pulling)]));
+    assert_eq!(states, BTreeMap::from([("cmpl-d-1".into(), TransferState::Pulling)]));
     h.p.reply(&id, &finish(&pull, &["cmpl-d-1"]));
     let out = h.settled("cmpl-d-1", WAIT).await;
     assert!(out.finished_recving.contains("cmpl-d-1") && out.failed_recving.is_empty(), "{out:?}");
@@ -161,7 +159,7 @@ async fn continue_then_finish_settles_every_request() {
     h.p.reply(&id, &finish(&pull, &["b"]));
     h.settled("a", WAIT).await;
     let out = h.settled("b", WAIT).await;
-    assert_eq!(out.finished_recving, BTreeSet::from(["a".to_string(), "b".to_string()]));
+    assert_eq!(out.finished_recving, BTreeSet::from(["a".into(), "b".into()]));
 }
 
 #[tokio::test]
@@ -224,7 +222,7 @@ async fn silent_p_fails_after_pull_timeout_not_later() {
     assert!(elapsed >= timeout - Duration::from_millis(50) && elapsed < Duration::from_secs(2), "{elapsed:?}");
     // D told P to stop before giving the blocks up.
     match h.p.next_request().await.1 {
-        SideChannelRequest::Abort(abort) => assert_eq!(abort.transfer_ids, vec!["xfer-a".to_string()]),
+        SideChannelRequest::Abort(abort) => assert_eq!(abort.transfer_ids, vec!["xfer-a"]),
         other => panic!("expected an abort, got {other:?}"),
     }
 }
@@ -239,7 +237,7 @@ async fn an_engine_registered_while_its_look_up_runs_is_pulled_from() {
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert_eq!(
         h.receiver.ask(TransferStates).await.expect("alive"),
-        BTreeMap::from([("a".to_string(), TransferState::LookingUp)]),
+        BTreeMap::from([("a".into(), TransferState::LookingUp)]),
         "still looking P up, within its bootstrap_timeout"
     );
     *h.bootstrap.body.lock().await = registered;
@@ -256,7 +254,7 @@ async fn engine_missing_from_query_fails_naming_it() {
     let mut meta = h.meta("a", vec![1]);
     meta.remote_engine_id = "ghost-engine".into();
     let msg = StartLoadKv {
-        reqs_to_recv: BTreeMap::from([("ghost-engine".to_string(), BTreeMap::from([("a".to_string(), meta)]))]),
+        reqs_to_recv: BTreeMap::from([("ghost-engine".into(), BTreeMap::from([("a".into(), meta)]))]),
         reqs_to_abort: BTreeSet::new(),
     };
     h.receiver.tell(msg).await.expect("receiver alive");
@@ -301,7 +299,7 @@ async fn abort_in_flight_sends_abort_and_waits_for_p() {
     match h.p.next_request().await.1 {
         SideChannelRequest::Abort(abort) => {
             assert_eq!(abort.pull_id, pull.pull_id);
-            assert_eq!(abort.transfer_ids, vec!["xfer-a".to_string()]);
+            assert_eq!(abort.transfer_ids, vec!["xfer-a"]);
         }
         other => panic!("expected an abort, got {other:?}"),
     }

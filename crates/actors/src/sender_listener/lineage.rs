@@ -96,21 +96,21 @@ mod tests {
         lineage.started(old);
         lineage.started(new);
         let ttl = Duration::from_secs(60);
-        lineage.ready(&"xfer-lost".to_string(), old, ttl);
-        assert_eq!(lineage.unknown(&"xfer-lost".to_string(), old, new), Unknown::Lost { generation: old });
-        assert_eq!(lineage.unknown(&"xfer-new".to_string(), old, new), Unknown::NotReadyYet);
-        assert_eq!(lineage.unknown(&"xfer-new".to_string(), 5, new), Unknown::ForeignGeneration);
-        lineage.retired(&"xfer-lost".to_string());
-        assert_eq!(lineage.unknown(&"xfer-lost".to_string(), old, new), Unknown::NotReadyYet, "retired: forgotten");
+        lineage.ready(&"xfer-lost".into(), old, ttl);
+        assert_eq!(lineage.unknown(&"xfer-lost".into(), old, new), Unknown::Lost { generation: old });
+        assert_eq!(lineage.unknown(&"xfer-new".into(), old, new), Unknown::NotReadyYet);
+        assert_eq!(lineage.unknown(&"xfer-new".into(), 5, new), Unknown::ForeignGeneration);
+        lineage.retired(&"xfer-lost".into());
+        assert_eq!(lineage.unknown(&"xfer-lost".into(), old, new), Unknown::NotReadyYet, "retired: forgotten");
         // Entries older than their time to live are dropped at the next record.
-        lineage.ready(&"xfer-a".to_string(), old, ttl);
-        lineage.ready(&"xfer-b".to_string(), old, Duration::ZERO);
-        assert_eq!(lineage.unknown(&"xfer-a".to_string(), old, new), Unknown::NotReadyYet, "dropped after its ttl");
+        lineage.ready(&"xfer-a".into(), old, ttl);
+        lineage.ready(&"xfer-b".into(), old, Duration::ZERO);
+        assert_eq!(lineage.unknown(&"xfer-a".into(), old, new), Unknown::NotReadyYet, "dropped after its ttl");
         for g in 0..(MAX_GENERATIONS as u64 + 5) {
             lineage.started(100 + g);
         }
         assert_eq!(
-            lineage.unknown(&"x".to_string(), old, new),
+            lineage.unknown(&"x".into(), old, new),
             Unknown::ForeignGeneration,
             "only the latest generations are kept"
         );

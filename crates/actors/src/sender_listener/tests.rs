@@ -13,6 +13,7 @@ use pdflow_messages::sender_listener::{
     AbortPull, GetFinishedSending, InFlightPulls, PullErrorCause, PullReq, PullRequest, PullResponse, PullStatus,
     RecordSendReqs, SideChannelAddr, SideChannelRequest,
 };
+use pdflow_messages::RequestId;
 use tokio::sync::Notify;
 use zeromq::{DealerSocket, Socket, SocketRecv, SocketSend, ZmqMessage};
 
@@ -27,7 +28,7 @@ struct Harness {
     d: Arc<KvCache>,
     dealer: DealerSocket,
     events: Arc<Notify>,
-    seen_finished: BTreeSet<String>,
+    seen_finished: BTreeSet<RequestId>,
 }
 
 fn args(
@@ -91,8 +92,8 @@ impl Harness {
             reqs: reqs
                 .iter()
                 .map(|(d, t, b)| PullReq {
-                    d_req_id: d.to_string(),
-                    transfer_id: t.to_string(),
+                    d_req_id: (*d).into(),
+                    transfer_id: (*t).into(),
                     block_ids: b.clone(),
                     traceparent: None,
                     fence: 0,
@@ -123,8 +124,8 @@ impl Harness {
 
     async fn record(&self, to_send: &[(&str, &str, Vec<u32>)], not_processed: &[&str]) {
         let reqs_to_send: BTreeMap<_, _> =
-            to_send.iter().map(|(p, t, b)| (p.to_string(), (t.to_string(), b.clone()))).collect();
-        let reqs_not_processed = not_processed.iter().map(|t| t.to_string()).collect();
+            to_send.iter().map(|(p, t, b)| ((*p).into(), ((*t).into(), b.clone()))).collect();
+        let reqs_not_processed = not_processed.iter().map(|t| (*t).into()).collect();
         let msg = RecordSendReqs { reqs_to_send, reqs_not_processed, traceparents: BTreeMap::new() };
         self.listener.ask(msg).await.expect("recorded");
     }
@@ -172,11 +173,11 @@ async fn ready_before_pull_writes_and_finishes_once() {
     h.send(&h.pull(11, &[("cmpl-d1", "xfer-1", vec![20, 21, 22])], true)).await;
     let resp = h.recv().await;
     assert_eq!((resp.pull_id, resp.status), (11, PullStatus::Finish));
-    assert_eq!(resp.ok_reqs, vec!["cmpl-d1".to_string()]);
+    assert_eq!(resp.ok_reqs, vec!["cmpl-d1"]);
     assert!(resp.err_reqs.is_empty());
     assert_eq!(resp.layout_id, Some(h.d.layout().layout_id));
     h.assert_copied(&[3, 4, 7], &[20, 21, 22]);
-    assert_eq!(h.listener.ask(GetFinishedSending).await.expect("alive"), BTreeSet::from(["cmpl-p1".to_string()]));
+    assert_eq!(h.listener.ask(GetFinishedSending).await.expect("alive"), BTreeSet::from(["cmpl-p1".into()]));
     assert!(h.listener.ask(GetFinishedSending).await.expect("alive").is_empty(), "reported once");
 
     // The layout is cached now: a pull with only its layout_id is served.
@@ -192,7 +193,7 @@ async fn a_pull_for_a_transfer_already_sent_or_expired_is_refused_at_once() {
     let mut h = harness(Duration::from_secs(30)).await;
     h.record(&[("cmpl-p1", "xfer-1", vec![3])], &[]).await;
     h.send(&h.pull(1, &[("cmpl-d1", "xfer-1", vec![20])], true)).await;
-    assert_eq!(h.recv().await.ok_reqs, vec!["cmpl-d1".to_string()]);
+    assert_eq!(h.recv().await.ok_reqs, vec!["cmpl-d1"]);
     h.wait_finished("cmpl-p1").await;
     // A second pull of the same transfer (a late or repeated one): P's blocks are gone, so it
     // gets a negative acknowledgement now, not a wait of ready_timeout (30 s here).
@@ -215,9 +216,9 @@ async fn pull_before_ready_waits_then_finishes() {
     h.record(&[("cmpl-p", "xfer-a", vec![0, 1])], &[]).await;
     let resp = h.recv().await;
     assert_eq!((resp.pull_id, resp.status), (1, PullStatus::Finish));
-    assert_eq!(resp.ok_reqs, vec!["cmpl-d".to_string()]);
+    assert_eq!(resp.ok_reqs, vec!["cmpl-d"]);
     h.assert_copied(&[0, 1], &[5, 6]);
-    assert_eq!(h.listener.ask(GetFinishedSending).await.expect("alive"), BTreeSet::from(["cmpl-p".to_string()]));
+    assert_eq!(h.listener.ask(GetFinishedSending).await.expect("alive"), BTreeSet::from(["cmpl-p".into()]));
     assert_eq!(h.listener.ask(InFlightPulls).await.expect("alive"), 0);
 }
 
@@ -308,7 +309,7 @@ async fn two_requests_in_one_pull_continue_then_finish() {
     assert_eq!((first.pull_id, first.status, first.ok_reqs.len()), (8, PullStatus::Continue, 1));
     assert_eq!((second.pull_id, second.status, second.ok_reqs.len()), (8, PullStatus::Finish, 1));
     let ok: BTreeSet<_> = first.ok_reqs.into_iter().chain(second.ok_reqs).collect();
-    assert_eq!(ok, BTreeSet::from(["cmpl-da".to_string(), "cmpl-db".to_string()]));
+    assert_eq!(ok, BTreeSet::from(["cmpl-da".into(), "cmpl-db".into()]));
     h.assert_copied(&[0, 1, 2, 3], &[4, 5, 8, 9]);
     h.wait_finished("cmpl-pa").await;
     h.wait_finished("cmpl-pb").await;
@@ -432,7 +433,7 @@ async fn a_pull_addressed_to_a_previous_generation_is_refused_at_once_unless_thi
     // A transfer this incarnation holds is served whatever generation D believed in.
     h.record(&[("cmpl-p3", "xfer-3", vec![5])], &[]).await;
     h.send(&addressed(h.pull(3, &[("cmpl-d3", "xfer-3", vec![22])], false), current - 1)).await;
-    assert_eq!(h.recv().await.ok_reqs, vec!["cmpl-d3".to_string()]);
+    assert_eq!(h.recv().await.ok_reqs, vec!["cmpl-d3"]);
     h.assert_copied(&[5], &[22]);
 
     // Addressed to this generation, an unknown transfer is one whose prefill has not been
@@ -440,7 +441,7 @@ async fn a_pull_addressed_to_a_previous_generation_is_refused_at_once_unless_thi
     h.send(&addressed(h.pull(4, &[("cmpl-d4", "xfer-4", vec![23])], false), current)).await;
     h.wait_in_flight(1).await;
     h.record(&[("cmpl-p4", "xfer-4", vec![6])], &[]).await;
-    assert_eq!(h.recv().await.ok_reqs, vec!["cmpl-d4".to_string()]);
+    assert_eq!(h.recv().await.ok_reqs, vec!["cmpl-d4"]);
 }
 
 #[tokio::test]
@@ -497,7 +498,7 @@ async fn after_a_restart_a_pull_addressed_to_the_old_incarnation_waits_unless_it
     h.wait_in_flight(1).await;
     h.record(&[("cmpl-p3", "xfer-new", vec![5])], &[]).await;
     let resp = h.recv().await;
-    assert_eq!(resp.ok_reqs, vec!["cmpl-d3".to_string()], "{resp:?}");
+    assert_eq!(resp.ok_reqs, vec!["cmpl-d3"], "{resp:?}");
     assert_ne!(resp.p_generation, old_generation, "answered by the new incarnation");
     h.assert_copied(&[5], &[21]);
 

@@ -24,7 +24,9 @@ impl Scheduler {
                 continue;
             }
             match r.status {
-                Status::WaitingForRemoteKvs | Status::AbortedAwaitingRecv if !out.finished_recving.contains(id) => {
+                Status::WaitingForRemoteKvs | Status::AbortedAwaitingRecv
+                    if !out.finished_recving.contains(id.as_str()) =>
+                {
                     let what = if r.status == Status::WaitingForRemoteKvs {
                         "no KV received"
                     } else {
@@ -37,13 +39,13 @@ impl Scheduler {
                         detail: reason,
                         block_ids: r.block_ids.clone(),
                     };
-                    out.failed_recving.entry(id.clone()).or_insert(failure);
+                    out.failed_recving.entry(id.clone().into()).or_insert(failure);
                 }
-                Status::FinishedDelayFree if !out.finished_sending.contains(id) => {
+                Status::FinishedDelayFree if !out.finished_sending.contains(id.as_str()) => {
                     let freed = TransferState::DelayedFree
                         .passed(timeout, "P held the blocks for a send never reported: freed");
                     tracing::warn!(request_id = %id, "{freed}");
-                    out.finished_sending.insert(id.clone());
+                    out.finished_sending.insert(id.clone().into());
                 }
                 _ => {}
             }
@@ -62,16 +64,16 @@ impl Scheduler {
         self.expire_held_states(&mut out);
         let engine_id = self.config.engine_id.clone();
         for id in &out.finished_sending {
-            let Some(r) = self.requests.get(id) else { continue };
+            let Some(r) = self.requests.get(id.as_str()) else { continue };
             if r.status == Status::FinishedDelayFree {
                 let span = req_span!(steps::P_FREE_BLOCKS, r, engine_id.as_str());
                 span.record(attrs::BLOCKS, self.release(id));
             }
         }
         for id in &out.finished_recving {
-            match self.requests.get(id).map(|r| r.status) {
+            match self.requests.get(id.as_str()).map(|r| r.status) {
                 Some(Status::WaitingForRemoteKvs) => {
-                    self.finished_recving_kv_req_ids.insert(id.clone());
+                    self.finished_recving_kv_req_ids.insert(id.to_string());
                 }
                 Some(Status::AbortedAwaitingRecv) => {
                     self.release(id);
@@ -80,7 +82,7 @@ impl Scheduler {
             }
         }
         for (id, reason) in &out.failed_recving {
-            let Some(r) = self.requests.get_mut(id) else { continue };
+            let Some(r) = self.requests.get_mut(id.as_str()) else { continue };
             match r.status {
                 Status::WaitingForRemoteKvs => {
                     tracing::warn!(request_id = %id, reason = %reason, policy = ?self.config.kv_load_failure_policy, "remote KV load failed");

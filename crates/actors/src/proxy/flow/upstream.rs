@@ -10,6 +10,7 @@ use axum::Json;
 use futures::stream::StreamExt;
 use pdflow_messages::kv_transfer_params::KvTransferParams;
 use pdflow_messages::proxy::{PrefillFailed, RouteDecision};
+use pdflow_messages::{RequestId, TransferId};
 use pdflow_telemetry::{step_span, steps};
 use tokio_util::task::AbortOnDropHandle;
 use tracing::Instrument;
@@ -81,7 +82,7 @@ pub fn decode_body(
     let mut body = client;
     let params = KvTransferParams {
         traceparent: Some(traceparent.to_owned()),
-        ..KvTransferParams::for_decode(transfer_id, &route.prefill_bootstrap_addr, &route.prefill_engine_id)
+        ..KvTransferParams::for_decode(transfer_id, &route.prefill_bootstrap_addr, &*route.prefill_engine_id)
     };
     body.insert("kv_transfer_params".into(), serde_json::to_value(params).unwrap_or_default());
     serde_json::Value::Object(body)
@@ -130,8 +131,8 @@ pub(super) async fn call_prefill(
     body: serde_json::Value,
     headers: reqwest::header::HeaderMap,
     deadline: Duration,
-    request_id: String,
-    transfer_id: String,
+    request_id: RequestId,
+    transfer_id: TransferId,
 ) -> Result<(), UpstreamError> {
     let step9 = step_span!(steps::DISPATCH_PREFILL, request_id = %request_id, transfer_id = %transfer_id);
     let call = async {

@@ -17,7 +17,7 @@ use pdflow_kv::memory::KvCache;
 use pdflow_messages::receiver::{GetFinishedRecving, StartLoadKv};
 use pdflow_messages::scheduler_connector::PullMeta;
 use pdflow_messages::sender_listener::{GetFinishedSending, RecordSendReqs};
-use pdflow_messages::BlockId;
+use pdflow_messages::{BlockId, RequestId};
 use pdflow_transfer::TransferEngine;
 use tokio::sync::Notify;
 
@@ -50,7 +50,7 @@ impl ActorPair {
         let p_engine_id = format!("bench-p-{tag}");
         let listener = SenderListener::spawn(SenderListenerArgs {
             faults: pdflow_actors::fault_seam::no_faults(),
-            engine_id: p_engine_id.clone(),
+            engine_id: p_engine_id.clone().into(),
             dp_rank: 0,
             tp_rank: 0,
             pp_rank: 0,
@@ -71,7 +71,7 @@ impl ActorPair {
         let d_events = Arc::new(Notify::new());
         let receiver = Receiver::spawn(ReceiverArgs {
             faults: pdflow_actors::fault_seam::no_faults(),
-            engine_id: format!("bench-d-{tag}"),
+            engine_id: format!("bench-d-{tag}").into(),
             tp_rank: 0,
             tp_size: 1,
             pp_size: 1,
@@ -102,18 +102,18 @@ impl ActorPair {
         for d in d_blocks {
             let id = self.next_id.fetch_add(1, Ordering::Relaxed);
             let (p_req, d_req, xfer) = (format!("cmpl-p-{id}"), format!("cmpl-d-{id}"), format!("xfer-{id}"));
-            reqs_to_send.insert(p_req, (xfer.clone(), p_blocks.to_vec()));
+            reqs_to_send.insert(p_req.into(), (xfer.clone().into(), p_blocks.to_vec()));
             let meta = PullMeta {
-                d_req_id: d_req.clone(),
-                transfer_id: xfer,
+                d_req_id: d_req.clone().into(),
+                transfer_id: xfer.into(),
                 local_block_ids: d.clone(),
-                remote_engine_id: self.p_engine_id.clone(),
+                remote_engine_id: self.p_engine_id.clone().into(),
                 remote_bootstrap_addr: self.bootstrap_url.clone(),
                 traceparent: None,
             };
-            pulls.insert(d_req, meta);
+            pulls.insert(d_req.into(), meta);
         }
-        let expected: BTreeSet<String> = pulls.keys().cloned().collect();
+        let expected: BTreeSet<RequestId> = pulls.keys().cloned().collect();
         // Step 27 as P's scheduler reports it: the requests' blocks are final.
         let ready = RecordSendReqs { reqs_to_send, ..RecordSendReqs::default() };
         self.listener.ask(ready).await.map_err(|e| anyhow!("SenderListener refused RecordSendReqs: {e}"))?;
@@ -121,7 +121,7 @@ impl ActorPair {
         let started = Instant::now();
         let deadline = tokio::time::Instant::now() + REQUEST_DEADLINE;
         let start = StartLoadKv {
-            reqs_to_recv: BTreeMap::from([(self.p_engine_id.clone(), pulls)]),
+            reqs_to_recv: BTreeMap::from([(self.p_engine_id.clone().into(), pulls)]),
             reqs_to_abort: BTreeSet::new(),
         };
         self.receiver.tell(start).await.map_err(|e| anyhow!("Receiver refused StartLoadKv: {e}"))?;
