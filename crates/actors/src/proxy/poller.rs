@@ -197,7 +197,7 @@ impl Poller {
             .into_iter()
             .map(|(dp, entry)| {
                 let dp = dp.parse::<u32>().map_err(|_| format!("non-numeric dp rank `{dp}` in /query"))?;
-                Ok((dp, entry.engine_id.into()))
+                Ok((dp, entry.engine_id))
             })
             .collect()
     }

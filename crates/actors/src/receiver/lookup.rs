@@ -45,7 +45,7 @@ pub(crate) async fn query_bootstrap(
                     answer.generations.insert(addr.clone(), generation);
                 }
             }
-            answer.engines.insert(entry.engine_id.clone().into(), workers);
+            answer.engines.insert(entry.engine_id.clone(), workers);
         }
         Ok(answer)
     };
