@@ -10,6 +10,8 @@
 //! - `pdflow_failures_total{service,step,cause}` — step spans whose `pd.outcome` is not a success;
 //! - `pdflow_transfer_writes_total{service,backend,outcome}` — P's step-29 writes by the transfer
 //!   backend that carried them (`tcp`, `same-host`, `cuda-peer`, `cuda-ipc`);
+//! - `pdflow_auth_refusals_total{socket,cause}` — peers refused for their proof of the cluster
+//!   secret, by socket (`data`, `side_channel`, `bootstrap`) and cause (a fixed set of labels);
 //! - `pdflow_pulls_in_flight{service,side}` — D: pulls sent (step 21) not yet settled (step 34);
 //!   P: pulls received (step 22) not yet answered (step 30);
 //! - gauges registered with [`Metrics::register_gauge`], read at scrape time, and per-endpoint
@@ -128,6 +130,8 @@ struct State {
     d_pending: HashMap<String, Instant>,
     /// P: transfer_id → when its pull arrived (step 22 start).
     p_pending: HashMap<String, Instant>,
+    /// Peers refused for their proof, by (socket, cause).
+    auth_refusals: BTreeMap<(&'static str, &'static str), u64>,
 }
 
 /// The registry: one per process ([`global`]); tests make their own with [`Metrics::new`].
@@ -176,6 +180,11 @@ impl Metrics {
 
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// A peer was refused on `socket` for `cause` (both fixed labels, never peer input).
+    pub fn count_auth_refusal(&self, socket: &'static str, cause: &'static str) {
+        *self.lock().auth_refusals.entry((socket, cause)).or_default() += 1;
     }
 
     /// A step span opened: remember when a pull starts (steps 21 and 22).
@@ -266,7 +275,7 @@ impl Metrics {
             st.p_pending.retain(|_, at| now.saturating_duration_since(*at) < PENDING_PULL_TTL);
             let mut families = vec![step_family(&st)];
             families.extend(side_families(&st));
-            families.extend([failures_family(&st), writes_family(&st), pulls_family(&st)]);
+            families.extend([failures_family(&st), writes_family(&st), pulls_family(&st), auth_family(&st)]);
             families
         };
         let registered: Vec<_> = self.gauges.lock().unwrap_or_else(|p| p.into_inner()).clone();
@@ -329,6 +338,19 @@ fn side_families(st: &State) -> Vec<Family> {
             f
         })
         .collect()
+}
+
+/// `pdflow_auth_refusals_total`: peers refused for their proof of the cluster secret.
+fn auth_family(st: &State) -> Family {
+    let mut f = Family::new(
+        "pdflow_auth_refusals_total",
+        "Peers refused for their proof of the cluster secret, by socket and cause.",
+        Kind::Counter,
+    );
+    for ((socket, cause), count) in &st.auth_refusals {
+        f.sample(vec![("socket", (*socket).to_owned()), ("cause", (*cause).to_owned())], *count as f64);
+    }
+    f
 }
 
 /// `pdflow_failures_total`: failed step spans by step and cause.

@@ -1,0 +1,57 @@
+//! Why a secret could not be loaded, and why a peer's proof was refused.
+
+/// A cluster secret that cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum SecretError {
+    #[error("cannot read the cluster secret file {path}: {source}")]
+    Read { path: String, source: std::io::Error },
+    #[error("the cluster secret {which} is {len} bytes: use at least {min} (e.g. `openssl rand -hex 32`)")]
+    TooShort { which: &'static str, len: usize, min: usize },
+    #[error(
+        "the cluster secret holds {found} keys: give one (the current) or two (current, then previous), one per line"
+    )]
+    KeyCount { found: usize },
+    #[error("both {0} and {1} are set: give the cluster secret one way")]
+    Ambiguous(&'static str, &'static str),
+}
+
+/// Why a peer was refused: a closed set, so that metrics labels never carry peer input.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, thiserror::Error)]
+pub enum Refusal {
+    /// The peer sent no proof where one is required (it runs without the secret).
+    #[error("no proof of the cluster secret (is the peer configured with it?)")]
+    Missing,
+    /// The proof names a key this side does not hold (a rotation not finished, or a stranger).
+    #[error("the proof names a key this side does not hold (rotate both sides, or check the secret)")]
+    UnknownKey,
+    /// The proof does not match: a wrong secret, or a message altered or made for another use.
+    #[error("the proof does not match (a different secret, or a forged or altered message)")]
+    BadProof,
+    /// The message's time lies outside the accepted window (a replay, or clocks far apart).
+    #[error("the message is older or newer than the accepted window (a replay, or the peers' clocks differ)")]
+    Stale,
+    /// The nonce was seen before within the window: a replay.
+    #[error("the message was seen before (a replay)")]
+    Replayed,
+    /// The auth fields cannot be read.
+    #[error("the auth fields are malformed")]
+    Malformed,
+    /// This side holds the secret and the peer proved nothing: the peer is not trusted.
+    #[error("the peer did not prove that it holds the cluster secret")]
+    Unproven,
+}
+
+impl Refusal {
+    /// The `cause` label of `pdflow_auth_refusals_total`.
+    pub fn label(self) -> &'static str {
+        match self {
+            Refusal::Missing => "missing",
+            Refusal::UnknownKey => "unknown_key",
+            Refusal::BadProof => "bad_proof",
+            Refusal::Stale => "stale",
+            Refusal::Replayed => "replayed",
+            Refusal::Malformed => "malformed",
+            Refusal::Unproven => "unproven",
+        }
+    }
+}

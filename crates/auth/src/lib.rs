@@ -1,0 +1,32 @@
+//! pdflow-auth — the cluster secret and the proofs that every pdflow socket checks with it.
+//!
+//! One secret is shared by a deployment's bootstrap, P and D workers (given as a file or an
+//! environment variable, [`ClusterSecret::from_env`]); up to two keys are accepted at once, the
+//! first signs, so the secret can be rotated without restarting everything. It never crosses the
+//! wire: a peer proves it holds it by an HMAC-SHA-256 over a challenge — the other side's fresh
+//! nonce, the fields the message is bound to — under a label that names the socket and direction
+//! ([`Context`]), so a proof made for one purpose is refused for any other.
+//!
+//! - [`secret`] — the keys, their ids, loading and rotation;
+//! - [`proof`] — signing and verifying ([`Proof`]), nonces;
+//! - [`replay`] — freshness for one-shot messages: a timestamp window and the nonces seen in it;
+//! - [`Refusal`] — why a proof was refused, with a fixed label for metrics; [`refused`] counts
+//!   it in `/metrics` and logs it once per peer.
+//!
+//! Owns no seed step: it guards steps 4, 7, 20 (bootstrap), 21 and 30 (side channel) and 29
+//! (the data channel's hello).
+
+mod error;
+pub mod proof;
+mod refusals;
+pub mod replay;
+pub mod secret;
+
+pub use error::{Refusal, SecretError};
+pub use proof::{nonce, Context, Nonce, Proof};
+pub use refusals::{refused, Socket};
+pub use replay::ReplayGuard;
+pub use secret::{ClusterSecret, KeyId, ENV_SECRET, ENV_SECRET_FILE, MIN_SECRET_LEN};
+
+#[cfg(test)]
+mod tests;
