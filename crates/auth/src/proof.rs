@@ -94,7 +94,7 @@ impl Proof {
 /// Lower- or upper-case hex to bytes.
 pub fn hex_decode(text: &str) -> Result<Vec<u8>, Refusal> {
     let text = text.trim().as_bytes();
-    if text.len() % 2 != 0 {
+    if !text.len().is_multiple_of(2) {
         return Err(Refusal::Malformed);
     }
     let digit = |c: u8| (c as char).to_digit(16).map(|d| d as u8).ok_or(Refusal::Malformed);

@@ -39,7 +39,7 @@ impl ReplayGuard {
         if seen.len() >= self.capacity {
             let oldest_kept = now_ms.saturating_sub(window / 2);
             seen.retain(|_, at| *at >= oldest_kept);
-        } else if seen.len() % 1024 == 0 {
+        } else if seen.len().is_multiple_of(1024) {
             seen.retain(|_, at| at.abs_diff(now_ms) <= window);
         }
         if seen.insert(*nonce, sent_ms).is_some() {
