@@ -5,6 +5,7 @@
 
 use std::time::Duration;
 
+use pdflow_auth::ClusterSecret;
 use pdflow_node::config::{Deadlines, VllmEnv};
 use pdflow_transfer::same_host::SameHostMode;
 use pdflow_transfer::tcp::TcpConfig;
@@ -31,6 +32,9 @@ pub struct ExtraConfig {
     pub tcp_streams: Option<usize>,
     /// Shared token D's data server demands of P (both sides must set the same one).
     pub auth_token: Option<String>,
+    /// A file holding the cluster secret (current key, optionally the previous one on a second
+    /// line); without it, `PDFLOW_CLUSTER_SECRET_FILE` or `PDFLOW_CLUSTER_SECRET` are read.
+    pub cluster_secret_file: Option<String>,
     /// Seconds (default `$VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT`, 30): how long P waits for a
     /// request's prefill once D pulled, and keeps sent-ready blocks for a pull that never comes.
     pub abort_request_timeout_s: Option<f64>,
@@ -81,7 +85,7 @@ impl BridgeConfig {
         } else {
             serde_json::from_str(extra_json).map_err(|e| {
                 BridgeError::Config(format!(
-                    "kv_connector_extra_config: {e}; known keys: host, bootstrap_port, bootstrap_url, transport, tcp_streams, auth_token, abort_request_timeout_s, pull_timeout_s, bootstrap_timeout_s, write_timeout_s, verify_checksums, gpu_path"
+                    "kv_connector_extra_config: {e}; known keys: host, bootstrap_port, bootstrap_url, transport, tcp_streams, auth_token, cluster_secret_file, abort_request_timeout_s, pull_timeout_s, bootstrap_timeout_s, write_timeout_s, verify_checksums, gpu_path"
                 ))
             })?
         };
@@ -97,7 +101,7 @@ impl BridgeConfig {
         if let Some(d) = seconds("bootstrap_timeout_s", extra.bootstrap_timeout_s)? {
             deadlines.bootstrap_timeout = d;
         }
-        let tcp = tcp_config(&extra)?;
+        let tcp = tcp_config(&extra, env)?;
         if extra.bootstrap_port == Some(0) {
             return Err(BridgeError::Config(
                 "kv_connector_extra_config[\"bootstrap_port\"] = 0: expected a TCP port (1-65535)".into(),
@@ -132,8 +136,15 @@ impl BridgeConfig {
 }
 
 /// The data plane's settings from `kv_connector_extra_config`.
-fn tcp_config(extra: &ExtraConfig) -> Result<TcpConfig, BridgeError> {
-    let mut tcp = TcpConfig { auth_token: extra.auth_token.clone(), ..TcpConfig::default() };
+fn tcp_config(extra: &ExtraConfig, env: &dyn Fn(&str) -> Option<String>) -> Result<TcpConfig, BridgeError> {
+    let secret = match &extra.cluster_secret_file {
+        Some(path) => Some(ClusterSecret::from_file(path)),
+        None => ClusterSecret::from_lookup(env).transpose(),
+    };
+    let secret = secret
+        .transpose()
+        .map_err(|e| BridgeError::Config(format!("kv_connector_extra_config[\"cluster_secret_file\"]: {e}")))?;
+    let mut tcp = TcpConfig { auth_token: extra.auth_token.clone(), secret, ..TcpConfig::default() };
     if let Some(d) = seconds("write_timeout_s", extra.write_timeout_s)? {
         tcp.write_timeout = d;
     }

@@ -22,11 +22,22 @@ def test_an_unknown_extra_config_key_is_refused_by_name():
         ({"host": "not-an-ip"}, "host"),
         ({"bootstrap_url": "127.0.0.1:8998"}, "bootstrap_url"),
         ({"gpu_path": "nvlink"}, "gpu_path"),
+        ({"cluster_secret_file": "/nonexistent/pdflow-secret"}, "/nonexistent/pdflow-secret"),
     ],
 )
 def test_bad_values_are_refused_with_the_key(extra, needle):
     with pytest.raises(pdflow.ConfigError, match=needle):
         scheduler(vllm_config("kv_consumer", extra=extra))
+
+
+def test_a_cluster_secret_too_short_to_be_one_is_refused_saying_how_long(tmp_path, monkeypatch):
+    short = tmp_path / "secret"
+    short.write_text("short\n")
+    with pytest.raises(pdflow.ConfigError, match="at least 16"):
+        scheduler(vllm_config("kv_consumer", extra={"cluster_secret_file": str(short)}))
+    monkeypatch.setenv("PDFLOW_CLUSTER_SECRET", "tiny")
+    with pytest.raises(pdflow.ConfigError, match="at least 16"):
+        _native.check_config("{}")
 
 
 def test_vllm_mooncake_variables_keep_their_meaning(monkeypatch):

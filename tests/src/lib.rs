@@ -32,13 +32,21 @@ pub struct EngineOpts {
     pub max_num_batched_tokens: usize,
     pub max_model_len: usize,
     pub policy: LoadFailurePolicy,
+    /// The engine's cluster secret (none: its sockets authenticate nothing).
+    pub secret: Option<pdflow_auth::ClusterSecret>,
 }
 
 impl Default for EngineOpts {
     fn default() -> Self {
         // `Fail`, not vLLM's default `Recompute`: a test must see a failed transfer, not have it
         // masked by a local prefill that yields the same tokens.
-        Self { num_blocks: 512, max_num_batched_tokens: 8192, max_model_len: 4096, policy: LoadFailurePolicy::Fail }
+        Self {
+            num_blocks: 512,
+            max_num_batched_tokens: 8192,
+            max_model_len: 4096,
+            policy: LoadFailurePolicy::Fail,
+            secret: None,
+        }
     }
 }
 
@@ -160,7 +168,7 @@ impl Cluster {
             ),
             bootstrap,
             deadlines: spec.deadlines,
-            tcp: TcpConfig::default(),
+            tcp: TcpConfig { secret: o.secret.clone(), ..TcpConfig::default() },
             verify_checksums: spec.verify_checksums,
             kv_device: None,
             faults: pdflow_actors::fault_seam::no_faults(),

@@ -26,5 +26,6 @@ pub mod receiver;
 pub mod scheduler_connector;
 pub mod send_worker;
 pub mod sender_listener;
+pub mod side_channel_auth;
 
 pub use error::ActorError;

@@ -16,6 +16,7 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
+use bytes::Bytes;
 use futures::StreamExt;
 use kameo::prelude::*;
 use pdflow_messages::frame;
@@ -31,6 +32,7 @@ use tokio::task::JoinHandle;
 use zeromq::{DealerSocket, Socket, SocketEvent, SocketOptions, SocketRecv, SocketSend, ZmqMessage};
 
 use crate::fault_seam::Faults;
+use crate::side_channel_auth::PullAuth;
 use crate::ActorError;
 
 /// How long a best-effort `AbortPull` may take to send once the deadline has passed.
@@ -53,6 +55,8 @@ pub struct PullTaskArgs {
     pub transport_failures: Recipient<PullTransportFailed>,
     /// The node's fault seam: the pull's frame leaves through it.
     pub faults: Faults,
+    /// Seals the pull and checks P's answers (with the cluster secret).
+    pub auth: PullAuth,
 }
 
 /// One pull in flight to one P worker.
@@ -234,7 +238,7 @@ async fn exchange(args: &PullTaskArgs, mut cancels: mpsc::UnboundedReceiver<Vec<
             // the DEALER reconnects) before D gives the blocks up, as after a deadline.
             let transfer_ids: Vec<TransferId> = tally.unsettled.values().cloned().collect();
             if !transfer_ids.is_empty() {
-                send_abort(&mut socket, args.pull_id, transfer_ids).await;
+                send_abort(&mut socket, &args.auth, args.pull_id, transfer_ids).await;
             }
             let detail = format!(
                 "P worker {}'s side channel closed while the pull was in flight (P restarted?): no answer will come",
@@ -246,7 +250,7 @@ async fn exchange(args: &PullTaskArgs, mut cancels: mpsc::UnboundedReceiver<Vec<
             // P may still write: tell it to stop (best effort) before D frees the blocks.
             let transfer_ids: Vec<TransferId> = tally.unsettled.values().cloned().collect();
             if !transfer_ids.is_empty() {
-                send_abort(&mut socket, args.pull_id, transfer_ids).await;
+                send_abort(&mut socket, &args.auth, args.pull_id, transfer_ids).await;
             }
             let detail = TransferState::Pulling
                 .passed(args.deadline, format!("no answer from P worker {}", args.worker_addr))
@@ -303,8 +307,11 @@ async fn run(
         .await
         .map_err(|e| Stop::Transport(format!("connect to {}: {e}", args.worker_addr)))?;
     let first_req = request.reqs.first().map(|r| r.d_req_id.as_str()).unwrap_or_default();
+    let mut nonce = None;
     if let Some(bytes) = args.faults.outgoing(steps::D_SEND_PULL_META.number, first_req, bytes) {
-        socket.send(ZmqMessage::from(bytes)).await.map_err(|e| Stop::Transport(format!("send: {e}")))?;
+        let (message, sealed_with) = sealed_message(&args.auth, bytes);
+        nonce = sealed_with;
+        socket.send(message).await.map_err(|e| Stop::Transport(format!("send: {e}")))?;
     }
     drop(spans);
 
@@ -323,16 +330,18 @@ async fn run(
                     if !ids.is_empty() {
                         let abort = SideChannelRequest::Abort(AbortPull { pull_id: args.pull_id, transfer_ids: ids });
                         let bytes = frame::encode(&abort).map_err(|e| Stop::Transport(format!("abort cannot be encoded: {e}")))?;
-                        socket.send(ZmqMessage::from(bytes)).await.map_err(|e| Stop::Transport(format!("send abort: {e}")))?;
+                        socket.send(sealed_message(&args.auth, bytes).0).await.map_err(|e| Stop::Transport(format!("send abort: {e}")))?;
                     }
                 }
                 None => cancels_open = false,
             },
             msg = socket.recv() => {
                 let msg = msg.map_err(|e| Stop::Transport(format!("receive: {e}")))?;
-                // P's ROUTER strips its identity frame; the payload is the last frame.
-                let payload = msg.into_vec().pop().unwrap_or_default();
-                let resp: PullResponse = frame::decode(&payload, "pull response").map_err(|e| Stop::Garbage(e.to_string()))?;
+                // P's ROUTER strips its identity frame: the answer, then its seal.
+                let frames = msg.into_vec();
+                // An answer not sealed to this pull is not P's: ignored (counted), the deadline runs.
+                let Ok(payload) = args.auth.open(&frames, nonce.as_ref(), &args.worker_addr) else { continue };
+                let resp: PullResponse = frame::decode(payload, "pull response").map_err(|e| Stop::Garbage(e.to_string()))?;
                 if tally.apply(resp) {
                     return Ok(());
                 }
@@ -341,11 +350,23 @@ async fn run(
     }
 }
 
+/// The side-channel message of a request `bytes`: sealed with the cluster secret when there is
+/// one; the nonce P's answers must be sealed to.
+fn sealed_message(auth: &PullAuth, bytes: Vec<u8>) -> (ZmqMessage, Option<pdflow_auth::Nonce>) {
+    let (frames, nonce) = auth.seal(bytes);
+    let mut frames = frames.into_iter().map(Bytes::from);
+    let mut message = ZmqMessage::from(frames.next().unwrap_or_default());
+    for frame in frames {
+        message.push_back(frame);
+    }
+    (message, nonce)
+}
+
 /// Best effort: tell P to stop writing these transfers (bounded; failures are logged).
-async fn send_abort(socket: &mut DealerSocket, pull_id: u64, transfer_ids: Vec<TransferId>) {
+async fn send_abort(socket: &mut DealerSocket, auth: &PullAuth, pull_id: u64, transfer_ids: Vec<TransferId>) {
     let abort = SideChannelRequest::Abort(AbortPull { pull_id, transfer_ids });
     let Ok(bytes) = frame::encode(&abort) else { return };
-    match tokio::time::timeout(ABORT_SEND_BOUND, socket.send(ZmqMessage::from(bytes))).await {
+    match tokio::time::timeout(ABORT_SEND_BOUND, socket.send(sealed_message(auth, bytes).0)).await {
         Ok(Ok(())) => {}
         Ok(Err(e)) => tracing::warn!(pull_id, error = %e, "abort after the deadline could not be sent"),
         Err(_) => tracing::warn!(pull_id, "abort after the deadline could not be sent in time"),
@@ -354,14 +375,20 @@ async fn send_abort(socket: &mut DealerSocket, pull_id: u64, transfer_ids: Vec<T
 
 /// Best effort, on a fresh socket: tell P to stop writing these transfers of a pull whose
 /// PullTask died (the Receiver calls this; bounded by `bound`).
-pub(crate) async fn abort_orphaned(worker_addr: String, pull_id: u64, transfer_ids: Vec<TransferId>, bound: Duration) {
+pub(crate) async fn abort_orphaned(
+    worker_addr: String,
+    auth: PullAuth,
+    pull_id: u64,
+    transfer_ids: Vec<TransferId>,
+    bound: Duration,
+) {
     let mut options = SocketOptions::default();
     options.connect_timeout(bound);
     let mut socket = DealerSocket::with_options(options);
     let Ok(bytes) = frame::encode(&SideChannelRequest::Abort(AbortPull { pull_id, transfer_ids })) else { return };
     let sent = tokio::time::timeout(bound, async {
         socket.connect(&worker_addr).await?;
-        socket.send(ZmqMessage::from(bytes)).await
+        socket.send(sealed_message(&auth, bytes).0).await
     })
     .await;
     if !matches!(sent, Ok(Ok(()))) {
@@ -441,6 +468,7 @@ mod tests {
             deadline_ms: 0,
         };
         let task = PullTask::spawn(PullTaskArgs {
+            auth: crate::side_channel_auth::PullAuth::default(),
             faults: crate::fault_seam::no_faults(),
             pull_id: 42,
             remote_engine_id: "p".into(),

@@ -47,6 +47,7 @@ use tracing::Instrument;
 
 use crate::fault_seam::{register_actor, ActorKind, Faults, Role};
 use crate::pull_task::{self, PullTask, PullTaskArgs};
+use crate::side_channel_auth::PullAuth;
 use crate::ActorError;
 
 /// How long a best-effort `AbortPull` for a dead PullTask's transfers may take.
@@ -80,6 +81,8 @@ pub struct ReceiverArgs {
     pub fence: Option<WriteFence>,
     /// The node's fault seam ([`crate::fault_seam::no_faults`] in production).
     pub faults: Faults,
+    /// Seals D's pulls and checks P's answers (with the cluster secret).
+    pub auth: PullAuth,
 }
 
 /// One D request whose pull has been issued.
@@ -212,6 +215,7 @@ impl Actor for Receiver {
                 pull.reqs.iter().filter_map(|r| self.in_flight.get(r)).map(|r| r.meta.transfer_id.clone()).collect();
             self.helpers.spawn(pull_task::abort_orphaned(
                 pull.worker_addr.clone(),
+                self.args.auth.clone(),
                 pull_id,
                 transfer_ids,
                 ORPHAN_ABORT_BOUND,
@@ -363,6 +367,7 @@ impl Receiver {
             outcomes: me.clone().recipient(),
             transport_failures: me.clone().recipient(),
             faults: self.args.faults.clone(),
+            auth: self.args.auth.clone(),
         };
         if let Some(fence) = &self.args.fence {
             for r in reqs {

@@ -19,6 +19,8 @@
 //! Its parts: [`pull`] (a pull checked, routed and answered), `side_channel` (the ROUTER socket),
 //! `register` (the bootstrap registration), [`lineage`] (generations across restarts).
 
+#[cfg(test)]
+mod auth_tests;
 pub mod lineage;
 mod pull;
 mod register;
@@ -53,6 +55,7 @@ use tracing::Instrument;
 
 use crate::fault_seam::{register_actor, ActorKind, Faults, Role};
 use crate::send_worker::{SendWorker, SendWorkerArgs};
+use crate::side_channel_auth::{ListenerAuth, ReplyNonces};
 use crate::ActorError;
 use side_channel::{Outgoing, SideChannelFrame, SocketClosed};
 
@@ -89,6 +92,8 @@ pub struct SenderListenerArgs {
     pub lineage: Arc<lineage::ListenerLineage>,
     /// The node's fault seam ([`crate::fault_seam::no_faults`] in production).
     pub faults: Faults,
+    /// The cluster secret's checks of D's requests (none without a secret).
+    pub auth: ListenerAuth,
 }
 
 /// One SendWorker in the routing table.
@@ -127,6 +132,8 @@ pub struct SenderListener {
     pulls: HashMap<u64, InFlightPull>,
     next_pull_key: u64,
     finished_sending: BTreeSet<RequestId>,
+    /// The nonces this listener's answers are sealed to, by D pull task.
+    reply_nonces: ReplyNonces,
     /// Transfers whose KV P has released (sent, or expired), with when: a later pull for one is
     /// refused at once (`Expired`) instead of waiting `ready_timeout` for a ready that never comes.
     retired: HashMap<TransferId, std::time::Instant>,
@@ -181,6 +188,7 @@ impl Actor for SenderListener {
             pulls: HashMap::new(),
             next_pull_key: 0,
             finished_sending: BTreeSet::new(),
+            reply_nonces: ReplyNonces::default(),
             retired: HashMap::new(),
             p_generation: new_generation(),
             args,
@@ -388,11 +396,14 @@ impl Message<SideChannelFrame> for SenderListener {
         if socket_id != self.socket_id {
             return; // a late frame of a previous incarnation's socket
         }
-        let [body] = frames.as_slice() else {
-            let why = format!("expected one frame after the identity, got {}", frames.len());
-            tracing::warn!(addr = %self.addr, "{why}");
-            self.send(identity, &PullResponse::error(0, why));
-            return;
+        let body = match self.args.auth.open(&identity, &frames, &mut self.reply_nonces) {
+            Ok(body) => body,
+            Err(why) => {
+                // Nothing of a refused request is read further: no pull, no write.
+                tracing::debug!(addr = %self.addr, "side-channel request not served: {why}");
+                self.send(identity, &PullResponse::error(0, why.to_string()));
+                return;
+            }
         };
         match frame::decode::<SideChannelRequest>(body, "side-channel request") {
             Err(e) => {

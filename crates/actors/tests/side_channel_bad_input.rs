@@ -37,6 +37,7 @@ async fn listener() -> (ActorRef<SenderListener>, String) {
     let kv_cache = KvCache::new(TINY, 8);
     let transfer = Arc::new(TcpTransferEngine::new(kv_cache.region_table(), TcpConfig::default()));
     let listener = SenderListener::spawn(SenderListenerArgs {
+        auth: pdflow_actors::side_channel_auth::ListenerAuth::default(),
         faults: pdflow_actors::fault_seam::no_faults(),
         engine_id: "engine-p".into(),
         dp_rank: 0,
@@ -165,9 +166,11 @@ fn multi_part_and_empty_messages_get_an_error_response() {
     rt.block_on(async {
         let (listener, addr) = listener().await;
         let mut dealer = dealer(&addr).await;
-        let mut two = ZmqMessage::from(frame::encode(&pull(1, 1)).expect("encodes"));
-        two.push_back(b"extra".to_vec().into());
-        tokio::time::timeout(BOUND, dealer.send(two)).await.expect("in time").expect("sent");
+        // A pull may carry one frame after it (its seal); two more are not a request.
+        let mut three = ZmqMessage::from(frame::encode(&pull(1, 1)).expect("encodes"));
+        three.push_back(b"extra".to_vec().into());
+        three.push_back(b"more".to_vec().into());
+        tokio::time::timeout(BOUND, dealer.send(three)).await.expect("in time").expect("sent");
         let msg = tokio::time::timeout(BOUND, dealer.recv()).await.expect("P answers in time").expect("receives");
         let resp: PullResponse = frame::decode(msg.get(0).expect("one frame"), "pull response").expect("valid answer");
         assert_eq!((resp.pull_id, resp.status), (0, PullStatus::Error));

@@ -9,6 +9,7 @@
 //!
 //! - [`secret`] — the keys, their ids, loading and rotation;
 //! - [`proof`] — signing and verifying ([`Proof`]), nonces;
+//! - [`sealed`] — side-channel frames sealed by D (a pull, once) and answered sealed by P;
 //! - [`replay`] — freshness for one-shot messages: a timestamp window and the nonces seen in it;
 //! - [`Refusal`] — why a proof was refused, with a fixed label for metrics; [`refused`] counts
 //!   it in `/metrics` and logs it once per peer.
@@ -20,6 +21,7 @@ mod error;
 pub mod proof;
 mod refusals;
 pub mod replay;
+pub mod sealed;
 pub mod secret;
 
 pub use error::{Refusal, SecretError};

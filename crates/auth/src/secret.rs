@@ -48,6 +48,15 @@ impl fmt::Debug for ClusterSecret {
     }
 }
 
+/// Two secrets are equal when they hold the same keys (compared by their ids).
+impl PartialEq for ClusterSecret {
+    fn eq(&self, other: &Self) -> bool {
+        self.keys.iter().map(|k| k.id).eq(other.keys.iter().map(|k| k.id))
+    }
+}
+
+impl Eq for ClusterSecret {}
+
 fn key_id(bytes: &[u8]) -> KeyId {
     let digest = Sha256::new().chain_update(b"pdflow/v1/key-id").chain_update(bytes).finalize();
     let mut id = [0u8; 8];

@@ -78,3 +78,21 @@ fn the_replay_guard_takes_a_nonce_once_and_only_within_its_window() {
     assert_eq!(guard.check(&n2, now + 31_000, now), Err(Refusal::Stale), "from the future too");
     assert_eq!(guard.check(&n2, now, now), Ok(()));
 }
+
+#[test]
+fn a_sealed_pull_opens_once_and_only_unaltered_and_its_answer_only_for_it() {
+    let s = secret("the-cluster-secret-0001");
+    let guard = ReplayGuard::new(Duration::from_secs(30));
+    let (seal, n) = sealed::seal_request(&s, b"pull xfer-1");
+    assert_eq!(sealed::open_request(&s, b"pull xfer-1", &seal, &guard), Ok(n));
+    assert_eq!(sealed::open_request(&s, b"pull xfer-1", &seal, &guard), Err(Refusal::Replayed));
+    let (seal, _) = sealed::seal_request(&s, b"pull xfer-1");
+    assert_eq!(sealed::open_request(&s, b"pull xfer-2", &seal, &guard), Err(Refusal::BadProof), "altered");
+    assert_eq!(sealed::open_request(&s, b"pull xfer-1", &seal[..10], &guard), Err(Refusal::Malformed));
+    let stranger = secret("not-the-cluster-secret");
+    let (forged, _) = sealed::seal_request(&stranger, b"pull xfer-1");
+    assert_eq!(sealed::open_request(&s, b"pull xfer-1", &forged, &guard), Err(Refusal::UnknownKey));
+    let reply = sealed::seal_reply(&s, b"ok", &n);
+    assert_eq!(sealed::open_reply(&s, b"ok", &reply, &n), Ok(()));
+    assert_eq!(sealed::open_reply(&s, b"ok", &reply, &nonce()), Err(Refusal::BadProof), "another pull's answer");
+}

@@ -361,6 +361,12 @@ pub struct ServeCmd {
     /// Shared token that P must present to D's data server.
     #[arg(long, env = "PDFLOW_TRANSFER_TOKEN")]
     pub transfer_token: Option<String>,
+    /// A file holding the cluster secret (the current key; during a rotation, the previous one on
+    /// a second line). Without it, PDFLOW_CLUSTER_SECRET_FILE or PDFLOW_CLUSTER_SECRET are read.
+    /// With a secret, P writes only to data servers that prove they hold it, and D takes bytes
+    /// only from a P that proves it.
+    #[arg(long)]
+    pub cluster_secret_file: Option<String>,
     /// Record KV checksums on both sides of every transfer (costs a pass over the bytes).
     #[arg(long)]
     pub verify_checksums: bool,
@@ -464,6 +470,7 @@ impl ServeCmd {
         if self.role == RoleArg::Consumer && (self.bootstrap_url.is_some() || self.bootstrap_port.is_some()) {
             errors.push("--bootstrap-url/--bootstrap-port are for producers: a consumer finds P's bootstrap in each request's kv_transfer_params".to_string());
         }
+        let secret = self.cluster_secret(&mut errors);
         if !errors.is_empty() {
             return Err(errors);
         }
@@ -481,12 +488,25 @@ impl ServeCmd {
             tcp: TcpConfig {
                 streams_per_peer: self.streams_per_peer,
                 auth_token: self.transfer_token.clone(),
+                secret,
                 gpu_path: self.gpu_path.into(),
                 ..TcpConfig::default()
             },
             verify_checksums: self.verify_checksums,
             kv_device: self.kv_device,
             faults: pdflow_actors::fault_seam::no_faults(),
+        })
+    }
+
+    /// The cluster secret from `--cluster-secret-file`, else the environment; an error is kept.
+    fn cluster_secret(&self, errors: &mut Vec<String>) -> Option<pdflow_auth::ClusterSecret> {
+        let loaded = match &self.cluster_secret_file {
+            Some(path) => pdflow_auth::ClusterSecret::from_file(path).map(Some),
+            None => pdflow_auth::ClusterSecret::from_env(),
+        };
+        loaded.unwrap_or_else(|e| {
+            errors.push(format!("--cluster-secret-file / PDFLOW_CLUSTER_SECRET: {e}"));
+            None
         })
     }
 

@@ -49,6 +49,7 @@ pub async fn serve_kv_data(
     let (device_export, gpu_serving) = serve_gpu_kv(kv_cache, host, tcp, &fence)?;
     let options = DataServerOptions {
         auth_token: tcp.auth_token.clone(),
+        secret: tcp.secret.clone(),
         // P writes GPU KV by the cuda engines, never through D's host memory.
         offer_same_host: tcp.same_host != SameHostMode::Off && kv_cache.memory() == MemoryKind::Host,
         fence: Some(fence.clone()),

@@ -22,6 +22,7 @@ use pdflow_actors::fault_seam::{register_actor, ActorKind, Faults, Role};
 use pdflow_actors::receiver::{Receiver, ReceiverArgs};
 use pdflow_actors::scheduler_connector::KvRole;
 use pdflow_actors::sender_listener::{SenderListener, SenderListenerArgs};
+use pdflow_actors::side_channel_auth::{ListenerAuth, PullAuth};
 use pdflow_kv::memory::KvCache;
 use pdflow_transfer::tcp::{TcpConfig, TcpDataServer};
 use tokio::sync::Notify;
@@ -103,6 +104,14 @@ impl Worker {
         kv_cache: &Arc<KvCache>,
         spec: &WorkerSpec,
     ) -> Result<Self, NodeError> {
+        if spec.tcp.secret.is_none() {
+            static WARNED: std::sync::Once = std::sync::Once::new();
+            WARNED.call_once(|| {
+                tracing::warn!(
+                    "no cluster secret (PDFLOW_CLUSTER_SECRET_FILE or PDFLOW_CLUSTER_SECRET): the side channel and the data channel authenticate nobody; anyone who reaches their ports can pull KV or write D's blocks"
+                )
+            });
+        }
         let mut worker = Worker {
             sender_listener: None,
             receiver: None,
@@ -159,6 +168,7 @@ impl Worker {
             verify_checksums: spec.verify_checksums,
             lineage: Default::default(),
             faults: spec.faults.clone(),
+            auth: ListenerAuth::new(spec.tcp.secret.clone()),
         };
         let listener = SenderListener::supervise(supervisor, args)
             .restart_policy(RestartPolicy::Transient)
@@ -194,6 +204,7 @@ impl Worker {
             verify_checksums: spec.verify_checksums,
             fence: Some(fence),
             faults: spec.faults.clone(),
+            auth: PullAuth { secret: spec.tcp.secret.clone() },
         };
         self.data_server = Some(server);
         let receiver = Receiver::supervise(supervisor, args)

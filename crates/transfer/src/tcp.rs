@@ -31,6 +31,8 @@ pub use server::{DataServerError, DataServerOptions, TcpDataServer, DEFAULT_MAX_
 const SOCKET_BUFFER_BYTES: u32 = 4 << 20;
 
 #[cfg(test)]
+mod auth_tests;
+#[cfg(test)]
 mod fuzz_tests;
 #[cfg(test)]
 mod tests;

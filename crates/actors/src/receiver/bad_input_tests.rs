@@ -58,6 +58,7 @@ impl Harness {
         register(&bootstrap, P_ENGINE, 0, &p.addr).await;
         let events = Arc::new(Notify::new());
         let receiver = Receiver::spawn(ReceiverArgs {
+            auth: crate::side_channel_auth::PullAuth::default(),
             faults: crate::fault_seam::no_faults(),
             engine_id: "d-engine".into(),
             tp_rank: 0,

@@ -36,6 +36,7 @@ impl Harness {
         let bootstrap = FakeBootstrap::start(P_ENGINE, &p.addr).await;
         let events = Arc::new(Notify::new());
         let receiver = Receiver::spawn(ReceiverArgs {
+            auth: crate::side_channel_auth::PullAuth::default(),
             faults: crate::fault_seam::no_faults(),
             engine_id: "d-engine".into(),
             tp_rank: 0,

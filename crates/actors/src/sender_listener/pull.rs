@@ -15,6 +15,7 @@ use pdflow_messages::RequestId;
 use pdflow_telemetry::{attrs, step_span, steps, Outcome};
 
 use super::{lineage, InFlightPull, SenderListener, WRITE_MARGIN};
+use crate::side_channel_auth::ListenerAuth;
 
 /// What every request of one pull is routed with.
 struct RoutedPull<'a> {
@@ -57,7 +58,8 @@ impl SenderListener {
     }
 
     fn send_frame(&self, identity: Bytes, body: Vec<u8>) {
-        if self.replies.send((identity, body)).is_err() {
+        let seal = self.args.auth.seal(&identity, &body, &self.reply_nonces);
+        if self.replies.send((identity, body, seal)).is_err() {
             tracing::error!(addr = %self.addr, "side-channel writer is gone: response dropped");
         }
     }
@@ -103,7 +105,10 @@ impl SenderListener {
         if last {
             self.pulls.remove(&key);
         }
-        span.in_scope(|| self.send_step(steps::P_REPLY_FINISH.number, d_req_id, identity, &response));
+        span.in_scope(|| self.send_step(steps::P_REPLY_FINISH.number, d_req_id, identity.clone(), &response));
+        if last {
+            ListenerAuth::forget(&identity, &mut self.reply_nonces);
+        }
     }
 
     /// Steps 21 (receive) and 22 (routing): check, track and route one pull.

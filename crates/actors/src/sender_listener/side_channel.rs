@@ -29,8 +29,8 @@ pub(super) struct SocketClosed {
     pub reason: String,
 }
 
-/// A reply to send: the peer's identity and the encoded frame.
-pub(super) type Outgoing = (Bytes, Vec<u8>);
+/// A reply to send: the peer's identity, the encoded frame and its seal (with a cluster secret).
+pub(super) type Outgoing = (Bytes, Vec<u8>, Option<Vec<u8>>);
 
 /// The bound socket, split and running.
 pub(super) struct SideChannel {
@@ -137,8 +137,9 @@ async fn write_loop(
             _ = cancel.cancelled() => return,
             next = outgoing.recv() => next,
         };
-        let Some((identity, body)) = next else { return };
-        let Ok(message) = ZmqMessage::try_from(vec![identity, Bytes::from(body)]) else { continue };
+        let Some((identity, body, seal)) = next else { return };
+        let frames = [Some(identity), Some(Bytes::from(body)), seal.map(Bytes::from)];
+        let Ok(message) = ZmqMessage::try_from(frames.into_iter().flatten().collect::<Vec<_>>()) else { continue };
         if let Err(e) = socket.send(message).await {
             tracing::warn!(addr = %addr, error = %e, "could not send a side-channel reply (has D's pull task gone?)");
         }

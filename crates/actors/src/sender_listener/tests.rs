@@ -20,13 +20,13 @@ use zeromq::{DealerSocket, Socket, SocketRecv, SocketSend, ZmqMessage};
 use super::{SenderListener, SenderListenerArgs};
 use crate::send_worker::test_support::{filled_cache, MemcpyTransfer, SHAPE};
 
-const WAIT: Duration = Duration::from_secs(5);
+pub(super) const WAIT: Duration = Duration::from_secs(5);
 
-struct Harness {
+pub(super) struct Harness {
     listener: ActorRef<SenderListener>,
     p: Arc<KvCache>,
-    d: Arc<KvCache>,
-    dealer: DealerSocket,
+    pub(super) d: Arc<KvCache>,
+    pub(super) dealer: DealerSocket,
     events: Arc<Notify>,
     seen_finished: BTreeSet<RequestId>,
 }
@@ -38,6 +38,7 @@ fn args(
     bootstrap_url: Option<String>,
 ) -> SenderListenerArgs {
     SenderListenerArgs {
+        auth: crate::side_channel_auth::ListenerAuth::default(),
         faults: crate::fault_seam::no_faults(),
         side_channel_port: Arc::new(std::sync::atomic::AtomicU16::new(0)),
         engine_id: "engine-p".into(),
@@ -64,9 +65,16 @@ async fn startup(listener: &ActorRef<SenderListener>) -> Result<(), String> {
 }
 
 async fn harness(ready_timeout: Duration) -> Harness {
+    harness_with_auth(ready_timeout, crate::side_channel_auth::ListenerAuth::default()).await
+}
+
+pub(super) async fn harness_with_auth(
+    ready_timeout: Duration,
+    auth: crate::side_channel_auth::ListenerAuth,
+) -> Harness {
     let p = filled_cache(16, 1);
     let d = KvCache::new(SHAPE, 32);
-    let args = args(&p, &d, ready_timeout, None);
+    let args = SenderListenerArgs { auth, ..args(&p, &d, ready_timeout, None) };
     let events = args.events.clone();
     let listener = SenderListener::spawn(args);
     startup(&listener).await.expect("listener starts");
@@ -78,7 +86,7 @@ async fn harness(ready_timeout: Duration) -> Harness {
 }
 
 impl Harness {
-    fn pull(&self, pull_id: u64, reqs: &[(&str, &str, Vec<u32>)], with_layout: bool) -> SideChannelRequest {
+    pub(super) fn pull(&self, pull_id: u64, reqs: &[(&str, &str, Vec<u32>)], with_layout: bool) -> SideChannelRequest {
         let layout = self.d.layout();
         SideChannelRequest::Pull(PullRequest {
             pull_id,
@@ -116,13 +124,13 @@ impl Harness {
         self.send_raw(frame::encode(req).expect("encodes")).await;
     }
 
-    async fn recv(&mut self) -> PullResponse {
+    pub(super) async fn recv(&mut self) -> PullResponse {
         let msg = tokio::time::timeout(WAIT, self.dealer.recv()).await.expect("a response in time").expect("receives");
         assert_eq!(msg.len(), 1, "one body frame");
         frame::decode(msg.get(0).expect("one frame"), "pull response").expect("decodes")
     }
 
-    async fn record(&self, to_send: &[(&str, &str, Vec<u32>)], not_processed: &[&str]) {
+    pub(super) async fn record(&self, to_send: &[(&str, &str, Vec<u32>)], not_processed: &[&str]) {
         let reqs_to_send: BTreeMap<_, _> =
             to_send.iter().map(|(p, t, b)| ((*p).into(), ((*t).into(), b.clone()))).collect();
         let reqs_not_processed = not_processed.iter().map(|t| (*t).into()).collect();
@@ -153,7 +161,7 @@ impl Harness {
         }
     }
 
-    fn assert_copied(&self, p_blocks: &[u32], d_blocks: &[u32]) {
+    pub(super) fn assert_copied(&self, p_blocks: &[u32], d_blocks: &[u32]) {
         for (p, d) in p_blocks.iter().zip(d_blocks) {
             assert_eq!(
                 self.p.block_bytes(*p).expect("p block"),

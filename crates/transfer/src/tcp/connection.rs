@@ -29,6 +29,7 @@ use tokio_util::sync::CancellationToken;
 use super::busy_poll::{self, SPIN_AFTER_ACK};
 use super::wire::{self, Ack, BatchHeader, HostInfo, Request, WireError};
 use crate::fence::{FenceGuard, WriteFence};
+use pdflow_auth::{ClusterSecret, Context as AuthContext, Nonce, Refusal, Socket};
 use pdflow_kv::memory::RegionTable;
 
 /// How long a new connection may take to send its hello.
@@ -55,6 +56,9 @@ const REFUSAL_WRITE_TIMEOUT: Duration = Duration::from_secs(1);
 pub(super) struct Shared {
     pub(super) regions: RegionTable,
     pub(super) auth_token: Option<Vec<u8>>,
+    /// The cluster secret: with it, every connection's P must prove it holds it (and D proves it
+    /// to P) before D reads anything but the hello.
+    pub(super) secret: Option<ClusterSecret>,
     /// The same-host answer, when offered (its canary is owned by the server).
     pub(super) host_info: Option<HostInfo>,
     /// When set, a batch is written only under an open fence token (no write-after-free).
@@ -72,6 +76,8 @@ pub(super) enum ConnectionError {
     Wire(#[from] WireError),
     #[error("auth token does not match")]
     Unauthorised,
+    #[error("refused: {0}")]
+    Refused(Refusal),
     #[error("no hello within {0:?}")]
     HelloTimeout(Duration),
     #[error("payload stalled for {0:?}")]
@@ -144,21 +150,43 @@ struct Conn<'a> {
 }
 
 impl Conn<'_> {
-    /// P's hello under [`HELLO_TIMEOUT`]: its auth token checked, then acked.
+    /// P's hello under [`HELLO_TIMEOUT`]: its transfer token checked; with the cluster secret,
+    /// D proves it holds it and P must prove it too before anything else is read; then acked.
     fn hello(&mut self) -> Result<(), ConnectionError> {
         self.timeout.set(HELLO_TIMEOUT)?;
-        let token = match now(wire::read_hello(&mut Blocking(self.stream))) {
+        let hello = match now(wire::read_hello(&mut Blocking(self.stream))) {
             Err(e) if is_timeout(&e) => return Err(ConnectionError::HelloTimeout(HELLO_TIMEOUT)),
             Err(e) => return Err(refuse_and_close(self.stream, 0, e.into())),
-            Ok(token) => token,
+            Ok(hello) => hello,
         };
         if let Some(expected) = &self.shared.auth_token {
-            if !constant_time_eq(expected, &token) {
+            if !constant_time_eq(expected, &hello.token) {
                 return Err(refuse_and_close(self.stream, 0, ConnectionError::Unauthorised));
             }
         }
+        if let Some(secret) = &self.shared.secret {
+            self.challenge(secret, &hello.nonce)?;
+        }
         now(wire::write_ack(&mut Blocking(self.stream), &Ack::Ok { batch_id: 0 }))?;
         Ok(())
+    }
+
+    /// D's proof over P's nonce and a fresh one of D's, then P's proof over both, checked.
+    fn challenge(&mut self, secret: &ClusterSecret, p_nonce: &Nonce) -> Result<(), ConnectionError> {
+        let d_nonce = pdflow_auth::nonce();
+        let proof = secret.sign(AuthContext::DataServer, &[p_nonce, &d_nonce]);
+        let mut stream = self.stream;
+        stream.write_all(&wire::encode_challenge(&d_nonce, &proof)).map_err(WireError::from)?;
+        let answer = match now(wire::read_proof(&mut Blocking(self.stream))) {
+            Err(e) if is_timeout(&e) => return Err(ConnectionError::HelloTimeout(HELLO_TIMEOUT)),
+            Err(_) => Err(Refusal::Missing),
+            Ok(p) => secret.verify(AuthContext::DataClient, &[&d_nonce, p_nonce], &p),
+        };
+        answer.map_err(|why| {
+            let peer = self.stream.peer_addr().map_or_else(|_| "unknown".to_string(), |a| a.to_string());
+            pdflow_auth::refused(Socket::Data, &peer, why);
+            refuse_and_close(self.stream, 0, ConnectionError::Refused(why))
+        })
     }
 
     /// P's next request; `None` for an orderly end (P closed, idle, or a hold never released).

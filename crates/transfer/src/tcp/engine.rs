@@ -25,10 +25,11 @@ use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpSocket, TcpStream};
 
 use super::ack_wait;
-use super::wire::{self, Ack, HostInfo, WireError, MAX_DESCRIPTORS_PER_BATCH};
+use super::wire::{self, Ack, HelloAnswer, HostInfo, WireError, MAX_DESCRIPTORS_PER_BATCH};
 use super::SOCKET_BUFFER_BYTES;
 use crate::same_host::SameHostMode;
 use crate::{TransferEngine, TransferError, TransferStats};
+use pdflow_auth::{ClusterSecret, Context as AuthContext, Nonce, Proof, Refusal, Socket};
 use pdflow_kv::memory::RegionTable;
 use pdflow_kv::planner::{Descriptor, TransferPlan};
 
@@ -50,6 +51,9 @@ pub struct TcpConfig {
     pub write_timeout: Duration,
     /// The token D's data server expects, if it expects one.
     pub auth_token: Option<String>,
+    /// The cluster secret: with it, P writes only to a data server that proves it holds it, and
+    /// proves it in turn.
+    pub secret: Option<ClusterSecret>,
     /// Whether the automatic engine ([`crate::AutoTransferEngine`]) may write a peer on
     /// the same host directly (`process_vm_writev`); the tcp engine alone ignores it.
     pub same_host: SameHostMode,
@@ -64,6 +68,7 @@ impl Default for TcpConfig {
             connect_timeout: Duration::from_secs(5),
             write_timeout: Duration::from_secs(30),
             auth_token: None,
+            secret: None,
             same_host: SameHostMode::Auto,
             gpu_path: crate::GpuPath::Auto,
         }
@@ -403,7 +408,9 @@ impl Inner {
         let connect_err = |source| TransferError::Connect { peer: peer.to_string(), source };
         let mut stream = open(peer).await.map_err(connect_err)?;
         stream.set_nodelay(true).map_err(connect_err)?;
-        let hello = wire::encode_hello(self.config.auth_token.as_deref()).map_err(|e| connect_err(e.into_io()))?;
+        let p_nonce = pdflow_auth::nonce();
+        let hello = wire::encode_hello_with(self.config.auth_token.as_deref(), &p_nonce)
+            .map_err(|e| connect_err(e.into_io()))?;
         // D closing (or resetting) the connection before its ack: said so, with the likely causes.
         let unanswered = |e: std::io::Error| {
             use std::io::ErrorKind::{BrokenPipe, ConnectionAborted, ConnectionReset, UnexpectedEof};
@@ -414,10 +421,47 @@ impl Inner {
             connect_err(e)
         };
         stream.write_all(&hello).await.map_err(unanswered)?;
-        match wire::read_ack(&mut stream).await.map_err(|e| unanswered(e.into_io()))? {
+        let answer = wire::read_hello_answer(&mut stream).await.map_err(|e| unanswered(e.into_io()))?;
+        let answer = match (answer, &self.config.secret) {
+            (HelloAnswer::Challenge { nonce, proof }, Some(secret)) => {
+                self.answer_challenge(peer, &mut stream, secret, &p_nonce, &nonce, &proof).await?
+            }
+            (HelloAnswer::Challenge { .. }, None) => {
+                let reason = "D's data server requires the cluster secret: configure it on P (PDFLOW_CLUSTER_SECRET)";
+                return Err(TransferError::Refused { peer: peer.to_string(), reason: reason.into() });
+            }
+            (HelloAnswer::Ack(Ack::Ok { .. }), Some(_)) => {
+                // A data server without the secret may be anyone's: no KV goes to it.
+                pdflow_auth::refused(Socket::Data, peer, Refusal::Unproven);
+                let reason = format!("{}: no KV is written to it", Refusal::Unproven);
+                return Err(TransferError::Refused { peer: peer.to_string(), reason });
+            }
+            (HelloAnswer::Ack(ack), _) => ack,
+        };
+        match answer {
             Ack::Ok { .. } => Ok(stream),
             Ack::Refused { reason, .. } => Err(TransferError::Refused { peer: peer.to_string(), reason }),
         }
+    }
+
+    /// Checks D's proof over P's nonce and D's, answers with P's, and reads D's verdict.
+    async fn answer_challenge(
+        &self,
+        peer: &str,
+        stream: &mut TcpStream,
+        secret: &ClusterSecret,
+        p_nonce: &Nonce,
+        d_nonce: &Nonce,
+        d_proof: &Proof,
+    ) -> Result<Ack, TransferError> {
+        let io = |e: WireError| TransferError::Connect { peer: peer.to_string(), source: e.into_io() };
+        if let Err(why) = secret.verify(AuthContext::DataServer, &[p_nonce, d_nonce], d_proof) {
+            pdflow_auth::refused(Socket::Data, peer, why);
+            return Err(TransferError::Refused { peer: peer.to_string(), reason: format!("D's data server: {why}") });
+        }
+        let proof = secret.sign(AuthContext::DataClient, &[d_nonce, p_nonce]);
+        stream.write_all(&wire::encode_proof(&proof)).await.map_err(|e| io(e.into()))?;
+        wire::read_ack(stream).await.map_err(io)
     }
 }
 

@@ -21,6 +21,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use pdflow_auth::ClusterSecret;
 use tokio::net::{TcpListener, TcpSocket};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -50,6 +51,8 @@ pub const DEFAULT_MAX_CONNECTIONS: usize = 1024;
 pub struct DataServerOptions {
     /// P's connections must present this token.
     pub auth_token: Option<String>,
+    /// The cluster secret: P must prove it holds it, and D proves it to P, on every connection.
+    pub secret: Option<ClusterSecret>,
     /// Offer the same-host path (host memory only).
     pub offer_same_host: bool,
     /// Write a batch only under an open fence token.
@@ -65,6 +68,7 @@ impl Default for DataServerOptions {
     fn default() -> Self {
         Self {
             auth_token: None,
+            secret: None,
             offer_same_host: false,
             fence: None,
             device_export: Vec::new(),
@@ -160,7 +164,7 @@ impl TcpDataServer {
         regions: RegionTable,
         options: DataServerOptions,
     ) -> Result<Self, DataServerError> {
-        let DataServerOptions { auth_token, offer_same_host, fence, device_export, max_connections } = options;
+        let DataServerOptions { auth_token, secret, offer_same_host, fence, device_export, max_connections } = options;
         let listener = listen(addr).map_err(|source| DataServerError::Bind { addr, source })?;
         let local_addr = listener.local_addr().map_err(|source| DataServerError::Bind { addr, source })?;
         let canary = same_host::new_canary();
@@ -176,7 +180,8 @@ impl TcpDataServer {
         });
         let auth_token = auth_token.filter(|t| !t.is_empty()).map(String::into_bytes);
         let cancel = CancellationToken::new();
-        let shared = Arc::new(Shared { regions, auth_token, host_info, fence, device_export, cancel: cancel.clone() });
+        let shared =
+            Arc::new(Shared { regions, auth_token, secret, host_info, fence, device_export, cancel: cancel.clone() });
         let tracker = TaskTracker::new();
         let connections = Arc::new(Connections::new(max_connections));
         tracker.spawn(accept_loop(listener, shared, tracker.clone(), connections.clone()));

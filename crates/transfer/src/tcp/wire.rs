@@ -25,6 +25,7 @@
 
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
+use pdflow_auth::{Nonce, Proof};
 use pdflow_kv::planner::Descriptor;
 
 /// First bytes of a connection (P's hello).
@@ -33,8 +34,13 @@ pub const HELLO_MAGIC: [u8; 4] = *b"PDFT";
 pub const BATCH_MAGIC: [u8; 4] = *b"PDFB";
 /// First bytes of every ack.
 pub const ACK_MAGIC: [u8; 4] = *b"PDFA";
-/// The protocol version this build speaks.
-pub const PROTOCOL_VERSION: u8 = 3;
+/// The protocol version this build speaks (4: the hello carries P's nonce for the cluster
+/// secret's challenge).
+pub const PROTOCOL_VERSION: u8 = 4;
+/// D's challenge after the hello when it holds the cluster secret: its nonce and its proof.
+pub const CHALLENGE_MAGIC: [u8; 4] = *b"PDFC";
+/// P's proof, answering D's challenge.
+pub const PROOF_MAGIC: [u8; 4] = *b"PDFP";
 /// The longest auth token accepted.
 pub const MAX_TOKEN_LEN: usize = 1024;
 /// The most descriptors one batch header may list (16 MiB of header).
@@ -161,21 +167,34 @@ pub enum Ack {
     Refused { batch_id: u64, reason: String },
 }
 
+/// P's hello: the transfer token (if any), then P's nonce for D's proof of the cluster secret.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Hello {
+    pub token: Vec<u8>,
+    pub nonce: Nonce,
+}
+
+/// A hello with no nonce (a P without the cluster secret).
 pub fn encode_hello(token: Option<&str>) -> Result<Vec<u8>, WireError> {
+    encode_hello_with(token, &[0u8; 16])
+}
+
+pub fn encode_hello_with(token: Option<&str>, nonce: &Nonce) -> Result<Vec<u8>, WireError> {
     let token = token.unwrap_or("").as_bytes();
     if token.len() > MAX_TOKEN_LEN {
         return Err(WireError::TokenTooLong { len: token.len() });
     }
-    let mut out = Vec::with_capacity(7 + token.len());
+    let mut out = Vec::with_capacity(23 + token.len());
     out.extend_from_slice(&HELLO_MAGIC);
     out.push(PROTOCOL_VERSION);
     out.extend_from_slice(&(token.len() as u16).to_le_bytes());
     out.extend_from_slice(token);
+    out.extend_from_slice(nonce);
     Ok(out)
 }
 
-/// Reads a hello; returns the token bytes (empty when none was sent).
-pub async fn read_hello<R: AsyncRead + Unpin>(r: &mut R) -> Result<Vec<u8>, WireError> {
+/// Reads a hello.
+pub async fn read_hello<R: AsyncRead + Unpin>(r: &mut R) -> Result<Hello, WireError> {
     let mut head = [0u8; 7];
     r.read_exact(&mut head).await?;
     expect_magic(&head[..4], HELLO_MAGIC)?;
@@ -188,7 +207,59 @@ pub async fn read_hello<R: AsyncRead + Unpin>(r: &mut R) -> Result<Vec<u8>, Wire
     }
     let mut token = vec![0u8; len];
     r.read_exact(&mut token).await?;
-    Ok(token)
+    let mut nonce = [0u8; 16];
+    r.read_exact(&mut nonce).await?;
+    Ok(Hello { token, nonce })
+}
+
+/// D's answer to a hello: an ack (D holds no secret, or refuses), or its challenge.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum HelloAnswer {
+    Ack(Ack),
+    /// D's nonce and D's proof over P's nonce and its own.
+    Challenge {
+        nonce: Nonce,
+        proof: Proof,
+    },
+}
+
+pub fn encode_challenge(nonce: &Nonce, proof: &Proof) -> Vec<u8> {
+    let mut out = Vec::with_capacity(60);
+    out.extend_from_slice(&CHALLENGE_MAGIC);
+    out.extend_from_slice(nonce);
+    out.extend_from_slice(&proof.to_bytes());
+    out
+}
+
+pub async fn read_hello_answer<R: AsyncRead + Unpin>(r: &mut R) -> Result<HelloAnswer, WireError> {
+    let mut magic = [0u8; 4];
+    r.read_exact(&mut magic).await?;
+    if magic == CHALLENGE_MAGIC {
+        let mut rest = [0u8; 56];
+        r.read_exact(&mut rest).await?;
+        let mut nonce = [0u8; 16];
+        nonce.copy_from_slice(&rest[..16]);
+        let proof = Proof::from_bytes(&rest[16..])
+            .map_err(|_| WireError::BadMagic { expected: CHALLENGE_MAGIC, found: magic })?;
+        return Ok(HelloAnswer::Challenge { nonce, proof });
+    }
+    expect_magic(&magic, ACK_MAGIC)?;
+    read_ack_body(r).await.map(HelloAnswer::Ack)
+}
+
+pub fn encode_proof(proof: &Proof) -> Vec<u8> {
+    let mut out = Vec::with_capacity(44);
+    out.extend_from_slice(&PROOF_MAGIC);
+    out.extend_from_slice(&proof.to_bytes());
+    out
+}
+
+pub async fn read_proof<R: AsyncRead + Unpin>(r: &mut R) -> Result<Proof, WireError> {
+    let mut frame = [0u8; 44];
+    r.read_exact(&mut frame).await?;
+    expect_magic(&frame[..4], PROOF_MAGIC)?;
+    // 40 bytes always parse: the length is the only check.
+    Proof::from_bytes(&frame[4..]).map_err(|_| WireError::BadMagic { expected: PROOF_MAGIC, found: [0; 4] })
 }
 
 /// Encodes a batch header for `descriptors` (at most [`MAX_DESCRIPTORS_PER_BATCH`]).
@@ -419,6 +490,19 @@ pub async fn read_ack<R: AsyncRead + Unpin>(r: &mut R) -> Result<Ack, WireError>
     let mut head = [0u8; 15];
     r.read_exact(&mut head).await?;
     expect_magic(&head[..4], ACK_MAGIC)?;
+    ack_from(r, &head).await
+}
+
+/// An ack whose magic was read already (one read for the rest of its head).
+async fn read_ack_body<R: AsyncRead + Unpin>(r: &mut R) -> Result<Ack, WireError> {
+    let mut head = [0u8; 15];
+    head[..4].copy_from_slice(&ACK_MAGIC);
+    r.read_exact(&mut head[4..]).await?;
+    ack_from(r, &head).await
+}
+
+/// The ack of a 15-byte head (magic checked), its reason read from `r`.
+async fn ack_from<R: AsyncRead + Unpin>(r: &mut R, head: &[u8; 15]) -> Result<Ack, WireError> {
     let batch_id = u64::from_le_bytes(le8(&head[5..13]));
     // The whole reason is read (it is at most 64 KiB) so the next ack starts where it should; only
     // the first MAX_REASON_LEN bytes are kept (a longer one desynchronised the stream).
@@ -466,7 +550,7 @@ mod tests {
     #[tokio::test]
     async fn messages_round_trip_and_garbage_is_typed() {
         let hello = encode_hello(Some("secret")).expect("short token");
-        assert_eq!(read_hello(&mut &hello[..]).await.expect("valid hello"), b"secret");
+        assert_eq!(read_hello(&mut &hello[..]).await.expect("valid hello").token, b"secret");
         let descs = [Descriptor { src: 1, dst: 0x1000, len: 64 }, Descriptor { src: 2, dst: 0x2000, len: 8 }];
         let header = encode_batch_header(7, &descs).expect("few descriptors");
         let read = read_batch_header(&mut &header[..]).await.expect("valid header").expect("not eof");

@@ -44,6 +44,7 @@ async fn hello(peer: &str, token: &[u8]) -> (TcpStream, Result<Ack, WireError>) 
     bytes.push(wire::PROTOCOL_VERSION);
     bytes.extend_from_slice(&(token.len() as u16).to_le_bytes());
     bytes.extend_from_slice(token);
+    bytes.extend_from_slice(&[0u8; 16]); // P's nonce (no cluster secret here)
     raw.write_all(&bytes).await.expect("sends");
     let ack =
         tokio::time::timeout(BOUND, wire::read_ack(&mut raw)).await.expect("the server answers the hello in time");
