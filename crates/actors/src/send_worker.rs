@@ -283,12 +283,15 @@ impl Message<RecordSendPending> for SendWorker {
 
     /// Step 14: SendBlockMeta created, ready not set.
     async fn handle(&mut self, msg: RecordSendPending, _ctx: &mut Context<Self, Self::Reply>) {
-        let _span = step_span!(
+        let span = step_span!(
             steps::P_RECORD_SEND_PENDING,
             request_id = msg.p_req_id.as_str(),
             transfer_id = self.args.transfer_id.as_str()
-        )
-        .entered();
+        );
+        if let Some(tp) = &msg.traceparent {
+            span.record(attrs::TRACEPARENT, tp.as_str());
+        }
+        let _span = span.entered();
         if self.p_req_id.is_none() {
             self.p_req_id = Some(msg.p_req_id);
         }
@@ -312,6 +315,9 @@ impl Message<RecordSendReady> for SendWorker {
             transfer_id = self.args.transfer_id.as_str()
         );
         span.record(attrs::BLOCKS, msg.block_ids.len() as u64);
+        if let Some(tp) = &msg.traceparent {
+            span.record(attrs::TRACEPARENT, tp.as_str());
+        }
         self.p_req_id = Some(msg.p_req_id);
         match self.phase {
             Phase::Finished => {

@@ -359,9 +359,11 @@ impl Message<RecordSendReqs> for SenderListener {
     async fn handle(&mut self, msg: RecordSendReqs, ctx: &mut Context<Self, Self::Reply>) {
         let me = ctx.actor_ref().clone();
         for (p_req_id, (transfer_id, block_ids)) in msg.reqs_to_send {
+            // The request's trace, whether or not D's pull (which carries it too) came first.
+            let traceparent = msg.traceparents.get(&p_req_id).cloned();
             if block_ids.is_empty() {
-                self.tell_worker(&transfer_id, RecordSendPending { p_req_id, transfer_id: transfer_id.clone() }, &me)
-                    .await;
+                let pending = RecordSendPending { p_req_id, transfer_id: transfer_id.clone(), traceparent };
+                self.tell_worker(&transfer_id, pending, &me).await;
             } else {
                 self.worker(&transfer_id, &me).await;
                 if let Some(entry) = self.workers.get_mut(&transfer_id) {
@@ -371,7 +373,7 @@ impl Message<RecordSendReqs> for SenderListener {
                 self.args.lineage.ready(&transfer_id, self.p_generation, ttl);
                 self.tell_worker(
                     &transfer_id,
-                    RecordSendReady { p_req_id, transfer_id: transfer_id.clone(), block_ids },
+                    RecordSendReady { p_req_id, transfer_id: transfer_id.clone(), block_ids, traceparent },
                     &me,
                 )
                 .await;

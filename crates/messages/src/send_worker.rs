@@ -14,6 +14,8 @@ use crate::{BlockId, RequestId, TransferId};
 pub struct RecordSendPending {
     pub p_req_id: RequestId,
     pub transfer_id: TransferId,
+    /// The W3C traceparent of P's request (from the scheduler's metadata): step 14 joins its trace.
+    pub traceparent: Option<String>,
 }
 
 /// Step 27: P's request finished; these blocks hold its prompt's KV: set `ready`.
@@ -22,6 +24,8 @@ pub struct RecordSendReady {
     pub p_req_id: RequestId,
     pub transfer_id: TransferId,
     pub block_ids: Vec<BlockId>,
+    /// The W3C traceparent of P's request: step 27 joins its trace.
+    pub traceparent: Option<String>,
 }
 
 /// Step 22: D asks for this transfer to be written into its blocks.

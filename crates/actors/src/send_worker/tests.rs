@@ -76,11 +76,16 @@ impl Rig {
 
     async fn ready(&self, blocks: Vec<u32>) {
         self.worker
-            .tell(RecordSendPending { p_req_id: "cmpl-p".into(), transfer_id: "xfer-1".into() })
+            .tell(RecordSendPending { p_req_id: "cmpl-p".into(), transfer_id: "xfer-1".into(), traceparent: None })
             .await
             .expect("worker alive");
         self.worker
-            .tell(RecordSendReady { p_req_id: "cmpl-p".into(), transfer_id: "xfer-1".into(), block_ids: blocks })
+            .tell(RecordSendReady {
+                p_req_id: "cmpl-p".into(),
+                transfer_id: "xfer-1".into(),
+                block_ids: blocks,
+                traceparent: None,
+            })
             .await
             .expect("worker alive");
     }
@@ -202,7 +207,7 @@ async fn failed_write_reports_transfer_failed_and_frees_p() {
 async fn consumer_abort_before_ready_frees_p_once_ready() {
     let mut rig = rig(memcpy, Duration::from_secs(30));
     rig.worker
-        .tell(RecordSendPending { p_req_id: "cmpl-p".into(), transfer_id: "xfer-1".into() })
+        .tell(RecordSendPending { p_req_id: "cmpl-p".into(), transfer_id: "xfer-1".into(), traceparent: None })
         .await
         .expect("alive");
     rig.pull(vec![4]).await;
@@ -214,7 +219,12 @@ async fn consumer_abort_before_ready_frees_p_once_ready() {
     );
     assert!(!out.counts_as_sent && !out.finished);
     rig.worker
-        .tell(RecordSendReady { p_req_id: "cmpl-p".into(), transfer_id: "xfer-1".into(), block_ids: vec![1] })
+        .tell(RecordSendReady {
+            p_req_id: "cmpl-p".into(),
+            transfer_id: "xfer-1".into(),
+            block_ids: vec![1],
+            traceparent: None,
+        })
         .await
         .expect("alive");
     let out = rig.next().await;
