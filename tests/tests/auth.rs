@@ -51,7 +51,8 @@ async fn a_d_without_the_secret_gets_no_kv_and_fails_or_recomputes_cleanly() {
         (None, LoadFailurePolicy::Fail),
         (secret("not-the-cluster-secret"), LoadFailurePolicy::Recompute),
     ] {
-        let unsealed = d_secret.is_none();
+        let cause = if d_secret.is_none() { "missing" } else { "unknown_key" };
+        let before = side_channel_refusals(cause);
         let cluster = Cluster::start(spec(secret("the-cluster-secret-0001"), d_secret, policy)).await.expect("starts");
         let body = completion(&prompt(120, 3), 6);
         let (status, answer) = cluster.post("/v1/completions", &body).await.expect("request");
@@ -63,12 +64,14 @@ async fn a_d_without_the_secret_gets_no_kv_and_fails_or_recomputes_cleanly() {
             }
         }
         cluster.assert_blocks_at_baseline().await;
-        let metrics = pdflow_telemetry::metrics::global().render();
-        let cause = if unsealed { "missing" } else { "unknown_key" };
-        assert!(
-            metrics.contains(&format!("pdflow_auth_refusals_total{{socket=\"side_channel\",cause=\"{cause}\"}}")),
-            "P counted the refused pull ({cause}):\n{metrics}"
-        );
+        assert!(side_channel_refusals(cause) > before, "P did not count this case's refused pull ({cause})");
         cluster.shutdown().await;
     }
+}
+
+/// `pdflow_auth_refusals_total{socket="side_channel",cause}` in this process's registry.
+fn side_channel_refusals(cause: &str) -> f64 {
+    let series = format!("pdflow_auth_refusals_total{{socket=\"side_channel\",cause=\"{cause}\"}} ");
+    let text = pdflow_telemetry::metrics::global().render();
+    text.lines().find_map(|l| l.strip_prefix(series.as_str())).and_then(|v| v.trim().parse().ok()).unwrap_or(0.0)
 }

@@ -398,8 +398,8 @@ impl Message<SideChannelFrame> for SenderListener {
         if socket_id != self.socket_id {
             return; // a late frame of a previous incarnation's socket
         }
-        let body = match self.args.auth.open(&identity, &frames, &mut self.reply_nonces) {
-            Ok(body) => body,
+        let (body, nonce) = match self.args.auth.open(&identity, &frames) {
+            Ok(opened) => opened,
             Err(why) => {
                 // Nothing of a refused request is read further: no pull, no write.
                 tracing::debug!(addr = %self.addr, "side-channel request not served: {why}");
@@ -413,6 +413,9 @@ impl Message<SideChannelFrame> for SenderListener {
                 self.send(identity, &PullResponse::error(0, e.to_string()));
             }
             Ok(SideChannelRequest::Pull(pull)) => {
+                if let Some(nonce) = nonce {
+                    self.reply_nonces.insert(identity.clone(), nonce);
+                }
                 let me = ctx.actor_ref().clone();
                 self.on_pull(identity, pull, &me).await;
             }

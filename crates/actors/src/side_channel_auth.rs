@@ -4,7 +4,7 @@
 //! checked (and a seal a peer sends is ignored). Owns no seed step.
 
 use std::collections::HashMap;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -12,78 +12,80 @@ use pdflow_auth::{sealed, ClusterSecret, Nonce, Refusal, ReplayGuard, Socket};
 
 /// How far a pull's send time may be from P's clock.
 pub const PULL_WINDOW: Duration = Duration::from_secs(30);
-/// Answers P keeps a nonce for at most (one per D pull task in flight); past it the oldest go.
-const MAX_OPEN_PULLS: usize = 1 << 16;
 
-/// P's end: the secret, the pulls seen (shared by every incarnation of the listener, so a
-/// restart does not reopen the window), and the nonce each D pull task's answers are sealed to.
-#[derive(Debug, Clone, Default)]
+/// P's end: the secret and the pulls seen (shared by every incarnation of the listener, so a
+/// restart does not reopen the window).
+#[derive(Debug, Clone)]
 pub struct ListenerAuth {
     secret: Option<ClusterSecret>,
-    replay: Arc<ReplayGuardCell>,
+    replay: Arc<ReplayGuard>,
 }
 
-#[derive(Debug)]
-struct ReplayGuardCell(ReplayGuard);
-
-impl Default for ReplayGuardCell {
+impl Default for ListenerAuth {
     fn default() -> Self {
-        Self(ReplayGuard::new(PULL_WINDOW))
+        Self::new(None)
     }
 }
 
 impl ListenerAuth {
     pub fn new(secret: Option<ClusterSecret>) -> Self {
-        Self { secret, replay: Arc::default() }
+        Self { secret, replay: Arc::new(ReplayGuard::new(PULL_WINDOW)) }
     }
-}
 
-/// The nonces P's answers are sealed to, by D's pull-task identity.
-#[derive(Debug, Default)]
-pub(crate) struct ReplyNonces(HashMap<Bytes, Nonce>);
-
-impl ListenerAuth {
     /// Opens a request from `identity`: `frames` after the identity, `[body]` or `[body, seal]`.
-    /// Records the nonce its answers are sealed to. `Err` when it must not be served.
+    /// Returns the body and, with a secret, the nonce its answers are to be sealed to; `Err` when
+    /// it must not be served (counted and logged).
     pub(crate) fn open<'a>(
         &self,
         identity: &Bytes,
         frames: &'a [Bytes],
-        nonces: &mut ReplyNonces,
-    ) -> Result<&'a Bytes, OpenError> {
+    ) -> Result<(&'a Bytes, Option<Nonce>), OpenError> {
         let (body, seal) = match frames {
             [body] => (body, None),
             [body, seal] => (body, Some(seal)),
             _ => return Err(OpenError::Frames(frames.len())),
         };
-        let Some(secret) = &self.secret else { return Ok(body) };
+        let Some(secret) = &self.secret else { return Ok((body, None)) };
         let opened = match seal {
-            Some(seal) => sealed::open_request(secret, body, seal, &self.replay.0),
+            Some(seal) => sealed::open_request(secret, body, seal, &self.replay),
             None => Err(Refusal::Missing),
         };
         let nonce = opened.map_err(|why| {
             pdflow_auth::refused(Socket::SideChannel, &peer_name(identity), why);
             OpenError::Refused(why)
         })?;
-        if nonces.0.len() >= MAX_OPEN_PULLS {
-            nonces.0.clear();
-        }
-        nonces.0.insert(identity.clone(), nonce);
-        Ok(body)
+        Ok((body, Some(nonce)))
     }
 
-    /// The seal of an answer `body` to `identity` (none without a secret).
-    pub(crate) fn seal(&self, identity: &Bytes, body: &[u8], nonces: &ReplyNonces) -> Option<Vec<u8>> {
+    /// The seal of an answer `body` to the pull that carried `nonce` (none without a secret). An
+    /// answer to a request refused before it was opened has no nonce: it is sealed to zeros,
+    /// which no D pull accepts as its own.
+    pub(crate) fn seal(&self, body: &[u8], nonce: Option<&Nonce>) -> Option<Vec<u8>> {
         let secret = self.secret.as_ref()?;
-        // A request refused before it was opened has no nonce: its error answer is sealed to
-        // zeros, which no D pull accepts as its own.
-        let nonce = nonces.0.get(identity).copied().unwrap_or_default();
-        Some(sealed::seal_reply(secret, body, &nonce))
+        Some(sealed::seal_reply(secret, body, nonce.unwrap_or(&[0u8; 16])))
+    }
+}
+
+/// The nonce each D pull task's answers are sealed to, by its identity: held from its pull until
+/// its final answer (so at most one per pull in flight).
+#[derive(Debug, Default)]
+pub(crate) struct ReplyNonces(Mutex<HashMap<Bytes, Nonce>>);
+
+impl ReplyNonces {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<Bytes, Nonce>> {
+        self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// D's pull task `identity` is done: its nonce is forgotten.
-    pub(crate) fn forget(identity: &Bytes, nonces: &mut ReplyNonces) {
-        nonces.0.remove(identity);
+    pub(crate) fn insert(&self, identity: Bytes, nonce: Nonce) {
+        self.lock().insert(identity, nonce);
+    }
+
+    pub(crate) fn get(&self, identity: &Bytes) -> Option<Nonce> {
+        self.lock().get(identity).copied()
+    }
+
+    pub(crate) fn remove(&self, identity: &Bytes) {
+        self.lock().remove(identity);
     }
 }
 
@@ -122,9 +124,9 @@ impl PullAuth {
         nonce: Option<&Nonce>,
         worker_addr: &str,
     ) -> Result<&'a Bytes, Refusal> {
-        let (Some(secret), Some(nonce)) = (&self.secret, nonce) else {
-            return frames.first().ok_or(Refusal::Malformed);
-        };
+        let Some(secret) = &self.secret else { return frames.first().ok_or(Refusal::Malformed) };
+        // A request that never left (no nonce) has no answer of its own.
+        let Some(nonce) = nonce else { return Err(Refusal::Unproven) };
         let result = match frames {
             [body, seal] => sealed::open_reply(secret, body, seal, nonce).map(|()| body),
             [_] => Err(Refusal::Unproven),

@@ -25,6 +25,8 @@ use tokio::task::JoinSet;
 
 /// Bytes a relay moves per read.
 const CHUNK: usize = 64 * 1024;
+/// How long the relay waits to reach D's data server for one of P's connections.
+const CONNECT_DEADLINE: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// A relay to one data server that cuts after `after_bytes` bytes from P; stops when dropped.
 pub struct CutLink {
@@ -104,7 +106,7 @@ async fn accept_loop(listener: TcpListener, to: String, state: Arc<LinkState>) {
             shut(p_side).await;
             continue;
         }
-        let Ok(d_side) = TcpStream::connect(&to).await else {
+        let Ok(Ok(d_side)) = tokio::time::timeout(CONNECT_DEADLINE, TcpStream::connect(&to)).await else {
             shut(p_side).await;
             continue;
         };

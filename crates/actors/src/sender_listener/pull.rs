@@ -15,7 +15,6 @@ use pdflow_messages::RequestId;
 use pdflow_telemetry::{attrs, step_span, steps, Outcome};
 
 use super::{lineage, InFlightPull, SenderListener, WRITE_MARGIN};
-use crate::side_channel_auth::ListenerAuth;
 
 /// What every request of one pull is routed with.
 struct RoutedPull<'a> {
@@ -39,7 +38,7 @@ impl SenderListener {
     pub(super) fn send(&self, identity: Bytes, response: &PullResponse) {
         let response = &PullResponse { p_generation: self.p_generation, ..response.clone() };
         match frame::encode(response) {
-            Ok(body) => self.send_frame(identity, body),
+            Ok(body) => self.send_frame(identity, body, response.status != PullStatus::Continue),
             Err(e) => tracing::error!(error = %e, "cannot encode a side-channel response"),
         }
     }
@@ -49,16 +48,24 @@ impl SenderListener {
         let response = &PullResponse { p_generation: self.p_generation, ..response.clone() };
         match frame::encode(response) {
             Ok(body) => {
-                if let Some(body) = self.args.faults.outgoing(step, d_req_id, body) {
-                    self.send_frame(identity, body);
+                let last = response.status != PullStatus::Continue;
+                match self.args.faults.outgoing(step, d_req_id, body) {
+                    Some(body) => self.send_frame(identity, body, last),
+                    None if last => self.reply_nonces.remove(&identity),
+                    None => {}
                 }
             }
             Err(e) => tracing::error!(error = %e, "cannot encode a side-channel response"),
         }
     }
 
-    fn send_frame(&self, identity: Bytes, body: Vec<u8>) {
-        let seal = self.args.auth.seal(&identity, &body, &self.reply_nonces);
+    /// Sends an answer to D's pull task `identity`, sealed to its pull; after its `last` answer
+    /// the pull's nonce is forgotten.
+    fn send_frame(&self, identity: Bytes, body: Vec<u8>, last: bool) {
+        let seal = self.args.auth.seal(&body, self.reply_nonces.get(&identity).as_ref());
+        if last {
+            self.reply_nonces.remove(&identity);
+        }
         if self.replies.send((identity, body, seal)).is_err() {
             tracing::error!(addr = %self.addr, "side-channel writer is gone: response dropped");
         }
@@ -105,10 +112,7 @@ impl SenderListener {
         if last {
             self.pulls.remove(&key);
         }
-        span.in_scope(|| self.send_step(steps::P_REPLY_FINISH.number, d_req_id, identity.clone(), &response));
-        if last {
-            ListenerAuth::forget(&identity, &mut self.reply_nonces);
-        }
+        span.in_scope(|| self.send_step(steps::P_REPLY_FINISH.number, d_req_id, identity, &response));
     }
 
     /// Steps 21 (receive) and 22 (routing): check, track and route one pull.

@@ -111,10 +111,10 @@ async fn p_writes_no_kv_to_a_data_server_that_does_not_prove_it_holds_the_secret
 #[tokio::test]
 async fn a_wrong_secret_is_refused_by_both_sides_and_nothing_lands() {
     let s = side(Some(secret("the-cluster-secret-0001"))).await;
+    let before = data_refusals("unknown_key");
     refused_with(s.write(&s.engine(Some(secret("another-secret-9999")))).await, "key this side does not hold");
     assert!(s.untouched());
-    let rendered = pdflow_telemetry::metrics::global().render();
-    assert!(rendered.contains("pdflow_auth_refusals_total{socket=\"data\",cause=\"unknown_key\"}"), "{rendered}");
+    assert!(data_refusals("unknown_key") > before, "P counted the refusal");
 }
 
 /// A rotation: every peer first accepts the new key (second line), then signs with it (first
@@ -177,4 +177,11 @@ async fn handshake(
     stream.write_all(&wire::encode_proof(&proof(&nonce))).await.expect("sends the proof");
     let ack = tokio::time::timeout(BOUND, wire::read_ack(&mut stream)).await.expect("bounded").expect("an ack");
     (ack, stream)
+}
+
+/// `pdflow_auth_refusals_total{socket="data",cause}` in this process's registry.
+fn data_refusals(cause: &str) -> f64 {
+    let series = format!("pdflow_auth_refusals_total{{socket=\"data\",cause=\"{cause}\"}} ");
+    let text = pdflow_telemetry::metrics::global().render();
+    text.lines().find_map(|l| l.strip_prefix(series.as_str())).and_then(|v| v.trim().parse().ok()).unwrap_or(0.0)
 }
