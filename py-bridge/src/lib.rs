@@ -29,8 +29,9 @@ fn decode_metadata<'py>(py: Python<'py>, frame_bytes: &[u8]) -> PyResult<Bound<'
     convert::metadata_to_py(py, &meta)
 }
 
-/// Installs the process's trace exporter when OpenTelemetry's variables (or `PDFLOW_TRACE_FILE`)
-/// ask for one; idempotent. `PdflowConnector` calls it when it is created.
+/// Installs the process's log lines (to stderr, `PDFLOW_LOG` filters) and its trace exporter when
+/// OpenTelemetry's variables (or `PDFLOW_TRACE_FILE`) ask for one; idempotent. `PdflowConnector`
+/// calls it when it is created.
 #[pyfunction]
 fn install_trace_export() -> PyResult<()> {
     trace_export::install_from_env()?;

@@ -13,7 +13,9 @@
 //!
 //! One exporter per process, installed by the first connector created in it; the OTLP exporter
 //! and the file writer run on threads of their own, so neither vLLM's threads nor the actors'
-//! runtimes carry them.
+//! runtimes carry them. The same subscriber writes pdflow's log lines (warnings by default;
+//! `PDFLOW_LOG` takes a filter such as `info` or `pdflow_actors=debug`) to the process's stderr,
+//! which is vLLM's log: a refused peer or a missing cluster secret is said there.
 
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, OnceLock};
@@ -22,13 +24,18 @@ use std::time::Duration;
 use pdflow_telemetry::export::{keep_all, ExportConfig, ExportSettings, TraceExport};
 use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::util::SubscriberInitExt;
+use tracing_subscriber::{EnvFilter, Layer as _};
 
 use crate::error::BridgeError;
 
 struct ProcessExport {
     pid: u32,
-    export: TraceExport,
+    /// None: the environment asks for no trace export (the log lines are still written).
+    export: Option<TraceExport>,
 }
+
+/// The variable that sets which of pdflow's log lines vLLM's log gets (default `warn`).
+pub const ENV_LOG: &str = "PDFLOW_LOG";
 
 static EXPORT: OnceLock<Mutex<Option<ProcessExport>>> = OnceLock::new();
 
@@ -56,11 +63,11 @@ fn write_trace_file_while_running(pid: u32) {
         std::thread::sleep(pause);
         let Some(cell) = EXPORT.get() else { return };
         let slot = cell.lock().unwrap_or_else(|p| p.into_inner());
-        let Some(e) = slot.as_ref().filter(|e| e.pid == pid) else { return };
-        let kept = e.export.kept();
+        let Some(export) = slot.as_ref().filter(|e| e.pid == pid).and_then(|e| e.export.as_ref()) else { return };
+        let kept = export.kept();
         if kept != written {
             let started = std::time::Instant::now();
-            match e.export.write_trace_file() {
+            match export.write_trace_file() {
                 Ok(()) => {
                     written = kept;
                     pause = FILE_INTERVAL.max(started.elapsed() * FILE_WRITE_SHARE);
@@ -87,7 +94,8 @@ fn settings(env: &dyn Fn(&str) -> Option<String>) -> ExportSettings {
     }
 }
 
-/// Installs this process's exporter if the environment asks for one (idempotent per process).
+/// Installs this process's log lines and, if the environment asks for one, its trace exporter
+/// (idempotent per process).
 pub fn install_from_env() -> Result<(), BridgeError> {
     let cell = EXPORT.get_or_init(|| Mutex::new(None));
     let mut slot = cell.lock().unwrap_or_else(|p| p.into_inner());
@@ -106,18 +114,24 @@ pub fn install_from_env() -> Result<(), BridgeError> {
             errors.iter().map(|e| e.to_string()).collect::<Vec<_>>().join("; ")
         ))
     })?;
-    if config.is_off() {
-        return Ok(());
+    let export = if config.is_off() {
+        None
+    } else {
+        Some(TraceExport::start(&config).map_err(|e| BridgeError::Config(format!("trace export: {e}")))?)
+    };
+    let filter = match std::env::var(ENV_LOG) {
+        Ok(text) => EnvFilter::try_new(&text)
+            .map_err(|e| BridgeError::Config(format!("{ENV_LOG}={text:?} is not a log filter: {e}")))?,
+        Err(_) => EnvFilter::new("warn"),
+    };
+    let log = tracing_subscriber::fmt::layer().with_writer(std::io::stderr).with_ansi(false).with_filter(filter);
+    let exporting = export.as_ref().and_then(TraceExport::layer);
+    if tracing_subscriber::registry().with(log).with(exporting).try_init().is_err() {
+        tracing::warn!(
+            "a tracing subscriber is already installed in this process: pdflow's log lines and step spans go to it"
+        );
     }
-    let export = TraceExport::start(&config).map_err(|e| BridgeError::Config(format!("trace export: {e}")))?;
-    if let Some(layer) = export.layer() {
-        if tracing_subscriber::registry().with(layer).try_init().is_err() {
-            tracing::warn!(
-                "a tracing subscriber is already installed in this process: pdflow's step spans are not exported"
-            );
-        }
-    }
-    let writes_file = export.trace_file().is_some();
+    let writes_file = export.as_ref().is_some_and(|e| e.trace_file().is_some());
     *slot = Some(ProcessExport { pid, export });
     drop(slot);
     if writes_file {
@@ -133,8 +147,8 @@ pub fn install_from_env() -> Result<(), BridgeError> {
 pub fn flush() {
     let Some(cell) = EXPORT.get() else { return };
     let slot = cell.lock().unwrap_or_else(|p| p.into_inner());
-    if let Some(e) = slot.as_ref().filter(|e| e.pid == std::process::id()) {
-        if let Err(err) = e.export.finish(Duration::from_secs(5), keep_all) {
+    if let Some(export) = slot.as_ref().filter(|e| e.pid == std::process::id()).and_then(|e| e.export.as_ref()) {
+        if let Err(err) = export.finish(Duration::from_secs(5), keep_all) {
             tracing::warn!(error = %err, "pdflow trace export: flush failed");
         }
     }

@@ -195,6 +195,8 @@ impl Cluster {
             health_interval: Duration::from_millis(25),
             upstream_timeout: Duration::from_secs(60),
             ready_timeout: None,
+            // The proxy's look-ups are signed with P's secret (a deployment gives all one).
+            secret: spec.prefill.first().and_then(|o| o.secret.clone()),
         })
         .await?;
         let endpoint = |n: &EngineNode| EngineEndpoint {

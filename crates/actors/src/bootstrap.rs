@@ -11,19 +11,25 @@
 //!
 //! Semantics beyond vLLM's: an identical re-registration is 200 (P retries `/register`), a
 //! conflicting one is 400 with the reason as `{"error": "…", "detail": "…"}` (`detail` is what
-//! FastAPI clients read), and a malformed body is 400 with the parser's message.
+//! FastAPI clients read), and a malformed body is 400 with the parser's message. With a cluster
+//! secret, `/register` and `/query` serve only calls signed by a holder of it (each once), 401
+//! otherwise, before the body is read; answers carry the bootstrap's proof bound to the call
+//! ([`pdflow_auth::http`]). `/health` stays open: it tells nothing.
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::Duration;
 
-use axum::extract::rejection::JsonRejection;
-use axum::extract::State;
-use axum::http::StatusCode;
+use axum::body::Bytes;
+use axum::extract::{ConnectInfo, State};
+use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use kameo::prelude::*;
+use pdflow_auth::http::{open_call, seal_answer, Call, AUTH_HEADER, REPLY_HEADER};
+use pdflow_auth::{ClusterSecret, Nonce, Refusal, ReplayGuard, Socket};
 use pdflow_messages::bootstrap::{
     BootstrapAddr, EngineEntry, QueryEngines, QueryResponse, RegisterRejected, RegisterWorker,
 };
@@ -40,10 +46,15 @@ const ASK_DEADLINE: Duration = Duration::from_secs(5);
 /// How long `on_stop` waits for open connections to finish.
 const SHUTDOWN_DEADLINE: Duration = Duration::from_secs(5);
 
-/// Where the bootstrap server listens (`0.0.0.0:8998` in the seed).
+/// How far a call's send time may be from the bootstrap's clock.
+pub const CALL_WINDOW: Duration = Duration::from_secs(30);
+
+/// Where the bootstrap server listens (`0.0.0.0:8998` in the seed), and the secret its callers
+/// must prove (none: every call is served, as vLLM's bootstrap does).
 #[derive(Debug, Clone)]
 pub struct BootstrapArgs {
     pub bind: SocketAddr,
+    pub secret: Option<ClusterSecret>,
 }
 
 /// One dp rank's engine and its workers, with numeric ranks.
@@ -87,9 +98,14 @@ impl Actor for Bootstrap {
             let shutdown = CancellationToken::new();
             // A strong ref: weak refs taken in `on_start` of a supervisor-restarted kameo actor do not
             // upgrade; the server task is owned by the actor and stopped in `on_stop`.
-            let app = router(actor_ref.clone());
+            let auth = args.secret.map(|secret| Arc::new(CallAuth { secret, guard: ReplayGuard::new(CALL_WINDOW) }));
+            let app = router(Http { actor: actor_ref.clone(), auth });
             let stop = shutdown.clone().cancelled_owned();
-            let server = tokio::spawn(async move { axum::serve(listener, app).with_graceful_shutdown(stop).await });
+            let server = tokio::spawn(async move {
+                axum::serve(listener, app.into_make_service_with_connect_info::<SocketAddr>())
+                    .with_graceful_shutdown(stop)
+                    .await
+            });
             tracing::info!(%addr, "bootstrap server listening");
             Ok(Bootstrap { addr, engines: BTreeMap::new(), shutdown, server: Some(AbortOnDropHandle::new(server)) })
         }
@@ -229,65 +245,153 @@ impl Message<BootstrapAddr> for Bootstrap {
 
 // ---- HTTP ----------------------------------------------------------------------------------
 
-fn router(actor: ActorRef<Bootstrap>) -> Router {
+/// The secret callers prove, and the calls seen within [`CALL_WINDOW`].
+struct CallAuth {
+    secret: ClusterSecret,
+    guard: ReplayGuard,
+}
+
+/// What the handlers hold: the actor, and the secret when calls are authenticated.
+#[derive(Clone)]
+struct Http {
+    actor: ActorRef<Bootstrap>,
+    auth: Option<Arc<CallAuth>>,
+}
+
+/// A call the bootstrap serves: its proof checked (with a secret), its answer to be sealed to it.
+struct Admitted {
+    nonce: Option<Nonce>,
+}
+
+impl Http {
+    /// Checks a call's proof before anything of it is read; a refusal is counted, logged once
+    /// per peer and answered 401.
+    fn admit(
+        &self,
+        call: Call,
+        method: &Method,
+        uri: &Uri,
+        headers: &HeaderMap,
+        body: &[u8],
+        peer: SocketAddr,
+    ) -> Result<Admitted, Refusal> {
+        let Some(auth) = &self.auth else { return Ok(Admitted { nonce: None }) };
+        let path = uri.path_and_query().map_or(uri.path(), |pq| pq.as_str());
+        let header = headers.get(AUTH_HEADER).and_then(|v| v.to_str().ok());
+        match open_call(&auth.secret, call, method.as_str(), path, body, header, &auth.guard) {
+            Ok(nonce) => Ok(Admitted { nonce: Some(nonce) }),
+            Err(why) => {
+                pdflow_auth::refused(Socket::Bootstrap, &peer.to_string(), why);
+                Err(why)
+            }
+        }
+    }
+
+    /// `status` with the JSON `body`, sealed to the admitted call when calls are authenticated.
+    fn answer(&self, call: Call, admitted: &Admitted, status: StatusCode, body: &serde_json::Value) -> Response {
+        let bytes = serde_json::to_vec(body).unwrap_or_else(|_| b"{}".to_vec());
+        let mut resp =
+            (status, [(axum::http::header::CONTENT_TYPE, "application/json")], bytes.clone()).into_response();
+        if let (Some(auth), Some(nonce)) = (&self.auth, &admitted.nonce) {
+            let seal = seal_answer(&auth.secret, call, &bytes, nonce);
+            if let Ok(value) = HeaderValue::from_str(&seal) {
+                resp.headers_mut().insert(REPLY_HEADER, value);
+            }
+        }
+        resp
+    }
+
+    /// 503: the actor is gone or late.
+    fn unavailable(&self, call: Call, admitted: &Admitted, msg: String) -> Response {
+        self.error(call, admitted, StatusCode::SERVICE_UNAVAILABLE, msg)
+    }
+
+    /// `{"error": msg, "detail": msg}` with `status`, sealed as [`Http::answer`].
+    fn error(&self, call: Call, admitted: &Admitted, status: StatusCode, msg: String) -> Response {
+        self.answer(call, admitted, status, &serde_json::json!({"error": msg, "detail": msg}))
+    }
+}
+
+fn router(http: Http) -> Router {
     Router::new()
         .route("/register", post(http_register))
         .route("/query", get(http_query))
         .route("/health", get(|| async { Json(serde_json::json!({"status": "ok"})) }))
-        .with_state(actor)
+        .with_state(http)
 }
 
-/// `{"error": msg, "detail": msg}` with `status`.
-fn error_response(status: StatusCode, msg: String) -> Response {
-    (status, Json(serde_json::json!({"error": msg, "detail": msg}))).into_response()
+/// A call refused before admission: 401, unsealed, saying what to do.
+fn refused(why: Refusal) -> Response {
+    let msg = format!(
+        "bootstrap refused the call: {why}; start this peer with the cluster secret (--cluster-secret-file, PDFLOW_CLUSTER_SECRET_FILE or PDFLOW_CLUSTER_SECRET)"
+    );
+    (StatusCode::UNAUTHORIZED, Json(serde_json::json!({"error": msg, "detail": msg}))).into_response()
 }
 
-fn actor_gone() -> Response {
-    error_response(StatusCode::SERVICE_UNAVAILABLE, "bootstrap is shutting down".to_owned())
-}
+const GONE: &str = "bootstrap is shutting down";
 
 async fn http_register(
-    State(actor): State<ActorRef<Bootstrap>>,
-    body: Result<Json<RegisterWorker>, JsonRejection>,
+    State(http): State<Http>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    method: Method,
+    uri: Uri,
+    headers: HeaderMap,
+    body: Bytes,
 ) -> Response {
-    let Json(worker) = match body {
-        Ok(b) => b,
-        Err(rejection) => {
-            return error_response(
+    let call = Call::Register;
+    let admitted = match http.admit(call, &method, &uri, &headers, &body, peer) {
+        Ok(a) => a,
+        Err(why) => return refused(why),
+    };
+    let worker: RegisterWorker = match serde_json::from_slice(&body) {
+        Ok(w) => w,
+        Err(e) => {
+            return http.error(
+                call,
+                &admitted,
                 StatusCode::BAD_REQUEST,
                 format!(
-                    "invalid /register body ({}); expected {{\"engine_id\", \"dp_rank\", \"tp_rank\", \"pp_rank\", \"addr\"}}",
-                    rejection.body_text()
+                    "invalid /register body ({e}); expected {{\"engine_id\", \"dp_rank\", \"tp_rank\", \"pp_rank\", \"addr\"}}"
                 ),
             )
         }
     };
-    if !actor.is_alive() {
-        return actor_gone();
+    if !http.actor.is_alive() {
+        return http.unavailable(call, &admitted, GONE.to_owned());
     }
-    match tokio::time::timeout(ASK_DEADLINE, actor.ask(worker)).await {
-        Ok(Ok(())) => Json(serde_json::json!({"status": "ok"})).into_response(),
+    match tokio::time::timeout(ASK_DEADLINE, http.actor.ask(worker)).await {
+        Ok(Ok(())) => http.answer(call, &admitted, StatusCode::OK, &serde_json::json!({"status": "ok"})),
         Ok(Err(SendError::HandlerError(rejected))) => {
             tracing::warn!(reason = %rejected, "registration refused");
-            error_response(StatusCode::BAD_REQUEST, rejected.to_string())
+            http.error(call, &admitted, StatusCode::BAD_REQUEST, rejected.to_string())
         }
-        Ok(Err(_)) => actor_gone(),
-        Err(_) => {
-            error_response(StatusCode::SERVICE_UNAVAILABLE, format!("bootstrap did not answer within {ASK_DEADLINE:?}"))
-        }
+        Ok(Err(_)) => http.unavailable(call, &admitted, GONE.to_owned()),
+        Err(_) => http.unavailable(call, &admitted, format!("bootstrap did not answer within {ASK_DEADLINE:?}")),
     }
 }
 
-async fn http_query(State(actor): State<ActorRef<Bootstrap>>) -> Response {
-    if !actor.is_alive() {
-        return actor_gone();
+async fn http_query(
+    State(http): State<Http>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    method: Method,
+    uri: Uri,
+    headers: HeaderMap,
+) -> Response {
+    let call = Call::Query;
+    let admitted = match http.admit(call, &method, &uri, &headers, b"", peer) {
+        Ok(a) => a,
+        Err(why) => return refused(why),
+    };
+    if !http.actor.is_alive() {
+        return http.unavailable(call, &admitted, GONE.to_owned());
     }
-    match tokio::time::timeout(ASK_DEADLINE, actor.ask(QueryEngines)).await {
-        Ok(Ok(table)) => Json(table).into_response(),
-        Ok(Err(_)) => actor_gone(),
-        Err(_) => {
-            error_response(StatusCode::SERVICE_UNAVAILABLE, format!("bootstrap did not answer within {ASK_DEADLINE:?}"))
+    match tokio::time::timeout(ASK_DEADLINE, http.actor.ask(QueryEngines)).await {
+        Ok(Ok(table)) => {
+            let table = serde_json::to_value(table).unwrap_or_default();
+            http.answer(call, &admitted, StatusCode::OK, &table)
         }
+        Ok(Err(_)) => http.unavailable(call, &admitted, GONE.to_owned()),
+        Err(_) => http.unavailable(call, &admitted, format!("bootstrap did not answer within {ASK_DEADLINE:?}")),
     }
 }
 
@@ -296,7 +400,7 @@ mod tests {
     use super::*;
 
     async fn start() -> (ActorRef<Bootstrap>, String) {
-        let actor = Bootstrap::spawn(BootstrapArgs { bind: "127.0.0.1:0".parse().expect("addr") });
+        let actor = Bootstrap::spawn(BootstrapArgs { bind: "127.0.0.1:0".parse().expect("addr"), secret: None });
         let addr = tokio::time::timeout(Duration::from_secs(5), actor.ask(BootstrapAddr))
             .await
             .expect("bootstrap answers in time")
@@ -433,7 +537,7 @@ mod tests {
     async fn binding_a_taken_port_is_a_bind_error() {
         let taken = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
         let bind = taken.local_addr().expect("addr");
-        let actor = Bootstrap::spawn(BootstrapArgs { bind });
+        let actor = Bootstrap::spawn(BootstrapArgs { bind, secret: None });
         let started = tokio::time::timeout(
             Duration::from_secs(5),
             actor.wait_for_startup_with_result(|r| {

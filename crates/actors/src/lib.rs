@@ -17,6 +17,7 @@
 //! - [`error`] — the crate's error type.
 
 pub mod bootstrap;
+mod bootstrap_call;
 pub mod error;
 pub mod fault_seam;
 pub mod proxy;

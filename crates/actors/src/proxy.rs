@@ -68,6 +68,9 @@ pub struct ProxyArgs {
     pub upstream_timeout: Duration,
     /// If set, the proxy stops with an error when it is not ready after this long.
     pub ready_timeout: Option<Duration>,
+    /// The cluster secret: the proxy's `/query` calls (step 7) are signed with it and only
+    /// answers proven by a bootstrap that holds it are taken.
+    pub secret: Option<pdflow_auth::ClusterSecret>,
 }
 
 #[derive(Debug)]
@@ -155,6 +158,7 @@ impl Actor for Proxy {
             interval: args.health_interval,
             probe_timeout: args.health_interval.max(Duration::from_secs(1)).min(args.upstream_timeout),
             ready_timeout: args.ready_timeout,
+            secret: args.secret.clone(),
         };
         let poller = tokio::spawn(poller.run(requery_rx, shutdown.clone()));
         tracing::info!(prefill = prefill.len(), decode = decode.len(), "proxy routing");

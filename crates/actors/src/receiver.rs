@@ -435,8 +435,10 @@ impl Receiver {
         let (http, addr, timeout, me) =
             (self.http.clone(), bootstrap_addr.to_string(), self.args.bootstrap_timeout, me.clone());
         let engine = engine_id.to_string();
+        let secret = self.args.auth.secret.clone();
         let task = tokio::spawn(async move {
-            let result = lookup::query_until_registered(&http, &addr, &engine, timeout).instrument(span).await;
+            let result =
+                lookup::query_until_registered(&http, secret.as_ref(), &addr, &engine, timeout).instrument(span).await;
             if let Err(e) = me.tell(LookupDone { engine_id: engine.into(), result }).await {
                 tracing::debug!(error = %e, "receiver gone before its bootstrap look-up answered");
             }

@@ -211,6 +211,7 @@ impl Actor for SenderListener {
                 &body,
                 listener.args.register_attempts,
                 listener.args.register_backoff,
+                listener.args.auth.secret(),
             )
             .instrument(span.clone())
             .await;
@@ -221,7 +222,12 @@ impl Actor for SenderListener {
             }
             Outcome::Ok.record(&span);
             let mut listener = listener;
-            listener.tasks.push(tokio::spawn(register::keep_registered(url, body_again, listener.cancel.clone())));
+            listener.tasks.push(tokio::spawn(register::keep_registered(
+                url,
+                body_again,
+                listener.args.auth.secret().cloned(),
+                listener.cancel.clone(),
+            )));
             tracing::info!(engine_id = %listener.args.engine_id, addr = %listener.addr, "sender listener serving the side channel");
             drop(init);
             return Ok(listener);

@@ -32,6 +32,11 @@ impl ListenerAuth {
         Self { secret, replay: Arc::new(ReplayGuard::new(PULL_WINDOW)) }
     }
 
+    /// The secret P's worker signs its bootstrap registrations with.
+    pub fn secret(&self) -> Option<&ClusterSecret> {
+        self.secret.as_ref()
+    }
+
     /// Opens a request from `identity`: `frames` after the identity, `[body]` or `[body, seal]`.
     /// Returns the body and, with a secret, the nonce its answers are to be sealed to; `Err` when
     /// it must not be served (counted and logged).

@@ -9,6 +9,7 @@
 //!
 //! - [`secret`] — the keys, their ids, loading and rotation;
 //! - [`proof`] — signing and verifying ([`Proof`]), nonces;
+//! - [`http`] — bootstrap calls signed in a header, answers signed back;
 //! - [`sealed`] — side-channel frames sealed by D (a pull, once) and answered sealed by P;
 //! - [`replay`] — freshness for one-shot messages: a timestamp window and the nonces seen in it;
 //! - [`Refusal`] — why a proof was refused, with a fixed label for metrics; [`refused`] counts
@@ -18,6 +19,7 @@
 //! (the data channel's hello).
 
 mod error;
+pub mod http;
 pub mod proof;
 mod refusals;
 pub mod replay;

@@ -35,6 +35,8 @@ pub enum Context {
     PullReply,
     /// A worker's `POST /register` at the bootstrap (step 4).
     Register,
+    /// The bootstrap's answer to a registration, bound to its nonce.
+    RegisterReply,
     /// A `GET /query` at the bootstrap (steps 7, 20).
     Query,
     /// The bootstrap's answer to a query, bound to its nonce.
@@ -49,6 +51,7 @@ impl Context {
             Context::Pull => b"pdflow/v1/side-channel/pull",
             Context::PullReply => b"pdflow/v1/side-channel/reply",
             Context::Register => b"pdflow/v1/bootstrap/register",
+            Context::RegisterReply => b"pdflow/v1/bootstrap/register-reply",
             Context::Query => b"pdflow/v1/bootstrap/query",
             Context::QueryReply => b"pdflow/v1/bootstrap/query-reply",
         }

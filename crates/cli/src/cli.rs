@@ -255,6 +255,28 @@ impl From<GpuPathArg> for pdflow_transfer::GpuPath {
     }
 }
 
+/// The cluster secret, shared by a deployment's bootstrap, proxy, P and D.
+#[derive(Debug, Args)]
+pub struct SecretArgs {
+    /// A file holding the cluster secret (the current key; during a rotation, the previous one on
+    /// a second line). Without it, PDFLOW_CLUSTER_SECRET_FILE or PDFLOW_CLUSTER_SECRET are read.
+    /// With a secret, every pdflow socket serves only peers that prove they hold it: the
+    /// bootstrap's /register and /query, the side channel's pulls, the data channel's hello.
+    #[arg(long)]
+    pub cluster_secret_file: Option<String>,
+}
+
+impl SecretArgs {
+    /// The secret from `--cluster-secret-file`, else the environment (none: no authentication).
+    pub fn load(&self) -> Result<Option<pdflow_auth::ClusterSecret>, String> {
+        let loaded = match &self.cluster_secret_file {
+            Some(path) => pdflow_auth::ClusterSecret::from_file(path).map(Some),
+            None => pdflow_auth::ClusterSecret::from_env(),
+        };
+        loaded.map_err(|e| format!("--cluster-secret-file / PDFLOW_CLUSTER_SECRET: {e}"))
+    }
+}
+
 #[derive(Debug, Args)]
 pub struct BootstrapCmd {
     #[arg(long, default_value = "127.0.0.1")]
@@ -262,6 +284,8 @@ pub struct BootstrapCmd {
     /// Port (default: VLLM_MOONCAKE_BOOTSTRAP_PORT, else 8998; 0 for any).
     #[arg(long)]
     pub port: Option<u16>,
+    #[command(flatten)]
+    pub secret: SecretArgs,
     #[command(flatten)]
     pub trace: TraceArgs,
 }
@@ -284,6 +308,8 @@ pub struct ProxyCmd {
     /// How often P and D are health-checked, in milliseconds.
     #[arg(long, default_value_t = 500)]
     pub health_interval_ms: u64,
+    #[command(flatten)]
+    pub secret: SecretArgs,
     #[command(flatten)]
     pub trace: TraceArgs,
 }
@@ -361,12 +387,8 @@ pub struct ServeCmd {
     /// Shared token that P must present to D's data server.
     #[arg(long, env = "PDFLOW_TRANSFER_TOKEN")]
     pub transfer_token: Option<String>,
-    /// A file holding the cluster secret (the current key; during a rotation, the previous one on
-    /// a second line). Without it, PDFLOW_CLUSTER_SECRET_FILE or PDFLOW_CLUSTER_SECRET are read.
-    /// With a secret, P writes only to data servers that prove they hold it, and D takes bytes
-    /// only from a P that proves it.
-    #[arg(long)]
-    pub cluster_secret_file: Option<String>,
+    #[command(flatten)]
+    pub secret: SecretArgs,
     /// Record KV checksums on both sides of every transfer (costs a pass over the bytes).
     #[arg(long)]
     pub verify_checksums: bool,
@@ -448,6 +470,10 @@ impl ProxyCmd {
         let bind = format!("{}:{}", self.host, self.port);
         let bind: Option<SocketAddr> =
             bind.parse().map_err(|_| errors.push(format!("--host/--port {bind}: not an IP address and port"))).ok();
+        let secret = self.secret.load().unwrap_or_else(|e| {
+            errors.push(e);
+            None
+        });
         match bind {
             Some(bind) if errors.is_empty() => Ok(ProxyArgs {
                 bind,
@@ -456,6 +482,7 @@ impl ProxyCmd {
                 health_interval: Duration::from_millis(self.health_interval_ms.max(10)),
                 upstream_timeout: Duration::from_secs(self.upstream_timeout.max(1)),
                 ready_timeout: None,
+                secret,
             }),
             _ => Err(errors),
         }
@@ -470,7 +497,10 @@ impl ServeCmd {
         if self.role == RoleArg::Consumer && (self.bootstrap_url.is_some() || self.bootstrap_port.is_some()) {
             errors.push("--bootstrap-url/--bootstrap-port are for producers: a consumer finds P's bootstrap in each request's kv_transfer_params".to_string());
         }
-        let secret = self.cluster_secret(&mut errors);
+        let secret = self.secret.load().unwrap_or_else(|e| {
+            errors.push(e);
+            None
+        });
         if !errors.is_empty() {
             return Err(errors);
         }
@@ -495,18 +525,6 @@ impl ServeCmd {
             verify_checksums: self.verify_checksums,
             kv_device: self.kv_device,
             faults: pdflow_actors::fault_seam::no_faults(),
-        })
-    }
-
-    /// The cluster secret from `--cluster-secret-file`, else the environment; an error is kept.
-    fn cluster_secret(&self, errors: &mut Vec<String>) -> Option<pdflow_auth::ClusterSecret> {
-        let loaded = match &self.cluster_secret_file {
-            Some(path) => pdflow_auth::ClusterSecret::from_file(path).map(Some),
-            None => pdflow_auth::ClusterSecret::from_env(),
-        };
-        loaded.unwrap_or_else(|e| {
-            errors.push(format!("--cluster-secret-file / PDFLOW_CLUSTER_SECRET: {e}"));
-            None
         })
     }
 

@@ -298,7 +298,11 @@ async fn run_bootstrap(args: BootstrapCmd) -> anyhow::Result<bool> {
     let env = vllm_env()?;
     let addr = format!("{}:{}", args.host, args.port.unwrap_or(env.bootstrap_port));
     let bind = addr.parse().with_context(|| format!("--host/--port {addr} is not an IP address and port"))?;
-    let node = BootstrapNode::start_with(bind, &faults.seam()).await?;
+    let secret = args.secret.load().map_err(|e| anyhow::anyhow!(e))?;
+    if secret.is_none() {
+        tracing::warn!("no cluster secret (PDFLOW_CLUSTER_SECRET_FILE or PDFLOW_CLUSTER_SECRET): the bootstrap serves every caller; anyone who reaches its port can register a P worker or read the table");
+    }
+    let node = BootstrapNode::start_with(bind, secret, &faults.seam()).await?;
     faults.register_process_kill(NodeKind::Bootstrap);
     ready_line(serde_json::json!({"event": "ready", "service": "bootstrap", "addr": node.addr.to_string()}));
     serve_until_signal(&trace_export, || node.shutdown()).await

@@ -7,6 +7,7 @@ use kameo::prelude::*;
 use kameo::supervision::RestartPolicy;
 use pdflow_actors::bootstrap::{Bootstrap, BootstrapArgs};
 use pdflow_actors::fault_seam::{no_faults, register_actor, ActorKind, Faults, Role};
+use pdflow_auth::ClusterSecret;
 use pdflow_messages::bootstrap::BootstrapAddr;
 
 use super::supervisor::{NodeSupervisor, MAX_RESTARTS, RESTART_WINDOW};
@@ -20,15 +21,20 @@ pub struct BootstrapNode {
 }
 
 impl BootstrapNode {
-    /// Starts a bootstrap server under its own supervisor.
+    /// Starts a bootstrap server under its own supervisor, serving every caller.
     pub async fn start(bind: SocketAddr) -> Result<Self, NodeError> {
-        Self::start_with(bind, &no_faults()).await
+        Self::start_with(bind, None, &no_faults()).await
     }
 
-    /// [`BootstrapNode::start`], its actor offered to `faults`.
-    pub async fn start_with(bind: SocketAddr, faults: &Faults) -> Result<Self, NodeError> {
+    /// [`BootstrapNode::start`], serving only callers that prove `secret` (when given), its
+    /// actor offered to `faults`.
+    pub async fn start_with(
+        bind: SocketAddr,
+        secret: Option<ClusterSecret>,
+        faults: &Faults,
+    ) -> Result<Self, NodeError> {
         let supervisor = NodeSupervisor::spawn("bootstrap".to_string());
-        let mut node = Self::start_under(&supervisor, bind, faults).await?;
+        let mut node = Self::start_under(&supervisor, bind, secret, faults).await?;
         node.supervisor = Some(supervisor);
         Ok(node)
     }
@@ -37,10 +43,11 @@ impl BootstrapNode {
     pub async fn start_under(
         supervisor: &ActorRef<NodeSupervisor>,
         bind: SocketAddr,
+        secret: Option<ClusterSecret>,
         faults: &Faults,
     ) -> Result<Self, NodeError> {
         let bind = super::fixed_port(bind, "bootstrap HTTP server")?;
-        let bootstrap = Bootstrap::supervise(supervisor, BootstrapArgs { bind })
+        let bootstrap = Bootstrap::supervise(supervisor, BootstrapArgs { bind, secret })
             .restart_policy(RestartPolicy::Transient)
             .restart_limit(MAX_RESTARTS, RESTART_WINDOW)
             .spawn()

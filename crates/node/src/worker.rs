@@ -142,7 +142,7 @@ impl Worker {
                 let bind: SocketAddr = format!("{}:{port}", spec.host)
                     .parse()
                     .map_err(|e| NodeError::Config(format!("bootstrap address {}:{port}: {e}", spec.host)))?;
-                let node = BootstrapNode::start_under(supervisor, bind, &spec.faults).await?;
+                let node = BootstrapNode::start_under(supervisor, bind, spec.tcp.secret.clone(), &spec.faults).await?;
                 let url = node.url();
                 self.bootstrap = Some(node);
                 Some(url)

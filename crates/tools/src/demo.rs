@@ -246,6 +246,7 @@ impl LocalCluster {
             health_interval: Duration::from_millis(50),
             upstream_timeout: Duration::from_secs(120),
             ready_timeout: None,
+            secret: None,
         })
         .await?;
         let client = reqwest::Client::builder()

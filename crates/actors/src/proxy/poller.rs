@@ -22,6 +22,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use super::{Proxy, REQUERY_EVERY};
+use pdflow_auth::http::Call;
 use pdflow_telemetry::Outcome;
 
 /// How long a report to the actor may wait for mailbox space.
@@ -36,6 +37,8 @@ pub(super) struct Poller {
     pub interval: Duration,
     pub probe_timeout: Duration,
     pub ready_timeout: Option<Duration>,
+    /// Signs the `/query` calls; answers are then taken only with the bootstrap's proof.
+    pub secret: Option<pdflow_auth::ClusterSecret>,
 }
 
 /// Consecutive failed health probes after which a serving target is taken out of rotation.
@@ -182,17 +185,16 @@ impl Poller {
 
     /// `GET {bootstrap}/query` → dp rank → engine id.
     async fn query(&self, bootstrap: &str) -> Result<BTreeMap<u32, EngineId>, String> {
-        let resp = self
-            .client
-            .get(format!("{bootstrap}/query"))
-            .timeout(self.probe_timeout)
-            .send()
+        let url = format!("{bootstrap}/query");
+        let call = crate::bootstrap_call::send(&self.client, self.secret.as_ref(), Call::Query, &url, None);
+        let answer = tokio::time::timeout(self.probe_timeout, call)
             .await
-            .map_err(|e| e.to_string())?;
-        if !resp.status().is_success() {
-            return Err(format!("status {}", resp.status()));
+            .map_err(|_| format!("GET {url} got no answer within {:?}", self.probe_timeout))??;
+        if !answer.status.is_success() {
+            return Err(format!("status {}: {}", answer.status, answer.text()));
         }
-        let table: QueryResponse = resp.json().await.map_err(|e| format!("unexpected /query body: {e}"))?;
+        let table: QueryResponse =
+            serde_json::from_slice(&answer.body).map_err(|e| format!("unexpected /query body: {e}"))?;
         table
             .into_iter()
             .map(|(dp, entry)| {

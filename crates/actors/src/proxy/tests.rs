@@ -174,6 +174,7 @@ async fn start_proxy(prefill: Vec<PrefillTarget>, decode: Vec<String>) -> (Runni
         health_interval: Duration::from_millis(20),
         upstream_timeout: Duration::from_secs(10),
         ready_timeout: None,
+        secret: None,
     };
     let (bind, upstream_timeout) = (args.bind, args.upstream_timeout);
     let actor = Proxy::spawn(args);
@@ -470,6 +471,7 @@ async fn ready_timeout_stops_the_proxy_with_the_reason() {
         health_interval: Duration::from_millis(20),
         upstream_timeout: Duration::from_secs(1),
         ready_timeout: Some(Duration::from_millis(100)),
+        secret: None,
     });
     tokio::time::timeout(WAIT, proxy.wait_for_shutdown()).await.expect("the proxy stops after its ready timeout");
 }

@@ -4,6 +4,8 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
+use pdflow_auth::http::Call;
+use pdflow_auth::ClusterSecret;
 use pdflow_messages::bootstrap::{QueryResponse, WorkerAddrs};
 use pdflow_messages::lifecycle::TransferState;
 use pdflow_messages::EngineId;
@@ -16,9 +18,11 @@ pub(crate) struct Answer {
     pub generations: BTreeMap<String, u64>,
 }
 
-/// `GET {bootstrap_addr}/query`: every engine of the answer with its workers.
+/// `GET {bootstrap_addr}/query`: every engine of the answer with its workers (signed, and its
+/// answer checked, with a `secret`).
 pub(crate) async fn query_bootstrap(
     http: &reqwest::Client,
+    secret: Option<&ClusterSecret>,
     bootstrap_addr: &str,
     timeout: Duration,
 ) -> Result<Answer, String> {
@@ -29,13 +33,13 @@ pub(crate) async fn query_bootstrap(
         format!("http://{base}/query")
     };
     let call = async {
-        let resp = http.get(&url).send().await.map_err(|e| format!("GET {url} failed: {e}"))?;
-        let status = resp.status();
+        let answer = crate::bootstrap_call::send(http, secret, Call::Query, &url, None).await?;
+        let status = answer.status;
         if !status.is_success() {
-            return Err(format!("GET {url} answered HTTP {status}"));
+            return Err(format!("GET {url} answered HTTP {status}: {}", answer.text()));
         }
         let body: QueryResponse =
-            resp.json().await.map_err(|e| format!("GET {url}: body is not a /query answer: {e}"))?;
+            serde_json::from_slice(&answer.body).map_err(|e| format!("GET {url}: body is not a /query answer: {e}"))?;
         let mut answer = Answer::default();
         for entry in body.values() {
             let workers = entry.workers().map_err(|e| format!("GET {url}: {e}"))?;
@@ -60,6 +64,7 @@ pub(crate) async fn query_bootstrap(
 /// behind the look-up. Returns the last answer (or error) when the time is up.
 pub(crate) async fn query_until_registered(
     http: &reqwest::Client,
+    secret: Option<&ClusterSecret>,
     bootstrap_addr: &str,
     engine_id: &str,
     timeout: Duration,
@@ -67,7 +72,7 @@ pub(crate) async fn query_until_registered(
     let deadline = tokio::time::Instant::now() + timeout;
     loop {
         let left = deadline.saturating_duration_since(tokio::time::Instant::now());
-        let result = query_bootstrap(http, bootstrap_addr, left.max(Duration::from_millis(1))).await;
+        let result = query_bootstrap(http, secret, bootstrap_addr, left.max(Duration::from_millis(1))).await;
         let done = matches!(&result, Ok(answer) if answer.engines.contains_key(engine_id));
         if done || tokio::time::Instant::now() + RETRY_EVERY >= deadline {
             return result;

@@ -4,12 +4,16 @@
 //!
 //! Beyond vLLM: once registered, the worker repeats the (identical, idempotent)
 //! registration every [`REREGISTER_INTERVAL`], so that a bootstrap that restarted with an empty
-//! table learns the worker again within that interval instead of never.
+//! table learns the worker again within that interval instead of never. With a cluster secret
+//! each registration is signed and its answer checked ([`bootstrap_call`]).
 
 use std::time::Duration;
 
+use pdflow_auth::http::Call;
+use pdflow_auth::ClusterSecret;
 use pdflow_messages::bootstrap::RegisterWorker;
 
+use crate::bootstrap_call;
 use crate::ActorError;
 
 /// The deadline of one `POST /register` attempt.
@@ -25,6 +29,7 @@ pub(super) async fn register_with_bootstrap(
     body: &RegisterWorker,
     attempts: u32,
     backoff: Duration,
+    secret: Option<&ClusterSecret>,
 ) -> Result<(), ActorError> {
     let attempts = attempts.max(1);
     let client = reqwest::Client::builder()
@@ -32,20 +37,27 @@ pub(super) async fn register_with_bootstrap(
         .build()
         .map_err(|e| ActorError::Other(format!("cannot build the HTTP client for bootstrap: {e}")))?;
     let endpoint = format!("{}/register", bootstrap_url.trim_end_matches('/'));
+    let json = body_bytes(body)?;
     let mut delay = backoff;
     let mut last_reason = String::new();
     for attempt in 1..=attempts {
-        match client.post(&endpoint).json(body).send().await {
-            Ok(resp) if resp.status().is_success() => return Ok(()),
-            Ok(resp) if resp.status() == reqwest::StatusCode::BAD_REQUEST => {
-                let reason = resp.text().await.unwrap_or_default();
+        match bootstrap_call::send(&client, secret, Call::Register, &endpoint, Some(json.clone())).await {
+            Ok(answer) if answer.status.is_success() => return Ok(()),
+            Ok(answer)
+                if answer.status == reqwest::StatusCode::BAD_REQUEST
+                    || answer.status == reqwest::StatusCode::UNAUTHORIZED =>
+            {
                 return Err(ActorError::Other(format!(
-                    "bootstrap at {bootstrap_url} refused the registration of engine {} (dp {} tp {} pp {}): {reason}",
-                    body.engine_id, body.dp_rank, body.tp_rank, body.pp_rank
+                    "bootstrap at {bootstrap_url} refused the registration of engine {} (dp {} tp {} pp {}): {}",
+                    body.engine_id,
+                    body.dp_rank,
+                    body.tp_rank,
+                    body.pp_rank,
+                    answer.text()
                 )));
             }
-            Ok(resp) => last_reason = format!("HTTP {}", resp.status()),
-            Err(e) => last_reason = e.to_string(),
+            Ok(answer) => last_reason = format!("HTTP {}", answer.status),
+            Err(reason) => last_reason = reason,
         }
         tracing::warn!(url = %endpoint, attempt, attempts, reason = %last_reason, "bootstrap registration failed; retrying");
         if attempt < attempts {
@@ -61,9 +73,11 @@ pub(super) async fn register_with_bootstrap(
 pub(super) async fn keep_registered(
     bootstrap_url: String,
     body: RegisterWorker,
+    secret: Option<ClusterSecret>,
     cancel: tokio_util::sync::CancellationToken,
 ) {
     let Ok(client) = reqwest::Client::builder().timeout(ATTEMPT_TIMEOUT).build() else { return };
+    let Ok(json) = body_bytes(&body) else { return };
     let endpoint = format!("{}/register", bootstrap_url.trim_end_matches('/'));
     let mut failing = false;
     loop {
@@ -71,7 +85,8 @@ pub(super) async fn keep_registered(
             _ = cancel.cancelled() => return,
             _ = tokio::time::sleep(REREGISTER_INTERVAL) => {}
         }
-        let ok = matches!(client.post(&endpoint).json(&body).send().await, Ok(r) if r.status().is_success());
+        let sent = bootstrap_call::send(&client, secret.as_ref(), Call::Register, &endpoint, Some(json.clone())).await;
+        let ok = matches!(sent, Ok(answer) if answer.status.is_success());
         if ok && failing {
             tracing::info!(url = %endpoint, engine_id = %body.engine_id, "bootstrap reachable again: worker registered");
         } else if !ok && !failing {
@@ -79,4 +94,9 @@ pub(super) async fn keep_registered(
         }
         failing = !ok;
     }
+}
+
+/// The registration's JSON.
+fn body_bytes(body: &RegisterWorker) -> Result<Vec<u8>, ActorError> {
+    serde_json::to_vec(body).map_err(|e| ActorError::Other(format!("cannot encode the registration: {e}")))
 }

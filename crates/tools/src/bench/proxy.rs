@@ -116,6 +116,7 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         health_interval: Duration::from_millis(200),
         upstream_timeout: Duration::from_secs(30),
         ready_timeout: Some(Duration::from_secs(20)),
+        secret: None,
     })
     .await?;
     let client = reqwest::Client::builder().no_proxy().pool_max_idle_per_host(256).build()?;

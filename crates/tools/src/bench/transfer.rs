@@ -29,7 +29,7 @@ use pdflow_kv::memory::{KvCache, KvShape};
 use pdflow_kv::planner::{build_plan, Descriptor, TransferPlan};
 use pdflow_messages::BlockId;
 use pdflow_transfer::same_host::SameHostMode;
-use pdflow_transfer::tcp::{TcpConfig, TcpDataServer};
+use pdflow_transfer::tcp::{DataServerOptions, TcpConfig, TcpDataServer};
 use pdflow_transfer::{AutoTransferEngine, TransferEngine};
 
 use super::report::{self, Row};
@@ -68,6 +68,33 @@ impl Backend {
     }
 }
 
+/// Which authentication the rows run under.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum AuthArg {
+    /// No cluster secret (every socket open).
+    Off,
+    /// A cluster secret on every socket: signed bootstrap calls, sealed pulls, proven hellos.
+    On,
+    /// Both, one after the other in this run: the rows with the secret are named `… (auth)`.
+    Both,
+}
+
+impl AuthArg {
+    fn modes(self) -> Vec<bool> {
+        match self {
+            AuthArg::Off => vec![false],
+            AuthArg::On => vec![true],
+            AuthArg::Both => vec![false, true],
+        }
+    }
+}
+
+/// The secret the `(auth)` rows run under (a bench's own; nothing leaves this process).
+fn bench_secret() -> anyhow::Result<pdflow_auth::ClusterSecret> {
+    let key: String = pdflow_auth::nonce().iter().chain(&pdflow_auth::nonce()).map(|b| format!("{b:02x}")).collect();
+    Ok(pdflow_auth::ClusterSecret::from_text(&key)?)
+}
+
 /// Options of `pdflow bench transfer`.
 #[derive(Debug, Clone, clap::Args)]
 pub struct Options {
@@ -92,6 +119,9 @@ pub struct Options {
     /// Skip the actor rows (engine rows and ceilings only).
     #[arg(long)]
     pub engine_only: bool,
+    /// Run with the cluster secret off, on, or both in one run (the overhead of authentication).
+    #[arg(long, value_enum, default_value = "off")]
+    pub auth: AuthArg,
     /// `cuda`: the same request GPU to GPU (one process, separate processes over CUDA IPC, and
     /// the staged cross-host path), each with its same-run ceiling (feature `cuda`).
     #[arg(long, value_enum, default_value = "cpu")]
@@ -118,33 +148,56 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
     let p_cache = KvCache::new(SHAPE, P_NUM_BLOCKS);
     fill(&p_cache, &p_blocks);
     let d_cache = KvCache::new(SHAPE, D_NUM_BLOCKS);
-    let d_server = TcpDataServer::bind("127.0.0.1:0".parse()?, d_cache.region_table(), None).await?;
-    let d_addr = d_server.local_addr().to_string();
     let mut rows = Vec::new();
     let mut result = Ok(());
-    for backend in &backends {
-        eprintln!("bench transfer: {backend:?} …");
-        let config =
-            TcpConfig { same_host: backend.mode(), streams_per_peer: opts.streams.max(1), ..TcpConfig::default() };
-        let engine = Arc::new(AutoTransferEngine::new(p_cache.region_table(), config));
-        // One bootstrap per P engine (a bootstrap serves one engine per dp rank).
-        let bootstrap = BootstrapNode::start("127.0.0.1:0".parse()?).await?;
-        let setup = Setup {
-            engine: &engine,
-            p_cache: &p_cache,
-            d_cache: &d_cache,
-            d_addr: &d_addr,
-            bootstrap: &bootstrap,
-            p_blocks: &p_blocks,
-        };
-        let measured = measure_backend(&opts, *backend, &setup, &mut rows).await;
-        bootstrap.shutdown().await;
-        if let Err(e) = measured {
-            result = Err(e.context(format!("backend {backend:?}")));
-            break;
+    'modes: for backend in &backends {
+        for authenticated in opts.auth.modes() {
+            let secret = if authenticated { Some(bench_secret()?) } else { None };
+            let suffix = if authenticated { " (auth)" } else { "" };
+            eprintln!("bench transfer: {backend:?}{suffix} …");
+            let d_server = TcpDataServer::bind_options(
+                "127.0.0.1:0".parse()?,
+                d_cache.region_table(),
+                DataServerOptions { secret: secret.clone(), offer_same_host: true, ..DataServerOptions::default() },
+            )
+            .await?;
+            let d_addr = d_server.local_addr().to_string();
+            let config = TcpConfig {
+                same_host: backend.mode(),
+                streams_per_peer: opts.streams.max(1),
+                secret: secret.clone(),
+                ..TcpConfig::default()
+            };
+            let engine = Arc::new(AutoTransferEngine::new(p_cache.region_table(), config));
+            // One bootstrap per P engine (a bootstrap serves one engine per dp rank).
+            let bootstrap = BootstrapNode::start_with(
+                "127.0.0.1:0".parse()?,
+                secret.clone(),
+                &pdflow_actors::fault_seam::no_faults(),
+            )
+            .await?;
+            let setup = Setup {
+                engine: &engine,
+                p_cache: &p_cache,
+                d_cache: &d_cache,
+                d_addr: &d_addr,
+                bootstrap: &bootstrap,
+                p_blocks: &p_blocks,
+                secret: secret.as_ref(),
+            };
+            let first = rows.len();
+            let measured = measure_backend(&opts, *backend, &setup, &mut rows).await;
+            for row in &mut rows[first..] {
+                row.name.push_str(suffix);
+            }
+            bootstrap.shutdown().await;
+            d_server.shutdown().await;
+            if let Err(e) = measured {
+                result = Err(e.context(format!("backend {backend:?}{suffix}")));
+                break 'modes;
+            }
         }
     }
-    d_server.shutdown().await;
     result?;
 
     eprintln!("bench transfer: ceilings …");
@@ -202,6 +255,8 @@ struct Setup<'a> {
     d_addr: &'a str,
     bootstrap: &'a BootstrapNode,
     p_blocks: &'a [BlockId],
+    /// The cluster secret every socket runs under (none: no authentication).
+    secret: Option<&'a pdflow_auth::ClusterSecret>,
 }
 
 async fn measure_backend(
@@ -280,10 +335,11 @@ async fn run_on_gpus(_opts: Options) -> anyhow::Result<()> {
 
 /// The actor rows: concurrency 1 (the cold first pull, then measured runs) and 8.
 async fn measure_actors(opts: &Options, tag: &str, setup: &Setup<'_>, rows: &mut Vec<Row>) -> anyhow::Result<()> {
-    let Setup { engine, p_cache, d_cache, d_addr, bootstrap, p_blocks } = *setup;
+    let Setup { engine, p_cache, d_cache, d_addr, bootstrap, p_blocks, secret } = *setup;
     let bytes = (p_blocks.len() * SHAPE.bytes_per_block()) as u64;
     let transfer: Arc<dyn TransferEngine> = engine.clone();
-    let pair = ActorPair::start(tag, bootstrap, p_cache, transfer, d_cache, d_addr.to_string()).await?;
+    let pair =
+        ActorPair::start(tag, bootstrap, p_cache, transfer, d_cache, d_addr.to_string(), secret.cloned()).await?;
     let result = async {
         // Concurrency 1: the seed's blocks. The first pull (bootstrap look-up, side-channel
         // connect, D's full layout) is cold; it also checks the bytes.

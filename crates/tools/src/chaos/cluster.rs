@@ -107,7 +107,7 @@ impl ChaosCluster {
     /// Starts the cluster, its nodes and their actors registered in `domain`.
     pub async fn start(spec: ChaosSpec, domain: &Arc<FaultDomain>) -> Result<Self, NodeError> {
         let faults = domain.seam();
-        let bootstrap = BootstrapNode::start_with(SocketAddr::from(([127, 0, 0, 1], 0)), &faults).await?;
+        let bootstrap = BootstrapNode::start_with(SocketAddr::from(([127, 0, 0, 1], 0)), None, &faults).await?;
         let bootstrap_addr = bootstrap.addr;
         let suffix = uuid::Uuid::new_v4().simple().to_string();
         let mut p_cfg = node_cfg(
@@ -132,6 +132,7 @@ impl ChaosCluster {
                 health_interval: Duration::from_millis(25),
                 upstream_timeout: spec.upstream_timeout,
                 ready_timeout: None,
+                secret: None,
             },
             &faults,
         )
@@ -204,7 +205,7 @@ impl ChaosCluster {
                 }
                 let addr = self.bootstrap_addr;
                 let faults = self.faults.clone();
-                self.bootstrap = Some(retry_bind(|| BootstrapNode::start_with(addr, &faults)).await?);
+                self.bootstrap = Some(retry_bind(|| BootstrapNode::start_with(addr, None, &faults)).await?);
             }
             NodeKind::Proxy => {
                 return Err(NodeError::Config(

@@ -46,10 +46,11 @@ impl ActorPair {
         transfer: Arc<dyn TransferEngine>,
         d_cache: &Arc<KvCache>,
         d_data_addr: String,
+        secret: Option<pdflow_auth::ClusterSecret>,
     ) -> anyhow::Result<Self> {
         let p_engine_id = format!("bench-p-{tag}");
         let listener = SenderListener::spawn(SenderListenerArgs {
-            auth: pdflow_actors::side_channel_auth::ListenerAuth::default(),
+            auth: pdflow_actors::side_channel_auth::ListenerAuth::new(secret.clone()),
             faults: pdflow_actors::fault_seam::no_faults(),
             engine_id: p_engine_id.clone().into(),
             dp_rank: 0,
@@ -71,7 +72,7 @@ impl ActorPair {
         pdflow_node::started("SenderListener", &listener).await?;
         let d_events = Arc::new(Notify::new());
         let receiver = Receiver::spawn(ReceiverArgs {
-            auth: pdflow_actors::side_channel_auth::PullAuth::default(),
+            auth: pdflow_actors::side_channel_auth::PullAuth { secret },
             faults: pdflow_actors::fault_seam::no_faults(),
             engine_id: format!("bench-d-{tag}").into(),
             tp_rank: 0,

@@ -89,6 +89,7 @@ impl LoadCluster {
                     health_interval: Duration::from_millis(25),
                     upstream_timeout: spec.upstream_timeout,
                     ready_timeout: None,
+                    secret: None,
                 },
                 faults,
             )

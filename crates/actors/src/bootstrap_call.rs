@@ -1,0 +1,67 @@
+//! The client side of bootstrap calls — P's `POST /register` (step 4), the proxy's and D's
+//! `GET /query` (steps 7 and 20) — signed when this side holds the cluster secret, whose answers
+//! are then taken only with the bootstrap's proof bound to the call (see [`pdflow_auth::http`]).
+//! Owns no seed step: the steps' spans belong to the callers.
+
+use bytes::Bytes;
+use pdflow_auth::http::{open_answer, sign_call, Call, AUTH_HEADER, REPLY_HEADER};
+use pdflow_auth::{ClusterSecret, Socket};
+
+/// What the bootstrap answered: its status and body (proven, when a secret is held and the
+/// status is a success).
+#[derive(Debug)]
+pub(crate) struct Answer {
+    pub status: reqwest::StatusCode,
+    pub body: Bytes,
+}
+
+/// Sends `call` to `url` (`body`: the JSON of a registration; none for a query), with its proof
+/// when `secret` is given, and checks the proof of a successful answer. `Err` says why, naming
+/// the URL.
+pub(crate) async fn send(
+    http: &reqwest::Client,
+    secret: Option<&ClusterSecret>,
+    call: Call,
+    url: &str,
+    body: Option<Vec<u8>>,
+) -> Result<Answer, String> {
+    let parsed = reqwest::Url::parse(url).map_err(|e| format!("bad bootstrap URL {url}: {e}"))?;
+    let (method, mut request) = match call {
+        Call::Register => ("POST", http.post(parsed.clone()).header("content-type", "application/json")),
+        Call::Query => ("GET", http.get(parsed.clone())),
+    };
+    let body = body.unwrap_or_default();
+    let mut nonce = None;
+    if let Some(secret) = secret {
+        let path = match parsed.query() {
+            Some(q) => format!("{}?{q}", parsed.path()),
+            None => parsed.path().to_owned(),
+        };
+        let (header, n) = sign_call(secret, call, method, &path, &body);
+        request = request.header(AUTH_HEADER, header);
+        nonce = Some(n);
+    }
+    if method == "POST" {
+        request = request.body(body);
+    }
+    let resp = request.send().await.map_err(|e| format!("{method} {url} failed: {e}"))?;
+    let status = resp.status();
+    let proof = resp.headers().get(REPLY_HEADER).and_then(|v| v.to_str().ok()).map(str::to_owned);
+    let answer = resp.bytes().await.map_err(|e| format!("{method} {url}: reading the answer failed: {e}"))?;
+    if let (Some(secret), Some(nonce), true) = (secret, nonce, status.is_success()) {
+        open_answer(secret, call, &answer, proof.as_deref(), &nonce).map_err(|why| {
+            pdflow_auth::refused(Socket::Bootstrap, url, why);
+            format!(
+                "{method} {url}: the answer is refused ({why}); is that bootstrap started with this cluster secret?"
+            )
+        })?;
+    }
+    Ok(Answer { status, body: answer })
+}
+
+impl Answer {
+    /// The body as text, for error messages (lossy: a peer's bytes).
+    pub(crate) fn text(&self) -> String {
+        String::from_utf8_lossy(&self.body).into_owned()
+    }
+}
