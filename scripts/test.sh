@@ -16,6 +16,12 @@ if ! command -v chromium >/dev/null 2>&1; then
     || echo "note: could not install chromium; the timeline screenshot test will skip" >&2
 fi
 
+# tcpdump for the wire-capture test (it skips, saying so, when this fails or capturing is not allowed).
+if ! command -v tcpdump >/dev/null 2>&1; then
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends tcpdump) >/dev/null 2>&1 \
+    || echo "note: could not install tcpdump; the wire-capture test will skip" >&2
+fi
+
 # Free space where the build and the virtual environment go, for the notes below.
 free_disk() { df -h . 2>/dev/null | awk 'NR == 2 {print $4}'; }
 avail_kb=$(df -Pk . 2>/dev/null | awk 'NR == 2 {print $4}')

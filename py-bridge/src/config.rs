@@ -35,6 +35,8 @@ pub struct ExtraConfig {
     /// A file holding the cluster secret (current key, optionally the previous one on a second
     /// line); without it, `PDFLOW_CLUSTER_SECRET_FILE` or `PDFLOW_CLUSTER_SECRET` are read.
     pub cluster_secret_file: Option<String>,
+    /// TLS on every data connection (needs the cluster secret; set the same on P and D).
+    pub tls: Option<bool>,
     /// Seconds (default `$VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT`, 30): how long P waits for a
     /// request's prefill once D pulled, and keeps sent-ready blocks for a pull that never comes.
     pub abort_request_timeout_s: Option<f64>,
@@ -85,7 +87,7 @@ impl BridgeConfig {
         } else {
             serde_json::from_str(extra_json).map_err(|e| {
                 BridgeError::Config(format!(
-                    "kv_connector_extra_config: {e}; known keys: host, bootstrap_port, bootstrap_url, transport, tcp_streams, auth_token, cluster_secret_file, abort_request_timeout_s, pull_timeout_s, bootstrap_timeout_s, write_timeout_s, verify_checksums, gpu_path"
+                    "kv_connector_extra_config: {e}; known keys: host, bootstrap_port, bootstrap_url, transport, tcp_streams, auth_token, cluster_secret_file, tls, abort_request_timeout_s, pull_timeout_s, bootstrap_timeout_s, write_timeout_s, verify_checksums, gpu_path"
                 ))
             })?
         };
@@ -145,6 +147,8 @@ fn tcp_config(extra: &ExtraConfig, env: &dyn Fn(&str) -> Option<String>) -> Resu
         .transpose()
         .map_err(|e| BridgeError::Config(format!("kv_connector_extra_config[\"cluster_secret_file\"]: {e}")))?;
     let mut tcp = TcpConfig { auth_token: extra.auth_token.clone(), secret, ..TcpConfig::default() };
+    tcp.set_tls(extra.tls.unwrap_or(false))
+        .map_err(|e| BridgeError::Config(format!("kv_connector_extra_config[\"tls\"]: {e}")))?;
     if let Some(d) = seconds("write_timeout_s", extra.write_timeout_s)? {
         tcp.write_timeout = d;
     }

@@ -19,6 +19,7 @@ use pdflow_node::config::Deadlines;
 use pdflow_node::engine_node::{serve_http, BootstrapPlacement};
 use pdflow_node::{EngineNode, EngineNodeConfig, ProxyNode};
 use pdflow_sim_engine::{api, Engine, EngineConfig, LoadFailurePolicy};
+use pdflow_transfer::same_host::SameHostMode;
 use pdflow_transfer::tcp::TcpConfig;
 use serde_json::{json, Value};
 
@@ -32,8 +33,13 @@ pub struct EngineOpts {
     pub max_num_batched_tokens: usize,
     pub max_model_len: usize,
     pub policy: LoadFailurePolicy,
-    /// The engine's cluster secret (none: its sockets authenticate nothing).
-    pub secret: Option<pdflow_auth::ClusterSecret>,
+    /// The engine's cluster secret, as a secret file holds it (none: its sockets authenticate
+    /// nothing).
+    pub secret: Option<String>,
+    /// TLS on the data channel (needs `secret`).
+    pub tls: bool,
+    /// Only the tcp backend: the KV crosses a socket even between engines of one process.
+    pub tcp_only: bool,
 }
 
 impl Default for EngineOpts {
@@ -46,6 +52,19 @@ impl Default for EngineOpts {
             max_model_len: 4096,
             policy: LoadFailurePolicy::Fail,
             secret: None,
+            tls: false,
+            tcp_only: false,
+        }
+    }
+}
+
+impl EngineOpts {
+    /// The engine's cluster secret, parsed.
+    pub fn cluster_secret(&self) -> Option<pdflow_auth::ClusterSecret> {
+        let text = self.secret.as_deref()?;
+        match pdflow_auth::ClusterSecret::from_text(text) {
+            Ok(secret) => Some(secret),
+            Err(e) => panic!("a test cluster's secret is not a valid one: {e}"),
         }
     }
 }
@@ -151,6 +170,16 @@ pub fn engine_config(shape: KvShape, o: &EngineOpts, id: String) -> EngineConfig
     }
 }
 
+/// An engine's data-plane settings in a test cluster.
+pub fn tcp_config(o: &EngineOpts) -> TcpConfig {
+    let same_host = if o.tcp_only { SameHostMode::Off } else { SameHostMode::Auto };
+    let mut tcp = TcpConfig { secret: o.cluster_secret(), same_host, ..TcpConfig::default() };
+    if let Err(e) = tcp.set_tls(o.tls) {
+        panic!("a test cluster's engine options ask for TLS without what it needs: {e}");
+    }
+    tcp
+}
+
 pub fn http_client() -> reqwest::Client {
     reqwest::Client::builder().no_proxy().build().expect("reqwest client builds")
 }
@@ -168,7 +197,7 @@ impl Cluster {
             ),
             bootstrap,
             deadlines: spec.deadlines,
-            tcp: TcpConfig { secret: o.secret.clone(), ..TcpConfig::default() },
+            tcp: tcp_config(o),
             verify_checksums: spec.verify_checksums,
             kv_device: None,
             faults: pdflow_actors::fault_seam::no_faults(),
@@ -196,7 +225,7 @@ impl Cluster {
             upstream_timeout: Duration::from_secs(60),
             ready_timeout: None,
             // The proxy's look-ups are signed with P's secret (a deployment gives all one).
-            secret: spec.prefill.first().and_then(|o| o.secret.clone()),
+            secret: spec.prefill.first().and_then(EngineOpts::cluster_secret),
         })
         .await?;
         let endpoint = |n: &EngineNode| EngineEndpoint {

@@ -78,6 +78,40 @@ impl Proc {
 pub struct ProcCluster {
     pub endpoints: crate::Endpoints,
     procs: Vec<Proc>,
+    /// The secret files the processes read (removed with the cluster).
+    _secrets: SecretFiles,
+}
+
+/// The engines' cluster secrets as files (`--cluster-secret-file`), one per distinct secret, in a
+/// directory of the cluster's own that is removed with it.
+struct SecretFiles {
+    dir: PathBuf,
+}
+
+impl SecretFiles {
+    fn new() -> anyhow::Result<Self> {
+        let dir = std::env::temp_dir().join(format!("pdflow-secrets-{}-{}", std::process::id(), crate::uuid_like()));
+        std::fs::create_dir_all(&dir)?;
+        Ok(Self { dir })
+    }
+
+    /// The file holding `o`'s secret, written on first use; `None` without a secret.
+    fn file_for(&self, o: &crate::EngineOpts) -> Option<String> {
+        let text = o.secret.as_deref()?;
+        let digest =
+            text.bytes().fold(0xCBF2_9CE4_8422_2325u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01B3));
+        let path = self.dir.join(format!("secret-{digest:016x}"));
+        if let Err(e) = std::fs::write(&path, text) {
+            panic!("cannot write the test cluster's secret file {}: {e}", path.display());
+        }
+        Some(path.to_string_lossy().into_owned())
+    }
+}
+
+impl Drop for SecretFiles {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
 }
 
 impl ProcCluster {
@@ -87,6 +121,7 @@ impl ProcCluster {
             spec.shape.num_layers, spec.shape.num_kv_heads, spec.shape.head_dim, spec.shape.block_size
         );
         let abort = spec.deadlines.ready_timeout.as_secs().max(1).to_string();
+        let secrets = SecretFiles::new()?;
         let engine_args = |role: &str, o: &crate::EngineOpts| -> Vec<String> {
             let policy = match o.policy {
                 pdflow_sim_engine::LoadFailurePolicy::Recompute => "recompute",
@@ -110,6 +145,15 @@ impl ProcCluster {
             ]);
             if spec.verify_checksums {
                 a.push("--verify-checksums".into());
+            }
+            if let Some(file) = secrets.file_for(o) {
+                a.extend(["--cluster-secret-file".into(), file]);
+            }
+            if o.tls {
+                a.extend(["--tls".into(), "on".into()]);
+            }
+            if o.tcp_only {
+                a.extend(["--transport".into(), "tcp".into()]);
             }
             a
         };
@@ -151,11 +195,15 @@ impl ProcCluster {
         for d in &decode {
             proxy_args.extend(["--decode".into(), d.url.clone()]);
         }
+        // The proxy's look-ups are signed with P's secret (a deployment gives all one).
+        if let Some(file) = spec.prefill.first().and_then(|o| secrets.file_for(o)) {
+            proxy_args.extend(["--cluster-secret-file".into(), file]);
+        }
         let proxy = Proc::spawn("proxy", &proxy_args.iter().map(String::as_str).collect::<Vec<_>>(), &[]).await?;
         let endpoints = crate::Endpoints { client: crate::http_client(), proxy: proxy.url(), prefill, decode };
         procs.push(proxy);
         crate::wait_healthy(&endpoints.client, &endpoints.proxy, Duration::from_secs(20)).await?;
-        Ok(Self { endpoints, procs })
+        Ok(Self { endpoints, procs, _secrets: secrets })
     }
 
     pub async fn shutdown(self) {

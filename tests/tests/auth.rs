@@ -15,11 +15,11 @@ use pdflow_node::config::Deadlines;
 use pdflow_sim_engine::LoadFailurePolicy;
 use pdflow_tests::{completion, prompt, reference_tokens, token_ids, Cluster, ClusterSpec, EngineOpts};
 
-fn secret(text: &str) -> Option<ClusterSecret> {
-    Some(ClusterSecret::from_text(text).expect("valid secret"))
+fn secret(text: &str) -> Option<String> {
+    Some(text.to_string())
 }
 
-fn spec(p: Option<ClusterSecret>, d: Option<ClusterSecret>, policy: LoadFailurePolicy) -> ClusterSpec {
+fn spec(p: Option<String>, d: Option<String>, policy: LoadFailurePolicy) -> ClusterSpec {
     let mut spec = ClusterSpec::one_p_one_d();
     // Short deadlines: a refused D waits for its pull deadline, P for its send expiry.
     spec.deadlines = Deadlines::from_abort_timeout(Duration::from_secs(2));
@@ -87,7 +87,7 @@ async fn forged_and_replayed_registrations_are_refused_and_the_real_p_keeps_serv
     let the_secret = secret("the-cluster-secret-0001");
     let cluster =
         Cluster::start(spec(the_secret.clone(), the_secret.clone(), LoadFailurePolicy::Fail)).await.expect("starts");
-    let s = the_secret.expect("a secret");
+    let s = ClusterSecret::from_text(&the_secret.expect("a secret")).expect("valid secret");
     let bootstrap = cluster.prefill[0].worker.bootstrap.as_ref().expect("P launched its bootstrap").url();
     let http = pdflow_tests::http_client();
 

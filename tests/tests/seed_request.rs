@@ -33,6 +33,22 @@ async fn seed_request_in_one_process() {
     cluster.shutdown().await;
 }
 
+/// The same request between processes under the cluster secret, its KV over TLS (tcp only: the
+/// same-host path would not touch the socket): signed bootstrap calls, a sealed pull, a TLS data
+/// channel authenticated by the secret — the same tokens.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn seed_request_as_processes_under_the_secret_with_tls() {
+    let mut spec = spec();
+    for o in spec.prefill.iter_mut().chain(spec.decode.iter_mut()) {
+        o.secret = Some("seed-request-cluster-secret-01".to_string());
+        o.tls = true;
+        o.tcp_only = true;
+    }
+    let cluster = ProcCluster::start(spec).await.expect("cluster starts");
+    scenario(&cluster.endpoints).await;
+    cluster.shutdown().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn seed_request_as_processes() {
     let cluster = ProcCluster::start(spec()).await.expect("cluster starts");

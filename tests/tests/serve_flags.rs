@@ -1,6 +1,7 @@
 //! `pdflow serve`'s deadline flags (`--pull-timeout`, `--bootstrap-timeout`, `--ready-timeout`,
 //! `--send-expiry`, seconds): a value that is not a positive number of seconds stops the process
 //! before it binds anything, with an error naming the flag; valid values start a serving engine.
+//! `--tls on` without the cluster secret is refused the same way.
 
 use std::time::Duration;
 
@@ -63,4 +64,14 @@ async fn valid_deadlines_start_a_serving_engine() {
         .expect("the engine answers");
     assert_eq!(health.status(), 200);
     d.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tls_without_the_cluster_secret_is_refused_before_anything_binds() {
+    let (ok, stderr) = run_to_end(&["serve", "--role", "consumer", "--port", "0", "--tls", "on"]).await;
+    assert!(!ok, "--tls on without a secret must be refused");
+    assert!(
+        stderr.contains("--tls on") && stderr.contains("cluster secret"),
+        "the error says what is missing: {stderr}"
+    );
 }

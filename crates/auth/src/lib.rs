@@ -11,6 +11,7 @@
 //! - [`proof`] — signing and verifying ([`Proof`]), nonces;
 //! - [`http`] — bootstrap calls signed in a header, answers signed back;
 //! - [`sealed`] — side-channel frames sealed by D (a pull, once) and answered sealed by P;
+//! - [`tls`] — TLS for the data channel, its certificates derived from the secret;
 //! - [`replay`] — freshness for one-shot messages: a timestamp window and the nonces seen in it;
 //! - [`Refusal`] — why a proof was refused, with a fixed label for metrics; [`refused`] counts
 //!   it in `/metrics` and logs it once per peer.
@@ -25,12 +26,14 @@ mod refusals;
 pub mod replay;
 pub mod sealed;
 pub mod secret;
+pub mod tls;
 
 pub use error::{Refusal, SecretError};
 pub use proof::{nonce, Context, Nonce, Proof};
 pub use refusals::{refused, Socket};
 pub use replay::ReplayGuard;
 pub use secret::{ClusterSecret, KeyId, ENV_SECRET, ENV_SECRET_FILE, MIN_SECRET_LEN};
+pub use tls::{TlsError, TlsIdentity};
 
 #[cfg(test)]
 mod tests;

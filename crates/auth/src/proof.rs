@@ -41,6 +41,8 @@ pub enum Context {
     Query,
     /// The bootstrap's answer to a query, bound to its nonce.
     QueryReply,
+    /// Not a proof: the seed of the data channel's TLS key, derived from each key of the secret.
+    TlsKey,
 }
 
 impl Context {
@@ -54,6 +56,7 @@ impl Context {
             Context::RegisterReply => b"pdflow/v1/bootstrap/register-reply",
             Context::Query => b"pdflow/v1/bootstrap/query",
             Context::QueryReply => b"pdflow/v1/bootstrap/query-reply",
+            Context::TlsKey => b"pdflow/v1/tls/ed25519-seed",
         }
     }
 }
@@ -131,6 +134,19 @@ impl ClusterSecret {
         let mut m = [0u8; 32];
         m.copy_from_slice(&out);
         Proof { key_id: key.id, mac: m }
+    }
+
+    /// A 32-byte value derived for `context` from each held key (current first), with its id:
+    /// one-way, so what is made from it (a TLS key pair) says nothing about the secret.
+    pub(crate) fn derive_each(&self, context: Context) -> Vec<(KeyId, [u8; 32])> {
+        self.keys()
+            .iter()
+            .map(|key| {
+                let mut out = [0u8; 32];
+                out.copy_from_slice(&mac(&key.bytes, context, &[]).finalize().into_bytes());
+                (key.id, out)
+            })
+            .collect()
     }
 
     /// Checks a peer's proof for `context` over `parts`, with whichever held key it names (in

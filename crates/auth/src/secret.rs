@@ -119,6 +119,11 @@ impl ClusterSecret {
         &self.keys[0]
     }
 
+    /// Every held key, the signing one first.
+    pub(crate) fn keys(&self) -> &[Key] {
+        &self.keys
+    }
+
     pub(crate) fn key(&self, id: KeyId) -> Option<&Key> {
         self.keys.iter().find(|k| k.id == id)
     }

@@ -235,6 +235,20 @@ pub struct DemoArgs {
     pub trace: TraceArgs,
 }
 
+/// `--transport`: how P writes D's KV.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum TransportArg {
+    Auto,
+    Tcp,
+}
+
+/// A switch: `on` or `off`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum OnOff {
+    On,
+    Off,
+}
+
 /// `--gpu-path`: how P with GPU KV writes a D with GPU KV.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
 pub enum GpuPathArg {
@@ -389,6 +403,16 @@ pub struct ServeCmd {
     pub transfer_token: Option<String>,
     #[command(flatten)]
     pub secret: SecretArgs,
+    /// TLS on every data connection (`on` needs the cluster secret: the certificates are made
+    /// from it, and both ends prove it in the handshake). Set the same on P and D; the same-host
+    /// path, which never leaves the host, is not affected.
+    #[arg(long, value_enum, default_value_t = OnOff::Off)]
+    pub tls: OnOff,
+    /// `auto`: P writes a D on the same host straight into its memory (`process_vm_writev`) when
+    /// the kernel allows it, over tcp otherwise; `tcp`: always over tcp (as vLLM's
+    /// `kv_connector_extra_config` `transport`).
+    #[arg(long, value_enum, default_value_t = TransportArg::Auto)]
+    pub transport: TransportArg,
     /// Record KV checksums on both sides of every transfer (costs a pass over the bytes).
     #[arg(long)]
     pub verify_checksums: bool,
@@ -501,6 +525,20 @@ impl ServeCmd {
             errors.push(e);
             None
         });
+        let mut tcp = TcpConfig {
+            streams_per_peer: self.streams_per_peer,
+            auth_token: self.transfer_token.clone(),
+            secret,
+            gpu_path: self.gpu_path.into(),
+            same_host: match self.transport {
+                TransportArg::Auto => pdflow_transfer::same_host::SameHostMode::Auto,
+                TransportArg::Tcp => pdflow_transfer::same_host::SameHostMode::Off,
+            },
+            ..TcpConfig::default()
+        };
+        if let Err(e) = tcp.set_tls(self.tls == OnOff::On) {
+            errors.push(format!("--tls on: {e}"));
+        }
         if !errors.is_empty() {
             return Err(errors);
         }
@@ -515,13 +553,7 @@ impl ServeCmd {
             engine: self.engine_config(),
             bootstrap: self.bootstrap(role, env),
             deadlines: self.deadlines(env, flags),
-            tcp: TcpConfig {
-                streams_per_peer: self.streams_per_peer,
-                auth_token: self.transfer_token.clone(),
-                secret,
-                gpu_path: self.gpu_path.into(),
-                ..TcpConfig::default()
-            },
+            tcp,
             verify_checksums: self.verify_checksums,
             kv_device: self.kv_device,
             faults: pdflow_actors::fault_seam::no_faults(),

@@ -50,6 +50,7 @@ pub async fn serve_kv_data(
     let options = DataServerOptions {
         auth_token: tcp.auth_token.clone(),
         secret: tcp.secret.clone(),
+        tls: tcp.tls.clone(),
         // P writes GPU KV by the cuda engines, never through D's host memory.
         offer_same_host: tcp.same_host != SameHostMode::Off && kv_cache.memory() == MemoryKind::Host,
         fence: Some(fence.clone()),

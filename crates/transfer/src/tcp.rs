@@ -16,7 +16,9 @@ mod ack_wait;
 mod busy_poll;
 mod connection;
 mod engine;
+mod link;
 mod server;
+mod stream;
 pub mod wire;
 
 #[cfg(feature = "cuda")]
@@ -24,7 +26,7 @@ pub(crate) use connection::constant_time_eq;
 pub(crate) use engine::split_by_bytes;
 #[cfg(any(feature = "cuda", test))]
 pub(crate) use engine::still_open;
-pub use engine::{FenceHold, TcpConfig, TcpTransferEngine};
+pub use engine::{FenceHold, TcpConfig, TcpTransferEngine, TlsSetupError};
 pub use server::{DataServerError, DataServerOptions, TcpDataServer, DEFAULT_MAX_CONNECTIONS};
 
 /// Socket buffer size asked of the OS on both ends (it may grant less).
@@ -36,3 +38,5 @@ mod auth_tests;
 mod fuzz_tests;
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tls_tests;

@@ -75,16 +75,44 @@ pub enum AuthArg {
     Off,
     /// A cluster secret on every socket: signed bootstrap calls, sealed pulls, proven hellos.
     On,
-    /// Both, one after the other in this run: the rows with the secret are named `… (auth)`.
+    /// The secret and TLS on the data channel (tcp rows only: the same-host path has no wire).
+    Tls,
+    /// Off and on, one after the other in this run: the rows with the secret are named `… (auth)`.
     Both,
+    /// Off, on and TLS in this run: the TLS rows are named `… (tls)`.
+    All,
+}
+
+/// One mode's settings: the secret, and TLS on top of it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct AuthMode {
+    secret: bool,
+    tls: bool,
+}
+
+impl AuthMode {
+    const OFF: Self = Self { secret: false, tls: false };
+    const ON: Self = Self { secret: true, tls: false };
+    const TLS: Self = Self { secret: true, tls: true };
+
+    /// The suffix of the rows' names.
+    fn suffix(self) -> &'static str {
+        match (self.secret, self.tls) {
+            (_, true) => " (tls)",
+            (true, false) => " (auth)",
+            (false, false) => "",
+        }
+    }
 }
 
 impl AuthArg {
-    fn modes(self) -> Vec<bool> {
+    fn modes(self) -> Vec<AuthMode> {
         match self {
-            AuthArg::Off => vec![false],
-            AuthArg::On => vec![true],
-            AuthArg::Both => vec![false, true],
+            AuthArg::Off => vec![AuthMode::OFF],
+            AuthArg::On => vec![AuthMode::ON],
+            AuthArg::Tls => vec![AuthMode::TLS],
+            AuthArg::Both => vec![AuthMode::OFF, AuthMode::ON],
+            AuthArg::All => vec![AuthMode::OFF, AuthMode::ON, AuthMode::TLS],
         }
     }
 }
@@ -119,7 +147,8 @@ pub struct Options {
     /// Skip the actor rows (engine rows and ceilings only).
     #[arg(long)]
     pub engine_only: bool,
-    /// Run with the cluster secret off, on, or both in one run (the overhead of authentication).
+    /// Run with the cluster secret off, on, with TLS too, or several in one run (`both`: off and
+    /// on; `all`: off, on and TLS) — the overhead of authentication and of encryption.
     #[arg(long, value_enum, default_value = "off")]
     pub auth: AuthArg,
     /// `cuda`: the same request GPU to GPU (one process, separate processes over CUDA IPC, and
@@ -151,23 +180,33 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
     let mut rows = Vec::new();
     let mut result = Ok(());
     'modes: for backend in &backends {
-        for authenticated in opts.auth.modes() {
-            let secret = if authenticated { Some(bench_secret()?) } else { None };
-            let suffix = if authenticated { " (auth)" } else { "" };
+        for mode in opts.auth.modes() {
+            if mode.tls && *backend == Backend::SameHost {
+                // The same-host path never touches a socket: there is nothing for TLS to cover.
+                continue;
+            }
+            let secret = if mode.secret { Some(bench_secret()?) } else { None };
+            let suffix = mode.suffix();
             eprintln!("bench transfer: {backend:?}{suffix} …");
-            let d_server = TcpDataServer::bind_options(
-                "127.0.0.1:0".parse()?,
-                d_cache.region_table(),
-                DataServerOptions { secret: secret.clone(), offer_same_host: true, ..DataServerOptions::default() },
-            )
-            .await?;
-            let d_addr = d_server.local_addr().to_string();
-            let config = TcpConfig {
+            let mut config = TcpConfig {
                 same_host: backend.mode(),
                 streams_per_peer: opts.streams.max(1),
                 secret: secret.clone(),
                 ..TcpConfig::default()
             };
+            config.set_tls(mode.tls)?;
+            let d_server = TcpDataServer::bind_options(
+                "127.0.0.1:0".parse()?,
+                d_cache.region_table(),
+                DataServerOptions {
+                    secret: secret.clone(),
+                    tls: config.tls.clone(),
+                    offer_same_host: true,
+                    ..DataServerOptions::default()
+                },
+            )
+            .await?;
+            let d_addr = d_server.local_addr().to_string();
             let engine = Arc::new(AutoTransferEngine::new(p_cache.region_table(), config));
             // One bootstrap per P engine (a bootstrap serves one engine per dp rank).
             let bootstrap = BootstrapNode::start_with(

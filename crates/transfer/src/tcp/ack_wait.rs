@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 use futures::FutureExt;
 use tokio::net::TcpStream;
 
+use super::stream::DataStream;
 use super::wire::{self, Ack, WireError};
 
 /// Batches up to this size are waited for by polling first: the ack of a larger one comes after
@@ -26,10 +27,10 @@ pub(crate) const SPIN_BUDGET: Duration = Duration::from_micros(150);
 const PEEK_BYTES: usize = 15 + 256;
 
 /// Reads the next ack: for a batch of `batch_bytes` ≤ [`SPIN_MAX_BYTES`], first by polling (see
-/// the module docs), then — or for a larger batch, at once — by the asynchronous read.
-pub(crate) async fn read_ack(stream: &mut TcpStream, batch_bytes: u64) -> Result<Ack, WireError> {
-    if batch_bytes <= SPIN_MAX_BYTES {
-        if let Some(ack) = poll_for_ack(stream, SPIN_BUDGET) {
+/// the module docs), then — or for a larger batch, or over TLS, at once — by the asynchronous read.
+pub(crate) async fn read_ack(stream: &mut DataStream, batch_bytes: u64) -> Result<Ack, WireError> {
+    if let Some(plain) = stream.plain().filter(|_| batch_bytes <= SPIN_MAX_BYTES) {
+        if let Some(ack) = poll_for_ack(plain, SPIN_BUDGET) {
             return ack;
         }
     }
@@ -88,11 +89,15 @@ mod tests {
     use super::*;
     use tokio::io::AsyncWriteExt;
 
-    async fn pair() -> (TcpStream, TcpStream) {
+    async fn pair() -> (DataStream, TcpStream) {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let addr = listener.local_addr().expect("addr");
         let (client, accepted) = tokio::join!(TcpStream::connect(addr), listener.accept());
-        (client.expect("connect"), accepted.expect("accept").0)
+        (DataStream::Plain(client.expect("connect")), accepted.expect("accept").0)
+    }
+
+    fn sock(p: &DataStream) -> &TcpStream {
+        p.plain().expect("a plain connection")
     }
 
     async fn encoded(ack: &Ack) -> Vec<u8> {
@@ -111,7 +116,7 @@ mod tests {
         d.write_all(&bytes).await.expect("send");
         // Both acks are queued: the first poll takes exactly one, the second the next one.
         let deadline = Duration::from_secs(2);
-        assert_eq!(poll_for_ack(&p, deadline).expect("first ack polled").expect("parses"), first);
+        assert_eq!(poll_for_ack(sock(&p), deadline).expect("first ack polled").expect("parses"), first);
         assert_eq!(read_ack(&mut p, 32 * 1024).await.expect("second ack"), second);
     }
 
@@ -122,7 +127,7 @@ mod tests {
         d.write_all(&ack[..6]).await.expect("first part");
         d.flush().await.expect("flush");
         tokio::time::sleep(Duration::from_millis(20)).await;
-        assert!(poll_for_ack(&p, Duration::from_millis(1)).is_none(), "a partial ack is not consumed");
+        assert!(poll_for_ack(sock(&p), Duration::from_millis(1)).is_none(), "a partial ack is not consumed");
         let rest = ack[6..].to_vec();
         let finish = tokio::spawn(async move {
             tokio::time::sleep(Duration::from_millis(20)).await;
@@ -139,11 +144,11 @@ mod tests {
         let long = Ack::Refused { batch_id: 1, reason: "x".repeat(900) };
         d.write_all(&encoded(&long).await).await.expect("send");
         tokio::time::sleep(Duration::from_millis(20)).await;
-        assert!(poll_for_ack(&p, Duration::from_millis(1)).is_none(), "too long for the peek buffer");
+        assert!(poll_for_ack(sock(&p), Duration::from_millis(1)).is_none(), "too long for the peek buffer");
         assert!(matches!(read_ack(&mut p, 1024).await.expect("read"), Ack::Refused { batch_id: 1, .. }));
         drop(d);
         tokio::time::sleep(Duration::from_millis(20)).await;
-        assert!(poll_for_ack(&p, Duration::from_millis(1)).is_none());
+        assert!(poll_for_ack(sock(&p), Duration::from_millis(1)).is_none());
         assert!(read_ack(&mut p, 1024).await.is_err(), "a closed peer is an error");
     }
 }

@@ -24,14 +24,15 @@ fn secret(text: &str) -> ClusterSecret {
     ClusterSecret::from_text(text).expect("valid secret")
 }
 
-fn filled(num_blocks: usize) -> Arc<KvCache> {
-    let cache = KvCache::new(SHAPE, num_blocks);
-    for layer in 0..SHAPE.num_layers {
+/// A cache of `shape` whose every slot holds bytes that differ by layer, block, head and slot.
+pub(super) fn filled_with(shape: KvShape, num_blocks: usize) -> Arc<KvCache> {
+    let cache = KvCache::new(shape, num_blocks);
+    for layer in 0..shape.num_layers {
         for block in 0..num_blocks {
-            for head in 0..SHAPE.num_kv_heads {
-                for slot in 0..SHAPE.block_size {
-                    let bytes: Vec<u8> = (0..SHAPE.slot_len())
-                        .map(|i| (1 + layer * 31 + block * 17 + head * 7 + slot + i) as u8)
+            for head in 0..shape.num_kv_heads {
+                for slot in 0..shape.block_size {
+                    let bytes: Vec<u8> = (0..shape.slot_len())
+                        .map(|i| (1 + layer * 31 + block * 17 + head * 7 + slot * 3 + i) as u8)
                         .collect();
                     cache.write_slot(layer, block as BlockId, head, slot, &bytes).expect("in range");
                 }
@@ -49,7 +50,7 @@ struct Side {
 }
 
 async fn side(d_secret: Option<ClusterSecret>) -> Side {
-    let (src, dst) = (filled(8), KvCache::new(SHAPE, 8));
+    let (src, dst) = (filled_with(SHAPE, 8), KvCache::new(SHAPE, 8));
     let options = DataServerOptions { secret: d_secret, ..DataServerOptions::default() };
     let server = TcpDataServer::bind_options("127.0.0.1:0".parse().expect("address"), dst.region_table(), options)
         .await
@@ -180,7 +181,7 @@ async fn handshake(
 }
 
 /// `pdflow_auth_refusals_total{socket="data",cause}` in this process's registry.
-fn data_refusals(cause: &str) -> f64 {
+pub(super) fn data_refusals(cause: &str) -> f64 {
     let series = format!("pdflow_auth_refusals_total{{socket=\"data\",cause=\"{cause}\"}} ");
     let text = pdflow_telemetry::metrics::global().render();
     text.lines().find_map(|l| l.strip_prefix(series.as_str())).and_then(|v| v.trim().parse().ok()).unwrap_or(0.0)

@@ -12,6 +12,11 @@
 //! read; a batch with one descriptor outside the regions is refused as a whole (nothing written,
 //! its payload drained so the connection stays usable). Garbage, oversize headers and wrong auth
 //! tokens close the connection.
+//!
+//! With TLS (the cluster secret's identity, [`pdflow_auth::tls`]) the handshake comes first and
+//! authenticates P; the requests then travel through it ([`Link`]): the payload is decrypted and
+//! copied into the same checked destinations, and the peeking fast paths are left out (they read
+//! the socket, which then carries records, not requests).
 
 use std::collections::VecDeque;
 use std::future::Future;
@@ -19,6 +24,7 @@ use std::io::{IoSliceMut, Read as _, Write as _};
 use std::net::{Shutdown, TcpStream};
 use std::os::fd::AsRawFd;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
@@ -27,6 +33,7 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio_util::sync::CancellationToken;
 
 use super::busy_poll::{self, SPIN_AFTER_ACK};
+use super::link::{HandshakeError, Link};
 use super::wire::{self, Ack, BatchHeader, HostInfo, Request, WireError};
 use crate::fence::{FenceGuard, WriteFence};
 use pdflow_auth::{ClusterSecret, Context as AuthContext, Nonce, Refusal, Socket};
@@ -59,6 +66,8 @@ pub(super) struct Shared {
     /// The cluster secret: with it, every connection's P must prove it holds it (and D proves it
     /// to P) before D reads anything but the hello.
     pub(super) secret: Option<ClusterSecret>,
+    /// TLS on every connection (the secret's identity): the handshake before the hello.
+    pub(super) tls: Option<Arc<rustls::ServerConfig>>,
     /// The same-host answer, when offered (its canary is owned by the server).
     pub(super) host_info: Option<HostInfo>,
     /// When set, a batch is written only under an open fence token (no write-after-free).
@@ -78,6 +87,8 @@ pub(super) enum ConnectionError {
     Unauthorised,
     #[error("refused: {0}")]
     Refused(Refusal),
+    #[error("TLS handshake failed: {0} (is TLS on at P as well? both ends set `tls`)")]
+    Tls(HandshakeError),
     #[error("no hello within {0:?}")]
     HelloTimeout(Duration),
     #[error("payload stalled for {0:?}")]
@@ -100,14 +111,37 @@ pub(super) fn serve(stream: &TcpStream, shared: &Shared) -> Result<(), Connectio
     result
 }
 
-/// Hello and auth, then P's requests one at a time until the connection ends.
+/// TLS when the server wants it, hello and auth, then P's requests one at a time until the
+/// connection ends.
 fn serve_requests(stream: &TcpStream, shared: &Shared) -> Result<(), ConnectionError> {
     stream.set_nodelay(true).map_err(WireError::from)?;
     stream.set_write_timeout(Some(STALL_TIMEOUT)).map_err(WireError::from)?;
+    let mut timeout = ReadTimeout::new(stream);
+    let link = match &shared.tls {
+        None => Link::plain(stream),
+        Some(config) => {
+            timeout.set(HELLO_TIMEOUT)?;
+            match Link::accept_tls(stream, config.clone()) {
+                Ok(link) => link,
+                Err(HandshakeError::Io(e)) if is_timeout_io(&e) => {
+                    return Err(ConnectionError::HelloTimeout(HELLO_TIMEOUT))
+                }
+                Err(HandshakeError::Tls(e)) if pdflow_auth::tls::is_refusal(&e) => {
+                    pdflow_auth::refused(Socket::Data, &peer_name(stream), Refusal::BadProof);
+                    let _ = stream.shutdown(Shutdown::Both);
+                    return Err(ConnectionError::Refused(Refusal::BadProof));
+                }
+                Err(e) => {
+                    let _ = stream.shutdown(Shutdown::Both);
+                    return Err(ConnectionError::Tls(e));
+                }
+            }
+        }
+    };
     let mut conn = Conn {
-        stream,
+        link,
         shared,
-        timeout: ReadTimeout::new(stream),
+        timeout,
         fence_token: None,
         held: None,
         peeked: [0u8; PEEK_BYTES],
@@ -121,7 +155,7 @@ fn serve_requests(stream: &TcpStream, shared: &Shared) -> Result<(), ConnectionE
         let Some(request) = conn.next_request()? else { return Ok(()) };
         if conn.held.is_some() && request != Request::Release {
             let e = WireError::Io(std::io::Error::other("a request other than release while a fence is held"));
-            return Err(refuse_and_close(stream, 0, e.into()));
+            return Err(refuse_and_close(&mut conn.link, 0, e.into()));
         }
         match request {
             Request::Batch(header) => conn.serve_batch(&header)?,
@@ -136,7 +170,7 @@ fn serve_requests(stream: &TcpStream, shared: &Shared) -> Result<(), ConnectionE
 
 /// One connection's state between P's requests.
 struct Conn<'a> {
-    stream: &'a TcpStream,
+    link: Link<'a>,
     shared: &'a Shared,
     timeout: ReadTimeout<'a>,
     /// The fence token the batches on this connection currently serve (P names it per plan).
@@ -154,20 +188,20 @@ impl Conn<'_> {
     /// D proves it holds it and P must prove it too before anything else is read; then acked.
     fn hello(&mut self) -> Result<(), ConnectionError> {
         self.timeout.set(HELLO_TIMEOUT)?;
-        let hello = match now(wire::read_hello(&mut Blocking(self.stream))) {
+        let hello = match now(wire::read_hello(&mut Blocking(&mut self.link))) {
             Err(e) if is_timeout(&e) => return Err(ConnectionError::HelloTimeout(HELLO_TIMEOUT)),
-            Err(e) => return Err(refuse_and_close(self.stream, 0, e.into())),
+            Err(e) => return Err(refuse_and_close(&mut self.link, 0, e.into())),
             Ok(hello) => hello,
         };
         if let Some(expected) = &self.shared.auth_token {
             if !constant_time_eq(expected, &hello.token) {
-                return Err(refuse_and_close(self.stream, 0, ConnectionError::Unauthorised));
+                return Err(refuse_and_close(&mut self.link, 0, ConnectionError::Unauthorised));
             }
         }
         if let Some(secret) = &self.shared.secret {
             self.challenge(secret, &hello.nonce)?;
         }
-        now(wire::write_ack(&mut Blocking(self.stream), &Ack::Ok { batch_id: 0 }))?;
+        now(wire::write_ack(&mut Blocking(&mut self.link), &Ack::Ok { batch_id: 0 }))?;
         Ok(())
     }
 
@@ -175,35 +209,37 @@ impl Conn<'_> {
     fn challenge(&mut self, secret: &ClusterSecret, p_nonce: &Nonce) -> Result<(), ConnectionError> {
         let d_nonce = pdflow_auth::nonce();
         let proof = secret.sign(AuthContext::DataServer, &[p_nonce, &d_nonce]);
-        let mut stream = self.stream;
-        stream.write_all(&wire::encode_challenge(&d_nonce, &proof)).map_err(WireError::from)?;
-        let answer = match now(wire::read_proof(&mut Blocking(self.stream))) {
+        self.link.write_all(&wire::encode_challenge(&d_nonce, &proof)).map_err(WireError::from)?;
+        let answer = match now(wire::read_proof(&mut Blocking(&mut self.link))) {
             Err(e) if is_timeout(&e) => return Err(ConnectionError::HelloTimeout(HELLO_TIMEOUT)),
             Err(_) => Err(Refusal::Missing),
             Ok(p) => secret.verify(AuthContext::DataClient, &[&d_nonce, p_nonce], &p),
         };
         answer.map_err(|why| {
-            let peer = self.stream.peer_addr().map_or_else(|_| "unknown".to_string(), |a| a.to_string());
-            pdflow_auth::refused(Socket::Data, &peer, why);
-            refuse_and_close(self.stream, 0, ConnectionError::Refused(why))
+            pdflow_auth::refused(Socket::Data, &peer_name(self.link.tcp), why);
+            refuse_and_close(&mut self.link, 0, ConnectionError::Refused(why))
         })
     }
 
     /// P's next request; `None` for an orderly end (P closed, idle, or a hold never released).
     fn next_request(&mut self) -> Result<Option<Request>, ConnectionError> {
         // P's next request usually follows an ack at once: poll for it before sleeping, and take
-        // every request that is already queued whole in one go.
-        if self.pending.is_empty() && busy_poll::readable_within(self.stream.as_raw_fd(), SPIN_AFTER_ACK) {
-            match queued_requests(self.stream, &mut self.peeked) {
+        // every request that is already queued whole in one go (on a plain socket: under TLS
+        // the bytes queued are records, read through the link).
+        if self.pending.is_empty()
+            && busy_poll::readable_within(self.link.tcp.as_raw_fd(), SPIN_AFTER_ACK)
+            && !self.link.is_tls()
+        {
+            match queued_requests(self.link.tcp, &mut self.peeked) {
                 Ok(requests) => self.pending.extend(requests),
-                Err(e) => return Err(refuse_and_close(self.stream, 0, e.into())),
+                Err(e) => return Err(refuse_and_close(&mut self.link, 0, e.into())),
             }
         }
         if let Some(request) = self.pending.pop_front() {
             return Ok(Some(request));
         }
         self.timeout.set(if self.held.is_some() { HOLD_LIMIT } else { IDLE_TIMEOUT })?;
-        match now(wire::read_request(&mut Blocking(self.stream))) {
+        match now(wire::read_request(&mut Blocking(&mut self.link))) {
             Ok(None) => Ok(None),
             Err(e) if is_timeout(&e) => {
                 if let Some(h) = &self.held {
@@ -214,7 +250,7 @@ impl Conn<'_> {
                 }
                 Ok(None)
             }
-            Err(e) => Err(refuse_and_close(self.stream, 0, e.into())),
+            Err(e) => Err(refuse_and_close(&mut self.link, 0, e.into())),
             Ok(Some(request)) => Ok(Some(request)),
         }
     }
@@ -228,7 +264,7 @@ impl Conn<'_> {
             }
             Err(reason) => Ack::Refused { batch_id: 0, reason },
         };
-        now(wire::write_ack(&mut Blocking(self.stream), &ack))?;
+        now(wire::write_ack(&mut Blocking(&mut self.link), &ack))?;
         Ok(())
     }
 
@@ -240,19 +276,19 @@ impl Conn<'_> {
     }
 
     /// [`Request::DeviceExport`]: D's device export (empty: none).
-    fn answer_device_export(&self) -> Result<(), ConnectionError> {
+    fn answer_device_export(&mut self) -> Result<(), ConnectionError> {
         let export = &self.shared.device_export;
         tracing::debug!(offered = !export.is_empty(), "P asked for the device export");
-        (&*self.stream).write_all(&wire::encode_device_export(export)?).map_err(WireError::from)?;
+        self.link.write_all(&wire::encode_device_export(export)?).map_err(WireError::from)?;
         Ok(())
     }
 
     /// [`Request::HostInfo`]: the same-host details, when offered.
-    fn answer_host_info(&self, p_pid: u32) -> Result<(), ConnectionError> {
+    fn answer_host_info(&mut self, p_pid: u32) -> Result<(), ConnectionError> {
         let host_info = self.shared.host_info.as_ref();
         tracing::debug!(p_pid, offered = host_info.is_some(), "P asked for the same-host details");
         let answer = wire::encode_host_info(host_info.unwrap_or(&HostInfo::default()))?;
-        (&*self.stream).write_all(&answer).map_err(WireError::from)?;
+        self.link.write_all(&answer).map_err(WireError::from)?;
         Ok(())
     }
 
@@ -298,9 +334,13 @@ impl Conn<'_> {
             .map(|&(dst, len)| unsafe { self.shared.regions.slice_mut(dst, len) })
             .collect::<Result<Vec<&mut [u8]>, _>>()
             .map_err(|e| WireError::Io(invalid(e)))?;
-        read_into(self.stream, &mut self.timeout, dsts, fence_guard.as_ref(), &self.shared.cancel)?;
+        if self.link.is_tls() {
+            read_into_through(&mut self.link, &mut self.timeout, dsts, fence_guard.as_ref(), &self.shared.cancel)?;
+        } else {
+            read_into(self.link.tcp, &mut self.timeout, dsts, fence_guard.as_ref(), &self.shared.cancel)?;
+        }
         drop(fence_guard);
-        now(wire::write_ack(&mut Blocking(self.stream), &Ack::Ok { batch_id: header.batch_id }))?;
+        now(wire::write_ack(&mut Blocking(&mut self.link), &Ack::Ok { batch_id: header.batch_id }))?;
         Ok(())
     }
 
@@ -312,13 +352,13 @@ impl Conn<'_> {
         tracing::warn!("{reason}");
         match header.total_len().filter(|&n| n <= MAX_DRAIN_BYTES) {
             Some(n) => {
-                drain(self.stream, &mut self.timeout, n)?;
-                now(wire::write_ack(&mut Blocking(self.stream), &Ack::Refused { batch_id, reason }))?;
+                drain(&mut self.link, &mut self.timeout, n)?;
+                now(wire::write_ack(&mut Blocking(&mut self.link), &Ack::Refused { batch_id, reason }))?;
                 Ok(())
             }
             None => {
                 let err = ConnectionError::UndrainableBatch(header.total_len());
-                Err(refuse_and_close(self.stream, batch_id, err))
+                Err(refuse_and_close(&mut self.link, batch_id, err))
             }
         }
     }
@@ -449,27 +489,62 @@ fn read_into(
                 blocking = true;
                 timeout.set(if fence.is_some() { FENCE_CHECK } else { STALL_TIMEOUT })?;
             }
-            Err(e) if is_timeout_io(&e) => {
-                if cancel.is_cancelled() {
-                    return Err(ConnectionError::Stopping);
-                }
-                if progress.elapsed() >= STALL_TIMEOUT {
-                    return Err(ConnectionError::Stalled(STALL_TIMEOUT));
-                }
-            }
+            Err(e) if is_timeout_io(&e) => still_waiting(cancel, progress)?,
             Err(e) => return Err(WireError::from(e).into()),
         }
     }
     Ok(())
 }
 
+/// A payload read timed out: go on waiting unless the server stops or the payload stalled.
+fn still_waiting(cancel: &CancellationToken, progress: Instant) -> Result<(), ConnectionError> {
+    if cancel.is_cancelled() {
+        return Err(ConnectionError::Stopping);
+    }
+    if progress.elapsed() >= STALL_TIMEOUT {
+        return Err(ConnectionError::Stalled(STALL_TIMEOUT));
+    }
+    Ok(())
+}
+
+/// As [`read_into`], through a TLS link: each record decrypted, then copied into its slices.
+fn read_into_through(
+    link: &mut Link<'_>,
+    timeout: &mut ReadTimeout<'_>,
+    dsts: Vec<&mut [u8]>,
+    fence: Option<&FenceGuard>,
+    cancel: &CancellationToken,
+) -> Result<(), ConnectionError> {
+    timeout.set(if fence.is_some() { FENCE_CHECK } else { STALL_TIMEOUT })?;
+    let mut progress = Instant::now();
+    for dst in dsts {
+        let mut filled = 0;
+        while filled < dst.len() {
+            if fence.is_some_and(FenceGuard::is_revoked) {
+                return Err(ConnectionError::Fenced);
+            }
+            match link.read(&mut dst[filled..]) {
+                Ok(0) => return Err(WireError::Io(std::io::ErrorKind::UnexpectedEof.into()).into()),
+                Ok(n) => {
+                    filled += n;
+                    progress = Instant::now();
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) if is_timeout_io(&e) => still_waiting(cancel, progress)?,
+                Err(e) => return Err(WireError::from(e).into()),
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Reads and discards `n` payload bytes of a refused batch.
-fn drain(stream: &TcpStream, timeout: &mut ReadTimeout<'_>, mut n: u64) -> Result<(), ConnectionError> {
+fn drain(link: &mut Link<'_>, timeout: &mut ReadTimeout<'_>, mut n: u64) -> Result<(), ConnectionError> {
     timeout.set(STALL_TIMEOUT)?;
     let mut buf = vec![0u8; 64 * 1024];
     while n > 0 {
         let want = buf.len().min(usize::try_from(n).unwrap_or(usize::MAX));
-        match (&*stream).read_exact(&mut buf[..want]) {
+        match link.read_exact(&mut buf[..want]) {
             Err(e) if is_timeout_io(&e) => return Err(ConnectionError::Stalled(STALL_TIMEOUT)),
             r => r.map_err(WireError::from)?,
         }
@@ -479,12 +554,17 @@ fn drain(stream: &TcpStream, timeout: &mut ReadTimeout<'_>, mut n: u64) -> Resul
 }
 
 /// Tells the peer why (best effort, bounded), closes the write side, and returns the error.
-fn refuse_and_close(stream: &TcpStream, batch_id: u64, err: ConnectionError) -> ConnectionError {
+fn refuse_and_close(link: &mut Link<'_>, batch_id: u64, err: ConnectionError) -> ConnectionError {
     let ack = Ack::Refused { batch_id, reason: err.to_string() };
-    let _ = stream.set_write_timeout(Some(REFUSAL_WRITE_TIMEOUT));
-    let _ = now(wire::write_ack(&mut Blocking(stream), &ack));
-    let _ = stream.shutdown(Shutdown::Write);
+    let _ = link.tcp.set_write_timeout(Some(REFUSAL_WRITE_TIMEOUT));
+    let _ = now(wire::write_ack(&mut Blocking(link), &ack));
+    link.shutdown_write();
     err
+}
+
+/// The peer's address for logs and refusals.
+fn peer_name(stream: &TcpStream) -> String {
+    stream.peer_addr().map_or_else(|_| "unknown".to_string(), |a| a.to_string())
 }
 
 pub(crate) fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
@@ -527,12 +607,12 @@ impl<'a> ReadTimeout<'a> {
 /// The wire codec (written once, over tokio's async I/O traits) run on this blocking socket: every
 /// poll does the blocking system call and is ready at once, so a codec future completes in one
 /// poll ([`now`]).
-struct Blocking<'a>(&'a TcpStream);
+struct Blocking<'a, 'b>(&'a mut Link<'b>);
 
-impl AsyncRead for Blocking<'_> {
-    fn poll_read(self: Pin<&mut Self>, _cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<std::io::Result<()>> {
+impl AsyncRead for Blocking<'_, '_> {
+    fn poll_read(mut self: Pin<&mut Self>, _cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<std::io::Result<()>> {
         loop {
-            match (&*self.0).read(buf.initialize_unfilled()) {
+            match self.0.read(buf.initialize_unfilled()) {
                 Ok(n) => {
                     buf.advance(n);
                     return Poll::Ready(Ok(()));
@@ -544,17 +624,18 @@ impl AsyncRead for Blocking<'_> {
     }
 }
 
-impl AsyncWrite for Blocking<'_> {
-    fn poll_write(self: Pin<&mut Self>, _cx: &mut Context<'_>, buf: &[u8]) -> Poll<std::io::Result<usize>> {
-        Poll::Ready((&*self.0).write(buf))
+impl AsyncWrite for Blocking<'_, '_> {
+    fn poll_write(mut self: Pin<&mut Self>, _cx: &mut Context<'_>, buf: &[u8]) -> Poll<std::io::Result<usize>> {
+        Poll::Ready(self.0.write(buf))
     }
 
     fn poll_flush(self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
         Poll::Ready(Ok(()))
     }
 
-    fn poll_shutdown(self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        Poll::Ready(self.0.shutdown(Shutdown::Write))
+    fn poll_shutdown(mut self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        self.0.shutdown_write();
+        Poll::Ready(Ok(()))
     }
 }
 

@@ -23,13 +23,15 @@ use std::time::{Duration, Instant};
 use futures::future::BoxFuture;
 use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpSocket, TcpStream};
+use tokio_rustls::TlsConnector;
 
 use super::ack_wait;
+use super::stream::DataStream;
 use super::wire::{self, Ack, HelloAnswer, HostInfo, WireError, MAX_DESCRIPTORS_PER_BATCH};
 use super::SOCKET_BUFFER_BYTES;
 use crate::same_host::SameHostMode;
 use crate::{TransferEngine, TransferError, TransferStats};
-use pdflow_auth::{ClusterSecret, Context as AuthContext, Nonce, Proof, Refusal, Socket};
+use pdflow_auth::{ClusterSecret, Context as AuthContext, Nonce, Proof, Refusal, Socket, TlsIdentity};
 use pdflow_kv::memory::RegionTable;
 use pdflow_kv::planner::{Descriptor, TransferPlan};
 
@@ -54,6 +56,9 @@ pub struct TcpConfig {
     /// The cluster secret: with it, P writes only to a data server that proves it holds it, and
     /// proves it in turn.
     pub secret: Option<ClusterSecret>,
+    /// TLS on every data connection, with the secret's identity (D's data server must have it
+    /// too). The same-host path, which never leaves the host, is not affected.
+    pub tls: Option<TlsIdentity>,
     /// Whether the automatic engine ([`crate::AutoTransferEngine`]) may write a peer on
     /// the same host directly (`process_vm_writev`); the tcp engine alone ignores it.
     pub same_host: SameHostMode,
@@ -69,9 +74,32 @@ impl Default for TcpConfig {
             write_timeout: Duration::from_secs(30),
             auth_token: None,
             secret: None,
+            tls: None,
             same_host: SameHostMode::Auto,
             gpu_path: crate::GpuPath::Auto,
         }
+    }
+}
+
+/// Why TLS cannot be turned on.
+#[derive(Debug, thiserror::Error)]
+pub enum TlsSetupError {
+    #[error("TLS on the data channel needs the cluster secret (its certificates are made from it): set PDFLOW_CLUSTER_SECRET_FILE or PDFLOW_CLUSTER_SECRET, or turn `tls` off")]
+    NoSecret,
+    #[error(transparent)]
+    Identity(#[from] pdflow_auth::TlsError),
+}
+
+impl TcpConfig {
+    /// Turns TLS on every data connection on (with the cluster secret's identity) or off; set
+    /// the secret first.
+    pub fn set_tls(&mut self, on: bool) -> Result<(), TlsSetupError> {
+        self.tls = match (on, &self.secret) {
+            (false, _) => None,
+            (true, None) => return Err(TlsSetupError::NoSecret),
+            (true, Some(secret)) => Some(TlsIdentity::from_secret(secret)?),
+        };
+        Ok(())
     }
 }
 
@@ -81,7 +109,7 @@ impl Default for TcpConfig {
 pub struct FenceHold {
     inner: Arc<Inner>,
     peer: String,
-    stream: Option<TcpStream>,
+    stream: Option<DataStream>,
 }
 
 impl FenceHold {
@@ -107,7 +135,7 @@ impl std::fmt::Debug for FenceHold {
 }
 
 struct PooledConnection {
-    stream: TcpStream,
+    stream: DataStream,
     idle_since: Instant,
 }
 
@@ -191,7 +219,7 @@ impl TcpTransferEngine {
         &self,
         peer: &str,
         request: &[u8],
-        read: for<'s> fn(&'s mut TcpStream) -> BoxFuture<'s, Result<T, WireError>>,
+        read: for<'s> fn(&'s mut DataStream) -> BoxFuture<'s, Result<T, WireError>>,
     ) -> Result<T, TransferError> {
         let (answer, stream) = self.ask_keeping(peer, request, read).await?;
         self.inner.checkin(peer, stream);
@@ -203,8 +231,8 @@ impl TcpTransferEngine {
         &self,
         peer: &str,
         request: &[u8],
-        read: for<'s> fn(&'s mut TcpStream) -> BoxFuture<'s, Result<T, WireError>>,
-    ) -> Result<(T, TcpStream), TransferError> {
+        read: for<'s> fn(&'s mut DataStream) -> BoxFuture<'s, Result<T, WireError>>,
+    ) -> Result<(T, DataStream), TransferError> {
         let inner = &self.inner;
         let deadline = tokio::time::Instant::now() + inner.config.connect_timeout;
         let mut stream = match inner.checkout(peer) {
@@ -275,7 +303,7 @@ impl TcpTransferEngine {
                 // each other). The set aborts the shares still running if this future is dropped
                 // or one share fails.
                 let split = split_by_bytes(&descriptors, streams);
-                let pooled: Vec<Option<TcpStream>> = split.iter().map(|_| inner.checkout(peer)).collect();
+                let pooled: Vec<Option<DataStream>> = split.iter().map(|_| inner.checkout(peer)).collect();
                 let mut shares = tokio::task::JoinSet::new();
                 for (share, pooled) in split.into_iter().zip(pooled) {
                     let (inner, peer, fence) = (inner.clone(), peer.to_string(), plan.fence);
@@ -312,7 +340,7 @@ impl Inner {
     async fn write_share(
         &self,
         peer: &str,
-        pooled: Option<TcpStream>,
+        pooled: Option<DataStream>,
         share: &[Descriptor],
         fence: u64,
         deadline: tokio::time::Instant,
@@ -335,7 +363,7 @@ impl Inner {
     async fn send_share(
         &self,
         peer: &str,
-        stream: &mut TcpStream,
+        stream: &mut DataStream,
         share: &[Descriptor],
         fence: u64,
     ) -> Result<(), TransferError> {
@@ -374,7 +402,7 @@ impl Inner {
 
     /// A pooled connection to `peer` that is young and still open, if there is one; dead or old
     /// ones met on the way are dropped.
-    fn checkout(&self, peer: &str) -> Option<TcpStream> {
+    fn checkout(&self, peer: &str) -> Option<DataStream> {
         let mut pool = self.lock_pool();
         let idle = pool.get_mut(peer)?;
         while let Some(conn) = idle.pop() {
@@ -386,7 +414,7 @@ impl Inner {
         None
     }
 
-    fn checkin(&self, peer: &str, stream: TcpStream) {
+    fn checkin(&self, peer: &str, stream: DataStream) {
         let mut pool = self.lock_pool();
         let idle = pool.entry(peer.to_string()).or_default();
         if idle.len() < self.config.streams_per_peer.max(1) {
@@ -395,7 +423,7 @@ impl Inner {
     }
 
     /// Connects and exchanges the hello, within `connect_timeout` and the write's deadline.
-    async fn connect(&self, peer: &str, deadline: tokio::time::Instant) -> Result<TcpStream, TransferError> {
+    async fn connect(&self, peer: &str, deadline: tokio::time::Instant) -> Result<DataStream, TransferError> {
         let connect_deadline = deadline.min(tokio::time::Instant::now() + self.config.connect_timeout);
         let limit = if connect_deadline < deadline { self.config.connect_timeout } else { self.config.write_timeout };
         match tokio::time::timeout_at(connect_deadline, self.connect_and_hello(peer)).await {
@@ -404,10 +432,14 @@ impl Inner {
         }
     }
 
-    async fn connect_and_hello(&self, peer: &str) -> Result<TcpStream, TransferError> {
+    async fn connect_and_hello(&self, peer: &str) -> Result<DataStream, TransferError> {
         let connect_err = |source| TransferError::Connect { peer: peer.to_string(), source };
-        let mut stream = open(peer).await.map_err(connect_err)?;
-        stream.set_nodelay(true).map_err(connect_err)?;
+        let tcp = open(peer).await.map_err(connect_err)?;
+        tcp.set_nodelay(true).map_err(connect_err)?;
+        let mut stream = match &self.config.tls {
+            None => DataStream::Plain(tcp),
+            Some(identity) => DataStream::Tls(Box::new(tls_handshake(peer, tcp, identity).await?)),
+        };
         let p_nonce = pdflow_auth::nonce();
         let hello = wire::encode_hello_with(self.config.auth_token.as_deref(), &p_nonce)
             .map_err(|e| connect_err(e.into_io()))?;
@@ -415,7 +447,7 @@ impl Inner {
         let unanswered = |e: std::io::Error| {
             use std::io::ErrorKind::{BrokenPipe, ConnectionAborted, ConnectionReset, UnexpectedEof};
             if matches!(e.kind(), UnexpectedEof | ConnectionReset | BrokenPipe | ConnectionAborted) {
-                let why = format!("D closed the connection before answering the hello ({e}): it serves its most connections (max_connections), or it is stopping");
+                let why = format!("D closed the connection before answering the hello ({e}): it serves its most connections (max_connections), it is stopping, or its data channel expects TLS (`tls` on both ends)");
                 return connect_err(std::io::Error::new(e.kind(), why));
             }
             connect_err(e)
@@ -448,7 +480,7 @@ impl Inner {
     async fn answer_challenge(
         &self,
         peer: &str,
-        stream: &mut TcpStream,
+        stream: &mut DataStream,
         secret: &ClusterSecret,
         p_nonce: &Nonce,
         d_nonce: &Nonce,
@@ -479,7 +511,7 @@ pub(crate) fn still_open(stream: &impl std::os::fd::AsRawFd) -> bool {
 }
 
 /// Writes every slice, `MAX_IOVECS` at a time, resuming after partial writes.
-async fn write_all_vectored(stream: &mut TcpStream, mut slices: &mut [IoSlice<'_>]) -> std::io::Result<()> {
+async fn write_all_vectored(stream: &mut DataStream, mut slices: &mut [IoSlice<'_>]) -> std::io::Result<()> {
     while !slices.is_empty() {
         let window = slices.len().min(MAX_IOVECS);
         let n = stream.write_vectored(&slices[..window]).await?;
@@ -507,6 +539,34 @@ impl TransferEngine for TcpTransferEngine {
         plan: &'a TransferPlan,
     ) -> BoxFuture<'a, Result<TransferStats, TransferError>> {
         Box::pin(self.write_plan(peer, plan))
+    }
+}
+
+/// The TLS handshake with D's data server at `peer`: D must present the certificate of a key of
+/// the cluster secret, and P presents its own.
+async fn tls_handshake(
+    peer: &str,
+    tcp: TcpStream,
+    identity: &TlsIdentity,
+) -> Result<tokio_rustls::client::TlsStream<TcpStream>, TransferError> {
+    let connector = TlsConnector::from(identity.client_config());
+    match connector.connect(TlsIdentity::server_name(), tcp).await {
+        Ok(stream) => Ok(stream),
+        Err(e) => {
+            let refusal = e
+                .get_ref()
+                .and_then(|inner| inner.downcast_ref::<rustls::Error>())
+                .filter(|e| pdflow_auth::tls::is_refusal(e));
+            if let Some(why) = refusal {
+                pdflow_auth::refused(Socket::Data, peer, Refusal::BadProof);
+                let reason = format!("D's data server failed TLS authentication ({why}): it does not hold the cluster secret; no KV is written to it");
+                return Err(TransferError::Refused { peer: peer.to_string(), reason });
+            }
+            let why = format!(
+                "TLS handshake with D's data server failed ({e}): is TLS on at D as well? (`tls` on both ends)"
+            );
+            Err(TransferError::Connect { peer: peer.to_string(), source: std::io::Error::new(e.kind(), why) })
+        }
     }
 }
 

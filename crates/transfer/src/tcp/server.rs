@@ -21,7 +21,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use pdflow_auth::ClusterSecret;
+use pdflow_auth::{ClusterSecret, TlsIdentity};
 use tokio::net::{TcpListener, TcpSocket};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -53,6 +53,8 @@ pub struct DataServerOptions {
     pub auth_token: Option<String>,
     /// The cluster secret: P must prove it holds it, and D proves it to P, on every connection.
     pub secret: Option<ClusterSecret>,
+    /// TLS on every connection, with the secret's identity (P must connect with TLS too).
+    pub tls: Option<TlsIdentity>,
     /// Offer the same-host path (host memory only).
     pub offer_same_host: bool,
     /// Write a batch only under an open fence token.
@@ -69,6 +71,7 @@ impl Default for DataServerOptions {
         Self {
             auth_token: None,
             secret: None,
+            tls: None,
             offer_same_host: false,
             fence: None,
             device_export: Vec::new(),
@@ -164,7 +167,8 @@ impl TcpDataServer {
         regions: RegionTable,
         options: DataServerOptions,
     ) -> Result<Self, DataServerError> {
-        let DataServerOptions { auth_token, secret, offer_same_host, fence, device_export, max_connections } = options;
+        let DataServerOptions { auth_token, secret, tls, offer_same_host, fence, device_export, max_connections } =
+            options;
         let listener = listen(addr).map_err(|source| DataServerError::Bind { addr, source })?;
         let local_addr = listener.local_addr().map_err(|source| DataServerError::Bind { addr, source })?;
         let canary = same_host::new_canary();
@@ -180,8 +184,17 @@ impl TcpDataServer {
         });
         let auth_token = auth_token.filter(|t| !t.is_empty()).map(String::into_bytes);
         let cancel = CancellationToken::new();
-        let shared =
-            Arc::new(Shared { regions, auth_token, secret, host_info, fence, device_export, cancel: cancel.clone() });
+        let tls = tls.map(|identity| identity.server_config());
+        let shared = Arc::new(Shared {
+            regions,
+            auth_token,
+            secret,
+            tls,
+            host_info,
+            fence,
+            device_export,
+            cancel: cancel.clone(),
+        });
         let tracker = TaskTracker::new();
         let connections = Arc::new(Connections::new(max_connections));
         tracker.spawn(accept_loop(listener, shared, tracker.clone(), connections.clone()));

@@ -78,7 +78,7 @@ const READ_CHUNK: usize = 64 * 1024;
 /// Why bytes on a data connection are not a valid message.
 #[derive(Debug, thiserror::Error)]
 pub enum WireError {
-    #[error("expected {expected:?}, found {found:?}: the peer does not speak pdflow's tcp transfer protocol")]
+    #[error("expected {expected:?}, found {found:?}: {}", bad_magic_hint(found))]
     BadMagic { expected: [u8; 4], found: [u8; 4] },
     #[error("tcp transfer protocol version {found} is not supported (this build speaks {PROTOCOL_VERSION}): upgrade the older peer")]
     UnsupportedVersion { found: u8 },
@@ -514,6 +514,16 @@ async fn ack_from<R: AsyncRead + Unpin>(r: &mut R, head: &[u8; 15]) -> Result<Ac
         0 => Ok(Ack::Ok { batch_id }),
         1 => Ok(Ack::Refused { batch_id, reason: String::from_utf8_lossy(&reason).into_owned() }),
         other => Err(WireError::BadStatus(other)),
+    }
+}
+
+/// What a wrong magic most likely means: a TLS record (alert, handshake, data) where the plain
+/// protocol was expected is a peer with TLS on; anything else is not pdflow at all.
+fn bad_magic_hint(found: &[u8; 4]) -> &'static str {
+    if matches!(found[0], 0x15..=0x17) && found[1] == 0x03 {
+        "the peer speaks TLS on the data channel: set `tls` on both ends, or on neither"
+    } else {
+        "the peer does not speak pdflow's tcp transfer protocol"
     }
 }
 
