@@ -23,6 +23,8 @@ def test_an_unknown_extra_config_key_is_refused_by_name():
         ({"bootstrap_url": "127.0.0.1:8998"}, "bootstrap_url"),
         ({"gpu_path": "nvlink"}, "gpu_path"),
         ({"cluster_secret_file": "/nonexistent/pdflow-secret"}, "/nonexistent/pdflow-secret"),
+        ({"tls": True}, "needs the cluster secret"),
+        ({"tls": "yes"}, "tls"),
     ],
 )
 def test_bad_values_are_refused_with_the_key(extra, needle):

@@ -1,13 +1,16 @@
 """One P and one D, each a real `vllm serve` (the CPU build) with PdflowConnector, `pdflow proxy`
 in front, beside a single `vllm serve` without a connector as the reference; vLLM's default CPU
-block size (128).
+block size (128). The pair runs as a deployment across hosts would: one cluster secret (a file,
+`cluster_secret_file` in both connectors' extra config, the proxy's environment), TLS on the
+side and data channels, the KV over tcp (`transport: tcp`, so the socket is used on one host).
 
 What a user checks: greedy outputs through the proxy equal the single server's, token by token,
 whatever the prompt's length against the block size, on both APIs, streamed or not; D loaded the
 prompt's KV instead of computing it (its own counters) and P's step 29 carried exactly the
 request's blocks; prefix caching pulls only what D lacks; one trace per request across the three
 processes, from OTLP and from the trace files; pdflow's lines in vLLM's log; a client that leaves
-mid-stream and a D that dies leave no block held.
+mid-stream and a D that dies leave no block held; the bootstrap refuses unsigned and forged
+calls and P's log says so; vLLM's own proxy works in front of the authenticated engines.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ class Pair:
     traces: Path
     otlp: OtlpReceiver
     log_dir: Path
+    secret_file: Path
     _reference: dict = field(default_factory=dict)
 
     def reference(self, prompt: list[int], max_tokens: int = MAX_TOKENS) -> list[int]:
@@ -68,25 +72,31 @@ def pair(model_dir, pdflow_bin, log_dir):
     traces = log_dir / "traces"
     traces.mkdir()
     bootstrap_port = free_port()
+    secret_file = log_dir / "cluster-secret"
+    secret_file.write_text(secrets.token_hex(32) + "\n")
+    secure = {"cluster_secret_file": str(secret_file), "tls": True, "transport": "tcp"}
     single = VllmServer("single", model_dir, log_dir, core=1, block_size=BLOCK)
     prefill = VllmServer(
         "prefill", model_dir, log_dir, core=0, block_size=BLOCK,
         kv_transfer_config=connector_config(
-            "kv_producer", extra={"bootstrap_port": bootstrap_port, "abort_request_timeout_s": P_ABORT_TIMEOUT_S}),
+            "kv_producer",
+            extra={"bootstrap_port": bootstrap_port, "abort_request_timeout_s": P_ABORT_TIMEOUT_S, **secure}),
         env={"PDFLOW_TRACE_FILE": str(traces / "prefill.json"), **otlp.env()},
     )  # fmt: skip
     decode = VllmServer(
         "decode", model_dir, log_dir, core=1, block_size=BLOCK,
-        kv_transfer_config=connector_config("kv_consumer", policy="recompute", extra={"pull_timeout_s": D_PULL_TIMEOUT_S}),
+        kv_transfer_config=connector_config(
+            "kv_consumer", policy="recompute", extra={"pull_timeout_s": D_PULL_TIMEOUT_S, **secure}),
         env={"PDFLOW_TRACE_FILE": str(traces / "decode.json"), **otlp.env()},
     )  # fmt: skip
     servers = [single, prefill, decode]
     proxy = None
     try:
         cluster.start_all(servers)
-        proxy = PdflowProxy("proxy", [(prefill.url, bootstrap_port)], [decode.url], log_dir, env=otlp.env())
+        proxy_env = {"PDFLOW_CLUSTER_SECRET_FILE": str(secret_file), **otlp.env()}
+        proxy = PdflowProxy("proxy", [(prefill.url, bootstrap_port)], [decode.url], log_dir, env=proxy_env)
         proxy.wait_ready(time.monotonic() + 60)
-        yield Pair(single, prefill, decode, proxy, bootstrap_port, traces, otlp, log_dir)
+        yield Pair(single, prefill, decode, proxy, bootstrap_port, traces, otlp, log_dir, secret_file)
     finally:
         for s in ([proxy] if proxy else []) + servers:
             s.stop()
@@ -325,6 +335,43 @@ def test_pdflows_lines_are_in_vllms_log(pair):
         log = server.log_text()
         assert "pdflow connector: engine" in log, server.log_tail()
         assert "pdflow connector registered" in log, server.log_tail()
+    # Under a secret, the start-up warning about an open cluster is not given.
+    assert "no cluster secret" not in pair.prefill.log_text(), pair.prefill.log_tail()
+
+
+# ------------------------------------------------------------------------------- security
+
+
+def test_the_bootstrap_refuses_unsigned_and_forged_calls_and_ps_log_says_so(pair):
+    """An attacker who reaches P's bootstrap (launched inside P's `vllm serve`) reads nothing and
+    registers nothing: an unsigned `/query`, a `/register` with a made-up proof and one naming a
+    key nobody holds get a 401 that says what to do; P's stderr (vLLM's log) has the refusal,
+    once per peer; the engines serve on."""
+    base = f"http://127.0.0.1:{pair.bootstrap_port}"
+
+    def status(req: urllib.request.Request) -> tuple[int, str]:
+        try:
+            with urllib.request.urlopen(req, timeout=5) as r:
+                return r.status, r.read().decode()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode()
+
+    code, body = status(urllib.request.Request(base + "/query"))
+    assert code == 401, body
+    assert "cluster secret" in body, body
+    forged = json.dumps({"engine_id": "attacker", "dp_rank": 0, "tp_rank": 0, "pp_rank": 0,
+                         "addr": "tcp://127.0.0.1:1"}).encode()  # fmt: skip
+    for header in ("v1." + "00" * 16 + f".{int(time.time() * 1000)}." + "ab" * 40, "garbage"):
+        req = urllib.request.Request(base + "/register", data=forged, method="POST",
+                                     headers={"Content-Type": "application/json", "X-Pdflow-Auth": header})  # fmt: skip
+        code, body = status(req)
+        assert code == 401, body
+    wait_until(lambda: "peer refused" in pair.prefill.log_text(), "P's log names the refusal", timeout=10)
+    refusals = [line for line in pair.prefill.log_text().splitlines() if "peer refused" in line]
+    assert any("socket=\"bootstrap\"" in line or "socket=bootstrap" in line for line in refusals), refusals
+    # Still serving, under the secret.
+    prompt = prompt_of(90, seed=4242)
+    assert completion_tokens(pair.proxy.url, prompt, MAX_TOKENS) == pair.reference(prompt)
 
 
 # ------------------------------------------------------------------------------------ faults

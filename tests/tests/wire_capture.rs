@@ -1,8 +1,9 @@
 //! What crosses the wire, read off a packet capture (tcpdump on the loopback interface) of a
 //! whole P/D request — proxy, bootstrap look-ups, side-channel pull, data channel — run under the
-//! cluster secret: the secret's bytes never appear; with the data channel plain, the request's KV
-//! does (the capture sees the transfer: the check below is not vacuous); with TLS on, not one
-//! 32-byte run of it does, and the request still gets the reference's tokens.
+//! cluster secret: the secret's bytes never appear; with TLS off, the request's KV and its pull
+//! (D's data address) do (the capture sees both channels: the checks below are not vacuous);
+//! with TLS on, not one 32-byte run of the KV nor the pull's address does, and the request still
+//! gets the reference's tokens.
 //!
 //! Needs tcpdump and the right to capture (root or CAP_NET_RAW); without them the test is
 //! reported as skipped, saying which. `PDFLOW_KEEP_CAPTURE=1` keeps the capture files (their
@@ -99,8 +100,16 @@ fn contains(haystack: &[u8], needle: &[u8]) -> bool {
     haystack.windows(needle.len()).any(|w| w == needle)
 }
 
-/// One request through a 1P1D cluster under the secret, captured; the capture and the KV runs.
-async fn captured_request(tls: bool, seed: u64) -> Result<(Vec<u8>, Vec<Vec<u8>>), String> {
+/// What one captured request carried: the capture, the KV's runs, and D's data address as its
+/// pull names it (the side channel is the only socket that carries it).
+struct Captured {
+    bytes: Vec<u8>,
+    kv_runs: Vec<Vec<u8>>,
+    d_data_addr: String,
+}
+
+/// One request through a 1P1D cluster under the secret, captured.
+async fn captured_request(tls: bool, seed: u64) -> Result<Captured, String> {
     let opts = EngineOpts { secret: Some(SECRET.to_string()), tls, tcp_only: true, ..EngineOpts::default() };
     let mut spec = ClusterSpec::one_p_one_d();
     spec.prefill = vec![opts.clone()];
@@ -122,6 +131,7 @@ async fn captured_request(tls: bool, seed: u64) -> Result<(Vec<u8>, Vec<Vec<u8>>
     assert_eq!(token_ids(&answer), reference_tokens(cluster.spec.shape, &body).await);
     cluster.assert_blocks_at_baseline().await;
     let runs = kv_runs(&words, &cluster);
+    let d_data_addr = cluster.endpoints.decode[0].data_addr.clone().expect("D's data address");
     cluster.shutdown().await;
     let bytes = capture.finish().await;
     if std::env::var_os("PDFLOW_KEEP_CAPTURE").is_none() {
@@ -129,31 +139,39 @@ async fn captured_request(tls: bool, seed: u64) -> Result<(Vec<u8>, Vec<Vec<u8>>
     } else {
         eprintln!("capture kept in {}", dir.display());
     }
-    Ok((bytes, runs))
+    Ok(Captured { bytes, kv_runs: runs, d_data_addr })
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn the_wire_never_carries_the_secret_and_with_tls_carries_no_kv() {
-    // The data channel plain: the KV is on the wire (the capture works), the secret is not.
-    let (plain, runs) = match captured_request(false, 11).await {
+async fn the_wire_never_carries_the_secret_and_with_tls_carries_no_kv_and_no_pull() {
+    // Plain: the KV and the pull are on the wire (the capture sees both channels), the secret not.
+    let plain = match captured_request(false, 11).await {
         Ok(c) => c,
         Err(why) => {
             pdflow_telemetry::skip::skipped("the wire capture of a request", &why);
             return;
         }
     };
-    assert!(!contains(&plain, SECRET.as_bytes()), "the secret crossed the wire");
-    let seen = runs.iter().filter(|r| contains(&plain, r)).count();
+    assert!(!contains(&plain.bytes, SECRET.as_bytes()), "the secret crossed the wire");
+    let seen = plain.kv_runs.iter().filter(|r| contains(&plain.bytes, r)).count();
     assert!(
-        seen * 10 >= runs.len() * 9,
+        seen * 10 >= plain.kv_runs.len() * 9,
         "only {seen} of the request's {} KV runs are in the capture of a plain transfer: the capture missed the data channel",
-        runs.len()
+        plain.kv_runs.len()
+    );
+    assert!(
+        contains(&plain.bytes, plain.d_data_addr.as_bytes()),
+        "the plain capture lacks the pull's data address: it missed the side channel"
     );
 
-    // TLS on: the same request, another prompt; no KV run and no secret on the wire.
-    let (sealed, runs) = captured_request(true, 12).await.expect("the capture ran once already");
-    assert!(!contains(&sealed, SECRET.as_bytes()), "the secret crossed the wire under TLS");
-    let leaked = runs.iter().filter(|r| contains(&sealed, r)).count();
-    assert_eq!(leaked, 0, "{leaked} of {} KV runs crossed the wire in clear with TLS on", runs.len());
-    assert!(sealed.len() as u64 > (PROMPT_WORDS * 4 * 2 * 64) as u64, "the TLS capture holds the transfer's records");
+    // TLS on: the same request, another prompt; no KV run, no pull field and no secret in clear.
+    let sealed = captured_request(true, 12).await.expect("the capture ran once already");
+    assert!(!contains(&sealed.bytes, SECRET.as_bytes()), "the secret crossed the wire under TLS");
+    let leaked = sealed.kv_runs.iter().filter(|r| contains(&sealed.bytes, r)).count();
+    assert_eq!(leaked, 0, "{leaked} of {} KV runs crossed the wire in clear with TLS on", sealed.kv_runs.len());
+    assert!(
+        !contains(&sealed.bytes, sealed.d_data_addr.as_bytes()),
+        "the pull (D's data address) crossed the side channel in clear with TLS on"
+    );
+    assert!(sealed.bytes.len() > PROMPT_WORDS * 4 * 2 * 64, "the TLS capture holds the transfer's records");
 }

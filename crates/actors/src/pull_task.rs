@@ -29,7 +29,7 @@ use pdflow_messages::{EngineId, RequestId, TransferId};
 use pdflow_telemetry::{attrs, step_span, steps};
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
-use zeromq::{DealerSocket, Socket, SocketEvent, SocketOptions, SocketRecv, SocketSend, ZmqMessage};
+use zeromq::{DealerSocket, Socket, SocketEvent, SocketRecv, SocketSend, ZmqMessage};
 
 use crate::fault_seam::Faults;
 use crate::side_channel_auth::PullAuth;
@@ -211,11 +211,9 @@ async fn exchange(args: &PullTaskArgs, mut cancels: mpsc::UnboundedReceiver<Vec<
         p_generation: 0,
     };
     let mut transport_error = None;
-    let mut options = SocketOptions::default();
     // Connecting gets half the deadline, so a dead address is reported as a socket failure (and
     // its stale bootstrap answer dropped) rather than as a silent P.
-    options.connect_timeout(args.deadline / 2);
-    let mut socket = DealerSocket::with_options(options);
+    let mut socket = DealerSocket::with_options(args.auth.socket_options(args.deadline / 2));
     // ZeroMQ hides peer loss (a DEALER reconnects silently): the monitor is how a restarted P
     // listener, which forgot this pull, is noticed before the deadline.
     let mut monitor = socket.monitor();
@@ -302,10 +300,16 @@ async fn run(
         span.record(attrs::BYTES, bytes.len() as u64);
     }
     tracing::debug!(pull_id = args.pull_id, worker_addr = %args.worker_addr, reqs = request.reqs.len(), "sending pull");
-    socket
-        .connect(&args.worker_addr)
-        .await
-        .map_err(|e| Stop::Transport(format!("connect to {}: {e}", args.worker_addr)))?;
+    socket.connect(&args.worker_addr).await.map_err(|e| {
+        let why = if crate::side_channel_auth::tls_refused(&e, &args.worker_addr) {
+            " (TLS: P's side channel does not hold the cluster secret)"
+        } else if args.auth.tls.is_some() {
+            " (is TLS on at P as well? `tls` on both ends)"
+        } else {
+            ""
+        };
+        Stop::Transport(format!("connect to {}: {e}{why}", args.worker_addr))
+    })?;
     let first_req = request.reqs.first().map(|r| r.d_req_id.as_str()).unwrap_or_default();
     let mut nonce = None;
     if let Some(bytes) = args.faults.outgoing(steps::D_SEND_PULL_META.number, first_req, bytes) {
@@ -382,9 +386,7 @@ pub(crate) async fn abort_orphaned(
     transfer_ids: Vec<TransferId>,
     bound: Duration,
 ) {
-    let mut options = SocketOptions::default();
-    options.connect_timeout(bound);
-    let mut socket = DealerSocket::with_options(options);
+    let mut socket = DealerSocket::with_options(auth.socket_options(bound));
     let Ok(bytes) = frame::encode(&SideChannelRequest::Abort(AbortPull { pull_id, transfer_ids })) else { return };
     let sent = tokio::time::timeout(bound, async {
         socket.connect(&worker_addr).await?;

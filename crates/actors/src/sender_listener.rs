@@ -174,7 +174,7 @@ impl Actor for SenderListener {
         });
         let cancel = CancellationToken::new();
         let port = args.side_channel_port.load(Ordering::Acquire);
-        let channel = side_channel::start(&args.bind_host, port, actor_ref.clone(), cancel.clone()).await?;
+        let channel = side_channel::start(&args.bind_host, port, &args.auth, actor_ref.clone(), cancel.clone()).await?;
         args.side_channel_port.store(channel.port, Ordering::Release);
         let listener = Self {
             socket_id: channel.socket_id,

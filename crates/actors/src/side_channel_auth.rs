@@ -1,14 +1,17 @@
 //! The side channel under the cluster secret (steps 21 and 30), for both ends: D seals each
 //! request and takes only answers sealed to it; P serves only requests sealed by a holder of the
 //! secret, each once, and seals its answers to them. Without a secret nothing is sealed or
-//! checked (and a seal a peer sends is ignored). Owns no seed step.
+//! checked (and a seal a peer sends is ignored). With TLS (the secret's identity,
+//! [`pdflow_auth::tls`]) every side-channel connection is also encrypted and mutually
+//! authenticated by its handshake, before any ZeroMQ frame. Owns no seed step.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
-use pdflow_auth::{sealed, ClusterSecret, Nonce, Refusal, ReplayGuard, Socket};
+use pdflow_auth::{sealed, ClusterSecret, Nonce, Refusal, ReplayGuard, Socket, TlsIdentity};
+use zeromq::{SocketOptions, TlsOption};
 
 /// How far a pull's send time may be from P's clock.
 pub const PULL_WINDOW: Duration = Duration::from_secs(30);
@@ -19,6 +22,7 @@ pub const PULL_WINDOW: Duration = Duration::from_secs(30);
 pub struct ListenerAuth {
     secret: Option<ClusterSecret>,
     replay: Arc<ReplayGuard>,
+    tls: Option<TlsIdentity>,
 }
 
 impl Default for ListenerAuth {
@@ -29,7 +33,22 @@ impl Default for ListenerAuth {
 
 impl ListenerAuth {
     pub fn new(secret: Option<ClusterSecret>) -> Self {
-        Self { secret, replay: Arc::new(ReplayGuard::new(PULL_WINDOW)) }
+        Self { secret, replay: Arc::new(ReplayGuard::new(PULL_WINDOW)), tls: None }
+    }
+
+    /// The same, with TLS on the side channel's socket (D's pull tasks must connect with it).
+    pub fn with_tls(mut self, tls: Option<TlsIdentity>) -> Self {
+        self.tls = tls;
+        self
+    }
+
+    /// The ROUTER socket's options: TLS's server side when on.
+    pub(crate) fn socket_options(&self) -> SocketOptions {
+        let mut options = SocketOptions::default();
+        if let Some(tls) = &self.tls {
+            options.tls(TlsOption::Server { config: tls.server_config() });
+        }
+        options
     }
 
     /// The secret P's worker signs its bootstrap registrations with.
@@ -107,9 +126,21 @@ pub(crate) enum OpenError {
 #[derive(Debug, Clone, Default)]
 pub struct PullAuth {
     pub secret: Option<ClusterSecret>,
+    /// TLS on the connection to P's side channel (P's listener must have it too).
+    pub tls: Option<TlsIdentity>,
 }
 
 impl PullAuth {
+    /// A DEALER socket's options: `connect_timeout`, and TLS's client side when on.
+    pub(crate) fn socket_options(&self, connect_timeout: Duration) -> SocketOptions {
+        let mut options = SocketOptions::default();
+        options.connect_timeout(connect_timeout);
+        if let Some(tls) = &self.tls {
+            options.tls(TlsOption::Client { config: tls.client_config(), server_name: TlsIdentity::server_name() });
+        }
+        options
+    }
+
     /// The frames of a request `body`, and the nonce its answer must be sealed to.
     pub fn seal(&self, body: Vec<u8>) -> (Vec<Vec<u8>>, Option<Nonce>) {
         match &self.secret {
@@ -139,6 +170,28 @@ impl PullAuth {
         };
         result.inspect_err(|why| pdflow_auth::refused(Socket::SideChannel, worker_addr, *why))
     }
+}
+
+/// Counts and logs a side-channel connection whose TLS handshake failed because the peer is not
+/// a holder of the secret (a stranger's certificate, or none); other failures are only logged.
+/// `error` is what the socket reported (a DEALER's connect, a ROUTER's accept).
+pub(crate) fn tls_refused(error: &zeromq::ZmqError, peer: &str) -> bool {
+    let zeromq::ZmqError::Network(io) = error else { return false };
+    // An accept's error names its peer; a connect's is tokio-rustls' error as it is.
+    let (peer, io) = match io.get_ref().and_then(|e| e.downcast_ref::<zeromq::TlsAcceptError>()) {
+        Some(accept) => (accept.peer.to_string(), &accept.source),
+        None => (peer.to_string(), io),
+    };
+    let refused = io
+        .get_ref()
+        .and_then(|e| e.downcast_ref::<pdflow_auth::tls::RustlsError>())
+        .is_some_and(pdflow_auth::tls::is_refusal);
+    if refused {
+        pdflow_auth::refused(Socket::SideChannel, &peer, Refusal::BadProof);
+    } else {
+        tracing::debug!(%peer, "side-channel TLS handshake failed: {io}");
+    }
+    refused
 }
 
 /// A D pull task's identity, as logs show it.

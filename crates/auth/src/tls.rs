@@ -24,6 +24,9 @@ use rustls::{CertificateError, ClientConfig, DigitallySignedStruct, Distinguishe
 use crate::proof::Context;
 use crate::secret::{ClusterSecret, KeyId};
 
+/// rustls' error type, for callers that look inside an I/O error for it.
+pub use rustls::Error as RustlsError;
+
 /// The name P asks for and every certificate carries (the verifier compares whole certificates;
 /// the name only has to be the same everywhere).
 pub const SERVER_NAME: &str = "pdflow.cluster";

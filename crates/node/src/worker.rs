@@ -168,7 +168,7 @@ impl Worker {
             verify_checksums: spec.verify_checksums,
             lineage: Default::default(),
             faults: spec.faults.clone(),
-            auth: ListenerAuth::new(spec.tcp.secret.clone()),
+            auth: ListenerAuth::new(spec.tcp.secret.clone()).with_tls(spec.tcp.tls.clone()),
         };
         let listener = SenderListener::supervise(supervisor, args)
             .restart_policy(RestartPolicy::Transient)
@@ -204,7 +204,7 @@ impl Worker {
             verify_checksums: spec.verify_checksums,
             fence: Some(fence),
             faults: spec.faults.clone(),
-            auth: PullAuth { secret: spec.tcp.secret.clone() },
+            auth: PullAuth { secret: spec.tcp.secret.clone(), tls: spec.tcp.tls.clone() },
         };
         self.data_server = Some(server);
         let receiver = Receiver::supervise(supervisor, args)

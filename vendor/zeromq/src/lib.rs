@@ -353,6 +353,35 @@ pub struct SocketOptions {
     // Shared by read preparation and decoder reservation.
     pub(crate) read_buffer_max_size: usize,
     pub(crate) read_buffer_short_reads: usize,
+    /// pdflow patch: TLS over every tcp connection of the socket, when set.
+    #[cfg(feature = "tls")]
+    pub(crate) tls: Option<TlsOption>,
+}
+
+/// pdflow patch: TLS on the tcp transport (rustls): a connecting socket's client side, or a
+/// binding socket's server side. Each connection's handshake precedes its ZMTP greeting.
+#[cfg(feature = "tls")]
+#[derive(Debug, Clone)]
+pub enum TlsOption {
+    Client {
+        config: Arc<tokio_rustls::rustls::ClientConfig>,
+        server_name: tokio_rustls::rustls::pki_types::ServerName<'static>,
+    },
+    Server {
+        config: Arc<tokio_rustls::rustls::ServerConfig>,
+    },
+}
+
+/// pdflow patch: an accepted connection whose TLS handshake failed (reported as
+/// [`SocketEvent::AcceptFailed`] with [`ZmqError::Network`] around this).
+#[cfg(feature = "tls")]
+#[derive(Debug, thiserror::Error)]
+#[error("TLS handshake with {peer} failed: {source}")]
+pub struct TlsAcceptError {
+    pub peer: std::net::SocketAddr,
+    /// tokio-rustls' error; rustls' own is inside it (`get_ref`).
+    #[source]
+    pub source: std::io::Error,
 }
 
 impl Default for SocketOptions {
@@ -363,11 +392,20 @@ impl Default for SocketOptions {
             read_buffer_initial_size: 128,
             read_buffer_max_size: 64 * 1024,
             read_buffer_short_reads: 2,
+            #[cfg(feature = "tls")]
+            tls: None,
         }
     }
 }
 
 impl SocketOptions {
+    /// pdflow patch: TLS over every tcp connection of the socket (set before constructing it).
+    #[cfg(feature = "tls")]
+    pub fn tls(&mut self, tls: TlsOption) -> &mut Self {
+        self.tls = Some(tls);
+        self
+    }
+
     /// Tunes adaptive receive-buffer sizing for all peers, including accepted
     /// and reconnected peers. Defaults to 128-byte initial reads, a 64 KiB maximum,
     /// and two consecutive short positive reads before shrinking.

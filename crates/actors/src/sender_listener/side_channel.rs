@@ -13,6 +13,7 @@ use tokio_util::sync::CancellationToken;
 use zeromq::{Endpoint, RouterRecvHalf, RouterSendHalf, RouterSocket, Socket, SocketRecv, SocketSend, ZmqMessage};
 
 use super::SenderListener;
+use crate::side_channel_auth::{tls_refused, ListenerAuth};
 use crate::ActorError;
 
 /// One message D sent: the peer's identity and the frames that followed it.
@@ -47,14 +48,18 @@ pub(super) struct SideChannel {
 const REBIND_DEADLINE: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// Binds `tcp://{bind_host}:{port}` (0: any port) and starts the reader and writer tasks.
+/// With TLS in `auth`, every connection's handshake comes first; a failed one is counted (a
+/// stranger) or logged by the accept watcher, and never reaches the listener.
 pub(super) async fn start(
     bind_host: &str,
     port: u16,
+    auth: &ListenerAuth,
     listener: ActorRef<SenderListener>,
     cancel: CancellationToken,
 ) -> Result<SideChannel, ActorError> {
     let bind_addr = format!("tcp://{bind_host}:{port}");
-    let mut socket = RouterSocket::new();
+    let mut socket = RouterSocket::with_options(auth.socket_options());
+    let accepts = socket.monitor();
     // A restarted listener re-binds its old port: the previous incarnation's socket closes
     // asynchronously, so the port may stay busy for a moment. Retry within a short deadline.
     let deadline = tokio::time::Instant::now() + REBIND_DEADLINE;
@@ -90,6 +95,7 @@ pub(super) async fn start(
     let (replies, outgoing) = mpsc::unbounded_channel();
     let tasks = vec![
         tokio::spawn(read_loop(recv_half, socket_id, listener, cancel.clone())),
+        tokio::spawn(watch_accepts(accepts, cancel.clone(), addr.clone())),
         tokio::spawn(write_loop(send_half, outgoing, cancel, addr.clone())),
     ];
     Ok(SideChannel { addr, port, socket_id, replies, tasks })
@@ -97,6 +103,31 @@ pub(super) async fn start(
 
 /// Source of [`SideChannel::socket_id`].
 static NEXT_SOCKET_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+
+/// Accepts that failed (a TLS handshake, mostly): a stranger is counted as a refusal, anything
+/// else logged at debug level. Ends with the socket or the listener.
+async fn watch_accepts(
+    mut events: futures::channel::mpsc::Receiver<zeromq::SocketEvent>,
+    cancel: CancellationToken,
+    addr: String,
+) {
+    use futures::StreamExt;
+    loop {
+        let event = tokio::select! {
+            _ = cancel.cancelled() => return,
+            event = events.next() => event,
+        };
+        match event {
+            Some(zeromq::SocketEvent::AcceptFailed(e)) => {
+                if !tls_refused(&e, "unknown") {
+                    tracing::debug!(%addr, "side-channel accept failed: {e}");
+                }
+            }
+            Some(_) => {}
+            None => return,
+        }
+    }
+}
 
 async fn read_loop(
     mut socket: RouterRecvHalf,

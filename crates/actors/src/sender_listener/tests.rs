@@ -23,7 +23,7 @@ use crate::send_worker::test_support::{filled_cache, MemcpyTransfer, SHAPE};
 pub(super) const WAIT: Duration = Duration::from_secs(5);
 
 pub(super) struct Harness {
-    listener: ActorRef<SenderListener>,
+    pub(super) listener: ActorRef<SenderListener>,
     p: Arc<KvCache>,
     pub(super) d: Arc<KvCache>,
     pub(super) dealer: DealerSocket,
@@ -72,6 +72,15 @@ pub(super) async fn harness_with_auth(
     ready_timeout: Duration,
     auth: crate::side_channel_auth::ListenerAuth,
 ) -> Harness {
+    harness_with_options(ready_timeout, auth, zeromq::SocketOptions::default()).await
+}
+
+/// As [`harness_with_auth`], D's DEALER made with `dealer_options` (TLS, say).
+pub(super) async fn harness_with_options(
+    ready_timeout: Duration,
+    auth: crate::side_channel_auth::ListenerAuth,
+    dealer_options: zeromq::SocketOptions,
+) -> Harness {
     let p = filled_cache(16, 1);
     let d = KvCache::new(SHAPE, 32);
     let args = SenderListenerArgs { auth, ..args(&p, &d, ready_timeout, None) };
@@ -80,7 +89,7 @@ pub(super) async fn harness_with_auth(
     startup(&listener).await.expect("listener starts");
     let addr = listener.ask(SideChannelAddr).await.expect("address");
     assert!(addr.starts_with("tcp://127.0.0.1:"), "{addr}");
-    let mut dealer = DealerSocket::new();
+    let mut dealer = DealerSocket::with_options(dealer_options);
     tokio::time::timeout(WAIT, dealer.connect(&addr)).await.expect("connects in time").expect("connects");
     Harness { listener, p, d, dealer, events, seen_finished: BTreeSet::new() }
 }

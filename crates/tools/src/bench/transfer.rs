@@ -207,6 +207,7 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
             )
             .await?;
             let d_addr = d_server.local_addr().to_string();
+            let tls = config.tls.clone();
             let engine = Arc::new(AutoTransferEngine::new(p_cache.region_table(), config));
             // One bootstrap per P engine (a bootstrap serves one engine per dp rank).
             let bootstrap = BootstrapNode::start_with(
@@ -223,6 +224,7 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
                 bootstrap: &bootstrap,
                 p_blocks: &p_blocks,
                 secret: secret.as_ref(),
+                tls: tls.as_ref(),
             };
             let first = rows.len();
             let measured = measure_backend(&opts, *backend, &setup, &mut rows).await;
@@ -296,6 +298,8 @@ struct Setup<'a> {
     p_blocks: &'a [BlockId],
     /// The cluster secret every socket runs under (none: no authentication).
     secret: Option<&'a pdflow_auth::ClusterSecret>,
+    /// TLS on the side channel and the data channel.
+    tls: Option<&'a pdflow_auth::TlsIdentity>,
 }
 
 async fn measure_backend(
@@ -374,11 +378,19 @@ async fn run_on_gpus(_opts: Options) -> anyhow::Result<()> {
 
 /// The actor rows: concurrency 1 (the cold first pull, then measured runs) and 8.
 async fn measure_actors(opts: &Options, tag: &str, setup: &Setup<'_>, rows: &mut Vec<Row>) -> anyhow::Result<()> {
-    let Setup { engine, p_cache, d_cache, d_addr, bootstrap, p_blocks, secret } = *setup;
+    let Setup { engine, p_cache, d_cache, d_addr, bootstrap, p_blocks, secret, tls } = *setup;
     let bytes = (p_blocks.len() * SHAPE.bytes_per_block()) as u64;
     let transfer: Arc<dyn TransferEngine> = engine.clone();
-    let pair =
-        ActorPair::start(tag, bootstrap, p_cache, transfer, d_cache, d_addr.to_string(), secret.cloned()).await?;
+    let pair = ActorPair::start(
+        tag,
+        bootstrap,
+        p_cache,
+        transfer,
+        d_cache,
+        d_addr.to_string(),
+        (secret.cloned(), tls.cloned()),
+    )
+    .await?;
     let result = async {
         // Concurrency 1: the seed's blocks. The first pull (bootstrap look-up, side-channel
         // connect, D's full layout) is cold; it also checks the bytes.

@@ -81,7 +81,7 @@ pub(crate) async fn connect(
 pub(crate) async fn begin_accept<T>(
     path: &Path,
     options: Arc<crate::SocketOptions>,
-    cback: impl Fn(ZmqResult<(FramedIo, Endpoint)>) -> T + Send + 'static,
+    cback: impl Fn(ZmqResult<(FramedIo, Endpoint)>) -> T + Send + Sync + 'static,
 ) -> ZmqResult<(Endpoint, AcceptStopHandle)>
 where
     T: std::future::Future<Output = ()> + Send + 'static,
@@ -113,7 +113,7 @@ where
 pub(crate) async fn begin_accept_listener<T>(
     listener: std::os::unix::net::UnixListener,
     options: Arc<crate::SocketOptions>,
-    cback: impl Fn(ZmqResult<(FramedIo, Endpoint)>) -> T + Send + 'static,
+    cback: impl Fn(ZmqResult<(FramedIo, Endpoint)>) -> T + Send + Sync + 'static,
 ) -> ZmqResult<(Endpoint, AcceptStopHandle)>
 where
     T: std::future::Future<Output = ()> + Send + 'static,
@@ -134,7 +134,7 @@ async fn begin_accept_bound<T>(
     listener: UnixListener,
     resolved_addr: Option<std::path::PathBuf>,
     options: Arc<crate::SocketOptions>,
-    cback: impl Fn(ZmqResult<(FramedIo, Endpoint)>) -> T + Send + 'static,
+    cback: impl Fn(ZmqResult<(FramedIo, Endpoint)>) -> T + Send + Sync + 'static,
 ) -> ZmqResult<(Endpoint, AcceptStopHandle)>
 where
     T: std::future::Future<Output = ()> + Send + 'static,

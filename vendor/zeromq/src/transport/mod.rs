@@ -93,7 +93,7 @@ pub struct AcceptStopHandle(pub(crate) TaskHandle<()>);
 pub(crate) async fn begin_accept<T>(
     endpoint: Endpoint,
     options: Arc<crate::SocketOptions>,
-    cback: impl Fn(ZmqResult<(FramedIo, Endpoint)>) -> T + Send + 'static,
+    cback: impl Fn(ZmqResult<(FramedIo, Endpoint)>) -> T + Send + Sync + 'static,
 ) -> ZmqResult<(Endpoint, AcceptStopHandle)>
 where
     T: std::future::Future<Output = ()> + Send + 'static,
@@ -124,7 +124,7 @@ where
 pub(crate) async fn begin_accept_listener<T>(
     listener: Listener,
     options: Arc<crate::SocketOptions>,
-    cback: impl Fn(ZmqResult<(FramedIo, Endpoint)>) -> T + Send + 'static,
+    cback: impl Fn(ZmqResult<(FramedIo, Endpoint)>) -> T + Send + Sync + 'static,
 ) -> ZmqResult<(Endpoint, AcceptStopHandle)>
 where
     T: std::future::Future<Output = ()> + Send + 'static,

@@ -32,17 +32,65 @@ pub(crate) async fn connect(
     tune_socket_buffers(&raw_socket);
     let peer_addr = raw_socket.peer_addr()?;
 
+    // pdflow patch: TLS over the connection when the socket's options ask for it.
+    #[cfg(all(feature = "tls", feature = "tokio-runtime"))]
+    if let Some(crate::TlsOption::Client {
+        config,
+        server_name,
+    }) = &options.tls
+    {
+        let connector = tokio_rustls::TlsConnector::from(Arc::clone(config));
+        let stream = connector.connect(server_name.clone(), raw_socket).await?;
+        return Ok((
+            make_framed(stream, options),
+            Endpoint::from_tcp_addr(peer_addr),
+        ));
+    }
+
     Ok((
         make_framed(raw_socket, options),
         Endpoint::from_tcp_addr(peer_addr),
     ))
 }
 
+/// pdflow patch: how long an accepted connection may take over its TLS handshake.
+#[cfg(all(feature = "tls", feature = "tokio-runtime"))]
+const TLS_HANDSHAKE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// pdflow patch: the server side of TLS over an accepted connection, under
+/// [`TLS_HANDSHAKE_TIMEOUT`]; a failure keeps rustls' error (in the I/O error) and names the peer.
+#[cfg(all(feature = "tls", feature = "tokio-runtime"))]
+async fn accept_tls(
+    config: Arc<tokio_rustls::rustls::ServerConfig>,
+    raw_socket: TcpStream,
+    remote_addr: std::net::SocketAddr,
+    options: Arc<crate::SocketOptions>,
+) -> ZmqResult<(FramedIo, Endpoint)> {
+    let acceptor = tokio_rustls::TlsAcceptor::from(config);
+    match tokio::time::timeout(TLS_HANDSHAKE_TIMEOUT, acceptor.accept(raw_socket)).await {
+        Ok(Ok(stream)) => Ok((
+            make_framed(stream, options),
+            Endpoint::from_tcp_addr(remote_addr),
+        )),
+        Ok(Err(e)) => Err(crate::ZmqError::Network(std::io::Error::new(
+            e.kind(),
+            crate::TlsAcceptError {
+                peer: remote_addr,
+                source: e,
+            },
+        ))),
+        Err(_) => Err(crate::ZmqError::Network(std::io::Error::new(
+            std::io::ErrorKind::TimedOut,
+            format!("no TLS handshake from {remote_addr} within {TLS_HANDSHAKE_TIMEOUT:?}"),
+        ))),
+    }
+}
+
 pub(crate) async fn begin_accept<T>(
     host: Host,
     port: Port,
     options: Arc<crate::SocketOptions>,
-    cback: impl Fn(ZmqResult<(FramedIo, Endpoint)>) -> T + Send + 'static,
+    cback: impl Fn(ZmqResult<(FramedIo, Endpoint)>) -> T + Send + Sync + 'static,
 ) -> ZmqResult<(Endpoint, AcceptStopHandle)>
 where
     T: std::future::Future<Output = ()> + Send + 'static,
@@ -57,7 +105,7 @@ where
 pub(crate) async fn begin_accept_listener<T>(
     listener: std::net::TcpListener,
     options: Arc<crate::SocketOptions>,
-    cback: impl Fn(ZmqResult<(FramedIo, Endpoint)>) -> T + Send + 'static,
+    cback: impl Fn(ZmqResult<(FramedIo, Endpoint)>) -> T + Send + Sync + 'static,
 ) -> ZmqResult<(Endpoint, AcceptStopHandle)>
 where
     T: std::future::Future<Output = ()> + Send + 'static,
@@ -83,17 +131,39 @@ async fn begin_accept_bound<T>(
     listener: TcpListener,
     endpoint: Endpoint,
     options: Arc<crate::SocketOptions>,
-    cback: impl Fn(ZmqResult<(FramedIo, Endpoint)>) -> T + Send + 'static,
+    cback: impl Fn(ZmqResult<(FramedIo, Endpoint)>) -> T + Send + Sync + 'static,
 ) -> ZmqResult<(Endpoint, AcceptStopHandle)>
 where
     T: std::future::Future<Output = ()> + Send + 'static,
 {
     let (stop_channel, stop_callback) = futures::channel::oneshot::channel::<()>();
+    #[cfg(all(feature = "tls", feature = "tokio-runtime"))]
+    let cback = Arc::new(cback);
     let task_handle = async_rt::task::spawn(async move {
         let mut stop_callback = stop_callback.fuse();
         loop {
             select! {
                 incoming = listener.accept().fuse() => {
+                    // pdflow patch: with TLS, each handshake runs in a task of its own (a slow
+                    // peer never holds up the accept loop), then the connection goes on as usual.
+                    #[cfg(all(feature = "tls", feature = "tokio-runtime"))]
+                    if let Some(crate::TlsOption::Server { config }) = &options.tls {
+                        match incoming {
+                            Ok((raw_socket, remote_addr)) => {
+                                let _ = raw_socket.set_nodelay(true);
+                                tune_socket_buffers(&raw_socket);
+                                let (config, options, cback) =
+                                    (Arc::clone(config), Arc::clone(&options), Arc::clone(&cback));
+                                async_rt::task::spawn(async move {
+                                    cback(accept_tls(config, raw_socket, remote_addr, options).await).await
+                                });
+                            }
+                            Err(e) => {
+                                async_rt::task::spawn(cback(Err(e.into())));
+                            }
+                        }
+                        continue;
+                    }
                     let maybe_accepted: Result<_, _> = incoming
                         .and_then(|(raw_socket, remote_addr)| {
                             raw_socket

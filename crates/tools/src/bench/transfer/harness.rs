@@ -38,7 +38,7 @@ pub struct ActorPair {
 
 impl ActorPair {
     /// Starts P's listener with `transfer` over `p_cache`, and D's receiver over `d_cache` whose
-    /// data server listens at `d_data_addr`.
+    /// data server listens at `d_data_addr`; under `secret`, and with `tls` on the side channel.
     pub async fn start(
         tag: &str,
         bootstrap: &BootstrapNode,
@@ -46,11 +46,11 @@ impl ActorPair {
         transfer: Arc<dyn TransferEngine>,
         d_cache: &Arc<KvCache>,
         d_data_addr: String,
-        secret: Option<pdflow_auth::ClusterSecret>,
+        (secret, tls): (Option<pdflow_auth::ClusterSecret>, Option<pdflow_auth::TlsIdentity>),
     ) -> anyhow::Result<Self> {
         let p_engine_id = format!("bench-p-{tag}");
         let listener = SenderListener::spawn(SenderListenerArgs {
-            auth: pdflow_actors::side_channel_auth::ListenerAuth::new(secret.clone()),
+            auth: pdflow_actors::side_channel_auth::ListenerAuth::new(secret.clone()).with_tls(tls.clone()),
             faults: pdflow_actors::fault_seam::no_faults(),
             engine_id: p_engine_id.clone().into(),
             dp_rank: 0,
@@ -72,7 +72,7 @@ impl ActorPair {
         pdflow_node::started("SenderListener", &listener).await?;
         let d_events = Arc::new(Notify::new());
         let receiver = Receiver::spawn(ReceiverArgs {
-            auth: pdflow_actors::side_channel_auth::PullAuth { secret },
+            auth: pdflow_actors::side_channel_auth::PullAuth { secret, tls: tls.clone() },
             faults: pdflow_actors::fault_seam::no_faults(),
             engine_id: format!("bench-d-{tag}").into(),
             tp_rank: 0,
