@@ -85,9 +85,15 @@ impl BridgeConfig {
         let extra: ExtraConfig = if extra_json.trim().is_empty() {
             ExtraConfig::default()
         } else {
-            serde_json::from_str(extra_json).map_err(|e| {
+            serde_path_to_error::deserialize(&mut serde_json::Deserializer::from_str(extra_json)).map_err(|e| {
+                // The key of a bad value (none for an unknown key or bad JSON: serde names those).
+                let key = match e.path().to_string() {
+                    path if path == "." => String::new(),
+                    path => format!("[\"{path}\"]"),
+                };
                 BridgeError::Config(format!(
-                    "kv_connector_extra_config: {e}; known keys: host, bootstrap_port, bootstrap_url, transport, tcp_streams, auth_token, cluster_secret_file, tls, abort_request_timeout_s, pull_timeout_s, bootstrap_timeout_s, write_timeout_s, verify_checksums, gpu_path"
+                    "kv_connector_extra_config{key}: {}; known keys: host, bootstrap_port, bootstrap_url, transport, tcp_streams, auth_token, cluster_secret_file, tls, abort_request_timeout_s, pull_timeout_s, bootstrap_timeout_s, write_timeout_s, verify_checksums, gpu_path",
+                    e.inner()
                 ))
             })?
         };
