@@ -23,7 +23,7 @@ use pdflow_messages::frame;
 use pdflow_messages::lifecycle::TransferState;
 use pdflow_messages::receiver::{CancelTransfers, PullOutcome, PullTransportFailed};
 use pdflow_messages::sender_listener::{
-    AbortPull, PullErr, PullErrorCause, PullRequest, PullResponse, PullStatus, SideChannelRequest,
+    AbortPull, BlockDigests, PullErr, PullErrorCause, PullRequest, PullResponse, PullStatus, SideChannelRequest,
 };
 use pdflow_messages::{EngineId, RequestId, TransferId};
 use pdflow_telemetry::{attrs, step_span, steps};
@@ -127,6 +127,8 @@ struct Tally {
     /// d_req_id → transfer_id, for requests with no answer yet.
     unsettled: BTreeMap<RequestId, TransferId>,
     ok_reqs: Vec<RequestId>,
+    /// P's block digests of the requests in `ok_reqs` that came with them.
+    digests: Vec<BlockDigests>,
     err_reqs: Vec<PullErr>,
     layout_acked: Option<u64>,
     /// P's generation, from its last answer that gave one.
@@ -163,8 +165,12 @@ impl Tally {
         if resp.p_generation != 0 {
             self.p_generation = resp.p_generation;
         }
+        let mut digests = resp.digests;
         for d_req_id in resp.ok_reqs {
             if self.unsettled.remove(&d_req_id).is_some() {
+                if let Some(i) = digests.iter().position(|d| d.d_req_id == d_req_id) {
+                    self.digests.push(digests.swap_remove(i));
+                }
                 self.ok_reqs.push(d_req_id);
             }
         }
@@ -206,6 +212,7 @@ async fn exchange(args: &PullTaskArgs, mut cancels: mpsc::UnboundedReceiver<Vec<
         pull_id: args.pull_id,
         unsettled: request.reqs.iter().map(|r| (r.d_req_id.clone(), r.transfer_id.clone())).collect(),
         ok_reqs: Vec::new(),
+        digests: Vec::new(),
         err_reqs: Vec::new(),
         layout_acked: None,
         p_generation: 0,
@@ -260,6 +267,7 @@ async fn exchange(args: &PullTaskArgs, mut cancels: mpsc::UnboundedReceiver<Vec<
         pull_id: args.pull_id,
         remote_engine_id: args.remote_engine_id.clone(),
         ok_reqs: tally.ok_reqs,
+        digests: tally.digests,
         err_reqs: tally.err_reqs,
         layout_acked: tally.layout_acked,
         p_generation: tally.p_generation,
@@ -492,6 +500,7 @@ mod tests {
             pull_id: 42,
             status,
             ok_reqs: ok.iter().map(|s| (*s).into()).collect(),
+            digests: vec![],
             err_reqs: vec![],
             layout_id: None,
             error: None,

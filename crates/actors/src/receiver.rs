@@ -314,6 +314,43 @@ impl Receiver {
     }
 
     /// One pull of `req` has answered (with `failure` or not).
+    /// With `verify_checksums`, D's blocks of `req` against P's digests of what it wrote: the
+    /// failure of the load when a block differs (or D cannot read its blocks); `None` when they
+    /// match or nothing is to be checked. The bytes landed before P answered (its write was acked).
+    fn check_digests(&self, req: &RequestId, p_digests: &[u64]) -> Option<LoadFailure> {
+        if !self.args.verify_checksums {
+            return None;
+        }
+        let recv = self.in_flight.get(req)?;
+        let blocks = &recv.meta.local_block_ids;
+        let mismatch = |detail: String| {
+            tracing::warn!(request_id = %req, "{detail}");
+            Some(LoadFailure::new(LoadFailureCause::KvMismatch, detail))
+        };
+        if p_digests.len() != blocks.len() {
+            return mismatch(format!(
+                "P sent digests of {} blocks for {} of D's: the KV is not used",
+                p_digests.len(),
+                blocks.len()
+            ));
+        }
+        let d_digests = match self.args.kv_cache.block_digests(blocks) {
+            Ok(d) => d,
+            Err(e) => return mismatch(format!("D cannot read its blocks to check them ({e}): the KV is not used")),
+        };
+        let differ: Vec<pdflow_messages::BlockId> =
+            blocks.iter().zip(p_digests.iter().zip(&d_digests)).filter(|(_, (p, d))| p != d).map(|(b, _)| *b).collect();
+        if differ.is_empty() {
+            return None;
+        }
+        mismatch(format!(
+            "{} of {} blocks differ from what P wrote (D's blocks {:?}): the KV is not used",
+            differ.len(),
+            blocks.len(),
+            &differ[..differ.len().min(8)]
+        ))
+    }
+
     fn settle(&mut self, req: &RequestId, pull_id: u64, failure: Option<LoadFailure>) {
         let Some(recv) = self.in_flight.get_mut(req) else { return };
         if !recv.pending.remove(&pull_id) {
@@ -582,7 +619,9 @@ impl Message<PullOutcome> for Receiver {
             self.layout_acks.insert(pull.worker_addr.clone(), acked);
         }
         for req in &msg.ok_reqs {
-            self.settle(req, pull_id, None);
+            let failure =
+                msg.digests.iter().find(|d| &d.d_req_id == req).and_then(|d| self.check_digests(req, &d.digests));
+            self.settle(req, pull_id, failure);
         }
         let mut retry = Vec::new();
         for err in msg.err_reqs {

@@ -106,6 +106,8 @@ struct Writing {
     pull: ServePull,
     span: Span,
     task: JoinHandle<()>,
+    /// P's digest of each block written, in D's order (with `verify_checksums`; else empty).
+    digests: Vec<u64>,
 }
 
 /// One transfer on P.

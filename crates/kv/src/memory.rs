@@ -398,6 +398,12 @@ fn check_external(shape: KvShape, num_blocks: usize, regions: &[(*mut u8, usize)
 }
 
 impl KvCache {
+    /// One checksum per block of `blocks` ([`KvCache::blocks_checksum`] of each alone): what P
+    /// sends with a verified transfer and D compares its blocks against.
+    pub fn block_digests(&self, blocks: &[BlockId]) -> Result<Vec<u64>, RegionError> {
+        blocks.iter().map(|&b| self.blocks_checksum(&[b])).collect()
+    }
+
     /// A checksum of `blocks` (in order) over every region, region-major: the same byte sequence
     /// P's transfer plan reads and D's blocks receive, so both sides can compare (demo, tests).
     pub fn blocks_checksum(&self, blocks: &[BlockId]) -> Result<u64, RegionError> {

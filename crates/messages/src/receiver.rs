@@ -21,6 +21,8 @@ pub struct PullOutcome {
     pub pull_id: u64,
     pub remote_engine_id: EngineId,
     pub ok_reqs: Vec<RequestId>,
+    /// P's block digests of `ok_reqs`, where P sent them.
+    pub digests: Vec<crate::sender_listener::BlockDigests>,
     pub err_reqs: Vec<PullErr>,
     /// P acknowledged D's layout (later pulls may omit it).
     pub layout_acked: Option<u64>,

@@ -182,6 +182,8 @@ pub enum LoadFailureCause {
     /// A worker in another process reported the load failed (vLLM's scheduler hears request ids
     /// only; the cause is in that worker's log).
     ReportedByWorker,
+    /// The KV landed, but a block differs from what P sent (`verify_checksums`): not decoded from.
+    KvMismatch,
 }
 
 impl LoadFailureCause {
@@ -193,6 +195,7 @@ impl LoadFailureCause {
             LoadFailureCause::AbortedByD => "aborted_by_d",
             LoadFailureCause::Deadline => "deadline",
             LoadFailureCause::ReportedByWorker => "reported_by_worker",
+            LoadFailureCause::KvMismatch => "kv_mismatch",
         }
     }
 }

@@ -68,8 +68,9 @@ pub struct PullReply {
     /// The listener's key of the pull ([`ServePull::pull_id`]).
     pub pull_id: u64,
     pub d_req_id: RequestId,
-    /// `Ok` when the KV is in D's blocks; `Err` says why not.
-    pub result: Result<(), crate::sender_listener::PullErr>,
+    /// `Ok` when the KV is in D's blocks, with P's digest of each block written (empty unless
+    /// `verify_checksums`); `Err` says why not.
+    pub result: Result<Vec<u64>, crate::sender_listener::PullErr>,
 }
 
 /// SendWorker → SenderListener: what happened to a transfer (steps 30–31).

@@ -127,12 +127,22 @@ pub struct PullErr {
     pub detail: String,
 }
 
+/// P's digest of each block it wrote for one D request (with `verify_checksums`), in the order
+/// of the pull's `block_ids`: D checks its blocks against them before it reports the load done.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BlockDigests {
+    pub d_req_id: RequestId,
+    pub digests: Vec<u64>,
+}
+
 /// P → D (seed step 30).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PullResponse {
     pub pull_id: u64,
     pub status: PullStatus,
     pub ok_reqs: Vec<RequestId>,
+    /// P's block digests of `ok_reqs` (those P computed: with `verify_checksums`).
+    pub digests: Vec<BlockDigests>,
     pub err_reqs: Vec<PullErr>,
     /// The layout P now has cached for D (so D may omit it next time).
     pub layout_id: Option<u64>,
@@ -149,6 +159,7 @@ impl PullResponse {
             pull_id,
             status: PullStatus::Error,
             ok_reqs: vec![],
+            digests: vec![],
             err_reqs: vec![],
             layout_id: None,
             error: Some(error.into()),

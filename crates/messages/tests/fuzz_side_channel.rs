@@ -17,7 +17,8 @@ use std::cell::Cell;
 use pdflow_messages::frame::{self, FrameError, MAGIC, MAX_FRAME_LEN, VERSION};
 use pdflow_messages::layout::{KvLayout, RegionDesc};
 use pdflow_messages::sender_listener::{
-    AbortPull, PullErr, PullErrorCause, PullReq, PullRequest, PullResponse, PullStatus, SideChannelRequest,
+    AbortPull, BlockDigests, PullErr, PullErrorCause, PullReq, PullRequest, PullResponse, PullStatus,
+    SideChannelRequest,
 };
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestCaseError};
@@ -172,19 +173,23 @@ fn pull_response() -> impl Strategy<Value = PullResponse> {
         cause,
         detail,
     });
+    let digests = (text(), prop::collection::vec(any::<u64>(), 0..8))
+        .prop_map(|(d_req_id, digests)| BlockDigests { d_req_id: d_req_id.into(), digests });
     (
         any::<u64>(),
         status,
         prop::collection::vec(text(), 0..6),
+        prop::collection::vec(digests, 0..3),
         prop::collection::vec(err, 0..4),
         prop::option::of(any::<u64>()),
         prop::option::of(text()),
         any::<u64>(),
     )
-        .prop_map(|(pull_id, status, ok_reqs, err_reqs, layout_id, error, p_generation)| PullResponse {
+        .prop_map(|(pull_id, status, ok_reqs, digests, err_reqs, layout_id, error, p_generation)| PullResponse {
             pull_id,
             status,
             ok_reqs: ok_reqs.into_iter().map(Into::into).collect(),
+            digests,
             err_reqs,
             layout_id,
             error,

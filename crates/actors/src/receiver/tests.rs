@@ -116,6 +116,7 @@ fn finish(pull: &PullRequest, ok: &[&str]) -> PullResponse {
         pull_id: pull.pull_id,
         status: PullStatus::Finish,
         ok_reqs: ok.iter().map(|s| (*s).into()).collect(),
+        digests: vec![],
         err_reqs: vec![],
         layout_id: Some(pull.layout_id),
         error: None,
@@ -397,4 +398,42 @@ async fn abort_during_lookup_fails_at_once_and_pull_only_frees() {
     h.p.reply(&id, &finish(&pull, &["a"]));
     h.collect().await;
     assert!(!h.collected.finished_recving.contains("a"), "{:?}", h.collected);
+}
+
+/// With `verify_checksums`, D checks its blocks against the digests P sent with its answer: equal
+/// digests finish the load; a block that differs, or digests of other blocks, fail it (cause
+/// `kv_mismatch`, the blocks named) instead of letting D decode from wrong KV.
+#[tokio::test]
+async fn p_block_digests_are_checked_and_a_differing_block_fails_the_load() {
+    use pdflow_messages::sender_listener::BlockDigests;
+    let mut h = Harness::start(Duration::from_secs(5)).await;
+    // What D's blocks hold (the fake P writes nothing: a new cache's blocks).
+    let d_blocks = KvCache::new(TINY, 32);
+    let digests_of = |blocks: &[u32]| d_blocks.block_digests(blocks).expect("in range");
+    let answer = |pull: &PullRequest, req: &str, digests: Vec<u64>| PullResponse {
+        digests: vec![BlockDigests { d_req_id: req.into(), digests }],
+        ..finish(pull, &[req])
+    };
+
+    h.pull(vec![h.meta("same", vec![3, 4, 5])]).await;
+    let (id, pull) = h.next_pull().await;
+    h.p.reply(&id, &answer(&pull, "same", digests_of(&[3, 4, 5])));
+    let out = h.settled("same", WAIT).await;
+    assert!(out.finished_recving.contains("same") && out.failed_recving.is_empty(), "{out:?}");
+
+    let mut differ = digests_of(&[6, 7, 8]);
+    differ[1] ^= 1;
+    h.pull(vec![h.meta("differs", vec![6, 7, 8])]).await;
+    let (id, pull) = h.next_pull().await;
+    h.p.reply(&id, &answer(&pull, "differs", differ));
+    let out = h.settled("differs", WAIT).await;
+    let failure = out.failed_recving.get("differs").expect("failed, not finished");
+    assert_eq!(failure.cause, LoadFailureCause::KvMismatch);
+    assert!(failure.detail.contains("1 of 3 blocks differ") && failure.detail.contains("[7]"), "{}", failure.detail);
+
+    h.pull(vec![h.meta("short", vec![9, 10])]).await;
+    let (id, pull) = h.next_pull().await;
+    h.p.reply(&id, &answer(&pull, "short", digests_of(&[9])));
+    let failure = h.settled("short", WAIT).await.failed_recving.get("short").cloned().expect("failed");
+    assert_eq!(failure.cause, LoadFailureCause::KvMismatch, "{}", failure.detail);
 }

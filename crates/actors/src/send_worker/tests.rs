@@ -115,7 +115,10 @@ async fn ready_then_pull_writes_and_counts_as_sent() {
     assert_eq!(out.generation, 7);
     assert_eq!(out.p_req_id.as_deref(), Some("cmpl-p"));
     assert!(out.counts_as_sent && out.finished);
-    assert_eq!(out.reply.expect("answers the pull").result, Ok(()));
+    // With verify_checksums, the answer carries P's digest of each block written, in D's order.
+    let p = filled_cache(8, 1);
+    let digests = p.block_digests(&[2, 3, 5]).expect("in range");
+    assert_eq!(out.reply.expect("answers the pull").result, Ok(digests));
 }
 
 /// A rig whose memcpy engine records what it is asked to do.
@@ -147,13 +150,13 @@ async fn a_pull_before_ready_prepares_the_data_channel_while_p_prefills() {
     }
     assert_eq!(engine.calls(), vec!["prepare 127.0.0.1:1".to_string()], "prepared, nothing written before ready");
     rig.ready(vec![2, 3, 5]).await;
-    assert_eq!(rig.next().await.reply.expect("answers the pull").result, Ok(()));
+    assert!(rig.next().await.reply.expect("answers the pull").result.is_ok());
     assert_eq!(engine.calls(), vec!["prepare 127.0.0.1:1".to_string(), "write 127.0.0.1:1".to_string()]);
 
     let (mut later, engine) = recording_rig();
     later.ready(vec![2, 3, 5]).await;
     later.pull(vec![10, 11, 12]).await;
-    assert_eq!(later.next().await.reply.expect("answers the pull").result, Ok(()));
+    assert!(later.next().await.reply.expect("answers the pull").result.is_ok());
     assert_eq!(engine.calls(), vec!["write 127.0.0.1:1".to_string()], "nothing to prepare after ready");
 }
 
@@ -185,8 +188,10 @@ async fn d_with_a_cached_prefix_gets_the_tail_of_ps_blocks() {
     // D's prefix cache held the first block: it asks for two.
     rig.pull(vec![10, 11]).await;
     let out = rig.next().await;
-    assert_eq!(out.reply.expect("answers the pull").result, Ok(()));
     let p = filled_cache(8, 1);
+    // The digests are of the blocks sent: P's tail, one per block D asked for.
+    let digests = p.block_digests(&[2, 3]).expect("in range");
+    assert_eq!(out.reply.expect("answers the pull").result, Ok(digests));
     assert_eq!(rig.d.block_bytes(10).expect("in range"), p.block_bytes(2).expect("in range"));
     assert_eq!(rig.d.block_bytes(11).expect("in range"), p.block_bytes(3).expect("in range"));
 }

@@ -31,6 +31,7 @@ impl SendWorker {
             }
         };
         let write_span = self.write_span(&pull, p_req_id.as_deref(), &plan, &src_blocks);
+        let digests = self.block_digests(&src_blocks);
         // No byte after D's pull deadline (less a margin): D gives the blocks up then.
         let plan = TransferPlan { write_by: pull.write_by, ..plan };
         let transfer = self.args.faults.data_engine(
@@ -38,7 +39,20 @@ impl SendWorker {
             &self.args.kv_cache.region_table(),
             &self.args.transfer,
         );
-        self.start_write(pull, plan, transfer, write_span, me);
+        self.start_write(pull, plan, transfer, write_span, digests, me);
+    }
+
+    /// With `verify_checksums`, P's digest of each block it is about to write (computed before
+    /// the write: nothing writes P's blocks while they are held for sending); D checks its blocks
+    /// against them. Empty otherwise, or when they cannot be read (D then checks nothing).
+    fn block_digests(&self, src_blocks: &[BlockId]) -> Vec<u64> {
+        if !self.args.verify_checksums {
+            return Vec::new();
+        }
+        self.args.kv_cache.block_digests(src_blocks).unwrap_or_else(|e| {
+            tracing::warn!(transfer_id = %self.args.transfer_id, error = %e, "cannot digest P's blocks: D will not check them");
+            Vec::new()
+        })
     }
 
     /// The pull's wait for ready (step 22) ends: its deadline and the ready blocks' expiry are
@@ -128,6 +142,7 @@ impl SendWorker {
         plan: TransferPlan,
         transfer: Arc<dyn TransferEngine>,
         write_span: Span,
+        digests: Vec<u64>,
         me: &ActorRef<Self>,
     ) {
         let peer = pull.data_addr.clone();
@@ -144,7 +159,7 @@ impl SendWorker {
             .instrument(write_span.clone()),
         );
         self.phase = Phase::Writing;
-        self.writing = Some(Writing { pull, span: write_span, task });
+        self.writing = Some(Writing { pull, span: write_span, task, digests });
     }
 }
 
@@ -154,7 +169,7 @@ impl Message<WriteDone> for SendWorker {
     /// Steps 29 (end) and 31: mark sent and report.
     async fn handle(&mut self, msg: WriteDone, _ctx: &mut Context<Self, Self::Reply>) {
         let Some(writing) = self.writing.take() else { return };
-        let Writing { pull, span, task: _ } = writing;
+        let Writing { pull, span, task: _, digests } = writing;
         let result = match msg.result {
             Ok(stats) => {
                 span.record(attrs::BYTES, stats.bytes);
@@ -173,7 +188,7 @@ impl Message<WriteDone> for SendWorker {
                         request_id = self.p_req_id.as_deref(),
                         transfer_id = self.args.transfer_id.as_str()
                     ));
-                    Ok(())
+                    Ok(digests)
                 }
             }
             Err(e) => {

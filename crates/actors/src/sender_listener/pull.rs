@@ -10,7 +10,9 @@ use kameo::prelude::*;
 use pdflow_messages::frame;
 use pdflow_messages::layout::KvLayout;
 use pdflow_messages::send_worker::ServePull;
-use pdflow_messages::sender_listener::{PullErr, PullErrorCause, PullReq, PullRequest, PullResponse, PullStatus};
+use pdflow_messages::sender_listener::{
+    BlockDigests, PullErr, PullErrorCause, PullReq, PullRequest, PullResponse, PullStatus,
+};
 use pdflow_messages::RequestId;
 use pdflow_telemetry::{attrs, step_span, steps, Outcome};
 
@@ -79,7 +81,7 @@ impl SenderListener {
     }
 
     /// Step 30: one request of a pull is settled: `Continue` while others remain, else `Finish`.
-    pub(super) fn settle(&mut self, key: u64, d_req_id: &RequestId, result: Result<(), PullErr>) {
+    pub(super) fn settle(&mut self, key: u64, d_req_id: &RequestId, result: Result<Vec<u64>, PullErr>) {
         let Some(pull) = self.pulls.get_mut(&key) else {
             tracing::debug!(d_req_id = %d_req_id, "outcome for a pull already answered");
             return;
@@ -89,20 +91,26 @@ impl SenderListener {
         let span =
             step_span!(steps::P_REPLY_FINISH, request_id = d_req_id.as_str(), transfer_id = transfer_id.as_str());
         span.record(attrs::ENGINE_ID, self.args.engine_id.as_str());
-        let (ok_reqs, err_reqs) = match result {
-            Ok(()) => {
+        let (ok_reqs, digests, err_reqs) = match result {
+            Ok(digests) => {
                 Outcome::Ok.record(&span);
-                (vec![d_req_id.clone()], vec![])
+                let digests = if digests.is_empty() {
+                    vec![]
+                } else {
+                    vec![BlockDigests { d_req_id: d_req_id.clone(), digests }]
+                };
+                (vec![d_req_id.clone()], digests, vec![])
             }
             Err(err) => {
                 Outcome::Failed(err.cause.label()).record(&span);
-                (vec![], vec![err])
+                (vec![], vec![], vec![err])
             }
         };
         let response = PullResponse {
             pull_id: pull.pull_id,
             status: if last { PullStatus::Finish } else { PullStatus::Continue },
             ok_reqs,
+            digests,
             err_reqs,
             layout_id: Some(pull.layout_id),
             error: None,
