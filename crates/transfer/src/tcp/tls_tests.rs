@@ -1,6 +1,7 @@
 //! The data channel with TLS (the cluster secret's identity), over real sockets: every byte of a
 //! write spread over several connections lands, pooled connections are reused, the same-host
-//! question is still answered, a stranger's certificate is refused by either end, and TLS on one
+//! question is still answered, a rotation mid-way still shakes hands, a stranger's certificate is
+//! refused by either end, and TLS on one
 //! end only fails with a hint — and in every refusal D's memory stays as it was.
 
 use std::sync::Arc;
@@ -147,4 +148,18 @@ async fn garbage_instead_of_a_handshake_is_closed_and_the_server_keeps_serving()
     }
     s.write(&s.engine(Some(KEY), true), &s.plan(&[2], &[6])).await.expect("still serving");
     assert!(s.landed(&[(2, 6)]));
+}
+
+/// A rotation under TLS, as without it: mid-way P still presents the old key's certificate and D
+/// the new one's; each holds the other's key as its second line, so the handshake passes.
+#[tokio::test]
+async fn mid_rotation_ends_presenting_different_keys_still_shake_hands() {
+    let s = side(Some("new-cluster-secret-0002\nold-cluster-secret-0001"), true).await;
+    let p = s.engine(Some("old-cluster-secret-0001\nnew-cluster-secret-0002"), true);
+    s.write(&p, &s.plan(&[3], &[7])).await.expect("written mid-rotation");
+    assert!(s.landed(&[(3, 7)]));
+    // A P that never learnt the new key refuses D's certificate: nothing is written.
+    let stale = s.engine(Some("old-cluster-secret-0001"), true);
+    assert!(s.write(&stale, &s.plan(&[4], &[0])).await.is_err(), "a P without the new key wrote");
+    assert!(s.dst.block_bytes(0).expect("block").iter().all(|&x| x == 0));
 }
