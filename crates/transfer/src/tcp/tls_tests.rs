@@ -1,8 +1,8 @@
 //! The data channel with TLS (the cluster secret's identity), over real sockets: every byte of a
 //! write spread over several connections lands, pooled connections are reused, the same-host
 //! question is still answered, a rotation mid-way still shakes hands, a stranger's certificate is
-//! refused by either end, and TLS on one
-//! end only fails with a hint — and in every refusal D's memory stays as it was.
+//! refused by either end, and TLS on one end only fails with a hint — and in every refusal D's
+//! memory stays as it was.
 
 use std::sync::Arc;
 use std::time::Duration;
