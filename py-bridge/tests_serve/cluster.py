@@ -26,10 +26,34 @@ READY_DEADLINE_S = float(os.environ.get("PDFLOW_VLLM_READY_DEADLINE_S", "420"))
 REQUEST_DEADLINE_S = 120.0
 
 
+_HANDED_OUT: set[int] = set()
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A port free now, for a server that binds it later (a `vllm serve` takes a minute to): taken
+    below the kernel's ephemeral range, so that no socket bound to port 0 or connecting out in the
+    meantime (vLLM's own, pdflow's) can be given it first; never the same one twice."""
+    high = min(_ephemeral_low(), 32768)
+    for _ in range(500):
+        port = random.randrange(20000, high) if high > 20001 else 0
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            port = sock.getsockname()[1]
+        _HANDED_OUT.add(port)
+        return port
+    raise RuntimeError("no free port below the ephemeral range")
 
 
 def prompt_of(length: int, seed: int) -> list[int]:

@@ -24,13 +24,23 @@ const PROMPT_WORDS: usize = 48;
 struct Capture {
     child: tokio::process::Child,
     file: std::path::PathBuf,
+    /// What tcpdump says after it started (its closing counts).
+    said: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
+}
+
+/// A finished capture: its bytes, and how many packets the kernel dropped before tcpdump read
+/// them (a capture with drops proves nothing either way).
+struct Captured {
+    bytes: Vec<u8>,
+    dropped: u64,
 }
 
 impl Capture {
     /// Starts the capture and waits until tcpdump listens; why not, when it cannot.
     async fn start(file: std::path::PathBuf) -> Result<Self, String> {
         let mut child = tokio::process::Command::new("tcpdump")
-            .args(["-i", "lo", "--immediate-mode", "-U", "-s", "0", "-n", "-w"])
+            // A 64 MiB buffer: a busy machine must not make the kernel drop what tcpdump is slow to read.
+            .args(["-i", "lo", "--immediate-mode", "-B", "65536", "-U", "-s", "0", "-n", "-w"])
             .arg(&file)
             .arg("tcp")
             .stdout(Stdio::null())
@@ -54,27 +64,37 @@ impl Capture {
         match listening {
             Ok(Ok(())) => {
                 // Keep draining its stderr so it never blocks on a full pipe.
+                let said = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+                let keep = said.clone();
                 tokio::spawn(async move {
                     while let Ok(Some(line)) = lines.next_line().await {
                         eprintln!("tcpdump: {line}");
+                        keep.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push(line);
                     }
                 });
-                Ok(Self { child, file })
+                Ok(Self { child, file, said })
             }
             Ok(Err(said)) => Err(format!("tcpdump cannot capture on lo (needs root or CAP_NET_RAW): {said}")),
             Err(_) => Err("tcpdump did not start listening on lo within 10 s".into()),
         }
     }
 
-    /// Stops tcpdump (it writes what it holds on SIGINT) and returns the capture's bytes.
-    async fn finish(mut self) -> Vec<u8> {
+    /// Stops tcpdump (it writes what it holds on SIGINT) and returns the capture.
+    async fn finish(mut self) -> Captured {
         // The last packets reach tcpdump's buffer a moment after the request's answer.
         tokio::time::sleep(Duration::from_millis(300)).await;
         if let Some(pid) = self.child.id() {
             let _ = tokio::process::Command::new("kill").args(["-INT", &pid.to_string()]).status().await;
         }
         let _ = tokio::time::timeout(Duration::from_secs(10), self.child.wait()).await;
-        std::fs::read(&self.file).expect("the capture file")
+        // Its stderr's last lines arrive just after it exits.
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let said = self.said.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone();
+        let dropped = said
+            .iter()
+            .find_map(|l| l.strip_suffix(" packets dropped by kernel").and_then(|n| n.trim().parse().ok()))
+            .unwrap_or(0);
+        Captured { bytes: std::fs::read(&self.file).expect("the capture file"), dropped }
     }
 }
 
@@ -102,14 +122,26 @@ fn contains(haystack: &[u8], needle: &[u8]) -> bool {
 
 /// What one captured request carried: the capture, the KV's runs, and D's data address as its
 /// pull names it (the side channel is the only socket that carries it).
-struct Captured {
+struct Request {
     bytes: Vec<u8>,
     kv_runs: Vec<Vec<u8>>,
     d_data_addr: String,
 }
 
+/// [`captured_one`], again (up to three times in all) while the kernel dropped packets.
+async fn captured_request(tls: bool, seed: u64) -> Result<Request, String> {
+    for attempt in 1..=3 {
+        let (captured, request) = captured_one(tls, seed).await?;
+        if captured.dropped == 0 {
+            return Ok(request);
+        }
+        eprintln!("attempt {attempt}: the kernel dropped {} packets of the capture: again", captured.dropped);
+    }
+    panic!("every capture lost packets (tcpdump's drops): nothing can be concluded from it");
+}
+
 /// One request through a 1P1D cluster under the secret, captured.
-async fn captured_request(tls: bool, seed: u64) -> Result<Captured, String> {
+async fn captured_one(tls: bool, seed: u64) -> Result<(Captured, Request), String> {
     let opts = EngineOpts { secret: Some(SECRET.to_string()), tls, tcp_only: true, ..EngineOpts::default() };
     let mut spec = ClusterSpec::one_p_one_d();
     spec.prefill = vec![opts.clone()];
@@ -133,13 +165,14 @@ async fn captured_request(tls: bool, seed: u64) -> Result<Captured, String> {
     let runs = kv_runs(&words, &cluster);
     let d_data_addr = cluster.endpoints.decode[0].data_addr.clone().expect("D's data address");
     cluster.shutdown().await;
-    let bytes = capture.finish().await;
+    let captured = capture.finish().await;
     if std::env::var_os("PDFLOW_KEEP_CAPTURE").is_none() {
         let _ = std::fs::remove_dir_all(&dir);
     } else {
         eprintln!("capture kept in {}", dir.display());
     }
-    Ok(Captured { bytes, kv_runs: runs, d_data_addr })
+    let bytes = captured.bytes.clone();
+    Ok((captured, Request { bytes, kv_runs: runs, d_data_addr }))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
