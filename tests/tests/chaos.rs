@@ -117,6 +117,11 @@ async fn side_channel_message_faults_and_node_kills_end_cleanly() {
             // proxy's HTTP server outlives its actor and its flows wait for the restart.
             (cell("proxy", kill(ActorKind::Proxy, Role::Proxy, 8, When::Begin)), &[Outcome::Completed]),
             (cell("bootstrap", kill(ActorKind::Bootstrap, Role::P, 20, When::Begin)), RECOVERED),
+            // One byte of the KV altered on the link: D's block check catches it and recomputes.
+            (
+                cell("send_worker", Fault::new(29, When::Begin, FaultAction::FlipData { at_byte: 12_288 })),
+                &[Outcome::Recomputed],
+            ),
         ],
     )
     .await;
@@ -129,6 +134,10 @@ async fn under_policy_fail_a_lost_kv_load_is_a_clean_error() {
         vec![
             (cell("send_worker", kill(ActorKind::SendWorker, Role::P, 29, When::Begin)), &[Outcome::FailedClean]),
             (cell("pull_task", Fault::new(21, When::Begin, FaultAction::Corrupt)), &[Outcome::FailedClean]),
+            (
+                cell("send_worker", Fault::new(29, When::Begin, FaultAction::FlipData { at_byte: 12_288 })),
+                &[Outcome::FailedClean],
+            ),
         ],
     )
     .await;

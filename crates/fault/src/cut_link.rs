@@ -5,6 +5,9 @@
 //! and closes any connection made after: D reads a batch torn mid-way and end-of-stream, P's write
 //! fails on a dead socket. D's answers travel back untouched.
 //!
+//! `flip_data` is the same relay altering one byte instead (the one after the first K bytes from
+//! P, over every connection) and carrying everything else: a tamperer on the path.
+//!
 //! [`CutEngine`] is the transfer engine a fault seam hands step 29 for a request given such a
 //! fault: a tcp engine of its own (never the node's pool, so no connection of another request is
 //! touched, and a cut is never retried on a pooled one) writing through a fresh link per write.
@@ -35,11 +38,24 @@ pub struct CutLink {
     accept: tokio::task::JoinHandle<()>,
 }
 
+/// What a link does to P's write.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LinkFault {
+    /// Carries this many bytes from P, then dies (`cut_data`).
+    CutAfter(u64),
+    /// Alters the byte after this many from P and carries the rest (`flip_data`).
+    FlipAt(u64),
+}
+
 struct LinkState {
     /// Bytes from P the link may still carry.
     budget: AtomicU64,
     cut: AtomicBool,
     on_cut: Notify,
+    /// With `flip_data`, the position (over every connection) of the byte to alter.
+    flip_at: Option<u64>,
+    /// Bytes from P carried so far, over every connection.
+    carried: AtomicU64,
 }
 
 impl LinkState {
@@ -66,14 +82,25 @@ impl LinkState {
 impl CutLink {
     /// Starts a relay on 127.0.0.1 to the data server at `to`, cutting after `after_bytes` bytes.
     pub async fn start(to: &str, after_bytes: u64) -> std::io::Result<Self> {
+        Self::with_fault(to, LinkFault::CutAfter(after_bytes)).await
+    }
+
+    /// Starts a relay on 127.0.0.1 to the data server at `to` that does `fault` to P's bytes.
+    pub async fn with_fault(to: &str, fault: LinkFault) -> std::io::Result<Self> {
         let listener = TcpListener::bind("127.0.0.1:0").await?;
         let addr = listener.local_addr()?;
+        let (budget, flip_at) = match fault {
+            LinkFault::CutAfter(k) => (k, None),
+            LinkFault::FlipAt(k) => (u64::MAX, Some(k)),
+        };
         let state = Arc::new(LinkState {
-            budget: AtomicU64::new(after_bytes),
+            budget: AtomicU64::new(budget),
             cut: AtomicBool::new(false),
             on_cut: Notify::new(),
+            flip_at,
+            carried: AtomicU64::new(0),
         });
-        if after_bytes == 0 {
+        if budget == 0 {
             state.cut();
         }
         let accept = tokio::spawn(accept_loop(listener, to.to_string(), state.clone()));
@@ -129,6 +156,11 @@ async fn relay(p_side: TcpStream, d_side: TcpStream, state: Arc<LinkState>) {
                 Ok(n) => n,
             };
             let granted = usize::try_from(state.take(n as u64)).unwrap_or(n);
+            let start = state.carried.fetch_add(granted as u64, Ordering::AcqRel);
+            if let Some(at) = state.flip_at.filter(|&at| at >= start && at < start + granted as u64) {
+                // The position lies in this read (checked just above): at - start < granted.
+                buf[(at - start) as usize] ^= 0xff;
+            }
             if d_write.write_all(&buf[..granted]).await.is_err() {
                 return;
             }
@@ -179,27 +211,30 @@ async fn shut(stream: TcpStream) {
     }
 }
 
-/// Step 29's engine for a request given `cut_data`: every write goes over tcp through a fresh
-/// [`CutLink`] that cuts after `after_bytes` bytes.
+/// Step 29's engine for a request given `cut_data` or `flip_data`: every write goes over tcp
+/// through a fresh [`CutLink`] doing `fault`.
 pub struct CutEngine {
     tcp: TcpTransferEngine,
-    after_bytes: u64,
+    fault: LinkFault,
 }
 
 impl CutEngine {
-    pub fn new(local: RegionTable, config: TcpConfig, after_bytes: u64) -> Self {
-        Self { tcp: TcpTransferEngine::new(local, config), after_bytes }
+    pub fn new(local: RegionTable, config: TcpConfig, fault: LinkFault) -> Self {
+        Self { tcp: TcpTransferEngine::new(local, config), fault }
     }
 
     async fn write_cut(&self, peer: &str, plan: &TransferPlan) -> Result<TransferStats, TransferError> {
-        let link = CutLink::start(peer, self.after_bytes)
+        let link = CutLink::with_fault(peer, self.fault)
             .await
             .map_err(|source| TransferError::Connect { peer: peer.to_string(), source })?;
         let result = self.tcp.write(&link.addr().to_string(), plan).await;
         match result {
             // A cut past the write's last byte still cuts the link before D's last ack reaches P.
             Ok(_) if link.is_cut() => {
-                Err(TransferError::Io { peer: peer.to_string(), source: cut_error(self.after_bytes) })
+                let after = match self.fault {
+                    LinkFault::CutAfter(k) | LinkFault::FlipAt(k) => k,
+                };
+                Err(TransferError::Io { peer: peer.to_string(), source: cut_error(after) })
             }
             Ok(stats) => Ok(stats),
             Err(e) => Err(e),

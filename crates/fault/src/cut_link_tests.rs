@@ -14,7 +14,7 @@ use pdflow_transfer::tcp::{TcpConfig, TcpDataServer, TcpTransferEngine};
 use pdflow_transfer::{TransferEngine, TransferError};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-use crate::{CutEngine, CutLink};
+use crate::{CutEngine, CutLink, LinkFault};
 
 const SMALL: KvShape = KvShape { num_layers: 4, num_kv_heads: 2, head_dim: 8, dtype_bytes: 2, block_size: 4 };
 /// 64 KiB per block and layer: a plan of a few blocks goes over several streams.
@@ -136,7 +136,7 @@ async fn a_cut_write_fails_d_keeps_nothing_past_the_cut_and_its_closed_fence_ref
     for (token, k) in [(7u64, 0u64), (8, 300), (9, plan.total_bytes() / 2)] {
         let plan = TransferPlan { fence: token, ..plan.clone() };
         f.fence.open(token);
-        let cut = CutEngine::new(f.src.region_table(), TcpConfig::default(), k);
+        let cut = CutEngine::new(f.src.region_table(), TcpConfig::default(), LinkFault::CutAfter(k));
         let err = bounded("cut write", cut.write(&f.peer, &plan)).await.expect_err("a cut write fails");
         assert_failed_on_the_link(&err);
         // What landed is a prefix of the plan, shorter than what the link carried (hello, fence
@@ -163,7 +163,7 @@ async fn a_cut_spread_over_streams_counts_k_over_the_whole_write() {
     let k = plan.total_bytes() / 2;
     f.fence.open(3);
     let config = TcpConfig { streams_per_peer: 4, ..TcpConfig::default() };
-    let cut = CutEngine::new(f.src.region_table(), config, k);
+    let cut = CutEngine::new(f.src.region_table(), config, LinkFault::CutAfter(k));
     let err = bounded("cut write", cut.write(&f.peer, &plan)).await.expect_err("a cut write fails");
     assert_failed_on_the_link(&err);
     bounded("fence close", f.fence.close(3, Duration::from_secs(5))).await.expect("every torn batch ended");
@@ -178,4 +178,27 @@ async fn a_cut_spread_over_streams_counts_k_over_the_whole_write() {
         })
         .sum();
     assert!((landed as u64) <= k, "{landed} bytes landed through a link cut after {k}");
+}
+
+/// `flip_data`: the write succeeds and every byte lands but one, which differs — what a tamperer
+/// on the path leaves in D's blocks for its `verify_checksums` to find.
+#[tokio::test]
+async fn a_flipping_link_alters_exactly_one_payload_byte_and_the_write_succeeds() {
+    let f = fenced(SMALL, 32).await;
+    let (src_blocks, dst_blocks): (Vec<BlockId>, Vec<BlockId>) = ((1..5).collect(), (10..14).collect());
+    let plan = f.plan(&src_blocks, &dst_blocks, 5);
+    f.fence.open(5);
+    let flip = CutEngine::new(f.src.region_table(), TcpConfig::default(), LinkFault::FlipAt(plan.total_bytes() / 2));
+    bounded("flipped write", flip.write(&f.peer, &plan)).await.expect("the write itself succeeds");
+    let differ: usize = plan
+        .descriptors
+        .iter()
+        .map(|d| {
+            let (src, dst) = (f.src.region_table(), f.dst.region_table());
+            // SAFETY: test only; the plan was checked against both caches.
+            let (want, got) = unsafe { (src.slice(d.src, d.len).expect("P"), dst.slice(d.dst, d.len).expect("D")) };
+            want.iter().zip(got).filter(|(w, g)| w != g).count()
+        })
+        .sum();
+    assert_eq!(differ, 1, "exactly one byte of D's blocks differs from P's");
 }

@@ -32,7 +32,7 @@ use pdflow_messages::TransferId;
 use pdflow_transfer::tcp::TcpConfig;
 use pdflow_transfer::TransferEngine;
 
-pub use cut_link::{CutEngine, CutLink};
+pub use cut_link::{CutEngine, CutLink, LinkFault};
 pub use layer::FaultLayer;
 pub use pdflow_actors::fault_seam::{ActorKind, NodeKind, Role};
 pub use plan::{Fault, FaultAction, FaultPlan, FaultPlanError, When, DATA_STEPS, ENV_FAULT_PLAN, MESSAGE_STEPS};
@@ -119,20 +119,43 @@ impl FaultDomain {
     /// The cut of step 29's write for `request_id`, claimed if one applies: `Some(k)` means the
     /// link dies after `k` bytes (the smallest `k` when several faults apply).
     pub fn data_cut(&self, request_id: &str) -> Option<u64> {
+        match self.data_fault(request_id)? {
+            LinkFault::CutAfter(k) => Some(k),
+            LinkFault::FlipAt(_) => None,
+        }
+    }
+
+    /// What happens to step 29's link for `request_id`, claimed if a fault applies: a cut (the
+    /// smallest when several apply; a cut wins over a flip) or one byte altered.
+    pub fn data_fault(&self, request_id: &str) -> Option<LinkFault> {
         let injector = self.active()?;
         let step = plan::DATA_STEPS[0];
-        let claimed = injector.take(step, None, request_id, |a| matches!(a, FaultAction::CutData { .. }));
-        let mut cut: Option<u64> = None;
+        let claimed = injector
+            .take(step, None, request_id, |a| matches!(a, FaultAction::CutData { .. } | FaultAction::FlipData { .. }));
+        let mut chosen: Option<LinkFault> = None;
         for (index, action) in claimed {
-            if let FaultAction::CutData { after_bytes } = action {
-                injector.record(index, step, When::Begin, request_id, 0);
-                cut = Some(cut.map_or(after_bytes, |c| c.min(after_bytes)));
+            let this = match action {
+                FaultAction::CutData { after_bytes } => LinkFault::CutAfter(after_bytes),
+                FaultAction::FlipData { at_byte } => LinkFault::FlipAt(at_byte),
+                _ => continue,
+            };
+            injector.record(index, step, When::Begin, request_id, 0);
+            chosen = Some(match (chosen, this) {
+                (Some(LinkFault::CutAfter(a)), LinkFault::CutAfter(b)) => LinkFault::CutAfter(a.min(b)),
+                (Some(cut @ LinkFault::CutAfter(_)), LinkFault::FlipAt(_)) => cut,
+                (_, this) => this,
+            });
+        }
+        match chosen {
+            Some(LinkFault::CutAfter(after_bytes)) => {
+                tracing::warn!(step, request_id, after_bytes, "fault injected: the data link will be cut")
             }
+            Some(LinkFault::FlipAt(at_byte)) => {
+                tracing::warn!(step, request_id, at_byte, "fault injected: the data link will alter one byte")
+            }
+            None => {}
         }
-        if let Some(after_bytes) = cut {
-            tracing::warn!(step, request_id, after_bytes, "fault injected: the data link will be cut");
-        }
-        cut
+        chosen
     }
 }
 
@@ -158,8 +181,8 @@ impl FaultSeam for FaultDomain {
         local: &RegionTable,
         engine: &Arc<dyn TransferEngine>,
     ) -> Arc<dyn TransferEngine> {
-        match self.data_cut(request_id) {
-            Some(after_bytes) => Arc::new(CutEngine::new(local.clone(), self.tcp.clone(), after_bytes)),
+        match self.data_fault(request_id) {
+            Some(fault) => Arc::new(CutEngine::new(local.clone(), self.tcp.clone(), fault)),
             None => engine.clone(),
         }
     }
@@ -251,7 +274,10 @@ impl FaultInjector {
     fn on_step(&self, registry: &Registry, step: u8, when: When, request_id: &str, transfer_id: &str) {
         // Message faults and data cuts are claimed by the actor that sends (message_fault, data_cut).
         let claimed = self.take(step, Some(when), request_id, |a| {
-            !matches!(a, FaultAction::Drop | FaultAction::Corrupt | FaultAction::CutData { .. })
+            !matches!(
+                a,
+                FaultAction::Drop | FaultAction::Corrupt | FaultAction::CutData { .. } | FaultAction::FlipData { .. }
+            )
         });
         for (index, action) in claimed {
             let killed = match &action {
@@ -265,7 +291,10 @@ impl FaultInjector {
                     std::thread::sleep(std::time::Duration::from_millis(*ms));
                     continue;
                 }
-                FaultAction::Drop | FaultAction::Corrupt | FaultAction::CutData { .. } => 0,
+                FaultAction::Drop
+                | FaultAction::Corrupt
+                | FaultAction::CutData { .. }
+                | FaultAction::FlipData { .. } => 0,
             };
             // Recorded, not logged: a `tracing` event emitted from inside a layer callback would
             // corrupt the per-layer filter state of the span being created or closed.

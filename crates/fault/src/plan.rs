@@ -74,10 +74,15 @@ pub enum FaultAction {
     /// P's data link is cut after it carried this many bytes of the step's write (step 29): the
     /// bytes before the cut reach D, then every connection of the write is shut down both ways.
     CutData { after_bytes: u64 },
+    /// P's data link alters one byte of the step's write (step 29) — the one after the first
+    /// `at_byte` bytes from P, counted over every connection of the write — and carries the rest
+    /// untouched: a tamperer on the path. D's `verify_checksums` sees the block differ.
+    FlipData { at_byte: u64 },
 }
 
 impl FaultAction {
-    /// Short label for reports: `kill`, `drop`, `corrupt`, `delay`, `kill_node`, `cut_data`.
+    /// Short label for reports: `kill`, `drop`, `corrupt`, `delay`, `kill_node`, `cut_data`,
+    /// `flip_data`.
     pub fn label(&self) -> &'static str {
         match self {
             FaultAction::Kill { .. } => "kill",
@@ -86,6 +91,7 @@ impl FaultAction {
             FaultAction::Delay { .. } => "delay",
             FaultAction::KillNode { .. } => "kill_node",
             FaultAction::CutData { .. } => "cut_data",
+            FaultAction::FlipData { .. } => "flip_data",
         }
     }
 }
@@ -191,12 +197,16 @@ impl FaultPlan {
                 FaultAction::Delay { ms } if *ms > 600_000 => {
                     bad(format!("delay of {ms} ms is longer than 10 minutes"))
                 }
-                FaultAction::CutData { .. } if !DATA_STEPS.contains(&f.step) => {
-                    bad(format!("cut_data acts on the data connection: only steps {DATA_STEPS:?} write over it"))
+                FaultAction::CutData { .. } | FaultAction::FlipData { .. } if !DATA_STEPS.contains(&f.step) => {
+                    bad(format!(
+                        "{} acts on the data connection: only steps {DATA_STEPS:?} write over it",
+                        f.action.label()
+                    ))
                 }
-                FaultAction::CutData { .. } if f.when == When::End => {
-                    bad("cut_data acts while the write runs: use \"when\": \"begin\" (the default)".into())
-                }
+                FaultAction::CutData { .. } | FaultAction::FlipData { .. } if f.when == When::End => bad(format!(
+                    "{} acts while the write runs: use \"when\": \"begin\" (the default)",
+                    f.action.label()
+                )),
                 _ => {}
             }
         }

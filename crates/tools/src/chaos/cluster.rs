@@ -80,7 +80,9 @@ pub fn node_cfg(
         bootstrap,
         deadlines: spec.deadlines,
         tcp: TcpConfig::default(),
-        verify_checksums: false,
+        // Every block is checked: a flip_data cell must end recomputed (or failed), never decoded
+        // from altered KV.
+        verify_checksums: true,
         kv_device: None,
         faults: faults.clone(),
     }

@@ -127,6 +127,13 @@ fn cut_data(after_bytes: u64) -> CellSpec {
     CellSpec::new("send_worker".into(), format!("cut_data@{after_bytes}"), f)
 }
 
+/// One byte of P's write (step 29) is altered on the link after `at_byte` bytes: D's block check
+/// must catch it (the request recomputed or failed cleanly, never answered from altered KV).
+fn flip_data(at_byte: u64) -> CellSpec {
+    let f = Fault::new(steps::P_TRANSFER_WRITE.number, When::Begin, FaultAction::FlipData { at_byte });
+    CellSpec::new("send_worker".into(), format!("flip_data@{at_byte}"), f)
+}
+
 /// The prompt length of a chaos request (`chaos::run` and the chaos tests send 40 tokens).
 const CHAOS_PROMPT_TOKENS: usize = 40;
 
@@ -184,6 +191,7 @@ pub fn cells(quick: bool, deadlines: &Deadlines) -> Vec<CellSpec> {
         out.push(node(NodeKind::D, steps::P_TRANSFER_WRITE.number));
         out.push(node(NodeKind::Bootstrap, steps::D_BOOTSTRAP_QUERY.number));
         out.push(cut_data(cut_points()[1]));
+        out.push(flip_data(cut_points()[2]));
         return out;
     }
     for (kind, role, label) in targets() {
@@ -211,6 +219,7 @@ pub fn cells(quick: bool, deadlines: &Deadlines) -> Vec<CellSpec> {
         }
     }
     out.extend(cut_points().into_iter().map(cut_data));
+    out.push(flip_data(cut_points()[2]));
     out
 }
 
@@ -228,7 +237,9 @@ mod tests {
             for (_, _, label) in targets() {
                 assert!(cells.iter().any(|c| c.actor == label), "{label} missing (quick: {quick})");
             }
-            for fault in ["kill@begin", "kill@end", "drop", "corrupt", "kill_node@begin", "cut_data@4096"] {
+            for fault in
+                ["kill@begin", "kill@end", "drop", "corrupt", "kill_node@begin", "cut_data@4096", "flip_data@12288"]
+            {
                 assert!(cells.iter().any(|c| c.fault == fault), "{fault} missing (quick: {quick})");
             }
             let mut names: Vec<String> = cells.iter().map(CellSpec::name).collect();
