@@ -1,6 +1,7 @@
 //! The cut link over real sockets: exactly K bytes reach D, then both sides see the link die;
 //! D's fenced data server keeps nothing past what the link carried, its pull's fence closes at
-//! once, and it goes on serving.
+//! once, and it goes on serving. The flipping link alters exactly one byte; under TLS the altered
+//! record is refused and nothing altered lands.
 
 use std::future::Future;
 use std::sync::Arc;
@@ -201,4 +202,34 @@ async fn a_flipping_link_alters_exactly_one_payload_byte_and_the_write_succeeds(
         })
         .sum();
     assert_eq!(differ, 1, "exactly one byte of D's blocks differs from P's");
+}
+
+/// `flip_data` against a data channel under TLS: the altered record fails D's decryption, so the
+/// write fails, and D holds only what came before that record — not one altered byte.
+#[tokio::test]
+async fn under_tls_a_flipped_byte_fails_the_write_and_nothing_altered_lands() {
+    let secret = pdflow_auth::ClusterSecret::from_text("the-cluster-secret-0001").expect("valid secret");
+    let mut config = TcpConfig { secret: Some(secret.clone()), ..TcpConfig::default() };
+    config.set_tls(true).expect("TLS with the secret");
+    let fence = WriteFence::new();
+    let (src, dst) = (filled_cache(SMALL, 32), KvCache::new(SMALL, 32));
+    let options = pdflow_transfer::tcp::DataServerOptions {
+        secret: Some(secret),
+        tls: config.tls.clone(),
+        fence: Some(fence.clone()),
+        ..Default::default()
+    };
+    let server = TcpDataServer::bind_options("127.0.0.1:0".parse().expect("address"), dst.region_table(), options)
+        .await
+        .expect("binds");
+    let f = Fenced { src, dst, peer: server.local_addr().to_string(), _server: server, fence };
+    let (src_blocks, dst_blocks): (Vec<BlockId>, Vec<BlockId>) = ((1..5).collect(), (10..14).collect());
+    let plan = f.plan(&src_blocks, &dst_blocks, 5);
+    f.fence.open(5);
+    let flip = CutEngine::new(f.src.region_table(), config, LinkFault::FlipAt(plan.total_bytes() / 2));
+    let err = bounded("flipped write", flip.write(&f.peer, &plan)).await.expect_err("TLS refuses the altered record");
+    assert_failed_on_the_link(&err);
+    bounded("fence close", f.fence.close(5, Duration::from_secs(2))).await.expect("no batch left in flight");
+    // Every byte D holds is P's (a prefix of the plan); the rest is untouched.
+    assert!(f.landed_prefix(&plan) < plan.total_bytes());
 }
