@@ -228,16 +228,12 @@ impl CutEngine {
             .await
             .map_err(|source| TransferError::Connect { peer: peer.to_string(), source })?;
         let result = self.tcp.write(&link.addr().to_string(), plan).await;
-        match result {
+        match (result, self.fault) {
             // A cut past the write's last byte still cuts the link before D's last ack reaches P.
-            Ok(_) if link.is_cut() => {
-                let after = match self.fault {
-                    LinkFault::CutAfter(k) | LinkFault::FlipAt(k) => k,
-                };
+            (Ok(_), LinkFault::CutAfter(after)) if link.is_cut() => {
                 Err(TransferError::Io { peer: peer.to_string(), source: cut_error(after) })
             }
-            Ok(stats) => Ok(stats),
-            Err(e) => Err(e),
+            (result, _) => result,
         }
     }
 }

@@ -37,6 +37,8 @@ mod auth_tests;
 #[cfg(test)]
 mod fuzz_tests;
 #[cfg(test)]
+mod test_side;
+#[cfg(test)]
 mod tests;
 #[cfg(test)]
 mod tls_tests;

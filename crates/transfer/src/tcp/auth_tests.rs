@@ -3,19 +3,17 @@
 //! to both sides' fresh nonces (a replayed one fails), and a refused write leaves D's memory as it
 //! was.
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use pdflow_auth::ClusterSecret;
-use pdflow_kv::memory::{KvCache, KvShape};
-use pdflow_kv::planner::{build_plan, TransferPlan};
-use pdflow_messages::BlockId;
+use pdflow_kv::memory::KvShape;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
+use super::test_side::{data_refusals, Side};
 use super::wire::{self, Ack, HelloAnswer};
-use super::{DataServerOptions, TcpConfig, TcpDataServer, TcpTransferEngine};
-use crate::{TransferEngine, TransferError};
+use super::{DataServerOptions, TcpConfig, TcpTransferEngine};
+use crate::TransferError;
 
 const SHAPE: KvShape = KvShape { num_layers: 2, num_kv_heads: 2, head_dim: 8, dtype_bytes: 2, block_size: 4 };
 const BOUND: Duration = Duration::from_secs(10);
@@ -24,61 +22,23 @@ fn secret(text: &str) -> ClusterSecret {
     ClusterSecret::from_text(text).expect("valid secret")
 }
 
-/// A cache of `shape` whose every slot holds bytes that differ by layer, block, head and slot.
-pub(super) fn filled_with(shape: KvShape, num_blocks: usize) -> Arc<KvCache> {
-    let cache = KvCache::new(shape, num_blocks);
-    for layer in 0..shape.num_layers {
-        for block in 0..num_blocks {
-            for head in 0..shape.num_kv_heads {
-                for slot in 0..shape.block_size {
-                    let bytes: Vec<u8> = (0..shape.slot_len())
-                        .map(|i| (1 + layer * 31 + block * 17 + head * 7 + slot * 3 + i) as u8)
-                        .collect();
-                    cache.write_slot(layer, block as BlockId, head, slot, &bytes).expect("in range");
-                }
-            }
-        }
-    }
-    cache
-}
-
-struct Side {
-    src: Arc<KvCache>,
-    dst: Arc<KvCache>,
-    _server: TcpDataServer,
-    peer: String,
-}
-
+/// D's data server under `d_secret`, over the small shape.
 async fn side(d_secret: Option<ClusterSecret>) -> Side {
-    let (src, dst) = (filled_with(SHAPE, 8), KvCache::new(SHAPE, 8));
-    let options = DataServerOptions { secret: d_secret, ..DataServerOptions::default() };
-    let server = TcpDataServer::bind_options("127.0.0.1:0".parse().expect("address"), dst.region_table(), options)
-        .await
-        .expect("binds");
-    let peer = server.local_addr().to_string();
-    Side { src, dst, _server: server, peer }
+    Side::start(SHAPE, DataServerOptions { secret: d_secret, ..DataServerOptions::default() }).await
 }
 
-impl Side {
-    fn engine(&self, p_secret: Option<ClusterSecret>) -> TcpTransferEngine {
-        TcpTransferEngine::new(self.src.region_table(), TcpConfig { secret: p_secret, ..TcpConfig::default() })
-    }
+/// P's engine under `p_secret`.
+fn engine(s: &Side, p_secret: Option<ClusterSecret>) -> TcpTransferEngine {
+    s.engine(TcpConfig { secret: p_secret, ..TcpConfig::default() })
+}
 
-    fn plan(&self) -> TransferPlan {
-        build_plan(&self.src.regions(), &[1, 2], &self.dst.regions(), &[5, 6], true).expect("plannable")
-    }
+/// The write these tests make: P's blocks 1 and 2 into D's 5 and 6.
+async fn write(s: &Side, engine: &TcpTransferEngine) -> Result<(), TransferError> {
+    s.write(engine, &s.plan(&[1, 2], &[5, 6])).await
+}
 
-    fn landed(&self) -> bool {
-        [(1, 5), (2, 6)].iter().all(|&(s, d)| self.src.block_bytes(s).ok() == self.dst.block_bytes(d).ok())
-    }
-
-    fn untouched(&self) -> bool {
-        (0..8).all(|b| self.dst.block_bytes(b).expect("block").iter().all(|&x| x == 0))
-    }
-
-    async fn write(&self, engine: &TcpTransferEngine) -> Result<(), TransferError> {
-        tokio::time::timeout(BOUND, engine.write(&self.peer, &self.plan())).await.expect("bounded").map(|_| ())
-    }
+fn landed(s: &Side) -> bool {
+    s.landed(&[(1, 5), (2, 6)])
 }
 
 fn refused_with(result: Result<(), TransferError>, words: &str) {
@@ -91,21 +51,21 @@ fn refused_with(result: Result<(), TransferError>, words: &str) {
 #[tokio::test]
 async fn with_the_same_secret_on_both_sides_the_write_lands() {
     let s = side(Some(secret("the-cluster-secret-0001"))).await;
-    s.write(&s.engine(Some(secret("the-cluster-secret-0001")))).await.expect("written");
-    assert!(s.landed());
+    write(&s, &engine(&s, Some(secret("the-cluster-secret-0001")))).await.expect("written");
+    assert!(landed(&s));
 }
 
 #[tokio::test]
 async fn a_p_without_the_secret_is_told_to_configure_it_and_writes_nothing() {
     let s = side(Some(secret("the-cluster-secret-0001"))).await;
-    refused_with(s.write(&s.engine(None)).await, "requires the cluster secret");
+    refused_with(write(&s, &engine(&s, None)).await, "requires the cluster secret");
     assert!(s.untouched());
 }
 
 #[tokio::test]
 async fn p_writes_no_kv_to_a_data_server_that_does_not_prove_it_holds_the_secret() {
     let s = side(None).await;
-    refused_with(s.write(&s.engine(Some(secret("the-cluster-secret-0001")))).await, "did not prove");
+    refused_with(write(&s, &engine(&s, Some(secret("the-cluster-secret-0001")))).await, "did not prove");
     assert!(s.untouched());
 }
 
@@ -113,7 +73,7 @@ async fn p_writes_no_kv_to_a_data_server_that_does_not_prove_it_holds_the_secret
 async fn a_wrong_secret_is_refused_by_both_sides_and_nothing_lands() {
     let s = side(Some(secret("the-cluster-secret-0001"))).await;
     let before = data_refusals("unknown_key");
-    refused_with(s.write(&s.engine(Some(secret("another-secret-9999")))).await, "key this side does not hold");
+    refused_with(write(&s, &engine(&s, Some(secret("another-secret-9999")))).await, "key this side does not hold");
     assert!(s.untouched());
     assert!(data_refusals("unknown_key") > before, "P counted the refusal");
 }
@@ -125,11 +85,11 @@ async fn a_wrong_secret_is_refused_by_both_sides_and_nothing_lands() {
 async fn mid_rotation_peers_signing_with_different_keys_still_write() {
     let s = side(Some(secret("new-cluster-secret-0002\nold-cluster-secret-0001"))).await;
     let p = secret("old-cluster-secret-0001\nnew-cluster-secret-0002");
-    s.write(&s.engine(Some(p))).await.expect("written");
-    assert!(s.landed());
+    write(&s, &engine(&s, Some(p))).await.expect("written");
+    assert!(landed(&s));
     // A P that never learnt the new key cannot check D's proof: no KV goes out.
-    let stale = s.engine(Some(secret("old-cluster-secret-0001")));
-    refused_with(s.write(&stale).await, "key this side does not hold");
+    let stale = engine(&s, Some(secret("old-cluster-secret-0001")));
+    refused_with(write(&s, &stale).await, "key this side does not hold");
 }
 
 /// An attacker without the secret: it answers D's challenge with a proof it made up, or with
@@ -154,7 +114,7 @@ async fn a_forged_or_replayed_proof_is_refused_and_the_batch_after_it_never_land
         let (ack, mut stream) = handshake(&s.peer, &p_nonce, |_| proof).await;
         assert!(matches!(&ack, Ack::Refused { reason, .. } if reason.contains("does not match")), "{what}: {ack:?}");
         // The batch an attacker sends anyway: D closed the connection; nothing lands.
-        let plan = s.plan();
+        let plan = s.plan(&[1, 2], &[5, 6]);
         let header = wire::encode_batch_header(1, &plan.descriptors).expect("header");
         let _ = stream.write_all(&header).await;
         let _ = stream.write_all(&vec![0xAB; plan.total_bytes() as usize]).await;
@@ -178,11 +138,4 @@ async fn handshake(
     stream.write_all(&wire::encode_proof(&proof(&nonce))).await.expect("sends the proof");
     let ack = tokio::time::timeout(BOUND, wire::read_ack(&mut stream)).await.expect("bounded").expect("an ack");
     (ack, stream)
-}
-
-/// `pdflow_auth_refusals_total{socket="data",cause}` in this process's registry.
-pub(super) fn data_refusals(cause: &str) -> f64 {
-    let series = format!("pdflow_auth_refusals_total{{socket=\"data\",cause=\"{cause}\"}} ");
-    let text = pdflow_telemetry::metrics::global().render();
-    text.lines().find_map(|l| l.strip_prefix(series.as_str())).and_then(|v| v.trim().parse().ok()).unwrap_or(0.0)
 }

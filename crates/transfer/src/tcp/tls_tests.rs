@@ -4,18 +4,15 @@
 //! refused by either end, and TLS on one end only fails with a hint — and in every refusal D's
 //! memory stays as it was.
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use pdflow_auth::{ClusterSecret, TlsIdentity};
-use pdflow_kv::memory::{KvCache, KvShape};
-use pdflow_kv::planner::{build_plan, TransferPlan};
-use pdflow_messages::BlockId;
+use pdflow_kv::memory::KvShape;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-use super::auth_tests::{data_refusals, filled_with};
-use super::{DataServerOptions, TcpConfig, TcpDataServer, TcpTransferEngine};
-use crate::{TransferEngine, TransferError};
+use super::test_side::{data_refusals, Side};
+use super::{DataServerOptions, TcpConfig, TcpTransferEngine};
+use crate::TransferError;
 
 /// 256 KiB per block: a plan of three blocks is split over the engine's four streams.
 const SHAPE: KvShape = KvShape { num_layers: 4, num_kv_heads: 8, head_dim: 128, dtype_bytes: 2, block_size: 16 };
@@ -29,53 +26,24 @@ fn tls(text: &str) -> Option<TlsIdentity> {
     Some(TlsIdentity::from_secret(&secret(text)).expect("identity"))
 }
 
-struct Side {
-    src: Arc<KvCache>,
-    dst: Arc<KvCache>,
-    _server: TcpDataServer,
-    peer: String,
-}
-
+/// D's data server (same-host offered) under `d_secret`, with TLS when `d_tls`.
 async fn side(d_secret: Option<&str>, d_tls: bool) -> Side {
-    let (src, dst) = (filled_with(SHAPE, 8), KvCache::new(SHAPE, 8));
     let options = DataServerOptions {
         secret: d_secret.map(secret),
         tls: d_secret.filter(|_| d_tls).and_then(tls),
         offer_same_host: true,
         ..DataServerOptions::default()
     };
-    let server = TcpDataServer::bind_options("127.0.0.1:0".parse().expect("address"), dst.region_table(), options)
-        .await
-        .expect("binds");
-    let peer = server.local_addr().to_string();
-    Side { src, dst, _server: server, peer }
+    Side::start(SHAPE, options).await
 }
 
-impl Side {
-    fn engine(&self, p_secret: Option<&str>, p_tls: bool) -> TcpTransferEngine {
-        let config = TcpConfig {
-            secret: p_secret.map(secret),
-            tls: p_secret.filter(|_| p_tls).and_then(tls),
-            ..TcpConfig::default()
-        };
-        TcpTransferEngine::new(self.src.region_table(), config)
-    }
-
-    fn plan(&self, src: &[BlockId], dst: &[BlockId]) -> TransferPlan {
-        build_plan(&self.src.regions(), src, &self.dst.regions(), dst, true).expect("plannable")
-    }
-
-    fn landed(&self, pairs: &[(BlockId, BlockId)]) -> bool {
-        pairs.iter().all(|&(s, d)| self.src.block_bytes(s).ok() == self.dst.block_bytes(d).ok())
-    }
-
-    fn untouched(&self) -> bool {
-        (0..8).all(|b| self.dst.block_bytes(b).expect("block").iter().all(|&x| x == 0))
-    }
-
-    async fn write(&self, engine: &TcpTransferEngine, plan: &TransferPlan) -> Result<(), TransferError> {
-        tokio::time::timeout(BOUND, engine.write(&self.peer, plan)).await.expect("bounded").map(|_| ())
-    }
+/// P's engine under `p_secret`, with TLS when `p_tls`.
+fn engine(s: &Side, p_secret: Option<&str>, p_tls: bool) -> TcpTransferEngine {
+    s.engine(TcpConfig {
+        secret: p_secret.map(secret),
+        tls: p_secret.filter(|_| p_tls).and_then(tls),
+        ..TcpConfig::default()
+    })
 }
 
 const KEY: &str = "the-cluster-secret-0001";
@@ -83,22 +51,23 @@ const KEY: &str = "the-cluster-secret-0001";
 #[tokio::test]
 async fn with_tls_on_both_ends_every_byte_lands_over_several_streams_and_connections_are_reused() {
     let s = side(Some(KEY), true).await;
-    let engine = s.engine(Some(KEY), true);
+    let engine = engine(&s, Some(KEY), true);
     // Three blocks (768 KiB, over four streams), then one block on the pooled connections.
     s.write(&engine, &s.plan(&[1, 2, 3], &[5, 6, 7])).await.expect("written");
     assert!(s.landed(&[(1, 5), (2, 6), (3, 7)]));
     let pooled = engine.pooled_connections(&s.peer);
     assert!(pooled >= 2, "the shares' TLS connections are pooled: {pooled}");
+    let connections = s.server.live_connections();
     s.write(&engine, &s.plan(&[4], &[0])).await.expect("written again");
     assert!(s.landed(&[(4, 0)]));
-    // A small write goes over one pooled connection (no new handshake).
-    assert!(engine.pooled_connections(&s.peer) >= pooled.min(engine.config().streams_per_peer));
+    // The second write went over a pooled connection: D accepted no new one (no new handshake).
+    assert_eq!(s.server.live_connections(), connections, "a new connection was opened");
 }
 
 #[tokio::test]
 async fn the_same_host_question_is_answered_over_tls() {
     let s = side(Some(KEY), true).await;
-    let info = tokio::time::timeout(BOUND, s.engine(Some(KEY), true).host_info(&s.peer))
+    let info = tokio::time::timeout(BOUND, engine(&s, Some(KEY), true).host_info(&s.peer))
         .await
         .expect("bounded")
         .expect("answered");
@@ -111,7 +80,7 @@ async fn a_stranger_is_refused_by_either_end_at_the_handshake_and_nothing_lands(
     // D holds our secret, P another: P refuses D's certificate (and D P's).
     let s = side(Some(KEY), true).await;
     let before = data_refusals("bad_proof");
-    let result = s.write(&s.engine(Some("a-stranger-secret-7777"), true), &s.plan(&[1], &[5])).await;
+    let result = s.write(&engine(&s, Some("a-stranger-secret-7777"), true), &s.plan(&[1], &[5])).await;
     match result {
         Err(TransferError::Refused { reason, .. }) => assert!(reason.contains("cluster secret"), "{reason}"),
         other => panic!("expected a refusal at the handshake, got {other:?}"),
@@ -119,20 +88,20 @@ async fn a_stranger_is_refused_by_either_end_at_the_handshake_and_nothing_lands(
     assert!(data_refusals("bad_proof") > before, "the refusal is counted");
     assert!(s.untouched());
     // The real P still writes.
-    s.write(&s.engine(Some(KEY), true), &s.plan(&[1], &[5])).await.expect("the real P writes");
+    s.write(&engine(&s, Some(KEY), true), &s.plan(&[1], &[5])).await.expect("the real P writes");
     assert!(s.landed(&[(1, 5)]));
 }
 
 #[tokio::test]
 async fn tls_on_one_end_only_fails_with_a_hint_and_nothing_lands() {
     let d_tls = side(Some(KEY), true).await;
-    let err = d_tls.write(&d_tls.engine(Some(KEY), false), &d_tls.plan(&[1], &[5])).await.expect_err("P without TLS");
+    let err = d_tls.write(&engine(&d_tls, Some(KEY), false), &d_tls.plan(&[1], &[5])).await.expect_err("P without TLS");
     assert!(err.to_string().contains("TLS"), "{err}");
     assert!(d_tls.untouched());
 
     let d_plain = side(Some(KEY), false).await;
     let err =
-        d_plain.write(&d_plain.engine(Some(KEY), true), &d_plain.plan(&[1], &[5])).await.expect_err("D without TLS");
+        d_plain.write(&engine(&d_plain, Some(KEY), true), &d_plain.plan(&[1], &[5])).await.expect_err("D without TLS");
     assert!(err.to_string().contains("TLS"), "{err}");
     assert!(d_plain.untouched());
 }
@@ -146,7 +115,7 @@ async fn garbage_instead_of_a_handshake_is_closed_and_the_server_keeps_serving()
         let mut rest = Vec::new();
         let _ = tokio::time::timeout(BOUND, raw.read_to_end(&mut rest)).await.expect("D closes the connection");
     }
-    s.write(&s.engine(Some(KEY), true), &s.plan(&[2], &[6])).await.expect("still serving");
+    s.write(&engine(&s, Some(KEY), true), &s.plan(&[2], &[6])).await.expect("still serving");
     assert!(s.landed(&[(2, 6)]));
 }
 
@@ -155,11 +124,11 @@ async fn garbage_instead_of_a_handshake_is_closed_and_the_server_keeps_serving()
 #[tokio::test]
 async fn mid_rotation_ends_presenting_different_keys_still_shake_hands() {
     let s = side(Some("new-cluster-secret-0002\nold-cluster-secret-0001"), true).await;
-    let p = s.engine(Some("old-cluster-secret-0001\nnew-cluster-secret-0002"), true);
+    let p = engine(&s, Some("old-cluster-secret-0001\nnew-cluster-secret-0002"), true);
     s.write(&p, &s.plan(&[3], &[7])).await.expect("written mid-rotation");
     assert!(s.landed(&[(3, 7)]));
     // A P that never learnt the new key refuses D's certificate: nothing is written.
-    let stale = s.engine(Some("old-cluster-secret-0001"), true);
+    let stale = engine(&s, Some("old-cluster-secret-0001"), true);
     assert!(s.write(&stale, &s.plan(&[4], &[0])).await.is_err(), "a P without the new key wrote");
     assert!(s.dst.block_bytes(0).expect("block").iter().all(|&x| x == 0));
 }

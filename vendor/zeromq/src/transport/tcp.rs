@@ -39,8 +39,17 @@ pub(crate) async fn connect(
         server_name,
     }) = &options.tls
     {
+        // Its own deadline: a reconnect runs outside the connect timeout.
         let connector = tokio_rustls::TlsConnector::from(Arc::clone(config));
-        let stream = connector.connect(server_name.clone(), raw_socket).await?;
+        let handshake = connector.connect(server_name.clone(), raw_socket);
+        let stream = tokio::time::timeout(TLS_HANDSHAKE_TIMEOUT, handshake)
+            .await
+            .map_err(|_| {
+                std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    format!("no TLS handshake from {peer_addr} within {TLS_HANDSHAKE_TIMEOUT:?}"),
+                )
+            })??;
         return Ok((
             make_framed(stream, options),
             Endpoint::from_tcp_addr(peer_addr),
@@ -53,7 +62,7 @@ pub(crate) async fn connect(
     ))
 }
 
-/// pdflow patch: how long an accepted connection may take over its TLS handshake.
+/// pdflow patch: how long a connection may take over its TLS handshake (either side).
 #[cfg(all(feature = "tls", feature = "tokio-runtime"))]
 const TLS_HANDSHAKE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 
