@@ -1,8 +1,9 @@
 //! GPU-resident KV with P and D as separate processes: `pdflow serve --kv-device N`
 //! for both, `pdflow proxy` in front. P's KV reaches D's GPU through CUDA IPC (step 29 by
 //! `cuda-ipc`, counted in P's `/metrics`) — or, with `--gpu-path staged`, by tcp through pinned
-//! host buffers to D's staged receiver (`cuda-staged`, the cross-host path) — the output equals that of an engine on host memory, and
-//! both engines' blocks return to baseline. Needs a pdflow built with `--features cuda`
+//! host buffers to D's staged receiver (`cuda-staged`, the cross-host path; with a transfer
+//! token, and under the cluster secret with TLS) — the output equals that of an engine on host
+//! memory, and both engines' blocks return to baseline. Needs a pdflow built with `--features cuda`
 //! (`PDFLOW_BIN`) on a machine with a GPU (`PDFLOW_TEST_GPUS=P,D`, default `0,0`); skips, saying
 //! why, anywhere else.
 
@@ -66,9 +67,34 @@ async fn gpu_kv_moves_between_processes_by_the_staged_tcp_path_with_an_auth_toke
     two_requests_between_gpu_processes(&p_extra, &token, "cuda-staged").await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn gpu_kv_moves_between_processes_by_the_staged_path_under_the_cluster_secret_with_tls() {
+    // Across hosts under the secret: the bootstrap, the side channel and D's data server check
+    // their proofs as on host KV; every staged request is sealed, D's acceptance proves the
+    // secret, and each staged connection is TLS with the secret's certificates.
+    let file = std::env::temp_dir().join(format!("pdflow-gpu-secret-{}", std::process::id()));
+    std::fs::write(&file, "gpu-cluster-secret-0001").expect("writes the secret file");
+    let path = file.to_string_lossy().into_owned();
+    let secret = ["--cluster-secret-file", path.as_str()];
+    let d_extra = [secret[0], secret[1], "--tls", "on"];
+    let p_extra = [secret[0], secret[1], "--tls", "on", "--gpu-path", "staged"];
+    two_requests_between_gpu_processes_behind(&p_extra, &d_extra, &secret, "cuda-staged").await;
+    let _ = std::fs::remove_file(&file);
+}
+
 /// P and D as `pdflow serve --kv-device` processes (P with `p_extra`, D with `d_extra`) behind a
 /// proxy: two requests, outputs equal to host memory, both writes by `backend`, no blocks held.
 async fn two_requests_between_gpu_processes(p_extra: &[&str], d_extra: &[&str], backend: &str) {
+    two_requests_between_gpu_processes_behind(p_extra, d_extra, &[], backend).await;
+}
+
+/// As [`two_requests_between_gpu_processes`], the proxy started with `proxy_extra`.
+async fn two_requests_between_gpu_processes_behind(
+    p_extra: &[&str],
+    d_extra: &[&str],
+    proxy_extra: &[&str],
+    backend: &str,
+) {
     let gpus = std::env::var("PDFLOW_TEST_GPUS").unwrap_or_else(|_| "0,0".into());
     let (p_gpu, d_gpu) = gpus.split_once(',').expect("PDFLOW_TEST_GPUS is P,D");
     let engine = |role: &'static str, gpu: &str, extra: &[&str]| -> Vec<String> {
@@ -100,13 +126,10 @@ async fn two_requests_between_gpu_processes(p_extra: &[&str], d_extra: &[&str], 
         .and_then(|a| a.rsplit(':').next())
         .expect("P launched its bootstrap")
         .to_string();
-    let proxy = Proc::spawn(
-        "proxy",
-        &["proxy", "--port", "0", "--prefill", &producer.url(), &bootstrap_port, "--decode", &consumer.url()],
-        &[],
-    )
-    .await
-    .expect("proxy starts");
+    let (p_url, d_url) = (producer.url(), consumer.url());
+    let mut proxy_args = vec!["proxy", "--port", "0", "--prefill", &p_url, &bootstrap_port, "--decode", &d_url];
+    proxy_args.extend_from_slice(proxy_extra);
+    let proxy = Proc::spawn("proxy", &proxy_args, &[]).await.expect("proxy starts");
     let client = http_client();
     wait_healthy(&client, &proxy.url(), Duration::from_secs(30)).await.expect("proxy ready");
 

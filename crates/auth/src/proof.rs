@@ -33,6 +33,10 @@ pub enum Context {
     Pull,
     /// P's answer to a pull (step 30), bound to the pull's nonce.
     PullReply,
+    /// P's request on the staged GPU path (step 29), bound to its destinations and D's fence.
+    StagedOffer,
+    /// D's acceptance of a staged request, bound to its nonce: P sends no byte before it.
+    StagedAccept,
     /// A worker's `POST /register` at the bootstrap (step 4).
     Register,
     /// The bootstrap's answer to a registration, bound to its nonce.
@@ -52,6 +56,8 @@ impl Context {
             Context::DataClient => b"pdflow/v1/data/client",
             Context::Pull => b"pdflow/v1/side-channel/pull",
             Context::PullReply => b"pdflow/v1/side-channel/reply",
+            Context::StagedOffer => b"pdflow/v1/data/staged-offer",
+            Context::StagedAccept => b"pdflow/v1/data/staged-accept",
             Context::Register => b"pdflow/v1/bootstrap/register",
             Context::RegisterReply => b"pdflow/v1/bootstrap/register-reply",
             Context::Query => b"pdflow/v1/bootstrap/query",

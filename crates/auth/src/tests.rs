@@ -96,3 +96,17 @@ fn a_sealed_pull_opens_once_and_only_unaltered_and_its_answer_only_for_it() {
     assert_eq!(sealed::open_reply(&s, b"ok", &reply, &n), Ok(()));
     assert_eq!(sealed::open_reply(&s, b"ok", &reply, &nonce()), Err(Refusal::BadProof), "another pull's answer");
 }
+
+#[test]
+fn a_seal_made_for_one_exchange_is_refused_by_the_other() {
+    let s = secret("the-cluster-secret-0001");
+    let guard = ReplayGuard::new(Duration::from_secs(30));
+    let (pull_seal, _) = sealed::PULL.seal_request(&s, b"offer");
+    assert_eq!(sealed::STAGED.open_request(&s, b"offer", &pull_seal, &guard), Err(Refusal::BadProof));
+    let (staged_seal, n) = sealed::STAGED.seal_request(&s, b"offer");
+    assert_eq!(sealed::PULL.open_request(&s, b"offer", &staged_seal, &guard), Err(Refusal::BadProof));
+    assert_eq!(sealed::STAGED.open_request(&s, b"offer", &staged_seal, &guard), Ok(n));
+    let accept = sealed::STAGED.seal_reply(&s, b"accepted", &n);
+    assert_eq!(sealed::PULL.open_reply(&s, b"accepted", &accept, &n), Err(Refusal::BadProof));
+    assert_eq!(sealed::STAGED.open_reply(&s, b"accepted", &accept, &n), Ok(()));
+}

@@ -103,7 +103,8 @@ pub fn register_local_peer(
 }
 
 /// D's serving of GPU KV on `host` (nothing for host KV): the device offer for its data server
-/// and the staged receiver (kept alive by the returned value), under `fence` and `tcp`'s token.
+/// and the staged receiver (kept alive by the returned value), under `fence` and `tcp`'s proofs
+/// (token, cluster secret, TLS).
 pub fn serve_gpu_kv(
     kv_cache: &Arc<KvCache>,
     host: &str,
@@ -116,9 +117,10 @@ pub fn serve_gpu_kv(
     #[cfg(feature = "cuda")]
     {
         use pdflow_transfer::cuda::device_offer::DeviceServing;
-        let serving =
-            DeviceServing::start(kv_cache, host, tcp.auth_token.as_deref(), tcp.write_timeout, Some(fence.clone()))
-                .map_err(|e| NodeError::Config(e.to_string()))?;
+        use pdflow_transfer::cuda::staged::StagedAuth;
+        let auth = StagedAuth::from_tcp(tcp);
+        let serving = DeviceServing::start(kv_cache, host, auth, tcp.write_timeout, Some(fence.clone()))
+            .map_err(|e| NodeError::Config(e.to_string()))?;
         tracing::info!(staged = %serving.staged_addr(), "D serves its GPU KV: CUDA IPC handles and a staged receiver");
         Ok((serving.export().to_vec(), Some(Box::new(serving))))
     }

@@ -37,7 +37,7 @@ mod auth_tests;
 #[cfg(test)]
 mod fuzz_tests;
 #[cfg(test)]
-mod test_side;
+pub(crate) mod test_side;
 #[cfg(test)]
 mod tests;
 #[cfg(test)]

@@ -13,7 +13,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 use super::ipc::{ExportedKv, IpcError};
-use super::staged::{StagedConfig, StagedError, StagedReceiver};
+use super::staged::{StagedAuth, StagedConfig, StagedError, StagedReceiver};
 use crate::fence::WriteFence;
 use pdflow_kv::memory::KvCache;
 
@@ -81,12 +81,12 @@ impl std::fmt::Debug for DeviceServing {
 
 impl DeviceServing {
     /// Exports `cache`'s GPU KV and starts the staged receiver on `bind_host` (any port), each
-    /// part of a write received only under a token open in `fence`, with `auth_token` required,
-    /// one part at most `deadline` long.
+    /// part of a write received only under a token open in `fence`, with what `auth` holds
+    /// proven (token, cluster secret, TLS), one part at most `deadline` long.
     pub fn start(
         cache: &Arc<KvCache>,
         bind_host: &str,
-        auth_token: Option<&str>,
+        auth: StagedAuth,
         deadline: Duration,
         fence: Option<WriteFence>,
     ) -> Result<Self, DeviceServingError> {
@@ -102,7 +102,6 @@ impl DeviceServing {
         };
         let addr = if bind_host.contains(':') { format!("[{bind_host}]:0") } else { format!("{bind_host}:0") };
         let config = StagedConfig { deadline, ..StagedConfig::default() };
-        let auth = auth_token.map(|t| t.as_bytes().to_vec());
         let staged = StagedReceiver::bind_guarded(&ctx, regions, &addr, config, fence, auth)
             .map_err(|source| DeviceServingError::Staged { addr: addr.clone(), source })?;
         // One ring per connection of a P's default write, pinned now rather than on P's first.

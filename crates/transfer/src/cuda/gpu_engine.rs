@@ -27,7 +27,7 @@ use super::device_offer::DeviceOffer;
 use super::ipc::{CudaIpcWriter, IpcError};
 use super::ipc_engine::{CudaIpcEngine, JOIN_SLACK};
 use super::peer_engine::{self, CudaPeerEngine};
-use super::staged::{sender, StagedConfig, StagedEngine, StagedSender};
+use super::staged::{sender, StagedAuth, StagedConfig, StagedEngine, StagedSender};
 use super::{CudaBatchCopy, CudaError};
 use crate::same_host::host_identity;
 use crate::tcp::{TcpConfig, TcpTransferEngine};
@@ -78,15 +78,15 @@ impl std::fmt::Debug for GpuTransferEngine {
 
 impl GpuTransferEngine {
     /// An engine reading P's GPU cache `cache`; `tcp` gives the path policy (`gpu_path`), the
-    /// write deadline, the connect deadline and the auth token for D's data server and receiver.
+    /// write deadline, the connect deadline and the proofs (token, cluster secret, TLS) for D's
+    /// data server and staged receiver.
     pub fn new(cache: &Arc<KvCache>, tcp: TcpConfig) -> Result<Self, CudaError> {
         let device = cache.device().cloned().ok_or(CudaError::NoDevice)?;
         let ctx = device.context();
         let peer = CudaPeerEngine::new(cache, tcp.write_timeout)?;
         let writer = CudaIpcWriter::new(CudaBatchCopy::new(&ctx)?, cache.regions());
         let config = StagedConfig { deadline: tcp.write_timeout, ..StagedConfig::default() };
-        let staged =
-            Arc::new(StagedSender::new(&ctx, cache.regions(), config).with_auth_token(tcp.auth_token.as_deref()));
+        let staged = Arc::new(StagedSender::new(&ctx, cache.regions(), config).with_auth(StagedAuth::from_tcp(&tcp)));
         let path = tcp.gpu_path;
         let control = TcpTransferEngine::new(cache.region_table(), tcp);
         Ok(Self {

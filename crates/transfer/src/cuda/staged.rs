@@ -9,8 +9,12 @@
 //! that cannot map each other. D's region checks apply: D checks every descriptor of every
 //! connection's part against its regions before a byte is received, and P sends the payload only
 //! once every part was accepted (a refusal of one part refuses the whole plan; nothing lands).
+//! Under the cluster secret ([`StagedAuth`]) P seals every request and D proves the secret in its
+//! acceptance, so neither end moves a byte for a stranger; with TLS the connection is encrypted and
+//! its handshake is the same mutual proof.
 //!
 //! - [`wire`]: the minimal framing (header of destination descriptors, replies, go/abort).
+//! - [`link`]: one connection, plain or TLS.
 //! - [`sender`]: P's [`StagedSender`] (a pool of connections per peer) and [`StagedEngine`], the
 //!   `TransferEngine` over it.
 //! - [`receiver`]: D's [`StagedReceiver`], a data server over D's device regions.
@@ -21,9 +25,12 @@ use std::time::{Duration, Instant};
 use cudarc::driver::{result, sys, CudaEvent, CudaStream};
 
 use super::{check, CudaContext, CudaError};
+use crate::tcp::TcpConfig;
+use pdflow_auth::{ClusterSecret, TlsIdentity};
 use pdflow_kv::memory::RegionError;
 use pdflow_kv::planner::Descriptor;
 
+pub mod link;
 pub mod receiver;
 mod rings;
 pub mod sender;
@@ -88,6 +95,25 @@ impl StagedConfig {
     }
 }
 
+/// What the staged path's ends prove to each other: the same settings as the tcp data channel's.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct StagedAuth {
+    /// D's `--transfer-token`: P presents it with every request, D requires it.
+    pub token: Option<String>,
+    /// The cluster secret: P seals every request (bound to its destinations and D's fence, once),
+    /// D seals its acceptance; each refuses the other without it.
+    pub secret: Option<ClusterSecret>,
+    /// TLS on every connection, with the secret's identity.
+    pub tls: Option<TlsIdentity>,
+}
+
+impl StagedAuth {
+    /// The token, secret and TLS identity of the tcp data channel's config.
+    pub fn from_tcp(tcp: &TcpConfig) -> Self {
+        Self { token: tcp.auth_token.clone(), secret: tcp.secret.clone(), tls: tcp.tls.clone() }
+    }
+}
+
 /// Why a staged write, or D's side of one, failed.
 #[derive(Debug, thiserror::Error)]
 pub enum StagedError {
@@ -99,6 +125,8 @@ pub enum StagedError {
     Io { peer: String, source: std::io::Error },
     #[error("{peer} refused the write: {reason}")]
     Refused { peer: String, reason: String },
+    #[error("TLS with {peer} failed: {reason} (set `tls` and the same cluster secret on both ends)")]
+    Tls { peer: String, reason: String },
     #[error("{peer} failed the write after accepting it: {reason}")]
     Failed { peer: String, reason: String },
     #[error("descriptor {index}: source is not in P's registered device memory: {source}")]
@@ -308,5 +336,7 @@ pub fn split_parts(descriptors: &[Descriptor], parts: usize) -> Vec<Vec<Descript
     out
 }
 
+#[cfg(test)]
+mod auth_tests;
 #[cfg(test)]
 mod tests;

@@ -80,7 +80,7 @@ impl Side {
 }
 
 /// `pdflow_auth_refusals_total{socket="data",cause}` in this process's registry.
-pub(super) fn data_refusals(cause: &str) -> f64 {
+pub(crate) fn data_refusals(cause: &str) -> f64 {
     let series = format!("pdflow_auth_refusals_total{{socket=\"data\",cause=\"{cause}\"}} ");
     let text = pdflow_telemetry::metrics::global().render();
     text.lines().find_map(|l| l.strip_prefix(series.as_str())).and_then(|v| v.trim().parse().ok()).unwrap_or(0.0)

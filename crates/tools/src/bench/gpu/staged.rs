@@ -10,7 +10,9 @@
 //! stream and over each stream count used, and one pinned DtoH (GPU 0) and HtoD (GPU 1) copy of
 //! the seed's bytes (the PCIe legs). Medians of `--runs` (host clock, write start to D's DONE);
 //! every configuration's bytes verified on D (checksum of D's destination blocks against P's
-//! source blocks, after D's regions were zeroed). Exit status 1 if a check fails.
+//! source blocks, after D's regions were zeroed). Exit status 1 if a check fails. The default
+//! shape runs again under a cluster secret (every request sealed, every acceptance proven) and
+//! with TLS on top, so each row's cost reads against the same shape without them.
 //!
 //! Part of `pdflow bench transfer --device cuda`.
 
@@ -21,14 +23,19 @@ use std::time::{Duration, Instant};
 use super::{time_runs, NUM_BLOCKS};
 use crate::bench::report::{self, Row};
 use anyhow::bail;
+use pdflow_auth::{ClusterSecret, TlsIdentity};
 use pdflow_kv::memory::KvShape;
 use pdflow_kv::planner::{build_plan, Descriptor, TransferPlan};
 use pdflow_messages::BlockId;
 use pdflow_transfer::cuda::ipc_peer::PeerLayout;
-use pdflow_transfer::cuda::staged::{PinnedBuffer, StagedConfig, StagedError, StagedReceiver, StagedSender};
+use pdflow_transfer::cuda::staged::{
+    PinnedBuffer, StagedAuth, StagedConfig, StagedError, StagedReceiver, StagedSender,
+};
 use pdflow_transfer::cuda::{self, CudaBatchCopy, CudaContext, DeviceBuffer};
 
 const MIB: usize = 1 << 20;
+/// The cluster secret of the rows that measure the staged path's proofs.
+const BENCH_SECRET: &str = "staged-bench-cluster-secret";
 
 /// Byte counts of `streams` parts of `total`, as the staged path splits a plan (4 KiB cuts).
 fn shares(total: usize, streams: usize) -> Vec<usize> {
@@ -189,24 +196,29 @@ pub(super) fn run(runs: usize) -> anyhow::Result<(Vec<Row>, bool)> {
         .collect();
     configs.push(StagedConfig { chunk_bytes: MIB, depth: 8, streams: 4, deadline, ..StagedConfig::default() });
     configs.push(StagedConfig { chunk_bytes: 16 * MIB, depth: 3, streams: 4, deadline, ..StagedConfig::default() });
+    // Every shape without proofs; the default shape also under the cluster secret (sealed
+    // requests) and with TLS on top, for their cost.
+    let mut configs: Vec<(StagedConfig, StagedAuth, &str)> =
+        configs.into_iter().map(|c| (c, StagedAuth::default(), "")).collect();
+    let default_shape = StagedConfig { deadline, ..StagedConfig::default() };
+    let sealed = StagedAuth { secret: Some(ClusterSecret::from_text(BENCH_SECRET)?), ..StagedAuth::default() };
+    let tls = StagedAuth { tls: sealed.secret.as_ref().map(TlsIdentity::from_secret).transpose()?, ..sealed.clone() };
+    configs.push((default_shape, sealed, ", cluster secret"));
+    configs.push((default_shape, tls, ", cluster secret + TLS"));
     let zeros = |plan: &TransferPlan| {
         plan.descriptors.iter().fold(cuda::CHECKSUM_BASIS, |h, d| cuda::checksum_words(h, &vec![0u8; d.len as usize]))
     };
     let expected: Vec<u64> =
         plans.iter().map(|(_, p)| cuda::plan_checksum(&ctx_p, p, true)).collect::<Result<_, _>>()?;
-    for config in &configs {
-        let receiver = StagedReceiver::bind(&ctx_d, d_regions.clone(), "127.0.0.1:0", *config)?;
+    for (config, auth, proofs) in &configs {
+        let receiver =
+            StagedReceiver::bind_guarded(&ctx_d, d_regions.clone(), "127.0.0.1:0", *config, None, auth.clone())?;
         let peer = receiver.local_addr().to_string();
-        let sender = StagedSender::new(&ctx_p, p_regions.clone(), *config);
-        let label = format!(
-            "staged tcp, {} stream(s), {} MiB x {} chunks",
-            config.streams,
-            config.chunk_bytes / MIB,
-            config.depth
-        );
+        let sender = StagedSender::new(&ctx_p, p_regions.clone(), *config).with_auth(auth.clone());
+        let label = staged_label(config, proofs);
         for (i, (plan_name, plan)) in plans.iter().enumerate() {
             // The uncoalesced plan only at the default shape (its cost is per-descriptor copies).
-            if i == 1 && !(config.streams == 4 && config.chunk_bytes == chunk) {
+            if i == 1 && !(config.streams == 4 && config.chunk_bytes == chunk && proofs.is_empty()) {
                 continue;
             }
             d_mem.fill(0)?;
@@ -239,7 +251,7 @@ pub(super) fn run(runs: usize) -> anyhow::Result<(Vec<Row>, bool)> {
             rows.push(report::row(&label, Some("cuda-staged"), Some(plan_name), None, Some(plan.total_bytes()), &s));
         }
         // D refuses a plan with one destination past its last region; nothing of it lands.
-        if config.streams == 4 && config.chunk_bytes == chunk {
+        if config.streams == 4 && config.chunk_bytes == chunk && proofs.is_empty() {
             let mut bad = plans[0].1.clone();
             let last = d_regions[d_regions.len() - 1];
             bad.descriptors.push(Descriptor { src: p_mem.ptr, dst: last.base_addr + last.len - 4096, len: 65536 });
@@ -260,13 +272,8 @@ pub(super) fn run(runs: usize) -> anyhow::Result<(Vec<Row>, bool)> {
             .and_then(|r| r.median_ms)
     };
     let one = med("loopback TCP host->host ceiling, 1 stream(s)");
-    for config in &configs {
-        let label = format!(
-            "staged tcp, {} stream(s), {} MiB x {} chunks",
-            config.streams,
-            config.chunk_bytes / MIB,
-            config.depth
-        );
+    for (config, _, proofs) in &configs {
+        let label = staged_label(config, proofs);
         let same = med(&format!("loopback TCP host->host ceiling, {} stream(s)", config.streams));
         if let (Some(k), Some(c), Some(o)) = (med(&label), same, one) {
             let gbps = |ms: f64| seed_bytes as f64 / (ms / 1e3) / 1e9;
@@ -281,4 +288,14 @@ pub(super) fn run(runs: usize) -> anyhow::Result<(Vec<Row>, bool)> {
         }
     }
     Ok((rows, all_ok))
+}
+
+/// The rows' name of one staged shape under `proofs` (empty: none).
+fn staged_label(config: &StagedConfig, proofs: &str) -> String {
+    format!(
+        "staged tcp, {} stream(s), {} MiB x {} chunks{proofs}",
+        config.streams,
+        config.chunk_bytes / MIB,
+        config.depth
+    )
 }

@@ -1,10 +1,13 @@
 //! D's side of the staged path: [`StagedReceiver`] listens for P's connections and, on each, checks
-//! every offered destination against D's device regions (refusing the part before a byte is
-//! received), then receives the payload chunk by chunk into a ring of pinned host buffers, copying
+//! the request — the auth token, P's seal of the cluster secret (once per request: a replay is
+//! refused), every offered destination against D's device regions — refusing the part before a
+//! byte is received, then receives the payload chunk by chunk into a ring of pinned host buffers, copying
 //! each chunk host→device on the connection's own CUDA stream while the next one arrives, and
 //! answers `DONE` once the last copy completed. A connection that sends no request for
 //! `idle_close` is closed (P's pool drops such connections before it would reuse them); at most
 //! `max_connections` are served at once, one more is closed at its accept (no thread for it).
+//! With TLS, each connection begins with the handshake (P's certificate must be the secret's);
+//! a stranger's is refused and counted before anything else is read.
 //!
 //! Owns D's side of seed step 29 on the cross-host GPU path (the bytes land in D's regions; step
 //! 31's completion follows on the side channel as for any backend).
@@ -20,9 +23,12 @@ use std::time::{Duration, Instant};
 use cudarc::driver::{sys, CudaStream};
 use pdflow_messages::layout::RegionDesc;
 
+use pdflow_auth::{ReplayGuard, Socket};
+
+use super::link::StagedLink;
 use super::rings::{LentRing, RingPool};
-use super::wire::{self, Reply};
-use super::{chunk_len, chunk_pieces, wait_event, Slot, StagedConfig, StagedError};
+use super::wire::{self, Offer, Reply};
+use super::{chunk_len, chunk_pieces, wait_event, Slot, StagedAuth, StagedConfig, StagedError};
 use crate::cuda::ipc::region_of;
 use crate::cuda::{check, CudaContext, CudaError};
 use crate::fence::{FenceGuard, WriteFence};
@@ -34,8 +40,10 @@ struct Shared {
     config: StagedConfig,
     /// When set, a part is received only under an open fence token (no write-after-free).
     fence: Option<WriteFence>,
-    /// When set, a request must present this token (D's `--transfer-token`).
-    auth_token: Option<Vec<u8>>,
+    /// The token, secret and TLS identity a request must prove.
+    auth: StagedAuth,
+    /// Seals seen lately: a request replayed within the window is refused.
+    replay: ReplayGuard,
     stop: AtomicBool,
     /// Clones of the live connections (by id), shut down on stop; a connection's thread removes
     /// its own when it ends.
@@ -87,19 +95,20 @@ impl StagedReceiver {
         config: StagedConfig,
         fence: Option<WriteFence>,
     ) -> Result<Self, StagedError> {
-        Self::bind_guarded(ctx, regions, addr, config, fence, None)
+        Self::bind_guarded(ctx, regions, addr, config, fence, StagedAuth::default())
     }
 
-    /// As [`StagedReceiver::bind_fenced`], and with `auth_token` every request must present it
-    /// (a wrong or missing one is refused before anything is received or pinned for it): D's
-    /// serving receiver, whose port any P that passed the data server's hello learns.
+    /// As [`StagedReceiver::bind_fenced`], and every request must prove what `auth` holds — the
+    /// token, P's seal of the cluster secret, TLS with the secret's certificate (a request that
+    /// does not is refused before anything is received or pinned for it): D's serving receiver,
+    /// whose port any P that passed the data server's hello learns.
     pub fn bind_guarded(
         ctx: &Arc<CudaContext>,
         regions: Vec<RegionDesc>,
         addr: &str,
         config: StagedConfig,
         fence: Option<WriteFence>,
-        auth_token: Option<Vec<u8>>,
+        auth: StagedAuth,
     ) -> Result<Self, StagedError> {
         let listener = TcpListener::bind(addr).map_err(|source| StagedError::Io { peer: addr.to_string(), source })?;
         let local_addr = listener.local_addr().map_err(|source| StagedError::Io { peer: addr.to_string(), source })?;
@@ -108,7 +117,8 @@ impl StagedReceiver {
             regions,
             config: config.sane(),
             fence,
-            auth_token,
+            auth,
+            replay: ReplayGuard::new(REQUEST_WINDOW),
             stop: AtomicBool::new(false),
             conns: Mutex::default(),
             next_conn: AtomicU64::new(0),
@@ -208,6 +218,9 @@ fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
     }
 }
 
+/// How far a sealed request's send time may be from D's clock.
+const REQUEST_WINDOW: Duration = Duration::from_secs(30);
+
 /// How often a payload read that waits looks whether D revoked the part's fence.
 const FENCE_CHECK: Duration = Duration::from_millis(5);
 
@@ -220,7 +233,7 @@ enum ChunkError {
 /// Reads exactly `buf` (the socket's read timeout is [`FENCE_CHECK`]): between waits, stops when
 /// D revoked the fence or the part's deadline passed.
 fn read_chunk(
-    tcp: &mut TcpStream,
+    link: &mut StagedLink,
     buf: &mut [u8],
     fence: Option<&FenceGuard>,
     until: Instant,
@@ -230,7 +243,7 @@ fn read_chunk(
         if fence.is_some_and(FenceGuard::is_revoked) {
             return Err(ChunkError::Fenced);
         }
-        match tcp.read(&mut buf[got..]) {
+        match link.read(&mut buf[got..]) {
             Ok(0) => return Err(ChunkError::Io(std::io::ErrorKind::UnexpectedEof.into())),
             Ok(n) => got += n,
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
@@ -255,54 +268,75 @@ pub fn check_destinations(regions: &[RegionDesc], offered: &[(u64, u64)]) -> Res
 }
 
 /// Serves requests on one connection until P closes it or it idles for `idle_close`.
-fn serve_conn(mut tcp: TcpStream, shared: &Shared) -> Result<(), StagedError> {
+fn serve_conn(tcp: TcpStream, shared: &Shared) -> Result<(), StagedError> {
     let peer = tcp.peer_addr().map(|a| a.to_string()).unwrap_or_else(|_| "?".into());
     let io = |source| StagedError::Io { peer: peer.clone(), source };
     tcp.set_nodelay(true).map_err(io)?;
     tcp.set_write_timeout(Some(shared.config.deadline)).map_err(io)?;
+    let mut link = open_link(tcp, &peer, shared)?;
     shared.ctx.bind_to_thread().map_err(CudaError::from)?;
     // Lent at the first accepted request: a connection that never sends one pins nothing.
     let mut lent: Option<LentRing> = None;
     loop {
-        if !wait_for_request(&mut tcp, &peer, shared)? {
+        if !wait_for_request(&mut link, &peer, shared)? {
             return Ok(());
         }
-        tcp.set_read_timeout(Some(shared.config.deadline)).map_err(io)?;
-        let wire::Offer { auth, fence: token, ranges: offered } = match wire::read_request(&mut tcp) {
+        link.tcp().set_read_timeout(Some(shared.config.deadline)).map_err(io)?;
+        let offer = match wire::read_request(&mut link) {
             Ok(Some(offer)) => offer,
             Ok(None) => return Ok(()),
             Err(e) => return Err(StagedError::Protocol(e.to_string())),
         };
-        tcp.set_read_timeout(Some(shared.config.deadline)).map_err(io)?;
-        if let Some(reason) = refusal(shared, &peer, &auth, &offered) {
-            wire::write_reply(&mut tcp, &Reply::Refused(reason)).map_err(io)?;
-            continue;
-        }
+        let acceptance = match admit(shared, &peer, &offer) {
+            Ok(acceptance) => acceptance,
+            Err(reason) => {
+                wire::write_reply(&mut link, &Reply::Refused(reason)).map_err(io)?;
+                continue;
+            }
+        };
         let lent_ring = match &mut lent {
             Some(lent) => lent,
             empty => empty.insert(shared.rings.lend()?),
         };
         // Held while the part lands: D's Receiver waits for it before freeing the blocks.
-        let guard = match enter_fence(shared, token) {
+        let guard = match enter_fence(shared, offer.fence) {
             Ok(guard) => guard,
             Err(reason) => {
-                wire::write_reply(&mut tcp, &Reply::Refused(reason)).map_err(io)?;
+                wire::write_reply(&mut link, &Reply::Refused(reason)).map_err(io)?;
                 continue;
             }
         };
-        wire::write_reply(&mut tcp, &Reply::Accepted).map_err(io)?;
-        if !wire::read_go(&mut tcp).map_err(|e| StagedError::Protocol(e.to_string()))? {
+        wire::write_reply(&mut link, &acceptance).map_err(io)?;
+        if !wire::read_go(&mut link).map_err(|e| StagedError::Protocol(e.to_string()))? {
             continue;
         }
-        receive_part(&mut tcp, &peer, lent_ring, &offered, shared, guard)?;
+        receive_part(&mut link, &peer, lent_ring, &offer.ranges, shared, guard)?;
     }
+}
+
+/// The connection as D speaks it: with TLS, after the handshake (P's certificate must be one of
+/// the secret's: a stranger is refused and counted), within the part's deadline.
+fn open_link(tcp: TcpStream, peer: &str, shared: &Shared) -> Result<StagedLink, StagedError> {
+    let Some(identity) = &shared.auth.tls else { return Ok(StagedLink::Plain(tcp)) };
+    tcp.set_read_timeout(Some(shared.config.deadline))
+        .map_err(|source| StagedError::Io { peer: peer.into(), source })?;
+    StagedLink::accept_tls(tcp, identity).map_err(|e| {
+        if e.is_refusal() {
+            pdflow_auth::refused(Socket::Data, peer, pdflow_auth::Refusal::BadProof);
+        }
+        StagedError::Tls { peer: peer.to_string(), reason: e.to_string() }
+    })
 }
 
 /// Idle between requests: up to `idle_close` until one begins (then the connection is closed:
 /// P's pool drops idle ones sooner); once its first byte is here, the whole request must follow
 /// within the part's deadline. `false` when the connection ends in order (P closed, or idle).
-fn wait_for_request(tcp: &mut TcpStream, peer: &str, shared: &Shared) -> Result<bool, StagedError> {
+fn wait_for_request(link: &mut StagedLink, peer: &str, shared: &Shared) -> Result<bool, StagedError> {
+    if link.has_plaintext() {
+        return Ok(true);
+    }
     let io = |source| StagedError::Io { peer: peer.to_string(), source };
+    let tcp = link.tcp();
     tcp.set_read_timeout(Some(shared.config.idle_close)).map_err(io)?;
     match tcp.peek(&mut [0u8; 1]) {
         Ok(0) => Ok(false),
@@ -315,19 +349,36 @@ fn wait_for_request(tcp: &mut TcpStream, peer: &str, shared: &Shared) -> Result<
     }
 }
 
-/// Why a request is refused before anything is received or pinned for it: a wrong or missing
-/// auth token, or a destination outside D's regions.
-fn refusal(shared: &Shared, peer: &str, auth: &[u8], offered: &[(u64, u64)]) -> Option<String> {
-    if let Some(expected) = &shared.auth_token {
-        if !crate::tcp::constant_time_eq(expected, auth) {
-            // Refused like a bad destination: nothing is received, and the connection stays in
-            // step (P sends a payload only after ACCEPTED), so P's pool keeps a usable one.
+/// D's acceptance of a request (sealed when D holds the secret), or why it is refused before
+/// anything is received or pinned for it: a wrong or missing auth token, a missing, forged or
+/// replayed seal, or a destination outside D's regions. A refusal leaves the connection in step
+/// (P sends a payload only after an acceptance), so P's pool keeps a usable one.
+fn admit(shared: &Shared, peer: &str, offer: &Offer) -> Result<Reply, String> {
+    if let Some(expected) = &shared.auth.token {
+        if !crate::tcp::constant_time_eq(expected.as_bytes(), &offer.auth) {
             tracing::warn!(%peer, "staged request with a wrong or missing auth token refused");
-            let reason = "the auth token does not match D's (--transfer-token / PDFLOW_TRANSFER_TOKEN must be the same on P and D)";
-            return Some(reason.into());
+            return Err("the auth token does not match D's (--transfer-token / PDFLOW_TRANSFER_TOKEN must be the same on P and D)".into());
         }
     }
-    check_destinations(&shared.regions, offered).err()
+    let acceptance = match &shared.auth.secret {
+        None => Reply::Accepted,
+        Some(secret) => {
+            let opened = if offer.seal.is_empty() {
+                Err(pdflow_auth::Refusal::Missing)
+            } else {
+                pdflow_auth::sealed::STAGED.open_request(secret, &offer.sealed_bytes(), &offer.seal, &shared.replay)
+            };
+            match opened {
+                Ok(nonce) => wire::accept_sealed(secret, &nonce),
+                Err(why) => {
+                    pdflow_auth::refused(Socket::Data, peer, why);
+                    return Err(format!("D's staged receiver holds the cluster secret and refused the request: {why}"));
+                }
+            }
+        }
+    };
+    check_destinations(&shared.regions, &offer.ranges)?;
+    Ok(acceptance)
 }
 
 /// Enters fence `token` for one part (when D's receiver has a fence); the refusal's reason when
@@ -345,7 +396,7 @@ fn enter_fence(shared: &Shared, token: u64) -> Result<Option<FenceGuard>, String
 /// One accepted part: its payload received under the fence `guard`, then `DONE`. A failure that
 /// leaves the payload's remainder on the wire is reported and ends the connection.
 fn receive_part(
-    tcp: &mut TcpStream,
+    link: &mut StagedLink,
     peer: &str,
     lent: &mut LentRing,
     offered: &[(u64, u64)],
@@ -355,19 +406,19 @@ fn receive_part(
     let io = |source| StagedError::Io { peer: peer.to_string(), source };
     let until = Instant::now() + shared.config.deadline;
     // Short reads while the payload lands, so that a revoked fence is seen within FENCE_CHECK.
-    tcp.set_read_timeout(Some(FENCE_CHECK)).map_err(io)?;
+    link.tcp().set_read_timeout(Some(FENCE_CHECK)).map_err(io)?;
     let LentRing { stream, ring, .. } = lent;
-    let received = receive(tcp, peer, stream, ring, offered, shared, until, guard.as_ref());
+    let received = receive(link, peer, stream, ring, offered, shared, until, guard.as_ref());
     if received.is_err() {
         // Every copy already enqueued lands before the guard lets D free the blocks.
         let _ = stream.synchronize();
     }
     drop(guard);
     match received {
-        Ok(()) => wire::write_reply(tcp, &Reply::Done).map_err(io),
+        Ok(()) => wire::write_reply(link, &Reply::Done).map_err(io),
         // The payload's remainder is still on the wire: report, then close the connection.
         Err(e @ (StagedError::Cuda(_) | StagedError::Timeout { .. })) => {
-            let _ = wire::write_reply(tcp, &Reply::Failed(e.to_string()));
+            let _ = wire::write_reply(link, &Reply::Failed(e.to_string()));
             Err(e)
         }
         Err(e) => Err(e),
@@ -377,7 +428,7 @@ fn receive_part(
 /// Receives one accepted part's payload into D's regions (pipelined), and waits for the copies.
 #[allow(clippy::too_many_arguments)]
 fn receive(
-    tcp: &mut TcpStream,
+    link: &mut StagedLink,
     peer: &str,
     stream: &Arc<CudaStream>,
     ring: &mut [Slot],
@@ -396,7 +447,7 @@ fn receive(
             wait_event(&slot.done, until, deadline)?;
         }
         let len = chunk_len(pieces) as usize;
-        if let Err(e) = read_chunk(tcp, slot.buf.bytes_mut(len), fence, until) {
+        if let Err(e) = read_chunk(link, slot.buf.bytes_mut(len), fence, until) {
             // The caller waits for the copies already enqueued before it releases the guard.
             return Err(match e {
                 ChunkError::Fenced => StagedError::Fenced,

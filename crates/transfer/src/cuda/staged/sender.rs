@@ -6,24 +6,28 @@
 //! A pooled connection is reused only while it is younger than `pool_idle` and not closed by D
 //! (D closes idle ones after its `idle_close`, or when it restarts): the others are dropped and
 //! new ones opened, so that a write does not fail on a connection D already let go.
+//! Under the cluster secret each request is sealed and the payload goes only to a D whose
+//! acceptance proves the secret; with TLS each connection opens with the handshake.
 //! [`StagedEngine`] is the `TransferEngine` over it (backend `cuda-staged`).
 //!
 //! Owns P's side of seed step 29 on the cross-host GPU path.
 
 use std::collections::HashMap;
 use std::io::Write;
-use std::net::TcpStream;
+use std::net::{TcpStream, ToSocketAddrs};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Barrier, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use cudarc::driver::{sys, CudaStream};
 use futures::future::BoxFuture;
+use pdflow_auth::{Refusal, Socket};
 use pdflow_messages::layout::RegionDesc;
 
+use super::link::StagedLink;
 use super::rings::{LentRing, RingPool};
 use super::wire::{self, Reply};
-use super::{chunk_len, chunk_pieces, split_parts, wait_event, Slot, StagedConfig, StagedError};
+use super::{chunk_len, chunk_pieces, split_parts, wait_event, Slot, StagedAuth, StagedConfig, StagedError};
 use crate::cuda::ipc::region_of;
 use crate::cuda::{check, CudaContext, CudaError};
 use crate::tcp::still_open;
@@ -36,7 +40,7 @@ pub const BACKEND: &str = "cuda-staged";
 /// One pooled connection: the socket, and its CUDA stream and staging ring (lent by the sender's
 /// [`RingPool`], which gets the ring back when the connection is dropped).
 struct SendConn {
-    tcp: TcpStream,
+    link: StagedLink,
     lent: LentRing,
     /// When it last went back to the pool (or was opened).
     idle_since: Instant,
@@ -46,7 +50,7 @@ impl SendConn {
     /// Whether the pool may hand it out again: not idle past `pool_idle`, and D has not closed
     /// it (nor sent anything unasked, which would put it out of step).
     fn reusable(&self, pool_idle: Duration) -> bool {
-        self.idle_since.elapsed() < pool_idle && still_open(&self.tcp)
+        self.idle_since.elapsed() < pool_idle && still_open(self.link.tcp())
     }
 }
 
@@ -56,8 +60,8 @@ pub struct StagedSender {
     ctx: Arc<CudaContext>,
     local_regions: Vec<RegionDesc>,
     config: StagedConfig,
-    /// Presented with every request (D's `--transfer-token`).
-    auth_token: Vec<u8>,
+    /// The token, secret and TLS identity P proves itself with (D's must match).
+    auth: StagedAuth,
     pool: Mutex<HashMap<String, Vec<SendConn>>>,
     /// Rings left by dropped connections (a D restarted, an error) or pinned ahead.
     rings: Arc<RingPool>,
@@ -70,15 +74,15 @@ impl StagedSender {
             ctx: ctx.clone(),
             local_regions,
             config,
-            auth_token: Vec::new(),
+            auth: StagedAuth::default(),
             pool: Mutex::default(),
             rings: RingPool::new(ctx, config),
         }
     }
 
-    /// The same sender presenting `token` to D's receiver (`None`: no token).
-    pub fn with_auth_token(mut self, token: Option<&str>) -> Self {
-        self.auth_token = token.unwrap_or_default().as_bytes().to_vec();
+    /// The same sender proving `auth` to D's receiver: its token, seals of its secret, TLS.
+    pub fn with_auth(mut self, auth: StagedAuth) -> Self {
+        self.auth = auth;
         self
     }
 
@@ -143,13 +147,30 @@ impl StagedSender {
         self.pool.lock().unwrap_or_else(PoisonError::into_inner).get(peer).map_or(0, Vec::len)
     }
 
+    /// A new connection to `peer` (within the write deadline; with TLS, after the handshake),
+    /// with its staging ring.
     fn connect(&self, peer: &str) -> Result<SendConn, StagedError> {
-        let tcp = TcpStream::connect(peer).map_err(|source| StagedError::Connect { peer: peer.to_string(), source })?;
+        let connect_err = |source| StagedError::Connect { peer: peer.to_string(), source };
         let io = |source| StagedError::Io { peer: peer.to_string(), source };
+        let addr = peer
+            .to_socket_addrs()
+            .map_err(connect_err)?
+            .next()
+            .ok_or_else(|| connect_err(std::io::Error::other("the address resolves to nothing")))?;
+        let tcp = TcpStream::connect_timeout(&addr, self.config.deadline).map_err(connect_err)?;
         tcp.set_nodelay(true).map_err(io)?;
         tcp.set_read_timeout(Some(self.config.deadline)).map_err(io)?;
         tcp.set_write_timeout(Some(self.config.deadline)).map_err(io)?;
-        Ok(SendConn { tcp, lent: self.rings.lend()?, idle_since: Instant::now() })
+        let link = match &self.auth.tls {
+            None => StagedLink::Plain(tcp),
+            Some(identity) => StagedLink::connect_tls(tcp, identity).map_err(|e| {
+                if e.is_refusal() {
+                    pdflow_auth::refused(Socket::Data, peer, Refusal::BadProof);
+                }
+                StagedError::Tls { peer: peer.to_string(), reason: e.to_string() }
+            })?,
+        };
+        Ok(SendConn { link, lent: self.rings.lend()?, idle_since: Instant::now() })
     }
 
     /// Seed step 29 across hosts: checks every source against P's regions, spreads the plan over
@@ -174,7 +195,7 @@ impl StagedSender {
                 .zip(&parts)
                 .map(|(conn, part)| {
                     let (refused, barrier, config, ctx) = (&refused, &barrier, &self.config, &self.ctx);
-                    let request = Request { auth: &self.auth_token, fence: plan.fence, part };
+                    let request = Request { auth: &self.auth, fence: plan.fence, part };
                     s.spawn(move || send_part(ctx, conn, peer, request, config, until, refused, barrier))
                 })
                 .collect();
@@ -212,10 +233,10 @@ impl StagedSender {
     }
 }
 
-/// What one connection offers D: P's auth token, the pull's fence token, the part.
+/// What one connection offers D: P's proofs, the pull's fence token, the part.
 #[derive(Clone, Copy)]
 struct Request<'a> {
-    auth: &'a [u8],
+    auth: &'a StagedAuth,
     fence: u64,
     part: &'a [Descriptor],
 }
@@ -242,13 +263,13 @@ fn send_part(
     barrier.wait();
     offered?;
     if refused.load(Ordering::SeqCst) {
-        conn.tcp.write_all(&[wire::ABORT]).map_err(io)?;
+        conn.link.write_all(&[wire::ABORT]).and_then(|()| conn.link.flush()).map_err(io)?;
         return Err(StagedError::Refused {
             peer: peer.to_string(),
             reason: "another part of the plan was refused".into(),
         });
     }
-    conn.tcp.write_all(&[wire::GO]).map_err(io)?;
+    conn.link.write_all(&[wire::GO]).map_err(io)?;
     ctx.bind_to_thread().map_err(CudaError::from)?;
     let chunks = chunk_pieces(part.iter().map(|d| (d.src, d.len)), config.chunk_bytes as u64);
     let depth = conn.lent.ring.len();
@@ -269,7 +290,7 @@ fn send_part(
         slot.done.record(stream)?;
         Ok(())
     };
-    let SendConn { tcp, lent, .. } = conn;
+    let SendConn { link, lent, .. } = conn;
     let LentRing { stream, ring, .. } = lent;
     for (i, pieces) in chunks.iter().enumerate().take(depth) {
         enqueue(&mut ring[i], pieces, stream)?;
@@ -277,28 +298,50 @@ fn send_part(
     for (i, pieces) in chunks.iter().enumerate() {
         let slot = &mut ring[i % depth];
         wait_event(&slot.done, until, config.deadline)?;
-        tcp.write_all(slot.buf.bytes(chunk_len(pieces) as usize)).map_err(io)?;
+        link.write_all(slot.buf.bytes(chunk_len(pieces) as usize)).map_err(io)?;
         if let Some(next) = chunks.get(i + depth) {
             enqueue(slot, next, stream)?;
         }
     }
-    match wire::read_reply(tcp).map_err(|e| wire_error(peer, e))? {
+    link.flush().map_err(io)?;
+    match wire::read_reply(link).map_err(|e| wire_error(peer, e))? {
         Reply::Done => Ok(()),
         Reply::Failed(reason) => Err(StagedError::Failed { peer: peer.to_string(), reason }),
         other => Err(StagedError::Protocol(format!("expected DONE or FAILED, got {other:?}"))),
     }
 }
 
-/// Sends the part's destinations and reads D's verdict.
+/// Sends the part's destinations and reads D's verdict. Under the secret, an acceptance that
+/// does not prove it is refused here (P answers `ABORT`, so the connection stays in step): no
+/// payload byte goes to a D that is not one of the cluster's.
 fn offer(conn: &mut SendConn, peer: &str, request: Request<'_>) -> Result<(), StagedError> {
-    let bytes = wire::encode_request(request.auth, request.fence, request.part)
+    let token = request.auth.token.as_deref().unwrap_or_default().as_bytes();
+    let secret = request.auth.secret.as_ref();
+    let sealed = wire::encode_request(token, request.fence, request.part, secret)
         .map_err(|e| StagedError::Protocol(e.to_string()))?;
-    conn.tcp.write_all(&bytes).map_err(|source| StagedError::Io { peer: peer.to_string(), source })?;
-    match wire::read_reply(&mut conn.tcp).map_err(|e| wire_error(peer, e))? {
-        Reply::Accepted => Ok(()),
-        Reply::Refused(reason) => Err(StagedError::Refused { peer: peer.to_string(), reason }),
-        other => Err(StagedError::Protocol(format!("expected ACCEPTED or REFUSED, got {other:?}"))),
+    let io = |source| StagedError::Io { peer: peer.to_string(), source };
+    conn.link.write_all(&sealed.bytes).and_then(|()| conn.link.flush()).map_err(io)?;
+    let reply = wire::read_reply(&mut conn.link).map_err(|e| wire_error(peer, e))?;
+    let proven = match (&reply, secret, &sealed.nonce) {
+        (Reply::Accepted | Reply::AcceptedSealed(_), None, _) => Ok(()),
+        (Reply::AcceptedSealed(seal), Some(secret), Some(nonce)) => wire::open_acceptance(secret, seal, nonce),
+        (Reply::Accepted, Some(_), _) => Err(Refusal::Unproven),
+        (Reply::Refused(reason), ..) => {
+            return Err(StagedError::Refused { peer: peer.to_string(), reason: reason.clone() })
+        }
+        (other, ..) => return Err(StagedError::Protocol(format!("expected ACCEPTED or REFUSED, got {other:?}"))),
+    };
+    if let Err(why) = proven {
+        pdflow_auth::refused(Socket::Data, peer, why);
+        conn.link.write_all(&[wire::ABORT]).and_then(|()| conn.link.flush()).map_err(io)?;
+        return Err(StagedError::Refused {
+            peer: peer.to_string(),
+            reason: format!(
+                "P holds the cluster secret and D's staged receiver did not prove it ({why}): nothing was sent to it"
+            ),
+        });
     }
+    Ok(())
 }
 
 fn wire_error(peer: &str, e: wire::WireError) -> StagedError {
@@ -315,6 +358,7 @@ pub fn to_transfer_error(peer: &str, e: StagedError) -> TransferError {
         StagedError::Connect { source, .. } => TransferError::Connect { peer, source },
         StagedError::Io { source, .. } => TransferError::Io { peer, source },
         StagedError::Refused { reason, .. } => TransferError::Refused { peer, reason },
+        StagedError::Tls { reason, .. } => TransferError::Refused { peer, reason: format!("TLS: {reason}") },
         StagedError::SourceOutOfRegion { source, .. } => TransferError::LocalRegion(source),
         StagedError::Timeout { deadline } => TransferError::Timeout { peer, deadline },
         other => TransferError::Io { peer, source: std::io::Error::other(format!("cuda-staged: {other}")) },

@@ -58,27 +58,45 @@ fn a_plan_splits_into_parts_of_nearly_equal_bytes_on_4k_cuts() {
 #[test]
 fn requests_and_replies_survive_the_wire_and_bad_input_is_refused() {
     let plan = [d(1, 0xdead_beef_0000, 4096), d(2, 0x10, 1)];
-    let bytes = wire::encode_request(b"secret", 77, &plan).expect("encodes");
+    let request = wire::encode_request(b"secret", 77, &plan, None).expect("encodes");
+    assert!(request.nonce.is_none(), "no secret, no seal");
+    let bytes = request.bytes;
     let back = wire::read_request(&mut &bytes[..]).expect("reads").expect("a request");
     assert_eq!(
         back,
-        wire::Offer { auth: b"secret".to_vec(), fence: 77, ranges: vec![(0xdead_beef_0000, 4096), (0x10, 1)] }
+        wire::Offer {
+            auth: b"secret".to_vec(),
+            fence: 77,
+            ranges: vec![(0xdead_beef_0000, 4096), (0x10, 1)],
+            seal: Vec::new()
+        }
     );
-    assert!(matches!(wire::encode_request(&[b'x'; 1025], 1, &plan), Err(WireError::TokenTooLong(1025))));
+    assert!(matches!(wire::encode_request(&[b'x'; 1025], 1, &plan, None), Err(WireError::TokenTooLong(1025))));
     let mut long_token = bytes[..6].to_vec();
     long_token.extend_from_slice(&(wire::MAX_TOKEN + 1).to_le_bytes());
     assert!(
         matches!(wire::read_request(&mut &long_token[..]), Err(WireError::TokenTooLong(_))),
         "an oversize token is refused before it is read"
     );
-    let bytes = wire::encode_request(b"", 77, &plan).expect("encodes");
+    let bytes = wire::encode_request(b"", 77, &plan, None).expect("encodes").bytes;
     assert!(wire::read_request(&mut &[][..]).expect("clean end").is_none());
     assert!(matches!(wire::read_request(&mut &b"HTTP/1.1"[..]), Err(WireError::BadMagic(_))));
+    let tls = wire::read_request(&mut &[0x16u8, 0x03, 0x01, 0x00][..]).expect_err("a TLS ClientHello");
+    assert!(tls.to_string().contains("set `tls` on both ends"), "{tls}");
     let mut huge = bytes[..16].to_vec();
     huge.extend_from_slice(&(wire::MAX_DESCRIPTORS + 1).to_le_bytes());
     assert!(matches!(wire::read_request(&mut &huge[..]), Err(WireError::TooManyDescriptors(_))));
     assert!(matches!(wire::read_request(&mut &bytes[..bytes.len() - 3]), Err(WireError::Io(_))), "truncated");
-    for reply in [Reply::Accepted, Reply::Refused("no".into()), Reply::Done, Reply::Failed("cuda".into())] {
+    let mut odd_seal = bytes.clone();
+    *odd_seal.last_mut().expect("the seal's length") = 7;
+    assert!(matches!(wire::read_request(&mut &odd_seal[..]), Err(WireError::BadSeal(7))));
+    for reply in [
+        Reply::Accepted,
+        Reply::AcceptedSealed([7; 40]),
+        Reply::Refused("no".into()),
+        Reply::Done,
+        Reply::Failed("cuda".into()),
+    ] {
         let mut out = Vec::new();
         wire::write_reply(&mut out, &reply).expect("writes");
         assert_eq!(wire::read_reply(&mut &out[..]).expect("reads"), reply);
@@ -86,6 +104,34 @@ fn requests_and_replies_survive_the_wire_and_bad_input_is_refused() {
     assert!(matches!(wire::read_reply(&mut &[9u8][..]), Err(WireError::BadStatus(9))));
     assert!(wire::read_go(&mut &[wire::GO][..]).expect("go"));
     assert!(!wire::read_go(&mut &[wire::ABORT][..]).expect("abort"));
+}
+
+#[test]
+fn a_sealed_request_opens_only_unaltered_under_the_secret_and_its_acceptance_only_for_it() {
+    let key = pdflow_auth::ClusterSecret::from_text("staged-cluster-secret-01").expect("a secret");
+    let stranger = pdflow_auth::ClusterSecret::from_text("not-the-cluster-secret").expect("a secret");
+    let guard = pdflow_auth::ReplayGuard::new(Duration::from_secs(30));
+    let plan = [d(1, 0x4000, 4096)];
+    let request = wire::encode_request(b"", 9, &plan, Some(&key)).expect("encodes");
+    let nonce = request.nonce.expect("a sealed request carries its nonce");
+    let offer = wire::read_request(&mut &request.bytes[..]).expect("reads").expect("a request");
+    let open = |offer: &wire::Offer, secret: &pdflow_auth::ClusterSecret| {
+        pdflow_auth::sealed::STAGED.open_request(secret, &offer.sealed_bytes(), &offer.seal, &guard)
+    };
+    assert_eq!(open(&offer, &stranger), Err(pdflow_auth::Refusal::UnknownKey), "another secret");
+    let mut moved = offer.clone();
+    moved.ranges[0].0 += 4096;
+    assert_eq!(open(&moved, &key), Err(pdflow_auth::Refusal::BadProof), "a destination altered");
+    let mut refenced = offer.clone();
+    refenced.fence = 10;
+    assert_eq!(open(&refenced, &key), Err(pdflow_auth::Refusal::BadProof), "another pull's fence");
+    assert_eq!(open(&offer, &key), Ok(nonce));
+    assert_eq!(open(&offer, &key), Err(pdflow_auth::Refusal::Replayed), "the same request again");
+    let Reply::AcceptedSealed(seal) = wire::accept_sealed(&key, &nonce) else { panic!("a sealed acceptance") };
+    assert_eq!(wire::open_acceptance(&key, &seal, &nonce), Ok(()));
+    assert!(wire::open_acceptance(&key, &seal, &pdflow_auth::nonce()).is_err(), "another request's acceptance");
+    let Reply::AcceptedSealed(forged) = wire::accept_sealed(&stranger, &nonce) else { panic!("a sealed acceptance") };
+    assert!(wire::open_acceptance(&key, &forged, &nonce).is_err(), "a D without the secret");
 }
 
 #[test]
@@ -102,7 +148,7 @@ fn destinations_outside_ds_regions_are_refused() {
 }
 
 /// 4 regions × 32 blocks × 4 KiB, as the IPC tests.
-fn regions_at(base: u64) -> Vec<RegionDesc> {
+pub(super) fn regions_at(base: u64) -> Vec<RegionDesc> {
     (0..4).map(|i| RegionDesc { base_addr: base + i * 32 * 4096, len: 32 * 4096, block_len: 4096 }).collect()
 }
 
@@ -110,7 +156,7 @@ const BYTES: usize = 4 * 32 * 4096;
 
 /// P's and D's device memory (GPU 0 and GPU 1, or GPU 0 twice), P's holding `pattern(i)` at byte
 /// `i` and D's zeroed; `None` after saying why the test skips.
-fn two_sides(
+pub(super) fn two_sides(
     pattern: impl Fn(usize) -> u8,
 ) -> Option<(Arc<CudaContext>, Arc<CudaContext>, DeviceBuffer, DeviceBuffer)> {
     let n = match device_count() {
@@ -226,34 +272,6 @@ fn a_fenced_receiver_takes_a_part_only_under_an_open_token() {
 }
 
 #[test]
-fn a_receiver_with_an_auth_token_takes_only_requests_that_present_it() {
-    let Some((ctx_p, ctx_d, p_mem, d_mem)) = two_sides(|i| (i as u64 * 13 + 1) as u8) else { return };
-    let (p_regions, d_regions) = (regions_at(p_mem.ptr), regions_at(d_mem.ptr));
-    let config = small_config();
-    let receiver =
-        StagedReceiver::bind_guarded(&ctx_d, d_regions.clone(), "127.0.0.1:0", config, None, Some(b"s3cret".to_vec()))
-            .expect("D listens");
-    let peer = receiver.local_addr().to_string();
-    let plan = build_plan(&p_regions, &[4, 5], &d_regions, &[8, 9], true).expect("plan");
-    let zeros = plan.descriptors.iter().fold(CHECKSUM_BASIS, |h, d| checksum_words(h, &vec![0u8; d.len as usize]));
-    for token in [None, Some("wrong")] {
-        let sender = StagedSender::new(&ctx_p, p_regions.clone(), config).with_auth_token(token);
-        // Twice: the second goes over the pooled connections, which the refusal left in step.
-        for attempt in 0..2 {
-            let err = sender.write(&peer, &plan).expect_err("no or a wrong token");
-            assert!(
-                matches!(&err, StagedError::Refused { reason, .. } if reason.contains("auth token")),
-                "{token:?}, attempt {attempt}: {err:?}"
-            );
-        }
-        assert_eq!(plan_checksum(&ctx_d, &plan, false).expect("D checksum"), zeros, "an unauthorised part landed");
-    }
-    let sender = StagedSender::new(&ctx_p, p_regions.clone(), config).with_auth_token(Some("s3cret"));
-    sender.write(&peer, &plan).expect("the right token");
-    assert_landed(&ctx_p, &ctx_d, &plan, "a write with the right token");
-}
-
-#[test]
 fn a_receiver_lends_its_prepinned_rings_to_connections_and_takes_them_back() {
     let Some((ctx_p, ctx_d, p_mem, d_mem)) = two_sides(|i| (i as u64 * 5 + 2) as u8) else { return };
     let (p_regions, d_regions) = (regions_at(p_mem.ptr), regions_at(d_mem.ptr));
@@ -294,7 +312,7 @@ fn a_sender_keeps_the_rings_of_dropped_connections_for_the_next_ones() {
 }
 
 /// 16 KiB chunks, two buffers, two streams: each part reuses its buffers many times.
-fn small_config() -> StagedConfig {
+pub(super) fn small_config() -> StagedConfig {
     StagedConfig {
         chunk_bytes: 16 * 1024,
         depth: 2,
@@ -305,7 +323,7 @@ fn small_config() -> StagedConfig {
 }
 
 /// D's bytes under `plan`'s destinations equal P's under its sources.
-fn assert_landed(ctx_p: &Arc<CudaContext>, ctx_d: &Arc<CudaContext>, plan: &TransferPlan, what: &str) {
+pub(super) fn assert_landed(ctx_p: &Arc<CudaContext>, ctx_d: &Arc<CudaContext>, plan: &TransferPlan, what: &str) {
     assert_eq!(
         plan_checksum(ctx_d, plan, false).expect("D checksum"),
         plan_checksum(ctx_p, plan, true).expect("P checksum"),
@@ -314,7 +332,7 @@ fn assert_landed(ctx_p: &Arc<CudaContext>, ctx_d: &Arc<CudaContext>, plan: &Tran
 }
 
 /// Waits (bounded) until `f` holds; `what` names it when it never does.
-fn within(what: &str, f: impl Fn() -> bool) {
+pub(super) fn within(what: &str, f: impl Fn() -> bool) {
     let until = std::time::Instant::now() + Duration::from_secs(10);
     while !f() {
         assert!(std::time::Instant::now() < until, "{what}: not within 10 s");
