@@ -26,23 +26,6 @@ async fn bounded<T>(what: &str, fut: impl Future<Output = T>) -> T {
     tokio::time::timeout(BOUND, fut).await.unwrap_or_else(|_| panic!("{what}: no end within {BOUND:?}"))
 }
 
-fn filled_cache(shape: KvShape, num_blocks: usize) -> Arc<KvCache> {
-    let cache = KvCache::new(shape, num_blocks);
-    for layer in 0..shape.num_layers {
-        for block in 0..num_blocks {
-            for head in 0..shape.num_kv_heads {
-                for slot in 0..shape.block_size {
-                    let bytes: Vec<u8> = (0..shape.slot_len())
-                        .map(|i| (1 + layer * 31 + block * 17 + head * 7 + slot * 3 + i) as u8)
-                        .collect();
-                    cache.write_slot(layer, block as BlockId, head, slot, &bytes).expect("in range");
-                }
-            }
-        }
-    }
-    cache
-}
-
 /// A server that records every byte it gets until its peer is gone.
 async fn recording_server() -> (String, tokio::task::JoinHandle<Vec<u8>>) {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("binds");
@@ -86,7 +69,7 @@ struct Fenced {
 
 async fn fenced(shape: KvShape, num_blocks: usize) -> Fenced {
     let fence = WriteFence::new();
-    let (src, dst) = (filled_cache(shape, num_blocks), KvCache::new(shape, num_blocks));
+    let (src, dst) = (KvCache::patterned(shape, num_blocks, 0), KvCache::new(shape, num_blocks));
     let addr = "127.0.0.1:0".parse().expect("valid address");
     let server =
         TcpDataServer::bind_fenced(addr, dst.region_table(), None, false, Some(fence.clone())).await.expect("binds");
@@ -212,7 +195,7 @@ async fn under_tls_a_flipped_byte_fails_the_write_and_nothing_altered_lands() {
     let mut config = TcpConfig { secret: Some(secret.clone()), ..TcpConfig::default() };
     config.set_tls(true).expect("TLS with the secret");
     let fence = WriteFence::new();
-    let (src, dst) = (filled_cache(SMALL, 32), KvCache::new(SMALL, 32));
+    let (src, dst) = (KvCache::patterned(SMALL, 32, 0), KvCache::new(SMALL, 32));
     let options = pdflow_transfer::tcp::DataServerOptions {
         secret: Some(secret),
         tls: config.tls.clone(),

@@ -398,6 +398,27 @@ fn check_external(shape: KvShape, num_blocks: usize, regions: &[(*mut u8, usize)
 }
 
 impl KvCache {
+    /// A host cache whose every byte differs by `seed`, layer, block, head, slot and offset (as
+    /// bytes go): P's side in tests and benchmarks, where D's copy must match it byte for byte.
+    pub fn patterned(shape: KvShape, num_blocks: usize, seed: usize) -> Arc<Self> {
+        let cache = Self::new(shape, num_blocks);
+        let mut bytes = vec![0u8; shape.slot_len()];
+        for layer in 0..shape.num_layers {
+            for block in 0..num_blocks {
+                for head in 0..shape.num_kv_heads {
+                    for slot in 0..shape.block_size {
+                        for (i, b) in bytes.iter_mut().enumerate() {
+                            *b = (1 + seed * 131 + layer * 31 + block * 17 + head * 7 + slot * 3 + i) as u8;
+                        }
+                        let written = cache.write_slot(layer, block as BlockId, head, slot, &bytes);
+                        debug_assert!(written.is_ok(), "every slot of a new host cache is in range");
+                    }
+                }
+            }
+        }
+        cache
+    }
+
     /// One checksum per block of `blocks` ([`KvCache::blocks_checksum`] of each alone): what P
     /// sends with a verified transfer and D compares its blocks against.
     pub fn block_digests(&self, blocks: &[BlockId]) -> Result<Vec<u64>, RegionError> {

@@ -17,24 +17,6 @@ const BOUND: Duration = Duration::from_secs(20);
 /// Blocks in each side's cache.
 const BLOCKS: usize = 8;
 
-/// A cache of `shape` whose every slot holds bytes that differ by layer, block, head and slot.
-pub(super) fn filled_with(shape: KvShape, num_blocks: usize) -> Arc<KvCache> {
-    let cache = KvCache::new(shape, num_blocks);
-    for layer in 0..shape.num_layers {
-        for block in 0..num_blocks {
-            for head in 0..shape.num_kv_heads {
-                for slot in 0..shape.block_size {
-                    let bytes: Vec<u8> = (0..shape.slot_len())
-                        .map(|i| (1 + layer * 31 + block * 17 + head * 7 + slot * 3 + i) as u8)
-                        .collect();
-                    cache.write_slot(layer, block as BlockId, head, slot, &bytes).expect("in range");
-                }
-            }
-        }
-    }
-    cache
-}
-
 /// P's filled cache, and D's empty one behind a data server.
 pub(super) struct Side {
     pub(super) src: Arc<KvCache>,
@@ -46,7 +28,7 @@ pub(super) struct Side {
 impl Side {
     /// D's data server for a cache of `shape`, serving as `options` say.
     pub(super) async fn start(shape: KvShape, options: DataServerOptions) -> Self {
-        let (src, dst) = (filled_with(shape, BLOCKS), KvCache::new(shape, BLOCKS));
+        let (src, dst) = (KvCache::patterned(shape, BLOCKS, 0), KvCache::new(shape, BLOCKS));
         let server = TcpDataServer::bind_options("127.0.0.1:0".parse().expect("address"), dst.region_table(), options)
             .await
             .expect("binds");

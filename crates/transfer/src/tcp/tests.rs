@@ -25,25 +25,6 @@ async fn bounded<T>(what: &str, fut: impl Future<Output = T>) -> T {
     tokio::time::timeout(BOUND, fut).await.unwrap_or_else(|_| panic!("{what} did not finish within {BOUND:?}"))
 }
 
-/// A cache whose every byte depends on (seed, layer, block, head, slot, offset).
-fn filled_cache(shape: KvShape, num_blocks: usize, seed: usize) -> Arc<KvCache> {
-    let cache = KvCache::new(shape, num_blocks);
-    let mut bytes = vec![0u8; shape.slot_len()];
-    for layer in 0..shape.num_layers {
-        for block in 0..num_blocks {
-            for head in 0..shape.num_kv_heads {
-                for slot in 0..shape.block_size {
-                    for (i, b) in bytes.iter_mut().enumerate() {
-                        *b = (seed * 131 + layer * 31 + block * 17 + head * 7 + slot * 3 + i) as u8;
-                    }
-                    cache.write_slot(layer, block as BlockId, head, slot, &bytes).expect("in range");
-                }
-            }
-        }
-    }
-    cache
-}
-
 struct Pair {
     src: Arc<KvCache>,
     dst: Arc<KvCache>,
@@ -53,7 +34,7 @@ struct Pair {
 }
 
 async fn pair(shape: KvShape, num_blocks: usize, server_token: Option<&str>, config: TcpConfig) -> Pair {
-    let src = filled_cache(shape, num_blocks, 1);
+    let src = KvCache::patterned(shape, num_blocks, 1);
     let dst = KvCache::new(shape, num_blocks);
     let addr = "127.0.0.1:0".parse().expect("valid address");
     let server = TcpDataServer::bind(addr, dst.region_table(), server_token.map(str::to_string)).await.expect("binds");
@@ -225,7 +206,7 @@ async fn a_wrong_or_missing_auth_token_is_refused() {
 #[tokio::test]
 async fn connecting_to_a_closed_port_fails_fast_with_connect() {
     let closed = std::net::TcpListener::bind("127.0.0.1:0").expect("binds").local_addr().expect("has an address");
-    let cache = filled_cache(SMALL, 4, 1);
+    let cache = KvCache::patterned(SMALL, 4, 1);
     let engine = TcpTransferEngine::new(cache.region_table(), TcpConfig::default());
     let r = cache.regions()[0];
     let plan = TransferPlan {
@@ -301,7 +282,7 @@ fn plan_bytes_match(p: &Pair, plan: &TransferPlan, range: std::ops::Range<u64>, 
 
 async fn fenced_pair(shape: KvShape, num_blocks: usize, config: TcpConfig) -> (Pair, crate::fence::WriteFence) {
     let fence = crate::fence::WriteFence::new();
-    let src = filled_cache(shape, num_blocks, 1);
+    let src = KvCache::patterned(shape, num_blocks, 1);
     let dst = KvCache::new(shape, num_blocks);
     let addr = "127.0.0.1:0".parse().expect("valid address");
     let server =
@@ -443,7 +424,7 @@ async fn a_share_d_dropped_is_not_resent() {
             });
         }
     });
-    let src = filled_cache(LARGE, 8, 1);
+    let src = KvCache::patterned(LARGE, 8, 1);
     let engine = TcpTransferEngine::new(src.region_table(), TcpConfig { streams_per_peer: 1, ..TcpConfig::default() });
     bounded("prepare", engine.prepare(&peer)).await.expect("prepared");
     assert_eq!((accepted.load(Ordering::SeqCst), engine.pooled_connections(&peer)), (1, 1));
@@ -563,7 +544,7 @@ async fn requests_trickling_in_byte_by_byte_are_read_whole() {
 #[tokio::test]
 async fn p_gets_d_s_device_export_or_nothing_and_the_connection_stays_usable() {
     let dst = KvCache::new(SMALL, 8);
-    let src = filled_cache(SMALL, 8, 1);
+    let src = KvCache::patterned(SMALL, 8, 1);
     let export = b"opaque export of the cuda backend".to_vec();
     for offered in [Some(export.clone()), None] {
         let options =
@@ -670,7 +651,7 @@ fn a_pooled_socket_counts_as_open_only_while_the_peer_keeps_it_open_and_silent()
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_server_at_its_connection_limit_closes_one_more_at_once_and_serves_again_when_one_ends() {
-    let src = filled_cache(SMALL, 8, 1);
+    let src = KvCache::patterned(SMALL, 8, 1);
     let dst = KvCache::new(SMALL, 8);
     let options = DataServerOptions { max_connections: 2, ..DataServerOptions::default() };
     let server = TcpDataServer::bind_options("127.0.0.1:0".parse().expect("address"), dst.region_table(), options)

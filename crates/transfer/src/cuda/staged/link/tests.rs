@@ -54,6 +54,8 @@ fn relay(to: SocketAddr) -> (SocketAddr, JoinHandle<Vec<u8>>) {
     let handle = std::thread::spawn(move || {
         let (from_p, _) = listener.accept().expect("P connects");
         let to_d = TcpStream::connect(to).expect("relay reaches D");
+        bounded(&from_p);
+        bounded(&to_d);
         let (mut p_read, mut d_write) = (from_p.try_clone().expect("clone"), to_d.try_clone().expect("clone"));
         let (mut d_read, mut p_write) = (to_d, from_p);
         let back = std::thread::spawn(move || {
