@@ -90,7 +90,12 @@ impl SchedulerBridge {
                 let supervisor = NodeSupervisor::spawn(format!("vllm-scheduler-{engine_id}"));
                 let actor = SchedulerConnector::supervise(
                     &supervisor,
-                    SchedulerConnectorArgs { engine_id: engine_id.clone().into(), role, bootstrap_addr },
+                    SchedulerConnectorArgs {
+                        engine_id: engine_id.clone().into(),
+                        role,
+                        bootstrap_addr,
+                        layerwise: false,
+                    },
                 )
                 .restart_policy(RestartPolicy::Transient)
                 .restart_limit(MAX_RESTARTS, RESTART_WINDOW)
@@ -160,7 +165,7 @@ impl SchedulerBridge {
 
     /// Steps 13, 18, 26: this step's metadata as a frame, or None when the workers have nothing to do.
     fn build_connector_meta<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyBytes>>> {
-        let meta = py.detach(|| self.ask("build_connector_meta", BuildConnectorMeta))?;
+        let meta = py.detach(|| self.ask("build_connector_meta", BuildConnectorMeta::default()))?;
         if meta.is_empty() {
             return Ok(None);
         }

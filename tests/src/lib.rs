@@ -40,6 +40,8 @@ pub struct EngineOpts {
     pub tls: bool,
     /// Only the tcp backend: the KV crosses a socket even between engines of one process.
     pub tcp_only: bool,
+    /// P writes the KV layer by layer while it prefills (`--layerwise on`).
+    pub layerwise: bool,
 }
 
 impl Default for EngineOpts {
@@ -54,6 +56,7 @@ impl Default for EngineOpts {
             secret: None,
             tls: false,
             tcp_only: false,
+            layerwise: false,
         }
     }
 }
@@ -199,6 +202,7 @@ impl Cluster {
             deadlines: spec.deadlines,
             tcp: tcp_config(o),
             verify_checksums: spec.verify_checksums,
+            layerwise: o.layerwise && role == KvRole::Producer,
             kv_device: None,
             faults: pdflow_actors::fault_seam::no_faults(),
         };

@@ -155,6 +155,9 @@ impl ProcCluster {
             if o.tcp_only {
                 a.extend(["--transport".into(), "tcp".into()]);
             }
+            if o.layerwise {
+                a.extend(["--layerwise".into(), "on".into()]);
+            }
             a
         };
         let mut procs = Vec::new();

@@ -59,12 +59,12 @@ async fn killed_actors_are_restarted_and_the_node_keeps_serving() {
     // scheduler naming the transfer to the new one: it waits for it (the lineage of the
     // listener's incarnations says its ready is still to come) and is served.
     served(&cluster, 2).await;
-    kill_and_wait_restart("P's SchedulerConnector", &p.connector, || BuildConnectorMeta).await;
+    kill_and_wait_restart("P's SchedulerConnector", &p.connector, BuildConnectorMeta::default).await;
     served(&cluster, 3).await;
     kill_and_wait_restart("D's Receiver", d.worker.receiver.as_ref().expect("D has a receiver"), || GetFinishedRecving)
         .await;
     served(&cluster, 4).await;
-    kill_and_wait_restart("D's SchedulerConnector", &d.connector, || BuildConnectorMeta).await;
+    kill_and_wait_restart("D's SchedulerConnector", &d.connector, BuildConnectorMeta::default).await;
     served(&cluster, 5).await;
 
     cluster.assert_blocks_at_baseline().await;

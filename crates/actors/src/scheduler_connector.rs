@@ -3,7 +3,7 @@
 //! semantics; the actor keeps what the next `build_connector_meta` must tell the workers.
 //!
 //! Steps: 12 and 17 (`update_state_after_alloc` records the pending send / the pull), 13, 18, 26
-//! (`build_connector_meta`), 23 and 41 (`request_finished`: delayed free on P), 32, 35, 36
+//! (`build_connector_meta`; layer-wise, it also names the step's prefills in `reqs_to_save`), 23 and 41 (`request_finished`: delayed free on P), 32, 35, 36
 //! (`update_connector_output`). The engine owns the scheduling itself (allocation, the
 //! WAITING_FOR_REMOTE_KVS state, computed = prompt − 1 at step 37) and emits those spans.
 //!
@@ -17,9 +17,9 @@ use std::collections::{BTreeMap, BTreeSet};
 use kameo::prelude::*;
 use pdflow_messages::kv_transfer_params::{KvTransferParams, TransferRole};
 use pdflow_messages::scheduler_connector::{
-    BuildConnectorMeta, ConnectorMetadata, ConnectorOutput, FinishStatus, GetNumNewMatchedTokens, MatchedTokens,
-    OnNewRequest, PullMeta, RequestFinished, RequestFinishedReply, SchedRequest, UpdateConnectorOutput,
-    UpdateStateAfterAlloc,
+    BuildConnectorMeta, ConnectorMetadata, ConnectorOutput, FinishStatus, GetNumNewMatchedTokens, LayerSave,
+    MatchedTokens, OnNewRequest, PullMeta, RequestFinished, RequestFinishedReply, SchedRequest, ScheduledChunk,
+    UpdateConnectorOutput, UpdateStateAfterAlloc,
 };
 use pdflow_messages::{BlockId, EngineId, RequestId, TransferId};
 use pdflow_telemetry::{attrs, step_span, steps, Outcome};
@@ -57,6 +57,8 @@ pub struct SchedulerConnectorArgs {
     /// request answers the `kv_transfer_params` D needs (vLLM's toy proxy forwards P's answer to
     /// D instead of naming P itself).
     pub bootstrap_addr: Option<String>,
+    /// P: stream each prefill's KV to D layer by layer while it computes (`reqs_to_save`).
+    pub layerwise: bool,
 }
 
 /// The scheduler-side connector actor.
@@ -65,6 +67,9 @@ pub struct SchedulerConnector {
     engine_id: EngineId,
     role: KvRole,
     bootstrap_addr: Option<String>,
+    layerwise: bool,
+    /// P, layer-wise: the prefills whose layers stream, with their transfer and prompt length.
+    streaming: BTreeMap<RequestId, (TransferId, usize)>,
     /// P: request id → (transfer_id, block ids) for the next metadata (steps 13, 26).
     reqs_need_send: BTreeMap<RequestId, (TransferId, Vec<BlockId>)>,
     /// D: pulls for the next metadata (step 18).
@@ -87,6 +92,8 @@ impl Actor for SchedulerConnector {
             engine_id: args.engine_id,
             role: args.role,
             bootstrap_addr: args.bootstrap_addr,
+            layerwise: args.layerwise,
+            streaming: BTreeMap::new(),
             reqs_need_send: BTreeMap::new(),
             reqs_need_recv: BTreeMap::new(),
             reqs_not_processed: BTreeSet::new(),
@@ -210,7 +217,11 @@ impl Message<UpdateStateAfterAlloc> for SchedulerConnector {
             Ok(TransferRole::Prefill { transfer_id }) if self.role.produces() => {
                 self.remember_trace(&request);
                 // An empty list tells the worker to create the send's wait object (step 13/14).
-                self.reqs_need_send.entry(request.request_id.clone()).or_insert((transfer_id.into(), Vec::new()));
+                let transfer_id: TransferId = transfer_id.into();
+                if self.layerwise {
+                    self.streaming.insert(request.request_id.clone(), (transfer_id.clone(), request.prompt_len));
+                }
+                self.reqs_need_send.entry(request.request_id.clone()).or_insert((transfer_id, Vec::new()));
                 None
             }
             _ => None,
@@ -222,7 +233,8 @@ impl Message<BuildConnectorMeta> for SchedulerConnector {
     type Reply = Result<ConnectorMetadata, ActorError>;
 
     /// Seed steps 13, 18, 26: everything recorded since the last step, then cleared.
-    async fn handle(&mut self, _msg: BuildConnectorMeta, _ctx: &mut Context<Self, Self::Reply>) -> Self::Reply {
+    async fn handle(&mut self, msg: BuildConnectorMeta, _ctx: &mut Context<Self, Self::Reply>) -> Self::Reply {
+        let reqs_to_save = self.reqs_to_save(msg.scheduled);
         let reqs_to_send = std::mem::take(&mut self.reqs_need_send);
         let mut reqs_to_recv: BTreeMap<_, BTreeMap<_, _>> = BTreeMap::new();
         for (req_id, pull) in std::mem::take(&mut self.reqs_need_recv) {
@@ -260,7 +272,27 @@ impl Message<BuildConnectorMeta> for SchedulerConnector {
             reqs_not_processed: std::mem::take(&mut self.reqs_not_processed),
             reqs_to_abort: std::mem::take(&mut self.reqs_to_abort),
             traceparents,
+            reqs_to_save,
         })
+    }
+}
+
+impl SchedulerConnector {
+    /// Layer-wise: the step's chunks that compute a streaming prefill's prompt.
+    fn reqs_to_save(&self, scheduled: Vec<ScheduledChunk>) -> BTreeMap<RequestId, LayerSave> {
+        scheduled
+            .into_iter()
+            .filter_map(|chunk| {
+                let (transfer_id, prompt_len) = self.streaming.get(&chunk.request_id)?;
+                let save = LayerSave {
+                    transfer_id: transfer_id.clone(),
+                    block_ids: chunk.block_ids,
+                    computed_upto: chunk.computed_upto.min(*prompt_len),
+                    prompt_len: *prompt_len,
+                };
+                Some((chunk.request_id, save))
+            })
+            .collect()
     }
 }
 
@@ -277,6 +309,7 @@ impl Message<RequestFinished> for SchedulerConnector {
 impl SchedulerConnector {
     fn request_finished(&mut self, msg: RequestFinished) -> RequestFinishedReply {
         let request = with_transfer_named(msg.request);
+        self.streaming.remove(&request.request_id);
         let no_delay = RequestFinishedReply { delay_free_blocks: false, kv_transfer_params: None };
         let Some(params) = request.kv_transfer_params.as_ref() else { return no_delay };
         if params.do_remote_prefill && self.role.consumes() {
@@ -396,6 +429,7 @@ mod tests {
             engine_id: "e".into(),
             role,
             bootstrap_addr: Some("http://127.0.0.1:8998".into()),
+            layerwise: role == KvRole::Producer,
         });
         r.wait_for_startup().await;
         r
@@ -461,7 +495,7 @@ mod tests {
         p.ask(UpdateStateAfterAlloc { request: bare(), block_ids: vec![4, 5, 6, 7], num_external_tokens: 0 })
             .await
             .expect("ask");
-        let meta = p.ask(BuildConnectorMeta).await.expect("ask delivered");
+        let meta = p.ask(BuildConnectorMeta::default()).await.expect("ask delivered");
         assert_eq!(meta.reqs_to_send["cmpl-abc-0-1234abcd"].0, "cmpl-abc-0-1234abcd");
         let reply = p
             .ask(RequestFinished { request: bare(), status: FinishStatus::LengthCapped, block_ids: vec![4, 5, 6, 7] })
@@ -477,6 +511,30 @@ mod tests {
                 remote_engine_id: "e".into(),
             })
         );
+    }
+
+    #[tokio::test]
+    async fn layer_wise_p_names_each_step_s_prefill_chunks_in_reqs_to_save_until_it_finishes() {
+        let p = spawn(KvRole::Producer).await;
+        let request = p_request("p1");
+        p.ask(UpdateStateAfterAlloc { request: request.clone(), block_ids: vec![3, 4], num_external_tokens: 0 })
+            .await
+            .expect("ask");
+        let chunk =
+            |upto: usize| ScheduledChunk { request_id: "p1".into(), block_ids: vec![3, 4], computed_upto: upto };
+        let local = ScheduledChunk { request_id: "local".into(), block_ids: vec![9], computed_upto: 5 };
+        let meta = p.ask(BuildConnectorMeta { scheduled: vec![chunk(512), local] }).await.expect("ask delivered");
+        let save = &meta.reqs_to_save["p1"];
+        assert_eq!((save.transfer_id.as_str(), save.computed_upto, save.prompt_len), ("xfer-p1", 512, 1000));
+        assert_eq!(meta.reqs_to_save.len(), 1, "a request with no transfer streams nothing");
+        // The step that samples P's one token computes no more prompt KV than the prompt holds.
+        let meta = p.ask(BuildConnectorMeta { scheduled: vec![chunk(1001)] }).await.expect("ask delivered");
+        assert_eq!(meta.reqs_to_save["p1"].computed_upto, 1000);
+        p.ask(RequestFinished { request, status: FinishStatus::LengthCapped, block_ids: vec![3, 4] })
+            .await
+            .expect("ask delivered");
+        let meta = p.ask(BuildConnectorMeta { scheduled: vec![chunk(1000)] }).await.expect("ask delivered");
+        assert!(meta.reqs_to_save.is_empty(), "a finished request streams no more layers");
     }
 
     #[tokio::test]
@@ -498,7 +556,7 @@ mod tests {
             .expect("ask delivered");
         assert_eq!(updated.map(|p| p.do_remote_prefill), Some(false), "one pull, never two");
         // The pull names no block: P frees its blocks without writing any.
-        let meta = d.ask(BuildConnectorMeta).await.expect("ask delivered");
+        let meta = d.ask(BuildConnectorMeta::default()).await.expect("ask delivered");
         assert_eq!(meta.reqs_to_recv["p-engine"]["d1"].local_block_ids, Vec::<BlockId>::new());
     }
 
@@ -515,10 +573,10 @@ mod tests {
             .expect("ask");
         assert_eq!(updated, None);
         // Step 13: the pending send with an empty block list.
-        let meta = p.ask(BuildConnectorMeta).await.expect("ask delivered");
+        let meta = p.ask(BuildConnectorMeta::default()).await.expect("ask delivered");
         assert_eq!(meta.reqs_to_send.get("p1"), Some(&("xfer-p1".into(), vec![])));
         assert!(
-            p.ask(BuildConnectorMeta).await.expect("ask delivered").is_empty(),
+            p.ask(BuildConnectorMeta::default()).await.expect("ask delivered").is_empty(),
             "metadata is cleared after each build"
         );
         // Step 23: length-capped finish delays the free and records the blocks.
@@ -532,7 +590,7 @@ mod tests {
             .expect("ask");
         assert!(reply.delay_free_blocks);
         // Step 26: the blocks go to the worker.
-        let meta = p.ask(BuildConnectorMeta).await.expect("ask delivered");
+        let meta = p.ask(BuildConnectorMeta::default()).await.expect("ask delivered");
         assert_eq!(meta.reqs_to_send["p1"].1, (17..80).collect::<Vec<_>>());
     }
 
@@ -544,7 +602,7 @@ mod tests {
             .await
             .expect("ask");
         assert!(reply.delay_free_blocks, "the prompt's KV is valid: it must be sent");
-        assert_eq!(p.ask(BuildConnectorMeta).await.expect("ask delivered").reqs_to_send["p1"].1, vec![1, 2]);
+        assert_eq!(p.ask(BuildConnectorMeta::default()).await.expect("ask delivered").reqs_to_send["p1"].1, vec![1, 2]);
     }
 
     #[tokio::test]
@@ -558,7 +616,7 @@ mod tests {
             .await
             .expect("ask");
         assert!(!reply.delay_free_blocks);
-        let meta = p.ask(BuildConnectorMeta).await.expect("ask delivered");
+        let meta = p.ask(BuildConnectorMeta::default()).await.expect("ask delivered");
         assert!(meta.reqs_not_processed.contains("xfer-p1"));
         assert!(meta.reqs_to_send.is_empty(), "an aborted request sends nothing");
     }
@@ -576,7 +634,7 @@ mod tests {
             .expect("ask")
             .expect("params updated");
         assert!(!updated.do_remote_prefill);
-        let meta = d.ask(BuildConnectorMeta).await.expect("ask delivered");
+        let meta = d.ask(BuildConnectorMeta::default()).await.expect("ask delivered");
         let pull = &meta.reqs_to_recv["p-engine"]["d1"];
         assert_eq!(pull.local_block_ids.len(), 63);
         assert_eq!(pull.transfer_id, "xfer-d1");
@@ -587,7 +645,10 @@ mod tests {
         d.ask(UpdateStateAfterAlloc { request: resumed, block_ids: (512..575).collect(), num_external_tokens: 0 })
             .await
             .expect("ask");
-        assert!(d.ask(BuildConnectorMeta).await.expect("ask delivered").reqs_to_recv.is_empty(), "no second pull");
+        assert!(
+            d.ask(BuildConnectorMeta::default()).await.expect("ask delivered").reqs_to_recv.is_empty(),
+            "no second pull"
+        );
     }
 
     #[tokio::test]
@@ -597,7 +658,7 @@ mod tests {
             .ask(UpdateStateAfterAlloc { request: d_request("d1"), block_ids: vec![5, 6], num_external_tokens: 32 })
             .await
             .expect("ask");
-        d.ask(BuildConnectorMeta).await.expect("ask delivered");
+        d.ask(BuildConnectorMeta::default()).await.expect("ask delivered");
         let mut waiting = d_request("d1");
         waiting.kv_transfer_params = updated;
         let reply = d
@@ -605,12 +666,12 @@ mod tests {
             .await
             .expect("ask delivered");
         assert!(!reply.delay_free_blocks);
-        assert!(d.ask(BuildConnectorMeta).await.expect("ask delivered").reqs_to_abort.contains("d1"));
+        assert!(d.ask(BuildConnectorMeta::default()).await.expect("ask delivered").reqs_to_abort.contains("d1"));
         // Aborted before any allocation: an empty pull so that P frees its blocks.
         d.ask(RequestFinished { request: d_request("d2"), status: FinishStatus::Aborted, block_ids: vec![] })
             .await
             .expect("ask delivered");
-        let meta = d.ask(BuildConnectorMeta).await.expect("ask delivered");
+        let meta = d.ask(BuildConnectorMeta::default()).await.expect("ask delivered");
         assert!(meta.reqs_to_recv["p-engine"]["d2"].local_block_ids.is_empty());
     }
 
@@ -621,7 +682,7 @@ mod tests {
             .ask(UpdateStateAfterAlloc { request: d_request("d1"), block_ids: vec![5], num_external_tokens: 16 })
             .await
             .expect("ask");
-        d.ask(BuildConnectorMeta).await.expect("ask delivered");
+        d.ask(BuildConnectorMeta::default()).await.expect("ask delivered");
         let mut output = ConnectorOutput::default();
         output.finished_recving.insert("d1".into());
         d.ask(UpdateConnectorOutput { output }).await.expect("ask delivered");
@@ -631,6 +692,6 @@ mod tests {
         d.ask(RequestFinished { request: req, status: FinishStatus::Aborted, block_ids: vec![5] })
             .await
             .expect("ask delivered");
-        assert!(d.ask(BuildConnectorMeta).await.expect("ask delivered").reqs_to_abort.is_empty());
+        assert!(d.ask(BuildConnectorMeta::default()).await.expect("ask delivered").reqs_to_abort.is_empty());
     }
 }

@@ -21,9 +21,11 @@
 //! - this file — the worker's state, its reports to the listener, P's records (steps 14, 27) and
 //!   D's pulls (step 22);
 //! - [`write`] — the plan, the write and its end (steps 28, 29, 31);
+//! - [`stream`] — layer-wise: the layers P has finished, written to D while P still prefills;
 //! - [`ending`] — deadlines, expiry, linger and aborts: how a transfer ends without a write.
 
 mod ending;
+mod stream;
 mod write;
 
 use std::collections::VecDeque;
@@ -106,8 +108,15 @@ struct Writing {
     pull: ServePull,
     span: Span,
     task: JoinHandle<()>,
+    answer: WriteAnswer,
+}
+
+/// What the write's end reports besides its own figures.
+struct WriteAnswer {
     /// P's digest of each block written, in D's order (with `verify_checksums`; else empty).
     digests: Vec<u64>,
+    /// Layer-wise: bytes and descriptors the layer writes moved before this one.
+    streamed: (u64, usize),
 }
 
 /// One transfer on P.
@@ -129,6 +138,8 @@ pub struct SendWorker {
     linger: Option<(u64, Timer<LingerDue>)>,
     /// The data channel to D made ready while P still prefills (see [`SendWorker::prepare`]).
     preparing: Option<JoinHandle<()>>,
+    /// Layer-wise: the layers P has finished and what of them is in D's blocks.
+    stream: Option<stream::Stream>,
 }
 
 /// Timer: a waiting pull's ready deadline passed.
@@ -171,6 +182,7 @@ impl Actor for SendWorker {
             expiry: None,
             linger: None,
             preparing: None,
+            stream: None,
         })
     }
 
@@ -183,6 +195,9 @@ impl Actor for SendWorker {
         }
         if let Some(p) = self.preparing.take() {
             p.abort();
+        }
+        if let Some(task) = self.stream.as_mut().and_then(stream::Stream::take_in_flight) {
+            task.abort();
         }
         if let Some(w) = self.writing.take() {
             tracing::warn!(transfer_id = %self.args.transfer_id, "send worker stopped while writing: the write is aborted");
@@ -341,6 +356,8 @@ impl Message<RecordSendReady> for SendWorker {
                     h.abort();
                 }
                 let me = ctx.actor_ref().clone();
+                // Layer-wise: the layer write in flight ends first (its failure answers D).
+                self.settle_stream_for_ready().await;
                 if let Some(next) = self.pulls.pop_front() {
                     self.serve(next, &me).await;
                 } else if self.consumer_gone {
@@ -392,6 +409,8 @@ impl Message<ServePull> for SendWorker {
                     .send_after(self.args.ready_timeout);
                 self.prepare(&pull.data_addr);
                 self.pulls.push_back(WaitingPull { pull, span, deadline: Some(deadline) });
+                // Layer-wise: the layers P has finished go now.
+                self.stream_on_pull(&me);
             }
             // A second pull while the first writes: answered when the write ends.
             Phase::Writing | Phase::Finished => self.pulls.push_back(WaitingPull { pull, span, deadline: None }),

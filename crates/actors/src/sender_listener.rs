@@ -7,6 +7,7 @@
 //! record or D's pull, whichever comes first), and the table `transfer_id → SendWorker` is its only
 //! routing state. It never waits on a transfer itself.
 //!
+//! - `LayerSaved` (step 29, layer-wise): each finished layer → `LayerDone` to the request's worker.
 //! - `RecordSendReqs` (steps 14, 27): `reqs_to_send` without blocks → `RecordSendPending`; with
 //!   blocks → `RecordSendReady`; `reqs_not_processed` → `AbortSend{Producer}`.
 //! - D's frames: a `PullRequest` is checked (layout cached per D engine and `layout_id`), tracked,
@@ -40,10 +41,12 @@ use pdflow_kv::memory::KvCache;
 use pdflow_messages::bootstrap::RegisterWorker;
 use pdflow_messages::frame;
 use pdflow_messages::layout::KvLayout;
-use pdflow_messages::send_worker::{AbortSend, AbortSource, RecordSendPending, RecordSendReady, SendOutcome};
+use pdflow_messages::send_worker::{
+    AbortSend, AbortSource, LayerDone, RecordSendPending, RecordSendReady, SendOutcome,
+};
 use pdflow_messages::sender_listener::{
-    GetFinishedSending, InFlightPulls, PullErr, PullErrorCause, PullResponse, RecordSendReqs, SideChannelAddr,
-    SideChannelRequest,
+    GetFinishedSending, InFlightPulls, LayerSaved, PullErr, PullErrorCause, PullResponse, RecordSendReqs,
+    SideChannelAddr, SideChannelRequest,
 };
 use pdflow_messages::{EngineId, RequestId, TransferId};
 use pdflow_telemetry::{attrs, step_span, steps, Outcome};
@@ -392,6 +395,25 @@ impl Message<RecordSendReqs> for SenderListener {
                 &me,
             )
             .await;
+        }
+    }
+}
+
+impl Message<LayerSaved> for SenderListener {
+    type Reply = ();
+
+    /// Step 29, layer-wise: one finished layer of the step's prefills, to each one's SendWorker.
+    async fn handle(&mut self, msg: LayerSaved, ctx: &mut Context<Self, Self::Reply>) {
+        let me = ctx.actor_ref().clone();
+        for (p_req_id, save) in msg.reqs {
+            let done = LayerDone {
+                p_req_id,
+                layer: msg.layer,
+                block_ids: save.block_ids,
+                computed_upto: save.computed_upto,
+                prompt_len: save.prompt_len,
+            };
+            self.tell_worker(&save.transfer_id, done, &me).await;
         }
     }
 }

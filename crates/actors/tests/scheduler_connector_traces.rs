@@ -25,6 +25,7 @@ async fn the_scheduler_side_step_spans_join_the_requests_trace() {
         engine_id: "d".into(),
         role: KvRole::Consumer,
         bootstrap_addr: None,
+        layerwise: false,
     });
     d.wait_for_startup().await;
     let request = SchedRequest {
@@ -36,7 +37,7 @@ async fn the_scheduler_side_step_spans_join_the_requests_trace() {
     d.ask(UpdateStateAfterAlloc { request, block_ids: (0..63).collect(), num_external_tokens: 1000 })
         .await
         .expect("ask delivered");
-    d.ask(BuildConnectorMeta).await.expect("ask delivered");
+    d.ask(BuildConnectorMeta::default()).await.expect("ask delivered");
     let output = ConnectorOutput { finished_recving: ["d1".into()].into(), ..ConnectorOutput::default() };
     d.ask(UpdateConnectorOutput { output }).await.expect("ask delivered");
     let seen: Vec<(u8, Option<String>)> =

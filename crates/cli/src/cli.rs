@@ -230,6 +230,9 @@ pub struct DemoArgs {
     /// cross-host path, instead of the in-process peer copy).
     #[arg(long, value_enum, default_value = "auto")]
     pub gpu_path: GpuPathArg,
+    /// P writes the KV to D layer by layer while its prefill computes the later layers.
+    #[arg(long, value_enum, default_value_t = OnOff::Off)]
+    pub layerwise: OnOff,
     /// `--trace-file PATH` writes the seed request's trace and the start-up traces.
     #[command(flatten)]
     pub trace: TraceArgs,
@@ -416,6 +419,10 @@ pub struct ServeCmd {
     /// Record KV checksums on both sides of every transfer (costs a pass over the bytes).
     #[arg(long)]
     pub verify_checksums: bool,
+    /// Producer: write each prefill's KV to D layer by layer while later layers compute (D's pull
+    /// must have arrived; layers done before it are written when it does). Consumers ignore it.
+    #[arg(long, value_enum, default_value_t = OnOff::Off)]
+    pub layerwise: OnOff,
     /// Keep this engine's KV on CUDA device N (a build with `--features cuda`): P then writes a D
     /// with GPU KV in another process on this host through CUDA IPC, one kernel launch per plan.
     #[arg(long, value_name = "N")]
@@ -555,6 +562,7 @@ impl ServeCmd {
             deadlines: self.deadlines(env, flags),
             tcp,
             verify_checksums: self.verify_checksums,
+            layerwise: self.layerwise == OnOff::On && role.produces(),
             kv_device: self.kv_device,
             faults: pdflow_actors::fault_seam::no_faults(),
         })

@@ -7,7 +7,8 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use crate::cli::{
-    BenchCmd, BootstrapCmd, Cli, Command, DemoArgs, DemoDevice, GpuPathArg, ProxyCmd, ServeCmd, TraceArgs, TraceCmd,
+    BenchCmd, BootstrapCmd, Cli, Command, DemoArgs, DemoDevice, GpuPathArg, OnOff, ProxyCmd, ServeCmd, TraceArgs,
+    TraceCmd,
 };
 use anyhow::Context as _;
 use clap::Parser;
@@ -183,6 +184,7 @@ async fn run_demo(args: DemoArgs) -> anyhow::Result<bool> {
         num_blocks: args.num_blocks,
         device,
         gpu_path,
+        layerwise: args.layerwise == OnOff::On,
         ..DemoOptions::default()
     };
     let placement = match device {

@@ -70,9 +70,33 @@ pub struct UpdateStateAfterAlloc {
     pub num_external_tokens: usize,
 }
 
-/// Hook: build the metadata for this step's workers (every `schedule()`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
-pub struct BuildConnectorMeta;
+/// Hook: build the metadata for this step's workers (every `schedule()`), given what the step's
+/// forward computes (vLLM passes its `SchedulerOutput`).
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct BuildConnectorMeta {
+    /// The requests this step computes, each with its blocks (layer-wise saves need them).
+    pub scheduled: Vec<ScheduledChunk>,
+}
+
+/// One request's share of a step: its blocks so far, and how many of its tokens have KV once the
+/// step's forward is done.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ScheduledChunk {
+    pub request_id: RequestId,
+    pub block_ids: Vec<BlockId>,
+    pub computed_upto: usize,
+}
+
+/// P, layer-wise: a request this step's forward prefills and whose KV leaves for D layer by layer
+/// (the worker's `save_kv_layer`). `computed_upto` tokens of the prompt's `prompt_len` hold KV in
+/// each layer once that layer of this step's forward is done.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LayerSave {
+    pub transfer_id: TransferId,
+    pub block_ids: Vec<BlockId>,
+    pub computed_upto: usize,
+    pub prompt_len: usize,
+}
 
 /// Hook: a request finished (steps 23 and 41).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -120,6 +144,8 @@ pub struct ConnectorMetadata {
     pub reqs_to_abort: BTreeSet<RequestId>,
     /// W3C traceparent per request id, so worker spans join the request's trace.
     pub traceparents: BTreeMap<RequestId, String>,
+    /// P, layer-wise: the requests this step prefills, whose finished layers the worker streams.
+    pub reqs_to_save: BTreeMap<RequestId, LayerSave>,
 }
 
 impl ConnectorMetadata {
@@ -127,6 +153,7 @@ impl ConnectorMetadata {
     pub fn is_empty(&self) -> bool {
         self.reqs_to_send.is_empty()
             && self.reqs_to_recv.is_empty()
+            && self.reqs_to_save.is_empty()
             && self.reqs_not_processed.is_empty()
             && self.reqs_to_abort.is_empty()
     }

@@ -28,6 +28,17 @@ pub struct RecordSendReady {
     pub traceparent: Option<String>,
 }
 
+/// Step 29, layer-wise: `layer` holds the KV of the prompt's first `computed_upto` tokens (of
+/// `prompt_len`) in `block_ids`, P's blocks so far; the rest of the prompt is still computing.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LayerDone {
+    pub p_req_id: RequestId,
+    pub layer: usize,
+    pub block_ids: Vec<BlockId>,
+    pub computed_upto: usize,
+    pub prompt_len: usize,
+}
+
 /// Step 22: D asks for this transfer to be written into its blocks.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ServePull {

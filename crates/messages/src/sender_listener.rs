@@ -210,6 +210,14 @@ pub struct RecordSendReqs {
     pub traceparents: std::collections::BTreeMap<RequestId, String>,
 }
 
+/// Step 29, layer-wise: layer `layer` of this step's forward is done (vLLM's `save_kv_layer`) for
+/// every request of the step's `reqs_to_save`; their SendWorkers write it to D if D has pulled.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct LayerSaved {
+    pub layer: usize,
+    pub reqs: std::collections::BTreeMap<RequestId, crate::scheduler_connector::LayerSave>,
+}
+
 /// Step 32: the worker collects the P requests whose KV was sent since the last call.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 pub struct GetFinishedSending;

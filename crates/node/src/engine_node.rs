@@ -38,6 +38,8 @@ pub struct EngineNodeConfig {
     pub tcp: TcpConfig,
     /// Record KV checksums on both sides of every transfer (steps 29 and 34).
     pub verify_checksums: bool,
+    /// P: stream each prefill's KV to D layer by layer while later layers compute (`--layerwise`).
+    pub layerwise: bool,
     /// Keep the KV cache on this CUDA device instead of host memory (feature `cuda`): P writes a
     /// D in this process by cuda-peer, on this host by cuda-ipc, elsewhere by cuda-staged
     /// (`tcp.gpu_path` chooses).
@@ -75,7 +77,12 @@ impl EngineNode {
         let supervisor = NodeSupervisor::spawn(format!("engine-{engine_id}"));
         // P answers D's kv_transfer_params with its bootstrap (for a proxy that forwards them).
         let bootstrap_addr = cfg.bootstrap.url(&cfg.host);
-        let args = SchedulerConnectorArgs { engine_id: engine_id.clone().into(), role: cfg.role, bootstrap_addr };
+        let args = SchedulerConnectorArgs {
+            engine_id: engine_id.clone().into(),
+            role: cfg.role,
+            bootstrap_addr,
+            layerwise: cfg.layerwise,
+        };
         let connector = SchedulerConnector::supervise(&supervisor, args)
             .restart_policy(RestartPolicy::Transient)
             .restart_limit(MAX_RESTARTS, RESTART_WINDOW)

@@ -3,6 +3,7 @@
 //! [`SenderListener`] (P), [`Receiver`] (D) or both (kv_both). This is where the simulated engine — and, later,
 //! vLLM through the Python bridge — meets the actors; it converts and forwards, nothing more.
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use futures::future::BoxFuture;
@@ -14,10 +15,11 @@ use pdflow_actors::sender_listener::SenderListener;
 use pdflow_messages::kv_transfer_params::KvTransferParams;
 use pdflow_messages::receiver::{GetFinishedRecving, StartLoadKv};
 use pdflow_messages::scheduler_connector::{
-    BuildConnectorMeta, ConnectorMetadata, ConnectorOutput, GetNumNewMatchedTokens, MatchedTokens, RequestFinished,
-    RequestFinishedReply, UpdateConnectorOutput, UpdateStateAfterAlloc,
+    BuildConnectorMeta, ConnectorMetadata, ConnectorOutput, GetNumNewMatchedTokens, LayerSave, MatchedTokens,
+    RequestFinished, RequestFinishedReply, UpdateConnectorOutput, UpdateStateAfterAlloc,
 };
-use pdflow_messages::sender_listener::{GetFinishedSending, RecordSendReqs};
+use pdflow_messages::sender_listener::{GetFinishedSending, LayerSaved, RecordSendReqs};
+use pdflow_messages::RequestId;
 pub use pdflow_sim_engine::ports::{ConnectorError, SchedulerConnectorPort, WorkerConnectorPort};
 use tokio::sync::Notify;
 
@@ -41,8 +43,11 @@ impl SchedulerConnectorPort for SchedulerPort {
     ) -> BoxFuture<'_, Result<Option<KvTransferParams>, ConnectorError>> {
         async move { self.0.ask(msg).await.map_err(|e| unavailable("update_state_after_alloc", e)) }.boxed()
     }
-    fn build_connector_meta(&self) -> BoxFuture<'_, Result<ConnectorMetadata, ConnectorError>> {
-        async move { self.0.ask(BuildConnectorMeta).await.map_err(|e| unavailable("build_connector_meta", e)) }.boxed()
+    fn build_connector_meta(
+        &self,
+        msg: BuildConnectorMeta,
+    ) -> BoxFuture<'_, Result<ConnectorMetadata, ConnectorError>> {
+        async move { self.0.ask(msg).await.map_err(|e| unavailable("build_connector_meta", e)) }.boxed()
     }
     fn request_finished(&self, msg: RequestFinished) -> BoxFuture<'_, Result<RequestFinishedReply, ConnectorError>> {
         async move { self.0.ask(msg).await.map_err(|e| unavailable("request_finished", e)) }.boxed()
@@ -69,6 +74,7 @@ impl WorkerConnectorPort for WorkerPort {
             let ConnectorMetadata {
                 reqs_to_recv, reqs_to_abort, reqs_to_send, reqs_not_processed, traceparents, ..
             } = meta;
+            // `reqs_to_save` is the forward's: the engine hands it to `save_kv_layer`.
             // A half this worker does not run has nothing to free or cancel; asked to send or load,
             // the roles disagree.
             if let Some(listener) = &self.listener {
@@ -110,6 +116,18 @@ impl WorkerConnectorPort for WorkerPort {
 
     fn kv_events(&self) -> Arc<Notify> {
         self.events.clone()
+    }
+
+    fn save_kv_layer(&self, layer: usize, reqs: &BTreeMap<RequestId, LayerSave>) {
+        let Some(listener) = &self.listener else { return };
+        if reqs.is_empty() {
+            return;
+        }
+        // Never waits (the forward calls this): with the mailbox full the event is dropped, which
+        // only delays that layer's write to its next chunk, or to ready, which writes the rest.
+        if let Err(e) = listener.tell(LayerSaved { layer, reqs: reqs.clone() }).try_send() {
+            tracing::debug!(layer, error = %e, "layer-wise save not handed to the sender listener");
+        }
     }
 }
 

@@ -4,21 +4,27 @@
 //! or for a delayed free, the loop still steps without a forward (vLLM's `kv_connector_no_forward`,
 //! so P hands its `reqs_to_send` with block ids to the worker, seed step 26), then sleeps until the
 //! worker's `kv_events`, a new command or a 20 ms tick. With no requests it blocks on commands.
-//! The model runs on tokio's blocking pool, never on the runtime's workers.
+//! The model runs on tokio's blocking pool, never on the runtime's workers, layer by layer (as a
+//! transformer's forward does); with layer-wise P (the metadata names `reqs_to_save`) each
+//! finished layer is reported to the worker (vLLM's `save_kv_layer`), which streams it to D while
+//! later layers compute.
 
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use pdflow_messages::kv_transfer_params::TransferRole;
-use pdflow_messages::scheduler_connector::{ConnectorMetadata, ConnectorOutput, FinishStatus, SchedRequest};
+use pdflow_messages::scheduler_connector::{
+    BuildConnectorMeta, ConnectorMetadata, ConnectorOutput, FinishStatus, SchedRequest,
+};
 use pdflow_telemetry::Outcome;
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 use super::config::EngineConfig;
-use super::model::Model;
+use super::model::{ForwardItem, Model};
 use super::ports::Connector;
 use super::request::{EngineError, EngineRequest, Request, RequestStream};
 use super::scheduler::{BlockStats, ForwardResult, Scheduler};
@@ -295,11 +301,15 @@ async fn run_loop(
 async fn step(scheduler: &mut Scheduler, model: Model, kv_cache: &Arc<KvCache>) -> bool {
     let scheduled = scheduler.schedule().await;
     let connector = scheduler.connector().cloned();
+    // Layer-wise P: the step's prefills whose layers go to D as the forward finishes them.
+    let mut reqs_to_save = BTreeMap::new();
     if let Some(conn) = &connector {
-        let meta = conn.scheduler.build_connector_meta().await.unwrap_or_else(|e| {
+        let build = BuildConnectorMeta { scheduled: scheduler.scheduled_chunks(&scheduled) };
+        let meta = conn.scheduler.build_connector_meta(build).await.unwrap_or_else(|e| {
             tracing::warn!(error = %e, "build_connector_meta failed; the workers get empty metadata");
             ConnectorMetadata::default()
         });
+        reqs_to_save = meta.reqs_to_save.clone();
         if let Err(e) = conn.worker.start_load_kv(meta).await {
             tracing::warn!(error = %e, "start_load_kv failed");
         }
@@ -309,11 +319,25 @@ async fn step(scheduler: &mut Scheduler, model: Model, kv_cache: &Arc<KvCache>) 
         let (work, spans) = scheduler.prepare_forward(&scheduled);
         let ids: Vec<(String, usize)> = work.iter().map(|(id, n, _)| (id.clone(), *n)).collect();
         let cache = kv_cache.clone();
+        // Layer-wise P hands each finished layer to the worker; otherwise nobody listens.
+        let saver = connector.as_ref().map(|c| c.worker.clone()).filter(|_| !reqs_to_save.is_empty());
         let joined = tokio::task::spawn_blocking(move || {
-            work.into_iter()
-                .map(|(request_id, num_new_tokens, mut item)| {
-                    let sampled = model.forward(&cache, &mut item).map_err(|e| e.to_string());
-                    ForwardResult { request_id, num_new_tokens, digest: item.digest, sampled }
+            let (meta, mut items): (Vec<(String, usize)>, Vec<ForwardItem>) =
+                work.into_iter().map(|(id, n, item)| ((id, n), item)).unzip();
+            let mut layer_done = |layer: usize| {
+                if let Some(worker) = &saver {
+                    worker.save_kv_layer(layer, &reqs_to_save);
+                }
+            };
+            let sampled = model.forward_layers(&cache, &mut items, &mut layer_done);
+            meta.into_iter()
+                .zip(items)
+                .zip(sampled)
+                .map(|(((request_id, num_new_tokens), item), sampled)| ForwardResult {
+                    request_id,
+                    num_new_tokens,
+                    digest: item.digest,
+                    sampled: sampled.map_err(|e| e.to_string()),
                 })
                 .collect::<Vec<_>>()
         })

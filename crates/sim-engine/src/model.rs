@@ -146,6 +146,84 @@ impl Model {
         Ok(item.sample.then(|| item.digest.next_token(self.vocab_size)))
     }
 
+    /// [`Model::forward`] for a step's items, layer by layer: every item's KV of layer `l` is
+    /// written and read back before layer `l + 1`'s, and `layer_done(l)` is called after it (the
+    /// point where vLLM calls the connector's `save_kv_layer`). Each position's digest reads its
+    /// slots in the same order as [`Model::forward`], so the KV, the digests and the tokens are
+    /// the same. On a GPU cache every item runs whole first, then every layer is reported.
+    pub fn forward_layers(
+        &self,
+        cache: &KvCache,
+        items: &mut [ForwardItem],
+        layer_done: &mut dyn FnMut(usize),
+    ) -> Vec<Result<Option<u32>, RegionError>> {
+        #[cfg(feature = "cuda")]
+        if cache.device().is_some() {
+            let results = items.iter_mut().map(|item| self.forward(cache, item)).collect();
+            (0..self.shape.num_layers).for_each(&mut *layer_done);
+            return results;
+        }
+        let mut slot = vec![0u8; self.shape.slot_len()];
+        let mut failed: Vec<Option<RegionError>> = (0..items.len()).map(|_| None).collect();
+        // Per item, one running checksum per position not yet in its digest.
+        let mut pending: Vec<Vec<Checksum>> = items
+            .iter()
+            .map(|item| vec![Checksum::default(); (item.start + item.tokens.len()).saturating_sub(item.digest.upto)])
+            .collect();
+        for layer in 0..self.shape.num_layers {
+            for (k, item) in items.iter().enumerate() {
+                if failed[k].is_none() {
+                    if let Err(e) = self.layer_of(cache, item, layer, &mut pending[k], &mut slot) {
+                        failed[k] = Some(e);
+                    }
+                }
+            }
+            layer_done(layer);
+        }
+        items
+            .iter_mut()
+            .zip(failed)
+            .zip(pending)
+            .map(|((item, failed), sums)| match failed {
+                Some(e) => Err(e),
+                None => {
+                    for sum in sums {
+                        item.digest.fold(sum.finish());
+                    }
+                    Ok(item.sample.then(|| item.digest.next_token(self.vocab_size)))
+                }
+            })
+            .collect()
+    }
+
+    /// One layer of one item: its tokens' KV written, then the layer's slots of every position
+    /// not yet in the digest folded into that position's checksum.
+    fn layer_of(
+        &self,
+        cache: &KvCache,
+        item: &ForwardItem,
+        layer: usize,
+        sums: &mut [Checksum],
+        slot: &mut [u8],
+    ) -> Result<(), RegionError> {
+        for (i, &token) in item.tokens.iter().enumerate() {
+            let pos = item.start + i;
+            let (block, s) = self.locate(&item.block_ids, pos)?;
+            for head in 0..self.shape.num_kv_heads {
+                fill_kv(token, pos, layer, head, slot);
+                cache.write_slot(layer, block, head, s, slot)?;
+            }
+        }
+        for (j, sum) in sums.iter_mut().enumerate() {
+            let (block, s) = self.locate(&item.block_ids, item.digest.upto + j)?;
+            for head in 0..self.shape.num_kv_heads {
+                cache.read_slot(layer, block, head, s, slot)?;
+                sum.update(slot);
+            }
+        }
+        Ok(())
+    }
+
     /// The hash of one position's KV bytes as they are in the cache.
     fn position_hash(
         &self,
@@ -261,6 +339,31 @@ mod tests {
         let one = generate(&model, &a, &[0, 1, 2, 3, 4, 5], &prompt, 64, 6);
         let chunked = generate(&model, &b, &[7, 3, 5, 1, 0, 2], &prompt, 5, 6);
         assert_eq!(one, chunked);
+    }
+
+    #[test]
+    fn layer_by_layer_gives_the_same_kv_and_tokens_and_reports_every_layer_once() {
+        let model = Model { shape: SMALL, vocab_size: 1000 };
+        let (whole, layered) = (KvCache::new(SMALL, 8), KvCache::new(SMALL, 8));
+        let prompt: Vec<u32> = (0..11).map(|t| t * 7 % 1000).collect();
+        let item = |start: usize, end: usize, digest: ContextDigest| ForwardItem {
+            tokens: prompt[start..end].to_vec(),
+            start,
+            block_ids: vec![5, 1, 6],
+            digest,
+            sample: end == prompt.len(),
+        };
+        let (mut a, mut b) = (item(0, 6, ContextDigest::default()), item(0, 6, ContextDigest::default()));
+        model.forward(&whole, &mut a).expect("forward");
+        let mut layers = Vec::new();
+        model.forward_layers(&layered, std::slice::from_mut(&mut b), &mut |l| layers.push(l));
+        assert_eq!(layers, (0..SMALL.num_layers).collect::<Vec<_>>());
+        let (mut a2, mut b2) = (item(6, 11, a.digest), item(6, 11, b.digest));
+        let t_whole = model.forward(&whole, &mut a2).expect("forward");
+        let t_layered = model.forward_layers(&layered, std::slice::from_mut(&mut b2), &mut |_| {});
+        assert_eq!(a2.digest, b2.digest);
+        assert_eq!(Some(t_whole), t_layered.into_iter().next().map(|r| r.expect("forward")));
+        assert_eq!(whole.blocks_checksum(&[5, 1, 6]).ok(), layered.blocks_checksum(&[5, 1, 6]).ok());
     }
 
     #[test]

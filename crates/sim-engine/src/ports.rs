@@ -8,9 +8,10 @@ use std::sync::Arc;
 use futures::future::BoxFuture;
 use pdflow_messages::kv_transfer_params::KvTransferParams;
 use pdflow_messages::scheduler_connector::{
-    ConnectorMetadata, ConnectorOutput, GetNumNewMatchedTokens, MatchedTokens, RequestFinished, RequestFinishedReply,
-    UpdateStateAfterAlloc,
+    BuildConnectorMeta, ConnectorMetadata, ConnectorOutput, GetNumNewMatchedTokens, LayerSave, MatchedTokens,
+    RequestFinished, RequestFinishedReply, UpdateStateAfterAlloc,
 };
+use pdflow_messages::RequestId;
 use tokio::sync::Notify;
 
 /// Why a connector call failed (the connector's actor is gone, or it refused the call).
@@ -33,7 +34,9 @@ pub trait SchedulerConnectorPort: Send + Sync + 'static {
         &self,
         msg: UpdateStateAfterAlloc,
     ) -> BoxFuture<'_, Result<Option<KvTransferParams>, ConnectorError>>;
-    fn build_connector_meta(&self) -> BoxFuture<'_, Result<ConnectorMetadata, ConnectorError>>;
+    /// `msg` names what this step's forward computes.
+    fn build_connector_meta(&self, msg: BuildConnectorMeta)
+        -> BoxFuture<'_, Result<ConnectorMetadata, ConnectorError>>;
     fn request_finished(&self, msg: RequestFinished) -> BoxFuture<'_, Result<RequestFinishedReply, ConnectorError>>;
     fn update_connector_output(&self, output: ConnectorOutput) -> BoxFuture<'_, Result<(), ConnectorError>>;
 }
@@ -46,6 +49,9 @@ pub trait WorkerConnectorPort: Send + Sync + 'static {
     fn get_finished(&self) -> BoxFuture<'_, Result<ConnectorOutput, ConnectorError>>;
     /// Notified whenever `get_finished` has something new, so an idle engine need not spin.
     fn kv_events(&self) -> Arc<Notify>;
+    /// Layer-wise (vLLM's `save_kv_layer`): `layer` of this step's forward is done for the step's
+    /// `reqs_to_save`. Called from the forward's thread; never waits.
+    fn save_kv_layer(&self, layer: usize, reqs: &std::collections::BTreeMap<RequestId, LayerSave>);
 }
 
 /// A connector: both roles, as one engine uses it.

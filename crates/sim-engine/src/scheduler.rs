@@ -21,7 +21,7 @@
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::{Arc, Mutex};
 
-use pdflow_messages::scheduler_connector::{FinishStatus, RequestFinished, SchedRequest};
+use pdflow_messages::scheduler_connector::{FinishStatus, RequestFinished, SchedRequest, ScheduledChunk};
 use pdflow_telemetry::{attrs, steps};
 use tracing::Span;
 
@@ -209,6 +209,21 @@ impl Scheduler {
         self.waiting = still_waiting;
         self.publish_stats();
         items
+    }
+
+    /// What this step computes, as the connector's `build_connector_meta` sees it.
+    pub fn scheduled_chunks(&self, items: &[ScheduledItem]) -> Vec<ScheduledChunk> {
+        items
+            .iter()
+            .filter_map(|item| {
+                let r = self.requests.get(&item.request_id)?;
+                Some(ScheduledChunk {
+                    request_id: item.request_id.clone().into(),
+                    block_ids: r.block_ids.clone(),
+                    computed_upto: r.num_computed_tokens + item.num_new_tokens,
+                })
+            })
+            .collect()
     }
 
     /// The forward's inputs for this step, and the spans (15, 39) to hold around it.

@@ -70,7 +70,7 @@ impl SchedulerConnectorPort for TestScheduler {
         };
         Box::pin(async move { Ok(reply) })
     }
-    fn build_connector_meta(&self) -> BoxFuture<'_, Result<ConnectorMetadata, ConnectorError>> {
+    fn build_connector_meta(&self, _: BuildConnectorMeta) -> BoxFuture<'_, Result<ConnectorMetadata, ConnectorError>> {
         let mut st = self.0.lock().expect("lock");
         let meta = ConnectorMetadata {
             reqs_to_send: std::mem::take(&mut st.reqs_need_send),
@@ -78,6 +78,7 @@ impl SchedulerConnectorPort for TestScheduler {
             reqs_not_processed: std::mem::take(&mut st.reqs_not_processed),
             reqs_to_abort: std::mem::take(&mut st.reqs_to_abort),
             traceparents: BTreeMap::new(),
+            reqs_to_save: BTreeMap::new(),
         };
         Box::pin(async move { Ok(meta) })
     }
@@ -136,6 +137,7 @@ impl WorkerConnectorPort for TestWorker {
     fn kv_events(&self) -> Arc<Notify> {
         self.events.clone()
     }
+    fn save_kv_layer(&self, _: usize, _: &BTreeMap<RequestId, LayerSave>) {}
 }
 
 struct Side {

@@ -48,6 +48,8 @@ pub struct DemoOptions {
     pub device: KvPlacement,
     /// With GPU KV: the path of step 29.
     pub gpu_path: GpuPath,
+    /// P streams each prefill's KV to D layer by layer while later layers compute.
+    pub layerwise: bool,
 }
 
 impl Default for DemoOptions {
@@ -60,6 +62,7 @@ impl Default for DemoOptions {
             deadlines: Deadlines::default(),
             device: KvPlacement::Host,
             gpu_path: GpuPath::Auto,
+            layerwise: false,
         }
     }
 }
@@ -218,6 +221,7 @@ impl LocalCluster {
             deadlines: opts.deadlines,
             tcp: TcpConfig { gpu_path: opts.gpu_path, ..TcpConfig::default() },
             verify_checksums,
+            layerwise: opts.layerwise && role.produces(),
             kv_device: opts.device.of(role),
             faults: pdflow_actors::fault_seam::no_faults(),
         };

@@ -22,6 +22,8 @@ impl Message<ReadyDeadline> for SendWorker {
         else {
             return;
         };
+        // Layer-wise: the layer write in flight ends before D hears of the failure.
+        self.settle_stream().await;
         let Some(waiting) = self.pulls.remove(pos) else { return };
         Outcome::Failed(PullErrorCause::ReadyTimeout.label()).record(&waiting.span);
         drop(waiting.span);
@@ -84,6 +86,10 @@ impl Message<AbortSend> for SendWorker {
 
     async fn handle(&mut self, msg: AbortSend, ctx: &mut Context<Self, Self::Reply>) {
         let me = ctx.actor_ref().clone();
+        if self.phase == Phase::Waiting {
+            // Layer-wise: the layer write in flight ends before D is answered.
+            self.settle_stream().await;
+        }
         match (msg.source, self.phase) {
             (_, Phase::Finished) => {}
             // Let the write finish: D waits for the answer, so it never frees blocks under a write.

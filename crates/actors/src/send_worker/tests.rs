@@ -7,7 +7,7 @@ use kameo::error::Infallible;
 use kameo::prelude::*;
 use pdflow_kv::memory::KvCache;
 use pdflow_messages::send_worker::{
-    AbortSend, AbortSource, RecordSendPending, RecordSendReady, SendOutcome, ServePull,
+    AbortSend, AbortSource, LayerDone, RecordSendPending, RecordSendReady, SendOutcome, ServePull,
 };
 use pdflow_messages::sender_listener::PullErrorCause;
 use pdflow_transfer::TransferEngine;
@@ -234,4 +234,101 @@ async fn consumer_abort_before_ready_frees_p_once_ready() {
         .expect("alive");
     let out = rig.next().await;
     assert!(out.reply.is_none() && out.counts_as_sent && out.finished);
+}
+
+// Layer-wise: the prompt is 6 tokens (3 blocks of 2) in P's blocks [2, 3, 5].
+
+impl Rig {
+    async fn layer(&self, layer: usize, computed_upto: usize) {
+        let done =
+            LayerDone { p_req_id: "cmpl-p".into(), layer, block_ids: vec![2, 3, 5], computed_upto, prompt_len: 6 };
+        self.worker.tell(done).await.expect("worker alive");
+    }
+}
+
+/// Whether D's `d_block` of `layer` holds what P's `p_block` of that layer holds.
+fn same_block(p: &KvCache, d: &KvCache, layer: usize, p_block: u32, d_block: u32) -> bool {
+    let (mut a, mut b) = (vec![0u8; SHAPE.slot_len()], vec![0u8; SHAPE.slot_len()]);
+    (0..SHAPE.num_kv_heads).all(|head| {
+        (0..SHAPE.block_size).all(|slot| {
+            p.read_slot(layer, p_block, head, slot, &mut a).is_ok()
+                && d.read_slot(layer, d_block, head, slot, &mut b).is_ok()
+                && a == b
+        })
+    })
+}
+
+async fn eventually(what: &str, mut cond: impl FnMut() -> bool) {
+    let until = std::time::Instant::now() + Duration::from_secs(5);
+    while !cond() {
+        assert!(std::time::Instant::now() < until, "{what}");
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+}
+
+#[tokio::test]
+async fn layer_wise_each_finished_layer_lands_in_d_before_ready_and_ready_writes_the_rest() {
+    let (mut rig, engine) = recording_rig();
+    let p = filled_cache(8, 1);
+    rig.pull(vec![10, 11, 12]).await;
+    // The first chunk (4 tokens: blocks 2 and 3) of layer 0.
+    rig.layer(0, 4).await;
+    eventually("layer 0's first two blocks in D", || {
+        same_block(&p, &rig.d, 0, 2, 10) && same_block(&p, &rig.d, 0, 3, 11)
+    })
+    .await;
+    assert!(!same_block(&p, &rig.d, 1, 2, 10), "layer 1 is not done: nothing of it is written");
+    rig.layer(1, 4).await;
+    eventually("layer 1's first two blocks in D", || same_block(&p, &rig.d, 1, 3, 11)).await;
+    assert!(!same_block(&p, &rig.d, 0, 5, 12), "the last block is not computed yet");
+    assert!(rig.outcomes.try_recv().is_err(), "D is not answered before every layer of every chunk landed");
+    // The last chunk is computed; ready writes what is left (the third block of both layers).
+    rig.ready(vec![2, 3, 5]).await;
+    let out = rig.next().await;
+    assert!(out.counts_as_sent && out.finished);
+    assert_eq!(out.reply.expect("answers the pull").result, Ok(p.block_digests(&[2, 3, 5]).expect("in range")));
+    for layer in 0..SHAPE.num_layers {
+        for (pb, db) in [(2, 10), (3, 11), (5, 12)] {
+            assert!(same_block(&p, &rig.d, layer, pb, db), "layer {layer}, block {pb} → {db}");
+        }
+    }
+    let writes = engine.calls().iter().filter(|c| c.starts_with("write")).count();
+    assert_eq!(writes, 3, "one write per layer event, one at ready: {:?}", engine.calls());
+}
+
+#[tokio::test]
+async fn layer_wise_layers_done_before_the_pull_are_written_when_it_arrives() {
+    let (mut rig, engine) = recording_rig();
+    let p = filled_cache(8, 1);
+    rig.layer(0, 6).await;
+    rig.layer(1, 6).await;
+    // D's prefix cache holds the prompt's first block: it asks for the last two only.
+    rig.pull(vec![11, 12]).await;
+    eventually("both layers in D before ready", || {
+        (0..SHAPE.num_layers).all(|l| same_block(&p, &rig.d, l, 3, 11) && same_block(&p, &rig.d, l, 5, 12))
+    })
+    .await;
+    assert!(!same_block(&p, &rig.d, 0, 2, 10), "the block D holds already is not written");
+    rig.ready(vec![2, 3, 5]).await;
+    let out = rig.next().await;
+    assert!(out.reply.expect("answers the pull").result.is_ok());
+    assert!(out.counts_as_sent);
+    let writes = engine.calls().iter().filter(|c| c.starts_with("write")).count();
+    assert!(writes >= 2, "the layers were written ahead of ready: {:?}", engine.calls());
+}
+
+#[tokio::test]
+async fn layer_wise_a_failed_layer_write_answers_d_at_once_and_p_frees_at_ready() {
+    let mut rig = rig(|p, d| MemcpyTransfer::failing(p, d, "link down"), Duration::from_secs(30));
+    rig.pull(vec![10, 11, 12]).await;
+    rig.layer(0, 4).await;
+    let out = rig.next().await;
+    let err = out.reply.expect("answers the pull").result.expect_err("the layer write failed");
+    assert_eq!(err.cause, PullErrorCause::TransferFailed);
+    assert!(!out.counts_as_sent && !out.finished, "P still prefills: its blocks are not free yet");
+    rig.layer(1, 4).await;
+    rig.ready(vec![2, 3, 5]).await;
+    let out = rig.next().await;
+    assert!(out.reply.is_none(), "D was answered already");
+    assert!(out.counts_as_sent && out.finished, "P frees its blocks at ready");
 }

@@ -13,7 +13,7 @@ use pdflow_telemetry::{attrs, step_span, steps};
 use pdflow_transfer::TransferEngine;
 use tracing::{Instrument, Span};
 
-use super::{Phase, SendWorker, WaitingPull, WriteDone, Writing};
+use super::{Phase, SendWorker, WaitingPull, WriteAnswer, WriteDone, Writing};
 use pdflow_telemetry::Outcome;
 
 impl SendWorker {
@@ -30,7 +30,18 @@ impl SendWorker {
                 return;
             }
         };
-        let write_span = self.write_span(&pull, p_req_id.as_deref(), &plan, &src_blocks);
+        // Layer-wise: only what the stream has not written yet, under the stream's step-29 span.
+        let (plan, write_span, streamed) = match (self.rest_plan(&pull), self.take_stream_span()) {
+            (Some(rest), Some((span, streamed))) => {
+                span.record(attrs::BLOCKS, src_blocks.len() as u64);
+                self.record_checksum(&span, &src_blocks);
+                (TransferPlan { descriptors: rest.descriptors, ..plan }, span, streamed)
+            }
+            _ => {
+                let span = self.write_span(&pull, p_req_id.as_deref(), &plan, &src_blocks);
+                (plan, span, (0, 0))
+            }
+        };
         let digests = self.block_digests(&src_blocks);
         // No byte after D's pull deadline (less a margin): D gives the blocks up then.
         let plan = TransferPlan { write_by: pull.write_by, ..plan };
@@ -39,7 +50,7 @@ impl SendWorker {
             &self.args.kv_cache.region_table(),
             &self.args.transfer,
         );
-        self.start_write(pull, plan, transfer, write_span, digests, me);
+        self.start_write(pull, plan, transfer, write_span, WriteAnswer { digests, streamed }, me);
     }
 
     /// With `verify_checksums`, P's digest of each block it is about to write (computed before
@@ -119,19 +130,23 @@ impl SendWorker {
         if let Some(tp) = &pull.traceparent {
             write_span.record(attrs::TRACEPARENT, tp.as_str());
         }
-        if self.args.verify_checksums {
-            // Computed before the write: nothing writes P's blocks while they are held for sending.
-            match self.args.kv_cache.blocks_checksum(src_blocks) {
-                // A plain u64, as the receiver records D's side on step 34 (the demo compares them).
-                Ok(sum) => {
-                    write_span.record(attrs::KV_CHECKSUM, sum);
-                }
-                Err(e) => {
-                    tracing::warn!(transfer_id = %self.args.transfer_id, error = %e, "cannot checksum P's blocks")
-                }
-            }
-        }
+        self.record_checksum(&write_span, src_blocks);
         write_span
+    }
+
+    /// With `verify_checksums`, `pd.kv_checksum` of P's blocks on step 29's span.
+    fn record_checksum(&self, write_span: &Span, src_blocks: &[BlockId]) {
+        if !self.args.verify_checksums {
+            return;
+        }
+        // Computed before the (last) write: nothing writes P's blocks while they are held for sending.
+        match self.args.kv_cache.blocks_checksum(src_blocks) {
+            // A plain u64, as the receiver records D's side on step 34 (the demo compares them).
+            Ok(sum) => {
+                write_span.record(attrs::KV_CHECKSUM, sum);
+            }
+            Err(e) => tracing::warn!(transfer_id = %self.args.transfer_id, error = %e, "cannot checksum P's blocks"),
+        }
     }
 
     /// Step 29: the write into D's memory, in a task this actor owns; its end comes back as
@@ -142,7 +157,7 @@ impl SendWorker {
         plan: TransferPlan,
         transfer: Arc<dyn TransferEngine>,
         write_span: Span,
-        digests: Vec<u64>,
+        answer: WriteAnswer,
         me: &ActorRef<Self>,
     ) {
         let peer = pull.data_addr.clone();
@@ -159,7 +174,7 @@ impl SendWorker {
             .instrument(write_span.clone()),
         );
         self.phase = Phase::Writing;
-        self.writing = Some(Writing { pull, span: write_span, task, digests });
+        self.writing = Some(Writing { pull, span: write_span, task, answer });
     }
 }
 
@@ -169,11 +184,12 @@ impl Message<WriteDone> for SendWorker {
     /// Steps 29 (end) and 31: mark sent and report.
     async fn handle(&mut self, msg: WriteDone, _ctx: &mut Context<Self, Self::Reply>) {
         let Some(writing) = self.writing.take() else { return };
-        let Writing { pull, span, task: _, digests } = writing;
+        let Writing { pull, span, task: _, answer: WriteAnswer { digests, streamed } } = writing;
         let result = match msg.result {
             Ok(stats) => {
-                span.record(attrs::BYTES, stats.bytes);
-                span.record(attrs::DESCRIPTORS, stats.descriptors as u64);
+                // Layer-wise, the layers written while P prefilled count too.
+                span.record(attrs::BYTES, stats.bytes + streamed.0);
+                span.record(attrs::DESCRIPTORS, (stats.descriptors + streamed.1) as u64);
                 Outcome::Ok.record(&span);
                 drop(span);
                 if self.producer_aborted {

@@ -6,6 +6,10 @@
 //! (38–39); the connector's own overhead is what remains of TTFT after P's prefill, the transfer
 //! and D's first forward. The first request to a new P (bootstrap look-up, side-channel connect)
 //! is reported apart. Then requests/s for small prompts at several concurrencies.
+//!
+//! `--layerwise both` runs two clusters, P writing the KV after the prefill and P writing it layer
+//! by layer, the seed requests alternating between them, and adds the write's span (29) and the
+//! part of it that ran before P's prefill forward (15) ended: the transfer hidden under the prefill.
 
 use std::time::{Duration, Instant};
 
@@ -33,6 +37,28 @@ pub struct Options {
     /// Concurrency levels for the small-prompt throughput.
     #[arg(long, value_delimiter = ',', default_value = "1,16,64")]
     pub concurrency: Vec<usize>,
+    /// P writes the KV after the prefill (`off`), layer by layer while it computes (`on`), or
+    /// both, in two clusters measured alternately in one run (`both`).
+    #[arg(long, value_enum, default_value_t = Layerwise::Off)]
+    pub layerwise: Layerwise,
+}
+
+/// `--layerwise` of the e2e bench.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Layerwise {
+    Off,
+    On,
+    Both,
+}
+
+impl Layerwise {
+    fn modes(self) -> &'static [bool] {
+        match self {
+            Layerwise::Off => &[false],
+            Layerwise::On => &[true],
+            Layerwise::Both => &[false, true],
+        }
+    }
 }
 
 /// One seed request's figures, in ms.
@@ -45,6 +71,10 @@ struct Split {
     transfer: f64,
     d_notice: f64,
     d_first_forward: f64,
+    /// Step 29: from the first byte written to the last.
+    write: f64,
+    /// The part of step 29 before P's prefill forward (15) ended.
+    overlapped: f64,
 }
 
 fn first(spans: &[CapturedSpan], step: u8, after: Instant) -> Option<&CapturedSpan> {
@@ -85,6 +115,7 @@ async fn seed_split(cluster: &LocalCluster, capture: &SpanCapture, seed: u64) ->
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
     let spans = capture.spans();
+    let (write, overlapped) = write_overlap(&spans, start);
     let dispatch = first(&spans, 9, start).zip(first(&spans, 10, start)).map(|(a, b)| a.start.min(b.start));
     Ok(Split {
         ttft,
@@ -97,7 +128,20 @@ async fn seed_split(cluster: &LocalCluster, capture: &SpanCapture, seed: u64) ->
         transfer: between(&spans, 28, 30, start).unwrap_or(f64::NAN),
         d_notice: between(&spans, 34, 37, start).unwrap_or(f64::NAN),
         d_first_forward: between(&spans, 38, 39, start).unwrap_or(f64::NAN),
+        write,
+        overlapped,
     })
+}
+
+/// Step 29's length and the part of it before step 15 ended (ms; NaN when a span is missing).
+fn write_overlap(spans: &[CapturedSpan], after: Instant) -> (f64, f64) {
+    let (Some(write), Some(prefill)) = (first(spans, 29, after), first(spans, 15, after)) else {
+        return (f64::NAN, f64::NAN);
+    };
+    let (Some(write_end), Some(prefill_end)) = (write.end, prefill.end) else { return (f64::NAN, f64::NAN) };
+    let ms = |d: Duration| d.as_secs_f64() * 1e3;
+    let hidden = prefill_end.min(write_end).saturating_duration_since(write.start);
+    (ms(write_end.saturating_duration_since(write.start)), ms(hidden))
 }
 
 /// Small prompts from `concurrency` clients; returns per-request latencies and the wall time.
@@ -137,7 +181,7 @@ type Part = (&'static str, fn(&Split) -> f64);
 fn split_rows(name: &str, splits: &[Split]) -> Vec<Row> {
     let col = |f: fn(&Split) -> f64| splits.iter().map(f).filter(|v| v.is_finite()).collect::<Vec<_>>();
     let overhead = |s: &Split| s.ttft - s.p_prefill - s.transfer - s.d_first_forward;
-    let parts: [Part; 8] = [
+    let parts: [Part; 10] = [
         ("TTFT (client, streaming)", |s| s.ttft),
         ("  proxy (8→9/10)", |s| s.proxy),
         ("  P prefill (11–15)", |s| s.p_prefill),
@@ -146,6 +190,8 @@ fn split_rows(name: &str, splits: &[Split]) -> Vec<Row> {
         ("  D notice (34–37)", |s| s.d_notice),
         ("  D first forward (38–39)", |s| s.d_first_forward),
         ("  connector overhead", overhead),
+        ("  P write (29)", |s| s.write),
+        ("  write under the prefill (29 ∩ 15)", |s| s.overlapped),
     ];
     parts
         .iter()
@@ -164,34 +210,83 @@ pub async fn run(opts: Options, capture: SpanCapture) -> anyhow::Result<()> {
     let max_conc = opts.concurrency.iter().copied().max().unwrap_or(1);
     // Enough blocks for the seed request, and for every small request in flight at once.
     let num_blocks = 80.max(max_conc * 10 + 8);
-    let demo = DemoOptions { shape: KvShape::QWEN3_8B, num_blocks, ..DemoOptions::default() };
-    let cluster = LocalCluster::start(&demo, false).await?;
+    let modes = opts.layerwise.modes();
+    let mut clusters = Vec::new();
+    for &layerwise in modes {
+        let demo = DemoOptions { shape: KvShape::QWEN3_8B, num_blocks, layerwise, ..DemoOptions::default() };
+        clusters.push((layerwise, LocalCluster::start(&demo, false).await?));
+    }
+    let label = |layerwise: bool| match (modes.len(), layerwise) {
+        (1, _) => String::new(),
+        (_, true) => ", layer-wise on".to_string(),
+        (_, false) => ", layer-wise off".to_string(),
+    };
     let mut rows = Vec::new();
-    let first_split = seed_split(&cluster, &capture, 1).await?;
-    rows.extend(split_rows("seed, first to a new P", std::slice::from_ref(&first_split)));
-    let mut splits = Vec::new();
+    for (layerwise, cluster) in &clusters {
+        let first_split = seed_split(cluster, &capture, 1).await?;
+        rows.extend(split_rows(
+            &format!("seed{}, first to a new P", label(*layerwise)),
+            std::slice::from_ref(&first_split),
+        ));
+    }
+    // The modes alternate request by request: the machine's noise falls on both alike.
+    let mut splits: Vec<Vec<Split>> = vec![Vec::new(); clusters.len()];
     for i in 0..opts.runs {
-        splits.push(seed_split(&cluster, &capture, 2 + i as u64).await?);
+        for (k, (_, cluster)) in clusters.iter().enumerate() {
+            splits[k].push(seed_split(cluster, &capture, 2 + i as u64).await?);
+        }
     }
-    rows.extend(split_rows(&format!("seed, median of {}", opts.runs), &splits));
-    for &c in &opts.concurrency {
-        let (samples, wall) = small_load(&cluster, opts.small_requests, c).await?;
-        let mut r = report::row("128-token prompts, max_tokens 4", Some("auto"), None, Some(c as u32), None, &samples);
-        r.p99_ms = quantile(&samples, 0.99);
-        r.requests_per_s = Some(samples.len() as f64 / wall.as_secs_f64());
-        rows.push(r);
+    for ((layerwise, _), splits) in clusters.iter().zip(&splits) {
+        rows.extend(split_rows(&format!("seed{}, median of {}", label(*layerwise), opts.runs), splits));
     }
-    let (p, d) = cluster.shutdown().await;
+    if let [off, on] = &splits[..] {
+        print_comparison(off, on);
+    }
+    for (layerwise, cluster) in &clusters {
+        for &c in &opts.concurrency {
+            let (samples, wall) = small_load(cluster, opts.small_requests, c).await?;
+            let name = format!("128-token prompts, max_tokens 4{}", label(*layerwise));
+            let mut r = report::row(&name, Some("auto"), None, Some(c as u32), None, &samples);
+            r.p99_ms = quantile(&samples, 0.99);
+            r.requests_per_s = Some(samples.len() as f64 / wall.as_secs_f64());
+            rows.push(r);
+        }
+    }
+    let mut leaked = Vec::new();
+    for (layerwise, cluster) in clusters {
+        let (p, d) = cluster.shutdown().await;
+        if p.free != p.total || d.free != d.total {
+            leaked
+                .push(format!("layer-wise {layerwise}: P {}/{} free, D {}/{} free", p.free, p.total, d.free, d.total));
+        }
+    }
     println!("{}", report::render(&rows));
-    if p.free != p.total || d.free != d.total {
-        println!(
-            "WARNING: blocks still held after the bench: P {}/{} free, D {}/{} free",
-            p.free, p.total, d.free, d.total
-        );
+    for l in leaked {
+        println!("WARNING: blocks still held after the bench: {l}");
     }
     if let Some(path) = &opts.json {
         report::write_json(path, &rows).with_context(|| format!("writing {}", path.display()))?;
         println!("rows written to {}", path.display());
     }
     Ok(())
+}
+
+/// Layer-wise against not, from the same run's medians: what TTFT saved of the whole-request
+/// transfer, and what the prefill step cost.
+fn print_comparison(off: &[Split], on: &[Split]) {
+    let median = |v: &[Split], f: fn(&Split) -> f64| {
+        let xs: Vec<f64> = v.iter().map(f).filter(|x| x.is_finite()).collect();
+        quantile(&xs, 0.5).unwrap_or(f64::NAN)
+    };
+    let (ttft_off, ttft_on) = (median(off, |s| s.ttft), median(on, |s| s.ttft));
+    let (prefill_off, prefill_on) = (median(off, |s| s.p_prefill), median(on, |s| s.p_prefill));
+    let transfer_off = median(off, |s| s.transfer);
+    println!(
+        "layer-wise: TTFT {ttft_on:.1} ms against {ttft_off:.1} ms ({:.2}×); TTFT saved {:.1} ms = {:.0}% of the \
+         whole-request transfer ({transfer_off:.1} ms); P prefill {prefill_on:.1} ms against {prefill_off:.1} ms ({:+.1}%)",
+        ttft_on / ttft_off,
+        ttft_off - ttft_on,
+        100.0 * (ttft_off - ttft_on) / transfer_off,
+        100.0 * (prefill_on / prefill_off - 1.0),
+    );
 }

@@ -83,6 +83,7 @@ pub fn node_cfg(
         // Every block is checked: a flip_data cell must end recomputed (or failed), never decoded
         // from altered KV.
         verify_checksums: true,
+        layerwise: false,
         kv_device: None,
         faults: faults.clone(),
     }
