@@ -23,11 +23,15 @@ fn kill(kind: ActorKind, role: Role, step: u8, when: When) -> Fault {
 
 /// Runs `cells` one after another and checks each.
 async fn run(policy: LoadFailurePolicy, cells: Vec<(CellSpec, &[Outcome])>) {
+    run_on(chaos::chaos_spec(policy), cells).await
+}
+
+/// As [`run`], on clusters made as `spec` says.
+async fn run_on(spec: chaos::ChaosSpec, cells: Vec<(CellSpec, &[Outcome])>) {
     // One span capture and one fault domain serve this process's subscriber: one test at a time.
     static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
     let _turn = ONE_AT_A_TIME.lock().await;
     let layers = chaos::install_layers();
-    let spec = chaos::chaos_spec(policy);
     let reference = Reference::start(spec.shape).await.expect("reference engine");
     let client = reqwest::Client::builder().no_proxy().build().expect("client");
     let env = CellEnv {
@@ -88,6 +92,36 @@ async fn actor_kills_mid_request_end_cleanly_with_correct_tokens_and_no_leak() {
             (cell("pull_task", kill(ActorKind::PullTask, Role::D, 21, When::End)), &[Outcome::Recomputed]),
             // P's scheduler connector restarts after it recorded the send: the KV still flows.
             (cell("p.scheduler_connector", kill(ActorKind::SchedulerConnector, Role::P, 26, When::End)), RECOVERED),
+        ],
+    )
+    .await;
+}
+
+/// Layer-wise P, prefilling in steps of 16 tokens so that D's pull is there while P computes:
+/// P's send worker, P itself or D killed as the first layer write starts (mid-stream), and D's
+/// pull task delayed past every layer: each ends cleanly with the reference tokens or a clean
+/// error, and no block is leaked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn layer_wise_kills_mid_stream_end_cleanly_with_correct_tokens_and_no_leak() {
+    let spec = chaos::ChaosSpec {
+        layerwise: true,
+        p_max_batched_tokens: 16,
+        ..chaos::chaos_spec(LoadFailurePolicy::Recompute)
+    };
+    run_on(
+        spec,
+        vec![
+            (cell("send_worker", kill(ActorKind::SendWorker, Role::P, 29, When::Begin)), &[Outcome::Recomputed]),
+            (
+                cell("node.p", Fault::new(29, When::Begin, FaultAction::KillNode { node: NodeKind::P })),
+                &[Outcome::Recomputed, Outcome::FailedClean],
+            ),
+            (
+                cell("node.d", Fault::new(29, When::Begin, FaultAction::KillNode { node: NodeKind::D })),
+                &[Outcome::FailedClean],
+            ),
+            (cell("receiver", kill(ActorKind::Receiver, Role::D, 29, When::Begin)), &[Outcome::Recomputed]),
+            (cell("pull_task", Fault::new(21, When::Begin, FaultAction::Delay { ms: 300 })), RECOVERED),
         ],
     )
     .await;

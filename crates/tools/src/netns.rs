@@ -17,7 +17,8 @@
 //!   dropped* (a fallback route through a carrier-less "sink" veth, metric 4000): new connections
 //!   hang in SYN and established ones stall — a real partition, which only deadlines end, not a
 //!   fast "no route to host". [`Topology::restore`] brings both ends up and re-adds the routes.
-//! - [`Topology::throttle`] puts a `tbf` qdisc on both ends (rate limit without `netem`).
+//! - [`Topology::throttle`] / [`Topology::shape`] put a `tbf` qdisc on both ends (rate limit
+//!   without `netem`).
 //! - [`Topology::exec`] starts a process inside a namespace (`ip netns exec`), by default in its
 //!   own UTS namespace with its own hostname, so the namespace also looks like a separate host
 //!   (pdflow's same-host `process_vm_writev` path would otherwise bypass the network).
@@ -457,12 +458,19 @@ impl Topology {
         self.bring_up(link)
     }
 
-    /// Limits the link to `bytes_per_sec` in each direction (`tbf` on both ends).
+    /// Limits the link to `bytes_per_sec` in each direction (`tbf` on both ends), with a burst of
+    /// ~50 ms of traffic (at least 64 KiB so one GSO segment fits).
     pub fn throttle(&self, link: Link, bytes_per_sec: u64) -> Result<(), NetnsError> {
+        self.shape(link, bytes_per_sec, (bytes_per_sec / 20).max(64 * 1024))
+    }
+
+    /// Shapes the link to `bytes_per_sec` in each direction with a token bucket of `burst` bytes
+    /// (`tbf` on both ends; at least 64 KiB): a small burst makes the link's rate hold from the
+    /// first byte, as a NIC's does.
+    pub fn shape(&self, link: Link, bytes_per_sec: u64, burst: u64) -> Result<(), NetnsError> {
         let l = &self.links[link.0];
         let rate = format!("{}bit", bytes_per_sec.saturating_mul(8).max(8000));
-        // A burst of ~50 ms of traffic (at least 64 KiB so one GSO segment fits).
-        let burst = (bytes_per_sec / 20).max(64 * 1024).to_string();
+        let burst = burst.max(64 * 1024).to_string();
         for side in 0..2 {
             self.tc_in(
                 l.ends[side],

@@ -41,6 +41,11 @@ pub struct Options {
     /// both, in two clusters measured alternately in one run (`both`).
     #[arg(long, value_enum, default_value_t = Layerwise::Off)]
     pub layerwise: Layerwise,
+    /// Run P and D as separate processes in two network namespaces whose P↔D link is shaped to
+    /// this many Gbit/s (`tc`; needs root), as a cluster without RDMA; the TTFT split then comes
+    /// from P's /metrics (steps 15 and 29).
+    #[arg(long, value_name = "GBIT_S")]
+    pub link_gbps: Option<f64>,
 }
 
 /// `--layerwise` of the e2e bench.
@@ -52,7 +57,7 @@ pub enum Layerwise {
 }
 
 impl Layerwise {
-    fn modes(self) -> &'static [bool] {
+    pub(crate) fn modes(self) -> &'static [bool] {
         match self {
             Layerwise::Off => &[false],
             Layerwise::On => &[true],
@@ -88,7 +93,7 @@ fn between(spans: &[CapturedSpan], from: u8, to: u8, after: Instant) -> Option<f
 }
 
 /// Sends one streaming request; returns the time to the first token event.
-async fn ttft(client: &reqwest::Client, url: &str, body: &serde_json::Value) -> anyhow::Result<f64> {
+pub(crate) async fn ttft(client: &reqwest::Client, url: &str, body: &serde_json::Value) -> anyhow::Result<f64> {
     let started = Instant::now();
     let resp = client.post(url).json(body).send().await.with_context(|| format!("POST {url}"))?;
     anyhow::ensure!(resp.status().is_success(), "POST {url}: {}", resp.status());
@@ -207,6 +212,9 @@ fn split_rows(name: &str, splits: &[Split]) -> Vec<Row> {
 
 /// Runs the benchmark; prints the table; writes the JSON. `capture` must be a `tracing` layer.
 pub async fn run(opts: Options, capture: SpanCapture) -> anyhow::Result<()> {
+    if let Some(gbps) = opts.link_gbps {
+        return super::e2e_link::run(&opts, gbps).await;
+    }
     let max_conc = opts.concurrency.iter().copied().max().unwrap_or(1);
     // Enough blocks for the seed request, and for every small request in flight at once.
     let num_blocks = 80.max(max_conc * 10 + 8);

@@ -5,11 +5,13 @@
 //! - [`transfer`] — the seed request P→D through the real actors and transfer engines, with the
 //!   same-run ceilings (memcpy, loopback TCP) and, optionally, Mooncake's engine.
 //! - [`e2e`] — the seed request through proxy, P and D: TTFT split as the seed splits it, and
-//!   requests/s for small prompts.
+//!   requests/s for small prompts; [`e2e_link`] — the same over a shaped link between network
+//!   namespaces (`--link-gbps`).
 //! - [`proxy`] — the proxy alone against in-memory stub upstreams.
 //! - `gpu` (feature `cuda`) — `bench transfer --device cuda`: the same request GPU to GPU.
 
 pub mod e2e;
+pub mod e2e_link;
 #[cfg(feature = "cuda")]
 pub mod gpu;
 pub mod proxy;

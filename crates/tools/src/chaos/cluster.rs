@@ -35,6 +35,11 @@ pub struct ChaosSpec {
     pub policy: LoadFailurePolicy,
     /// The proxy's deadline for each upstream call.
     pub upstream_timeout: Duration,
+    /// P streams the KV layer by layer while it prefills.
+    pub layerwise: bool,
+    /// P's prefill budget per step (small: the prompt takes several steps, so D's pull lands while
+    /// P still prefills).
+    pub p_max_batched_tokens: usize,
 }
 
 /// One cell's cluster.
@@ -75,6 +80,7 @@ pub fn node_cfg(
             shape: spec.shape,
             num_blocks: spec.num_blocks,
             kv_load_failure_policy: spec.policy,
+            max_num_batched_tokens: if role.produces() { spec.p_max_batched_tokens } else { 8192 },
             ..EngineConfig::default()
         },
         bootstrap,
@@ -83,7 +89,7 @@ pub fn node_cfg(
         // Every block is checked: a flip_data cell must end recomputed (or failed), never decoded
         // from altered KV.
         verify_checksums: true,
-        layerwise: false,
+        layerwise: spec.layerwise && role.produces(),
         kv_device: None,
         faults: faults.clone(),
     }

@@ -100,6 +100,8 @@ pub fn chaos_spec(policy: LoadFailurePolicy) -> ChaosSpec {
         deadlines: chaos_deadlines(),
         policy,
         upstream_timeout: Duration::from_secs(8),
+        layerwise: false,
+        p_max_batched_tokens: 8192,
     }
 }
 

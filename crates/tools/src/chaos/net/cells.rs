@@ -129,7 +129,7 @@ impl NetCell {
             NetCell::CutProxyPWhilePrefilling => ("fail", 16, UPSTREAM_S),
             NetCell::CutProxyPBeforeRequest => ("fail", 8192, UPSTREAM_S),
         };
-        NetSpec { policy, p_batch, upstream_s }
+        NetSpec { policy, p_batch, upstream_s, layerwise: false }
     }
 
     /// The outcomes this cell accepts.

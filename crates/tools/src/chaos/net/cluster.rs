@@ -53,6 +53,8 @@ pub struct NetSpec {
     pub p_batch: usize,
     /// The proxy's `--upstream-timeout`, in seconds.
     pub upstream_s: u64,
+    /// P's `--layerwise on`.
+    pub layerwise: bool,
 }
 
 /// One engine's block counts, read over `GET /pdflow/blocks`.
@@ -180,6 +182,9 @@ impl NetCluster {
         };
         let mut p_args = engine("producer", topo.addr(p).to_string());
         p_args.extend(strings(&["--bootstrap-port", "0", "--max-num-batched-tokens", &spec.p_batch.to_string()]));
+        if spec.layerwise {
+            p_args.extend(strings(&["--layerwise", "on"]));
+        }
         let p_ready = spawn(&topo, bin, p.into(), "producer", &p_args).await?;
         let mut d_args = engine("consumer", topo.addr(d).to_string());
         d_args.extend(strings(&["--kv-load-failure-policy", spec.policy]));
