@@ -48,6 +48,8 @@ pub struct ExtraConfig {
     pub write_timeout_s: Option<f64>,
     /// Record KV checksums on both sides of every transfer (costs a pass over the bytes).
     pub verify_checksums: Option<bool>,
+    /// P: write each prefill's KV to D layer by layer (`save_kv_layer`) while later layers compute.
+    pub layerwise: Option<bool>,
     /// With KV on a GPU: `auto` (CUDA IPC on one host, staged tcp across hosts) or `staged`
     /// (staged tcp always).
     pub gpu_path: Option<String>,
@@ -62,6 +64,7 @@ pub struct BridgeConfig {
     pub deadlines: Deadlines,
     pub tcp: TcpConfig,
     pub verify_checksums: bool,
+    pub layerwise: bool,
 }
 
 fn seconds(key: &str, value: Option<f64>) -> Result<Option<Duration>, BridgeError> {
@@ -92,7 +95,7 @@ impl BridgeConfig {
                     path => format!("[\"{path}\"]"),
                 };
                 BridgeError::Config(format!(
-                    "kv_connector_extra_config{key}: {}; known keys: host, bootstrap_port, bootstrap_url, transport, tcp_streams, auth_token, cluster_secret_file, tls, abort_request_timeout_s, pull_timeout_s, bootstrap_timeout_s, write_timeout_s, verify_checksums, gpu_path",
+                    "kv_connector_extra_config{key}: {}; known keys: host, bootstrap_port, bootstrap_url, transport, tcp_streams, auth_token, cluster_secret_file, tls, abort_request_timeout_s, pull_timeout_s, bootstrap_timeout_s, write_timeout_s, verify_checksums, layerwise, gpu_path",
                     e.inner()
                 ))
             })?
@@ -139,6 +142,7 @@ impl BridgeConfig {
             deadlines,
             tcp,
             verify_checksums: extra.verify_checksums.unwrap_or(false),
+            layerwise: extra.layerwise.unwrap_or(false),
         })
     }
 }

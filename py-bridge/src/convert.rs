@@ -112,5 +112,15 @@ pub fn metadata_to_py<'py>(py: Python<'py>, meta: &ConnectorMetadata) -> PyResul
     out.set_item("reqs_to_recv", recv)?;
     out.set_item("reqs_not_processed", str_set(py, &meta.reqs_not_processed)?)?;
     out.set_item("reqs_to_abort", str_set(py, &meta.reqs_to_abort)?)?;
+    let save = PyDict::new(py);
+    for (req_id, s) in &meta.reqs_to_save {
+        let d = PyDict::new(py);
+        d.set_item("transfer_id", s.transfer_id.as_str())?;
+        d.set_item("block_ids", PyList::new(py, &s.block_ids)?)?;
+        d.set_item("computed_upto", s.computed_upto)?;
+        d.set_item("prompt_len", s.prompt_len)?;
+        save.set_item(req_id.as_str(), d)?;
+    }
+    out.set_item("reqs_to_save", save)?;
     Ok(out)
 }

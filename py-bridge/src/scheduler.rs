@@ -14,7 +14,7 @@ use pdflow_actors::scheduler_connector::{KvRole, SchedulerConnector, SchedulerCo
 use pdflow_messages::frame;
 use pdflow_messages::scheduler_connector::{
     BuildConnectorMeta, ConnectorOutput, FinishStatus, GetNumNewMatchedTokens, LoadFailure, LoadFailureCause,
-    OnNewRequest, RequestFinished, UpdateConnectorOutput, UpdateStateAfterAlloc,
+    OnNewRequest, RequestFinished, ScheduledChunk, UpdateConnectorOutput, UpdateStateAfterAlloc,
 };
 use pdflow_messages::BlockId;
 use pdflow_node::supervisor::{NodeSupervisor, MAX_RESTARTS, RESTART_WINDOW};
@@ -94,7 +94,7 @@ impl SchedulerBridge {
                         engine_id: engine_id.clone().into(),
                         role,
                         bootstrap_addr,
-                        layerwise: false,
+                        layerwise: config.layerwise,
                     },
                 )
                 .restart_policy(RestartPolicy::Transient)
@@ -164,8 +164,20 @@ impl SchedulerBridge {
     }
 
     /// Steps 13, 18, 26: this step's metadata as a frame, or None when the workers have nothing to do.
-    fn build_connector_meta<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyBytes>>> {
-        let meta = py.detach(|| self.ask("build_connector_meta", BuildConnectorMeta::default()))?;
+    /// `scheduled` (layer-wise P): `(request id, block ids, tokens computed after this step)` of
+    /// every request the step computes.
+    #[pyo3(signature = (scheduled=None))]
+    fn build_connector_meta<'py>(
+        &self,
+        py: Python<'py>,
+        scheduled: Option<Vec<(String, Vec<BlockId>, usize)>>,
+    ) -> PyResult<Option<Bound<'py, PyBytes>>> {
+        let scheduled = scheduled
+            .unwrap_or_default()
+            .into_iter()
+            .map(|(id, block_ids, computed_upto)| ScheduledChunk { request_id: id.into(), block_ids, computed_upto })
+            .collect();
+        let meta = py.detach(|| self.ask("build_connector_meta", BuildConnectorMeta { scheduled }))?;
         if meta.is_empty() {
             return Ok(None);
         }

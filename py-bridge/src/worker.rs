@@ -9,7 +9,7 @@
 //! `start_load_kv` forwards the step's metadata (steps 14, 19), `get_transfer_results` collects
 //! `finished_sending` (step 32) and `finished_recving` / failed loads (step 35).
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::AtomicU16;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -18,8 +18,8 @@ use kameo::prelude::*;
 use pdflow_actors::scheduler_connector::KvRole;
 use pdflow_kv::memory::{KvCache, KvShape};
 use pdflow_messages::frame;
-use pdflow_messages::scheduler_connector::{ConnectorMetadata, ConnectorOutput};
-use pdflow_messages::BlockId;
+use pdflow_messages::scheduler_connector::{ConnectorMetadata, ConnectorOutput, LayerSave};
+use pdflow_messages::{BlockId, RequestId};
 use pdflow_node::ports::{ConnectorError, WorkerConnectorPort, WorkerPort};
 use pdflow_node::supervisor::NodeSupervisor;
 use pdflow_node::worker::{BootstrapPlacement, Worker, WorkerSpec};
@@ -57,6 +57,8 @@ pub struct WorkerBridge {
     running: Mutex<Option<Running>>,
     /// D: blocks of failed loads, until `get_block_ids_with_load_errors` drains them.
     load_errors: Mutex<BTreeSet<BlockId>>,
+    /// Layer-wise P: the step's `reqs_to_save` (from its metadata), for `save_kv_layer`.
+    reqs_to_save: Mutex<BTreeMap<RequestId, LayerSave>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -165,7 +167,15 @@ impl WorkerBridge {
         let role = parse_role(kv_role)?;
         let config = BridgeConfig::from_json(extra_config_json, &|k| std::env::var(k).ok())?;
         let rt = BridgeRuntime::multi_thread(RUNTIME_THREADS, "pdflow-worker")?;
-        Ok(Self { engine_id, role, config, rt, running: Mutex::new(None), load_errors: Mutex::new(BTreeSet::new()) })
+        Ok(Self {
+            engine_id,
+            role,
+            config,
+            rt,
+            running: Mutex::new(None),
+            load_errors: Mutex::new(BTreeSet::new()),
+            reqs_to_save: Mutex::new(BTreeMap::new()),
+        })
     }
 
     /// Seed step 3: registers one region per entry of `regions` (`(address, length)` of host
@@ -244,6 +254,32 @@ impl WorkerBridge {
                 })?
                 .map_err(|e| port_error("worker connector", e))
         })?;
+        Ok(())
+    }
+
+    /// Layer-wise P: the step's metadata as bound for its forward (vLLM calls `start_load_kv`
+    /// after launching the forward, so the layers' saves cannot wait for it): its `reqs_to_save`
+    /// are what `save_kv_layer` streams.
+    fn bind_reqs_to_save(&self, metadata: &[u8]) -> PyResult<()> {
+        let reqs = if metadata.is_empty() {
+            BTreeMap::new()
+        } else {
+            let meta: ConnectorMetadata =
+                frame::decode(metadata, "connector metadata").map_err(|e| BridgeError::Metadata(e.to_string()))?;
+            meta.reqs_to_save
+        };
+        *lock(&self.reqs_to_save) = reqs;
+        Ok(())
+    }
+
+    /// Layer-wise P (vLLM's `save_kv_layer`): KV region `region` of this step's forward is
+    /// written; the step's prefills stream it to D. Never waits on the network.
+    fn save_kv_layer(&self, region: usize) -> PyResult<()> {
+        let reqs = lock(&self.reqs_to_save);
+        if reqs.is_empty() {
+            return Ok(());
+        }
+        self.port()?.save_kv_layer(region, &reqs);
         Ok(())
     }
 

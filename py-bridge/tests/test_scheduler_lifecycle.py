@@ -109,6 +109,27 @@ def test_chunked_prefill_announces_the_send_once_and_sends_every_block():
     assert free_blocks(s) == baseline
 
 
+def test_layer_wise_chunked_prefill_names_every_chunk_with_its_blocks_in_reqs_to_save():
+    s, baseline = producer(max_num_batched_tokens=256, extra={"layerwise": True})
+    r = request(p_params("xfer-layerwise"))
+    s.add_request(r)
+    run = Runner(s)
+    saves = []
+    for _ in range(4):
+        _, meta = run.step()
+        saves.append(meta.reqs_to_save[r.request_id])
+    assert [x["computed_upto"] for x in saves] == [256, 512, 768, SEED_PROMPT]
+    assert all(x["transfer_id"] == "xfer-layerwise" and x["prompt_len"] == SEED_PROMPT for x in saves)
+    # Each chunk's blocks cover what is computed so far; the last, the whole prompt's.
+    assert [len(x["block_ids"]) for x in saves] == [16, 32, 48, SEED_BLOCKS]
+    assert saves[-1]["block_ids"][:16] == saves[0]["block_ids"]
+    _, meta = run.step()
+    assert not meta.reqs_to_save, "a finished prefill streams no more"
+    assert len(meta.reqs_to_send[r.request_id][1]) == SEED_BLOCKS
+    run.step(kv_output(sending=[r.request_id]))
+    assert free_blocks(s) == baseline
+
+
 def test_decode_waits_for_remote_kv_then_computes_one_token_and_decodes_128():
     s, baseline = consumer()
     params = d_params("xfer-seed")

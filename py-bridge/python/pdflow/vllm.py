@@ -84,6 +84,11 @@ class PdflowConnectorMetadata(KVConnectorMetadata):
     def reqs_to_abort(self) -> set[str]:
         return self._decoded()["reqs_to_abort"]
 
+    @property
+    def reqs_to_save(self) -> dict[str, dict[str, Any]]:
+        """Layer-wise P: ``{req_id: {transfer_id, block_ids, computed_upto, prompt_len}}``."""
+        return self._decoded()["reqs_to_save"]
+
     def __getstate__(self) -> dict:
         return {"frame": self.frame}
 
@@ -150,6 +155,12 @@ class PdflowConnector(KVConnectorBase_V1, SupportsHMA):
             )
         self._scheduler: Optional[_native.SchedulerConnector] = None
         self._worker: Optional[_native.WorkerConnector] = None
+        # Layer-wise P: the scheduler tracks each request's blocks (vLLM hands only the new ones
+        # of a running request); the worker maps each attention layer to its KV regions.
+        self._layerwise = bool(extra.get("layerwise", False))
+        self._blocks: dict[str, list[int]] = {}
+        self._layer_regions: dict[str, list[int]] = {}
+        self._saving_meta: Optional[KVConnectorMetadata] = None
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = _native.SchedulerConnector(self.engine_id, self.kv_role, self._extra_json)
         elif role == KVConnectorRole.WORKER:
@@ -191,7 +202,26 @@ class PdflowConnector(KVConnectorBase_V1, SupportsHMA):
             params["do_remote_prefill"] = False
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> PdflowConnectorMetadata:
-        return PdflowConnectorMetadata(self._sched().build_connector_meta())
+        scheduled = self._scheduled_chunks(scheduler_output) if self._layerwise else None
+        return PdflowConnectorMetadata(self._sched().build_connector_meta(scheduled))
+
+    def _scheduled_chunks(self, out: "SchedulerOutput") -> list[tuple[str, list[int], int]]:
+        """What the step computes: per request, its blocks and its tokens with KV after the step."""
+        counts = out.num_scheduled_tokens
+        chunks = []
+        for new in out.scheduled_new_reqs:
+            self._blocks[new.req_id] = _first_group(new.block_ids)
+            chunks.append((new.req_id, self._blocks[new.req_id], new.num_computed_tokens + counts.get(new.req_id, 0)))
+        cached = out.scheduled_cached_reqs
+        resumed = getattr(cached, "resumed_req_ids", set())
+        for i, req_id in enumerate(cached.req_ids):
+            new_blocks = cached.new_block_ids[i]
+            if new_blocks is not None:
+                blocks = _first_group(new_blocks)
+                self._blocks[req_id] = blocks if req_id in resumed else self._blocks.get(req_id, []) + blocks
+            computed = cached.num_computed_tokens[i] + counts.get(req_id, 0)
+            chunks.append((req_id, self._blocks.get(req_id, []), computed))
+        return chunks
 
     def on_new_request(self, request: "Request") -> None:
         reason = self._sched().on_new_request(request.request_id, request.num_prompt_tokens, request.kv_transfer_params)
@@ -207,6 +237,7 @@ class PdflowConnector(KVConnectorBase_V1, SupportsHMA):
         return self._finished(request, _first_group(block_ids))
 
     def _finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, Optional[dict[str, Any]]]:
+        self._blocks.pop(request.request_id, None)
         params = request.kv_transfer_params
         if not params:
             return False, None
@@ -240,6 +271,12 @@ class PdflowConnector(KVConnectorBase_V1, SupportsHMA):
 
     def register_kv_caches(self, kv_caches: dict[str, "torch.Tensor"]) -> None:
         regions, geometry, owners, device = regions_of(kv_caches)
+        # Each layer's regions, in registration order: one (LBHNC) or two (K and V apart).
+        first = 0
+        for name, t in kv_caches.items():
+            count = 2 if t.dim() == 5 else 1
+            self._layer_regions[name] = list(range(first, first + count))
+            first += count
         num_blocks, heads, block_size, head_dim, dtype_bytes = geometry
         tp_rank, tp_size = _tp_rank_and_size(self._vllm_config)
         info = self._work().register_kv_caches(
@@ -258,7 +295,18 @@ class PdflowConnector(KVConnectorBase_V1, SupportsHMA):
         """KV arrives whole, before the request is scheduled: nothing to wait for per layer."""
 
     def save_kv_layer(self, layer_name: str, kv_layer: "torch.Tensor", attn_metadata: Any, **kwargs: Any) -> None:
-        """D pulls from P's blocks after the prefill: nothing is saved per layer."""
+        """Layer-wise P: this layer's KV of the step is written; the step's prefills stream it to D
+        (the call returns at once). Otherwise D pulls from P's blocks after the prefill."""
+        if not self._layerwise:
+            return
+        # vLLM starts the step's loads after launching its forward: the metadata bound for this
+        # forward names the requests to stream, once per step.
+        meta = self._get_connector_metadata()
+        if meta is not self._saving_meta:
+            self._saving_meta = meta
+            self._work().bind_reqs_to_save(meta.frame if isinstance(meta, PdflowConnectorMetadata) else b"")
+        for region in self._layer_regions.get(layer_name, ()):
+            self._work().save_kv_layer(region)
 
     def wait_for_save(self) -> None:
         """Nothing to wait for: P's blocks stay held (delayed free) until D has them."""
