@@ -8,6 +8,8 @@ connector's idle threads spin on the other server's core):
 
 - `single`: one `vllm serve` without a connector (the reference);
 - `pdflow`: P and D with PdflowConnector, requests sent client → P → D, and through `pdflow proxy`;
+- `pdflow-layerwise`: the same with `layerwise` on P (through the proxy, which sends P's and D's
+  requests at once, D's pull waits at P and the KV leaves P layer by layer during the prefill);
 - `nixl`: P and D with vLLM's NixlConnector (`kv_buffer_device: cpu`, UCX over TCP/shared memory
   on loopback), client → P → D with the parameters P returns;
 - `mooncake`: vLLM's MooncakeConnector, where `mooncake-transfer-engine-non-cuda` loads.
@@ -147,25 +149,27 @@ def run_single(model: Path, logs: Path, requests: int) -> dict:
         s.stop()
 
 
-def run_pdflow(model: Path, logs: Path, requests: int) -> list[dict]:
-    traces = logs / "pdflow-traces"
+def run_pdflow(model: Path, logs: Path, requests: int, layerwise: bool = False) -> list[dict]:
+    tag = " layer-wise" if layerwise else ""
+    traces = logs / ("pdflow-layerwise-traces" if layerwise else "pdflow-traces")
     shutil.rmtree(traces, ignore_errors=True)  # each process's file is named by its pid
     traces.mkdir()
     bport = free_port()
+    p_extra = {"bootstrap_port": bport, **({"layerwise": True} if layerwise else {})}
     p = VllmServer("pdflow-prefill", model, logs, core=0, block_size=BLOCK, env=engine_env(traces, "p"),
-                   kv_transfer_config=cluster.connector_config("kv_producer", extra={"bootstrap_port": bport}, engine_id="bench-p"))  # fmt: skip
+                   kv_transfer_config=cluster.connector_config("kv_producer", extra=p_extra, engine_id="bench-p"))  # fmt: skip
     d = VllmServer("pdflow-decode", model, logs, core=1, block_size=BLOCK, env=engine_env(traces, "d"),
                    kv_transfer_config=cluster.connector_config("kv_consumer"))  # fmt: skip
     proxy = None
     try:
         start([p, d], [0, 1])
         direct = Direct.naming_the_transfer(p, d, "bench-p", bport)
-        rows = [measure("pdflow (client → P → D)", lambda pr: direct.ttft(pr, MAX_TOKENS_TTFT),
+        rows = [measure(f"pdflow{tag} (client → P → D)", lambda pr: direct.ttft(pr, MAX_TOKENS_TTFT),
                         lambda pr: direct.generate(pr, MAX_TOKENS_RPS), requests, 2000)]  # fmt: skip
         proxy = PdflowProxy("pdflow-proxy", [(p.url, bport)], [d.url], logs)
         proxy.wait_ready(time.monotonic() + 60)
         rows.append(measure(
-            "pdflow (pdflow proxy)", lambda pr: first_token_s(proxy.url, {**body_of(pr, MAX_TOKENS_TTFT), "stream": True}),
+            f"pdflow{tag} (pdflow proxy)", lambda pr: first_token_s(proxy.url, {**body_of(pr, MAX_TOKENS_TTFT), "stream": True}),
             lambda pr: cluster.post(proxy.url + "/v1/completions", body_of(pr, MAX_TOKENS_RPS)), requests, 3000,
         ))  # fmt: skip
         time.sleep(1.5)  # the trace files are rewritten every 500 ms
@@ -299,7 +303,13 @@ def main() -> int:
     logs = REPO / "target" / "vllm-bench-logs"
     logs.mkdir(parents=True, exist_ok=True)
     report = {"model": desc, "prompt_tokens": 1000, "block_size": BLOCK, "requests": args.requests, "rows": []}
-    runs = {"single": run_single, "pdflow": run_pdflow, "nixl": run_nixl, "mooncake": run_mooncake}
+    runs = {
+        "single": run_single,
+        "pdflow": run_pdflow,
+        "pdflow-layerwise": lambda m, lg, n: run_pdflow(m, lg, n, layerwise=True),
+        "nixl": run_nixl,
+        "mooncake": run_mooncake,
+    }
     for name in args.only:
         if name == "transfer":
             report["bench_transfer"] = bench_transfer()
