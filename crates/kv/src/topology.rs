@@ -25,6 +25,8 @@
 //!   D's requested blocks has exactly one sender: among the P ranks that hold a (layer, head),
 //!   D rank `d` reads from holder `d % holders` (so MLA's D ranks each read one P rank, and the
 //!   replicas share the work).
+//! - [`pull_pairs`] — which D rank pulls from which P rank (every pair that moves bytes, and an
+//!   empty pull for a P replica nobody reads), and [`plan_pair`], one pair's plan alone.
 //! - [`PairPlan::to_transfer_plan`] — one pair's offsets → addresses in both ranks' registered
 //!   regions, as the existing engines execute them.
 
@@ -34,6 +36,7 @@ mod error;
 mod layout;
 mod partition;
 mod plan;
+mod pulls;
 
 #[cfg(test)]
 mod error_tests;
@@ -49,3 +52,4 @@ pub use error::{RankPlanError, Side, TopologyError};
 pub use layout::{HeadLayout, RankLayout, Topology};
 pub use partition::{pp_partition, tp_heads};
 pub use plan::{align_tail, plan_ranks, LayerDescriptor, PairPlan, RankPlan};
+pub use pulls::{plan_pair, pull_pairs, pulled_by, pullers_of};
