@@ -19,7 +19,10 @@ pub enum LoadFailurePolicy {
 pub struct EngineConfig {
     pub engine_id: String,
     pub served_model_name: String,
+    /// The whole model's KV shape: every layer and KV head (a ranked engine's ranks each hold a
+    /// part of it).
     pub shape: KvShape,
+    /// KV blocks of the engine (of each rank's cache, all under the same block ids).
     pub num_blocks: usize,
     /// Token budget of one step; a smaller value than a prompt means chunked prefill.
     pub max_num_batched_tokens: usize,

@@ -7,7 +7,9 @@
 //! The model runs on tokio's blocking pool, never on the runtime's workers, layer by layer (as a
 //! transformer's forward does); with layer-wise P (the metadata names `reqs_to_save`) each
 //! finished layer is reported to the worker (vLLM's `save_kv_layer`), which streams it to D while
-//! later layers compute.
+//! later layers compute. The model may be sharded over ranks ([`Engine::start_ranked`]): one
+//! scheduler and block pool for all of them, one connector, each layer reported once by its global
+//! index.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -26,6 +28,7 @@ use tokio_util::sync::CancellationToken;
 use super::config::EngineConfig;
 use super::model::{ForwardItem, Model};
 use super::ports::Connector;
+use super::ranks::{Rank, RanksError, ShardedModel};
 use super::request::{EngineError, EngineRequest, Request, RequestStream};
 use super::scheduler::{BlockStats, ForwardResult, Scheduler};
 use pdflow_kv::memory::KvCache;
@@ -51,26 +54,46 @@ pub(crate) enum Command {
 pub struct Engine;
 
 impl Engine {
-    /// Spawns the engine loop on the current tokio runtime. The cache's shape and block count win
-    /// over `config`'s if they differ.
+    /// Spawns the engine loop on the current tokio runtime, the model on one cache holding all of
+    /// it. The cache's shape and block count win over `config`'s if they differ.
     pub fn start(mut config: EngineConfig, kv_cache: Arc<KvCache>, connector: Option<Connector>) -> EngineHandle {
         if config.shape != kv_cache.shape() || config.num_blocks != kv_cache.num_blocks() {
             tracing::warn!(engine_id = %config.engine_id, "EngineConfig shape/num_blocks differ from the KV cache's; using the cache's");
             config.shape = kv_cache.shape();
             config.num_blocks = kv_cache.num_blocks();
         }
+        let model = ShardedModel::single(config.vocab_size, kv_cache);
+        Self::spawn(config, model, connector)
+    }
+
+    /// Spawns the engine loop on the current tokio runtime, the model sharded over `ranks`
+    /// (tensor and pipeline parallel, see [`crate::ranks`]). `config.shape` is the whole model's
+    /// and `config.num_blocks` every rank's; refused, before anything runs, unless each rank's
+    /// cache is that shape restricted to its layers and heads with that many blocks, and the
+    /// ranks hold every (layer, head).
+    pub fn start_ranked(
+        config: EngineConfig,
+        ranks: Vec<Rank>,
+        connector: Option<Connector>,
+    ) -> Result<EngineHandle, RanksError> {
+        let model = Model { shape: config.shape, vocab_size: config.vocab_size };
+        let model = ShardedModel::new(model, config.num_blocks, ranks)?;
+        Ok(Self::spawn(config, model, connector))
+    }
+
+    fn spawn(config: EngineConfig, model: ShardedModel, connector: Option<Connector>) -> EngineHandle {
         let stats = Arc::new(Mutex::new(BlockStats::default()));
         let (commands, rx) = mpsc::unbounded_channel();
         let cancel = CancellationToken::new();
         let running = Arc::new(AtomicBool::new(false));
         let has_connector = connector.is_some();
         let scheduler = Scheduler::new(config.clone(), connector, stats.clone());
-        let model = Model { shape: config.shape, vocab_size: config.vocab_size };
-        let task = tokio::spawn(run_loop(scheduler, rx, cancel.clone(), running.clone(), model, kv_cache.clone()));
+        let model = Arc::new(model);
+        let task = tokio::spawn(run_loop(scheduler, rx, cancel.clone(), running.clone(), model.clone()));
         EngineHandle {
             inner: Arc::new(Inner {
                 config,
-                kv_cache,
+                model,
                 commands,
                 stats,
                 running,
@@ -84,7 +107,7 @@ impl Engine {
 
 struct Inner {
     config: EngineConfig,
-    kv_cache: Arc<KvCache>,
+    model: Arc<ShardedModel>,
     commands: mpsc::UnboundedSender<Command>,
     stats: Arc<Mutex<BlockStats>>,
     running: Arc<AtomicBool>,
@@ -169,8 +192,15 @@ impl EngineHandle {
         &self.inner.config
     }
 
+    /// Rank 0's KV cache (the whole model's, on a one-rank engine).
     pub fn kv_cache(&self) -> &Arc<KvCache> {
-        &self.inner.kv_cache
+        self.inner.model.first_cache()
+    }
+
+    /// Every rank: the layers and KV heads it holds, and its KV cache (one rank holding the whole
+    /// model on an engine from [`Engine::start`]).
+    pub fn rank_caches(&self) -> &[Rank] {
+        self.inner.model.ranks()
     }
 
     /// True once the loop runs (and until it stops).
@@ -253,8 +283,7 @@ async fn run_loop(
     mut commands: mpsc::UnboundedReceiver<Command>,
     cancel: CancellationToken,
     running: Arc<AtomicBool>,
-    model: Model,
-    kv_cache: Arc<KvCache>,
+    model: Arc<ShardedModel>,
 ) {
     running.store(true, Ordering::Release);
     loop {
@@ -274,7 +303,7 @@ async fn run_loop(
             }
             continue;
         }
-        let did_forward = step(&mut scheduler, model, &kv_cache).await;
+        let did_forward = step(&mut scheduler, &model).await;
         if !did_forward {
             let events = scheduler.connector().map(|c| c.worker.kv_events());
             let kv_event = async {
@@ -298,7 +327,7 @@ async fn run_loop(
 }
 
 /// One engine step; returns whether a forward ran.
-async fn step(scheduler: &mut Scheduler, model: Model, kv_cache: &Arc<KvCache>) -> bool {
+async fn step(scheduler: &mut Scheduler, model: &Arc<ShardedModel>) -> bool {
     let scheduled = scheduler.schedule().await;
     let connector = scheduler.connector().cloned();
     // Layer-wise P: the step's prefills whose layers go to D as the forward finishes them.
@@ -318,7 +347,7 @@ async fn step(scheduler: &mut Scheduler, model: Model, kv_cache: &Arc<KvCache>) 
     if did_forward {
         let (work, spans) = scheduler.prepare_forward(&scheduled);
         let ids: Vec<(String, usize)> = work.iter().map(|(id, n, _)| (id.clone(), *n)).collect();
-        let cache = kv_cache.clone();
+        let model = model.clone();
         // Layer-wise P hands each finished layer to the worker; otherwise nobody listens.
         let saver = connector.as_ref().map(|c| c.worker.clone()).filter(|_| !reqs_to_save.is_empty());
         let joined = tokio::task::spawn_blocking(move || {
@@ -329,7 +358,7 @@ async fn step(scheduler: &mut Scheduler, model: Model, kv_cache: &Arc<KvCache>) 
                     worker.save_kv_layer(layer, &reqs_to_save);
                 }
             };
-            let sampled = model.forward_layers(&cache, &mut items, &mut layer_done);
+            let sampled = model.forward(&mut items, &mut layer_done);
             meta.into_iter()
                 .zip(items)
                 .zip(sampled)

@@ -187,3 +187,44 @@ fn a_gpu_cache_without_a_gpu_is_a_typed_error() {
         other => panic!("expected a typed error, got {:?}", other.map(|c| c.memory())),
     }
 }
+
+/// GPU caches run only as an engine's one rank: sharded over ranks they are refused, typed.
+#[test]
+fn gpu_caches_sharded_over_ranks_are_refused() {
+    use crate::ranks::{RanksError, ShardedModel};
+    use pdflow_kv::topology::Topology;
+    let Some((p, _)) = gpus() else { return };
+    let topology = Topology::uniform(2, 1, SHAPE.num_layers, SHAPE.num_kv_heads).expect("a valid topology");
+    let ranks = topology
+        .ranks()
+        .iter()
+        .map(|r| {
+            let local = KvShape { num_kv_heads: r.heads.len(), ..SHAPE };
+            (r.clone(), KvCache::new_cuda(local, BLOCKS, p).expect("GPU cache"))
+        })
+        .collect();
+    let model = Model { shape: SHAPE, vocab_size: 151_936 };
+    let err = ShardedModel::new(model, BLOCKS, ranks).expect_err("refused");
+    assert!(matches!(err, RanksError::ShardedDevice { rank: 0, .. }), "{err:?}");
+    // One GPU rank holding everything runs, as on the host.
+    let gpu = ShardedModel::new(
+        model,
+        BLOCKS,
+        vec![(model.whole(), KvCache::new_cuda(SHAPE, BLOCKS, p).expect("GPU cache"))],
+    )
+    .expect("one rank");
+    let host = ShardedModel::single(151_936, KvCache::new(SHAPE, BLOCKS));
+    let item = || ForwardItem {
+        tokens: prompt(30),
+        start: 0,
+        block_ids: vec![4, 9],
+        digest: ContextDigest::default(),
+        sample: true,
+    };
+    let (mut a, mut b) = ([item()], [item()]);
+    let mut layers = Vec::new();
+    let on_gpu = gpu.forward(&mut a, &mut |l| layers.push(l));
+    assert_eq!(on_gpu, host.forward(&mut b, &mut |_| {}));
+    assert_eq!(a[0].digest, b[0].digest);
+    assert_eq!(layers, (0..SHAPE.num_layers).collect::<Vec<_>>());
+}

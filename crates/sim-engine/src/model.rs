@@ -5,14 +5,19 @@
 //! - KV: the bytes of token `t` at position `p`, layer `l`, head `h` are a splitmix64 stream seeded by
 //!   `(t, p, l, h)`. A forward writes each computed position's KV into its block slot.
 //! - Sampling: each request keeps a running [`ContextDigest`] over positions `0..n`, where position
-//!   `p` contributes a hash of its KV bytes **read back from the cache** (all layers, all heads).
-//!   The next token is a function of the digest and `n`. The digest depends on neither block ids nor
-//!   chunking, so P prefill + transfer + D's first forward yields exactly a single engine's tokens,
-//!   and a lost or corrupted KV byte changes the output.
+//!   `p` contributes a [`PositionHash`] of its KV bytes **read back from the cache**: every (layer,
+//!   head) slot hashed on its own ([`slot_hash`]), the slot hashes folded in layer-major then head
+//!   order. The next token is a function of the digest and `n`. The digest depends on neither block
+//!   ids, chunking nor how the layers and heads are sharded over ranks ([`crate::ranks`]), so P
+//!   prefill + transfer + D's first forward yields exactly a single engine's tokens, and a lost or
+//!   corrupted KV byte changes the output.
 
 use pdflow_messages::BlockId;
 
 use pdflow_kv::memory::{Checksum, KvCache, KvShape, RegionError};
+use pdflow_kv::topology::RankLayout;
+
+use crate::ranks::{forward_shards, Shard};
 
 const GOLDEN: u64 = 0x9E37_79B9_7F4A_7C15;
 
@@ -79,7 +84,8 @@ impl Default for ContextDigest {
 }
 
 impl ContextDigest {
-    fn fold(&mut self, position_hash: u64) {
+    /// Folds in the next position's hash.
+    pub(crate) fn fold(&mut self, position_hash: u64) {
         self.value = splitmix64(self.value ^ position_hash.rotate_left(17) ^ (self.upto as u64).wrapping_mul(GOLDEN));
         self.upto += 1;
     }
@@ -87,6 +93,42 @@ impl ContextDigest {
     /// The greedy next token after the context folded so far.
     pub fn next_token(&self, vocab_size: u32) -> u32 {
         (splitmix64(self.value ^ (self.upto as u64).rotate_left(40)) % u64::from(vocab_size.max(1))) as u32
+    }
+}
+
+/// A position's hash before any slot is folded in.
+const POSITION_SEED: u64 = 0x0B5E_55ED_5107_5EED;
+
+/// The hash of one slot's bytes (one token of one head in one layer): a [`Checksum`] over them.
+pub fn slot_hash(bytes: &[u8]) -> u64 {
+    let mut sum = Checksum::default();
+    sum.update(bytes);
+    sum.finish()
+}
+
+/// One position's hash, built slot by slot: starting from a fixed seed, each (layer, head) slot's
+/// [`slot_hash`] is folded in, layer-major then head order (global indices),
+/// `h = splitmix64(h ^ slot_hash.rotate_left(7) ^ (layer << 32 | head) * GOLDEN)`. Each rank can
+/// hash the slots it holds; folding them in that order gives what one rank holding every layer
+/// and head gives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PositionHash(u64);
+
+impl Default for PositionHash {
+    fn default() -> Self {
+        Self(POSITION_SEED)
+    }
+}
+
+impl PositionHash {
+    /// Folds in the slot of global `layer` and `head`, whose bytes hash to `slot_hash`.
+    pub fn fold_slot(&mut self, layer: usize, head: usize, slot_hash: u64) {
+        let salt = (((layer as u64) << 32) | head as u64).wrapping_mul(GOLDEN);
+        self.0 = splitmix64(self.0 ^ slot_hash.rotate_left(7) ^ salt);
+    }
+
+    pub fn finish(&self) -> u64 {
+        self.0
     }
 }
 
@@ -111,7 +153,8 @@ pub struct Model {
 }
 
 impl Model {
-    fn locate(&self, block_ids: &[BlockId], pos: usize) -> Result<(BlockId, usize), RegionError> {
+    /// The block and slot of `pos` in a request whose blocks are `block_ids`.
+    pub(crate) fn locate(&self, block_ids: &[BlockId], pos: usize) -> Result<(BlockId, usize), RegionError> {
         let bs = self.shape.block_size;
         let block = block_ids
             .get(pos / bs)
@@ -120,37 +163,30 @@ impl Model {
         Ok((block, pos % bs))
     }
 
+    /// What one rank holding the whole model holds: every layer and KV head.
+    pub fn whole(&self) -> RankLayout {
+        RankLayout { layers: 0..self.shape.num_layers, heads: 0..self.shape.num_kv_heads }
+    }
+
     /// Writes the KV of `item`'s tokens, folds every position not yet in the digest (reading the KV
-    /// back from `cache`), and samples if asked. Updates `item.digest`.
+    /// back from `cache`, which holds the whole model), and samples if asked. Updates
+    /// `item.digest`.
     pub fn forward(&self, cache: &KvCache, item: &mut ForwardItem) -> Result<Option<u32>, RegionError> {
         #[cfg(feature = "cuda")]
         if let Some(kv) = cache.device() {
             return self.forward_on_device(kv, item);
         }
-        let mut slot = vec![0u8; self.shape.slot_len()];
-        for (i, &token) in item.tokens.iter().enumerate() {
-            let pos = item.start + i;
-            let (block, s) = self.locate(&item.block_ids, pos)?;
-            for layer in 0..self.shape.num_layers {
-                for head in 0..self.shape.num_kv_heads {
-                    fill_kv(token, pos, layer, head, &mut slot);
-                    cache.write_slot(layer, block, head, s, &slot)?;
-                }
-            }
-        }
-        let end = item.start + item.tokens.len();
-        while item.digest.upto < end {
-            let h = self.position_hash(cache, &item.block_ids, item.digest.upto, &mut slot)?;
-            item.digest.fold(h);
-        }
-        Ok(item.sample.then(|| item.digest.next_token(self.vocab_size)))
+        let whole = self.whole();
+        let shards = [Shard { layout: &whole, cache }];
+        // One item in, one result out.
+        forward_shards(self, &shards, std::slice::from_mut(item), &mut |_| {}).pop().unwrap_or(Ok(None))
     }
 
     /// [`Model::forward`] for a step's items, layer by layer: every item's KV of layer `l` is
     /// written and read back before layer `l + 1`'s, and `layer_done(l)` is called after it (the
-    /// point where vLLM calls the connector's `save_kv_layer`). Each position's digest reads its
-    /// slots in the same order as [`Model::forward`], so the KV, the digests and the tokens are
-    /// the same. On a GPU cache every item runs whole first, then every layer is reported.
+    /// point where vLLM calls the connector's `save_kv_layer`). The KV, the digests and the tokens
+    /// are [`Model::forward`]'s. On a GPU cache every item runs whole first, then every layer is
+    /// reported.
     pub fn forward_layers(
         &self,
         cache: &KvCache,
@@ -163,90 +199,13 @@ impl Model {
             (0..self.shape.num_layers).for_each(&mut *layer_done);
             return results;
         }
-        let mut slot = vec![0u8; self.shape.slot_len()];
-        let mut failed: Vec<Option<RegionError>> = (0..items.len()).map(|_| None).collect();
-        // Per item, one running checksum per position not yet in its digest.
-        let mut pending: Vec<Vec<Checksum>> = items
-            .iter()
-            .map(|item| vec![Checksum::default(); (item.start + item.tokens.len()).saturating_sub(item.digest.upto)])
-            .collect();
-        for layer in 0..self.shape.num_layers {
-            for (k, item) in items.iter().enumerate() {
-                if failed[k].is_none() {
-                    if let Err(e) = self.layer_of(cache, item, layer, &mut pending[k], &mut slot) {
-                        failed[k] = Some(e);
-                    }
-                }
-            }
-            layer_done(layer);
-        }
-        items
-            .iter_mut()
-            .zip(failed)
-            .zip(pending)
-            .map(|((item, failed), sums)| match failed {
-                Some(e) => Err(e),
-                None => {
-                    for sum in sums {
-                        item.digest.fold(sum.finish());
-                    }
-                    Ok(item.sample.then(|| item.digest.next_token(self.vocab_size)))
-                }
-            })
-            .collect()
-    }
-
-    /// One layer of one item: its tokens' KV written, then the layer's slots of every position
-    /// not yet in the digest folded into that position's checksum.
-    fn layer_of(
-        &self,
-        cache: &KvCache,
-        item: &ForwardItem,
-        layer: usize,
-        sums: &mut [Checksum],
-        slot: &mut [u8],
-    ) -> Result<(), RegionError> {
-        for (i, &token) in item.tokens.iter().enumerate() {
-            let pos = item.start + i;
-            let (block, s) = self.locate(&item.block_ids, pos)?;
-            for head in 0..self.shape.num_kv_heads {
-                fill_kv(token, pos, layer, head, slot);
-                cache.write_slot(layer, block, head, s, slot)?;
-            }
-        }
-        for (j, sum) in sums.iter_mut().enumerate() {
-            let (block, s) = self.locate(&item.block_ids, item.digest.upto + j)?;
-            for head in 0..self.shape.num_kv_heads {
-                cache.read_slot(layer, block, head, s, slot)?;
-                sum.update(slot);
-            }
-        }
-        Ok(())
-    }
-
-    /// The hash of one position's KV bytes as they are in the cache.
-    fn position_hash(
-        &self,
-        cache: &KvCache,
-        block_ids: &[BlockId],
-        pos: usize,
-        buf: &mut [u8],
-    ) -> Result<u64, RegionError> {
-        let (block, s) = self.locate(block_ids, pos)?;
-        let mut h = Checksum::default();
-        for layer in 0..self.shape.num_layers {
-            for head in 0..self.shape.num_kv_heads {
-                cache.read_slot(layer, block, head, s, buf)?;
-                h.update(buf);
-            }
-        }
-        Ok(h.finish())
+        let whole = self.whole();
+        forward_shards(self, &[Shard { layout: &whole, cache }], items, layer_done)
     }
 
     /// [`Model::forward`] on a cache in GPU memory: the KV written by one kernel launch, then the
     /// blocks holding the positions not yet in the digest read back once and hashed on the host,
-    /// slot by slot in the order [`Model::position_hash`] reads them — the same digest, the same
-    /// tokens as on the host.
+    /// slot by slot as [`PositionHash`] defines — the same digest, the same tokens as on the host.
     #[cfg(feature = "cuda")]
     fn forward_on_device(
         &self,
@@ -268,11 +227,11 @@ impl Model {
             while item.digest.upto < end {
                 let pos = item.digest.upto;
                 let (index, s) = (pos / bs - first, pos % bs);
-                let mut h = Checksum::default();
+                let mut h = PositionHash::default();
                 for layer in 0..self.shape.num_layers {
                     for head in 0..self.shape.num_kv_heads {
                         let at = (layer * blocks.len() + index) * block_len + self.shape.slot_offset(head, s);
-                        h.update(&bytes[at..at + slot_len]);
+                        h.fold_slot(layer, head, slot_hash(&bytes[at..at + slot_len]));
                     }
                 }
                 item.digest.fold(h.finish());
@@ -364,6 +323,35 @@ mod tests {
         assert_eq!(a2.digest, b2.digest);
         assert_eq!(Some(t_whole), t_layered.into_iter().next().map(|r| r.expect("forward")));
         assert_eq!(whole.blocks_checksum(&[5, 1, 6]).ok(), layered.blocks_checksum(&[5, 1, 6]).ok());
+    }
+
+    #[test]
+    fn a_position_s_hash_folds_each_slot_s_own_checksum_layer_major_then_head() {
+        let model = Model { shape: SMALL, vocab_size: 1000 };
+        let cache = KvCache::new(SMALL, 4);
+        let mut item = ForwardItem {
+            tokens: vec![42],
+            start: 0,
+            block_ids: vec![3],
+            digest: ContextDigest::default(),
+            sample: true,
+        };
+        let sampled = model.forward(&cache, &mut item).expect("in range");
+        let mut want = PositionHash(POSITION_SEED);
+        let mut slot = vec![0u8; SMALL.slot_len()];
+        for layer in 0..SMALL.num_layers {
+            for head in 0..SMALL.num_kv_heads {
+                fill_kv(42, 0, layer, head, &mut slot);
+                let mut sum = Checksum::default();
+                sum.update(&slot);
+                let salt = (((layer as u64) << 32) | head as u64).wrapping_mul(GOLDEN);
+                want.0 = splitmix64(want.0 ^ sum.finish().rotate_left(7) ^ salt);
+            }
+        }
+        let mut digest = ContextDigest::default();
+        digest.fold(want.finish());
+        assert_eq!(item.digest, digest);
+        assert_eq!(sampled, Some(digest.next_token(1000)));
     }
 
     #[test]

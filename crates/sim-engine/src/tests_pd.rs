@@ -14,9 +14,11 @@ use pdflow_messages::{BlockId, EngineId, RequestId, TransferId};
 use tokio::sync::{mpsc, Notify};
 
 use super::ports::{Connector, ConnectorError, SchedulerConnectorPort, WorkerConnectorPort};
+use super::ranks_tests::copy_across;
 use super::tests::{prompt, request, run, small_config, start, wait_stats, DEADLINE, SMALL};
+use super::tests_ranked::start_topology;
 use super::*;
-use pdflow_kv::memory::{KvCache, KvShape};
+use pdflow_kv::memory::KvShape;
 
 #[derive(Default)]
 struct SchedState {
@@ -148,6 +150,15 @@ struct Side {
 }
 
 fn side(config: EngineConfig) -> Side {
+    side_with(|connector| start(config, Some(connector)))
+}
+
+/// A side whose engine runs the model over tp × pp ranks.
+fn side_ranked(config: EngineConfig, (tp, pp): (usize, usize)) -> Side {
+    side_with(|connector| start_topology(config, tp, pp, Some(connector)))
+}
+
+fn side_with(start: impl FnOnce(Connector) -> EngineHandle) -> Side {
     let (tx, metas) = mpsc::unbounded_channel();
     let sched = Arc::new(TestScheduler::default());
     let worker = Arc::new(TestWorker {
@@ -156,7 +167,7 @@ fn side(config: EngineConfig) -> Side {
         events: Arc::new(Notify::new()),
     });
     let connector = Connector { scheduler: sched.clone(), worker: worker.clone() };
-    Side { engine: start(config, Some(connector)), sched, worker, metas }
+    Side { engine: start(connector), sched, worker, metas }
 }
 
 impl Side {
@@ -178,21 +189,6 @@ impl Side {
     }
 }
 
-fn copy_blocks(src: &KvCache, src_blocks: &[BlockId], dst: &KvCache, dst_blocks: &[BlockId]) {
-    let shape = src.shape();
-    let mut slot = vec![0u8; shape.slot_len()];
-    for (&s, &d) in src_blocks.iter().zip(dst_blocks) {
-        for l in 0..shape.num_layers {
-            for h in 0..shape.num_kv_heads {
-                for i in 0..shape.block_size {
-                    src.read_slot(l, s, h, i, &mut slot).expect("in range");
-                    dst.write_slot(l, d, h, i, &slot).expect("in range");
-                }
-            }
-        }
-    }
-}
-
 fn p_request(id: &str, prompt: Vec<u32>) -> EngineRequest {
     EngineRequest {
         kv_transfer_params: Some(KvTransferParams::for_prefill(format!("xfer-{id}"))),
@@ -207,6 +203,19 @@ fn d_request(id: &str, prompt: Vec<u32>, max_tokens: usize, p_engine: &str) -> E
 
 /// The seed's flow at small scale: P prefill + delayed free, transfer, D resume at prompt − 1.
 async fn p_then_d_equals_single_engine(shape: KvShape, prompt_len: u32, max_tokens: usize, p_budget: usize) {
+    p_then_d_over_ranks_equals_single_engine(shape, prompt_len, max_tokens, p_budget, None).await;
+}
+
+/// [`p_then_d_equals_single_engine`] with P and D sharded over `(tp, pp)` ranks each, when
+/// `topologies` names them: the transfer copies each (layer, head) from a P rank holding it into
+/// every D rank holding it.
+async fn p_then_d_over_ranks_equals_single_engine(
+    shape: KvShape,
+    prompt_len: u32,
+    max_tokens: usize,
+    p_budget: usize,
+    topologies: Option<((usize, usize), (usize, usize))>,
+) {
     let config = |budget| EngineConfig {
         shape,
         num_blocks: 12,
@@ -217,8 +226,10 @@ async fn p_then_d_equals_single_engine(shape: KvShape, prompt_len: u32, max_toke
     };
     let single = start(config(8192), None);
     let (want, _, _) = run(&single, request("ref", prompt(prompt_len), max_tokens)).await;
-    let mut p = side(config(p_budget));
-    let mut d = side(config(8192));
+    let (mut p, mut d) = match topologies {
+        None => (side(config(p_budget)), side(config(8192))),
+        Some((p_ranks, d_ranks)) => (side_ranked(config(p_budget), p_ranks), side_ranked(config(8192), d_ranks)),
+    };
     let p_id = p.engine.config().engine_id.clone();
     let mut d_stream =
         d.engine.add_request(d_request("r1", prompt(prompt_len), max_tokens, &p_id)).await.expect("accepted");
@@ -239,7 +250,7 @@ async fn p_then_d_equals_single_engine(shape: KvShape, prompt_len: u32, max_toke
     let held = p.engine.block_stats();
     assert_eq!((held.requests, held.free), (1, held.total - p_blocks.len()));
     // Steps 29–35: the "transfer", then both workers report.
-    copy_blocks(p.engine.kv_cache(), &p_blocks, d.engine.kv_cache(), &d_blocks);
+    copy_across(p.engine.rank_caches(), &p_blocks, d.engine.rank_caches(), &d_blocks);
     p.worker.report(ConnectorOutput { finished_sending: ["r1".into()].into(), ..Default::default() });
     d.worker.report(ConnectorOutput { finished_recving: ["r1".into()].into(), ..Default::default() });
     let mut got = Vec::new();
@@ -272,6 +283,13 @@ async fn p_d_run_with_chunked_prefill_on_p_equals_a_single_engine() {
 #[tokio::test]
 async fn p_d_run_qwen3_8b_shape() {
     p_then_d_equals_single_engine(KvShape::QWEN3_8B, 20, 3, 8192).await;
+}
+
+#[tokio::test]
+async fn p_d_run_between_topologies_equals_a_single_engine() {
+    for (p_ranks, d_ranks) in [((2, 1), (1, 1)), ((2, 1), (4, 2)), ((1, 2), (2, 1)), ((4, 1), (1, 2))] {
+        p_then_d_over_ranks_equals_single_engine(SMALL, 21, 5, 5, Some((p_ranks, d_ranks))).await;
+    }
 }
 
 #[tokio::test]
