@@ -15,6 +15,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use kameo::prelude::*;
+use pdflow_actors::ranks::WorkerRank;
 use pdflow_actors::scheduler_connector::KvRole;
 use pdflow_kv::memory::{KvCache, KvShape};
 use pdflow_messages::frame;
@@ -108,7 +109,7 @@ impl WorkerBridge {
         let spec = WorkerSpec {
             engine_id: self.engine_id.clone(),
             role: self.role,
-            tp_rank,
+            rank: WorkerRank { tp_rank, ..WorkerRank::single(kv_cache.shape()) },
             host: cfg.host.clone(),
             bootstrap,
             side_channel: Arc::new(AtomicU16::new(0)),

@@ -205,6 +205,7 @@ impl Cluster {
             layerwise: o.layerwise && role == KvRole::Producer,
             kv_device: None,
             faults: pdflow_actors::fault_seam::no_faults(),
+            parallel: Default::default(),
         };
         let mut prefill = Vec::new();
         for (i, o) in spec.prefill.iter().enumerate() {

@@ -27,6 +27,27 @@ pub fn pdflow_bin() -> anyhow::Result<PathBuf> {
     Ok(bin)
 }
 
+/// Runs `pdflow demo ARGS… --json FILE` as a user does; asserts it succeeded and returns its
+/// report and what it printed.
+pub async fn run_demo(args: &[&str]) -> (Value, String) {
+    let dir = std::env::temp_dir().join(format!("pdflow-demo-{}-{}", std::process::id(), crate::uuid_like()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let json = dir.join("out.json");
+    let output = Command::new(pdflow_bin().expect("pdflow binary"))
+        .arg("demo")
+        .args(args)
+        .arg("--json")
+        .arg(&json)
+        .output()
+        .await
+        .expect("demo runs");
+    let stdout = String::from_utf8_lossy(&output.stdout).to_string();
+    assert!(output.status.success(), "demo failed:\n{stdout}\n{}", String::from_utf8_lossy(&output.stderr));
+    let report = serde_json::from_slice(&std::fs::read(&json).expect("report written")).expect("report is JSON");
+    let _ = std::fs::remove_dir_all(&dir);
+    (report, stdout)
+}
+
 /// A running `pdflow` process.
 pub struct Proc {
     pub child: Child,
@@ -60,9 +81,40 @@ impl Proc {
         Ok(Self { child, ready, name: name.to_string() })
     }
 
+    /// `pdflow proxy` with vLLM's arguments in front of one P (and its bootstrap port) and one D.
+    pub async fn proxy(prefill: &Proc, bootstrap_port: &str, decode: &Proc) -> anyhow::Result<Self> {
+        let args = ["proxy", "--port", "0", "--prefill", &prefill.url(), bootstrap_port, "--decode", &decode.url()];
+        Self::spawn("proxy", &args, &[]).await
+    }
+
     /// `http://` + the address it announced.
     pub fn url(&self) -> String {
         format!("http://{}", self.ready["addr"].as_str().unwrap_or_default())
+    }
+
+    /// Waits (at most 10 s) until the engine's `GET /pdflow/blocks` shows every block free;
+    /// panics naming the engine and `context` otherwise.
+    pub async fn assert_blocks_at_baseline(&self, client: &reqwest::Client, context: &str) {
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            let stats: Value = client
+                .get(format!("{}/pdflow/blocks", self.url()))
+                .send()
+                .await
+                .expect("block stats")
+                .json()
+                .await
+                .expect("block stats are JSON");
+            if stats["free"] == stats["total"] {
+                return;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{context}: {} did not return to baseline: {stats}",
+                self.name
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
     }
 
     /// Kills the process (SIGKILL) and waits (bounded) for it to exit.

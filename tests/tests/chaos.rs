@@ -5,6 +5,7 @@
 //! and the next request served correctly (the supervisor brought the node back).
 
 use pdflow_fault::{ActorKind, Fault, FaultAction, FaultPlan, NodeKind, Role, When};
+use pdflow_node::engine_node::Parallel;
 use pdflow_sim_engine::LoadFailurePolicy;
 use pdflow_tools::chaos::{self, CellEnv, CellSpec, Outcome, Reference};
 
@@ -125,6 +126,36 @@ async fn layer_wise_kills_mid_stream_end_cleanly_with_correct_tokens_and_no_leak
         ],
     )
     .await;
+}
+
+/// Sharded engines: one P rank's send worker or listener killed as its write starts (the other
+/// rank's write goes on), P killed whole, D's receiver killed: each ends within its deadline with
+/// the reference tokens or a clean failure, and no block is held on P or D afterwards.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_p_rank_killed_mid_transfer_ends_cleanly_across_ranks() {
+    for (p, d) in [(Parallel { tp: 2, pp: 1 }, Parallel::default()), (Parallel::default(), Parallel { tp: 2, pp: 1 })] {
+        let spec = chaos::ChaosSpec {
+            prefill_parallel: p,
+            decode_parallel: d,
+            ..chaos::chaos_spec(LoadFailurePolicy::Recompute)
+        };
+        run_on(
+            spec,
+            vec![
+                (cell("send_worker", kill(ActorKind::SendWorker, Role::P, 29, When::Begin)), &[Outcome::Recomputed]),
+                (
+                    cell("sender_listener", kill(ActorKind::SenderListener, Role::P, 29, When::Begin)),
+                    &[Outcome::Recomputed],
+                ),
+                (
+                    cell("node.p", Fault::new(29, When::Begin, FaultAction::KillNode { node: NodeKind::P })),
+                    &[Outcome::Recomputed, Outcome::FailedClean],
+                ),
+                (cell("receiver", kill(ActorKind::Receiver, Role::D, 29, When::Begin)), &[Outcome::Recomputed]),
+            ],
+        )
+        .await;
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

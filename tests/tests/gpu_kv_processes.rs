@@ -160,22 +160,7 @@ async fn two_requests_between_gpu_processes_behind(
         metrics.lines().filter(|l| l.contains("writes_total")).collect::<Vec<_>>().join("\n")
     );
     for engine in [&producer, &consumer] {
-        let deadline = std::time::Instant::now() + Duration::from_secs(10);
-        loop {
-            let stats: serde_json::Value = client
-                .get(format!("{}/pdflow/blocks", engine.url()))
-                .send()
-                .await
-                .expect("stats")
-                .json()
-                .await
-                .expect("json");
-            if stats["free"] == stats["total"] {
-                break;
-            }
-            assert!(std::time::Instant::now() < deadline, "{} did not return to baseline: {stats}", engine.name);
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        engine.assert_blocks_at_baseline(&client, "after the requests").await;
     }
     for p in [proxy, producer, consumer] {
         p.stop().await;
@@ -198,13 +183,7 @@ async fn a_host_kv_producer_and_a_gpu_kv_consumer_fail_clearly_not_silently() {
     .expect("producer starts");
     let bootstrap_port =
         producer.ready["bootstrap_addr"].as_str().and_then(|a| a.rsplit(':').next()).expect("bootstrap").to_string();
-    let proxy = Proc::spawn(
-        "proxy",
-        &["proxy", "--port", "0", "--prefill", &producer.url(), &bootstrap_port, "--decode", &consumer.url()],
-        &[],
-    )
-    .await
-    .expect("proxy starts");
+    let proxy = Proc::proxy(&producer, &bootstrap_port, &consumer).await.expect("proxy starts");
     let client = http_client();
     wait_healthy(&client, &proxy.url(), Duration::from_secs(30)).await.expect("proxy ready");
     let body = completion(&prompt(100, 9), 8);

@@ -38,6 +38,8 @@ async fn a_pull_addressed_to_a_restarted_p_is_refused_at_once_not_after_the_read
         upstream_timeout: Duration::from_secs(60),
         layerwise: false,
         p_max_batched_tokens: 8192,
+        prefill_parallel: Default::default(),
+        decode_parallel: Default::default(),
     };
     let _ = tracing_subscriber::fmt().with_env_filter("info,pdflow_actors=debug").with_test_writer().try_init();
     let faults = pdflow_fault::FaultDomain::new(pdflow_transfer::tcp::TcpConfig::default());

@@ -2,7 +2,7 @@
 //! `pdflow serve --role producer|consumer`, `pdflow proxy` with vLLM's arguments — and
 //! `pdflow demo --json` as a user runs it.
 
-use pdflow_tests::processes::{pdflow_bin, Proc};
+use pdflow_tests::processes::{run_demo, Proc};
 use pdflow_tests::{completion, http_client, post, prompt, reference_tokens, token_ids, wait_healthy, SMALL};
 
 const SHAPE: &str = "4,2,16,16";
@@ -46,13 +46,7 @@ async fn bootstrap_serve_and_proxy_as_processes() {
     )
     .await
     .expect("consumer starts");
-    let proxy = Proc::spawn(
-        "proxy",
-        &["proxy", "--port", "0", "--prefill", &producer.url(), &bootstrap_port, "--decode", &consumer.url()],
-        &[],
-    )
-    .await
-    .expect("proxy starts");
+    let proxy = Proc::proxy(&producer, &bootstrap_port, &consumer).await.expect("proxy starts");
     let client = http_client();
     wait_healthy(&client, &proxy.url(), std::time::Duration::from_secs(20)).await.expect("proxy ready");
 
@@ -61,22 +55,7 @@ async fn bootstrap_serve_and_proxy_as_processes() {
     assert_eq!(status, 200, "{response}");
     assert_eq!(token_ids(&response), reference_tokens(SMALL, &body).await);
     for engine in [&producer, &consumer] {
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-        loop {
-            let stats: serde_json::Value = client
-                .get(format!("{}/pdflow/blocks", engine.url()))
-                .send()
-                .await
-                .expect("stats")
-                .json()
-                .await
-                .expect("json");
-            if stats["free"] == stats["total"] {
-                break;
-            }
-            assert!(std::time::Instant::now() < deadline, "{} did not return to baseline: {stats}", engine.name);
-            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-        }
+        engine.assert_blocks_at_baseline(&client, "after the request").await;
     }
     for p in [proxy, consumer, producer, bootstrap] {
         p.stop().await;
@@ -85,19 +64,7 @@ async fn bootstrap_serve_and_proxy_as_processes() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn demo_command_verifies_the_seed_request() {
-    let dir = std::env::temp_dir().join(format!("pdflow-demo-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).expect("temp dir");
-    let json = dir.join("out.json");
-    let output = tokio::process::Command::new(pdflow_bin().expect("pdflow binary"))
-        .args(["demo", "--json"])
-        .arg(&json)
-        .output()
-        .await
-        .expect("demo runs");
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    assert!(output.status.success(), "demo failed:\n{stdout}\n{}", String::from_utf8_lossy(&output.stderr));
-    let report: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(&json).expect("report written")).expect("report is JSON");
+    let (report, stdout) = run_demo(&[]).await;
     assert_eq!(report["verified"], true, "{report}");
     assert_eq!(report["output_matches_reference"], true);
     assert_eq!(report["kv_bytes"], 148_635_648u64);
@@ -112,5 +79,4 @@ async fn demo_command_verifies_the_seed_request() {
         assert!(s["duration_ms"].as_f64().is_some() && s["start_ms"].as_f64().is_some());
     }
     assert!(stdout.contains("step") && stdout.contains("p_transfer_write"), "the timeline is printed");
-    let _ = std::fs::remove_dir_all(&dir);
 }

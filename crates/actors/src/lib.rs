@@ -12,6 +12,8 @@
 //! - [`send_worker`] — one per transfer on P: wait for ready, plan, write, reply (14, 22, 27–29, 31).
 //! - [`receiver`] — D's pulls in flight and bootstrap look-ups (steps 5, 19, 20, 34).
 //! - [`pull_task`] — one side-channel exchange (ZeroMQ DEALER) with a deadline (steps 21, 30 receive).
+//! - [`ranks`] — a worker's tensor/pipeline position and the model it shards (pairing and planning
+//!   across ranks).
 //! - [`fault_seam`] — the one seam a fault-injection tool reaches the actors through (a no-op in
 //!   production).
 //! - [`error`] — the crate's error type.
@@ -22,6 +24,7 @@ pub mod error;
 pub mod fault_seam;
 pub mod proxy;
 pub mod pull_task;
+pub mod ranks;
 mod rebind;
 pub mod receiver;
 pub mod scheduler_connector;

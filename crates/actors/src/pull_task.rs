@@ -476,6 +476,8 @@ mod tests {
             traceparent: None,
             p_generation: 0,
             deadline_ms: 0,
+            pp_rank: 0,
+            p_world: (1, 1),
         };
         let task = PullTask::spawn(PullTaskArgs {
             auth: crate::side_channel_auth::PullAuth::default(),

@@ -47,6 +47,7 @@ use tracing::Instrument;
 
 use crate::fault_seam::{register_actor, ActorKind, Faults, Role};
 use crate::pull_task::{self, PullTask, PullTaskArgs};
+use crate::ranks::WorkerRank;
 use crate::side_channel_auth::PullAuth;
 use crate::ActorError;
 
@@ -61,9 +62,8 @@ const FENCE_DRAIN_DEADLINE: Duration = Duration::from_secs(5);
 #[derive(Debug, Clone)]
 pub struct ReceiverArgs {
     pub engine_id: EngineId,
-    pub tp_rank: u32,
-    pub tp_size: u32,
-    pub pp_size: u32,
+    /// This worker's tensor and pipeline position, and the model it shards.
+    pub rank: WorkerRank,
     pub kv_cache: Arc<KvCache>,
     /// D's data server, `host:port` (the node starts it; P's transfer engine connects there).
     pub data_addr: String,
@@ -252,6 +252,10 @@ impl Receiver {
         let span = step_span!(steps::D_PULL_RESULT, request_id = %meta.d_req_id, transfer_id = %meta.transfer_id);
         span.record(attrs::ENGINE_ID, meta.remote_engine_id.as_str());
         span.record(attrs::BLOCKS, meta.local_block_ids.len() as u64);
+        if !self.args.rank.is_single() {
+            span.record(attrs::TP_RANK, self.args.rank.tp_rank);
+            span.record(attrs::PP_RANK, self.args.rank.pp_rank);
+        }
         if let Some(tp) = &meta.traceparent {
             span.record(attrs::TRACEPARENT, tp.as_str());
         }
@@ -376,9 +380,9 @@ impl Receiver {
             pull_id,
             engine_id: self.args.engine_id.to_string(),
             data_addr: self.args.data_addr.clone(),
-            tp_size: self.args.tp_size,
-            tp_rank: self.args.tp_rank,
-            pp_size: self.args.pp_size,
+            tp_size: self.args.rank.tp_size,
+            tp_rank: self.args.rank.tp_rank,
+            pp_size: self.args.rank.pp_size,
             layout_id: self.layout.layout_id,
             layout: include_layout.then(|| self.layout.clone()),
             reqs: metas
@@ -394,6 +398,8 @@ impl Receiver {
             traceparent: metas.iter().find_map(|m| m.traceparent.clone()),
             p_generation: self.p_generations.get(worker_addr).copied().unwrap_or(0),
             deadline_ms: u64::try_from(self.args.pull_timeout.as_millis()).unwrap_or(u64::MAX),
+            pp_rank: self.args.rank.pp_rank,
+            p_world: self.remote_agents.get(engine_id).map_or((1, 1), lookup::world),
         };
         let args = PullTaskArgs {
             pull_id,
@@ -437,7 +443,7 @@ impl Receiver {
             }
             return;
         };
-        let peers = match lookup::pair(engine_id, workers, self.args.tp_rank, self.args.tp_size) {
+        let peers = match lookup::pair(engine_id, workers, &self.args.rank) {
             Ok(peers) => peers,
             Err(reason) => {
                 for meta in metas {
@@ -634,6 +640,10 @@ impl Message<PullOutcome> for Receiver {
                         continue;
                     }
                 }
+            }
+            if err.cause == PullErrorCause::LayoutMismatch {
+                // P's engine may have more workers than the cached answer named: look it up again.
+                self.remote_agents.remove(&pull.engine_id);
             }
             self.settle(&err.d_req_id, pull_id, Some(LoadFailure::new(LoadFailureCause::Pull(err.cause), err.detail)));
         }

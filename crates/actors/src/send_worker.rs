@@ -22,9 +22,11 @@
 //!   D's pulls (step 22);
 //! - [`write`] — the plan, the write and its end (steps 28, 29, 31);
 //! - [`stream`] — layer-wise: the layers P has finished, written to D while P still prefills;
+//! - [`ranks`] — across tensor/pipeline ranks: which D ranks pull from this worker, each one's plan;
 //! - [`ending`] — deadlines, expiry, linger and aborts: how a transfer ends without a write.
 
 mod ending;
+mod ranks;
 mod stream;
 mod write;
 
@@ -44,6 +46,7 @@ use tokio::task::JoinHandle;
 use tracing::Span;
 
 use crate::fault_seam::Faults;
+use crate::ranks::WorkerRank;
 use crate::ActorError;
 use pdflow_telemetry::Outcome;
 
@@ -65,6 +68,9 @@ pub struct SendWorkerArgs {
     pub verify_checksums: bool,
     /// The node's fault seam: step 29 takes its engine there.
     pub faults: Faults,
+    /// This P worker's tensor and pipeline position: which D ranks pull from it and what of its
+    /// KV each gets.
+    pub rank: WorkerRank,
 }
 
 /// Where the transfer stands (the P side of [`TransferState`], plus the end).
@@ -140,6 +146,10 @@ pub struct SendWorker {
     preparing: Option<JoinHandle<()>>,
     /// Layer-wise: the layers P has finished and what of them is in D's blocks.
     stream: Option<stream::Stream>,
+    /// Across ranks: how many D ranks pull from this worker (known at the first pull), and the
+    /// ones served so far (their index among D's ranks).
+    pullers: Option<usize>,
+    served: std::collections::BTreeSet<usize>,
 }
 
 /// Timer: a waiting pull's ready deadline passed.
@@ -183,6 +193,8 @@ impl Actor for SendWorker {
             linger: None,
             preparing: None,
             stream: None,
+            pullers: None,
+            served: Default::default(),
         })
     }
 
@@ -387,6 +399,7 @@ impl Message<ServePull> for SendWorker {
             return;
         }
         self.consumer_gone = false;
+        self.learn_pullers(&pull);
         // Before P's scheduler named the request, the span carries the transfer id only.
         let span = step_span!(
             steps::P_PULL_WAIT_READY,

@@ -57,6 +57,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use crate::fault_seam::{register_actor, ActorKind, Faults, Role};
+use crate::ranks::WorkerRank;
 use crate::send_worker::{SendWorker, SendWorkerArgs};
 use crate::side_channel_auth::{ListenerAuth, ReplyNonces};
 use crate::ActorError;
@@ -67,8 +68,8 @@ use side_channel::{Outgoing, SideChannelFrame, SocketClosed};
 pub struct SenderListenerArgs {
     pub engine_id: EngineId,
     pub dp_rank: u32,
-    pub tp_rank: u32,
-    pub pp_rank: u32,
+    /// This worker's tensor and pipeline position, and the model it shards.
+    pub rank: WorkerRank,
     /// The host the ROUTER binds (`tcp://{bind_host}:0`) and that D connects to, e.g. `127.0.0.1`.
     pub bind_host: String,
     /// The ROUTER's port, shared by every incarnation of this listener: 0 binds any port and
@@ -203,8 +204,8 @@ impl Actor for SenderListener {
             let body = RegisterWorker {
                 engine_id: listener.args.engine_id.clone(),
                 dp_rank: listener.args.dp_rank,
-                tp_rank: listener.args.tp_rank,
-                pp_rank: listener.args.pp_rank,
+                tp_rank: listener.args.rank.tp_rank,
+                pp_rank: listener.args.rank.pp_rank,
                 addr: listener.addr.clone(),
                 generation: listener.p_generation,
             };
@@ -306,6 +307,7 @@ impl SenderListener {
             send_expiry: self.args.send_expiry,
             verify_checksums: self.args.verify_checksums,
             faults: self.args.faults.clone(),
+            rank: self.args.rank,
         };
         // Unbounded: the listener never waits on a worker's mailbox (workers wait on the listener's).
         let actor = SendWorker::spawn_link_with_mailbox(me, args, mailbox::unbounded()).await;

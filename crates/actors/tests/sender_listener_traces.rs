@@ -31,8 +31,7 @@ async fn steps_14_and_27_join_the_requests_trace_before_any_pull() {
     let listener = SenderListener::spawn(SenderListenerArgs {
         engine_id: "p".into(),
         dp_rank: 0,
-        tp_rank: 0,
-        pp_rank: 0,
+        rank: pdflow_actors::ranks::WorkerRank::single(cache.shape()),
         bind_host: "127.0.0.1".into(),
         side_channel_port: Arc::new(AtomicU16::new(0)),
         bootstrap_url: None,

@@ -41,8 +41,7 @@ async fn listener() -> (ActorRef<SenderListener>, String) {
         faults: pdflow_actors::fault_seam::no_faults(),
         engine_id: "engine-p".into(),
         dp_rank: 0,
-        tp_rank: 0,
-        pp_rank: 0,
+        rank: pdflow_actors::ranks::WorkerRank::single(kv_cache.shape()),
         bind_host: "127.0.0.1".into(),
         side_channel_port: Arc::new(AtomicU16::new(0)),
         bootstrap_url: None,
@@ -93,6 +92,8 @@ fn pull(pull_id: u64, layout_id: u64) -> SideChannelRequest {
         traceparent: None,
         p_generation: 0,
         deadline_ms: 0,
+        pp_rank: 0,
+        p_world: (1, 1),
     })
 }
 

@@ -18,7 +18,7 @@ use pdflow_sim_engine::{EngineConfig, LoadFailurePolicy};
 use pdflow_transfer::tcp::TcpConfig;
 
 use pdflow_node::config::{Deadlines, VllmEnv, DEFAULT_BOOTSTRAP_PORT};
-use pdflow_node::engine_node::BootstrapPlacement;
+use pdflow_node::engine_node::{BootstrapPlacement, Parallel};
 use pdflow_node::EngineNodeConfig;
 
 #[derive(Debug, Parser)]
@@ -233,6 +233,23 @@ pub struct DemoArgs {
     /// P writes the KV to D layer by layer while its prefill computes the later layers.
     #[arg(long, value_enum, default_value_t = OnOff::Off)]
     pub layerwise: OnOff,
+    /// P's tensor-parallel size: its KV heads split over this many workers (replicated when there
+    /// are more workers than heads), each with its own KV cache and side channel.
+    #[arg(long, default_value_t = 1)]
+    pub prefill_tp: u32,
+    /// D's tensor-parallel size (may differ from P's).
+    #[arg(long, default_value_t = 1)]
+    pub decode_tp: u32,
+    /// P's pipeline-parallel size: its layers split over this many stages.
+    #[arg(long, default_value_t = 1)]
+    pub prefill_pp: u32,
+    /// D's pipeline-parallel size.
+    #[arg(long, default_value_t = 1)]
+    pub decode_pp: u32,
+    /// A DeepSeek-V3-shaped MLA cache instead of `--kv-shape`: 61 layers of one latent of 576
+    /// values per token, the same on every tensor-parallel rank (one P rank sends each D rank).
+    #[arg(long)]
+    pub mla: bool,
     /// `--trace-file PATH` writes the seed request's trace and the start-up traces.
     #[command(flatten)]
     pub trace: TraceArgs,
@@ -431,6 +448,15 @@ pub struct ServeCmd {
     /// staged tcp across hosts; `staged`: staged tcp always).
     #[arg(long, value_enum, default_value = "auto")]
     pub gpu_path: GpuPathArg,
+    /// Shard the engine's KV over this many tensor-parallel workers (KV heads split, replicated
+    /// when there are more workers than heads), as vLLM's `--tensor-parallel-size`: each worker
+    /// has its own KV cache and side channel (P) or data server (D); P and D may differ.
+    #[arg(long, visible_alias = "tp", default_value_t = 1)]
+    pub tensor_parallel_size: u32,
+    /// Split the engine's layers over this many pipeline stages, as vLLM's
+    /// `--pipeline-parallel-size` (its default split).
+    #[arg(long, visible_alias = "pp", default_value_t = 1)]
+    pub pipeline_parallel_size: u32,
     #[command(flatten)]
     pub trace: TraceArgs,
 }
@@ -565,6 +591,7 @@ impl ServeCmd {
             layerwise: self.layerwise == OnOff::On && role.produces(),
             kv_device: self.kv_device,
             faults: pdflow_actors::fault_seam::no_faults(),
+            parallel: Parallel { tp: self.tensor_parallel_size, pp: self.pipeline_parallel_size },
         })
     }
 
@@ -579,6 +606,9 @@ impl ServeCmd {
         }
         if self.streams_per_peer == 0 {
             errors.push("--streams-per-peer must be at least 1".to_string());
+        }
+        if self.tensor_parallel_size == 0 || self.pipeline_parallel_size == 0 {
+            errors.push("--tensor-parallel-size and --pipeline-parallel-size must be at least 1".to_string());
         }
         if self.abort_request_timeout == Some(0) {
             errors.push("--abort-request-timeout 0 would fail every transfer; use at least 1".to_string());

@@ -18,7 +18,9 @@ use std::sync::Arc;
 
 use pdflow_actors::fault_seam::{no_faults, Faults, Killable};
 use pdflow_fault::{FaultDomain, FaultLayer, FaultPlan, NodeKind};
+use pdflow_kv::memory::KvShape;
 use pdflow_node::config::VllmEnv;
+use pdflow_node::engine_node::Parallel;
 use pdflow_node::{BootstrapNode, EngineNode, ProxyNode};
 use pdflow_telemetry::capture::SpanCapture;
 use pdflow_telemetry::export::{self, ExportConfig, TraceExport};
@@ -180,13 +182,23 @@ async fn run_demo(args: DemoArgs) -> anyhow::Result<bool> {
     let opts = DemoOptions {
         prompt_tokens: args.prompt_tokens,
         max_tokens: args.max_tokens,
-        shape: args.kv_shape,
+        shape: if args.mla { KvShape::DEEPSEEK_V3_MLA } else { args.kv_shape },
         num_blocks: args.num_blocks,
         device,
         gpu_path,
         layerwise: args.layerwise == OnOff::On,
+        prefill: Parallel { tp: args.prefill_tp, pp: args.prefill_pp },
+        decode: Parallel { tp: args.decode_tp, pp: args.decode_pp },
         ..DemoOptions::default()
     };
+    let ranks = format!(
+        "; P tp {} × pp {}, D tp {} × pp {}{}",
+        opts.prefill.tp,
+        opts.prefill.pp,
+        opts.decode.tp,
+        opts.decode.pp,
+        if args.mla { ", MLA" } else { "" }
+    );
     let placement = match device {
         KvPlacement::Host => "KV in host memory".to_string(),
         KvPlacement::Cuda { p, d } => {
@@ -194,7 +206,7 @@ async fn run_demo(args: DemoArgs) -> anyhow::Result<bool> {
         }
     };
     println!(
-        "pdflow demo: 1 prefill (P, launches bootstrap) + 1 decode (D) + proxy on 127.0.0.1; one request of {} prompt tokens, max_tokens {}; {placement}",
+        "pdflow demo: 1 prefill (P, launches bootstrap) + 1 decode (D) + proxy on 127.0.0.1; one request of {} prompt tokens, max_tokens {}; {placement}{ranks}",
         opts.prompt_tokens, opts.max_tokens
     );
     let report = demo::run(opts, capture).await.context("the demo could not run")?;
@@ -203,7 +215,25 @@ async fn run_demo(args: DemoArgs) -> anyhow::Result<bool> {
         "KV transferred : {} bytes in {} blocks, {} descriptors, {:.3} ms (step 29)",
         report.kv_bytes, report.blocks, report.descriptors, report.transfer_ms
     );
-    println!("KV checksum    : P sent {:?}, D holds {:?}", report.kv_checksum_p, report.kv_checksum_d);
+    if report.rank_checks.is_empty() {
+        println!("KV checksum    : P sent {:?}, D holds {:?}", report.kv_checksum_p, report.kv_checksum_d);
+    }
+    for w in &report.rank_writes {
+        println!(
+            "rank write     : P tp{} pp{} → D tp{} pp{}: {} bytes (step 29)",
+            w.p_tp_rank, w.p_pp_rank, w.d_tp_rank, w.d_pp_rank, w.bytes
+        );
+    }
+    for c in &report.rank_checks {
+        println!(
+            "D rank KV      : tp{} pp{}: {} (checksum {:?}, model's {})",
+            c.tp_rank,
+            c.pp_rank,
+            if c.ok { "as the model computes it" } else { "DIFFERS" },
+            c.kv_checksum,
+            c.expected
+        );
+    }
     println!(
         "KV path        : {} (step 29), P's KV in {}, D's in {}",
         report.backend.as_deref().unwrap_or("?"),

@@ -29,6 +29,11 @@ impl KvShape {
     /// The seed's model: Qwen/Qwen3-8B, bf16, block 16.
     pub const QWEN3_8B: KvShape =
         KvShape { num_layers: 36, num_kv_heads: 8, head_dim: 128, dtype_bytes: 2, block_size: 16 };
+    /// DeepSeek-V3's MLA cache: 61 layers of one latent "head" of 576 bf16 values per token (512
+    /// compressed KV + 64 rope; `head_dim` 288 since a slot holds `2 × head_dim` values), the
+    /// same on every tensor-parallel rank; block 16.
+    pub const DEEPSEEK_V3_MLA: KvShape =
+        KvShape { num_layers: 61, num_kv_heads: 1, head_dim: 288, dtype_bytes: 2, block_size: 16 };
 
     /// Bytes of one token's K and V for one head in one layer.
     pub fn slot_len(&self) -> usize {

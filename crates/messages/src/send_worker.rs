@@ -51,10 +51,28 @@ pub struct ServePull {
     pub traceparent: Option<String>,
     /// D's write-fence token for these blocks (0: none), named before the data.
     pub fence: u64,
+    /// Where the pulling D worker sits among D's ranks.
+    pub d_rank: DRank,
     /// No byte of D's blocks may be written after this (D's pull deadline, less a margin, from
     /// the pull's arrival); `None`: no limit. Local to P, never sent.
     #[serde(skip)]
     pub write_by: Option<std::time::Instant>,
+}
+
+/// The pulling D worker's tensor and pipeline position (from its pull).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DRank {
+    pub tp_size: u32,
+    pub tp_rank: u32,
+    pub pp_size: u32,
+    pub pp_rank: u32,
+}
+
+impl Default for DRank {
+    /// One D worker holding the whole model.
+    fn default() -> Self {
+        Self { tp_size: 1, tp_rank: 0, pp_size: 1, pp_rank: 0 }
+    }
 }
 
 /// Who gave the transfer up.

@@ -53,6 +53,13 @@ pub struct PullRequest {
     /// from the pull's arrival: past it D gives the blocks up, so a later byte could land in
     /// blocks D reuses (the same-host path has no data-server fence to refuse it).
     pub deadline_ms: u64,
+    /// D's pipeline stage (with `tp_rank`, `tp_size` and `pp_size`: where this D worker sits, so
+    /// that P plans which of its heads and layers go to it).
+    pub pp_rank: u32,
+    /// P's engine as D sees it at bootstrap, (tp_size, pp_size): P refuses a pull whose view
+    /// differs from its own (D looked P up before every P worker had registered), instead of
+    /// writing a share D would take for the whole.
+    pub p_world: (u32, u32),
 }
 
 /// D → P: D has given these transfers up (abort, deadline); P must not write them any more.
@@ -194,6 +201,8 @@ mod tests {
             traceparent: None,
             p_generation: 3,
             deadline_ms: 35_000,
+            pp_rank: 0,
+            p_world: (1, 1),
         });
         let bytes = frame::encode(&pull).expect("encodes");
         assert_eq!(frame::decode::<SideChannelRequest>(&bytes, "side-channel request"), Ok(pull));

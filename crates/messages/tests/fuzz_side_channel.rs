@@ -119,12 +119,13 @@ fn pull_request() -> impl Strategy<Value = PullRequest> {
             prop::option::of(text()),
             any::<u64>(),
             any::<u64>(),
+            (any::<u32>(), any::<u32>(), any::<u32>()),
         ),
     )
         .prop_map(
             |(
                 (pull_id, engine_id, data_addr, tp_size, tp_rank, pp_size, layout_id),
-                (layout, reqs, traceparent, p_generation, deadline_ms),
+                (layout, reqs, traceparent, p_generation, deadline_ms, (pp_rank, p_tp, p_pp)),
             )| {
                 PullRequest {
                     pull_id,
@@ -139,6 +140,8 @@ fn pull_request() -> impl Strategy<Value = PullRequest> {
                     traceparent,
                     p_generation,
                     deadline_ms,
+                    pp_rank,
+                    p_world: (p_tp, p_pp),
                 }
             },
         )

@@ -18,7 +18,9 @@ use pdflow_transfer::tcp::TcpConfig;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::Deadlines;
-use crate::ports::SchedulerPort;
+use crate::ports::{SchedulerPort, WorkerConnectorPort};
+use crate::ranked_port::{RankPort, RankedPort};
+use crate::ranks::RankTopology;
 use crate::supervisor::{NodeSupervisor, MAX_RESTARTS, RESTART_WINDOW};
 pub use crate::worker::BootstrapPlacement;
 use crate::worker::{Worker, WorkerSpec};
@@ -46,6 +48,23 @@ pub struct EngineNodeConfig {
     pub kv_device: Option<usize>,
     /// The fault seam its actors are offered to ([`pdflow_actors::fault_seam::no_faults`]: none).
     pub faults: Faults,
+    /// Tensor- and pipeline-parallel sizes: the engine's model is sharded over `tp × pp` workers
+    /// as vLLM shards it (KV heads over tp, layers over pp), each with its own KV cache, side
+    /// channel (P) or data server (D). 1 × 1: one worker holding everything.
+    pub parallel: Parallel,
+}
+
+/// An engine's tensor- and pipeline-parallel sizes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Parallel {
+    pub tp: u32,
+    pub pp: u32,
+}
+
+impl Default for Parallel {
+    fn default() -> Self {
+        Self { tp: 1, pp: 1 }
+    }
 }
 
 /// A running engine node.
@@ -56,7 +75,10 @@ pub struct EngineNode {
     pub kv_cache: Arc<KvCache>,
     pub role: KvRole,
     pub connector: ActorRef<SchedulerConnector>,
+    /// The worker of rank 0 (the only one without tensor or pipeline parallelism).
     pub worker: Worker,
+    /// The workers of ranks 1.., in vLLM's order (`pp_rank * tp + tp_rank`).
+    pub more_workers: Vec<Worker>,
     supervisor: ActorRef<NodeSupervisor>,
     http_stop: CancellationToken,
     http_task: tokio::task::JoinHandle<()>,
@@ -73,7 +95,8 @@ impl EngineNode {
     pub async fn start_on(cfg: EngineNodeConfig, side_channel_port: u16) -> Result<Self, NodeError> {
         let engine_id = cfg.engine.engine_id.clone();
         let side_channel = Arc::new(AtomicU16::new(side_channel_port));
-        let kv_cache = new_kv_cache(&cfg)?;
+        let topology = RankTopology::new(&cfg, || new_kv_cache(&cfg))?;
+        let kv_cache = topology.ranks[0].1.clone();
         let supervisor = NodeSupervisor::spawn(format!("engine-{engine_id}"));
         // P answers D's kv_transfer_params with its bootstrap (for a proxy that forwards them).
         let bootstrap_addr = cfg.bootstrap.url(&cfg.host);
@@ -91,24 +114,50 @@ impl EngineNode {
         started("SchedulerConnector", &connector).await?;
         let role = if cfg.role == KvRole::Consumer { Role::D } else { Role::P };
         register_actor(&cfg.faults, ActorKind::SchedulerConnector, role, Vec::new(), &connector);
-        let spec = WorkerSpec {
-            engine_id: engine_id.clone(),
-            role: cfg.role,
-            tp_rank: 0,
-            host: cfg.host.clone(),
-            bootstrap: if cfg.role.produces() { cfg.bootstrap.clone() } else { BootstrapPlacement::None },
-            side_channel: side_channel.clone(),
-            deadlines: cfg.deadlines,
-            tcp: cfg.tcp.clone(),
-            verify_checksums: cfg.verify_checksums,
-            faults: cfg.faults.clone(),
-        };
-        let worker = Worker::start_under(&supervisor, &kv_cache, &spec).await?;
+        let mut workers: Vec<Worker> = Vec::with_capacity(topology.ranks.len());
+        let mut ports = Vec::with_capacity(topology.ranks.len());
+        for (i, (layout, cache)) in topology.ranks.iter().enumerate() {
+            let rank = topology.worker_rank(i);
+            // Rank 0 launches (or finds) the bootstrap; the other ranks register where it is.
+            let bootstrap = match (cfg.role.produces(), workers.first()) {
+                (false, _) => BootstrapPlacement::None,
+                (true, None) => cfg.bootstrap.clone(),
+                (true, Some(first)) => match &first.bootstrap_url {
+                    Some(url) => BootstrapPlacement::External { url: url.clone() },
+                    None => BootstrapPlacement::None,
+                },
+            };
+            let spec = WorkerSpec {
+                engine_id: engine_id.clone(),
+                role: cfg.role,
+                rank,
+                host: cfg.host.clone(),
+                bootstrap,
+                side_channel: if i == 0 { side_channel.clone() } else { Arc::new(AtomicU16::new(0)) },
+                deadlines: cfg.deadlines,
+                tcp: cfg.tcp.clone(),
+                verify_checksums: cfg.verify_checksums,
+                faults: cfg.faults.clone(),
+            };
+            let worker = Worker::start_under(&supervisor, cache, &spec).await?;
+            ports.push(RankPort { port: worker.port(), layers: layout.layers.clone() });
+            workers.push(worker);
+        }
         let mut engine_cfg = cfg.engine.clone();
         engine_cfg.kv_state_timeout.get_or_insert(kv_state_timeout(&cfg.deadlines));
-        let connector_ports =
-            Connector { scheduler: Arc::new(SchedulerPort(connector.clone())), worker: Arc::new(worker.port()) };
-        let engine = Engine::start(engine_cfg, kv_cache.clone(), Some(connector_ports));
+        let worker_port: Arc<dyn WorkerConnectorPort> = match ports.len() {
+            1 => Arc::new(workers[0].port()),
+            _ => Arc::new(RankedPort::new(ports)),
+        };
+        let connector_ports = Connector { scheduler: Arc::new(SchedulerPort(connector.clone())), worker: worker_port };
+        let engine = match topology.ranks.len() {
+            1 => Engine::start(engine_cfg, kv_cache.clone(), Some(connector_ports)),
+            _ => Engine::start_ranked(engine_cfg, topology.ranks.clone(), Some(connector_ports))
+                .map_err(|e| NodeError::Config(format!("the engine's ranks: {e}")))?,
+        };
+        let mut workers = workers.into_iter();
+        let worker = workers.next().ok_or_else(|| NodeError::Config("an engine needs at least one worker".into()))?;
+        let more_workers: Vec<Worker> = workers.collect();
         let (http_addr, http_stop, http_task) = serve_http(&cfg.host, cfg.port, api::router(engine.clone())).await?;
         Ok(Self {
             http_addr,
@@ -118,6 +167,7 @@ impl EngineNode {
             role: cfg.role,
             connector,
             worker,
+            more_workers,
             supervisor,
             http_stop,
             http_task,
@@ -137,12 +187,18 @@ impl EngineNode {
         self.http_task.abort();
         self.supervisor.kill();
         self.connector.kill();
-        self.worker.kill_actors();
-        let mut worker = self.worker;
-        worker.stop_bootstrap(true).await;
+        let mut workers: Vec<Worker> = std::iter::once(self.worker).chain(self.more_workers).collect();
+        for worker in &workers {
+            worker.kill_actors();
+        }
+        for worker in &mut workers {
+            worker.stop_bootstrap(true).await;
+        }
         self.engine.shutdown().await;
         let _ = tokio::time::timeout(HTTP_STOP_DEADLINE, self.supervisor.wait_for_shutdown()).await;
-        worker.stop_data_server().await;
+        for worker in &mut workers {
+            worker.stop_data_server().await;
+        }
     }
 
     /// `http://host:port` of the engine's API.
@@ -159,11 +215,16 @@ impl EngineNode {
     pub async fn shutdown(self) {
         stop_http(self.http_stop, self.http_task).await;
         self.engine.shutdown().await;
-        let mut worker = self.worker;
-        worker.stop_bootstrap(false).await;
+        let mut workers: Vec<Worker> = std::iter::once(self.worker).chain(self.more_workers).collect();
+        // The other ranks register with rank 0's bootstrap: it stops last.
+        for worker in workers.iter_mut().rev() {
+            worker.stop_bootstrap(false).await;
+        }
         let _ = self.supervisor.stop_gracefully().await;
         self.supervisor.wait_for_shutdown().await;
-        worker.stop_data_server().await;
+        for worker in &mut workers {
+            worker.stop_data_server().await;
+        }
     }
 }
 

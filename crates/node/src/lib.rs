@@ -11,6 +11,9 @@
 //! - [`worker`] — the worker side of one engine (P's Bootstrap and SenderListener, D's data
 //!   server and Receiver): the one place those actors are assembled, for every engine node and
 //!   for vLLM's workers through the bridge.
+//! - [`ranks`], [`ranked_port`] — an engine sharded over tensor/pipeline ranks: one KV cache and
+//!   one set of worker actors per rank, behind one worker port that settles a request once every
+//!   rank has.
 //! - [`engine_node`], [`bootstrap_node`], [`proxy_node`] — the nodes; [`gpu_kv`] — GPU-resident KV.
 
 pub mod bootstrap_node;
@@ -19,6 +22,8 @@ pub mod engine_node;
 pub mod gpu_kv;
 pub mod ports;
 pub mod proxy_node;
+pub mod ranked_port;
+pub mod ranks;
 pub mod supervisor;
 pub mod worker;
 

@@ -19,6 +19,7 @@ use std::time::Duration;
 use kameo::prelude::*;
 use kameo::supervision::RestartPolicy;
 use pdflow_actors::fault_seam::{register_actor, ActorKind, Faults, Role};
+use pdflow_actors::ranks::WorkerRank;
 use pdflow_actors::receiver::{Receiver, ReceiverArgs};
 use pdflow_actors::scheduler_connector::KvRole;
 use pdflow_actors::sender_listener::{SenderListener, SenderListenerArgs};
@@ -66,7 +67,8 @@ impl BootstrapPlacement {
 pub struct WorkerSpec {
     pub engine_id: String,
     pub role: KvRole,
-    pub tp_rank: u32,
+    /// This worker's tensor and pipeline position, and the whole model's KV shape.
+    pub rank: WorkerRank,
     /// Host every socket binds on (side channel, data server, a launched bootstrap).
     pub host: String,
     pub bootstrap: BootstrapPlacement,
@@ -153,8 +155,7 @@ impl Worker {
         let args = SenderListenerArgs {
             engine_id: spec.engine_id.clone().into(),
             dp_rank: 0,
-            tp_rank: spec.tp_rank,
-            pp_rank: 0,
+            rank: spec.rank,
             bind_host: spec.host.clone(),
             side_channel_port: spec.side_channel.clone(),
             bootstrap_url: self.bootstrap_url.clone(),
@@ -193,9 +194,7 @@ impl Worker {
         self._gpu_serving.extend(held);
         let args = ReceiverArgs {
             engine_id: spec.engine_id.clone().into(),
-            tp_rank: spec.tp_rank,
-            tp_size: 1,
-            pp_size: 1,
+            rank: spec.rank,
             kv_cache: kv_cache.clone(),
             data_addr: server.local_addr().to_string(),
             pull_timeout: spec.deadlines.pull_timeout,

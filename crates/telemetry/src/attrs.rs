@@ -14,3 +14,9 @@ pub const KV_CHECKSUM: &str = "pd.kv_checksum";
 pub const BACKEND: &str = "pd.backend";
 /// Step 8 only: the span id of the client's own span, when the client sent a traceparent.
 pub const CLIENT_PARENT: &str = "pd.client_parent";
+/// Steps 28 and 29 across ranks: this P worker's tensor rank and pipeline stage, and the pulling D
+/// worker's (who wrote what).
+pub const TP_RANK: &str = "pd.tp_rank";
+pub const PP_RANK: &str = "pd.pp_rank";
+pub const REMOTE_TP_RANK: &str = "pd.remote_tp_rank";
+pub const REMOTE_PP_RANK: &str = "pd.remote_pp_rank";

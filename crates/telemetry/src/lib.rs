@@ -69,6 +69,10 @@ macro_rules! step_span {
             pd.kv_checksum = tracing::field::Empty,
             pd.backend = tracing::field::Empty,
             pd.client_parent = tracing::field::Empty,
+            pd.tp_rank = tracing::field::Empty,
+            pd.pp_rank = tracing::field::Empty,
+            pd.remote_tp_rank = tracing::field::Empty,
+            pd.remote_pp_rank = tracing::field::Empty,
         )
     };
 }

@@ -9,6 +9,8 @@
 //! moves it by the cuda-peer engine) and the output is still checked against the reference run on
 //! host memory.
 
+mod ranks;
+
 /// Where the demo's (and `pdflow bench transfer`'s) KV lives: `--device cpu|cuda`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum DemoDevice {
@@ -32,7 +34,7 @@ use serde::Serialize;
 
 use crate::timeline::{StepTiming, Timeline};
 use pdflow_node::config::Deadlines;
-use pdflow_node::engine_node::{serve_http, BootstrapPlacement};
+use pdflow_node::engine_node::{serve_http, BootstrapPlacement, Parallel};
 use pdflow_node::{EngineNode, EngineNodeConfig, NodeError, ProxyNode};
 
 /// What the demo runs.
@@ -50,6 +52,9 @@ pub struct DemoOptions {
     pub gpu_path: GpuPath,
     /// P streams each prefill's KV to D layer by layer while later layers compute.
     pub layerwise: bool,
+    /// P's and D's tensor/pipeline-parallel sizes (each rank its own KV cache and sockets).
+    pub prefill: Parallel,
+    pub decode: Parallel,
 }
 
 impl Default for DemoOptions {
@@ -63,6 +68,8 @@ impl Default for DemoOptions {
             device: KvPlacement::Host,
             gpu_path: GpuPath::Auto,
             layerwise: false,
+            prefill: Parallel::default(),
+            decode: Parallel::default(),
         }
     }
 }
@@ -122,10 +129,40 @@ pub struct DemoReport {
     pub kv_memory_d: String,
     pub steps: Vec<StepTiming>,
     pub missing_steps: Vec<u8>,
+    /// P's and D's ranks, `TPxPP`.
+    pub prefill_ranks: String,
+    pub decode_ranks: String,
+    /// With ranks: each D rank's KV of the request against what the model computes for its heads
+    /// and layers (empty without ranks: the checksums above compare P's and D's blocks).
+    pub rank_checks: Vec<RankCheck>,
+    /// With ranks: step 29's writes, one per (P rank, D rank) pull that moved bytes.
+    pub rank_writes: Vec<RankWrite>,
     /// Why `verified` is false, if it is.
     pub problems: Vec<String>,
     #[serde(skip)]
     pub timeline_table: String,
+}
+
+/// One D rank's KV of the request, checked.
+#[derive(Debug, Clone, Serialize)]
+pub struct RankCheck {
+    pub tp_rank: u32,
+    pub pp_rank: u32,
+    /// The checksum of the request's blocks D's rank reported at step 34.
+    pub kv_checksum: Option<String>,
+    /// The checksum of the same blocks as the model writes them (its layers and KV heads).
+    pub expected: String,
+    pub ok: bool,
+}
+
+/// One write of step 29 across ranks.
+#[derive(Debug, Clone, Serialize)]
+pub struct RankWrite {
+    pub p_tp_rank: String,
+    pub p_pp_rank: String,
+    pub d_tp_rank: String,
+    pub d_pp_rank: String,
+    pub bytes: u64,
 }
 
 /// Why the demo could not run at all (as opposed to running and failing verification).
@@ -224,6 +261,7 @@ impl LocalCluster {
             layerwise: opts.layerwise && role.produces(),
             kv_device: opts.device.of(role),
             faults: pdflow_actors::fault_seam::no_faults(),
+            parallel: if role.produces() { opts.prefill } else { opts.decode },
         };
         let prefill = EngineNode::start(node_cfg(
             KvRole::Producer,
@@ -343,12 +381,29 @@ async fn drive(
             token_ids(&reference).len()
         ));
     }
-    let sum_p = timeline.step(29).and_then(|s| s.figures.get(attrs::KV_CHECKSUM).cloned());
-    let sum_d = timeline.step(34).and_then(|s| s.figures.get(attrs::KV_CHECKSUM).cloned());
-    let kv_equal = sum_p.is_some() && sum_p == sum_d;
-    if !kv_equal {
-        problems.push(format!("KV checksum of the request's blocks: P sent {sum_p:?}, D holds {sum_d:?}"));
-    }
+    let ranked = opts.prefill != Parallel::default() || opts.decode != Parallel::default();
+    let (sum_p, sum_d, rank_checks, rank_writes, kv_equal) = if ranked {
+        let spans: Vec<_> = capture.spans().into_iter().filter(|s| s.start >= request_start).collect();
+        let checks = ranks::check_decode_ranks(opts, &spans);
+        let writes = ranks::rank_writes(&spans);
+        let world = (opts.decode.tp * opts.decode.pp) as usize;
+        let ok = checks.len() == world && checks.iter().all(|c| c.ok);
+        if !ok {
+            problems.push(format!(
+                "D's ranks' KV: {} of {world} ranks hold what the model computes for their heads and layers",
+                checks.iter().filter(|c| c.ok).count()
+            ));
+        }
+        (None, None, checks, writes, ok)
+    } else {
+        let sum_p = timeline.step(29).and_then(|s| s.figures.get(attrs::KV_CHECKSUM).cloned());
+        let sum_d = timeline.step(34).and_then(|s| s.figures.get(attrs::KV_CHECKSUM).cloned());
+        let kv_equal = sum_p.is_some() && sum_p == sum_d;
+        if !kv_equal {
+            problems.push(format!("KV checksum of the request's blocks: P sent {sum_p:?}, D holds {sum_d:?}"));
+        }
+        (sum_p, sum_d, Vec::new(), Vec::new(), kv_equal)
+    };
     if !timeline.missing.is_empty() {
         problems.push(format!("steps not observed: {:?}", timeline.missing));
     }
@@ -360,7 +415,10 @@ async fn drive(
     Ok(DemoReport {
         verified: kv_equal && output_matches_reference && timeline.missing.is_empty(),
         output_matches_reference,
-        kv_bytes: timeline.figure(29, attrs::BYTES).unwrap_or(0),
+        kv_bytes: match ranked {
+            true => rank_writes.iter().map(|w| w.bytes).sum(),
+            false => timeline.figure(29, attrs::BYTES).unwrap_or(0),
+        },
         blocks: timeline.figure(27, attrs::BLOCKS).unwrap_or(0),
         descriptors: timeline
             .figure(29, attrs::DESCRIPTORS)
@@ -378,6 +436,10 @@ async fn drive(
         timeline_table: timeline.render(),
         missing_steps: timeline.missing.clone(),
         steps: timeline.steps,
+        prefill_ranks: format!("{}x{}", opts.prefill.tp, opts.prefill.pp),
+        decode_ranks: format!("{}x{}", opts.decode.tp, opts.decode.pp),
+        rank_checks,
+        rank_writes,
         problems,
     })
 }

@@ -6,9 +6,12 @@ use std::time::Duration;
 
 use pdflow_auth::http::Call;
 use pdflow_auth::ClusterSecret;
+use pdflow_kv::topology::pulled_by;
 use pdflow_messages::bootstrap::{QueryResponse, WorkerAddrs};
 use pdflow_messages::lifecycle::TransferState;
 use pdflow_messages::EngineId;
+
+use crate::ranks::WorkerRank;
 
 /// What one `/query` answered: every engine with its workers, and each worker's generation by
 /// its address (workers that gave none are absent).
@@ -92,42 +95,82 @@ pub(crate) struct Peer {
     pub addr: String,
 }
 
-/// The P workers a D worker of rank `tp_rank` in a group of `tp_size` pairs with: with equal TP
-/// sizes, the P worker of the same tp rank (every pp rank of it).
-pub(crate) fn pair(engine_id: &str, workers: &WorkerAddrs, tp_rank: u32, tp_size: u32) -> Result<Vec<Peer>, String> {
-    let p_tp_size = workers.len() as u32;
-    if p_tp_size != tp_size {
+/// P's engine as its registered workers describe it: (tp_size, pp_size).
+pub(crate) fn world(workers: &WorkerAddrs) -> (u32, u32) {
+    let tp = workers.len() as u32;
+    let pp = workers.values().map(|pps| pps.len()).max().unwrap_or(0) as u32;
+    (tp, pp)
+}
+
+/// The P workers D worker `me` pulls from: for each (layer, KV head) it holds, one P worker
+/// holding it ([`pdflow_kv::topology::pulled_by`]; with equal topologies, the worker of the same
+/// ranks), plus an empty pull to any P replica no D worker reads, so that it frees its blocks.
+pub(crate) fn pair(engine_id: &str, workers: &WorkerAddrs, me: &WorkerRank) -> Result<Vec<Peer>, String> {
+    let (p_tp, p_pp) = world(workers);
+    let registered: usize = workers.values().map(BTreeMap::len).sum();
+    if p_tp == 0 || registered != (p_tp * p_pp) as usize {
         return Err(format!(
-            "heterogeneous TP not supported yet: P engine {engine_id} has tp_size {p_tp_size}, this D worker has tp_size {tp_size}"
+            "P engine {engine_id} registered {registered} workers, not tp_size × pp_size = {p_tp} × {p_pp}: some P workers have not registered"
         ));
     }
-    let pps = workers
-        .get(&tp_rank)
-        .filter(|pps| !pps.is_empty())
-        .ok_or_else(|| format!("P engine {engine_id} registered no worker for tp_rank {tp_rank}"))?;
-    Ok(pps.iter().map(|(pp, addr)| Peer { tp_rank, pp_rank: *pp, addr: addr.clone() }).collect())
+    let p = me.engine_of(p_tp, p_pp).map_err(|e| format!("P engine {engine_id} (tp {p_tp}, pp {p_pp}): {e}"))?;
+    let d = me.topology().map_err(|e| format!("this D worker's ranks (tp {}, pp {}): {e}", me.tp_size, me.pp_size))?;
+    pulled_by(&p, &d, me.index())
+        .into_iter()
+        .map(|index| {
+            let (tp_rank, pp_rank) = (index as u32 % p_tp, index as u32 / p_tp);
+            let addr = workers.get(&tp_rank).and_then(|pps| pps.get(&pp_rank)).ok_or_else(|| {
+                format!("P engine {engine_id} registered no worker for tp_rank {tp_rank}, pp_rank {pp_rank}")
+            })?;
+            Ok(Peer { tp_rank, pp_rank, addr: addr.clone() })
+        })
+        .collect()
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use pdflow_kv::memory::KvShape;
 
-    fn workers(tp: u32) -> WorkerAddrs {
-        (0..tp).map(|t| (t, BTreeMap::from([(0, format!("tcp://h:{t}"))]))).collect()
+    fn workers(tp: u32, pp: u32) -> WorkerAddrs {
+        (0..tp).map(|t| (t, (0..pp).map(|p| (p, format!("tcp://h:{t}{p}"))).collect())).collect()
+    }
+
+    fn rank(tp_size: u32, tp_rank: u32, pp_size: u32, pp_rank: u32) -> WorkerRank {
+        WorkerRank { tp_size, tp_rank, pp_size, pp_rank, model: KvShape::QWEN3_8B }
+    }
+
+    fn addrs(peers: Vec<Peer>) -> Vec<String> {
+        peers.into_iter().map(|p| p.addr).collect()
     }
 
     #[test]
     fn equal_tp_pairs_rank_with_rank() {
-        assert_eq!(
-            pair("p", &workers(1), 0, 1).expect("pairs"),
-            vec![Peer { tp_rank: 0, pp_rank: 0, addr: "tcp://h:0".into() }]
-        );
-        assert_eq!(pair("p", &workers(2), 1, 2).expect("pairs")[0].addr, "tcp://h:1");
+        assert_eq!(addrs(pair("p", &workers(1, 1), &rank(1, 0, 1, 0)).expect("pairs")), vec!["tcp://h:00"]);
+        assert_eq!(addrs(pair("p", &workers(2, 1), &rank(2, 1, 1, 0)).expect("pairs")), vec!["tcp://h:10"]);
     }
 
     #[test]
-    fn heterogeneous_tp_is_refused_clearly() {
-        let err = pair("p-engine", &workers(2), 0, 1).expect_err("refused");
-        assert!(err.contains("heterogeneous TP not supported yet") && err.contains("p-engine"), "{err}");
+    fn heterogeneous_tp_and_pp_pull_from_every_holder() {
+        // P tp 4 → D tp 2: D rank 1 holds heads 4..8, held by P ranks 2 and 3.
+        assert_eq!(
+            addrs(pair("p", &workers(4, 1), &rank(2, 1, 1, 0)).expect("pairs")),
+            vec!["tcp://h:20", "tcp://h:30"]
+        );
+        // P tp 1 → D tp 4: every D rank pulls from P's one worker.
+        assert_eq!(addrs(pair("p", &workers(1, 1), &rank(4, 3, 1, 0)).expect("pairs")), vec!["tcp://h:00"]);
+        // P pp 2 → D pp 1: both stages.
+        assert_eq!(
+            addrs(pair("p", &workers(1, 2), &rank(1, 0, 1, 0)).expect("pairs")),
+            vec!["tcp://h:00", "tcp://h:01"]
+        );
+    }
+
+    #[test]
+    fn a_partly_registered_engine_is_refused_clearly() {
+        let mut w = workers(2, 2);
+        w.get_mut(&1).expect("rank 1").remove(&1);
+        let err = pair("p-engine", &w, &rank(1, 0, 1, 0)).expect_err("refused");
+        assert!(err.contains("p-engine") && err.contains("have not registered"), "{err}");
     }
 }

@@ -170,6 +170,10 @@ impl SendWorker {
             return;
         }
         let Some(pull) = self.pulls.front().map(|w| w.pull.clone()) else { return };
+        // Across ranks the whole write at ready serves each D rank its share.
+        if self.ranked(&pull) {
+            return;
+        }
         let Some(stream) = self.stream.as_ref() else { return };
         if stream.stopped || stream.in_flight.is_some() {
             return;

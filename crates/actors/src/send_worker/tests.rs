@@ -7,7 +7,7 @@ use kameo::error::Infallible;
 use kameo::prelude::*;
 use pdflow_kv::memory::KvCache;
 use pdflow_messages::send_worker::{
-    AbortSend, AbortSource, LayerDone, RecordSendPending, RecordSendReady, SendOutcome, ServePull,
+    AbortSend, AbortSource, DRank, LayerDone, RecordSendPending, RecordSendReady, SendOutcome, ServePull,
 };
 use pdflow_messages::sender_listener::PullErrorCause;
 use pdflow_transfer::TransferEngine;
@@ -15,6 +15,7 @@ use tokio::sync::mpsc;
 
 use super::test_support::{filled_cache, MemcpyTransfer, SHAPE};
 use super::{SendWorker, SendWorkerArgs};
+use crate::ranks::WorkerRank;
 
 /// Stands in for the SenderListener: forwards every outcome to the test.
 struct Collector(mpsc::UnboundedSender<SendOutcome>);
@@ -48,18 +49,29 @@ fn rig(transfer: impl FnOnce(&Arc<KvCache>, &Arc<KvCache>) -> Arc<dyn TransferEn
     let d = KvCache::new(SHAPE, 16);
     let (tx, outcomes) = mpsc::unbounded_channel();
     let collector = Collector::spawn(Collector(tx));
-    let args = SendWorkerArgs {
+    let args = worker_args(&p, transfer(&p, &d), send_expiry, &collector);
+    Rig { worker: SendWorker::spawn_with_mailbox(args, mailbox::unbounded()), outcomes, _collector: collector, d }
+}
+
+/// A worker of transfer `xfer-1` over `p`, reporting to `collector`.
+fn worker_args(
+    p: &Arc<KvCache>,
+    transfer: Arc<dyn TransferEngine>,
+    send_expiry: Duration,
+    collector: &ActorRef<Collector>,
+) -> SendWorkerArgs {
+    SendWorkerArgs {
         faults: crate::fault_seam::no_faults(),
         transfer_id: "xfer-1".into(),
         generation: 7,
         listener: collector.clone().recipient::<SendOutcome>().downgrade(),
         kv_cache: p.clone(),
-        transfer: transfer(&p, &d),
+        transfer,
         ready_timeout: Duration::from_secs(30),
         send_expiry,
         verify_checksums: true,
-    };
-    Rig { worker: SendWorker::spawn_with_mailbox(args, mailbox::unbounded()), outcomes, _collector: collector, d }
+        rank: WorkerRank::single(SHAPE),
+    }
 }
 
 fn memcpy(p: &Arc<KvCache>, d: &Arc<KvCache>) -> Arc<dyn TransferEngine> {
@@ -100,6 +112,7 @@ impl Rig {
             layout: self.d.layout(),
             traceparent: None,
             fence: 0,
+            d_rank: DRank::default(),
             write_by: None,
         };
         self.worker.tell(serve).await.expect("worker alive");
@@ -309,12 +322,14 @@ async fn layer_wise_layers_done_before_the_pull_are_written_when_it_arrives() {
     })
     .await;
     assert!(!same_block(&p, &rig.d, 0, 2, 10), "the block D holds already is not written");
+    let before_ready = engine.calls().iter().filter(|c| c.starts_with("write")).count();
+    assert!(before_ready >= 1, "the layers were written ahead of ready: {:?}", engine.calls());
     rig.ready(vec![2, 3, 5]).await;
     let out = rig.next().await;
     assert!(out.reply.expect("answers the pull").result.is_ok());
     assert!(out.counts_as_sent);
     let writes = engine.calls().iter().filter(|c| c.starts_with("write")).count();
-    assert!(writes >= 2, "the layers were written ahead of ready: {:?}", engine.calls());
+    assert_eq!(writes, before_ready, "nothing was left for ready to write: {:?}", engine.calls());
 }
 
 #[tokio::test]
@@ -331,4 +346,54 @@ async fn layer_wise_a_failed_layer_write_answers_d_at_once_and_p_frees_at_ready(
     let out = rig.next().await;
     assert!(out.reply.is_none(), "D was answered already");
     assert!(out.counts_as_sent && out.finished, "P frees its blocks at ready");
+}
+
+/// P (one worker, 2 KV heads) serves a D of tensor-parallel size 2: each D rank's pull gets its
+/// own head, the first answer does not free P's blocks, the second does.
+#[tokio::test]
+async fn each_d_rank_gets_its_heads_and_the_last_one_frees_the_blocks() {
+    let d_shape = pdflow_kv::memory::KvShape { num_kv_heads: 1, ..SHAPE };
+    let p = filled_cache(8, 1);
+    let d = KvCache::new(d_shape, 16);
+    let (tx, mut outcomes) = mpsc::unbounded_channel();
+    let collector = Collector::spawn(Collector(tx));
+    let args = worker_args(&p, MemcpyTransfer::new(&p, &d), Duration::from_secs(30), &collector);
+    let worker = SendWorker::spawn_with_mailbox(args, mailbox::unbounded());
+    let rig = Rig { worker, outcomes: mpsc::unbounded_channel().1, _collector: collector, d: d.clone() };
+    rig.ready(vec![2, 3]).await;
+    let (mut p_slot, mut d_slot) = (vec![0u8; SHAPE.slot_len()], vec![0u8; SHAPE.slot_len()]);
+    for d_rank in 0..2u32 {
+        let serve = ServePull {
+            pull_id: u64::from(d_rank) + 1,
+            d_req_id: "cmpl-d".into(),
+            transfer_id: "xfer-1".into(),
+            block_ids: vec![5, 9],
+            data_addr: "127.0.0.1:1".into(),
+            layout: d.layout(),
+            traceparent: None,
+            fence: 0,
+            d_rank: DRank { tp_size: 2, tp_rank: d_rank, pp_size: 1, pp_rank: 0 },
+            write_by: None,
+        };
+        rig.worker.tell(serve).await.expect("worker alive");
+        let outcome = tokio::time::timeout(Duration::from_secs(5), outcomes.recv())
+            .await
+            .expect("an outcome in time")
+            .expect("collector alive");
+        let reply = outcome.reply.expect("a reply");
+        assert_eq!(reply.pull_id, u64::from(d_rank) + 1);
+        assert!(reply.result.is_ok(), "{:?}", reply.result);
+        // Only the last D rank's answer frees P's blocks.
+        assert_eq!((outcome.counts_as_sent, outcome.finished), (d_rank == 1, d_rank == 1));
+        // D's one head now holds P's head `d_rank`, in every layer, block and slot.
+        for layer in 0..SHAPE.num_layers {
+            for (src, dst) in [(2, 5), (3, 9)] {
+                for slot in 0..SHAPE.block_size {
+                    p.read_slot(layer, src, d_rank as usize, slot, &mut p_slot).expect("in range");
+                    d.read_slot(layer, dst, 0, slot, &mut d_slot).expect("in range");
+                    assert_eq!(p_slot, d_slot, "layer {layer} block {dst} slot {slot} from D rank {d_rank}");
+                }
+            }
+        }
+    }
 }

@@ -10,7 +10,7 @@ use pdflow_messages::send_worker::{PullReply, ServePull};
 use pdflow_messages::sender_listener::{PullErr, PullErrorCause};
 use pdflow_messages::BlockId;
 use pdflow_telemetry::{attrs, step_span, steps};
-use pdflow_transfer::TransferEngine;
+use pdflow_transfer::{TransferEngine, TransferStats};
 use tracing::{Instrument, Span};
 
 use super::{Phase, SendWorker, WaitingPull, WriteAnswer, WriteDone, Writing};
@@ -18,8 +18,28 @@ use pdflow_telemetry::Outcome;
 
 impl SendWorker {
     /// Steps 28 and 29: plan the write and start it in a task this actor owns.
-    pub(super) async fn serve(&mut self, waiting: WaitingPull, me: &ActorRef<Self>) {
-        let pull = self.end_wait(waiting);
+    pub(super) async fn serve(&mut self, mut waiting: WaitingPull, me: &ActorRef<Self>) {
+        let mut pull = self.end_wait(waiting);
+        // Across ranks, a D rank already served (a repeated pull) gets its answer at once.
+        while self.ranked(&pull) && self.served.contains(&self.d_index(&pull)) {
+            let err = Self::err(
+                &pull.d_req_id,
+                PullErrorCause::Aborted,
+                "this D rank's share of the transfer was already written by an earlier pull",
+            );
+            self.reply_err(&pull, err, false, false).await;
+            match self.pulls.pop_front() {
+                Some(next) => {
+                    waiting = next;
+                    pull = self.end_wait(waiting);
+                }
+                None => {
+                    self.phase = Phase::Ready;
+                    self.arm_expiry(me);
+                    return;
+                }
+            }
+        }
         // Ready means P's scheduler named the request; its spans carry the transfer id regardless.
         let p_req_id = self.p_req_id.clone();
         let (plan, src_blocks) = match self.build_transfer(&pull, p_req_id.as_deref()) {
@@ -42,7 +62,8 @@ impl SendWorker {
                 (plan, span, (0, 0))
             }
         };
-        let digests = self.block_digests(&src_blocks);
+        // Across ranks each pair moves a share of each block: nothing for D to compare whole blocks to.
+        let digests = if self.ranked(&pull) { Vec::new() } else { self.block_digests(&src_blocks) };
         // No byte after D's pull deadline (less a margin): D gives the blocks up then.
         let plan = TransferPlan { write_by: pull.write_by, ..plan };
         let transfer = self.args.faults.data_engine(
@@ -95,8 +116,15 @@ impl SendWorker {
         // rest, and P sends the tail of its blocks (a D asking for more than P holds is refused).
         let skip = self.local_block_ids.len().saturating_sub(pull.block_ids.len());
         let src_blocks = self.local_block_ids[skip..].to_vec();
-        let plan =
-            plan_span.in_scope(|| build_plan(&regions, &src_blocks, &pull.layout.regions, &pull.block_ids, true));
+        let ranked = self.ranked(pull);
+        if ranked {
+            self.record_ranks(&plan_span, pull);
+        }
+        let plan = plan_span.in_scope(|| match ranked {
+            true => self.rank_plan(pull, &src_blocks),
+            false => build_plan(&regions, &src_blocks, &pull.layout.regions, &pull.block_ids, true)
+                .map_err(|e| e.to_string()),
+        });
         let plan = match plan {
             // D's fence for these blocks: its data server writes them only while D expects them.
             Ok(plan) => TransferPlan { fence: pull.fence, ..plan },
@@ -130,8 +158,20 @@ impl SendWorker {
         if let Some(tp) = &pull.traceparent {
             write_span.record(attrs::TRACEPARENT, tp.as_str());
         }
-        self.record_checksum(&write_span, src_blocks);
+        if self.ranked(pull) {
+            self.record_ranks(&write_span, pull);
+        } else {
+            self.record_checksum(&write_span, src_blocks);
+        }
         write_span
+    }
+
+    /// Across ranks, who writes to whom on step 28's or 29's span.
+    fn record_ranks(&self, span: &Span, pull: &ServePull) {
+        span.record(attrs::TP_RANK, self.args.rank.tp_rank);
+        span.record(attrs::PP_RANK, self.args.rank.pp_rank);
+        span.record(attrs::REMOTE_TP_RANK, pull.d_rank.tp_rank);
+        span.record(attrs::REMOTE_PP_RANK, pull.d_rank.pp_rank);
     }
 
     /// With `verify_checksums`, `pd.kv_checksum` of P's blocks on step 29's span.
@@ -164,7 +204,11 @@ impl SendWorker {
         let me = me.clone();
         let task = tokio::spawn(
             async move {
-                let result = transfer.write(&peer, &plan).await.map_err(|e| e.to_string());
+                // An empty pull (across ranks: a replica nobody reads) moves nothing.
+                let result = match plan.descriptors.is_empty() {
+                    true => Ok(TransferStats::default()),
+                    false => transfer.write(&peer, &plan).await.map_err(|e| e.to_string()),
+                };
                 // Which path moved the bytes (tcp, same-host…), for the trace.
                 tracing::Span::current().record(attrs::BACKEND, transfer.backend_for(&peer));
                 if me.tell(WriteDone { result }).await.is_err() {
@@ -182,9 +226,12 @@ impl Message<WriteDone> for SendWorker {
     type Reply = ();
 
     /// Steps 29 (end) and 31: mark sent and report.
-    async fn handle(&mut self, msg: WriteDone, _ctx: &mut Context<Self, Self::Reply>) {
+    async fn handle(&mut self, msg: WriteDone, ctx: &mut Context<Self, Self::Reply>) {
         let Some(writing) = self.writing.take() else { return };
         let Writing { pull, span, task: _, answer: WriteAnswer { digests, streamed } } = writing;
+        if self.ranked(&pull) {
+            self.served.insert(self.d_index(&pull));
+        }
         let result = match msg.result {
             Ok(stats) => {
                 // Layer-wise, the layers written while P prefilled count too.
@@ -214,6 +261,18 @@ impl Message<WriteDone> for SendWorker {
                 Err(Self::err(&pull.d_req_id, PullErrorCause::TransferFailed, e))
             }
         };
+        // Across ranks, D ranks still to serve keep P's blocks: this pull alone is answered.
+        if self.pullers_left() {
+            let reply = PullReply { pull_id: pull.pull_id, d_req_id: pull.d_req_id.clone(), result };
+            self.report(Some(reply), false, false).await;
+            self.phase = Phase::Ready;
+            let me = ctx.actor_ref().clone();
+            match self.pulls.pop_front() {
+                Some(next) => self.serve(next, &me).await,
+                None => self.arm_expiry(&me),
+            }
+            return;
+        }
         // Any further pull for this transfer comes too late: P's blocks are released below.
         while let Some(extra) = self.pulls.pop_front() {
             if let Some(d) = extra.deadline {

@@ -9,7 +9,7 @@ use bytes::Bytes;
 use kameo::prelude::*;
 use pdflow_messages::frame;
 use pdflow_messages::layout::KvLayout;
-use pdflow_messages::send_worker::ServePull;
+use pdflow_messages::send_worker::{DRank, ServePull};
 use pdflow_messages::sender_listener::{
     BlockDigests, PullErr, PullErrorCause, PullReq, PullRequest, PullResponse, PullStatus,
 };
@@ -25,6 +25,7 @@ struct RoutedPull<'a> {
     data_addr: &'a str,
     traceparent: &'a Option<String>,
     write_by: Option<std::time::Instant>,
+    d_rank: DRank,
 }
 
 /// A pull must name at least one request, each once.
@@ -131,6 +132,25 @@ impl SenderListener {
             self.send(identity, &PullResponse::error(pull.pull_id, why));
             return;
         }
+        let mine = (self.args.rank.tp_size, self.args.rank.pp_size);
+        if pull.p_world != mine {
+            let why = format!(
+                "D sees P as tp {} × pp {} but this P engine runs tp {} × pp {}: D looked P up before every P worker registered; it looks P up again",
+                pull.p_world.0, pull.p_world.1, mine.0, mine.1
+            );
+            tracing::warn!(pull_id = pull.pull_id, engine_id = %pull.engine_id, "{why}");
+            let err_reqs = pull
+                .reqs
+                .iter()
+                .map(|r| PullErr {
+                    d_req_id: r.d_req_id.clone(),
+                    cause: PullErrorCause::LayoutMismatch,
+                    detail: why.clone(),
+                })
+                .collect();
+            self.send(identity, &PullResponse { err_reqs, ..PullResponse::error(pull.pull_id, why) });
+            return;
+        }
         let Some(layout) = self.pull_layout(&identity, &pull) else { return };
         // D gives the blocks up `deadline_ms` after it sent the pull (so at the latest that long
         // after now): P stops writing a margin before.
@@ -144,9 +164,11 @@ impl SenderListener {
         self.pulls.insert(key, InFlightPull { identity, pull_id: pull.pull_id, layout_id: pull.layout_id, remaining });
         tracing::debug!(pull_id = pull.pull_id, engine_id = %pull.engine_id, reqs = pull.reqs.len(), "pull received");
         let (data_addr, traceparent, p_generation) = (pull.data_addr, pull.traceparent, pull.p_generation);
+        let d_rank =
+            DRank { tp_size: pull.tp_size, tp_rank: pull.tp_rank, pp_size: pull.pp_size, pp_rank: pull.pp_rank };
         for req in pull.reqs {
             let routed =
-                RoutedPull { key, layout: &layout, data_addr: &data_addr, traceparent: &traceparent, write_by };
+                RoutedPull { key, layout: &layout, data_addr: &data_addr, traceparent: &traceparent, write_by, d_rank };
             self.route(req, p_generation, routed, me).await;
         }
     }
@@ -209,6 +231,7 @@ impl SenderListener {
             layout: pull.layout.clone(),
             traceparent: req.traceparent.clone().or_else(|| pull.traceparent.clone()),
             fence: req.fence,
+            d_rank: pull.d_rank,
             write_by: pull.write_by,
         };
         if let Err(e) = worker.tell(serve).await {

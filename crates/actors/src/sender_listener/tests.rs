@@ -43,8 +43,7 @@ fn args(
         side_channel_port: Arc::new(std::sync::atomic::AtomicU16::new(0)),
         engine_id: "engine-p".into(),
         dp_rank: 0,
-        tp_rank: 0,
-        pp_rank: 0,
+        rank: crate::ranks::WorkerRank::single(p.shape()),
         bind_host: "127.0.0.1".into(),
         bootstrap_url,
         kv_cache: p.clone(),
@@ -119,6 +118,8 @@ impl Harness {
             traceparent: None,
             p_generation: 0,
             deadline_ms: 0,
+            pp_rank: 0,
+            p_world: (1, 1),
         })
     }
 

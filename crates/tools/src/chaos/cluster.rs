@@ -19,7 +19,7 @@ use pdflow_transfer::tcp::TcpConfig;
 use tokio::sync::mpsc;
 
 use pdflow_node::config::Deadlines;
-use pdflow_node::engine_node::BootstrapPlacement;
+use pdflow_node::engine_node::{BootstrapPlacement, Parallel};
 use pdflow_node::{BootstrapNode, EngineNode, EngineNodeConfig, NodeError, ProxyNode};
 
 /// How long a restarted node may wait for its old port to be free again.
@@ -40,6 +40,9 @@ pub struct ChaosSpec {
     /// P's prefill budget per step (small: the prompt takes several steps, so D's pull lands while
     /// P still prefills).
     pub p_max_batched_tokens: usize,
+    /// P's and D's tensor/pipeline-parallel sizes.
+    pub prefill_parallel: Parallel,
+    pub decode_parallel: Parallel,
 }
 
 /// One cell's cluster.
@@ -92,6 +95,7 @@ pub fn node_cfg(
         layerwise: spec.layerwise && role.produces(),
         kv_device: None,
         faults: faults.clone(),
+        parallel: if role.produces() { spec.prefill_parallel } else { spec.decode_parallel },
     }
 }
 

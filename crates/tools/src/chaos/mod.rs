@@ -102,6 +102,8 @@ pub fn chaos_spec(policy: LoadFailurePolicy) -> ChaosSpec {
         upstream_timeout: Duration::from_secs(8),
         layerwise: false,
         p_max_batched_tokens: 8192,
+        prefill_parallel: Default::default(),
+        decode_parallel: Default::default(),
     }
 }
 

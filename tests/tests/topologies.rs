@@ -1,0 +1,102 @@
+//! Sharded engines (tensor and pipeline parallel, P and D sized independently) as `pdflow serve`
+//! processes behind `pdflow proxy`: each rank its own KV cache and sockets, every D rank pulling
+//! its heads and layers from the P ranks that hold them. Outputs equal one unsharded engine's, and
+//! every rank's blocks return to baseline. Plus `pdflow demo --prefill-tp/--decode-tp --json`.
+
+use std::time::Duration;
+
+use pdflow_kv::memory::KvShape;
+use pdflow_tests::processes::{run_demo, Proc};
+use pdflow_tests::{completion, http_client, post, prompt, reference_tokens, token_ids, wait_healthy};
+
+/// 4 layers, 8 KV heads (P and D split them 1, 2 or 4 ways), block 16.
+const EIGHT_HEADS: (&str, KvShape) =
+    ("4,8,16,16", KvShape { num_layers: 4, num_kv_heads: 8, head_dim: 16, dtype_bytes: 2, block_size: 16 });
+/// 2 KV heads: at tp 4 each head lives on two ranks.
+const TWO_HEADS: (&str, KvShape) =
+    ("4,2,16,16", KvShape { num_layers: 4, num_kv_heads: 2, head_dim: 16, dtype_bytes: 2, block_size: 16 });
+
+/// P (tp, pp) and D (tp, pp) as processes; three requests through the proxy.
+async fn serve_pair(model: (&str, KvShape), p: (u32, u32), d: (u32, u32)) {
+    let (shape_flag, shape) = model;
+    let (ptp, ppp, dtp, dpp) = (p.0.to_string(), p.1.to_string(), d.0.to_string(), d.1.to_string());
+    let bootstrap = Proc::spawn("bootstrap", &["bootstrap", "--port", "0"], &[]).await.expect("bootstrap starts");
+    let bootstrap_addr = bootstrap.ready["addr"].as_str().expect("addr").to_string();
+    let bootstrap_port = bootstrap_addr.rsplit(':').next().expect("port").to_string();
+    let bootstrap_url = format!("http://{bootstrap_addr}");
+    let common = ["--kv-shape", shape_flag, "--num-blocks", "128"];
+    let mut p_args = vec!["serve", "--role", "producer", "--bootstrap-url", &bootstrap_url];
+    p_args.extend(["--tensor-parallel-size", &ptp, "--pipeline-parallel-size", &ppp, "--verify-checksums"]);
+    p_args.extend(common);
+    let producer = Proc::spawn("producer", &p_args, &[]).await.expect("producer starts");
+    let mut d_args = vec!["serve", "--role", "consumer", "--kv-load-failure-policy", "fail"];
+    d_args.extend(["--tensor-parallel-size", &dtp, "--pipeline-parallel-size", &dpp, "--verify-checksums"]);
+    d_args.extend(common);
+    let consumer = Proc::spawn("consumer", &d_args, &[]).await.expect("consumer starts");
+    let proxy = Proc::proxy(&producer, &bootstrap_port, &consumer).await.expect("proxy starts");
+    let client = http_client();
+    wait_healthy(&client, &proxy.url(), Duration::from_secs(20)).await.expect("proxy ready");
+    let case = format!("P tp {} pp {} → D tp {} pp {}, {} KV heads", p.0, p.1, d.0, d.1, shape.num_kv_heads);
+    for (i, tokens) in [400usize, 33, 250].into_iter().enumerate() {
+        let body = completion(&prompt(tokens, 90 + i as u64), 16);
+        let (status, response) =
+            post(&client, &format!("{}/v1/completions", proxy.url()), &body).await.expect("request");
+        assert_eq!(status, 200, "{case}: {response}");
+        assert_eq!(token_ids(&response), reference_tokens(shape, &body).await, "{case}, prompt of {tokens} tokens");
+    }
+    for engine in [&producer, &consumer] {
+        engine.assert_blocks_at_baseline(&client, &case).await;
+    }
+    // Every P rank registered at the bootstrap under its tp and pp ranks.
+    let query: serde_json::Value =
+        client.get(format!("{bootstrap_url}/query")).send().await.expect("query").json().await.expect("json");
+    let workers = &query["0"]["worker_addr"];
+    let registered: usize =
+        workers.as_object().map_or(0, |tps| tps.values().filter_map(|pps| pps.as_object()).map(|pps| pps.len()).sum());
+    assert_eq!(registered, (p.0 * p.1) as usize, "{case}: every P rank registers: {query}");
+    for proc in [proxy, consumer, producer, bootstrap] {
+        proc.stop().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn p_tp2_to_d_tp1() {
+    serve_pair(EIGHT_HEADS, (2, 1), (1, 1)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn p_tp1_to_d_tp2() {
+    serve_pair(EIGHT_HEADS, (1, 1), (2, 1)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn p_tp4_to_d_tp2() {
+    serve_pair(EIGHT_HEADS, (4, 1), (2, 1)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn p_pp2_to_d_pp1() {
+    serve_pair(EIGHT_HEADS, (1, 2), (1, 1)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn replicated_heads_p_tp4_to_d_tp1_and_d_tp4() {
+    serve_pair(TWO_HEADS, (4, 1), (1, 1)).await;
+    serve_pair(TWO_HEADS, (1, 1), (4, 2)).await;
+}
+
+/// `pdflow demo` with heterogeneous TP verifies every D rank's KV against the model and the
+/// output against one unsharded engine.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn demo_verifies_heterogeneous_tp_per_rank() {
+    let (report, _) = run_demo(&["--prefill-tp", "4", "--decode-tp", "2", "--max-tokens", "16"]).await;
+    assert_eq!(report["verified"], true, "{report}");
+    assert_eq!(report["output_matches_reference"], true);
+    let checks = report["rank_checks"].as_array().expect("rank checks");
+    assert_eq!(checks.len(), 2, "one check per D rank: {report}");
+    assert!(checks.iter().all(|c| c["ok"] == true), "{report}");
+    // P's 4 ranks each wrote its 2 heads to the D rank holding them: the whole prompt's KV, once.
+    let writes = report["rank_writes"].as_array().expect("rank writes");
+    assert_eq!(writes.len(), 4, "{report}");
+    assert_eq!(report["kv_bytes"], 148_635_648u64);
+}
