@@ -7,7 +7,8 @@ on core 1; every thread of each server's processes pinned to its core once it is
 connector's idle threads spin on the other server's core):
 
 - `single`: one `vllm serve` without a connector (the reference);
-- `pdflow`: P and D with PdflowConnector, requests sent client → P → D, and through `pdflow proxy`;
+- `pdflow`: P and D with PdflowConnector, requests sent client → P → D, and through `pdflow proxy`
+  (P's pdflow threads on D's core, as a GPU host's connector has CPU cores apart from the forward);
 - `pdflow-layerwise`: the same with `layerwise` on P (through the proxy, which sends P's and D's
   requests at once, D's pull waits at P and the KV leaves P layer by layer during the prefill);
 - `nixl`: P and D with vLLM's NixlConnector (`kv_buffer_device: cpu`, UCX over TCP/shared memory
@@ -55,6 +56,21 @@ def pin(server: VllmServer, core: int) -> None:
     out = subprocess.run(["pgrep", "-g", str(server.proc.pid)], capture_output=True, text=True).stdout.split()
     for pid in out:
         subprocess.run(["taskset", "-a", "-cp", str(core), pid], capture_output=True)
+
+
+def pin_connector(server: VllmServer, core: int) -> None:
+    """P's pdflow runtime threads (`pdflow-worker`: side channel, the KV writes) onto `core`, away
+    from P's forward: on a GPU host the forward runs on the GPU and the connector has CPU cores to
+    itself; here the forward is P's one pinned core. Threads they start later inherit it."""
+    out = subprocess.run(["pgrep", "-g", str(server.proc.pid)], capture_output=True, text=True).stdout.split()
+    for pid in out:
+        for task in Path(f"/proc/{pid}/task").glob("*"):
+            try:
+                comm = (task / "comm").read_text().strip()
+            except OSError:
+                continue
+            if comm == "pdflow-worker":
+                subprocess.run(["taskset", "-cp", str(core), task.name], capture_output=True)
 
 
 def first_token_s(url: str, body: dict) -> float:
@@ -163,6 +179,7 @@ def run_pdflow(model: Path, logs: Path, requests: int, layerwise: bool = False) 
     proxy = None
     try:
         start([p, d], [0, 1])
+        pin_connector(p, 1)
         direct = Direct.naming_the_transfer(p, d, "bench-p", bport)
         rows = [measure(f"pdflow{tag} (client → P → D)", lambda pr: direct.ttft(pr, MAX_TOKENS_TTFT),
                         lambda pr: direct.generate(pr, MAX_TOKENS_RPS), requests, 2000)]  # fmt: skip
