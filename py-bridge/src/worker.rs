@@ -98,7 +98,8 @@ impl WorkerBridge {
         Ok(r.port.clone())
     }
 
-    async fn start(&self, kv_cache: Arc<KvCache>, tp_rank: u32) -> Result<Running, BridgeError> {
+    async fn start(&self, kv_cache: Arc<KvCache>, rank: WorkerRank) -> Result<Running, BridgeError> {
+        let tp_rank = rank.tp_rank;
         let cfg = &self.config;
         let supervisor = NodeSupervisor::spawn(format!("vllm-worker-{}-tp{tp_rank}", self.engine_id));
         let bootstrap = match &cfg.bootstrap_url {
@@ -109,7 +110,7 @@ impl WorkerBridge {
         let spec = WorkerSpec {
             engine_id: self.engine_id.clone(),
             role: self.role,
-            rank: WorkerRank { tp_rank, ..WorkerRank::single(kv_cache.shape()) },
+            rank,
             host: cfg.host.clone(),
             bootstrap,
             side_channel: Arc::new(AtomicU16::new(0)),
@@ -184,7 +185,7 @@ impl WorkerBridge {
     /// elements of `dtype_bytes`), then starts the worker-side actors. `owner` (the tensors) is
     /// kept alive for as long as the connector is. Returns what peers need: engine id, bootstrap
     /// URL (P) or data server address (D).
-    #[pyo3(signature = (regions, num_blocks, num_kv_heads, block_size, head_dim, dtype_bytes, owner, tp_rank=0, tp_size=1, device=None))]
+    #[pyo3(signature = (regions, num_blocks, num_kv_heads, block_size, head_dim, dtype_bytes, owner, tp_rank=0, tp_size=1, device=None, total_kv_heads=None))]
     #[allow(clippy::too_many_arguments)]
     fn register_kv_caches<'py>(
         &self,
@@ -199,10 +200,11 @@ impl WorkerBridge {
         tp_rank: u32,
         tp_size: u32,
         device: Option<usize>,
+        total_kv_heads: Option<usize>,
     ) -> PyResult<Bound<'py, PyDict>> {
-        if tp_size != 1 {
+        if tp_size == 0 || tp_rank >= tp_size {
             return Err(BridgeError::Config(format!(
-                "tensor_parallel_size {tp_size}: pdflow's vLLM connector supports TP=1 so far (run one engine per GPU)"
+                "tensor parallel rank {tp_rank} of {tp_size}: not a rank of the group"
             ))
             .into());
         }
@@ -227,7 +229,21 @@ impl WorkerBridge {
         let shape = KvShape { num_layers: regions.len(), num_kv_heads, head_dim, dtype_bytes, block_size };
         let raw: Vec<(*mut u8, usize)> = regions.iter().map(|&(addr, len)| (addr as *mut u8, len)).collect();
         let kv_cache = register_memory(shape, num_blocks, &raw, owner, device)?;
-        let running = py.detach(|| self.rt.block_on(self.start(kv_cache, tp_rank)))??;
+        // This worker holds its share of the model's KV heads (all of them at TP 1; one, replicated,
+        // when the group is larger than the heads).
+        let total = total_kv_heads.unwrap_or(num_kv_heads * tp_size as usize);
+        let rank =
+            WorkerRank { tp_size, tp_rank, pp_size: 1, pp_rank: 0, model: KvShape { num_kv_heads: total, ..shape } };
+        let local = rank.topology().map(|t| t.ranks()[rank.index()].heads.len()).map_err(|e| {
+            BridgeError::Registration(format!("tensor parallel size {tp_size} over {total} KV heads: {e}"))
+        })?;
+        if local != num_kv_heads {
+            return Err(BridgeError::Registration(format!(
+                "this worker's KV cache holds {num_kv_heads} heads but rank {tp_rank} of {tp_size} over {total} KV heads holds {local}: vLLM shards the heads differently"
+            ))
+            .into());
+        }
+        let running = py.detach(|| self.rt.block_on(self.start(kv_cache, rank)))??;
         let info = PyDict::new(py);
         for (k, v) in &running.info {
             info.set_item(*k, v)?;

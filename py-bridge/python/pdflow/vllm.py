@@ -126,6 +126,14 @@ def _tp_rank_and_size(vllm_config: "VllmConfig") -> tuple[int, int]:
     return rank, size
 
 
+def _total_kv_heads(vllm_config: "VllmConfig", default: int) -> int:
+    """The model's KV heads before tensor parallelism shards them."""
+    try:
+        return int(vllm_config.model_config.get_total_num_kv_heads())
+    except Exception:  # a test's stand-in config
+        return default
+
+
 class PdflowConnector(KVConnectorBase_V1, SupportsHMA):
     """pdflow's KV connector: P (``kv_producer``) keeps a finished prefill's blocks until D pulls
     them; D (``kv_consumer``) waits in WAITING_FOR_REMOTE_KVS while its worker pulls the KV."""
@@ -279,8 +287,24 @@ class PdflowConnector(KVConnectorBase_V1, SupportsHMA):
             first += count
         num_blocks, heads, block_size, head_dim, dtype_bytes = geometry
         tp_rank, tp_size = _tp_rank_and_size(self._vllm_config)
+        pp_size = int(getattr(self._vllm_config.parallel_config, "pipeline_parallel_size", 1) or 1)
+        if pp_size > 1:
+            raise ConfigError(
+                f"pipeline_parallel_size {pp_size}: pdflow's vLLM connector shards over tensor-parallel "
+                "ranks only so far (pipeline stages run in `pdflow serve`, not inside vLLM)"
+            )
         info = self._work().register_kv_caches(
-            regions, num_blocks, heads, block_size, head_dim, dtype_bytes, owners, tp_rank, tp_size, device
+            regions,
+            num_blocks,
+            heads,
+            block_size,
+            head_dim,
+            dtype_bytes,
+            owners,
+            tp_rank,
+            tp_size,
+            device,
+            total_kv_heads=_total_kv_heads(self._vllm_config, heads * tp_size),
         )
         logger.info("pdflow connector registered %d KV regions of %d blocks: %s", len(regions), num_blocks, info)
 

@@ -1,0 +1,53 @@
+"""Tensor parallelism inside real `vllm serve` (the CPU build): P at TP 2 → D at TP 1, P at TP 1 →
+D at TP 2 and TP 2 on both, through `pdflow proxy`. Each rank of a TP 2 server is its own worker
+process with half the model's KV heads; each D rank pulls its heads from the P ranks holding them.
+The outputs equal a server's alone, and D loads the prompt from P."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+import cluster
+from cluster import PdflowProxy, VllmServer, completion_tokens, connector_config, free_port, prompt_of
+
+BLOCK = 32
+MAX_TOKENS = 12
+TP2 = ["--tensor-parallel-size", "2", "--distributed-executor-backend", "mp"]
+
+
+def _server(name, model_dir, log_dir, role: str, tp: int, core: int, **extra) -> VllmServer:
+    cfg = connector_config(role, policy="fail" if role == "kv_consumer" else None, extra=extra or None, engine_id=name)
+    # Both ranks of a TP 2 server share its core: the other server's engine steps while it waits
+    # for KV, and a rank sharing its core would stall the ranks' all-reduce.
+    env = {"VLLM_CPU_OMP_THREADS_BIND": f"{core}|{core}"} if tp == 2 else None
+    return VllmServer(name, model_dir, log_dir, core=core, block_size=BLOCK, kv_transfer_config=cfg,
+                      env=env, extra_args=TP2 if tp == 2 else None)  # fmt: skip
+
+
+@pytest.mark.parametrize("p_tp,d_tp", [(2, 1), (1, 2), (2, 2)])
+def test_tp_between_p_and_d_outputs_equal_one_server(model_dir, pdflow_bin, log_dir, p_tp, d_tp):
+    port = free_port()
+    p = _server(f"p-tp{p_tp}", model_dir, log_dir, "kv_producer", p_tp, 0, bootstrap_port=port)
+    d = _server(f"d-tp{d_tp}", model_dir, log_dir, "kv_consumer", d_tp, 1, pull_timeout_s=30)
+    proxy = None
+    try:
+        cluster.start_all([p, d])
+        proxy = PdflowProxy(f"proxy-tp{p_tp}{d_tp}", [(p.url, port)], [d.url], log_dir)
+        proxy.wait_ready(time.monotonic() + 60)
+        # A TP 1 server alone (a request without kv_transfer_params runs where it is sent); at
+        # TP 2 on both sides, a TP 2 server alone.
+        reference_url = d.url if d_tp == 1 else p.url
+        src = "vllm:prompt_tokens_by_source_total"
+        before = d.metric(src, source="external_kv_transfer")
+        for length in (40, 3 * BLOCK + 5):
+            prompt = prompt_of(length, seed=7000 + length)
+            reference = completion_tokens(reference_url, prompt, MAX_TOKENS)
+            assert completion_tokens(proxy.url, prompt, MAX_TOKENS) == reference, length
+        assert d.metric(src, source="external_kv_transfer") > before, "D loaded the prompts from P"
+    finally:
+        if proxy:
+            proxy.stop()
+        for s in (d, p):
+            s.stop()
