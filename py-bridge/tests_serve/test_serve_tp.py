@@ -19,8 +19,8 @@ TP2 = ["--tensor-parallel-size", "2", "--distributed-executor-backend", "mp"]
 
 def _server(name, model_dir, log_dir, role: str, tp: int, core: int, **extra) -> VllmServer:
     cfg = connector_config(role, policy="fail" if role == "kv_consumer" else None, extra=extra or None, engine_id=name)
-    # Both ranks of a TP 2 server share its core: the other server's engine steps while it waits
-    # for KV, and a rank sharing its core would stall the ranks' all-reduce.
+    # Both ranks of a TP 2 server share its core: with a rank on the other server's core, the
+    # prefill was not served within D's deadline (docs/vllm-cpu.md).
     env = {"VLLM_CPU_OMP_THREADS_BIND": f"{core}|{core}"} if tp == 2 else None
     return VllmServer(name, model_dir, log_dir, core=core, block_size=BLOCK, kv_transfer_config=cfg,
                       env=env, extra_args=TP2 if tp == 2 else None)  # fmt: skip

@@ -146,3 +146,52 @@ impl WorkerConnectorPort for RankedPort {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use pdflow_messages::scheduler_connector::LoadFailureCause;
+
+    use super::*;
+
+    /// Two ranks whose worker ports run no actors: only the tally is exercised.
+    fn two_ranks() -> RankedPort {
+        let rank = |layers| RankPort {
+            port: WorkerPort { listener: None, receiver: None, events: Arc::new(Notify::new()) },
+            layers,
+        };
+        RankedPort::new(vec![rank(0..2), rank(2..4)])
+    }
+
+    fn output(sent: &[&str], received: &[&str], failed: &[&str]) -> ConnectorOutput {
+        ConnectorOutput {
+            finished_sending: sent.iter().map(|r| (*r).into()).collect(),
+            finished_recving: received.iter().map(|r| (*r).into()).collect(),
+            failed_recving: failed
+                .iter()
+                .map(|r| ((*r).into(), LoadFailure::new(LoadFailureCause::KvMismatch, "rank's share differs")))
+                .collect(),
+        }
+    }
+
+    #[tokio::test]
+    async fn a_request_is_sent_or_received_once_every_rank_reported_it() {
+        let port = two_ranks();
+        let first = port.settle(vec![output(&["p1"], &["d1"], &[]), output(&[], &[], &[])]);
+        assert!(first.finished_sending.is_empty() && first.finished_recving.is_empty(), "one rank only");
+        let second = port.settle(vec![output(&[], &[], &[]), output(&["p1"], &["d1"], &[])]);
+        assert_eq!(second.finished_sending, BTreeSet::from(["p1".into()]));
+        assert_eq!(second.finished_recving, BTreeSet::from(["d1".into()]));
+        let third = port.settle(vec![output(&[], &[], &[]), output(&[], &[], &[])]);
+        assert!(third.finished_sending.is_empty() && third.finished_recving.is_empty(), "reported once");
+    }
+
+    #[tokio::test]
+    async fn one_rank_failing_fails_the_request_only_once_every_rank_settled_it() {
+        let port = two_ranks();
+        let first = port.settle(vec![output(&[], &[], &["d1"]), output(&[], &[], &[])]);
+        assert!(first.failed_recving.is_empty(), "the other rank may still be writing its share");
+        let second = port.settle(vec![output(&[], &[], &[]), output(&[], &["d1"], &[])]);
+        assert!(second.finished_recving.is_empty());
+        assert_eq!(second.failed_recving.keys().cloned().collect::<Vec<_>>(), vec![RequestId::from("d1")]);
+    }
+}

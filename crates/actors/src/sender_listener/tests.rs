@@ -292,6 +292,28 @@ async fn garbage_frame_is_answered_and_the_listener_keeps_serving() {
     h.assert_copied(&[9], &[1]);
 }
 
+/// D looked P up before every P worker had registered (it saw tp 1, this P engine runs tp 2):
+/// P refuses the pull rather than write its share for D to take as the whole, and writes nothing.
+#[tokio::test]
+async fn a_pull_that_sees_another_p_world_is_refused_and_nothing_is_written() {
+    let mut h = harness(Duration::from_secs(30)).await;
+    h.record(&[("cmpl-p1", "xfer-w", vec![3, 4])], &[]).await;
+    let SideChannelRequest::Pull(pull) = h.pull(21, &[("cmpl-d1", "xfer-w", vec![20, 21])], true) else {
+        unreachable!("the harness makes pulls")
+    };
+    h.send(&SideChannelRequest::Pull(PullRequest { p_world: (2, 1), ..pull })).await;
+    let resp = h.recv().await;
+    assert_eq!((resp.pull_id, resp.status), (21, PullStatus::Error));
+    assert_eq!(resp.err_reqs.len(), 1);
+    assert_eq!(resp.err_reqs[0].cause, PullErrorCause::LayoutMismatch);
+    assert!(resp.err_reqs[0].detail.contains("tp 2"), "{}", resp.err_reqs[0].detail);
+    assert_eq!(h.d.blocks_checksum(&[20, 21]).ok(), KvCache::new(SHAPE, 32).blocks_checksum(&[20, 21]).ok());
+    // The same pull with the right view is served.
+    h.send(&h.pull(22, &[("cmpl-d1", "xfer-w", vec![20, 21])], true)).await;
+    assert_eq!(h.recv().await.ok_reqs, vec!["cmpl-d1"]);
+    h.assert_copied(&[3, 4], &[20, 21]);
+}
+
 #[tokio::test]
 async fn unknown_layout_is_an_error_for_every_request() {
     let mut h = harness(Duration::from_secs(30)).await;
