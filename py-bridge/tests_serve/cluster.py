@@ -114,6 +114,14 @@ class Process:
     def log_text(self) -> str:
         return self.log_path.read_text(errors="replace")
 
+    def notable_lines(self, lines: int = 25) -> str:
+        """The last of its lines a failure is explained by: pdflow's own, warnings and errors
+        (without vLLM's start-up chatter)."""
+        keep = re.compile(r"pdflow|WARN|ERROR|Traceback|Error:")
+        chatter = re.compile(r"launcher\.py|non-default args|Initializing a V1 LLM engine|LD_PRELOAD|Triton")
+        picked = [l for l in self.log_text().splitlines() if keep.search(l) and not chatter.search(l)]
+        return f"--- {self.name} ({self.log_path})\n" + "\n".join(l[:300] for l in picked[-lines:])
+
     def _signal(self, sig: int) -> None:
         try:
             os.killpg(self.proc.pid, sig)
@@ -138,6 +146,11 @@ class Process:
         except subprocess.TimeoutExpired:
             pass
         self._log.close()
+
+
+def explain(*procs: "Process") -> str:
+    """What each process logged that explains a failure, for an assertion's message."""
+    return "\n".join(p.notable_lines() for p in procs if p is not None)
 
 
 class VllmServer(Process):
