@@ -98,19 +98,27 @@ impl WorkerBridge {
         Ok(r.port.clone())
     }
 
-    async fn start(&self, kv_cache: Arc<KvCache>, rank: WorkerRank) -> Result<Running, BridgeError> {
+    async fn start(
+        &self,
+        kv_cache: Arc<KvCache>,
+        rank: WorkerRank,
+        dp_rank: u32,
+        launches_bootstrap: Option<bool>,
+    ) -> Result<Running, BridgeError> {
         let tp_rank = rank.tp_rank;
         let cfg = &self.config;
         let supervisor = NodeSupervisor::spawn(format!("vllm-worker-{}-tp{tp_rank}", self.engine_id));
+        let launches = launches_bootstrap.unwrap_or(tp_rank == 0 && dp_rank == 0);
         let bootstrap = match &cfg.bootstrap_url {
             Some(url) => BootstrapPlacement::External { url: url.clone() },
-            None if tp_rank == 0 => BootstrapPlacement::Launch { port: cfg.bootstrap_port },
+            None if launches => BootstrapPlacement::Launch { port: cfg.bootstrap_port },
             None => BootstrapPlacement::External { url: cfg.bootstrap_addr() },
         };
         let spec = WorkerSpec {
             engine_id: self.engine_id.clone(),
             role: self.role,
             rank,
+            dp_rank,
             host: cfg.host.clone(),
             bootstrap,
             side_channel: Arc::new(AtomicU16::new(0)),
@@ -184,8 +192,10 @@ impl WorkerBridge {
     /// memory — or, with `device`, of that CUDA device's memory — one per layer, each `num_blocks` blocks of `num_kv_heads × block_size × 2·head_dim`
     /// elements of `dtype_bytes`), then starts the worker-side actors. `owner` (the tensors) is
     /// kept alive for as long as the connector is. Returns what peers need: engine id, bootstrap
-    /// URL (P) or data server address (D).
-    #[pyo3(signature = (regions, num_blocks, num_kv_heads, block_size, head_dim, dtype_bytes, owner, tp_rank=0, tp_size=1, device=None, total_kv_heads=None))]
+    /// URL (P) or data server address (D). `dp_rank`: the engine's data-parallel rank, which P's
+    /// workers register under; `launches_bootstrap`: whether this worker launches the bootstrap
+    /// (vLLM's rule: tp rank 0 of the first data-parallel engine) when none is configured.
+    #[pyo3(signature = (regions, num_blocks, num_kv_heads, block_size, head_dim, dtype_bytes, owner, tp_rank=0, tp_size=1, device=None, total_kv_heads=None, dp_rank=0, launches_bootstrap=None))]
     #[allow(clippy::too_many_arguments)]
     fn register_kv_caches<'py>(
         &self,
@@ -201,6 +211,8 @@ impl WorkerBridge {
         tp_size: u32,
         device: Option<usize>,
         total_kv_heads: Option<usize>,
+        dp_rank: u32,
+        launches_bootstrap: Option<bool>,
     ) -> PyResult<Bound<'py, PyDict>> {
         if tp_size == 0 || tp_rank >= tp_size {
             return Err(BridgeError::Config(format!(
@@ -243,7 +255,7 @@ impl WorkerBridge {
             ))
             .into());
         }
-        let running = py.detach(|| self.rt.block_on(self.start(kv_cache, rank)))??;
+        let running = py.detach(|| self.rt.block_on(self.start(kv_cache, rank, dp_rank, launches_bootstrap)))??;
         let info = PyDict::new(py);
         for (k, v) in &running.info {
             info.set_item(*k, v)?;

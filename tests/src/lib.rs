@@ -206,6 +206,7 @@ impl Cluster {
             kv_device: None,
             faults: pdflow_actors::fault_seam::no_faults(),
             parallel: Default::default(),
+            dp_rank: 0,
         };
         let mut prefill = Vec::new();
         for (i, o) in spec.prefill.iter().enumerate() {

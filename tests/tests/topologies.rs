@@ -100,3 +100,70 @@ async fn demo_verifies_heterogeneous_tp_per_rank() {
     assert_eq!(writes.len(), 4, "{report}");
     assert_eq!(report["kv_bytes"], 148_635_648u64);
 }
+
+/// The value of `name{engine_id="…"}` for each engine in a Prometheus text.
+fn per_engine(metrics: &str, name: &str) -> std::collections::BTreeMap<String, f64> {
+    metrics
+        .lines()
+        .filter_map(|line| line.strip_prefix(name)?.strip_prefix("{engine_id=\""))
+        .filter_map(|rest| {
+            let (id, value) = rest.split_once("\"} ")?;
+            Some((id.to_string(), value.trim().parse().ok()?))
+        })
+        .collect()
+}
+
+/// P and D each a data-parallel group of 2 engines behind one API (`--data-parallel-size 2`), P
+/// launching the bootstrap. The bootstrap answers per dp_rank (one engine id each, vLLM's
+/// `{engine_id}_dp{rank}`); the proxy names a P rank per request (`X-data-parallel-rank`) and
+/// D pulls from the engine it names. Both P ranks serve, outputs equal one engine's, no block is
+/// held on any rank, and a rank the server does not run is refused with a clear error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn data_parallel_p_and_d_through_the_proxy() {
+    let (shape_flag, shape) = EIGHT_HEADS;
+    let common = ["--kv-shape", shape_flag, "--num-blocks", "128", "--data-parallel-size", "2", "--verify-checksums"];
+    let mut p_args = vec!["serve", "--role", "producer", "--bootstrap-port", "0"];
+    p_args.extend(common);
+    let producer = Proc::spawn("producer", &p_args, &[]).await.expect("producer starts");
+    let mut d_args = vec!["serve", "--role", "consumer", "--kv-load-failure-policy", "fail"];
+    d_args.extend(common);
+    let consumer = Proc::spawn("consumer", &d_args, &[]).await.expect("consumer starts");
+    let p_ids: Vec<String> =
+        serde_json::from_value(producer.ready["engine_ids"].clone()).expect("P announces its engine ids");
+    assert_eq!(p_ids.len(), 2, "{}", producer.ready);
+    let bootstrap_addr = producer.ready["bootstrap_addr"].as_str().expect("P launched the bootstrap").to_string();
+    let bootstrap_port = bootstrap_addr.rsplit(':').next().expect("port").to_string();
+    let client = http_client();
+    let query: serde_json::Value =
+        client.get(format!("http://{bootstrap_addr}/query")).send().await.expect("query").json().await.expect("json");
+    for (rank, id) in p_ids.iter().enumerate() {
+        assert_eq!(query[rank.to_string()]["engine_id"], id.as_str(), "dp rank {rank} at the bootstrap: {query}");
+    }
+    let proxy = Proc::proxy(&producer, &bootstrap_port, &consumer).await.expect("proxy starts");
+    wait_healthy(&client, &proxy.url(), Duration::from_secs(20)).await.expect("proxy ready");
+    for (i, tokens) in [300usize, 40, 170, 90].into_iter().enumerate() {
+        let body = completion(&prompt(tokens, 300 + i as u64), 12);
+        let (status, response) =
+            post(&client, &format!("{}/v1/completions", proxy.url()), &body).await.expect("request");
+        assert_eq!(status, 200, "request {i}: {response}");
+        assert_eq!(token_ids(&response), reference_tokens(shape, &body).await, "request {i}, {tokens} tokens");
+    }
+    let metrics = client.get(format!("{}/metrics", producer.url())).send().await.expect("metrics");
+    let finished = per_engine(&metrics.text().await.expect("text"), "pdflow_requests_finished");
+    for id in &p_ids {
+        assert!(finished.get(id).copied().unwrap_or(0.0) >= 1.0, "P rank {id} served a prefill: {finished:?}");
+    }
+    for engine in [&producer, &consumer] {
+        engine.assert_blocks_at_baseline(&client, "data parallel").await;
+    }
+    // A rank outside the group is refused, naming the ranks it runs.
+    let mut bad = client.post(format!("{}/v1/completions", producer.url())).json(&completion(&prompt(20, 1), 2));
+    bad = bad.header("X-data-parallel-rank", "2");
+    let refused = bad.send().await.expect("request");
+    assert_eq!(refused.status(), 400);
+    let text = refused.text().await.expect("body");
+    assert!(text.contains("data-parallel ranks 0..2"), "{text}");
+    for proc in [proxy, consumer, producer] {
+        proc.stop().await;
+    }
+}

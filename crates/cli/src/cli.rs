@@ -457,6 +457,11 @@ pub struct ServeCmd {
     /// `--pipeline-parallel-size` (its default split).
     #[arg(long, visible_alias = "pp", default_value_t = 1)]
     pub pipeline_parallel_size: u32,
+    /// Run this many engines (data-parallel ranks, each its own scheduler, KV cache and workers)
+    /// behind one API, as vLLM's `--data-parallel-size`: engine ids `{engine_id}_dp{rank}`; a
+    /// request goes to the rank its `X-data-parallel-rank` header names, else the least busy.
+    #[arg(long, visible_alias = "dp", default_value_t = 1)]
+    pub data_parallel_size: u32,
     #[command(flatten)]
     pub trace: TraceArgs,
 }
@@ -592,6 +597,7 @@ impl ServeCmd {
             kv_device: self.kv_device,
             faults: pdflow_actors::fault_seam::no_faults(),
             parallel: Parallel { tp: self.tensor_parallel_size, pp: self.pipeline_parallel_size },
+            dp_rank: 0,
         })
     }
 
@@ -607,8 +613,11 @@ impl ServeCmd {
         if self.streams_per_peer == 0 {
             errors.push("--streams-per-peer must be at least 1".to_string());
         }
-        if self.tensor_parallel_size == 0 || self.pipeline_parallel_size == 0 {
-            errors.push("--tensor-parallel-size and --pipeline-parallel-size must be at least 1".to_string());
+        if self.tensor_parallel_size == 0 || self.pipeline_parallel_size == 0 || self.data_parallel_size == 0 {
+            errors.push(
+                "--tensor-parallel-size, --pipeline-parallel-size and --data-parallel-size must be at least 1"
+                    .to_string(),
+            );
         }
         if self.abort_request_timeout == Some(0) {
             errors.push("--abort-request-timeout 0 would fail every transfer; use at least 1".to_string());

@@ -21,7 +21,7 @@ use pdflow_fault::{FaultDomain, FaultLayer, FaultPlan, NodeKind};
 use pdflow_kv::memory::KvShape;
 use pdflow_node::config::VllmEnv;
 use pdflow_node::engine_node::Parallel;
-use pdflow_node::{BootstrapNode, EngineNode, ProxyNode};
+use pdflow_node::{BootstrapNode, DataParallelGroup, EngineNode, ProxyNode};
 use pdflow_telemetry::capture::SpanCapture;
 use pdflow_telemetry::export::{self, ExportConfig, TraceExport};
 use pdflow_telemetry::metrics::{self, MetricsLayer};
@@ -361,12 +361,12 @@ async fn run_serve(cmd: &ServeCmd) -> anyhow::Result<bool> {
         start_node_telemetry(&cmd.trace, service, Some(MetricsLayer::global()), cfg.tcp.clone())?;
     metrics::global().set_block_bytes(cmd.kv_shape.bytes_per_block() as u64);
     cfg.faults = faults.seam();
+    let kind = if cfg.role == pdflow_actors::scheduler_connector::KvRole::Consumer { NodeKind::D } else { NodeKind::P };
+    if cmd.data_parallel_size > 1 {
+        return serve_data_parallel(cfg, cmd.data_parallel_size, &faults, kind, &trace_export).await;
+    }
     let node = EngineNode::start(cfg).await?;
-    faults.register_process_kill(if node.role == pdflow_actors::scheduler_connector::KvRole::Consumer {
-        NodeKind::D
-    } else {
-        NodeKind::P
-    });
+    faults.register_process_kill(kind);
     if node.worker.bootstrap.is_some() {
         faults.register_process_kill(NodeKind::Bootstrap);
     }
@@ -381,6 +381,37 @@ async fn run_serve(cmd: &ServeCmd) -> anyhow::Result<bool> {
     }));
     serve_until_signal(&trace_export, || async move {
         let _ = tokio::time::timeout(Duration::from_secs(10), node.shutdown()).await;
+    })
+    .await
+}
+
+/// `pdflow serve --data-parallel-size N`: N engines behind one API.
+async fn serve_data_parallel(
+    cfg: pdflow_node::EngineNodeConfig,
+    size: u32,
+    faults: &NodeFaults,
+    kind: NodeKind,
+    trace_export: &TraceExport,
+) -> anyhow::Result<bool> {
+    let role = cfg.role;
+    let group = DataParallelGroup::start(cfg, size).await?;
+    faults.register_process_kill(kind);
+    let first = &group.engines[0];
+    if first.worker.bootstrap.is_some() {
+        faults.register_process_kill(NodeKind::Bootstrap);
+    }
+    ready_line(serde_json::json!({
+        "event": "ready",
+        "service": "engine",
+        "role": format!("{role:?}").to_lowercase(),
+        "addr": group.http_addr.to_string(),
+        "engine_id": first.engine_id,
+        "engine_ids": group.engines.iter().map(|e| e.engine_id.clone()).collect::<Vec<_>>(),
+        "bootstrap_addr": first.worker.bootstrap.as_ref().map(|b| b.addr.to_string()),
+        "data_addr": first.data_addr().map(|a| a.to_string()),
+    }));
+    serve_until_signal(trace_export, || async move {
+        let _ = tokio::time::timeout(Duration::from_secs(10), group.shutdown()).await;
     })
     .await
 }

@@ -52,6 +52,10 @@ pub struct EngineNodeConfig {
     /// as vLLM shards it (KV heads over tp, layers over pp), each with its own KV cache, side
     /// channel (P) or data server (D). 1 × 1: one worker holding everything.
     pub parallel: Parallel,
+    /// The engine's data-parallel rank: P's workers register under it at bootstrap, where the
+    /// proxy finds it (`/query`) and names it to P (`X-data-parallel-rank`). 0 without data
+    /// parallelism; [`crate::dp_group::DataParallelGroup`] numbers its engines.
+    pub dp_rank: u32,
 }
 
 /// An engine's tensor- and pipeline-parallel sizes.
@@ -131,6 +135,7 @@ impl EngineNode {
                 engine_id: engine_id.clone(),
                 role: cfg.role,
                 rank,
+                dp_rank: cfg.dp_rank,
                 host: cfg.host.clone(),
                 bootstrap,
                 side_channel: if i == 0 { side_channel.clone() } else { Arc::new(AtomicU16::new(0)) },

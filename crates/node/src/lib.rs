@@ -14,10 +14,13 @@
 //! - [`ranks`], [`ranked_port`] — an engine sharded over tensor/pipeline ranks: one KV cache and
 //!   one set of worker actors per rank, behind one worker port that settles a request once every
 //!   rank has.
+//! - [`dp_group`] — a data-parallel group: several engines behind one API, each registered at
+//!   bootstrap under its dp_rank.
 //! - [`engine_node`], [`bootstrap_node`], [`proxy_node`] — the nodes; [`gpu_kv`] — GPU-resident KV.
 
 pub mod bootstrap_node;
 pub mod config;
+pub mod dp_group;
 pub mod engine_node;
 pub mod gpu_kv;
 pub mod ports;
@@ -28,6 +31,7 @@ pub mod supervisor;
 pub mod worker;
 
 pub use bootstrap_node::BootstrapNode;
+pub use dp_group::DataParallelGroup;
 pub use engine_node::{EngineNode, EngineNodeConfig};
 pub use proxy_node::ProxyNode;
 pub use worker::{BootstrapPlacement, Worker, WorkerSpec};

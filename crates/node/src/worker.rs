@@ -69,6 +69,8 @@ pub struct WorkerSpec {
     pub role: KvRole,
     /// This worker's tensor and pipeline position, and the whole model's KV shape.
     pub rank: WorkerRank,
+    /// The data-parallel rank of its engine: P's workers register under it at bootstrap.
+    pub dp_rank: u32,
     /// Host every socket binds on (side channel, data server, a launched bootstrap).
     pub host: String,
     pub bootstrap: BootstrapPlacement,
@@ -154,7 +156,7 @@ impl Worker {
         };
         let args = SenderListenerArgs {
             engine_id: spec.engine_id.clone().into(),
-            dp_rank: 0,
+            dp_rank: spec.dp_rank,
             rank: spec.rank,
             bind_host: spec.host.clone(),
             side_channel_port: spec.side_channel.clone(),

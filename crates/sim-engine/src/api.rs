@@ -4,6 +4,13 @@
 //! input, 500 for a failed request (e.g. a KV load failed under policy `fail`), 503 when the
 //! engine is gone — never a 200 with an error inside. A client that disconnects aborts its request
 //! (the body stream owns the [`RequestStream`]). Seed step 42 (D's HTTP response) is emitted here.
+//!
+//! One API server fronts one engine or a data-parallel group of them, as vLLM's does: a request
+//! goes to the rank its `X-data-parallel-rank` header names (the proxy sets it for P, the rank
+//! whose engine id it wrote into D's `kv_transfer_params`), else to the least busy rank.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 
 use axum::body::{Body, Bytes};
 use axum::extract::State;
@@ -20,9 +27,15 @@ use super::core::{finish_outcome, finish_reason, EngineHandle};
 use super::model::Tokenizer;
 use super::openai::*;
 use super::request::{EngineError, EngineRequest, RequestStream};
+use super::scheduler::BlockStats;
 
 /// The router of one engine's API server.
 pub fn router(handle: EngineHandle) -> Router {
+    data_parallel_router(vec![handle])
+}
+
+/// The router of a data-parallel group's API server: `ranks[r]` serves data-parallel rank `r`.
+pub fn data_parallel_router(ranks: Vec<EngineHandle>) -> Router {
     Router::new()
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
@@ -30,7 +43,41 @@ pub fn router(handle: EngineHandle) -> Router {
         .route("/v1/models", get(models))
         .route("/pdflow/blocks", get(blocks))
         .route("/metrics", get(metrics))
-        .with_state(handle)
+        .with_state(Engines { ranks: ranks.into(), next: Arc::new(AtomicUsize::new(0)) })
+}
+
+/// The header naming the data-parallel rank a request is for (vLLM's name).
+pub const DATA_PARALLEL_RANK_HEADER: &str = "x-data-parallel-rank";
+
+/// The engines an API server fronts, by data-parallel rank.
+#[derive(Clone)]
+struct Engines {
+    ranks: Arc<[EngineHandle]>,
+    /// Where the search for the least busy rank starts, so that ties take turns.
+    next: Arc<AtomicUsize>,
+}
+
+impl Engines {
+    /// The rank `headers` name, else the one holding the fewest requests.
+    fn pick(&self, headers: &HeaderMap) -> Result<EngineHandle, ApiError> {
+        let n = self.ranks.len();
+        if let Some(value) = headers.get(DATA_PARALLEL_RANK_HEADER) {
+            let rank = value.to_str().ok().and_then(|v| v.trim().parse::<usize>().ok()).filter(|&r| r < n);
+            return rank.map(|r| self.ranks[r].clone()).ok_or_else(|| {
+                ApiError::bad_request(format!(
+                    "X-data-parallel-rank {:?}: this server runs data-parallel ranks 0..{n}",
+                    String::from_utf8_lossy(value.as_bytes())
+                ))
+            });
+        }
+        let start = self.next.fetch_add(1, Ordering::Relaxed);
+        let best = (0..n).map(|i| (start + i) % n).min_by_key(|&r| self.ranks[r].block_stats().requests).unwrap_or(0);
+        Ok(self.ranks[best].clone())
+    }
+
+    fn first(&self) -> &EngineHandle {
+        &self.ranks[0]
+    }
 }
 
 /// An API error, rendered as vLLM's error JSON.
@@ -78,16 +125,21 @@ fn engine_error_response(e: &EngineError) -> Response {
     error_response(status, e.to_string())
 }
 
-async fn health(State(handle): State<EngineHandle>) -> Response {
-    if handle.is_running() {
-        StatusCode::OK.into_response()
-    } else {
-        error_response(StatusCode::SERVICE_UNAVAILABLE, "the engine loop is not running")
+async fn health(State(engines): State<Engines>) -> Response {
+    match engines.ranks.iter().position(|h| !h.is_running()) {
+        None => StatusCode::OK.into_response(),
+        Some(_) if engines.ranks.len() == 1 => {
+            error_response(StatusCode::SERVICE_UNAVAILABLE, "the engine loop is not running")
+        }
+        Some(r) => error_response(
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("the engine loop of data-parallel rank {r} is not running"),
+        ),
     }
 }
 
-async fn models(State(handle): State<EngineHandle>) -> Response {
-    let c = handle.config();
+async fn models(State(engines): State<Engines>) -> Response {
+    let c = engines.first().config();
     Json(serde_json::json!({
         "object": "list",
         "data": [{"id": c.served_model_name, "object": "model", "created": now_secs(), "owned_by": "pdflow",
@@ -96,32 +148,44 @@ async fn models(State(handle): State<EngineHandle>) -> Response {
     .into_response()
 }
 
-async fn blocks(State(handle): State<EngineHandle>) -> Response {
-    Json(handle.block_stats()).into_response()
+/// Block usage, summed over the data-parallel ranks.
+async fn blocks(State(engines): State<Engines>) -> Response {
+    let sum = engines.ranks.iter().map(EngineHandle::block_stats).fold(BlockStats::default(), |a, b| BlockStats {
+        total: a.total + b.total,
+        free: a.free + b.free,
+        requests: a.requests + b.requests,
+        finished: a.finished + b.finished,
+    });
+    Json(sum).into_response()
 }
 
-/// `/metrics`: the process's step metrics, plus this engine's blocks held (read now).
-async fn metrics(State(handle): State<EngineHandle>) -> Response {
+/// `/metrics`: the process's step metrics, plus each engine's blocks and requests (read now),
+/// labelled by engine id.
+async fn metrics(State(engines): State<Engines>) -> Response {
     use pdflow_telemetry::metrics::{self as m, Gauge, GaugeSample};
-    let stats = handle.block_stats();
-    let labels = || vec![("engine_id", handle.config().engine_id.clone())];
-    let gauge = |name, help, value: usize| Gauge {
+    let stats: Vec<(String, BlockStats)> =
+        engines.ranks.iter().map(|h| (h.config().engine_id.clone(), h.block_stats())).collect();
+    let gauge = |name, help, value: fn(&BlockStats) -> f64| Gauge {
         name,
         help,
-        samples: vec![GaugeSample { labels: labels(), value: value as f64 }],
+        samples: stats
+            .iter()
+            .map(|(id, s)| GaugeSample { labels: vec![("engine_id", id.clone())], value: value(s) })
+            .collect(),
     };
     let extra = [
-        gauge("pdflow_blocks_total", "KV blocks of the engine.", stats.total),
-        gauge(
-            "pdflow_blocks_held",
-            "KV blocks allocated, including those held for a transfer (delayed free).",
-            stats.total.saturating_sub(stats.free),
-        ),
+        gauge("pdflow_blocks_total", "KV blocks of the engine.", |s| s.total as f64),
+        gauge("pdflow_blocks_held", "KV blocks allocated, including those held for a transfer (delayed free).", |s| {
+            s.total.saturating_sub(s.free) as f64
+        }),
         gauge(
             "pdflow_requests_held",
             "Requests the scheduler holds, including finished ones awaiting a delayed free.",
-            stats.requests,
+            |s| s.requests as f64,
         ),
+        gauge("pdflow_requests_finished", "Requests the engine finished (any status) since it started.", |s| {
+            s.finished as f64
+        }),
     ];
     ([(header::CONTENT_TYPE, m::CONTENT_TYPE)], m::global().render_with(&extra)).into_response()
 }
@@ -197,7 +261,11 @@ fn build_generation(
     Ok(Generation { chat, request, stream, role })
 }
 
-async fn completions(State(handle): State<EngineHandle>, headers: HeaderMap, body: Bytes) -> Response {
+async fn completions(State(engines): State<Engines>, headers: HeaderMap, body: Bytes) -> Response {
+    let handle = match engines.pick(&headers) {
+        Ok(h) => h,
+        Err(e) => return e.into_response(),
+    };
     let req: CompletionRequest = match parse_json(&body) {
         Ok(r) => r,
         Err(e) => return e.into_response(),
@@ -216,7 +284,11 @@ async fn completions(State(handle): State<EngineHandle>, headers: HeaderMap, bod
     }
 }
 
-async fn chat_completions(State(handle): State<EngineHandle>, headers: HeaderMap, body: Bytes) -> Response {
+async fn chat_completions(State(engines): State<Engines>, headers: HeaderMap, body: Bytes) -> Response {
+    let handle = match engines.pick(&headers) {
+        Ok(h) => h,
+        Err(e) => return e.into_response(),
+    };
     let req: ChatCompletionRequest = match parse_json(&body) {
         Ok(r) => r,
         Err(e) => return e.into_response(),

@@ -262,6 +262,7 @@ impl LocalCluster {
             kv_device: opts.device.of(role),
             faults: pdflow_actors::fault_seam::no_faults(),
             parallel: if role.produces() { opts.prefill } else { opts.decode },
+            dp_rank: 0,
         };
         let prefill = EngineNode::start(node_cfg(
             KvRole::Producer,

@@ -126,6 +126,20 @@ def _tp_rank_and_size(vllm_config: "VllmConfig") -> tuple[int, int]:
     return rank, size
 
 
+def _dp_rank_and_bootstrap(vllm_config: "VllmConfig", tp_rank: int) -> tuple[int, bool]:
+    """The engine's data-parallel rank (P's workers register under it at the bootstrap), and
+    whether this worker launches the bootstrap: vLLM's rule — tensor rank 0 of the first
+    data-parallel engine, or of each node's first with external load balancing."""
+    pc = vllm_config.parallel_config
+    local_only = bool(getattr(pc, "local_engines_only", False))
+    dp_local = int(getattr(pc, "data_parallel_rank_local", 0) or 0)
+    index = getattr(pc, "data_parallel_index", None)
+    dp = int(index if index is not None else getattr(pc, "data_parallel_rank", 0) or 0)
+    if local_only:
+        return dp_local, tp_rank == 0 and dp_local == 0
+    return dp, tp_rank == 0 and dp == 0
+
+
 def _total_kv_heads(vllm_config: "VllmConfig", default: int) -> int:
     """The model's KV heads before tensor parallelism shards them."""
     try:
@@ -287,6 +301,7 @@ class PdflowConnector(KVConnectorBase_V1, SupportsHMA):
             first += count
         num_blocks, heads, block_size, head_dim, dtype_bytes = geometry
         tp_rank, tp_size = _tp_rank_and_size(self._vllm_config)
+        dp_rank, launches_bootstrap = _dp_rank_and_bootstrap(self._vllm_config, tp_rank)
         pp_size = int(getattr(self._vllm_config.parallel_config, "pipeline_parallel_size", 1) or 1)
         if pp_size > 1:
             raise ConfigError(
@@ -305,6 +320,8 @@ class PdflowConnector(KVConnectorBase_V1, SupportsHMA):
             tp_size,
             device,
             total_kv_heads=_total_kv_heads(self._vllm_config, heads * tp_size),
+            dp_rank=dp_rank,
+            launches_bootstrap=launches_bootstrap,
         )
         logger.info("pdflow connector registered %d KV regions of %d blocks: %s", len(regions), num_blocks, info)
 

@@ -96,6 +96,7 @@ pub fn node_cfg(
         kv_device: None,
         faults: faults.clone(),
         parallel: if role.produces() { spec.prefill_parallel } else { spec.decode_parallel },
+        dp_rank: 0,
     }
 }
 
