@@ -129,8 +129,9 @@ async fn layer_wise_kills_mid_stream_end_cleanly_with_correct_tokens_and_no_leak
 }
 
 /// Sharded engines: one P rank's send worker or listener killed as its write starts (the other
-/// rank's write goes on), P killed whole, D's receiver killed: each ends within its deadline with
-/// the reference tokens or a clean failure, and no block is held on P or D afterwards.
+/// rank's write goes on), P killed whole, D's receiver killed, a byte of one pair's KV altered:
+/// each ends within its deadline with the reference tokens or a clean failure, and no block is
+/// held on P or D afterwards.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_p_rank_killed_mid_transfer_ends_cleanly_across_ranks() {
     for (p, d) in [(Parallel { tp: 2, pp: 1 }, Parallel::default()), (Parallel::default(), Parallel { tp: 2, pp: 1 })] {
@@ -152,6 +153,12 @@ async fn a_p_rank_killed_mid_transfer_ends_cleanly_across_ranks() {
                     &[Outcome::Recomputed, Outcome::FailedClean],
                 ),
                 (cell("receiver", kill(ActorKind::Receiver, Role::D, 29, When::Begin)), &[Outcome::Recomputed]),
+                // One byte of one pair's share altered on the link: D's digest of that share
+                // (each pull's share is 12 KiB of the 24 KiB prompt) catches it and recomputes.
+                (
+                    cell("send_worker", Fault::new(29, When::Begin, FaultAction::FlipData { at_byte: 4_000 })),
+                    &[Outcome::Recomputed],
+                ),
             ],
         )
         .await;

@@ -106,6 +106,16 @@ struct Pull {
     engine_id: EngineId,
     worker_addr: String,
     reqs: Vec<RequestId>,
+    /// The P rank it reads, between sharded engines (its digests cover the pair's share).
+    p_rank: Option<PRank>,
+}
+
+/// A P worker's place in its engine of `world` (tp, pp) workers.
+#[derive(Debug, Clone, Copy)]
+struct PRank {
+    tp_rank: u32,
+    pp_rank: u32,
+    world: (u32, u32),
 }
 
 /// One bootstrap look-up in flight, with the requests queued behind it.
@@ -321,7 +331,9 @@ impl Receiver {
     /// With `verify_checksums`, D's blocks of `req` against P's digests of what it wrote: the
     /// failure of the load when a block differs (or D cannot read its blocks); `None` when they
     /// match or nothing is to be checked. The bytes landed before P answered (its write was acked).
-    fn check_digests(&self, req: &RequestId, p_digests: &[u64]) -> Option<LoadFailure> {
+    /// From a P rank of a sharded engine (`p_rank`), the digests cover the pair's share of each
+    /// block ([`pdflow_kv::topology::share_digests`]).
+    fn check_digests(&self, req: &RequestId, p_digests: &[u64], p_rank: Option<PRank>) -> Option<LoadFailure> {
         if !self.args.verify_checksums {
             return None;
         }
@@ -338,7 +350,7 @@ impl Receiver {
                 blocks.len()
             ));
         }
-        let d_digests = match self.args.kv_cache.block_digests(blocks) {
+        let d_digests = match self.d_digests(blocks, p_rank) {
             Ok(d) => d,
             Err(e) => return mismatch(format!("D cannot read its blocks to check them ({e}): the KV is not used")),
         };
@@ -353,6 +365,25 @@ impl Receiver {
             blocks.len(),
             &differ[..differ.len().min(8)]
         ))
+    }
+
+    /// D's digests of `blocks`: whole blocks, or the share P rank `p_rank` wrote into them.
+    fn d_digests(&self, blocks: &[pdflow_messages::BlockId], p_rank: Option<PRank>) -> Result<Vec<u64>, String> {
+        let Some(p) = p_rank else { return self.args.kv_cache.block_digests(blocks).map_err(|e| e.to_string()) };
+        let me = &self.args.rank;
+        let p_topology = me.engine_of(p.world.0, p.world.1).map_err(|e| format!("P's ranks: {e}"))?;
+        let d_topology = me.topology().map_err(|e| format!("D's ranks: {e}"))?;
+        let p_index = p.pp_rank as usize * p.world.0 as usize + p.tp_rank as usize;
+        let share = pdflow_kv::topology::pair_share(&p_topology, &d_topology, &me.heads(), (p_index, me.index()))
+            .map_err(|e| e.to_string())?;
+        pdflow_kv::topology::share_digests(
+            &self.args.kv_cache,
+            &d_topology.ranks()[me.index()],
+            &me.heads(),
+            &share,
+            blocks,
+        )
+        .map_err(|e| e.to_string())
     }
 
     fn settle(&mut self, req: &RequestId, pull_id: u64, failure: Option<LoadFailure>) {
@@ -371,7 +402,13 @@ impl Receiver {
     }
 
     /// Spawns one PullTask for `reqs` (already in `in_flight`) to one P worker.
-    async fn spawn_pull(&mut self, engine_id: &str, worker_addr: &str, reqs: &[RequestId], me: &ActorRef<Self>) {
+    async fn spawn_pull(
+        &mut self,
+        engine_id: &str,
+        (worker_addr, p_rank): (&str, Option<PRank>),
+        reqs: &[RequestId],
+        me: &ActorRef<Self>,
+    ) {
         let pull_id = self.next_pull_id;
         self.next_pull_id = self.next_pull_id.wrapping_add(1);
         let include_layout = self.layout_acks.get(worker_addr) != Some(&self.layout.layout_id);
@@ -430,7 +467,13 @@ impl Receiver {
         }
         self.pulls.insert(
             pull_id,
-            Pull { task, engine_id: engine_id.into(), worker_addr: worker_addr.to_string(), reqs: reqs.to_vec() },
+            Pull {
+                task,
+                engine_id: engine_id.into(),
+                worker_addr: worker_addr.to_string(),
+                reqs: reqs.to_vec(),
+                p_rank,
+            },
         );
     }
 
@@ -452,6 +495,8 @@ impl Receiver {
                 return;
             }
         };
+        let world = lookup::world(workers);
+        let ranked = world != (1, 1) || !self.args.rank.is_single();
         let reqs: Vec<RequestId> = metas.iter().map(|m| m.d_req_id.clone()).collect();
         for meta in metas {
             let fence = self.new_fence();
@@ -460,7 +505,8 @@ impl Receiver {
             self.in_flight.insert(recv.meta.d_req_id.clone(), recv);
         }
         for peer in peers {
-            self.spawn_pull(engine_id, &peer.addr, &reqs, me).await;
+            let p_rank = ranked.then_some(PRank { tp_rank: peer.tp_rank, pp_rank: peer.pp_rank, world });
+            self.spawn_pull(engine_id, (&peer.addr, p_rank), &reqs, me).await;
         }
     }
 
@@ -625,8 +671,11 @@ impl Message<PullOutcome> for Receiver {
             self.layout_acks.insert(pull.worker_addr.clone(), acked);
         }
         for req in &msg.ok_reqs {
-            let failure =
-                msg.digests.iter().find(|d| &d.d_req_id == req).and_then(|d| self.check_digests(req, &d.digests));
+            let failure = msg
+                .digests
+                .iter()
+                .find(|d| &d.d_req_id == req)
+                .and_then(|d| self.check_digests(req, &d.digests, pull.p_rank));
             self.settle(req, pull_id, failure);
         }
         let mut retry = Vec::new();
@@ -656,7 +705,7 @@ impl Message<PullOutcome> for Receiver {
             tracing::info!(pull_id, worker_addr = %pull.worker_addr, "P does not know D's layout: pulling again with the full layout");
             self.layout_acks.remove(&pull.worker_addr);
             let me = ctx.actor_ref().clone();
-            self.spawn_pull(&pull.engine_id, &pull.worker_addr, &retry, &me).await;
+            self.spawn_pull(&pull.engine_id, (&pull.worker_addr, pull.p_rank), &retry, &me).await;
         }
     }
 }

@@ -29,9 +29,12 @@
 //!   empty pull for a P replica nobody reads), and [`plan_pair`], one pair's plan alone.
 //! - [`PairPlan::to_transfer_plan`] — one pair's offsets → addresses in both ranks' registered
 //!   regions, as the existing engines execute them.
+//! - [`pair_share`] / [`share_digests`] — the (layer, head) runs a pair moves, and their per-block
+//!   digests on either end (`verify_checksums` across ranks).
 
 mod address;
 mod coalesce;
+mod digest;
 mod error;
 mod layout;
 mod partition;
@@ -48,6 +51,7 @@ mod sim;
 mod tests;
 
 pub use address::AddressError;
+pub use digest::{pair_share, share_digests, ShareDigestError};
 pub use error::{RankPlanError, Side, TopologyError};
 pub use layout::{HeadLayout, RankLayout, Topology};
 pub use partition::{pp_partition, tp_heads};

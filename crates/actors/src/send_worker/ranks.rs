@@ -8,7 +8,7 @@
 //! pulls leaves the blocks to the send expiry, as a single pull does.
 
 use pdflow_kv::planner::TransferPlan;
-use pdflow_kv::topology::{align_tail, plan_pair, pullers_of};
+use pdflow_kv::topology::{align_tail, pair_share, plan_pair, pullers_of, share_digests};
 use pdflow_messages::send_worker::{DRank, ServePull};
 use pdflow_messages::BlockId;
 
@@ -59,5 +59,31 @@ impl SendWorker {
         let plan =
             pair.to_transfer_plan(&self.args.kv_cache.regions(), &pull.layout.regions).map_err(|e| e.to_string())?;
         Ok(TransferPlan { fence: pull.fence, ..plan })
+    }
+
+    /// With `verify_checksums`, P's digest of the pair's share of each block it is about to
+    /// write ([`pdflow_kv::topology::share_digests`]); D digests the same runs of its blocks once
+    /// they landed. Empty when off, when the pair moves nothing, or when P cannot read them (D
+    /// then checks nothing).
+    pub(super) fn rank_digests(&self, pull: &ServePull, src_blocks: &[BlockId]) -> Vec<u64> {
+        if !self.args.verify_checksums {
+            return Vec::new();
+        }
+        let me = self.args.rank;
+        let digests = (|| -> Result<Vec<u64>, String> {
+            let p = me.topology().map_err(|e| e.to_string())?;
+            let d = me.of_puller(pull.d_rank).topology().map_err(|e| e.to_string())?;
+            let share = pair_share(&p, &d, &me.heads(), (me.index(), self.d_index(pull))).map_err(|e| e.to_string())?;
+            if share.is_empty() {
+                return Ok(Vec::new());
+            }
+            let src_blocks = align_tail(src_blocks, &pull.block_ids).map_err(|e| e.to_string())?;
+            share_digests(&self.args.kv_cache, &p.ranks()[me.index()], &me.heads(), &share, src_blocks)
+                .map_err(|e| e.to_string())
+        })();
+        digests.unwrap_or_else(|e| {
+            tracing::warn!(transfer_id = %self.args.transfer_id, error = %e, "cannot digest P's share: D will not check it");
+            Vec::new()
+        })
     }
 }

@@ -62,8 +62,9 @@ impl SendWorker {
                 (plan, span, (0, 0))
             }
         };
-        // Across ranks each pair moves a share of each block: nothing for D to compare whole blocks to.
-        let digests = if self.ranked(&pull) { Vec::new() } else { self.block_digests(&src_blocks) };
+        // Across ranks each pair moves a share of each block: its digests cover that share.
+        let digests =
+            if self.ranked(&pull) { self.rank_digests(&pull, &src_blocks) } else { self.block_digests(&src_blocks) };
         // No byte after D's pull deadline (less a margin): D gives the blocks up then.
         let plan = TransferPlan { write_by: pull.write_by, ..plan };
         let transfer = self.args.faults.data_engine(
