@@ -28,13 +28,15 @@ import sys
 
 SHAPES = {
     "tiny": dict(num_hidden_layers=4, num_key_value_heads=2, head_dim=64, hidden_size=256, num_attention_heads=4, intermediate_size=512),
+    # One KV head: at tensor-parallel size 2 each rank holds a replica of it.
+    "one-kv-head": dict(num_hidden_layers=4, num_key_value_heads=1, head_dim=64, hidden_size=256, num_attention_heads=2, intermediate_size=512),
     "seed": dict(num_hidden_layers=36, num_key_value_heads=8, head_dim=64, hidden_size=256, num_attention_heads=8, intermediate_size=512),
 }
 #: float32: on CPUs with AMX, vLLM 0.32's CPU attention runs bf16 at block sizes that are multiples
 #: of 32 on its AMX kernel, which dies (SIGILL) when a request resumes mid-block after an external
 #: KV load, as every P/D connector's D does; float32 runs the portable kernel. Greedy tokens of two
 #: servers also compare exactly in float32.
-DTYPES = {"tiny": "float32", "seed": "float32"}
+DTYPES = {"tiny": "float32", "one-kv-head": "float32", "seed": "float32"}
 VOCAB = 2048
 MAX_POSITIONS = 4096
 CHAT_TEMPLATE = (

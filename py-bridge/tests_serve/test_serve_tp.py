@@ -1,7 +1,8 @@
 """Tensor parallelism inside real `vllm serve` (the CPU build): P at TP 2 → D at TP 1, P at TP 1 →
 D at TP 2 and TP 2 on both, through `pdflow proxy`. Each rank of a TP 2 server is its own worker
 process with half the model's KV heads; each D rank pulls its heads from the P ranks holding them.
-The outputs equal a server's alone, and D loads the prompt from P."""
+The outputs equal a server's alone, and D loads the prompt from P. A model with one KV head at
+TP 2 holds a replica of it on each rank: one P rank sends it, and the D rank reads it once."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import time
 import pytest
 
 import cluster
+import make_model
 from cluster import PdflowProxy, VllmServer, completion_tokens, connector_config, explain, free_port, post, prompt_of
 
 BLOCK = 32
@@ -36,13 +38,29 @@ def _completion(prompt: list[int]) -> dict:
 
 @pytest.mark.parametrize("p_tp,d_tp", [(2, 1), (1, 2), (2, 2)])
 def test_tp_between_p_and_d_outputs_equal_one_server(model_dir, pdflow_bin, log_dir, p_tp, d_tp):
+    _p_to_d_equals_one_server(model_dir, log_dir, p_tp, d_tp, "")
+
+
+@pytest.fixture(scope="module")
+def one_kv_head_model():
+    out = cluster.REPO / "target" / "vllm-models" / "one-kv-head"
+    make_model.make(str(out), "one-kv-head")
+    return out
+
+
+@pytest.mark.parametrize("p_tp,d_tp", [(2, 1), (1, 2)])
+def test_replicated_kv_head_between_p_and_d(one_kv_head_model, pdflow_bin, log_dir, p_tp, d_tp):
+    _p_to_d_equals_one_server(one_kv_head_model, log_dir, p_tp, d_tp, "-1kv")
+
+
+def _p_to_d_equals_one_server(model_dir, log_dir, p_tp: int, d_tp: int, tag: str) -> None:
     port = free_port()
-    p = _server(f"p-tp{p_tp}", model_dir, log_dir, "kv_producer", p_tp, 0, bootstrap_port=port)
-    d = _server(f"d-tp{d_tp}", model_dir, log_dir, "kv_consumer", d_tp, 1, pull_timeout_s=D_PULL_TIMEOUT_S)
+    p = _server(f"p-tp{p_tp}{tag}", model_dir, log_dir, "kv_producer", p_tp, 0, bootstrap_port=port)
+    d = _server(f"d-tp{d_tp}{tag}", model_dir, log_dir, "kv_consumer", d_tp, 1, pull_timeout_s=D_PULL_TIMEOUT_S)
     proxy = None
     try:
         cluster.start_all([p, d])
-        proxy = PdflowProxy(f"proxy-tp{p_tp}{d_tp}", [(p.url, port)], [d.url], log_dir)
+        proxy = PdflowProxy(f"proxy-tp{p_tp}{d_tp}{tag}", [(p.url, port)], [d.url], log_dir)
         proxy.wait_ready(time.monotonic() + 60)
         # A TP 1 server alone (a request without kv_transfer_params runs where it is sent); at
         # TP 2 on both sides, a TP 2 server alone.
