@@ -208,6 +208,31 @@ async fn p_err_reqs_fail_with_cause_and_detail() {
     assert_eq!(failure.to_string(), "ready_timeout: prefill never finished");
 }
 
+/// A P worker refusing a pull as `layout_mismatch` (P's engine has other ranks than the table D
+/// cached): the load fails with that cause, and D's next request for the engine looks it up at
+/// the bootstrap again instead of pulling by the stale table.
+#[tokio::test]
+async fn layout_mismatch_drops_the_cached_p_engine() {
+    let mut h = Harness::start(Duration::from_secs(5)).await;
+    h.pull(vec![h.meta("a", vec![1])]).await;
+    let (id, pull) = h.next_pull().await;
+    assert_eq!(h.bootstrap.calls(), 1);
+    let err = PullErr {
+        d_req_id: "a".into(),
+        cause: PullErrorCause::LayoutMismatch,
+        detail: "P has 2 tensor-parallel ranks, the pull saw 1".into(),
+    };
+    h.p.reply(&id, &PullResponse { err_reqs: vec![err], ..finish(&pull, &[]) });
+    let out = h.settled("a", WAIT).await;
+    assert_eq!(out.failed_recving["a"].cause, LoadFailureCause::Pull(PullErrorCause::LayoutMismatch), "{out:?}");
+
+    h.pull(vec![h.meta("b", vec![2])]).await;
+    let (id, pull) = h.next_pull().await;
+    assert_eq!(h.bootstrap.calls(), 2, "the engine is looked up again");
+    h.p.reply(&id, &finish(&pull, &["b"]));
+    assert!(h.settled("b", WAIT).await.finished_recving.contains("b"));
+}
+
 #[tokio::test]
 async fn silent_p_fails_after_pull_timeout_not_later() {
     let timeout = Duration::from_millis(300);
