@@ -47,8 +47,14 @@ async fn run_on(spec: chaos::ChaosSpec, cells: Vec<(CellSpec, &[Outcome])>) {
     };
     let mut failures = Vec::new();
     for (i, (spec, allowed)) in cells.iter().enumerate() {
-        let r = chaos::run_cell(spec, 100 + i as u64, &env).await;
+        let mut r = chaos::run_cell(spec, 100 + i as u64, &env).await;
         eprintln!("{}", chaos::render_row(&r));
+        if r.passed && !r.hit {
+            // The request took another path before the fault's step (on a loaded machine, e.g. a
+            // pull past its deadline before P's write began): run the cell once more; it must hit.
+            r = chaos::run_cell(spec, 200 + i as u64, &env).await;
+            eprintln!("{} (run again: the first found nothing to hit)", chaos::render_row(&r));
+        }
         if !r.passed || !r.hit || !allowed.contains(&r.outcome) {
             failures.push(format!(
                 "{}: outcome {:?} (allowed {allowed:?}), hit {}, {}",
