@@ -154,9 +154,11 @@ async fn a_p_rank_killed_mid_transfer_ends_cleanly_across_ranks() {
                     cell("sender_listener", kill(ActorKind::SenderListener, Role::P, 29, When::Begin)),
                     &[Outcome::Recomputed],
                 ),
+                // The node dies a moment after the first rank's write begins: each pair's write is
+                // 12 KiB, so all may have landed by then — the right tokens, nothing held.
                 (
                     cell("node.p", Fault::new(29, When::Begin, FaultAction::KillNode { node: NodeKind::P })),
-                    &[Outcome::Recomputed, Outcome::FailedClean],
+                    &[Outcome::Recomputed, Outcome::FailedClean, Outcome::Completed],
                 ),
                 (cell("receiver", kill(ActorKind::Receiver, Role::D, 29, When::Begin)), &[Outcome::Recomputed]),
                 // One byte of one pair's share altered on the link: D's digest of that share
