@@ -66,11 +66,6 @@ impl DataParallelGroup {
         }
     }
 
-    /// `http://host:port` of the group's API.
-    pub fn url(&self) -> String {
-        format!("http://{}", self.http_addr)
-    }
-
     /// Stops the group's API, then the engines (rank 0, which may hold the bootstrap, last).
     pub async fn shutdown(self) {
         stop_http(self.http_stop, self.http_task).await;
