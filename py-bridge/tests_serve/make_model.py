@@ -1,8 +1,9 @@
 """Makes a small Qwen3 model that real `vllm serve` loads on a CPU, with nothing downloaded.
 
-    python make_model.py OUT_DIR [--shape tiny|seed]
+    python make_model.py OUT_DIR [--shape tiny|one-kv-head|seed|mla]
 
-Weights are random from a fixed seed (`transformers`' Qwen3ForCausalLM, safetensors); the
+Weights are random from a fixed seed (`transformers`' Qwen3ForCausalLM, safetensors; DeepSeek-V2
+for `mla`); the
 tokenizer is a byte-level BPE trained here with `tokenizers` on generated text, with bos/eos and a
 ChatML-like chat template. The same arguments give the same files. Shapes:
 
@@ -11,6 +12,9 @@ ChatML-like chat template. The same arguments give the same files. Shapes:
 - `seed`: the seed's KV bytes per token (Qwen3-8B's 36 layers × 8 KV heads × 128 × 2 B in bf16;
   here 36 × 8 × 64 × 4 B in float32) with a small hidden size: 147,456 B of KV per token, so a
   1000-token prompt moves the seed's ~142 MiB.
+- `mla`: a DeepSeek-V2 with multi-head latent attention, 4 dense layers, one latent of 576 values
+  per token per layer (kv_lora_rank 512 + rope 64, what vLLM's CPU MLA kernel takes), float32:
+  9 KiB of KV per token, the same on every tensor-parallel rank.
 
 Plain random weights make a model that repeats one token whatever the prompt, which would hide a
 wrong KV. Scaled (embeddings ×50, q/k norms ×3, v/o projections ×10, output head ×25), it
@@ -31,12 +35,19 @@ SHAPES = {
     # One KV head: at tensor-parallel size 2 each rank holds a replica of it.
     "one-kv-head": dict(num_hidden_layers=4, num_key_value_heads=1, head_dim=64, hidden_size=256, num_attention_heads=2, intermediate_size=512),
     "seed": dict(num_hidden_layers=36, num_key_value_heads=8, head_dim=64, hidden_size=256, num_attention_heads=8, intermediate_size=512),
+    # DeepSeek-V2 attention: each layer caches one latent (kv_lora_rank + qk_rope_head_dim values per
+    # token); every layer dense (first_k_dense_replace = the layer count), so no MoE runs.
+    "mla": dict(
+        num_hidden_layers=4, num_key_value_heads=4, num_attention_heads=4, hidden_size=256, intermediate_size=512,
+        kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32, head_dim=64,
+        first_k_dense_replace=4, n_routed_experts=4, moe_intermediate_size=64, num_experts_per_tok=2,
+    ),
 }
 #: float32: on CPUs with AMX, vLLM 0.32's CPU attention runs bf16 at block sizes that are multiples
 #: of 32 on its AMX kernel, which dies (SIGILL) when a request resumes mid-block after an external
 #: KV load, as every P/D connector's D does; float32 runs the portable kernel. Greedy tokens of two
 #: servers also compare exactly in float32.
-DTYPES = {"tiny": "float32", "one-kv-head": "float32", "seed": "float32"}
+DTYPES = {"tiny": "float32", "one-kv-head": "float32", "seed": "float32", "mla": "float32"}
 VOCAB = 2048
 MAX_POSITIONS = 4096
 CHAT_TEMPLATE = (
@@ -73,10 +84,11 @@ def make_tokenizer(out: str, rng: random.Random) -> None:
 
 def make_weights(out: str, shape: dict, dtype: str, eos_id: int, bos_id: int) -> None:
     import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
+    mla = "kv_lora_rank" in shape
     torch.manual_seed(0)
-    config = Qwen3Config(
+    config = (DeepseekV2Config if mla else Qwen3Config)(
         vocab_size=VOCAB,
         max_position_embeddings=MAX_POSITIONS,
         rms_norm_eps=1e-6,
@@ -86,15 +98,20 @@ def make_weights(out: str, shape: dict, dtype: str, eos_id: int, bos_id: int) ->
         torch_dtype=dtype,
         **shape,
     )
-    model = Qwen3ForCausalLM(config)
+    model = (DeepseekV2ForCausalLM if mla else Qwen3ForCausalLM)(config)
     with torch.no_grad():  # see the module's doc
         model.model.embed_tokens.weight.mul_(50.0)
         model.lm_head.weight.mul_(25.0)
         for layer in model.model.layers:
-            layer.self_attn.q_norm.weight.mul_(3.0)
-            layer.self_attn.k_norm.weight.mul_(3.0)
-            layer.self_attn.v_proj.weight.mul_(10.0)
-            layer.self_attn.o_proj.weight.mul_(10.0)
+            attn = layer.self_attn
+            if mla:
+                attn.kv_a_layernorm.weight.mul_(3.0)
+                attn.kv_b_proj.weight.mul_(10.0)
+            else:
+                attn.q_norm.weight.mul_(3.0)
+                attn.k_norm.weight.mul_(3.0)
+                attn.v_proj.weight.mul_(10.0)
+            attn.o_proj.weight.mul_(10.0)
     model = model.to(getattr(torch, dtype))
     model.save_pretrained(out, safe_serialization=True)
     gen = {"bos_token_id": bos_id, "eos_token_id": eos_id, "do_sample": False}
@@ -103,6 +120,8 @@ def make_weights(out: str, shape: dict, dtype: str, eos_id: int, bos_id: int) ->
 
 
 def kv_bytes_per_token(shape: dict, dtype: str) -> int:
+    if "kv_lora_rank" in shape:  # one latent per layer, K and V together
+        return shape["num_hidden_layers"] * (shape["kv_lora_rank"] + shape["qk_rope_head_dim"]) * (4 if dtype == "float32" else 2)
     return 2 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * shape["head_dim"] * (4 if dtype == "float32" else 2)
 
 

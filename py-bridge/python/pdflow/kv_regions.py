@@ -28,8 +28,9 @@ class KvRegions(NamedTuple):
 
 
 def regions_of(kv_caches: dict[str, "torch.Tensor"]) -> KvRegions:
-    """One region per layer in the LBHNC layout (``[num_blocks, heads, block_size, 2*head_dim]``);
-    two per layer (K, V) in the split layout ``[2, num_blocks, ...]``. Every tensor is in host
+    """One region per layer in the LBHNC layout (``[num_blocks, heads, block_size, 2*head_dim]``)
+    and MLA's (``[num_blocks, block_size, latent]``: one head whose slot is the latent); two per
+    layer (K, V) in the split layout ``[2, num_blocks, ...]``. Every tensor is in host
     memory, or every one on the same CUDA device (a wheel built with ``--features cuda``)."""
     regions: list[tuple[int, int]] = []
     owners: list = []
@@ -57,6 +58,11 @@ def regions_of(kv_caches: dict[str, "torch.Tensor"]) -> KvRegions:
         if t.dim() == 4:
             num_blocks, heads, block_size, kv_dim = (int(x) for x in t.shape)
             parts = [t]
+        elif t.dim() == 3:
+            # MLA: one latent per token (K and V in one vector), the LBHNC layout of one "head".
+            num_blocks, block_size, kv_dim = (int(x) for x in t.shape)
+            heads = 1
+            parts = [t]
         elif t.dim() == 5 and int(t.shape[0]) == 2:
             _, num_blocks, a, b, d = (int(x) for x in t.shape)
             heads, block_size, kv_dim = a, b, d  # each of K and V is its own region
@@ -64,7 +70,8 @@ def regions_of(kv_caches: dict[str, "torch.Tensor"]) -> KvRegions:
         else:
             raise RegistrationError(
                 f"layer {name}: KV cache shape {tuple(t.shape)} is neither LBHNC "
-                "[num_blocks, heads, block_size, 2*head_dim] nor split [2, num_blocks, ...]"
+                "[num_blocks, heads, block_size, 2*head_dim], split [2, num_blocks, ...] nor MLA "
+                "[num_blocks, block_size, latent]"
             )
         if kv_dim % 2:
             raise RegistrationError(f"layer {name}: last dimension {kv_dim} is not K and V side by side")

@@ -141,8 +141,10 @@ def _dp_rank_and_bootstrap(vllm_config: "VllmConfig", tp_rank: int) -> tuple[int
 
 
 def _total_kv_heads(vllm_config: "VllmConfig", default: int) -> int:
-    """The model's KV heads before tensor parallelism shards them."""
+    """The model's KV heads before tensor parallelism shards them (MLA: one latent, on every rank)."""
     try:
+        if getattr(vllm_config.model_config, "use_mla", False):
+            return 1
         return int(vllm_config.model_config.get_total_num_kv_heads())
     except Exception:  # a test's stand-in config
         return default

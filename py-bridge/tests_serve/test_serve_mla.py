@@ -1,0 +1,104 @@
+"""Multi-head latent attention inside real `vllm serve` (the CPU build, its CPU_MLA backend): a
+DeepSeek-V2-shaped model whose every layer caches one latent of 576 values per token
+(`make_model.py --shape mla`). pdflow registers each layer's `[num_blocks, block_size, 576]` cache
+as one "head"; at tensor-parallel size 2 each rank holds the whole latent, so one P rank sends it
+to each D rank. P → D through `pdflow proxy` at TP 1 → 1, 2 → 1 and 1 → 2, with `verify_checksums`
+(D checks every block it loads against P's digests): D loads the prompt from P and continues as a
+server alone does.
+
+"As a server alone" is checked to the float rounding of vLLM's MLA. A server alone attends over
+the whole prompt in one prefill (the latent up-projected, SDPA); a D that loaded the prompt computes
+its last token as a decode over the cache (the absorbed kernel); at TP 2 the all-reduces round
+differently again. On this model those paths differ by up to ~0.3 in a token's logprob (vLLM's own
+ExampleConnector loads and a TP 2 server against a TP 1 one alike: docs/vllm-cpu.md), so a near
+tie can break the other way. Checked: the first token is the server's, and every token is, up to
+the first position where the server's best two are within `TIE_MARGIN`. A P whose KV is not the
+prompt's (another model's weights) fails this at the first or second token."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+import cluster
+import make_model
+from cluster import PdflowProxy, VllmServer, connector_config, explain, free_port, post, prompt_of
+
+#: vLLM's CPU MLA kernel runs block size 16 only (the platform forces it for MLA models).
+BLOCK = 16
+MAX_TOKENS = 12
+#: D's pull deadline; P's prefill runs inside it (see test_serve_tp.py).
+D_PULL_TIMEOUT_S = 90
+TIE_MARGIN = 0.5
+#: Tokens compared over the test's prompts, at least: the check is not all ties.
+MIN_COMPARED = 12
+TP2 = ["--tensor-parallel-size", "2", "--distributed-executor-backend", "mp"]
+
+
+@pytest.fixture(scope="module")
+def mla_model():
+    out = cluster.REPO / "target" / "vllm-models" / "mla"
+    make_model.make(str(out), "mla")
+    return out
+
+
+def _server(name, model_dir, log_dir, role: str, tp: int, core: int, **extra) -> VllmServer:
+    cfg = connector_config(role, policy="fail" if role == "kv_consumer" else None, extra={"verify_checksums": True, **extra},
+                           engine_id=name)  # fmt: skip
+    env = {"VLLM_CPU_OMP_THREADS_BIND": f"{core}|{core}"} if tp == 2 else None
+    return VllmServer(name, model_dir, log_dir, core=core, block_size=BLOCK, kv_transfer_config=cfg,
+                      env=env, extra_args=TP2 if tp == 2 else None)  # fmt: skip
+
+
+@pytest.mark.parametrize("p_tp,d_tp", [(1, 1), (2, 1), (1, 2)])
+def test_mla_between_p_and_d_continues_as_one_server(mla_model, pdflow_bin, log_dir, p_tp, d_tp):
+    port = free_port()
+    p = _server(f"p-mla-tp{p_tp}", mla_model, log_dir, "kv_producer", p_tp, 0, bootstrap_port=port)
+    d = _server(f"d-mla-tp{d_tp}", mla_model, log_dir, "kv_consumer", d_tp, 1, pull_timeout_s=D_PULL_TIMEOUT_S)
+    proxy = None
+    try:
+        cluster.start_all([p, d])
+        proxy = PdflowProxy(f"proxy-mla-{p_tp}{d_tp}", [(p.url, port)], [d.url], log_dir)
+        proxy.wait_ready(time.monotonic() + 60)
+        assert "CPU_MLA" in d.log_text(), "D runs vLLM's MLA attention backend"
+        # D alone (a request without kv_transfer_params runs where it is sent): its TP rounds as
+        # D's decode does; a TP 2 server and a TP 1 one alone part at near ties of ~0.5 here.
+        reference_url = d.url
+        src = "vllm:prompt_tokens_by_source_total"
+        before = d.metric(src, source="external_kv_transfer")
+        compared = 0
+        for length in (40, 3 * BLOCK + 5, 8 * BLOCK, BLOCK + 1):
+            prompt = prompt_of(length, seed=7100 + length)
+            status, alone = post(reference_url + "/v1/completions", _completion(prompt))
+            assert status == 200, f"{reference_url}: HTTP {status}: {alone}"
+            started = time.monotonic()
+            status, out = post(proxy.url + "/v1/completions", _completion(prompt))
+            took = time.monotonic() - started
+            assert status == 200, f"{length} tokens: HTTP {status} after {took:.1f} s: {out}\n{explain(p, d, proxy)}"
+            compared += _assert_continues_as(alone["choices"][0], out["choices"][0], length)
+        assert compared >= MIN_COMPARED, f"only {compared} tokens were clear of ties"
+        assert d.metric(src, source="external_kv_transfer") > before, "D loaded the prompts from P"
+    finally:
+        if proxy:
+            proxy.stop()
+        for s in (d, p):
+            s.stop()
+
+
+def _completion(prompt: list[int]) -> dict:
+    return {"model": cluster.MODEL_NAME, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0,
+            "ignore_eos": True, "return_token_ids": True, "logprobs": 2}  # fmt: skip
+
+
+def _assert_continues_as(alone: dict, pd: dict, length: int) -> int:
+    """`pd`'s tokens are `alone`'s: the first, and every one before `alone`'s first near tie.
+    Returns how many were compared."""
+    want, got = alone["token_ids"], pd["token_ids"]
+    assert got[0] == want[0], f"{length} tokens: first token {got[0]}, a server alone gives {want[0]} ({got} vs {want})"
+    for i, top in enumerate(alone["logprobs"]["top_logprobs"]):
+        best = sorted(top.values(), reverse=True)
+        if i > 0 and len(best) > 1 and best[0] - best[1] < TIE_MARGIN:
+            return i
+        assert got[i] == want[i], f"{length} tokens: token {i} is {got[i]}, a server alone gives {want[i]} ({got} vs {want})"
+    return len(want)
