@@ -2,9 +2,10 @@
 //! shards: what both ends of a pull need to pair D's ranks with P's (step 21) and to plan one
 //! pair's bytes (step 28) with [`pdflow_kv::topology`].
 
-use pdflow_kv::memory::KvShape;
-use pdflow_kv::topology::{HeadLayout, Topology, TopologyError};
+use pdflow_kv::memory::{KvCache, KvShape};
+use pdflow_kv::topology::{pair_share, share_digests, HeadLayout, Topology, TopologyError};
 use pdflow_messages::send_worker::DRank;
+use pdflow_messages::BlockId;
 
 /// One worker's place in its engine. `model` is the whole model's KV shape (every layer, every
 /// KV head); the worker's own cache holds its share of it.
@@ -53,4 +54,43 @@ impl WorkerRank {
     pub fn of_puller(&self, d: DRank) -> Self {
         Self { tp_size: d.tp_size, tp_rank: d.tp_rank, pp_size: d.pp_size, pp_rank: d.pp_rank, model: self.model }
     }
+
+    /// A peer worker's place, `tp_rank`/`pp_rank` of an engine of `world` (tp, pp) workers, with
+    /// this worker's model.
+    pub fn peer(&self, tp_rank: u32, pp_rank: u32, world: (u32, u32)) -> Self {
+        Self { tp_size: world.0, tp_rank, pp_size: world.1, pp_rank, model: self.model }
+    }
+}
+
+/// Which end of a pair a worker's own KV cache is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PairEnd {
+    /// P, digesting before it writes.
+    P,
+    /// D, digesting once the writes landed.
+    D,
+}
+
+/// With `verify_checksums` between sharded engines: per block of `blocks` (in `kv_cache`, the
+/// cache of the pair's `end`), the digest of the (layer, head) runs P worker `p` writes into D
+/// worker `d` ([`pdflow_kv::topology::share_digests`]). Both ends compute it alike, so equal
+/// digests mean D holds what P wrote. Empty when the pair moves nothing.
+pub fn pair_share_digests(
+    kv_cache: &KvCache,
+    (p, d): (&WorkerRank, &WorkerRank),
+    end: PairEnd,
+    blocks: &[BlockId],
+) -> Result<Vec<u64>, String> {
+    let p_topology = p.topology().map_err(|e| format!("P's ranks: {e}"))?;
+    let d_topology = d.topology().map_err(|e| format!("D's ranks: {e}"))?;
+    let heads = p.heads();
+    let share = pair_share(&p_topology, &d_topology, &heads, (p.index(), d.index())).map_err(|e| e.to_string())?;
+    if share.is_empty() {
+        return Ok(Vec::new());
+    }
+    let holder = match end {
+        PairEnd::P => &p_topology.ranks()[p.index()],
+        PairEnd::D => &d_topology.ranks()[d.index()],
+    };
+    share_digests(kv_cache, holder, &heads, &share, blocks).map_err(|e| e.to_string())
 }

@@ -47,7 +47,7 @@ use tracing::Instrument;
 
 use crate::fault_seam::{register_actor, ActorKind, Faults, Role};
 use crate::pull_task::{self, PullTask, PullTaskArgs};
-use crate::ranks::WorkerRank;
+use crate::ranks::{pair_share_digests, PairEnd, WorkerRank};
 use crate::side_channel_auth::PullAuth;
 use crate::ActorError;
 
@@ -107,15 +107,7 @@ struct Pull {
     worker_addr: String,
     reqs: Vec<RequestId>,
     /// The P rank it reads, between sharded engines (its digests cover the pair's share).
-    p_rank: Option<PRank>,
-}
-
-/// A P worker's place in its engine of `world` (tp, pp) workers.
-#[derive(Debug, Clone, Copy)]
-struct PRank {
-    tp_rank: u32,
-    pp_rank: u32,
-    world: (u32, u32),
+    p_rank: Option<WorkerRank>,
 }
 
 /// One bootstrap look-up in flight, with the requests queued behind it.
@@ -333,7 +325,7 @@ impl Receiver {
     /// match or nothing is to be checked. The bytes landed before P answered (its write was acked).
     /// From a P rank of a sharded engine (`p_rank`), the digests cover the pair's share of each
     /// block ([`pdflow_kv::topology::share_digests`]).
-    fn check_digests(&self, req: &RequestId, p_digests: &[u64], p_rank: Option<PRank>) -> Option<LoadFailure> {
+    fn check_digests(&self, req: &RequestId, p_digests: &[u64], p_rank: Option<WorkerRank>) -> Option<LoadFailure> {
         if !self.args.verify_checksums {
             return None;
         }
@@ -368,22 +360,9 @@ impl Receiver {
     }
 
     /// D's digests of `blocks`: whole blocks, or the share P rank `p_rank` wrote into them.
-    fn d_digests(&self, blocks: &[pdflow_messages::BlockId], p_rank: Option<PRank>) -> Result<Vec<u64>, String> {
+    fn d_digests(&self, blocks: &[pdflow_messages::BlockId], p_rank: Option<WorkerRank>) -> Result<Vec<u64>, String> {
         let Some(p) = p_rank else { return self.args.kv_cache.block_digests(blocks).map_err(|e| e.to_string()) };
-        let me = &self.args.rank;
-        let p_topology = me.engine_of(p.world.0, p.world.1).map_err(|e| format!("P's ranks: {e}"))?;
-        let d_topology = me.topology().map_err(|e| format!("D's ranks: {e}"))?;
-        let p_index = p.pp_rank as usize * p.world.0 as usize + p.tp_rank as usize;
-        let share = pdflow_kv::topology::pair_share(&p_topology, &d_topology, &me.heads(), (p_index, me.index()))
-            .map_err(|e| e.to_string())?;
-        pdflow_kv::topology::share_digests(
-            &self.args.kv_cache,
-            &d_topology.ranks()[me.index()],
-            &me.heads(),
-            &share,
-            blocks,
-        )
-        .map_err(|e| e.to_string())
+        pair_share_digests(&self.args.kv_cache, (&p, &self.args.rank), PairEnd::D, blocks)
     }
 
     fn settle(&mut self, req: &RequestId, pull_id: u64, failure: Option<LoadFailure>) {
@@ -405,7 +384,7 @@ impl Receiver {
     async fn spawn_pull(
         &mut self,
         engine_id: &str,
-        (worker_addr, p_rank): (&str, Option<PRank>),
+        (worker_addr, p_rank): (&str, Option<WorkerRank>),
         reqs: &[RequestId],
         me: &ActorRef<Self>,
     ) {
@@ -505,7 +484,7 @@ impl Receiver {
             self.in_flight.insert(recv.meta.d_req_id.clone(), recv);
         }
         for peer in peers {
-            let p_rank = ranked.then_some(PRank { tp_rank: peer.tp_rank, pp_rank: peer.pp_rank, world });
+            let p_rank = ranked.then(|| self.args.rank.peer(peer.tp_rank, peer.pp_rank, world));
             self.spawn_pull(engine_id, (&peer.addr, p_rank), &reqs, me).await;
         }
     }

@@ -8,11 +8,12 @@
 //! pulls leaves the blocks to the send expiry, as a single pull does.
 
 use pdflow_kv::planner::TransferPlan;
-use pdflow_kv::topology::{align_tail, pair_share, plan_pair, pullers_of, share_digests};
+use pdflow_kv::topology::{align_tail, plan_pair, pullers_of};
 use pdflow_messages::send_worker::{DRank, ServePull};
 use pdflow_messages::BlockId;
 
 use super::SendWorker;
+use crate::ranks::{pair_share_digests, PairEnd};
 
 impl SendWorker {
     /// Whether this pull is between sharded engines (else the one-to-one plan of step 28 serves).
@@ -70,17 +71,10 @@ impl SendWorker {
             return Vec::new();
         }
         let me = self.args.rank;
-        let digests = (|| -> Result<Vec<u64>, String> {
-            let p = me.topology().map_err(|e| e.to_string())?;
-            let d = me.of_puller(pull.d_rank).topology().map_err(|e| e.to_string())?;
-            let share = pair_share(&p, &d, &me.heads(), (me.index(), self.d_index(pull))).map_err(|e| e.to_string())?;
-            if share.is_empty() {
-                return Ok(Vec::new());
-            }
-            let src_blocks = align_tail(src_blocks, &pull.block_ids).map_err(|e| e.to_string())?;
-            share_digests(&self.args.kv_cache, &p.ranks()[me.index()], &me.heads(), &share, src_blocks)
-                .map_err(|e| e.to_string())
-        })();
+        let d = me.of_puller(pull.d_rank);
+        let digests = align_tail(src_blocks, &pull.block_ids)
+            .map_err(|e| e.to_string())
+            .and_then(|blocks| pair_share_digests(&self.args.kv_cache, (&me, &d), PairEnd::P, blocks));
         digests.unwrap_or_else(|e| {
             tracing::warn!(transfer_id = %self.args.transfer_id, error = %e, "cannot digest P's share: D will not check it");
             Vec::new()
