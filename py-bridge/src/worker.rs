@@ -195,7 +195,10 @@ impl WorkerBridge {
     /// URL (P) or data server address (D). `dp_rank`: the engine's data-parallel rank, which P's
     /// workers register under; `launches_bootstrap`: whether this worker launches the bootstrap
     /// (vLLM's rule: tp rank 0 of the first data-parallel engine) when none is configured.
-    #[pyo3(signature = (regions, num_blocks, num_kv_heads, block_size, head_dim, dtype_bytes, owner, tp_rank=0, tp_size=1, device=None, total_kv_heads=None, dp_rank=0, launches_bootstrap=None))]
+    /// `pp_rank` of `pp_size` pipeline stages: `regions` are the stage's layers, from
+    /// `first_layer` (the model has `total_layers`); they must be the stage's share of vLLM's
+    /// default split, which both ends of a pull plan with.
+    #[pyo3(signature = (regions, num_blocks, num_kv_heads, block_size, head_dim, dtype_bytes, owner, tp_rank=0, tp_size=1, device=None, total_kv_heads=None, dp_rank=0, launches_bootstrap=None, pp_rank=0, pp_size=1, total_layers=None, first_layer=None))]
     #[allow(clippy::too_many_arguments)]
     fn register_kv_caches<'py>(
         &self,
@@ -213,10 +216,20 @@ impl WorkerBridge {
         total_kv_heads: Option<usize>,
         dp_rank: u32,
         launches_bootstrap: Option<bool>,
+        pp_rank: u32,
+        pp_size: u32,
+        total_layers: Option<usize>,
+        first_layer: Option<usize>,
     ) -> PyResult<Bound<'py, PyDict>> {
         if tp_size == 0 || tp_rank >= tp_size {
             return Err(BridgeError::Config(format!(
                 "tensor parallel rank {tp_rank} of {tp_size}: not a rank of the group"
+            ))
+            .into());
+        }
+        if pp_size == 0 || pp_rank >= pp_size {
+            return Err(BridgeError::Config(format!(
+                "pipeline stage {pp_rank} of {pp_size}: not a stage of the engine"
             ))
             .into());
         }
@@ -242,16 +255,29 @@ impl WorkerBridge {
         let raw: Vec<(*mut u8, usize)> = regions.iter().map(|&(addr, len)| (addr as *mut u8, len)).collect();
         let kv_cache = register_memory(shape, num_blocks, &raw, owner, device)?;
         // This worker holds its share of the model's KV heads (all of them at TP 1; one, replicated,
-        // when the group is larger than the heads).
+        // when the group is larger than the heads) and its stage's layers.
         let total = total_kv_heads.unwrap_or(num_kv_heads * tp_size as usize);
-        let rank =
-            WorkerRank { tp_size, tp_rank, pp_size: 1, pp_rank: 0, model: KvShape { num_kv_heads: total, ..shape } };
-        let local = rank.topology().map(|t| t.ranks()[rank.index()].heads.len()).map_err(|e| {
-            BridgeError::Registration(format!("tensor parallel size {tp_size} over {total} KV heads: {e}"))
+        let layers = total_layers.unwrap_or(regions.len() * pp_size as usize);
+        let model = KvShape { num_kv_heads: total, num_layers: layers, ..shape };
+        let rank = WorkerRank { tp_size, tp_rank, pp_size, pp_rank, model };
+        let held = rank.topology().map(|t| t.ranks()[rank.index()].clone()).map_err(|e| {
+            BridgeError::Registration(format!(
+                "tensor parallel size {tp_size} over {total} KV heads, {pp_size} pipeline stages over {layers} layers: {e}"
+            ))
         })?;
-        if local != num_kv_heads {
+        if held.heads.len() != num_kv_heads {
             return Err(BridgeError::Registration(format!(
-                "this worker's KV cache holds {num_kv_heads} heads but rank {tp_rank} of {tp_size} over {total} KV heads holds {local}: vLLM shards the heads differently"
+                "this worker's KV cache holds {num_kv_heads} heads but rank {tp_rank} of {tp_size} over {total} KV heads holds {}: vLLM shards the heads differently",
+                held.heads.len()
+            ))
+            .into());
+        }
+        if held.layers.len() != regions.len() || first_layer.is_some_and(|first| first != held.layers.start) {
+            return Err(BridgeError::Registration(format!(
+                "pipeline stage {pp_rank} of {pp_size} registered {} layers from layer {}, but vLLM's default split of {layers} layers gives it layers {:?}: pdflow plans with that split (unset VLLM_PP_LAYER_PARTITION)",
+                regions.len(),
+                first_layer.map_or_else(|| "?".to_string(), |f| f.to_string()),
+                held.layers
             ))
             .into());
         }

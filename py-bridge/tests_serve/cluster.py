@@ -159,7 +159,10 @@ class VllmServer(Process):
     float32 by default: on CPUs with AMX, vLLM 0.32's CPU attention picks its AMX kernel for bf16
     at block sizes that are multiples of 32, and that kernel dies with SIGILL when a request
     resumes mid-block after an external KV load (any P/D connector's D, whose first step computes
-    the prompt's last token); float32 runs the portable kernel."""
+    the prompt's last token); float32 runs the portable kernel.
+
+    `eager=False` lets vLLM compile the model (slower to start): its warm-up run is what allocates
+    the buffer a later pipeline stage receives activations in, so pipeline parallelism needs it."""
 
     def __init__(
         self,
@@ -173,6 +176,7 @@ class VllmServer(Process):
         kv_transfer_config: Optional[str] = None,
         env: Optional[dict[str, str]] = None,
         extra_args: Optional[list[str]] = None,
+        eager: bool = True,
     ):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -184,7 +188,7 @@ class VllmServer(Process):
             "--block-size", str(block_size),
             "--max-model-len", "2048",
             "--max-num-seqs", "32",
-            "--enforce-eager",
+            *(["--enforce-eager"] if eager else []),
             "--dtype", dtype,
             "--shutdown-timeout", "5",
         ]  # fmt: skip

@@ -81,6 +81,10 @@ class WorkerConnector:
         total_kv_heads: Optional[int] = None,
         dp_rank: int = 0,
         launches_bootstrap: Optional[bool] = None,
+        pp_rank: int = 0,
+        pp_size: int = 1,
+        total_layers: Optional[int] = None,
+        first_layer: Optional[int] = None,
     ) -> dict[str, Any]: ...
     def start_load_kv(self, metadata: bytes) -> None: ...
     def bind_reqs_to_save(self, metadata: bytes) -> None: ...

@@ -15,6 +15,7 @@ actors work. Seed steps: 2–5 (start-up, `register_kv_caches`), 12–13 and 17�
 from __future__ import annotations
 
 import json
+import re
 from typing import TYPE_CHECKING, Any, Optional
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -124,6 +125,39 @@ def _tp_rank_and_size(vllm_config: "VllmConfig") -> tuple[int, int]:
     except Exception:  # no distributed group: a single-process engine (or a test)
         rank = 0
     return rank, size
+
+
+def _pp_rank_and_size(vllm_config: "VllmConfig") -> tuple[int, int]:
+    size = int(getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1) or 1)
+    try:
+        from vllm.distributed.parallel_state import get_pp_group
+
+        rank = int(get_pp_group().rank_in_group)
+    except Exception:  # no distributed group: a single-process engine (or a test)
+        rank = 0
+    return rank, size
+
+
+def _total_layers(vllm_config: "VllmConfig") -> Optional[int]:
+    """The model's layers over all pipeline stages (None for a test's stand-in config)."""
+    try:
+        return int(vllm_config.model_config.get_total_num_hidden_layers())
+    except Exception:
+        return None
+
+
+def _first_layer(names: list[str]) -> Optional[int]:
+    """The model layer index of the first of a stage's KV caches (``model.layers.12.self_attn.attn``
+    → 12), after checking the stage's layers are consecutive; None when the names carry none."""
+    indices = []
+    for name in names:
+        m = re.search(r"\.(\d+)\.", f".{name}.")
+        if m is None:
+            return None
+        indices.append(int(m.group(1)))
+    if indices != list(range(indices[0], indices[0] + len(indices))):
+        raise ConfigError(f"this worker's KV caches are not consecutive layers ({indices}): pdflow plans a stage as one range of layers")
+    return indices[0]
 
 
 def _dp_rank_and_bootstrap(vllm_config: "VllmConfig", tp_rank: int) -> tuple[int, bool]:
@@ -304,12 +338,7 @@ class PdflowConnector(KVConnectorBase_V1, SupportsHMA):
         num_blocks, heads, block_size, head_dim, dtype_bytes = geometry
         tp_rank, tp_size = _tp_rank_and_size(self._vllm_config)
         dp_rank, launches_bootstrap = _dp_rank_and_bootstrap(self._vllm_config, tp_rank)
-        pp_size = int(getattr(self._vllm_config.parallel_config, "pipeline_parallel_size", 1) or 1)
-        if pp_size > 1:
-            raise ConfigError(
-                f"pipeline_parallel_size {pp_size}: pdflow's vLLM connector shards over tensor-parallel "
-                "ranks only so far (pipeline stages run in `pdflow serve`, not inside vLLM)"
-            )
+        pp_rank, pp_size = _pp_rank_and_size(self._vllm_config)
         info = self._work().register_kv_caches(
             regions,
             num_blocks,
@@ -323,7 +352,12 @@ class PdflowConnector(KVConnectorBase_V1, SupportsHMA):
             device,
             total_kv_heads=_total_kv_heads(self._vllm_config, heads * tp_size),
             dp_rank=dp_rank,
-            launches_bootstrap=launches_bootstrap,
+            launches_bootstrap=launches_bootstrap and pp_rank == 0,
+            pp_rank=pp_rank,
+            pp_size=pp_size,
+            # A stage's layers are placed in the model's; one stage holds whatever vLLM registered.
+            total_layers=_total_layers(self._vllm_config) if pp_size > 1 else None,
+            first_layer=_first_layer(list(kv_caches)) if pp_size > 1 else None,
         )
         logger.info("pdflow connector registered %d KV regions of %d blocks: %s", len(regions), num_blocks, info)
 

@@ -1,0 +1,66 @@
+"""Pipeline parallelism inside real `vllm serve` (the CPU build): P at PP 2 → D at PP 1 and P at
+PP 1 → D at PP 2, through `pdflow proxy`. Each stage is its own worker process holding its share
+of the layers (vLLM's default split: layers 0–1 and 2–3 of the tiny model's 4); it registers at
+P's bootstrap under its pp_rank, and each D stage pulls its layers from the P stages holding them.
+The outputs equal a server's alone, and D loads the prompt from P.
+
+vLLM's CPU build runs PP only with the model compiled (`eager=False`): under `--enforce-eager` it
+skips the warm-up run that allocates a later stage's activation buffer, and that stage fails its
+first step (docs/vllm-cpu.md). Every server here is compiled alike, so greedy tokens compare
+exactly."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+import cluster
+from cluster import PdflowProxy, VllmServer, completion_tokens, connector_config, explain, free_port, post, prompt_of
+
+BLOCK = 32
+MAX_TOKENS = 12
+#: D's pull deadline; P's prefill runs inside it (see test_serve_tp.py).
+D_PULL_TIMEOUT_S = 90
+PP2 = ["--pipeline-parallel-size", "2", "--distributed-executor-backend", "mp"]
+
+
+def _server(name, model_dir, log_dir, role: str, pp: int, core: int, **extra) -> VllmServer:
+    cfg = connector_config(role, policy="fail" if role == "kv_consumer" else None, extra={"verify_checksums": True, **extra},
+                           engine_id=name)  # fmt: skip
+    # Both stages of a PP 2 server share its core, as a TP 2 server's ranks do (test_serve_tp.py).
+    env = {"VLLM_CPU_OMP_THREADS_BIND": f"{core}|{core}"} if pp == 2 else None
+    return VllmServer(name, model_dir, log_dir, core=core, block_size=BLOCK, kv_transfer_config=cfg,
+                      env=env, extra_args=PP2 if pp == 2 else None, eager=False)  # fmt: skip
+
+
+@pytest.mark.parametrize("p_pp,d_pp", [(2, 1), (1, 2)])
+def test_pp_between_p_and_d_outputs_equal_one_server(model_dir, pdflow_bin, log_dir, p_pp, d_pp):
+    port = free_port()
+    p = _server(f"p-pp{p_pp}", model_dir, log_dir, "kv_producer", p_pp, 0, bootstrap_port=port)
+    d = _server(f"d-pp{d_pp}", model_dir, log_dir, "kv_consumer", d_pp, 1, pull_timeout_s=D_PULL_TIMEOUT_S)
+    proxy = None
+    try:
+        cluster.start_all([p, d])
+        proxy = PdflowProxy(f"proxy-pp{p_pp}{d_pp}", [(p.url, port)], [d.url], log_dir)
+        proxy.wait_ready(time.monotonic() + 60)
+        src = "vllm:prompt_tokens_by_source_total"
+        before = d.metric(src, source="external_kv_transfer")
+        for length in (40, 3 * BLOCK + 5):
+            prompt = prompt_of(length, seed=7200 + length)
+            reference = completion_tokens(d.url, prompt, MAX_TOKENS)
+            body = {"model": cluster.MODEL_NAME, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0,
+                    "ignore_eos": True, "return_token_ids": True}  # fmt: skip
+            started = time.monotonic()
+            status, out = post(proxy.url + "/v1/completions", body)
+            took = time.monotonic() - started
+            assert status == 200, f"{length} tokens: HTTP {status} after {took:.1f} s: {out}\n{explain(p, d, proxy)}"
+            assert out["choices"][0]["token_ids"] == reference, length
+        assert d.metric(src, source="external_kv_transfer") > before, "D loaded the prompts from P"
+        stages = p if p_pp == 2 else d
+        assert stages.log_text().count("pdflow connector registered 2 KV regions") == 2, "each stage registered its 2 layers"
+    finally:
+        if proxy:
+            proxy.stop()
+        for s in (d, p):
+            s.stop()
