@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -285,6 +286,23 @@ class PdflowProxy(Process):
                 raise AssertionError(f"{self.name} exited before it was ready:\n{self.log_tail()}")
             time.sleep(0.1)
         raise AssertionError(f"{self.name} not ready in time (url {self.url or 'not printed'}):\n{self.log_tail()}")
+
+
+@contextmanager
+def p_and_d_behind_proxy(p: VllmServer, d: VllmServer, bootstrap_port: int, log_dir: Path, name: str) -> Iterator[PdflowProxy]:
+    """Waits for P and D, starts `pdflow proxy` in front of them and yields it once ready; stops
+    all three on the way out, whatever happened."""
+    proxy = None
+    try:
+        start_all([p, d])
+        proxy = PdflowProxy(name, [(p.url, bootstrap_port)], [d.url], log_dir)
+        proxy.wait_ready(time.monotonic() + 60)
+        yield proxy
+    finally:
+        if proxy:
+            proxy.stop()
+        for s in (d, p):
+            s.stop()
 
 
 def start_all(servers: list, deadline_s: float = READY_DEADLINE_S) -> None:

@@ -9,10 +9,11 @@ and continues as a server alone does.
 "As a server alone" is checked to the float rounding of vLLM's MLA. A server alone attends over
 the whole prompt in one prefill (the latent up-projected, SDPA); a D that loaded the prompt computes
 its last token as a decode over the cache (the absorbed kernel); at TP 2 the all-reduces round
-differently again. On this model those paths differ by up to ~0.3 in a token's logprob (vLLM's own
-ExampleConnector loads and a TP 2 server against a TP 1 one alike: docs/vllm-cpu.md), so a near
-tie can break the other way. Checked: the first token is the server's, and every token is, up to
-the first position where the server's best two are within `TIE_MARGIN`. A P whose KV is not the
+differently again. On this model those paths move a token's logprob by up to ~0.3, and a TP 2
+server parts from a TP 1 one at a margin of 0.54 (vLLM's own ExampleConnector loads and the two
+servers alone: docs/vllm-cpu.md), so a near tie can break the other way. Checked: the first token
+is the server's, and every token is, up to the first position where the server's best two are
+within `TIE_MARGIN`. A P whose KV is not the
 prompt's (another model's weights) fails this at the first or second token."""
 
 from __future__ import annotations
@@ -23,14 +24,14 @@ import pytest
 
 import cluster
 import make_model
-from cluster import PdflowProxy, VllmServer, connector_config, explain, free_port, post, prompt_of
+from cluster import VllmServer, connector_config, explain, free_port, post, prompt_of
 
 #: vLLM's CPU MLA kernel runs block size 16 only (the platform forces it for MLA models).
 BLOCK = 16
 MAX_TOKENS = 12
 #: D's pull deadline; P's prefill runs inside it (see test_serve_tp.py).
 D_PULL_TIMEOUT_S = 90
-TIE_MARGIN = 0.5
+TIE_MARGIN = 1.0
 #: Tokens compared over the test's prompts, at least: the check is not all ties.
 MIN_COMPARED = 12
 TP2 = ["--tensor-parallel-size", "2", "--distributed-executor-backend", "mp"]
@@ -56,19 +57,15 @@ def test_mla_between_p_and_d_continues_as_one_server(mla_model, pdflow_bin, log_
     port = free_port()
     p = _server(f"p-mla-tp{p_tp}", mla_model, log_dir, "kv_producer", p_tp, 0, bootstrap_port=port)
     d = _server(f"d-mla-tp{d_tp}", mla_model, log_dir, "kv_consumer", d_tp, 1, pull_timeout_s=D_PULL_TIMEOUT_S)
-    proxy = None
-    try:
-        cluster.start_all([p, d])
-        proxy = PdflowProxy(f"proxy-mla-{p_tp}{d_tp}", [(p.url, port)], [d.url], log_dir)
-        proxy.wait_ready(time.monotonic() + 60)
+    with cluster.p_and_d_behind_proxy(p, d, port, log_dir, f"proxy-mla-{p_tp}{d_tp}") as proxy:
         assert "CPU_MLA" in d.log_text(), "D runs vLLM's MLA attention backend"
         # D alone (a request without kv_transfer_params runs where it is sent): its TP rounds as
-        # D's decode does; a TP 2 server and a TP 1 one alone part at near ties of ~0.5 here.
+        # D's decode does; a TP 2 server and a TP 1 one alone part at margins of ~0.5 here.
         reference_url = d.url
         src = "vllm:prompt_tokens_by_source_total"
         before = d.metric(src, source="external_kv_transfer")
         compared = 0
-        for length in (40, 3 * BLOCK + 5, 8 * BLOCK, BLOCK + 1):
+        for length in (40, 3 * BLOCK + 5, 8 * BLOCK, BLOCK + 1, 70, 100):
             prompt = prompt_of(length, seed=7100 + length)
             status, alone = post(reference_url + "/v1/completions", _completion(prompt))
             assert status == 200, f"{reference_url}: HTTP {status}: {alone}"
@@ -79,11 +76,6 @@ def test_mla_between_p_and_d_continues_as_one_server(mla_model, pdflow_bin, log_
             compared += _assert_continues_as(alone["choices"][0], out["choices"][0], length)
         assert compared >= MIN_COMPARED, f"only {compared} tokens were clear of ties"
         assert d.metric(src, source="external_kv_transfer") > before, "D loaded the prompts from P"
-    finally:
-        if proxy:
-            proxy.stop()
-        for s in (d, p):
-            s.stop()
 
 
 def _completion(prompt: list[int]) -> dict:

@@ -16,7 +16,7 @@ import time
 import pytest
 
 import cluster
-from cluster import PdflowProxy, VllmServer, completion_tokens, connector_config, explain, free_port, post, prompt_of
+from cluster import VllmServer, completion_tokens, connector_config, explain, free_port, post, prompt_of
 
 BLOCK = 32
 MAX_TOKENS = 12
@@ -39,11 +39,7 @@ def test_pp_between_p_and_d_outputs_equal_one_server(model_dir, pdflow_bin, log_
     port = free_port()
     p = _server(f"p-pp{p_pp}", model_dir, log_dir, "kv_producer", p_pp, 0, bootstrap_port=port)
     d = _server(f"d-pp{d_pp}", model_dir, log_dir, "kv_consumer", d_pp, 1, pull_timeout_s=D_PULL_TIMEOUT_S)
-    proxy = None
-    try:
-        cluster.start_all([p, d])
-        proxy = PdflowProxy(f"proxy-pp{p_pp}{d_pp}", [(p.url, port)], [d.url], log_dir)
-        proxy.wait_ready(time.monotonic() + 60)
+    with cluster.p_and_d_behind_proxy(p, d, port, log_dir, f"proxy-pp{p_pp}{d_pp}") as proxy:
         src = "vllm:prompt_tokens_by_source_total"
         before = d.metric(src, source="external_kv_transfer")
         for length in (40, 3 * BLOCK + 5):
@@ -59,8 +55,3 @@ def test_pp_between_p_and_d_outputs_equal_one_server(model_dir, pdflow_bin, log_
         assert d.metric(src, source="external_kv_transfer") > before, "D loaded the prompts from P"
         stages = p if p_pp == 2 else d
         assert stages.log_text().count("pdflow connector registered 2 KV regions") == 2, "each stage registered its 2 layers"
-    finally:
-        if proxy:
-            proxy.stop()
-        for s in (d, p):
-            s.stop()

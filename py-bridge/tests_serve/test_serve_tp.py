@@ -12,7 +12,7 @@ import pytest
 
 import cluster
 import make_model
-from cluster import PdflowProxy, VllmServer, completion_tokens, connector_config, explain, free_port, post, prompt_of
+from cluster import VllmServer, completion_tokens, connector_config, explain, free_port, post, prompt_of
 
 BLOCK = 32
 MAX_TOKENS = 12
@@ -57,11 +57,7 @@ def _p_to_d_equals_one_server(model_dir, log_dir, p_tp: int, d_tp: int, tag: str
     port = free_port()
     p = _server(f"p-tp{p_tp}{tag}", model_dir, log_dir, "kv_producer", p_tp, 0, bootstrap_port=port)
     d = _server(f"d-tp{d_tp}{tag}", model_dir, log_dir, "kv_consumer", d_tp, 1, pull_timeout_s=D_PULL_TIMEOUT_S)
-    proxy = None
-    try:
-        cluster.start_all([p, d])
-        proxy = PdflowProxy(f"proxy-tp{p_tp}{d_tp}{tag}", [(p.url, port)], [d.url], log_dir)
-        proxy.wait_ready(time.monotonic() + 60)
+    with cluster.p_and_d_behind_proxy(p, d, port, log_dir, f"proxy-tp{p_tp}{d_tp}{tag}") as proxy:
         # A TP 1 server alone (a request without kv_transfer_params runs where it is sent); at
         # TP 2 on both sides, a TP 2 server alone.
         reference_url = d.url if d_tp == 1 else p.url
@@ -76,8 +72,3 @@ def _p_to_d_equals_one_server(model_dir, log_dir, p_tp: int, d_tp: int, tag: str
             assert status == 200, f"{length} tokens: HTTP {status} after {took:.1f} s: {body}\n{explain(p, d, proxy)}"
             assert body["choices"][0]["token_ids"] == reference, length
         assert d.metric(src, source="external_kv_transfer") > before, "D loaded the prompts from P"
-    finally:
-        if proxy:
-            proxy.stop()
-        for s in (d, p):
-            s.stop()
