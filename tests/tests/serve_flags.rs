@@ -1,7 +1,8 @@
 //! `pdflow serve`'s deadline flags (`--pull-timeout`, `--bootstrap-timeout`, `--ready-timeout`,
 //! `--send-expiry`, seconds): a value that is not a positive number of seconds stops the process
 //! before it binds anything, with an error naming the flag; valid values start a serving engine.
-//! `--tls on` without the cluster secret is refused the same way.
+//! `--tls on` without the cluster secret is refused the same way, and so is a `--forward-cpu` the
+//! process cannot run on; a forward pinned to a CPU it can serves.
 
 use std::time::Duration;
 
@@ -74,4 +75,27 @@ async fn tls_without_the_cluster_secret_is_refused_before_anything_binds() {
         stderr.contains("--tls on") && stderr.contains("cluster secret"),
         "the error says what is missing: {stderr}"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forward_cpu_pins_the_forward_and_a_cpu_out_of_reach_is_refused() {
+    let (ok, stderr) = run_to_end(&["serve", "--role", "consumer", "--port", "0", "--forward-cpu", "100000"]).await;
+    assert!(!ok, "a CPU the process cannot run on must be refused");
+    assert!(stderr.contains("--forward-cpu 100000"), "the error names the flag: {stderr}");
+
+    let args = ["serve", "--role", "consumer", "--kv-shape", "4,2,16,16", "--num-blocks", "64", "--forward-cpu", "0"];
+    let d = Proc::spawn("consumer", &args, &[]).await.expect("serve starts with its forward on CPU 0");
+    let body =
+        serde_json::json!({"model": "Qwen/Qwen3-8B", "prompt": "a prompt the forward computes", "max_tokens": 4});
+    let answer = pdflow_tests::http_client()
+        .post(format!("{}/v1/completions", d.url()))
+        .json(&body)
+        .timeout(Duration::from_secs(30))
+        .send()
+        .await
+        .expect("the engine answers");
+    assert_eq!(answer.status(), 200);
+    let v: serde_json::Value = answer.json().await.expect("a JSON completion");
+    assert_eq!(v["usage"]["completion_tokens"], 4, "{v}");
+    d.stop().await;
 }

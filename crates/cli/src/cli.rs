@@ -440,6 +440,11 @@ pub struct ServeCmd {
     /// must have arrived; layers done before it are written when it does). Consumers ignore it.
     #[arg(long, value_enum, default_value_t = OnOff::Off)]
     pub layerwise: OnOff,
+    /// Run the simulated model's forward pinned to CPU N, apart from the connector's threads and
+    /// the network stack, as a GPU runs it (the rest of the process stays where it was started:
+    /// e.g. `taskset -c 1 pdflow serve … --forward-cpu 0`).
+    #[arg(long, value_name = "N")]
+    pub forward_cpu: Option<usize>,
     /// Keep this engine's KV on CUDA device N (a build with `--features cuda`): P then writes a D
     /// with GPU KV in another process on this host through CUDA IPC, one kernel launch per plan.
     #[arg(long, value_name = "N")]
@@ -622,6 +627,13 @@ impl ServeCmd {
         if self.abort_request_timeout == Some(0) {
             errors.push("--abort-request-timeout 0 would fail every transfer; use at least 1".to_string());
         }
+        if let Some(cpu) = self.forward_cpu {
+            if let Err(e) = pdflow_sim_engine::affinity::check_cpu(cpu) {
+                errors.push(format!(
+                    "--forward-cpu {cpu}: cannot run a thread there ({e}); give one of the CPUs this process may use (`nproc`, `taskset -p $$`)"
+                ));
+            }
+        }
         errors
     }
 
@@ -671,6 +683,7 @@ impl ServeCmd {
                 PolicyArg::Recompute => LoadFailurePolicy::Recompute,
                 PolicyArg::Fail => LoadFailurePolicy::Fail,
             },
+            forward_cpu: self.forward_cpu,
             ..EngineConfig::default()
         }
     }

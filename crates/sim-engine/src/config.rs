@@ -37,6 +37,9 @@ pub struct EngineConfig {
     /// longer than every deadline of the transfer path, so that no write can still land.
     /// `None`: no deadline.
     pub kv_state_timeout: Option<std::time::Duration>,
+    /// Run the model's forward pinned to this CPU, apart from the threads of the connector and
+    /// the network stack (as a GPU's forward is); `None`: wherever the OS schedules it.
+    pub forward_cpu: Option<usize>,
 }
 
 impl Default for EngineConfig {
@@ -52,6 +55,7 @@ impl Default for EngineConfig {
             eos_token_id: 2,
             kv_load_failure_policy: LoadFailurePolicy::Recompute,
             kv_state_timeout: None,
+            forward_cpu: None,
         }
     }
 }

@@ -89,7 +89,8 @@ impl Engine {
         let has_connector = connector.is_some();
         let scheduler = Scheduler::new(config.clone(), connector, stats.clone());
         let model = Arc::new(model);
-        let task = tokio::spawn(run_loop(scheduler, rx, cancel.clone(), running.clone(), model.clone()));
+        let forward_cpu = config.forward_cpu;
+        let task = tokio::spawn(run_loop(scheduler, rx, cancel.clone(), running.clone(), model.clone(), forward_cpu));
         EngineHandle {
             inner: Arc::new(Inner {
                 config,
@@ -284,6 +285,7 @@ async fn run_loop(
     cancel: CancellationToken,
     running: Arc<AtomicBool>,
     model: Arc<ShardedModel>,
+    forward_cpu: Option<usize>,
 ) {
     running.store(true, Ordering::Release);
     loop {
@@ -303,7 +305,7 @@ async fn run_loop(
             }
             continue;
         }
-        let did_forward = step(&mut scheduler, &model).await;
+        let did_forward = step(&mut scheduler, &model, forward_cpu).await;
         if !did_forward {
             let events = scheduler.connector().map(|c| c.worker.kv_events());
             let kv_event = async {
@@ -327,7 +329,7 @@ async fn run_loop(
 }
 
 /// One engine step; returns whether a forward ran.
-async fn step(scheduler: &mut Scheduler, model: &Arc<ShardedModel>) -> bool {
+async fn step(scheduler: &mut Scheduler, model: &Arc<ShardedModel>, forward_cpu: Option<usize>) -> bool {
     let scheduled = scheduler.schedule().await;
     let connector = scheduler.connector().cloned();
     // Layer-wise P: the step's prefills whose layers go to D as the forward finishes them.
@@ -351,6 +353,14 @@ async fn step(scheduler: &mut Scheduler, model: &Arc<ShardedModel>) -> bool {
         // Layer-wise P hands each finished layer to the worker; otherwise nobody listens.
         let saver = connector.as_ref().map(|c| c.worker.clone()).filter(|_| !reqs_to_save.is_empty());
         let joined = tokio::task::spawn_blocking(move || {
+            // Pinned for this forward only: the blocking pool's thread serves other work after.
+            let _pinned = forward_cpu.and_then(|cpu| {
+                crate::affinity::pin_current_thread(cpu)
+                    .inspect_err(
+                        |e| tracing::warn!(cpu, error = %e, "cannot pin the forward to its CPU; it runs unpinned"),
+                    )
+                    .ok()
+            });
             let (meta, mut items): (Vec<(String, usize)>, Vec<ForwardItem>) =
                 work.into_iter().map(|(id, n, item)| ((id, n), item)).unzip();
             let mut layer_done = |layer: usize| {

@@ -13,6 +13,7 @@
 //! 38–40 (first token and decode), 42 (HTTP response). With feature `cuda` the KV may live on a
 //! GPU: [`cuda_fill`] writes it there with one kernel launch per forward item.
 
+pub mod affinity;
 pub mod api;
 pub mod block_pool;
 pub mod config;

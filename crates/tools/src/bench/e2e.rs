@@ -46,6 +46,11 @@ pub struct Options {
     /// from P's /metrics (steps 15 and 29).
     #[arg(long, value_name = "GBIT_S")]
     pub link_gbps: Option<f64>,
+    /// With `--link-gbps`: P's forward pinned to CPU N (`pdflow serve --forward-cpu`), apart from
+    /// everything else, which runs where the bench was started (`taskset -c 1 pdflow bench e2e …
+    /// --p-forward-cpu 0`): P's forward then has a core to itself, as on a GPU host.
+    #[arg(long, value_name = "N", requires = "link_gbps")]
+    pub p_forward_cpu: Option<usize>,
 }
 
 /// `--layerwise` of the e2e bench.

@@ -84,7 +84,13 @@ pub async fn run(opts: &Options, gbps: f64) -> anyhow::Result<()> {
     let modes = opts.layerwise.modes();
     let mut clusters = Vec::new();
     for &layerwise in modes {
-        let spec = NetSpec { policy: "fail", p_batch: 8192, upstream_s: UPSTREAM_LONG_S, layerwise };
+        let spec = NetSpec {
+            policy: "fail",
+            p_batch: 8192,
+            upstream_s: UPSTREAM_LONG_S,
+            layerwise,
+            p_forward_cpu: opts.p_forward_cpu,
+        };
         let cluster = NetCluster::start(&bin, spec).await.map_err(|e| anyhow::anyhow!("starting the cluster: {e}"))?;
         // A 1 ms burst: the link's rate holds from the first byte.
         cluster.topo.shape(cluster.pd, bytes_per_sec, bytes_per_sec / 1000).context("shaping the P↔D link")?;

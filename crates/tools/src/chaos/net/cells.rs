@@ -129,7 +129,7 @@ impl NetCell {
             NetCell::CutProxyPWhilePrefilling => ("fail", 16, UPSTREAM_S),
             NetCell::CutProxyPBeforeRequest => ("fail", 8192, UPSTREAM_S),
         };
-        NetSpec { policy, p_batch, upstream_s, layerwise: false }
+        NetSpec { policy, p_batch, upstream_s, layerwise: false, p_forward_cpu: None }
     }
 
     /// The outcomes this cell accepts.

@@ -55,6 +55,8 @@ pub struct NetSpec {
     pub upstream_s: u64,
     /// P's `--layerwise on`.
     pub layerwise: bool,
+    /// P's `--forward-cpu`.
+    pub p_forward_cpu: Option<usize>,
 }
 
 /// One engine's block counts, read over `GET /pdflow/blocks`.
@@ -184,6 +186,9 @@ impl NetCluster {
         p_args.extend(strings(&["--bootstrap-port", "0", "--max-num-batched-tokens", &spec.p_batch.to_string()]));
         if spec.layerwise {
             p_args.extend(strings(&["--layerwise", "on"]));
+        }
+        if let Some(cpu) = spec.p_forward_cpu {
+            p_args.extend(["--forward-cpu".to_string(), cpu.to_string()]);
         }
         let p_ready = spawn(&topo, bin, p.into(), "producer", &p_args).await?;
         let mut d_args = engine("consumer", topo.addr(d).to_string());
