@@ -156,7 +156,9 @@ def _first_layer(names: list[str]) -> Optional[int]:
             return None
         indices.append(int(m.group(1)))
     if indices != list(range(indices[0], indices[0] + len(indices))):
-        raise ConfigError(f"this worker's KV caches are not consecutive layers ({indices}): pdflow plans a stage as one range of layers")
+        raise ConfigError(
+            f"this worker's KV caches are not consecutive layers ({indices}): pdflow plans a stage as one range of layers"
+        )
     return indices[0]
 
 
