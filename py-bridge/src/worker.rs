@@ -105,10 +105,11 @@ impl WorkerBridge {
         dp_rank: u32,
         launches_bootstrap: Option<bool>,
     ) -> Result<Running, BridgeError> {
-        let tp_rank = rank.tp_rank;
         let cfg = &self.config;
-        let supervisor = NodeSupervisor::spawn(format!("vllm-worker-{}-tp{tp_rank}", self.engine_id));
-        let launches = launches_bootstrap.unwrap_or(tp_rank == 0 && dp_rank == 0);
+        let supervisor =
+            NodeSupervisor::spawn(format!("vllm-worker-{}-tp{}-pp{}", self.engine_id, rank.tp_rank, rank.pp_rank));
+        // vLLM's rule: the first worker of the first data-parallel engine.
+        let launches = launches_bootstrap.unwrap_or(rank.index() == 0 && dp_rank == 0);
         let bootstrap = match &cfg.bootstrap_url {
             Some(url) => BootstrapPlacement::External { url: url.clone() },
             None if launches => BootstrapPlacement::Launch { port: cfg.bootstrap_port },
@@ -194,7 +195,8 @@ impl WorkerBridge {
     /// kept alive for as long as the connector is. Returns what peers need: engine id, bootstrap
     /// URL (P) or data server address (D). `dp_rank`: the engine's data-parallel rank, which P's
     /// workers register under; `launches_bootstrap`: whether this worker launches the bootstrap
-    /// (vLLM's rule: tp rank 0 of the first data-parallel engine) when none is configured.
+    /// (vLLM's rule: the first worker, tp and pp rank 0, of the first data-parallel engine) when
+    /// none is configured.
     /// `pp_rank` of `pp_size` pipeline stages: `regions` are the stage's layers, from
     /// `first_layer` (the model has `total_layers`); they must be the stage's share of vLLM's
     /// default split, which both ends of a pull plan with.
