@@ -288,13 +288,64 @@ class PdflowProxy(Process):
         raise AssertionError(f"{self.name} not ready in time (url {self.url or 'not printed'}):\n{self.log_tail()}")
 
 
+#: Deadlines of the sharded servers' tests. Two ranks on one core make P's forward slow, its first
+#: most of all (24 s for MLA at TP 2 on this machine, past 30 s on a slower one), so P waits for
+#: its prefill longer than vLLM's default 30 s, and D's pull (which P's answer ends) longer still.
+SHARDED_P_READY_S = 120
+SHARDED_D_PULL_S = 180
+
+
+def sharded_server(
+    name: str,
+    model: Path,
+    log_dir: Path,
+    role: str,
+    *,
+    core: int,
+    block_size: int,
+    parallel_flag: str,
+    size: int,
+    eager: bool = True,
+    extra: Optional[dict] = None,
+) -> VllmServer:
+    """A P (`kv_producer`) or D (`kv_consumer`) `vllm serve` with pdflow's connector at `size`
+    ranks of one kind (`parallel_flag`: `--tensor-parallel-size`, `--pipeline-parallel-size`),
+    `verify_checksums` on, D failing a load it cannot make. Every rank shares the server's core:
+    with a rank on the other server's core, the prefill was not served within D's deadline
+    (docs/vllm-cpu.md). `extra` adds to the connector's extra config (P's `bootstrap_port`)."""
+    deadline = {"abort_request_timeout_s": SHARDED_P_READY_S} if role == "kv_producer" else {"pull_timeout_s": SHARDED_D_PULL_S}
+    cfg = connector_config(role, policy="fail" if role == "kv_consumer" else None,
+                           extra={"verify_checksums": True, **deadline, **(extra or {})}, engine_id=name)  # fmt: skip
+    sharded = size > 1
+    env = {"VLLM_CPU_OMP_THREADS_BIND": "|".join([str(core)] * size)} if sharded else None
+    flags = [parallel_flag, str(size), "--distributed-executor-backend", "mp"] if sharded else None
+    return VllmServer(name, model, log_dir, core=core, block_size=block_size, kv_transfer_config=cfg,
+                      env=env, extra_args=flags, eager=eager)  # fmt: skip
+
+
+def greedy_body(prompt: list[int], max_tokens: int, **extra: Any) -> dict:
+    """A greedy `/v1/completions` body with a token-id prompt that returns the token ids."""
+    return {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+            "ignore_eos": True, "return_token_ids": True, **extra}  # fmt: skip
+
+
+def warm_up(*servers: "VllmServer") -> None:
+    """One short request to each server alone: a server's first forward pays one-time costs
+    (kernel set-up, tens of seconds with two ranks on one core), here rather than inside the
+    deadlines of the requests a test checks."""
+    for s in servers:
+        status, body = post(s.url + "/v1/completions", greedy_body(prompt_of(8, seed=1), 2))
+        assert status == 200, f"{s.name}: warm-up: HTTP {status}: {body}\n{explain(s)}"
+
+
 @contextmanager
 def p_and_d_behind_proxy(p: VllmServer, d: VllmServer, bootstrap_port: int, log_dir: Path, name: str) -> Iterator[PdflowProxy]:
-    """Waits for P and D, starts `pdflow proxy` in front of them and yields it once ready; stops
-    all three on the way out, whatever happened."""
+    """Waits for P and D, warms each up, starts `pdflow proxy` in front of them and yields it once
+    ready; stops all three on the way out, whatever happened."""
     proxy = None
     try:
         start_all([p, d])
+        warm_up(p, d)
         proxy = PdflowProxy(name, [(p.url, bootstrap_port)], [d.url], log_dir)
         proxy.wait_ready(time.monotonic() + 60)
         yield proxy
@@ -348,11 +399,7 @@ def stream(url: str, body: dict, timeout: float = REQUEST_DEADLINE_S) -> Iterato
 
 def completion_tokens(base: str, prompt: list[int], max_tokens: int, **extra: Any) -> list[int]:
     """Greedy token ids of a `/v1/completions` request with a token-id prompt."""
-    status, body = post(
-        base + "/v1/completions",
-        {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-         "ignore_eos": True, "return_token_ids": True, **extra},
-    )  # fmt: skip
+    status, body = post(base + "/v1/completions", greedy_body(prompt, max_tokens, **extra))
     assert status == 200, f"{base}: HTTP {status}: {body}"
     return list(body["choices"][0]["token_ids"])
 

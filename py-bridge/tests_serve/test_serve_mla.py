@@ -24,17 +24,14 @@ import pytest
 
 import cluster
 import make_model
-from cluster import VllmServer, connector_config, explain, free_port, post, prompt_of
+from cluster import VllmServer, explain, free_port, post, prompt_of
 
 #: vLLM's CPU MLA kernel runs block size 16 only (the platform forces it for MLA models).
 BLOCK = 16
 MAX_TOKENS = 12
-#: D's pull deadline; P's prefill runs inside it (see test_serve_tp.py).
-D_PULL_TIMEOUT_S = 90
 TIE_MARGIN = 1.0
 #: Tokens compared over the test's prompts, at least: the check is not all ties.
 MIN_COMPARED = 12
-TP2 = ["--tensor-parallel-size", "2", "--distributed-executor-backend", "mp"]
 
 
 @pytest.fixture(scope="module")
@@ -45,18 +42,15 @@ def mla_model():
 
 
 def _server(name, model_dir, log_dir, role: str, tp: int, core: int, **extra) -> VllmServer:
-    cfg = connector_config(role, policy="fail" if role == "kv_consumer" else None, extra={"verify_checksums": True, **extra},
-                           engine_id=name)  # fmt: skip
-    env = {"VLLM_CPU_OMP_THREADS_BIND": f"{core}|{core}"} if tp == 2 else None
-    return VllmServer(name, model_dir, log_dir, core=core, block_size=BLOCK, kv_transfer_config=cfg,
-                      env=env, extra_args=TP2 if tp == 2 else None)  # fmt: skip
+    return cluster.sharded_server(name, model_dir, log_dir, role, core=core, block_size=BLOCK,
+                                  parallel_flag="--tensor-parallel-size", size=tp, extra=extra)  # fmt: skip
 
 
 @pytest.mark.parametrize("p_tp,d_tp", [(2, 1), (1, 2)])
 def test_mla_between_p_and_d_continues_as_one_server(mla_model, pdflow_bin, log_dir, p_tp, d_tp):
     port = free_port()
     p = _server(f"p-mla-tp{p_tp}", mla_model, log_dir, "kv_producer", p_tp, 0, bootstrap_port=port)
-    d = _server(f"d-mla-tp{d_tp}", mla_model, log_dir, "kv_consumer", d_tp, 1, pull_timeout_s=D_PULL_TIMEOUT_S)
+    d = _server(f"d-mla-tp{d_tp}", mla_model, log_dir, "kv_consumer", d_tp, 1)
     with cluster.p_and_d_behind_proxy(p, d, port, log_dir, f"proxy-mla-{p_tp}{d_tp}") as proxy:
         assert "CPU_MLA" in d.log_text(), "D runs vLLM's MLA attention backend"
         # D alone (a request without kv_transfer_params runs where it is sent): its TP rounds as
@@ -66,21 +60,16 @@ def test_mla_between_p_and_d_continues_as_one_server(mla_model, pdflow_bin, log_
         before = d.metric(src, source="external_kv_transfer")
         compared = 0
         for length in (40, 3 * BLOCK + 5, 8 * BLOCK, BLOCK + 1, 70, 100):
-            prompt = prompt_of(length, seed=7100 + length)
-            status, alone = post(reference_url + "/v1/completions", _completion(prompt))
+            body = cluster.greedy_body(prompt_of(length, seed=7100 + length), MAX_TOKENS, logprobs=2)
+            status, alone = post(reference_url + "/v1/completions", body)
             assert status == 200, f"{reference_url}: HTTP {status}: {alone}"
             started = time.monotonic()
-            status, out = post(proxy.url + "/v1/completions", _completion(prompt))
+            status, out = post(proxy.url + "/v1/completions", body)
             took = time.monotonic() - started
             assert status == 200, f"{length} tokens: HTTP {status} after {took:.1f} s: {out}\n{explain(p, d, proxy)}"
             compared += _assert_continues_as(alone["choices"][0], out["choices"][0], length)
         assert compared >= MIN_COMPARED, f"only {compared} tokens were clear of ties"
         assert d.metric(src, source="external_kv_transfer") > before, "D loaded the prompts from P"
-
-
-def _completion(prompt: list[int]) -> dict:
-    return {"model": cluster.MODEL_NAME, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0,
-            "ignore_eos": True, "return_token_ids": True, "logprobs": 2}  # fmt: skip
 
 
 def _assert_continues_as(alone: dict, pd: dict, length: int) -> int:

@@ -16,39 +16,30 @@ import time
 import pytest
 
 import cluster
-from cluster import VllmServer, completion_tokens, connector_config, explain, free_port, post, prompt_of
+from cluster import VllmServer, completion_tokens, explain, free_port, post, prompt_of
 
 BLOCK = 32
 MAX_TOKENS = 12
-#: D's pull deadline; P's prefill runs inside it (see test_serve_tp.py).
-D_PULL_TIMEOUT_S = 90
-PP2 = ["--pipeline-parallel-size", "2", "--distributed-executor-backend", "mp"]
 
 
 def _server(name, model_dir, log_dir, role: str, pp: int, core: int, **extra) -> VllmServer:
-    cfg = connector_config(role, policy="fail" if role == "kv_consumer" else None, extra={"verify_checksums": True, **extra},
-                           engine_id=name)  # fmt: skip
-    # Both stages of a PP 2 server share its core, as a TP 2 server's ranks do (test_serve_tp.py).
-    env = {"VLLM_CPU_OMP_THREADS_BIND": f"{core}|{core}"} if pp == 2 else None
-    return VllmServer(name, model_dir, log_dir, core=core, block_size=BLOCK, kv_transfer_config=cfg,
-                      env=env, extra_args=PP2 if pp == 2 else None, eager=False)  # fmt: skip
+    return cluster.sharded_server(name, model_dir, log_dir, role, core=core, block_size=BLOCK,
+                                  parallel_flag="--pipeline-parallel-size", size=pp, eager=False, extra=extra)  # fmt: skip
 
 
 @pytest.mark.parametrize("p_pp,d_pp", [(2, 1), (1, 2)])
 def test_pp_between_p_and_d_outputs_equal_one_server(model_dir, pdflow_bin, log_dir, p_pp, d_pp):
     port = free_port()
     p = _server(f"p-pp{p_pp}", model_dir, log_dir, "kv_producer", p_pp, 0, bootstrap_port=port)
-    d = _server(f"d-pp{d_pp}", model_dir, log_dir, "kv_consumer", d_pp, 1, pull_timeout_s=D_PULL_TIMEOUT_S)
+    d = _server(f"d-pp{d_pp}", model_dir, log_dir, "kv_consumer", d_pp, 1)
     with cluster.p_and_d_behind_proxy(p, d, port, log_dir, f"proxy-pp{p_pp}{d_pp}") as proxy:
         src = "vllm:prompt_tokens_by_source_total"
         before = d.metric(src, source="external_kv_transfer")
         for length in (40, 3 * BLOCK + 5):
             prompt = prompt_of(length, seed=7200 + length)
             reference = completion_tokens(d.url, prompt, MAX_TOKENS)
-            body = {"model": cluster.MODEL_NAME, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0,
-                    "ignore_eos": True, "return_token_ids": True}  # fmt: skip
             started = time.monotonic()
-            status, out = post(proxy.url + "/v1/completions", body)
+            status, out = post(proxy.url + "/v1/completions", cluster.greedy_body(prompt, MAX_TOKENS))
             took = time.monotonic() - started
             assert status == 200, f"{length} tokens: HTTP {status} after {took:.1f} s: {out}\n{explain(p, d, proxy)}"
             assert out["choices"][0]["token_ids"] == reference, length

@@ -12,28 +12,15 @@ import pytest
 
 import cluster
 import make_model
-from cluster import VllmServer, completion_tokens, connector_config, explain, free_port, post, prompt_of
+from cluster import VllmServer, completion_tokens, explain, free_port, post, prompt_of
 
 BLOCK = 32
 MAX_TOKENS = 12
-#: D's pull deadline. P's prefill runs inside it (D pulls while P computes); two TP 2 ranks and
-#: the engine's own processes share one core here, so P's step can take seconds on a busy machine.
-D_PULL_TIMEOUT_S = 90
-TP2 = ["--tensor-parallel-size", "2", "--distributed-executor-backend", "mp"]
 
 
 def _server(name, model_dir, log_dir, role: str, tp: int, core: int, **extra) -> VllmServer:
-    cfg = connector_config(role, policy="fail" if role == "kv_consumer" else None, extra=extra or None, engine_id=name)
-    # Both ranks of a TP 2 server share its core: with a rank on the other server's core, the
-    # prefill was not served within D's deadline (docs/vllm-cpu.md).
-    env = {"VLLM_CPU_OMP_THREADS_BIND": f"{core}|{core}"} if tp == 2 else None
-    return VllmServer(name, model_dir, log_dir, core=core, block_size=BLOCK, kv_transfer_config=cfg,
-                      env=env, extra_args=TP2 if tp == 2 else None)  # fmt: skip
-
-
-def _completion(prompt: list[int]) -> dict:
-    return {"model": cluster.MODEL_NAME, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0,
-            "ignore_eos": True, "return_token_ids": True}  # fmt: skip
+    return cluster.sharded_server(name, model_dir, log_dir, role, core=core, block_size=BLOCK,
+                                  parallel_flag="--tensor-parallel-size", size=tp, extra=extra)  # fmt: skip
 
 
 @pytest.mark.parametrize("p_tp,d_tp", [(2, 1), (1, 2), (2, 2)])
@@ -56,7 +43,7 @@ def test_replicated_kv_head_between_p_and_d(one_kv_head_model, pdflow_bin, log_d
 def _p_to_d_equals_one_server(model_dir, log_dir, p_tp: int, d_tp: int, tag: str) -> None:
     port = free_port()
     p = _server(f"p-tp{p_tp}{tag}", model_dir, log_dir, "kv_producer", p_tp, 0, bootstrap_port=port)
-    d = _server(f"d-tp{d_tp}{tag}", model_dir, log_dir, "kv_consumer", d_tp, 1, pull_timeout_s=D_PULL_TIMEOUT_S)
+    d = _server(f"d-tp{d_tp}{tag}", model_dir, log_dir, "kv_consumer", d_tp, 1)
     with cluster.p_and_d_behind_proxy(p, d, port, log_dir, f"proxy-tp{p_tp}{d_tp}{tag}") as proxy:
         # A TP 1 server alone (a request without kv_transfer_params runs where it is sent); at
         # TP 2 on both sides, a TP 2 server alone.
@@ -67,7 +54,7 @@ def _p_to_d_equals_one_server(model_dir, log_dir, p_tp: int, d_tp: int, tag: str
             prompt = prompt_of(length, seed=7000 + length)
             reference = completion_tokens(reference_url, prompt, MAX_TOKENS)
             started = time.monotonic()
-            status, body = post(proxy.url + "/v1/completions", _completion(prompt))
+            status, body = post(proxy.url + "/v1/completions", cluster.greedy_body(prompt, MAX_TOKENS))
             took = time.monotonic() - started
             assert status == 200, f"{length} tokens: HTTP {status} after {took:.1f} s: {body}\n{explain(p, d, proxy)}"
             assert body["choices"][0]["token_ids"] == reference, length
