@@ -207,6 +207,7 @@ impl Cluster {
             faults: pdflow_actors::fault_seam::no_faults(),
             parallel: Default::default(),
             dp_rank: 0,
+            rank_processes: None,
         };
         let mut prefill = Vec::new();
         for (i, o) in spec.prefill.iter().enumerate() {
@@ -223,7 +224,7 @@ impl Cluster {
                 .iter()
                 .map(|p| PrefillTarget {
                     url: p.url(),
-                    bootstrap_port: p.worker.bootstrap.as_ref().map(|b| b.addr.port()).unwrap_or(0),
+                    bootstrap_port: p.launched_bootstrap_addr().map(|a| a.port()).unwrap_or(0),
                 })
                 .collect(),
             decode: decode.iter().map(|d| d.url()).collect(),
@@ -237,7 +238,7 @@ impl Cluster {
         let endpoint = |n: &EngineNode| EngineEndpoint {
             url: n.url(),
             engine_id: n.engine_id.clone(),
-            bootstrap_url: n.worker.bootstrap.as_ref().map(|b| b.url()),
+            bootstrap_url: n.launched_bootstrap_url(),
             data_addr: n.data_addr().map(|a| a.to_string()),
         };
         let client = http_client();

@@ -124,6 +124,22 @@ impl Proc {
     }
 }
 
+/// The pids of the `pdflow rank-worker` processes `engine` started (its ranks' processes).
+pub fn rank_processes_of(engine: &Proc) -> Vec<u32> {
+    let Some(parent) = engine.child.id() else { return Vec::new() };
+    let Ok(entries) = std::fs::read_dir("/proc") else { return Vec::new() };
+    entries
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| {
+            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+            // `pid (comm) state ppid …`: the fields after the last ')'.
+            let ppid = stat.rsplit(')').next().and_then(|rest| rest.split_whitespace().nth(1)?.parse::<u32>().ok());
+            let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+            ppid == Some(parent) && cmdline.split(|b| *b == 0).any(|arg| arg == b"rank-worker")
+        })
+        .collect()
+}
+
 /// A cluster of separate processes: each P (`pdflow serve --role producer`, launching its own
 /// bootstrap as P's TP0 does), each D (`pdflow serve --role consumer`) and the proxy
 /// (`pdflow proxy` with vLLM's arguments).

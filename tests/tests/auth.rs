@@ -88,7 +88,7 @@ async fn forged_and_replayed_registrations_are_refused_and_the_real_p_keeps_serv
     let cluster =
         Cluster::start(spec(the_secret.clone(), the_secret.clone(), LoadFailurePolicy::Fail)).await.expect("starts");
     let s = ClusterSecret::from_text(&the_secret.expect("a secret")).expect("valid secret");
-    let bootstrap = cluster.prefill[0].worker.bootstrap.as_ref().expect("P launched its bootstrap").url();
+    let bootstrap = cluster.prefill[0].launched_bootstrap_url().expect("P launched its bootstrap");
     let http = pdflow_tests::http_client();
 
     // The attacker reads the table: refused without a proof.

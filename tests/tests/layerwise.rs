@@ -35,7 +35,7 @@ async fn a_pull_before_p_s_first_layer_gets_the_kv_written_before_p_is_ready() {
     let capture = capture();
     let cluster = Cluster::start(spec(false)).await.expect("cluster starts");
     let (p, d) = (&cluster.prefill[0], &cluster.decode[0]);
-    let bootstrap = p.worker.bootstrap.as_ref().expect("P launched its bootstrap").url();
+    let bootstrap = p.launched_bootstrap_url().expect("P launched its bootstrap");
     let text = prompt(300, 11);
     let expected = reference_tokens(SMALL, &completion(&text, 16)).await;
     let (p_url, d_url) = (format!("{}/v1/completions", p.url()), format!("{}/v1/completions", d.url()));

@@ -11,7 +11,7 @@ async fn pull_arriving_before_and_after_p_is_ready() {
     let cluster = Cluster::start(ClusterSpec::one_p_one_d()).await.expect("cluster starts");
     let p = &cluster.prefill[0];
     let d = &cluster.decode[0];
-    let bootstrap = p.worker.bootstrap.as_ref().expect("P launched its bootstrap").url();
+    let bootstrap = p.launched_bootstrap_url().expect("P launched its bootstrap");
     let text = prompt(300, 7);
     let expected = reference_tokens(SMALL, &pdflow_tests::completion(&text, 16)).await;
 

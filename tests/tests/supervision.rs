@@ -51,9 +51,11 @@ async fn killed_actors_are_restarted_and_the_node_keeps_serving() {
     let p = &cluster.prefill[0];
     let d = &cluster.decode[0];
 
-    kill_and_wait_restart("P's SenderListener", p.worker.sender_listener.as_ref().expect("P has a listener"), || {
-        SideChannelAddr
-    })
+    kill_and_wait_restart(
+        "P's SenderListener",
+        p.first_worker().and_then(|w| w.sender_listener.as_ref()).expect("P has a listener"),
+        || SideChannelAddr,
+    )
     .await;
     // D still addresses the previous incarnation; this request's pull may race ahead of P's
     // scheduler naming the transfer to the new one: it waits for it (the lineage of the
@@ -61,8 +63,12 @@ async fn killed_actors_are_restarted_and_the_node_keeps_serving() {
     served(&cluster, 2).await;
     kill_and_wait_restart("P's SchedulerConnector", &p.connector, BuildConnectorMeta::default).await;
     served(&cluster, 3).await;
-    kill_and_wait_restart("D's Receiver", d.worker.receiver.as_ref().expect("D has a receiver"), || GetFinishedRecving)
-        .await;
+    kill_and_wait_restart(
+        "D's Receiver",
+        d.first_worker().and_then(|w| w.receiver.as_ref()).expect("D has a receiver"),
+        || GetFinishedRecving,
+    )
+    .await;
     served(&cluster, 4).await;
     kill_and_wait_restart("D's SchedulerConnector", &d.connector, BuildConnectorMeta::default).await;
     served(&cluster, 5).await;

@@ -1,12 +1,14 @@
 //! Sharded engines (tensor and pipeline parallel, P and D sized independently) as `pdflow serve`
-//! processes behind `pdflow proxy`: each rank its own KV cache and sockets, every D rank pulling
-//! its heads and layers from the P ranks that hold them. Outputs equal one unsharded engine's, and
-//! every rank's blocks return to baseline. Plus `pdflow demo --prefill-tp/--decode-tp --json`.
+//! processes behind `pdflow proxy`: each rank its own KV cache and sockets — in a process of its
+//! own (`--rank-processes`, as vLLM runs one worker process per rank) or in the engine's — every
+//! D rank pulling its heads and layers from the P ranks that hold them. Outputs equal one
+//! unsharded engine's, and every rank's blocks return to baseline. Plus `pdflow demo
+//! --prefill-tp/--decode-tp --json`.
 
 use std::time::Duration;
 
 use pdflow_kv::memory::KvShape;
-use pdflow_tests::processes::{run_demo, Proc};
+use pdflow_tests::processes::{rank_processes_of, run_demo, Proc};
 use pdflow_tests::{completion, http_client, post, prompt, reference_tokens, token_ids, wait_healthy};
 
 /// 4 layers, 8 KV heads (P and D split them 1, 2 or 4 ways), block 16.
@@ -16,8 +18,17 @@ const EIGHT_HEADS: (&str, KvShape) =
 const TWO_HEADS: (&str, KvShape) =
     ("4,2,16,16", KvShape { num_layers: 4, num_kv_heads: 2, head_dim: 16, dtype_bytes: 2, block_size: 16 });
 
+/// Where each rank's worker runs.
+#[derive(Clone, Copy, PartialEq)]
+enum Ranks {
+    /// Each rank in a process of its own (`--rank-processes`).
+    Apart,
+    /// Every rank in the engine's process.
+    InEngine,
+}
+
 /// P (tp, pp) and D (tp, pp) as processes; three requests through the proxy.
-async fn serve_pair(model: (&str, KvShape), p: (u32, u32), d: (u32, u32)) {
+async fn serve_pair(model: (&str, KvShape), p: (u32, u32), d: (u32, u32), ranks: Ranks) {
     let (shape_flag, shape) = model;
     let (ptp, ppp, dtp, dpp) = (p.0.to_string(), p.1.to_string(), d.0.to_string(), d.1.to_string());
     let bootstrap = Proc::spawn("bootstrap", &["bootstrap", "--port", "0"], &[]).await.expect("bootstrap starts");
@@ -28,15 +39,26 @@ async fn serve_pair(model: (&str, KvShape), p: (u32, u32), d: (u32, u32)) {
     let mut p_args = vec!["serve", "--role", "producer", "--bootstrap-url", &bootstrap_url];
     p_args.extend(["--tensor-parallel-size", &ptp, "--pipeline-parallel-size", &ppp, "--verify-checksums"]);
     p_args.extend(common);
+    let apart = ranks == Ranks::Apart;
+    if apart && p.0 * p.1 > 1 {
+        p_args.push("--rank-processes");
+    }
     let producer = Proc::spawn("producer", &p_args, &[]).await.expect("producer starts");
     let mut d_args = vec!["serve", "--role", "consumer", "--kv-load-failure-policy", "fail"];
     d_args.extend(["--tensor-parallel-size", &dtp, "--pipeline-parallel-size", &dpp, "--verify-checksums"]);
     d_args.extend(common);
+    if apart && d.0 * d.1 > 1 {
+        d_args.push("--rank-processes");
+    }
     let consumer = Proc::spawn("consumer", &d_args, &[]).await.expect("consumer starts");
     let proxy = Proc::proxy(&producer, &bootstrap_port, &consumer).await.expect("proxy starts");
     let client = http_client();
     wait_healthy(&client, &proxy.url(), Duration::from_secs(20)).await.expect("proxy ready");
     let case = format!("P tp {} pp {} → D tp {} pp {}, {} KV heads", p.0, p.1, d.0, d.1, shape.num_kv_heads);
+    for (engine, (tp, pp)) in [(&producer, p), (&consumer, d)] {
+        let expected = if apart && tp * pp > 1 { (tp * pp) as usize } else { 0 };
+        assert_eq!(rank_processes_of(engine).len(), expected, "{case}: {}'s rank processes", engine.name);
+    }
     for (i, tokens) in [400usize, 33, 250].into_iter().enumerate() {
         let body = completion(&prompt(tokens, 90 + i as u64), 16);
         let (status, response) =
@@ -61,28 +83,28 @@ async fn serve_pair(model: (&str, KvShape), p: (u32, u32), d: (u32, u32)) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn p_tp2_to_d_tp1() {
-    serve_pair(EIGHT_HEADS, (2, 1), (1, 1)).await;
+    serve_pair(EIGHT_HEADS, (2, 1), (1, 1), Ranks::Apart).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn p_tp1_to_d_tp2() {
-    serve_pair(EIGHT_HEADS, (1, 1), (2, 1)).await;
+    serve_pair(EIGHT_HEADS, (1, 1), (2, 1), Ranks::Apart).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn p_tp4_to_d_tp2() {
-    serve_pair(EIGHT_HEADS, (4, 1), (2, 1)).await;
+    serve_pair(EIGHT_HEADS, (4, 1), (2, 1), Ranks::Apart).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn p_pp2_to_d_pp1() {
-    serve_pair(EIGHT_HEADS, (1, 2), (1, 1)).await;
+    serve_pair(EIGHT_HEADS, (1, 2), (1, 1), Ranks::Apart).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn replicated_heads_p_tp4_to_d_tp1_and_d_tp4() {
-    serve_pair(TWO_HEADS, (4, 1), (1, 1)).await;
-    serve_pair(TWO_HEADS, (1, 1), (4, 2)).await;
+    serve_pair(TWO_HEADS, (4, 1), (1, 1), Ranks::InEngine).await;
+    serve_pair(TWO_HEADS, (1, 1), (4, 2), Ranks::InEngine).await;
 }
 
 /// `pdflow demo` with heterogeneous TP verifies every D rank's KV against the model and the

@@ -49,6 +49,16 @@ pub enum Command {
     /// every step at which it is alive × the faults that apply, node kills of P, D and bootstrap;
     /// prints one row per cell (outcome, correctness, time to terminal, leaked blocks).
     Chaos(ChaosArgs),
+    /// One rank's worker of a `pdflow serve --rank-processes` engine; the engine starts it.
+    #[command(hide = true)]
+    RankWorker(RankWorkerArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct RankWorkerArgs {
+    /// The engine's Unix socket.
+    #[arg(long)]
+    pub ipc: PathBuf,
 }
 
 #[derive(Debug, Args)]
@@ -467,6 +477,12 @@ pub struct ServeCmd {
     /// request goes to the rank its `X-data-parallel-rank` header names, else the least busy.
     #[arg(long, visible_alias = "dp", default_value_t = 1)]
     pub data_parallel_size: u32,
+    /// With tensor or pipeline parallelism: run each rank's worker (P's side channel, D's data
+    /// server, and their transfers) in a process of its own, as vLLM runs one worker process per
+    /// rank. Each rank's KV cache is shared memory that the engine's simulated forward writes; a
+    /// rank's process that dies stops the engine.
+    #[arg(long)]
+    pub rank_processes: bool,
     #[command(flatten)]
     pub trace: TraceArgs,
 }
@@ -603,6 +619,8 @@ impl ServeCmd {
             faults: pdflow_actors::fault_seam::no_faults(),
             parallel: Parallel { tp: self.tensor_parallel_size, pp: self.pipeline_parallel_size },
             dp_rank: 0,
+            // The program and its arguments are the process's: `main` fills them in.
+            rank_processes: None,
         })
     }
 
@@ -621,6 +639,12 @@ impl ServeCmd {
         if self.tensor_parallel_size == 0 || self.pipeline_parallel_size == 0 || self.data_parallel_size == 0 {
             errors.push(
                 "--tensor-parallel-size, --pipeline-parallel-size and --data-parallel-size must be at least 1"
+                    .to_string(),
+            );
+        }
+        if self.rank_processes && self.tensor_parallel_size * self.pipeline_parallel_size == 1 {
+            errors.push(
+                "--rank-processes runs each rank of a sharded engine in its own process: it needs --tensor-parallel-size or --pipeline-parallel-size above 1"
                     .to_string(),
             );
         }

@@ -7,8 +7,8 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use crate::cli::{
-    BenchCmd, BootstrapCmd, Cli, Command, DemoArgs, DemoDevice, GpuPathArg, OnOff, ProxyCmd, ServeCmd, TraceArgs,
-    TraceCmd,
+    BenchCmd, BootstrapCmd, Cli, Command, DemoArgs, DemoDevice, GpuPathArg, OnOff, ProxyCmd, RankWorkerArgs, ServeCmd,
+    TraceArgs, TraceCmd,
 };
 use anyhow::Context as _;
 use clap::Parser;
@@ -21,12 +21,15 @@ use pdflow_fault::{FaultDomain, FaultLayer, FaultPlan, NodeKind};
 use pdflow_kv::memory::KvShape;
 use pdflow_node::config::VllmEnv;
 use pdflow_node::engine_node::Parallel;
+use pdflow_node::rank_process::child::RankChild;
+use pdflow_node::rank_process::RankLaunch;
 use pdflow_node::{BootstrapNode, DataParallelGroup, EngineNode, ProxyNode};
 use pdflow_telemetry::capture::SpanCapture;
 use pdflow_telemetry::export::{self, ExportConfig, TraceExport};
 use pdflow_telemetry::metrics::{self, MetricsLayer};
 use pdflow_tools::demo::{self, DemoOptions, KvPlacement};
 use pdflow_transfer::tcp::TcpConfig;
+use tokio_util::sync::CancellationToken;
 use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::util::SubscriberInitExt;
 use tracing_subscriber::EnvFilter;
@@ -272,6 +275,7 @@ async fn run(cli: Cli) -> anyhow::Result<bool> {
         Command::Bootstrap(args) => run_bootstrap(args).await,
         Command::Proxy(cmd) => run_proxy(cmd).await,
         Command::Serve(cmd) => run_serve(&cmd).await,
+        Command::RankWorker(args) => run_rank_worker(args).await,
     }
 }
 
@@ -317,9 +321,65 @@ async fn serve_until_signal<F: std::future::Future<Output = ()>>(
     trace_export: &TraceExport,
     stop: impl FnOnce() -> F,
 ) -> anyhow::Result<bool> {
-    wait_for_shutdown_signal().await;
+    serve_until_signal_or(trace_export, CancellationToken::new(), stop).await
+}
+
+/// As [`serve_until_signal`], and also stops when `lost` is cancelled (a rank's process died);
+/// then the process exits with a failure.
+async fn serve_until_signal_or<F: std::future::Future<Output = ()>>(
+    trace_export: &TraceExport,
+    lost: CancellationToken,
+    stop: impl FnOnce() -> F,
+) -> anyhow::Result<bool> {
+    let signalled = tokio::select! {
+        () = wait_for_shutdown_signal() => true,
+        () = lost.cancelled() => false,
+    };
     stop().await;
     finish_export(trace_export, export::keep_all)?;
+    if !signalled {
+        anyhow::bail!("a rank's process exited: the engine stopped (its log says which and how)");
+    }
+    Ok(true)
+}
+
+/// `pdflow rank-worker`: one rank's worker of a `pdflow serve --rank-processes` engine, configured
+/// by the engine's own arguments (from its hello).
+async fn run_rank_worker(args: RankWorkerArgs) -> anyhow::Result<bool> {
+    let child = RankChild::connect(&args.ipc).await?;
+    let rank = child.hello.rank;
+    let argv = std::iter::once("pdflow".to_string()).chain(child.hello.serve_argv.iter().cloned());
+    let cmd = match Cli::try_parse_from(argv).map(|cli| cli.command) {
+        Ok(Command::Serve(cmd)) => cmd,
+        Ok(_) => {
+            child.fail("the engine's arguments are not `serve …`".into()).await;
+            anyhow::bail!("rank {rank}: the engine's arguments are not `serve …`");
+        }
+        Err(e) => {
+            child.fail(format!("the engine's arguments do not parse: {e}")).await;
+            anyhow::bail!("rank {rank}: the engine's arguments do not parse: {e}");
+        }
+    };
+    let env = vllm_env()?;
+    let mut cfg = match cmd.to_config(&env) {
+        Ok(cfg) => cfg,
+        Err(e) => {
+            child.fail(e.join("; ")).await;
+            anyhow::bail!("rank {rank}: invalid serve arguments: {}", e.join("; "));
+        }
+    };
+    let mut trace = cmd.trace.clone();
+    // Each rank exports its own spans (steps 21–31 on P, 19–21 and 34 on D); a trace file of its own.
+    trace.trace_file = trace.trace_file.map(|p| p.with_extension(format!("rank{rank}.json")));
+    let service =
+        if cmd.role == crate::cli::RoleArg::Producer { export::SERVICE_PREFILL } else { export::SERVICE_DECODE };
+    // The engine's fault plan applies to its ranks' actors too; `kill_node` kills the rank.
+    let (trace_export, faults) = start_node_telemetry(&trace, service, None, cfg.tcp.clone())?;
+    cfg.faults = faults.seam();
+    faults.register_process_kill(if cfg.role.produces() { NodeKind::P } else { NodeKind::D });
+    let served = child.serve(cfg).await;
+    finish_export(&trace_export, export::keep_all)?;
+    served.with_context(|| format!("rank {rank}'s worker"))?;
     Ok(true)
 }
 
@@ -362,12 +422,16 @@ async fn run_serve(cmd: &ServeCmd) -> anyhow::Result<bool> {
     metrics::global().set_block_bytes(cmd.kv_shape.bytes_per_block() as u64);
     cfg.faults = faults.seam();
     let kind = if cfg.role == pdflow_actors::scheduler_connector::KvRole::Consumer { NodeKind::D } else { NodeKind::P };
+    if cmd.rank_processes {
+        let program = std::env::current_exe().context("finding this program, to run the ranks' processes")?;
+        cfg.rank_processes = Some(RankLaunch { program, serve_argv: std::env::args().skip(1).collect() });
+    }
     if cmd.data_parallel_size > 1 {
         return serve_data_parallel(cfg, cmd.data_parallel_size, &faults, kind, &trace_export).await;
     }
     let node = EngineNode::start(cfg).await?;
     faults.register_process_kill(kind);
-    if node.worker.bootstrap.is_some() {
+    if node.first_worker().is_some_and(|w| w.bootstrap.is_some()) {
         faults.register_process_kill(NodeKind::Bootstrap);
     }
     ready_line(serde_json::json!({
@@ -376,10 +440,11 @@ async fn run_serve(cmd: &ServeCmd) -> anyhow::Result<bool> {
         "role": format!("{:?}", node.role).to_lowercase(),
         "addr": node.http_addr.to_string(),
         "engine_id": node.engine_id,
-        "bootstrap_addr": node.worker.bootstrap.as_ref().map(|b| b.addr.to_string()),
+        "bootstrap_addr": node.launched_bootstrap_addr().map(|a| a.to_string()),
         "data_addr": node.data_addr().map(|a| a.to_string()),
     }));
-    serve_until_signal(&trace_export, || async move {
+    let lost = node.rank_lost();
+    serve_until_signal_or(&trace_export, lost, || async move {
         let _ = tokio::time::timeout(Duration::from_secs(10), node.shutdown()).await;
     })
     .await
@@ -397,7 +462,7 @@ async fn serve_data_parallel(
     let group = DataParallelGroup::start(cfg, size).await?;
     faults.register_process_kill(kind);
     let first = &group.engines[0];
-    if first.worker.bootstrap.is_some() {
+    if first.first_worker().is_some_and(|w| w.bootstrap.is_some()) {
         faults.register_process_kill(NodeKind::Bootstrap);
     }
     ready_line(serde_json::json!({
@@ -407,10 +472,18 @@ async fn serve_data_parallel(
         "addr": group.http_addr.to_string(),
         "engine_id": first.engine_id,
         "engine_ids": group.engines.iter().map(|e| e.engine_id.clone()).collect::<Vec<_>>(),
-        "bootstrap_addr": first.worker.bootstrap.as_ref().map(|b| b.addr.to_string()),
+        "bootstrap_addr": first.launched_bootstrap_addr().map(|a| a.to_string()),
         "data_addr": first.data_addr().map(|a| a.to_string()),
     }));
-    serve_until_signal(trace_export, || async move {
+    let lost = CancellationToken::new();
+    for engine in &group.engines {
+        let (engine_lost, lost) = (engine.rank_lost(), lost.clone());
+        tokio::spawn(async move {
+            engine_lost.cancelled().await;
+            lost.cancel();
+        });
+    }
+    serve_until_signal_or(trace_export, lost, || async move {
         let _ = tokio::time::timeout(Duration::from_secs(10), group.shutdown()).await;
     })
     .await

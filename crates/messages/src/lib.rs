@@ -13,6 +13,7 @@
 //! - [`frame`] — binary frames: magic, version byte, postcard body; typed decode errors.
 //! - [`layout`] — memory regions as peers describe them (base, length, block length).
 //! - [`proxy`] — the proxy's routing ask and its health poller's readiness reports (steps 6–10).
+//! - [`rank_process`] — an engine and the processes of its ranks: the worker role's calls.
 //! - `ids` — [`RequestId`], [`TransferId`], [`EngineId`]: one type each, a plain string on the wire.
 
 pub mod bootstrap;
@@ -22,6 +23,7 @@ pub mod kv_transfer_params;
 pub mod layout;
 pub mod lifecycle;
 pub mod proxy;
+pub mod rank_process;
 pub mod receiver;
 pub mod scheduler_connector;
 pub mod send_worker;

@@ -43,8 +43,8 @@ impl DataParallelGroup {
             // Each engine's own API listens on a port of its own; clients use the group's.
             rank_cfg.port = 0;
             if let Some(first) = engines.first() {
-                rank_cfg.bootstrap = match &first.worker.bootstrap_url {
-                    Some(url) => BootstrapPlacement::External { url: url.clone() },
+                rank_cfg.bootstrap = match first.bootstrap_url() {
+                    Some(url) => BootstrapPlacement::External { url },
                     None => BootstrapPlacement::None,
                 };
             }

@@ -4,7 +4,7 @@
 //! SenderListener, D's data server and Receiver).
 
 use std::net::SocketAddr;
-use std::sync::atomic::AtomicU16;
+use std::sync::atomic::{AtomicU16, Ordering};
 use std::sync::Arc;
 
 use kameo::prelude::*;
@@ -19,6 +19,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::config::Deadlines;
 use crate::ports::{SchedulerPort, WorkerConnectorPort};
+use crate::rank_process::{shared_kv, RankLaunch, RankProcess, RankStart};
 use crate::ranked_port::{RankPort, RankedPort};
 use crate::ranks::RankTopology;
 use crate::supervisor::{NodeSupervisor, MAX_RESTARTS, RESTART_WINDOW};
@@ -56,6 +57,9 @@ pub struct EngineNodeConfig {
     /// proxy finds it (`/query`) and names it to P (`X-data-parallel-rank`). 0 without data
     /// parallelism; [`crate::dp_group::DataParallelGroup`] numbers its engines.
     pub dp_rank: u32,
+    /// With tp or pp above 1: run each rank's worker in a process of its own, started this way
+    /// ([`crate::rank_process`]); None: every rank's worker in this process.
+    pub rank_processes: Option<RankLaunch>,
 }
 
 /// An engine's tensor- and pipeline-parallel sizes.
@@ -79,10 +83,13 @@ pub struct EngineNode {
     pub kv_cache: Arc<KvCache>,
     pub role: KvRole,
     pub connector: ActorRef<SchedulerConnector>,
-    /// The worker of rank 0 (the only one without tensor or pipeline parallelism).
-    pub worker: Worker,
-    /// The workers of ranks 1.., in vLLM's order (`pp_rank * tp + tp_rank`).
-    pub more_workers: Vec<Worker>,
+    /// The ranks' workers in this process, in vLLM's order (`pp_rank * tp + tp_rank`); empty
+    /// when each rank runs in a process of its own (`rank_processes`).
+    pub workers: Vec<Worker>,
+    /// The ranks' processes, in the same order, when the ranks run apart.
+    pub rank_processes: Vec<RankProcess>,
+    /// Cancelled when a rank's process exits unasked: the engine cannot serve without it.
+    rank_lost: CancellationToken,
     supervisor: ActorRef<NodeSupervisor>,
     http_stop: CancellationToken,
     http_task: tokio::task::JoinHandle<()>,
@@ -99,7 +106,23 @@ impl EngineNode {
     pub async fn start_on(cfg: EngineNodeConfig, side_channel_port: u16) -> Result<Self, NodeError> {
         let engine_id = cfg.engine.engine_id.clone();
         let side_channel = Arc::new(AtomicU16::new(side_channel_port));
-        let topology = RankTopology::new(&cfg, || new_kv_cache(&cfg))?;
+        let sharded = cfg.parallel != Parallel::default();
+        let apart = if sharded { cfg.rank_processes.clone() } else { None };
+        let mut kv_files = Vec::new();
+        let topology = match &apart {
+            None => RankTopology::new(&cfg, || new_kv_cache(&cfg))?,
+            Some(_) => RankTopology::with_caches(
+                &cfg,
+                || new_kv_cache(&cfg),
+                |rank, shape| {
+                    let (cache, file) =
+                        shared_kv::create(shape, cfg.engine.num_blocks, &format!("{engine_id}-rank{rank}"))
+                            .map_err(|e| NodeError::Config(e.to_string()))?;
+                    kv_files.push(file);
+                    Ok(cache)
+                },
+            )?,
+        };
         let kv_cache = topology.ranks[0].1.clone();
         let supervisor = NodeSupervisor::spawn(format!("engine-{engine_id}"));
         // P answers D's kv_transfer_params with its bootstrap (for a proxy that forwards them).
@@ -118,40 +141,24 @@ impl EngineNode {
         started("SchedulerConnector", &connector).await?;
         let role = if cfg.role == KvRole::Consumer { Role::D } else { Role::P };
         register_actor(&cfg.faults, ActorKind::SchedulerConnector, role, Vec::new(), &connector);
-        let mut workers: Vec<Worker> = Vec::with_capacity(topology.ranks.len());
-        let mut ports = Vec::with_capacity(topology.ranks.len());
-        for (i, (layout, cache)) in topology.ranks.iter().enumerate() {
-            let rank = topology.worker_rank(i);
-            // Rank 0 launches (or finds) the bootstrap; the other ranks register where it is.
-            let bootstrap = match (cfg.role.produces(), workers.first()) {
-                (false, _) => BootstrapPlacement::None,
-                (true, None) => cfg.bootstrap.clone(),
-                (true, Some(first)) => match &first.bootstrap_url {
-                    Some(url) => BootstrapPlacement::External { url: url.clone() },
-                    None => BootstrapPlacement::None,
-                },
-            };
-            let spec = WorkerSpec {
-                engine_id: engine_id.clone(),
-                role: cfg.role,
-                rank,
-                dp_rank: cfg.dp_rank,
-                host: cfg.host.clone(),
-                bootstrap,
-                side_channel: if i == 0 { side_channel.clone() } else { Arc::new(AtomicU16::new(0)) },
-                deadlines: cfg.deadlines,
-                tcp: cfg.tcp.clone(),
-                verify_checksums: cfg.verify_checksums,
-                faults: cfg.faults.clone(),
-            };
-            let worker = Worker::start_under(&supervisor, cache, &spec).await?;
-            ports.push(RankPort { port: worker.port(), layers: layout.layers.clone() });
-            workers.push(worker);
-        }
+        let rank_lost = CancellationToken::new();
+        let (workers, rank_processes, ports) = match apart {
+            None => start_workers(&cfg, &topology, &supervisor, &side_channel).await?,
+            Some(launch) => {
+                let started = start_rank_processes(&cfg, &topology, &launch, kv_files, &side_channel, &rank_lost).await;
+                match started {
+                    Ok((processes, ports)) => (Vec::new(), processes, ports),
+                    Err(e) => {
+                        supervisor.kill();
+                        return Err(e);
+                    }
+                }
+            }
+        };
         let mut engine_cfg = cfg.engine.clone();
         engine_cfg.kv_state_timeout.get_or_insert(kv_state_timeout(&cfg.deadlines));
         let worker_port: Arc<dyn WorkerConnectorPort> = match ports.len() {
-            1 => Arc::new(workers[0].port()),
+            1 => ports.into_iter().next().map(|r| r.port).ok_or_else(|| NodeError::Config("no rank".into()))?,
             _ => Arc::new(RankedPort::new(ports)),
         };
         let connector_ports = Connector { scheduler: Arc::new(SchedulerPort(connector.clone())), worker: worker_port };
@@ -160,9 +167,6 @@ impl EngineNode {
             _ => Engine::start_ranked(engine_cfg, topology.ranks.clone(), Some(connector_ports))
                 .map_err(|e| NodeError::Config(format!("the engine's ranks: {e}")))?,
         };
-        let mut workers = workers.into_iter();
-        let worker = workers.next().ok_or_else(|| NodeError::Config("an engine needs at least one worker".into()))?;
-        let more_workers: Vec<Worker> = workers.collect();
         let (http_addr, http_stop, http_task) = serve_http(&cfg.host, cfg.port, api::router(engine.clone())).await?;
         Ok(Self {
             http_addr,
@@ -171,8 +175,9 @@ impl EngineNode {
             kv_cache,
             role: cfg.role,
             connector,
-            worker,
-            more_workers,
+            workers,
+            rank_processes,
+            rank_lost,
             supervisor,
             http_stop,
             http_task,
@@ -186,22 +191,25 @@ impl EngineNode {
     }
 
     /// Stops the node at once, as a process kill would: open HTTP responses are cut, the actors
-    /// are killed (not stopped), the engine loop and the data server end. Nothing is handed over.
-    pub async fn kill(self) {
+    /// are killed (not stopped), the engine loop and the data server end, the ranks' processes
+    /// are killed. Nothing is handed over.
+    pub async fn kill(mut self) {
         self.http_stop.cancel();
         self.http_task.abort();
         self.supervisor.kill();
         self.connector.kill();
-        let mut workers: Vec<Worker> = std::iter::once(self.worker).chain(self.more_workers).collect();
-        for worker in &workers {
+        for worker in &self.workers {
             worker.kill_actors();
         }
-        for worker in &mut workers {
+        for process in &mut self.rank_processes {
+            process.kill_now().await;
+        }
+        for worker in &mut self.workers {
             worker.stop_bootstrap(true).await;
         }
         self.engine.shutdown().await;
         let _ = tokio::time::timeout(HTTP_STOP_DEADLINE, self.supervisor.wait_for_shutdown()).await;
-        for worker in &mut workers {
+        for worker in &mut self.workers {
             worker.stop_data_server().await;
         }
     }
@@ -211,26 +219,149 @@ impl EngineNode {
         format!("http://{}", self.http_addr)
     }
 
-    /// D's data server address (where P writes KV), if this node has one.
-    pub fn data_addr(&self) -> Option<SocketAddr> {
-        self.worker.data_addr()
+    /// Rank 0's worker, when the ranks run in this process.
+    pub fn first_worker(&self) -> Option<&Worker> {
+        self.workers.first()
     }
 
-    /// Stops the HTTP server, the engine, the actors and the data server.
-    pub async fn shutdown(self) {
+    /// D's data server address (rank 0's, where P writes KV), if this node has one.
+    pub fn data_addr(&self) -> Option<SocketAddr> {
+        match (self.workers.first(), self.rank_processes.first()) {
+            (Some(worker), _) => worker.data_addr(),
+            (None, Some(process)) => process.ready.data_addr.as_deref().and_then(|a| a.parse().ok()),
+            (None, None) => None,
+        }
+    }
+
+    /// P: the bootstrap rank 0 launched, `host:port`.
+    pub fn launched_bootstrap_addr(&self) -> Option<SocketAddr> {
+        match (self.workers.first(), self.rank_processes.first()) {
+            (Some(worker), _) => worker.bootstrap.as_ref().map(|b| b.addr),
+            (None, Some(process)) => process.ready.launched_bootstrap.as_deref().and_then(|a| a.parse().ok()),
+            (None, None) => None,
+        }
+    }
+
+    /// P: the bootstrap rank 0 launched, as a URL.
+    pub fn launched_bootstrap_url(&self) -> Option<String> {
+        self.launched_bootstrap_addr().map(|a| format!("http://{a}"))
+    }
+
+    /// P: the bootstrap its workers registered with.
+    pub fn bootstrap_url(&self) -> Option<String> {
+        match (self.workers.first(), self.rank_processes.first()) {
+            (Some(worker), _) => worker.bootstrap_url.clone(),
+            (None, Some(process)) => process.ready.bootstrap_url.clone(),
+            (None, None) => None,
+        }
+    }
+
+    /// Cancelled when one of the ranks' processes exits unasked (the engine cannot serve then).
+    pub fn rank_lost(&self) -> CancellationToken {
+        self.rank_lost.clone()
+    }
+
+    /// Stops the HTTP server, the engine, the actors, the data server and the ranks' processes.
+    pub async fn shutdown(mut self) {
         stop_http(self.http_stop, self.http_task).await;
         self.engine.shutdown().await;
-        let mut workers: Vec<Worker> = std::iter::once(self.worker).chain(self.more_workers).collect();
         // The other ranks register with rank 0's bootstrap: it stops last.
-        for worker in workers.iter_mut().rev() {
+        for process in self.rank_processes.into_iter().rev() {
+            process.stop().await;
+        }
+        for worker in self.workers.iter_mut().rev() {
             worker.stop_bootstrap(false).await;
         }
         let _ = self.supervisor.stop_gracefully().await;
         self.supervisor.wait_for_shutdown().await;
-        for worker in &mut workers {
+        for worker in &mut self.workers {
             worker.stop_data_server().await;
         }
     }
+}
+
+type Workers = (Vec<Worker>, Vec<RankProcess>, Vec<RankPort>);
+
+/// Every rank's worker in this process, under the node's supervisor.
+async fn start_workers(
+    cfg: &EngineNodeConfig,
+    topology: &RankTopology,
+    supervisor: &ActorRef<NodeSupervisor>,
+    side_channel: &Arc<AtomicU16>,
+) -> Result<Workers, NodeError> {
+    let mut workers: Vec<Worker> = Vec::with_capacity(topology.ranks.len());
+    let mut ports = Vec::with_capacity(topology.ranks.len());
+    for (i, (layout, cache)) in topology.ranks.iter().enumerate() {
+        // Rank 0 launches (or finds) the bootstrap; the other ranks register where it is.
+        let bootstrap = match (cfg.role.produces(), workers.first()) {
+            (false, _) => BootstrapPlacement::None,
+            (true, None) => cfg.bootstrap.clone(),
+            (true, Some(first)) => match &first.bootstrap_url {
+                Some(url) => BootstrapPlacement::External { url: url.clone() },
+                None => BootstrapPlacement::None,
+            },
+        };
+        let spec = WorkerSpec {
+            engine_id: cfg.engine.engine_id.clone(),
+            role: cfg.role,
+            rank: topology.worker_rank(i),
+            dp_rank: cfg.dp_rank,
+            host: cfg.host.clone(),
+            bootstrap,
+            side_channel: if i == 0 { side_channel.clone() } else { Arc::new(AtomicU16::new(0)) },
+            deadlines: cfg.deadlines,
+            tcp: cfg.tcp.clone(),
+            verify_checksums: cfg.verify_checksums,
+            faults: cfg.faults.clone(),
+        };
+        let worker = Worker::start_under(supervisor, cache, &spec).await?;
+        ports.push(RankPort { port: Arc::new(worker.port()), layers: layout.layers.clone() });
+        workers.push(worker);
+    }
+    Ok((workers, Vec::new(), ports))
+}
+
+/// Every rank's worker in a process of its own, over the shared caches in `kv_files` (in rank
+/// order); rank 0 first, since it launches or finds P's bootstrap. A rank's process exiting
+/// unasked cancels `lost`. On failure, the processes already started are stopped.
+async fn start_rank_processes(
+    cfg: &EngineNodeConfig,
+    topology: &RankTopology,
+    launch: &RankLaunch,
+    kv_files: Vec<shared_kv::TempFile>,
+    side_channel: &Arc<AtomicU16>,
+    lost: &CancellationToken,
+) -> Result<(Vec<RankProcess>, Vec<RankPort>), NodeError> {
+    let mut processes: Vec<RankProcess> = Vec::with_capacity(kv_files.len());
+    let mut ports = Vec::with_capacity(kv_files.len());
+    for (i, kv_file) in kv_files.into_iter().enumerate() {
+        let start = RankStart {
+            engine_id: cfg.engine.engine_id.clone(),
+            dp_rank: cfg.dp_rank,
+            rank: i as u32,
+            kv_file,
+            bootstrap_url: processes.first().and_then(|p| p.ready.bootstrap_url.clone()),
+            side_channel_port: if i == 0 { side_channel.load(Ordering::Acquire) } else { 0 },
+            lost: lost.clone(),
+        };
+        match RankProcess::start(launch, start).await {
+            Ok(process) => {
+                if i == 0 {
+                    side_channel.store(process.ready.side_channel_port, Ordering::Release);
+                }
+                let port: Arc<dyn WorkerConnectorPort> = process.port.clone();
+                ports.push(RankPort { port, layers: topology.ranks[i].0.layers.clone() });
+                processes.push(process);
+            }
+            Err(e) => {
+                for p in processes {
+                    p.stop().await;
+                }
+                return Err(NodeError::Config(e.to_string()));
+            }
+        }
+    }
+    Ok((processes, ports))
 }
 
 /// The engine's deadline for holding blocks on the connector's behalf: longer than

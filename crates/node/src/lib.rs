@@ -14,6 +14,8 @@
 //! - [`ranks`], [`ranked_port`] — an engine sharded over tensor/pipeline ranks: one KV cache and
 //!   one set of worker actors per rank, behind one worker port that settles a request once every
 //!   rank has.
+//! - [`rank_process`] — one process per rank: the engine calls each rank's worker over a socket,
+//!   the rank's KV cache in shared memory.
 //! - [`dp_group`] — a data-parallel group: several engines behind one API, each registered at
 //!   bootstrap under its dp_rank.
 //! - [`engine_node`], [`bootstrap_node`], [`proxy_node`] — the nodes; [`gpu_kv`] — GPU-resident KV.
@@ -25,6 +27,7 @@ pub mod engine_node;
 pub mod gpu_kv;
 pub mod ports;
 pub mod proxy_node;
+pub mod rank_process;
 pub mod ranked_port;
 pub mod ranks;
 pub mod supervisor;

@@ -17,11 +17,11 @@ use pdflow_messages::RequestId;
 use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 
-use crate::ports::{ConnectorError, WorkerConnectorPort, WorkerPort};
+use crate::ports::{ConnectorError, WorkerConnectorPort};
 
 /// One rank's worker port and the global layers its cache holds.
 pub struct RankPort {
-    pub port: WorkerPort,
+    pub port: Arc<dyn WorkerConnectorPort>,
     pub layers: Range<usize>,
 }
 
@@ -48,7 +48,7 @@ impl RankedPort {
         let relays = ranks
             .iter()
             .map(|r| {
-                let (from, to) = (r.port.events.clone(), events.clone());
+                let (from, to) = (r.port.kv_events(), events.clone());
                 tokio::spawn(async move {
                     loop {
                         from.notified().await;
@@ -152,11 +152,12 @@ mod tests {
     use pdflow_messages::scheduler_connector::LoadFailureCause;
 
     use super::*;
+    use crate::ports::WorkerPort;
 
     /// Two ranks whose worker ports run no actors: only the tally is exercised.
     fn two_ranks() -> RankedPort {
         let rank = |layers| RankPort {
-            port: WorkerPort { listener: None, receiver: None, events: Arc::new(Notify::new()) },
+            port: Arc::new(WorkerPort { listener: None, receiver: None, events: Arc::new(Notify::new()) }),
             layers,
         };
         RankedPort::new(vec![rank(0..2), rank(2..4)])

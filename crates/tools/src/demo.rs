@@ -263,6 +263,7 @@ impl LocalCluster {
             faults: pdflow_actors::fault_seam::no_faults(),
             parallel: if role.produces() { opts.prefill } else { opts.decode },
             dp_rank: 0,
+            rank_processes: None,
         };
         let prefill = EngineNode::start(node_cfg(
             KvRole::Producer,
@@ -276,12 +277,8 @@ impl LocalCluster {
             &format!("decode-{}", uuid::Uuid::new_v4()),
         ))
         .await?;
-        let bootstrap_port = prefill
-            .worker
-            .bootstrap
-            .as_ref()
-            .map(|b| b.addr.port())
-            .unwrap_or(pdflow_node::config::DEFAULT_BOOTSTRAP_PORT);
+        let bootstrap_port =
+            prefill.launched_bootstrap_addr().map(|a| a.port()).unwrap_or(pdflow_node::config::DEFAULT_BOOTSTRAP_PORT);
         let proxy = ProxyNode::start(ProxyArgs {
             bind: SocketAddr::from(([127, 0, 0, 1], 0)),
             prefill: vec![PrefillTarget { url: prefill.url(), bootstrap_port }],

@@ -97,6 +97,7 @@ pub fn node_cfg(
         faults: faults.clone(),
         parallel: if role.produces() { spec.prefill_parallel } else { spec.decode_parallel },
         dp_rank: 0,
+        rank_processes: None,
     }
 }
 

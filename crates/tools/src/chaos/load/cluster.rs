@@ -71,29 +71,28 @@ impl LoadCluster {
             );
             decode.push(EngineNode::start(cfg).await?);
         }
-        let proxy =
-            ProxyNode::start_with(
-                ProxyArgs {
-                    bind: SocketAddr::from(([127, 0, 0, 1], 0)),
-                    prefill: prefill
-                        .iter()
-                        .map(|p| {
-                            let bootstrap_port =
-                                p.worker.bootstrap.as_ref().map(|b| b.addr.port()).ok_or_else(|| {
-                                    NodeError::Config(format!("P {} launched no bootstrap", p.engine_id))
-                                })?;
-                            Ok(PrefillTarget { url: p.url(), bootstrap_port })
-                        })
-                        .collect::<Result<_, NodeError>>()?,
-                    decode: decode.iter().map(EngineNode::url).collect(),
-                    health_interval: Duration::from_millis(25),
-                    upstream_timeout: spec.upstream_timeout,
-                    ready_timeout: None,
-                    secret: None,
-                },
-                faults,
-            )
-            .await?;
+        let proxy = ProxyNode::start_with(
+            ProxyArgs {
+                bind: SocketAddr::from(([127, 0, 0, 1], 0)),
+                prefill: prefill
+                    .iter()
+                    .map(|p| {
+                        let bootstrap_port = p
+                            .launched_bootstrap_addr()
+                            .map(|a| a.port())
+                            .ok_or_else(|| NodeError::Config(format!("P {} launched no bootstrap", p.engine_id)))?;
+                        Ok(PrefillTarget { url: p.url(), bootstrap_port })
+                    })
+                    .collect::<Result<_, NodeError>>()?,
+                decode: decode.iter().map(EngineNode::url).collect(),
+                health_interval: Duration::from_millis(25),
+                upstream_timeout: spec.upstream_timeout,
+                ready_timeout: None,
+                secret: None,
+            },
+            faults,
+        )
+        .await?;
         let cluster = Self { prefill, decode, proxy };
         let client = reqwest::Client::builder()
             .no_proxy()
@@ -147,14 +146,14 @@ impl LoadCluster {
         let mut out = BTreeMap::new();
         for (label, node) in self.engines() {
             let mut n = 0usize;
-            if let Some(listener) = &node.worker.sender_listener {
+            if let Some(listener) = node.first_worker().and_then(|w| w.sender_listener.as_ref()) {
                 n += tokio::time::timeout(ASK, listener.ask(InFlightPulls))
                     .await
                     .ok()
                     .and_then(Result::ok)
                     .unwrap_or(usize::MAX);
             }
-            if let Some(receiver) = &node.worker.receiver {
+            if let Some(receiver) = node.first_worker().and_then(|w| w.receiver.as_ref()) {
                 let tracked = tokio::time::timeout(ASK, receiver.ask(TransferStates)).await.ok().and_then(Result::ok);
                 n = n.saturating_add(tracked.map_or(usize::MAX, |t| t.len()));
             }
