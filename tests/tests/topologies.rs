@@ -142,10 +142,23 @@ fn per_engine(metrics: &str, name: &str) -> std::collections::BTreeMap<String, f
 /// held on any rank, and a rank the server does not run is refused with a clear error.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn data_parallel_p_and_d_through_the_proxy() {
+    data_parallel_through_the_proxy(&[], 1).await;
+}
+
+/// The same with each P engine at tensor-parallel size 2, each rank in a process of its own:
+/// four rank processes under P, each engine's two ranks registered under its dp_rank.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn data_parallel_p_with_a_process_per_rank() {
+    data_parallel_through_the_proxy(&["--tensor-parallel-size", "2", "--rank-processes"], 2).await;
+}
+
+/// P and D at DP 2 through the proxy, P with `p_extra` flags and `p_tp` tensor ranks per engine.
+async fn data_parallel_through_the_proxy(p_extra: &[&str], p_tp: usize) {
     let (shape_flag, shape) = EIGHT_HEADS;
     let common = ["--kv-shape", shape_flag, "--num-blocks", "128", "--data-parallel-size", "2", "--verify-checksums"];
     let mut p_args = vec!["serve", "--role", "producer", "--bootstrap-port", "0"];
     p_args.extend(common);
+    p_args.extend(p_extra);
     let producer = Proc::spawn("producer", &p_args, &[]).await.expect("producer starts");
     let mut d_args = vec!["serve", "--role", "consumer", "--kv-load-failure-policy", "fail"];
     d_args.extend(common);
@@ -160,7 +173,11 @@ async fn data_parallel_p_and_d_through_the_proxy() {
         client.get(format!("http://{bootstrap_addr}/query")).send().await.expect("query").json().await.expect("json");
     for (rank, id) in p_ids.iter().enumerate() {
         assert_eq!(query[rank.to_string()]["engine_id"], id.as_str(), "dp rank {rank} at the bootstrap: {query}");
+        let tp_ranks = query[rank.to_string()]["worker_addr"].as_object().map_or(0, |tps| tps.len());
+        assert_eq!(tp_ranks, p_tp, "dp rank {rank}'s tensor ranks at the bootstrap: {query}");
     }
+    let apart = if p_extra.contains(&"--rank-processes") { 2 * p_tp } else { 0 };
+    assert_eq!(rank_processes_of(&producer).len(), apart, "P's rank processes");
     let proxy = Proc::proxy(&producer, &bootstrap_port, &consumer).await.expect("proxy starts");
     wait_healthy(&client, &proxy.url(), Duration::from_secs(20)).await.expect("proxy ready");
     for (i, tokens) in [300usize, 40, 170, 90].into_iter().enumerate() {

@@ -26,10 +26,22 @@ pub struct RankHello {
     pub rank: u32,
     /// The shared-memory file holding this rank's KV cache, which the engine's forward writes.
     pub kv_path: String,
-    /// P: the bootstrap rank 0 launched or found (None: this rank places it as the flags say).
-    pub bootstrap_url: Option<String>,
+    /// P: where this rank registers (rank 0 launches or finds the bootstrap as its engine decided,
+    /// the other ranks register where rank 0 did).
+    pub bootstrap: RankBootstrap,
     /// P: the side-channel port to bind (0: any).
     pub side_channel_port: u16,
+}
+
+/// Where a P rank finds its bootstrap.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum RankBootstrap {
+    /// Launch it on this port (0: any), and register there.
+    Launch { port: u16 },
+    /// Register with the bootstrap at this URL.
+    External { url: String },
+    /// Register nowhere (D, or an engine without a bootstrap).
+    None,
 }
 
 /// A rank's worker runs.
@@ -103,7 +115,7 @@ mod tests {
             dp_rank: 0,
             rank: 1,
             kv_path: "/dev/shm/x".into(),
-            bootstrap_url: Some("http://127.0.0.1:8998".into()),
+            bootstrap: RankBootstrap::External { url: "http://127.0.0.1:8998".into() },
             side_channel_port: 0,
         };
         let bytes = frame::encode(&hello).expect("encodes");

@@ -26,6 +26,7 @@ use crate::supervisor::{NodeSupervisor, MAX_RESTARTS, RESTART_WINDOW};
 pub use crate::worker::BootstrapPlacement;
 use crate::worker::{Worker, WorkerSpec};
 use crate::{started, NodeError};
+use pdflow_messages::rank_process::RankBootstrap;
 
 /// Everything an engine node needs.
 #[derive(Debug, Clone)]
@@ -282,6 +283,28 @@ impl EngineNode {
 
 type Workers = (Vec<Worker>, Vec<RankProcess>, Vec<RankPort>);
 
+/// Where a rank registers: rank 0 (`first_url` None: it does not run yet) where the engine's
+/// configuration says (a data-parallel group points its later engines at the first's bootstrap),
+/// the others where rank 0 did (`Some(its bootstrap URL)`).
+fn rank_placement(cfg: &EngineNodeConfig, first_url: Option<Option<String>>) -> BootstrapPlacement {
+    match (cfg.role.produces(), first_url) {
+        (false, _) => BootstrapPlacement::None,
+        (true, None) => cfg.bootstrap.clone(),
+        (true, Some(Some(url))) => BootstrapPlacement::External { url },
+        (true, Some(None)) => BootstrapPlacement::None,
+    }
+}
+
+impl From<BootstrapPlacement> for RankBootstrap {
+    fn from(placement: BootstrapPlacement) -> Self {
+        match placement {
+            BootstrapPlacement::Launch { port } => RankBootstrap::Launch { port },
+            BootstrapPlacement::External { url } => RankBootstrap::External { url },
+            BootstrapPlacement::None => RankBootstrap::None,
+        }
+    }
+}
+
 /// Every rank's worker in this process, under the node's supervisor.
 async fn start_workers(
     cfg: &EngineNodeConfig,
@@ -292,15 +315,7 @@ async fn start_workers(
     let mut workers: Vec<Worker> = Vec::with_capacity(topology.ranks.len());
     let mut ports = Vec::with_capacity(topology.ranks.len());
     for (i, (layout, cache)) in topology.ranks.iter().enumerate() {
-        // Rank 0 launches (or finds) the bootstrap; the other ranks register where it is.
-        let bootstrap = match (cfg.role.produces(), workers.first()) {
-            (false, _) => BootstrapPlacement::None,
-            (true, None) => cfg.bootstrap.clone(),
-            (true, Some(first)) => match &first.bootstrap_url {
-                Some(url) => BootstrapPlacement::External { url: url.clone() },
-                None => BootstrapPlacement::None,
-            },
-        };
+        let bootstrap = rank_placement(cfg, workers.first().map(|w| w.bootstrap_url.clone()));
         let spec = WorkerSpec {
             engine_id: cfg.engine.engine_id.clone(),
             role: cfg.role,
@@ -340,7 +355,7 @@ async fn start_rank_processes(
             dp_rank: cfg.dp_rank,
             rank: i as u32,
             kv_file,
-            bootstrap_url: processes.first().and_then(|p| p.ready.bootstrap_url.clone()),
+            bootstrap: rank_placement(cfg, processes.first().map(|p| p.ready.bootstrap_url.clone())).into(),
             side_channel_port: if i == 0 { side_channel.load(Ordering::Acquire) } else { 0 },
             lost: lost.clone(),
         };

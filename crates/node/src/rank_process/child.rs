@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use kameo::prelude::*;
 use pdflow_messages::rank_process::{
-    RankAnswer, RankCall, RankCallError, RankHello, RankMessage, RankReady, RankRequest,
+    RankAnswer, RankBootstrap, RankCall, RankCallError, RankHello, RankMessage, RankReady, RankRequest,
 };
 use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::UnixStream;
@@ -154,10 +154,10 @@ async fn start_worker(hello: &RankHello, cfg: &EngineNodeConfig) -> Result<Start
     })?;
     let kv = shared_kv::open(Path::new(&hello.kv_path), rank_shape(cfg.engine.shape, layout), cfg.engine.num_blocks)?;
     let supervisor = NodeSupervisor::spawn(format!("engine-{}-rank-{rank}", cfg.engine.engine_id));
-    let bootstrap = match (&hello.bootstrap_url, cfg.role.produces()) {
-        (_, false) => BootstrapPlacement::None,
-        (Some(url), true) => BootstrapPlacement::External { url: url.clone() },
-        (None, true) => cfg.bootstrap.clone(),
+    let bootstrap = match &hello.bootstrap {
+        RankBootstrap::Launch { port } => BootstrapPlacement::Launch { port: *port },
+        RankBootstrap::External { url } => BootstrapPlacement::External { url: url.clone() },
+        RankBootstrap::None => BootstrapPlacement::None,
     };
     let side_channel = Arc::new(AtomicU16::new(hello.side_channel_port));
     let spec = WorkerSpec {

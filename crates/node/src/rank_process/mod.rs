@@ -21,7 +21,7 @@ use std::process::Stdio;
 use std::sync::Arc;
 use std::time::Duration;
 
-use pdflow_messages::rank_process::{RankHello, RankMessage, RankReady};
+use pdflow_messages::rank_process::{RankBootstrap, RankHello, RankMessage, RankReady};
 use tokio::net::UnixListener;
 use tokio::process::Command;
 use tokio::sync::oneshot;
@@ -77,7 +77,7 @@ pub struct RankStart {
     pub dp_rank: u32,
     pub rank: u32,
     pub kv_file: TempFile,
-    pub bootstrap_url: Option<String>,
+    pub bootstrap: RankBootstrap,
     pub side_channel_port: u16,
     /// Cancelled when the process exits unasked.
     pub lost: CancellationToken,
@@ -118,7 +118,7 @@ impl RankProcess {
             dp_rank: start.dp_rank,
             rank,
             kv_path: start.kv_file.path.to_string_lossy().into_owned(),
-            bootstrap_url: start.bootstrap_url,
+            bootstrap: start.bootstrap,
             side_channel_port: start.side_channel_port,
         };
         ipc::write_frame(&mut writer, &ipc::encode(&hello)?).await?;
