@@ -50,9 +50,11 @@ async fn a_p_rank_killed_mid_transfer_ends_the_request_and_leaks_nothing() {
     let body = completion(&prompt(300, 4), 8);
     let expected = reference_tokens(shape, &body).await;
     let url = format!("{}/v1/completions", proxy.url());
-    let (sent, request_client) = (Instant::now(), client.clone());
+    let request_client = client.clone();
     let request = tokio::spawn(async move { post(&request_client, &url, &body).await });
     tokio::time::sleep(KILL_AFTER).await;
+    // Only the held FINISH keeps the request open this long (unheld, it ends in well under 1 s).
+    assert!(!request.is_finished(), "the request is open when the rank dies: the fault plan held P's FINISH");
     let victim = p_ranks[1];
     // SAFETY: kill(2) with a pid this test read from /proc as P's child; no memory is touched.
     assert_eq!(unsafe { libc::kill(victim as i32, libc::SIGKILL) }, 0, "P's rank 1 is killed");
@@ -63,7 +65,6 @@ async fn a_p_rank_killed_mid_transfer_ends_the_request_and_leaks_nothing() {
         .expect("the request ends within D's deadline")
         .expect("request task")
         .expect("the proxy answers");
-    assert!(sent.elapsed() >= KILL_AFTER, "the request was still open when the rank died");
     assert_eq!(status, 200, "D recomputes the prompt it could not load: {response}");
     assert_eq!(token_ids(&response), expected, "D's tokens are one engine's");
     consumer.assert_blocks_at_baseline(&client, "after P's rank died mid-transfer").await;

@@ -72,16 +72,27 @@ impl RemoteWorkerPort {
             forget();
             return Err(unavailable("the rank's process is gone".into()));
         }
-        let bytes = ipc::encode(&RankRequest { id, call }).map_err(|e| unavailable(e.to_string()))?;
-        if self.outbox.send(bytes).await.is_err() {
+        let bytes = ipc::encode(&RankRequest { id, call }).map_err(|e| {
             forget();
-            return Err(unavailable("the rank's process is gone".into()));
-        }
-        match tokio::time::timeout(CALL_DEADLINE, rx).await {
-            Ok(Ok(Ok(answer))) => Ok(answer),
-            Ok(Ok(Err(RankCallError::Refused(why)))) => Err(ConnectorError::Refused(why)),
-            Ok(Ok(Err(RankCallError::Unavailable(why)))) => Err(unavailable(why)),
-            Ok(Err(_)) => Err(unavailable("the rank's process is gone".into())),
+            unavailable(e.to_string())
+        })?;
+        // One deadline for queueing the call (a rank that stopped reading fills the queue) and
+        // for its answer.
+        let answer = tokio::time::timeout(CALL_DEADLINE, async {
+            if self.outbox.send(bytes).await.is_err() {
+                return None;
+            }
+            Some(rx.await)
+        });
+        match answer.await {
+            Ok(None) => {
+                forget();
+                Err(unavailable("the rank's process is gone".into()))
+            }
+            Ok(Some(Ok(Ok(answer)))) => Ok(answer),
+            Ok(Some(Ok(Err(RankCallError::Refused(why))))) => Err(ConnectorError::Refused(why)),
+            Ok(Some(Ok(Err(RankCallError::Unavailable(why))))) => Err(unavailable(why)),
+            Ok(Some(Err(_))) => Err(unavailable("the rank's process is gone".into())),
             Err(_) => {
                 forget();
                 Err(unavailable(format!("no answer within {CALL_DEADLINE:?}")))
