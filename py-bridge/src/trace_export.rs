@@ -21,7 +21,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Mutex, OnceLock};
 use std::time::Duration;
 
-use pdflow_telemetry::export::{keep_all, ExportConfig, ExportSettings, TraceExport};
+use pdflow_observability::export::{keep_all, ExportConfig, ExportSettings, TraceExport};
 use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::util::SubscriberInitExt;
 use tracing_subscriber::{EnvFilter, Layer as _};

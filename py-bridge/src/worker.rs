@@ -84,8 +84,8 @@ fn node_error(e: NodeError) -> BridgeError {
 /// A port error, as the bridge reports it.
 fn port_error(what: &'static str, e: ConnectorError) -> BridgeError {
     match e {
-        ConnectorError::Refused(reason) => BridgeError::Config(reason),
-        ConnectorError::Unavailable(reason) => BridgeError::unavailable(what, reason),
+        ConnectorError::RolesDisagree { .. } => BridgeError::Config(e.to_string()),
+        ConnectorError::Unavailable { .. } => BridgeError::unavailable(what, e),
     }
 }
 

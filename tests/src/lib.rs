@@ -16,9 +16,10 @@ use pdflow_actors::proxy::{PrefillTarget, ProxyArgs};
 use pdflow_actors::scheduler_connector::KvRole;
 use pdflow_kv::memory::{KvCache, KvShape};
 use pdflow_node::config::Deadlines;
-use pdflow_node::engine_node::{serve_http, BootstrapPlacement};
-use pdflow_node::{EngineNode, EngineNodeConfig, ProxyNode};
+use pdflow_node::ProxyNode;
 use pdflow_sim_engine::{api, Engine, EngineConfig, LoadFailurePolicy};
+use pdflow_sim_node::engine_node::{serve_http, BootstrapPlacement};
+use pdflow_sim_node::{EngineNode, EngineNodeConfig};
 use pdflow_transfer::same_host::SameHostMode;
 use pdflow_transfer::tcp::TcpConfig;
 use serde_json::{json, Value};
@@ -320,7 +321,7 @@ pub async fn reference(shape: KvShape, body: &Value) -> anyhow::Result<Value> {
     let engine = Engine::start(cfg.clone(), KvCache::new(cfg.shape, cfg.num_blocks), None);
     let (addr, stop, task) = serve_http("127.0.0.1", 0, api::router(engine.clone())).await?;
     let result = post(&http_client(), &format!("http://{addr}/v1/completions"), body).await;
-    pdflow_node::engine_node::stop_http(stop, task).await;
+    pdflow_sim_node::engine_node::stop_http(stop, task).await;
     engine.shutdown().await;
     let (status, v) = result?;
     anyhow::ensure!(status == 200, "reference run failed: {status} {v}");
@@ -357,15 +358,15 @@ pub mod direct {
 }
 
 /// Installs a span capture as this test binary's global subscriber (once) and returns it.
-pub fn capture() -> pdflow_telemetry::capture::SpanCapture {
+pub fn capture() -> pdflow_observability::capture::SpanCapture {
     use std::sync::OnceLock;
     use tracing_subscriber::layer::SubscriberExt;
     use tracing_subscriber::util::SubscriberInitExt;
     use tracing_subscriber::Layer;
-    static CAPTURE: OnceLock<pdflow_telemetry::capture::SpanCapture> = OnceLock::new();
+    static CAPTURE: OnceLock<pdflow_observability::capture::SpanCapture> = OnceLock::new();
     CAPTURE
         .get_or_init(|| {
-            let c = pdflow_telemetry::capture::SpanCapture::new();
+            let c = pdflow_observability::capture::SpanCapture::new();
             // PDFLOW_TEST_LOG=<filter> also prints logs (e.g. `pdflow_actors=debug`).
             let fmt = std::env::var("PDFLOW_TEST_LOG").ok().map(|f| {
                 tracing_subscriber::fmt::layer().with_test_writer().with_filter(tracing_subscriber::EnvFilter::new(f))
@@ -379,7 +380,7 @@ pub fn capture() -> pdflow_telemetry::capture::SpanCapture {
 /// Waits (bounded) until a span of `step` whose `pd.transfer_id` is `transfer_id` exists
 /// (`closed`: and has ended).
 pub async fn wait_for_step(
-    capture: &pdflow_telemetry::capture::SpanCapture,
+    capture: &pdflow_observability::capture::SpanCapture,
     step: u8,
     transfer_id: &str,
     closed: bool,
@@ -388,7 +389,7 @@ pub async fn wait_for_step(
     loop {
         let seen = capture.spans().iter().any(|s| {
             s.step == step
-                && s.attr(pdflow_telemetry::attrs::TRANSFER_ID) == Some(transfer_id)
+                && s.attr(pdflow_observability::attrs::TRANSFER_ID) == Some(transfer_id)
                 && (!closed || s.end.is_some())
         });
         if seen {

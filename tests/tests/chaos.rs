@@ -5,8 +5,8 @@
 //! and the next request served correctly (the supervisor brought the node back).
 
 use pdflow_fault::{ActorKind, Fault, FaultAction, FaultPlan, NodeKind, Role, When};
-use pdflow_node::engine_node::Parallel;
 use pdflow_sim_engine::LoadFailurePolicy;
+use pdflow_sim_node::engine_node::Parallel;
 use pdflow_tools::chaos::{self, CellEnv, CellSpec, Outcome, Reference};
 
 fn cell(actor: &str, fault: Fault) -> CellSpec {

@@ -3,7 +3,7 @@
 //! step 29's histogram on P (with bytes and descriptors), a step-34 transfer observation on D,
 //! the engine's blocks held, and the Prometheus text content type.
 
-use pdflow_telemetry::metrics::{self, parse_histogram, MetricsLayer};
+use pdflow_observability::metrics::{self, parse_histogram, MetricsLayer};
 use pdflow_tests::processes::ProcCluster;
 use pdflow_tests::{completion, prompt, Cluster, ClusterSpec, Endpoints, SMALL};
 use tracing_subscriber::layer::SubscriberExt;

@@ -21,7 +21,7 @@ static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 /// Runs `cell` (or skips, printing why) and asserts that its row passed.
 async fn check(cell: NetCell) {
     if let Err(reason) = net::available() {
-        pdflow_telemetry::skip::skipped(&cell.name(), &reason);
+        pdflow_testkit::skipped(&cell.name(), &reason);
         return;
     }
     let _serial = SERIAL.lock().await;

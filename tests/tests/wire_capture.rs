@@ -181,7 +181,7 @@ async fn the_wire_never_carries_the_secret_and_with_tls_carries_no_kv_and_no_pul
     let plain = match captured_request(false, 11).await {
         Ok(c) => c,
         Err(why) => {
-            pdflow_telemetry::skip::skipped("the wire capture of a request", &why);
+            pdflow_testkit::skipped("the wire capture of a request", &why);
             return;
         }
     };

@@ -1,0 +1,358 @@
+//! One client request through the proxy: fan-out to P and D, streaming D's answer back.
+//!
+//! Seed steps: 8 (`POST /v1/completions` or `/v1/chat/completions` arrives; request_id and
+//! transfer_id made; P and D chosen by asking the Proxy actor for a `Route`), 9 (P's request:
+//! `max_tokens` 1, not streamed, `do_remote_decode`), 10 (D's request, sent at the same time:
+//! `do_remote_prefill`, P's bootstrap address and engine id), 25 (P's status checked, its body
+//! discarded) and 43 (D's status, content type and bytes streamed back chunk by chunk; 42 is D's).
+//!
+//! This runs in the HTTP handler's task, never in the actor's mailbox. Unlike vLLM's example
+//! proxy, a failed prefill (connection error, deadline, non-2xx) cancels D's request and answers
+//! the client at once; a client that goes away cancels both upstream calls (P runs in a task
+//! behind an abort-on-drop guard, D's response lives in the response body stream); every
+//! upstream call has a deadline. Upstream errors are JSON `{"error": {"message", "type", "code"}}`
+//! with a non-200 status.
+//!
+//! # Layout
+//! - this file — the routes and the stages of one request's flow (steps 8, 9, 10, 43);
+//! - [`ids`] — the request_id and the trace context (step 8);
+//! - [`upstream`] — P's and D's bodies and headers, P's call, upstream errors (steps 9, 10, 25);
+//! - [`relay`] — D's answer on its way to the client, P's task watched meanwhile (step 43).
+
+mod ids;
+mod relay;
+mod upstream;
+
+pub use ids::flow_request_id;
+pub use upstream::{decode_body, error_response, prefill_body, UpstreamError};
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::{Body, Bytes};
+use axum::extract::{DefaultBodyLimit, State};
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use futures::stream::StreamExt;
+use kameo::prelude::*;
+use pdflow_messages::proxy::{NotReady, ProxyStatus, Route, RouteDecision};
+use pdflow_messages::{RequestId, TransferId};
+use pdflow_observability::{attrs, step_span, steps};
+use tokio_util::task::AbortOnDropHandle;
+use tracing::Instrument;
+
+use super::Proxy;
+use ids::traceparent;
+use pdflow_observability::Outcome;
+use relay::Relay;
+use upstream::{call_prefill, report_prefill_failure, upstream_headers, wait_prefill, PrefillHandle};
+
+/// Largest client body the proxy accepts (long prompts are large).
+const MAX_BODY_BYTES: usize = 64 * 1024 * 1024;
+/// How long a handler waits for the Proxy actor's answer.
+const ASK_DEADLINE: Duration = Duration::from_secs(5);
+/// D's non-streamed answers up to this length are relayed whole (longer ones chunk by chunk).
+const MAX_WHOLE_BODY: u64 = 1 << 20;
+/// How often a flow asks a restarted Proxy actor again for a route.
+const RESTART_POLL: Duration = Duration::from_millis(10);
+
+/// What every request's flow shares: the actor, one pooled HTTP client, the upstream deadline.
+pub struct FlowContext {
+    pub proxy: ActorRef<Proxy>,
+    pub client: reqwest::Client,
+    pub upstream_timeout: Duration,
+    /// The proxy was ready before (it routed a request or said so on `/health`): a later "not
+    /// ready yet" is a restarted actor re-discovering its pools (one health round), which a flow
+    /// waits out rather than fails.
+    pub was_ready: std::sync::atomic::AtomicBool,
+}
+
+/// The proxy's routes: `/v1/completions`, `/v1/chat/completions`, `/health`, `/metrics`.
+pub fn router(ctx: Arc<FlowContext>) -> Router {
+    Router::new()
+        .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/health", get(health))
+        .route("/metrics", get(metrics))
+        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .with_state(ctx)
+}
+
+/// `/metrics`: the process's step metrics (Prometheus text).
+async fn metrics() -> Response {
+    use pdflow_observability::metrics as m;
+    ([(header::CONTENT_TYPE, m::CONTENT_TYPE)], m::global().render()).into_response()
+}
+
+async fn health(State(ctx): State<Arc<FlowContext>>) -> Response {
+    let Some(proxy) = Some(ctx.proxy.clone()).filter(|p| p.is_alive()) else {
+        return error_response(StatusCode::SERVICE_UNAVAILABLE, "service_unavailable", "proxy is stopping".into());
+    };
+    match tokio::time::timeout(ASK_DEADLINE, proxy.ask(ProxyStatus)).await {
+        Ok(Ok(r)) if r.ready => {
+            ctx.was_ready.store(true, std::sync::atomic::Ordering::Release);
+            Json(serde_json::json!({"status": "ok"})).into_response()
+        }
+        Ok(Ok(r)) => error_response(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "service_unavailable",
+            format!("proxy not ready, waiting for: {}", r.waiting_for.join(", ")),
+        ),
+        _ => error_response(StatusCode::SERVICE_UNAVAILABLE, "service_unavailable", "proxy did not answer".into()),
+    }
+}
+
+async fn completions(State(ctx): State<Arc<FlowContext>>, headers: HeaderMap, body: Bytes) -> Response {
+    serve(ctx, "/v1/completions", headers, body).await
+}
+
+async fn chat_completions(State(ctx): State<Arc<FlowContext>>, headers: HeaderMap, body: Bytes) -> Response {
+    serve(ctx, "/v1/chat/completions", headers, body).await
+}
+
+/// Asks the Proxy actor for a route within [`ASK_DEADLINE`]. If it stopped while holding the ask,
+/// or routed requests before and now answers "not ready yet", it is being restarted (a kill, a
+/// panic) and re-discovering P's engine ids and the pools' health: asked again until it is ready
+/// or the deadline passes, so that clients of the restart window are served instead of refused.
+async fn route(
+    ctx: &FlowContext,
+    proxy: &ActorRef<Proxy>,
+) -> Result<Result<RouteDecision, SendError<Route, NotReady>>, tokio::time::error::Elapsed> {
+    use std::sync::atomic::Ordering;
+    let deadline = tokio::time::Instant::now() + ASK_DEADLINE;
+    loop {
+        let answer = tokio::time::timeout_at(deadline, proxy.ask(Route)).await?;
+        let restarting = match &answer {
+            // Killed while this ask was in its mailbox or in hand, or drained by the restart: the
+            // next incarnation reads the same mailbox.
+            Err(SendError::ActorStopped | SendError::ActorRestarting(_)) => true,
+            Err(SendError::HandlerError(NotReady::Starting { .. })) => ctx.was_ready.load(Ordering::Acquire),
+            _ => false,
+        };
+        match answer {
+            _ if restarting && tokio::time::Instant::now() < deadline => tokio::time::sleep(RESTART_POLL).await,
+            Ok(route) => {
+                ctx.was_ready.store(true, Ordering::Release);
+                return Ok(Ok(route));
+            }
+            other => return Ok(other),
+        }
+    }
+}
+
+/// The flow of one request (steps 8–10, 25, 43); every answer carries the request's id in
+/// `x-request-id` (streamed ones too: headers go first).
+async fn serve(ctx: Arc<FlowContext>, api: &'static str, headers: HeaderMap, body: Bytes) -> Response {
+    let request_id = flow_request_id(&headers);
+    let mut response = flow(ctx, api, headers, body, request_id.clone().into()).await;
+    if let Ok(v) = HeaderValue::from_str(&request_id) {
+        response.headers_mut().insert("x-request-id", v);
+    }
+    response
+}
+
+/// Steps 8, 9, 10 and 43 in turn; a stage that fails answers the client.
+async fn flow(
+    ctx: Arc<FlowContext>,
+    api: &'static str,
+    headers: HeaderMap,
+    body: Bytes,
+    request_id: RequestId,
+) -> Response {
+    let transfer_id = format!("xfer-{request_id}");
+    let step8 = step_span!(steps::CLIENT_REQUEST, request_id = %request_id, transfer_id = %transfer_id);
+    let request = match parse_request(&step8, &body) {
+        Ok(request) => request,
+        Err(message) => return error_response(StatusCode::BAD_REQUEST, "invalid_request_error", message),
+    };
+    let route = match choose_route(&ctx, &step8).await {
+        Ok(route) => route,
+        Err(message) => return error_response(StatusCode::SERVICE_UNAVAILABLE, "service_unavailable", message),
+    };
+    let traceparent = record_trace_context(&step8, &headers, &route);
+    drop(step8);
+    let upstream = Upstream {
+        headers: upstream_headers(&headers, &request_id, &traceparent),
+        ctx,
+        api,
+        route,
+        request_id,
+        transfer_id: transfer_id.into(),
+        traceparent,
+    };
+    let mut p_task = Some(upstream.dispatch_prefill(&request));
+    let d_resp = match upstream.dispatch_decode(request, &mut p_task).await {
+        Ok(d_resp) => d_resp,
+        Err(e) => return e.into_response(),
+    };
+    upstream.relay_response(d_resp, p_task).await
+}
+
+/// Step 8: the client's body, which must be a JSON object; `Err` says why it is not (a 400).
+fn parse_request(step8: &tracing::Span, body: &[u8]) -> Result<serde_json::Map<String, serde_json::Value>, String> {
+    let message = match step8.in_scope(|| serde_json::from_slice::<serde_json::Value>(body)) {
+        Ok(serde_json::Value::Object(map)) => return Ok(map),
+        Ok(_) => "request body must be a JSON object".into(),
+        Err(e) => format!("request body is not valid JSON: {e}"),
+    };
+    Outcome::BAD_REQUEST.record(step8);
+    Err(message)
+}
+
+/// Step 8: P and D chosen by the Proxy actor; `Err` says why not (a 503: the actor is stopping,
+/// not ready, or did not answer).
+async fn choose_route(ctx: &FlowContext, step8: &tracing::Span) -> Result<RouteDecision, String> {
+    let Some(proxy) = Some(ctx.proxy.clone()).filter(|p| p.is_alive()) else {
+        return Err("proxy is stopping".into());
+    };
+    match route(ctx, &proxy).instrument(step8.clone()).await {
+        Ok(Ok(route)) => Ok(route),
+        Ok(Err(SendError::HandlerError(not_ready))) => {
+            Outcome::NOT_READY.record(step8);
+            Err(not_ready.to_string())
+        }
+        _ => {
+            Outcome::PROXY_UNAVAILABLE.record(step8);
+            Err("proxy did not answer".into())
+        }
+    }
+}
+
+/// Step 8's trace attributes: the request's trace context (returned), the client's parent span,
+/// P's engine id.
+fn record_trace_context(step8: &tracing::Span, headers: &HeaderMap, route: &RouteDecision) -> String {
+    let (traceparent, client_parent) = traceparent(headers);
+    step8.record(attrs::TRACEPARENT, traceparent.as_str());
+    if let Some(parent) = &client_parent {
+        step8.record(attrs::CLIENT_PARENT, parent.as_str());
+    }
+    step8.record(attrs::ENGINE_ID, route.prefill_engine_id.as_str());
+    traceparent
+}
+
+/// One routed request on its way to P and D (steps 9, 10, 43).
+struct Upstream {
+    ctx: Arc<FlowContext>,
+    api: &'static str,
+    route: RouteDecision,
+    request_id: RequestId,
+    transfer_id: TransferId,
+    traceparent: String,
+    /// Sent to P and D ([`upstream_headers`]).
+    headers: reqwest::header::HeaderMap,
+}
+
+impl Upstream {
+    /// Step 9: P's request in a task of its own, aborted if this flow is dropped.
+    fn dispatch_prefill(&self, request: &serde_json::Map<String, serde_json::Value>) -> PrefillHandle {
+        let p_body = prefill_body(request, &self.transfer_id, &self.traceparent);
+        let mut p_headers = self.headers.clone();
+        p_headers.insert("x-data-parallel-rank", HeaderValue::from(self.route.prefill_dp_rank));
+        let p_call = call_prefill(
+            self.ctx.client.clone(),
+            format!("{}{}", self.route.prefill_url, self.api),
+            p_body,
+            p_headers,
+            self.ctx.upstream_timeout,
+            self.request_id.clone(),
+            self.transfer_id.clone(),
+        );
+        AbortOnDropHandle::new(tokio::spawn(p_call))
+    }
+
+    fn decode_url(&self) -> String {
+        format!("{}{}", self.route.decode_url, self.api)
+    }
+
+    /// Step 10: D's request, at the same time as P's; a prefill failure meanwhile cancels it.
+    async fn dispatch_decode(
+        &self,
+        request: serde_json::Map<String, serde_json::Value>,
+        p_task: &mut Option<PrefillHandle>,
+    ) -> Result<reqwest::Response, UpstreamError> {
+        let d_url = self.decode_url();
+        let step10 = step_span!(steps::DISPATCH_DECODE, request_id = %self.request_id, transfer_id = %self.transfer_id);
+        step10.record(attrs::ENGINE_ID, self.route.prefill_engine_id.as_str());
+        let d_send = tokio::time::timeout(
+            self.ctx.upstream_timeout,
+            self.ctx
+                .client
+                .post(&d_url)
+                .headers(self.headers.clone())
+                .json(&decode_body(request, &self.transfer_id, &self.route, &self.traceparent))
+                .send(),
+        )
+        .instrument(step10.clone());
+        tokio::pin!(d_send);
+
+        let d_result = loop {
+            tokio::select! {
+                p = wait_prefill(p_task) => {
+                    *p_task = None;
+                    if let Err(e) = p {
+                        // Dropping `d_send` on return closes D's connection: D aborts the request.
+                        Outcome::PREFILL_FAILED.record(&step10);
+                        report_prefill_failure(&self.ctx, self.route.prefill_index, &e);
+                        return Err(e);
+                    }
+                }
+                d = &mut d_send => break d,
+            }
+        };
+        let d_resp = match d_result {
+            Ok(Ok(resp)) => resp,
+            Ok(Err(e)) => {
+                Outcome::ERROR.record(&step10);
+                return Err(UpstreamError::Connect { role: "decode", url: d_url, reason: e.to_string() });
+            }
+            Err(_) => {
+                Outcome::TIMEOUT.record(&step10);
+                return Err(UpstreamError::Timeout { role: "decode", url: d_url, after: self.ctx.upstream_timeout });
+            }
+        };
+        Outcome::Http(d_resp.status().as_u16()).record(&step10);
+        Ok(d_resp)
+    }
+
+    /// Step 43: D's status, content type and bytes, chunk by chunk. A non-2xx D cancels P.
+    async fn relay_response(self, d_resp: reqwest::Response, mut p_task: Option<PrefillHandle>) -> Response {
+        let status = d_resp.status();
+        let content_type = d_resp.headers().get(header::CONTENT_TYPE).cloned();
+        let sse =
+            content_type.as_ref().and_then(|v| v.to_str().ok()).is_some_and(|v| v.starts_with("text/event-stream"));
+        let whole = !sse && d_resp.content_length().is_some_and(|n| n <= MAX_WHOLE_BODY);
+        if !status.is_success() {
+            p_task = None;
+        }
+        let step43 = step_span!(steps::PROXY_RESPONSE, request_id = %self.request_id, transfer_id = %self.transfer_id);
+        let relay = Relay {
+            d_body: d_resp.bytes_stream().boxed(),
+            p_task,
+            chunk_timeout: self.ctx.upstream_timeout,
+            sse,
+            done: false,
+            d_url: self.decode_url(),
+            ctx: self.ctx,
+            prefill_index: self.route.prefill_index,
+            span: step43,
+        };
+        let mut response = if whole {
+            // A whole answer of known, small length (a non-streamed completion): relayed as one body
+            // with its length, so the client reads it in one go; a prefill failure meanwhile is a
+            // clean 502 instead of a cut body.
+            match relay.collect().await {
+                Ok(bytes) => Response::new(Body::from(bytes)),
+                Err(message) => return error_response(StatusCode::BAD_GATEWAY, "upstream_error", message),
+            }
+        } else {
+            Response::new(Body::from_stream(relay.into_stream()))
+        };
+        *response.status_mut() = status;
+        if let Some(ct) = content_type {
+            response.headers_mut().insert(header::CONTENT_TYPE, ct);
+        }
+        response
+    }
+}

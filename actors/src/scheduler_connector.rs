@@ -1,0 +1,697 @@
+//! SchedulerConnector — the scheduler-side half of pdflow's KV connector, one per engine, in the
+//! producer (P) or consumer (D) role. The engine calls its hooks (by `ask`) with vLLM v1's
+//! semantics; the actor keeps what the next `build_connector_meta` must tell the workers.
+//!
+//! Steps: 12 and 17 (`update_state_after_alloc` records the pending send / the pull), 13, 18, 26
+//! (`build_connector_meta`; layer-wise, it also names the step's prefills in `reqs_to_save`), 23 and 41 (`request_finished`: delayed free on P), 32, 35, 36
+//! (`update_connector_output`). The engine owns the scheduling itself (allocation, the
+//! WAITING_FOR_REMOTE_KVS state, computed = prompt − 1 at step 37) and emits those spans.
+//!
+//! Differences from vLLM's MooncakeConnector, on purpose: a P request that ends `Stopped` (its
+//! first token is EOS or a stop token) still sends its KV — the prompt's KV is valid either way
+//! (seed note after step 23) — so D never waits for a deadline; and a D request aborted while its
+//! pull is in flight is named in `reqs_to_abort`, so the worker cancels the pull at once.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use kameo::prelude::*;
+use pdflow_messages::kv_transfer_params::{KvTransferParams, TransferRole};
+use pdflow_messages::scheduler_connector::{
+    BuildConnectorMeta, ConnectorMetadata, ConnectorOutput, FinishStatus, GetNumNewMatchedTokens, LayerSave,
+    MatchedTokens, OnNewRequest, PullMeta, RequestFinished, RequestFinishedReply, SchedRequest, ScheduledChunk,
+    UpdateConnectorOutput, UpdateStateAfterAlloc,
+};
+use pdflow_messages::{BlockId, EngineId, RequestId, TransferId};
+use pdflow_observability::{attrs, step_span, steps, Outcome};
+
+use crate::ActorError;
+
+/// Which side of the disaggregation an engine is (vLLM's `kv_role`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub enum KvRole {
+    /// `kv_producer`: prefills and sends KV (P).
+    Producer,
+    /// `kv_consumer`: loads KV and decodes (D).
+    Consumer,
+    /// `kv_both`: either, per request.
+    Both,
+}
+
+impl KvRole {
+    /// Prefills for a peer and sends its KV (kv_producer, kv_both).
+    pub fn produces(self) -> bool {
+        matches!(self, KvRole::Producer | KvRole::Both)
+    }
+    /// Loads KV from a peer (kv_consumer, kv_both).
+    pub fn consumes(self) -> bool {
+        matches!(self, KvRole::Consumer | KvRole::Both)
+    }
+}
+
+/// Arguments of [`SchedulerConnector`].
+#[derive(Debug, Clone)]
+pub struct SchedulerConnectorArgs {
+    pub engine_id: EngineId,
+    pub role: KvRole,
+    /// P: the bootstrap its workers register with (`http://host:port`). With it, a finished P
+    /// request answers the `kv_transfer_params` D needs (vLLM's toy proxy forwards P's answer to
+    /// D instead of naming P itself).
+    pub bootstrap_addr: Option<String>,
+    /// P: stream each prefill's KV to D layer by layer while it computes (`reqs_to_save`).
+    pub layerwise: bool,
+}
+
+/// The scheduler-side connector actor.
+#[derive(Debug)]
+pub struct SchedulerConnector {
+    engine_id: EngineId,
+    role: KvRole,
+    bootstrap_addr: Option<String>,
+    layerwise: bool,
+    /// P, layer-wise: the prefills whose layers stream, with their transfer and prompt length.
+    streaming: BTreeMap<RequestId, (TransferId, usize)>,
+    /// P: request id → (transfer_id, block ids) for the next metadata (steps 13, 26).
+    reqs_need_send: BTreeMap<RequestId, (TransferId, Vec<BlockId>)>,
+    /// D: pulls for the next metadata (step 18).
+    reqs_need_recv: BTreeMap<RequestId, PullMeta>,
+    /// P: transfers whose request ended without KV.
+    reqs_not_processed: BTreeSet<TransferId>,
+    /// D: requests aborted while their pull is in flight.
+    reqs_to_abort: BTreeSet<RequestId>,
+    /// D: requests whose pull was issued and has not settled.
+    recv_in_flight: BTreeSet<RequestId>,
+    traceparents: BTreeMap<RequestId, String>,
+}
+
+impl Actor for SchedulerConnector {
+    type Args = SchedulerConnectorArgs;
+    type Error = ActorError;
+
+    async fn on_start(args: Self::Args, _actor_ref: ActorRef<Self>) -> Result<Self, Self::Error> {
+        Ok(Self {
+            engine_id: args.engine_id,
+            role: args.role,
+            bootstrap_addr: args.bootstrap_addr,
+            layerwise: args.layerwise,
+            streaming: BTreeMap::new(),
+            reqs_need_send: BTreeMap::new(),
+            reqs_need_recv: BTreeMap::new(),
+            reqs_not_processed: BTreeSet::new(),
+            reqs_to_abort: BTreeSet::new(),
+            recv_in_flight: BTreeSet::new(),
+            traceparents: BTreeMap::new(),
+        })
+    }
+}
+
+/// A P request whose proxy named no transfer is named after P's request id: vLLM's toy proxy
+/// sends P a bare `do_remote_decode` and forwards what P answers (see `RequestFinished`) to D.
+/// Applied to every request as it arrives at a handler, so each hook sees the same name.
+fn with_transfer_named(mut request: SchedRequest) -> SchedRequest {
+    if let Some(p) = request.kv_transfer_params.as_mut() {
+        if p.do_remote_decode && !p.do_remote_prefill && p.transfer_id.as_deref().is_none_or(str::is_empty) {
+            p.transfer_id = Some(request.request_id.to_string());
+        }
+    }
+    request
+}
+
+/// A request's role; invalid params were refused when the request was added, so here they count
+/// as a local request.
+fn role_of(request: &SchedRequest) -> TransferRole {
+    request.kv_transfer_params.as_ref().map(|p| p.role().unwrap_or(TransferRole::Local)).unwrap_or(TransferRole::Local)
+}
+
+impl SchedulerConnector {
+    fn remember_trace(&mut self, request: &SchedRequest) {
+        if let Some(tp) = &request.traceparent {
+            self.traceparents.insert(request.request_id.clone(), tp.clone());
+        }
+    }
+
+    /// Puts a step span of this request under the request's trace (its traceparent), if known.
+    fn join_trace(&self, span: &tracing::Span, req_id: &RequestId) {
+        if let Some(tp) = self.traceparents.get(req_id) {
+            span.record(attrs::TRACEPARENT, tp.as_str());
+        }
+    }
+}
+
+impl Message<OnNewRequest> for SchedulerConnector {
+    type Reply = Result<Option<String>, ActorError>;
+
+    /// Seed steps 11 and 16: a request arrived with `kv_transfer_params`; say now, once, why they
+    /// cannot be served here (the request then runs locally, as vLLM's connector does).
+    async fn handle(&mut self, msg: OnNewRequest, _ctx: &mut Context<Self, Self::Reply>) -> Self::Reply {
+        let request = with_transfer_named(msg.request);
+        let Some(params) = request.kv_transfer_params.as_ref() else { return Ok(None) };
+        Ok(match params.role() {
+            Err(e) => Some(e.to_string()),
+            Ok(TransferRole::Decode { .. }) if !self.role.consumes() => {
+                Some(format!("do_remote_prefill on engine {} (a kv_producer): it prefills locally", self.engine_id))
+            }
+            Ok(TransferRole::Prefill { .. }) if !self.role.produces() => {
+                Some(format!("do_remote_decode on engine {} (a kv_consumer): no KV will be sent", self.engine_id))
+            }
+            Ok(_) => None,
+        })
+    }
+}
+
+impl Message<GetNumNewMatchedTokens> for SchedulerConnector {
+    type Reply = Result<MatchedTokens, ActorError>;
+
+    /// Seed step 17: a D request loads the rest of its prompt from P, asynchronously.
+    async fn handle(&mut self, msg: GetNumNewMatchedTokens, _ctx: &mut Context<Self, Self::Reply>) -> Self::Reply {
+        Ok(match role_of(&msg.request) {
+            TransferRole::Decode { .. } if self.role.consumes() => {
+                // After a load vLLM recomputes the prompt's last token to sample the next one, so
+                // its KV is never needed: when D's prefix cache holds every token before it, there
+                // is nothing to load (the empty pull only tells P to free its blocks).
+                let missing = msg.request.prompt_len.saturating_sub(msg.num_computed_tokens);
+                let count = if missing <= 1 { 0 } else { missing };
+                MatchedTokens { count, load_async: count > 0 }
+            }
+            TransferRole::Decode { .. } => {
+                tracing::warn!(request_id = %msg.request.request_id, engine_id = %self.engine_id,
+                    "do_remote_prefill request on a kv_producer engine: prefilling locally");
+                MatchedTokens { count: 0, load_async: false }
+            }
+            _ => MatchedTokens { count: 0, load_async: false },
+        })
+    }
+}
+
+impl Message<UpdateStateAfterAlloc> for SchedulerConnector {
+    type Reply = Result<Option<KvTransferParams>, ActorError>;
+
+    /// Seed steps 12 (P: record the pending send, empty block list) and 17 (D: record the pull,
+    /// then clear `do_remote_prefill` so that it happens once).
+    async fn handle(&mut self, msg: UpdateStateAfterAlloc, _ctx: &mut Context<Self, Self::Reply>) -> Self::Reply {
+        let request = with_transfer_named(msg.request);
+        let Some(params) = request.kv_transfer_params.clone() else { return Ok(None) };
+        Ok(match params.role() {
+            Ok(TransferRole::Decode { transfer_id, remote_bootstrap_addr, remote_engine_id })
+                if self.role.consumes() =>
+            {
+                self.remember_trace(&request);
+                let local_block_ids = if msg.num_external_tokens > 0 { msg.block_ids } else { Vec::new() };
+                if !local_block_ids.is_empty() {
+                    self.recv_in_flight.insert(request.request_id.clone());
+                }
+                self.reqs_need_recv.insert(
+                    request.request_id.clone(),
+                    PullMeta {
+                        d_req_id: request.request_id.clone(),
+                        transfer_id: transfer_id.into(),
+                        local_block_ids,
+                        remote_engine_id: remote_engine_id.into(),
+                        remote_bootstrap_addr,
+                        traceparent: request.traceparent.clone(),
+                    },
+                );
+                let mut updated = params;
+                updated.do_remote_prefill = false;
+                Some(updated)
+            }
+            Ok(TransferRole::Prefill { transfer_id }) if self.role.produces() => {
+                self.remember_trace(&request);
+                // An empty list tells the worker to create the send's wait object (step 13/14).
+                let transfer_id: TransferId = transfer_id.into();
+                if self.layerwise {
+                    self.streaming.insert(request.request_id.clone(), (transfer_id.clone(), request.prompt_len));
+                }
+                self.reqs_need_send.entry(request.request_id.clone()).or_insert((transfer_id, Vec::new()));
+                None
+            }
+            _ => None,
+        })
+    }
+}
+
+impl Message<BuildConnectorMeta> for SchedulerConnector {
+    type Reply = Result<ConnectorMetadata, ActorError>;
+
+    /// Seed steps 13, 18, 26: everything recorded since the last step, then cleared.
+    async fn handle(&mut self, msg: BuildConnectorMeta, _ctx: &mut Context<Self, Self::Reply>) -> Self::Reply {
+        let reqs_to_save = self.reqs_to_save(msg.scheduled);
+        let reqs_to_send = std::mem::take(&mut self.reqs_need_send);
+        let mut reqs_to_recv: BTreeMap<_, BTreeMap<_, _>> = BTreeMap::new();
+        for (req_id, pull) in std::mem::take(&mut self.reqs_need_recv) {
+            reqs_to_recv.entry(pull.remote_engine_id.clone()).or_default().insert(req_id, pull);
+        }
+        let involved: BTreeSet<&RequestId> =
+            reqs_to_send.keys().chain(reqs_to_recv.values().flat_map(|m| m.keys())).collect();
+        let traceparents = self
+            .traceparents
+            .iter()
+            .filter(|(k, _)| involved.contains(k))
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        for (req_id, (transfer_id, blocks)) in &reqs_to_send {
+            let span = if blocks.is_empty() {
+                step_span!(steps::P_META_PENDING_SEND, request_id = %req_id, transfer_id = %transfer_id)
+            } else {
+                step_span!(steps::P_META_SEND_BLOCKS, request_id = %req_id, transfer_id = %transfer_id)
+            };
+            span.record(attrs::BLOCKS, blocks.len() as u64);
+            span.record(attrs::ENGINE_ID, self.engine_id.as_str());
+            self.join_trace(&span, req_id);
+        }
+        for (engine, pulls) in &reqs_to_recv {
+            for (req_id, pull) in pulls {
+                let span = step_span!(steps::D_META_RECV, request_id = %req_id, transfer_id = %pull.transfer_id);
+                span.record(attrs::BLOCKS, pull.local_block_ids.len() as u64);
+                span.record(attrs::ENGINE_ID, engine.as_str());
+                self.join_trace(&span, req_id);
+            }
+        }
+        Ok(ConnectorMetadata {
+            reqs_to_send,
+            reqs_to_recv,
+            reqs_not_processed: std::mem::take(&mut self.reqs_not_processed),
+            reqs_to_abort: std::mem::take(&mut self.reqs_to_abort),
+            traceparents,
+            reqs_to_save,
+        })
+    }
+}
+
+impl SchedulerConnector {
+    /// Layer-wise: the step's chunks that compute a streaming prefill's prompt.
+    fn reqs_to_save(&self, scheduled: Vec<ScheduledChunk>) -> BTreeMap<RequestId, LayerSave> {
+        scheduled
+            .into_iter()
+            .filter_map(|chunk| {
+                let (transfer_id, prompt_len) = self.streaming.get(&chunk.request_id)?;
+                let save = LayerSave {
+                    transfer_id: transfer_id.clone(),
+                    block_ids: chunk.block_ids,
+                    computed_upto: chunk.computed_upto.min(*prompt_len),
+                    prompt_len: *prompt_len,
+                };
+                Some((chunk.request_id, save))
+            })
+            .collect()
+    }
+}
+
+impl Message<RequestFinished> for SchedulerConnector {
+    type Reply = Result<RequestFinishedReply, ActorError>;
+
+    /// Seed steps 23 and 41: P keeps a finished request's blocks until they are sent (delayed
+    /// free); D frees at once.
+    async fn handle(&mut self, msg: RequestFinished, _ctx: &mut Context<Self, Self::Reply>) -> Self::Reply {
+        Ok(self.request_finished(msg))
+    }
+}
+
+impl SchedulerConnector {
+    fn request_finished(&mut self, msg: RequestFinished) -> RequestFinishedReply {
+        let request = with_transfer_named(msg.request);
+        self.streaming.remove(&request.request_id);
+        let no_delay = RequestFinishedReply { delay_free_blocks: false, kv_transfer_params: None };
+        let Some(params) = request.kv_transfer_params.as_ref() else { return no_delay };
+        if params.do_remote_prefill && self.role.consumes() {
+            // D request finished before its pull was issued (aborted while waiting to be
+            // scheduled): still tell P, with no blocks, so that P frees its own.
+            if let Ok(TransferRole::Decode { transfer_id, remote_bootstrap_addr, remote_engine_id }) = params.role() {
+                self.reqs_need_recv.insert(
+                    request.request_id.clone(),
+                    PullMeta {
+                        d_req_id: request.request_id.clone(),
+                        transfer_id: transfer_id.into(),
+                        local_block_ids: Vec::new(),
+                        remote_engine_id: remote_engine_id.into(),
+                        remote_bootstrap_addr,
+                        traceparent: request.traceparent.clone(),
+                    },
+                );
+            }
+            return no_delay;
+        }
+        if self.recv_in_flight.contains(&request.request_id)
+            && matches!(msg.status, FinishStatus::Aborted | FinishStatus::Error)
+        {
+            // Aborted while its KV is in flight: cancel the pull; the engine keeps the blocks until
+            // the worker reports the request received or failed (no write-after-free).
+            self.reqs_to_abort.insert(request.request_id.clone());
+            return no_delay;
+        }
+        if !params.do_remote_decode || !self.role.produces() {
+            self.traceparents.remove(&request.request_id);
+            return no_delay;
+        }
+        let Ok(TransferRole::Prefill { transfer_id }) = params.role() else { return no_delay };
+        match msg.status {
+            FinishStatus::LengthCapped | FinishStatus::Stopped if !msg.block_ids.is_empty() => {
+                // What D needs to pull these blocks, for a proxy that forwards P's answer to D.
+                let for_d = self.bootstrap_addr.as_ref().map(|addr| KvTransferParams {
+                    traceparent: request.traceparent.clone(),
+                    ..KvTransferParams::for_decode(transfer_id.clone(), addr.clone(), self.engine_id.clone())
+                });
+                self.reqs_need_send.insert(request.request_id.clone(), (transfer_id.into(), msg.block_ids));
+                RequestFinishedReply { delay_free_blocks: true, kv_transfer_params: for_d }
+            }
+            _ => {
+                // Aborted or failed: no KV to send; the worker answers D's pull with an error.
+                self.reqs_need_send.remove(&request.request_id);
+                self.reqs_not_processed.insert(transfer_id.into());
+                self.traceparents.remove(&request.request_id);
+                no_delay
+            }
+        }
+    }
+}
+
+impl Message<UpdateConnectorOutput> for SchedulerConnector {
+    type Reply = Result<(), ActorError>;
+
+    /// Seed steps 32/33 (P: sent → the engine frees) and 35/36 (D: received → the engine resumes).
+    async fn handle(&mut self, msg: UpdateConnectorOutput, _ctx: &mut Context<Self, Self::Reply>) -> Self::Reply {
+        let ConnectorOutput { finished_sending, finished_recving, failed_recving } = msg.output;
+        for req_id in &finished_sending {
+            let span = step_span!(steps::P_REPORT_SENT, request_id = %req_id);
+            self.join_trace(&span, req_id);
+            self.traceparents.remove(req_id);
+        }
+        for req_id in &finished_recving {
+            let report = step_span!(steps::D_REPORT_RECV, request_id = %req_id);
+            self.join_trace(&report, req_id);
+            drop(report);
+            let span = step_span!(steps::D_MARK_RECV, request_id = %req_id);
+            self.join_trace(&span, req_id);
+            Outcome::Received.record(&span);
+            self.recv_in_flight.remove(req_id);
+            self.reqs_to_abort.remove(req_id);
+            self.traceparents.remove(req_id);
+        }
+        for (req_id, failure) in &failed_recving {
+            let span = step_span!(steps::D_REPORT_RECV, request_id = %req_id);
+            self.join_trace(&span, req_id);
+            Outcome::Failed(failure.cause.label()).record(&span);
+            self.recv_in_flight.remove(req_id);
+            self.reqs_to_abort.remove(req_id);
+            self.traceparents.remove(req_id);
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn p_request(id: &str) -> SchedRequest {
+        SchedRequest {
+            request_id: id.into(),
+            prompt_len: 1000,
+            kv_transfer_params: Some(KvTransferParams::for_prefill(format!("xfer-{id}"))),
+            traceparent: None,
+        }
+    }
+
+    fn d_request(id: &str) -> SchedRequest {
+        SchedRequest {
+            request_id: id.into(),
+            prompt_len: 1000,
+            kv_transfer_params: Some(KvTransferParams::for_decode(
+                format!("xfer-{id}"),
+                "http://127.0.0.1:8998",
+                "p-engine",
+            )),
+            traceparent: Some("00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01".into()),
+        }
+    }
+
+    async fn spawn(role: KvRole) -> ActorRef<SchedulerConnector> {
+        let r = SchedulerConnector::spawn(SchedulerConnectorArgs {
+            engine_id: "e".into(),
+            role,
+            bootstrap_addr: Some("http://127.0.0.1:8998".into()),
+            layerwise: role == KvRole::Producer,
+        });
+        r.wait_for_startup().await;
+        r
+    }
+
+    #[tokio::test]
+    async fn on_new_request_names_params_this_engine_cannot_serve() {
+        let d = spawn(KvRole::Consumer).await;
+        assert_eq!(d.ask(OnNewRequest { request: d_request("d1") }).await.expect("ask delivered"), None);
+        let mut broken = d_request("d2");
+        if let Some(p) = broken.kv_transfer_params.as_mut() {
+            p.remote_engine_id = None;
+        }
+        let reason = d.ask(OnNewRequest { request: broken }).await.expect("ask delivered").expect("refused");
+        assert!(reason.contains("remote_engine_id"), "{reason}");
+        let reason = d.ask(OnNewRequest { request: p_request("p1") }).await.expect("ask delivered").expect("refused");
+        assert!(reason.contains("kv_consumer"), "{reason}");
+    }
+
+    #[tokio::test]
+    async fn get_num_new_matched_tokens_follows_the_role() {
+        let d = spawn(KvRole::Consumer).await;
+        let m = d
+            .ask(GetNumNewMatchedTokens { request: d_request("d1"), num_computed_tokens: 0 })
+            .await
+            .expect("ask delivered");
+        assert_eq!(m, MatchedTokens { count: 1000, load_async: true });
+        let m = d
+            .ask(GetNumNewMatchedTokens { request: d_request("d1"), num_computed_tokens: 1000 })
+            .await
+            .expect("ask delivered");
+        assert_eq!(m, MatchedTokens { count: 0, load_async: false });
+        let m = d
+            .ask(GetNumNewMatchedTokens { request: d_request("d1"), num_computed_tokens: 998 })
+            .await
+            .expect("ask delivered");
+        assert_eq!(m, MatchedTokens { count: 2, load_async: true });
+        let p = spawn(KvRole::Producer).await;
+        let m = p
+            .ask(GetNumNewMatchedTokens { request: p_request("p1"), num_computed_tokens: 0 })
+            .await
+            .expect("ask delivered");
+        assert_eq!(m, MatchedTokens { count: 0, load_async: false });
+        // A D request on a producer prefills locally instead of loading.
+        let m = p
+            .ask(GetNumNewMatchedTokens { request: d_request("d2"), num_computed_tokens: 0 })
+            .await
+            .expect("ask delivered");
+        assert!(!m.load_async);
+    }
+
+    #[tokio::test]
+    async fn a_p_request_without_a_transfer_id_is_named_by_p_which_answers_what_d_needs() {
+        // vLLM's toy proxy: a bare do_remote_decode to P, P's answer forwarded to D.
+        let p = spawn(KvRole::Producer).await;
+        let bare = || SchedRequest {
+            request_id: "cmpl-abc-0-1234abcd".into(),
+            prompt_len: 100,
+            kv_transfer_params: Some(KvTransferParams { do_remote_decode: true, ..KvTransferParams::default() }),
+            traceparent: None,
+        };
+        assert_eq!(p.ask(OnNewRequest { request: bare() }).await.expect("ask delivered"), None, "served, not refused");
+        p.ask(UpdateStateAfterAlloc { request: bare(), block_ids: vec![4, 5, 6, 7], num_external_tokens: 0 })
+            .await
+            .expect("ask");
+        let meta = p.ask(BuildConnectorMeta::default()).await.expect("ask delivered");
+        assert_eq!(meta.reqs_to_send["cmpl-abc-0-1234abcd"].0, "cmpl-abc-0-1234abcd");
+        let reply = p
+            .ask(RequestFinished { request: bare(), status: FinishStatus::LengthCapped, block_ids: vec![4, 5, 6, 7] })
+            .await
+            .expect("ask delivered");
+        assert!(reply.delay_free_blocks);
+        let for_d = reply.kv_transfer_params.expect("P answers D's parameters");
+        assert_eq!(
+            for_d.role(),
+            Ok(TransferRole::Decode {
+                transfer_id: "cmpl-abc-0-1234abcd".into(),
+                remote_bootstrap_addr: "http://127.0.0.1:8998".into(),
+                remote_engine_id: "e".into(),
+            })
+        );
+    }
+
+    #[tokio::test]
+    async fn layer_wise_p_names_each_step_s_prefill_chunks_in_reqs_to_save_until_it_finishes() {
+        let p = spawn(KvRole::Producer).await;
+        let request = p_request("p1");
+        p.ask(UpdateStateAfterAlloc { request: request.clone(), block_ids: vec![3, 4], num_external_tokens: 0 })
+            .await
+            .expect("ask");
+        let chunk =
+            |upto: usize| ScheduledChunk { request_id: "p1".into(), block_ids: vec![3, 4], computed_upto: upto };
+        let local = ScheduledChunk { request_id: "local".into(), block_ids: vec![9], computed_upto: 5 };
+        let meta = p.ask(BuildConnectorMeta { scheduled: vec![chunk(512), local] }).await.expect("ask delivered");
+        let save = &meta.reqs_to_save["p1"];
+        assert_eq!((save.transfer_id.as_str(), save.computed_upto, save.prompt_len), ("xfer-p1", 512, 1000));
+        assert_eq!(meta.reqs_to_save.len(), 1, "a request with no transfer streams nothing");
+        // The step that samples P's one token computes no more prompt KV than the prompt holds.
+        let meta = p.ask(BuildConnectorMeta { scheduled: vec![chunk(1001)] }).await.expect("ask delivered");
+        assert_eq!(meta.reqs_to_save["p1"].computed_upto, 1000);
+        p.ask(RequestFinished { request, status: FinishStatus::LengthCapped, block_ids: vec![3, 4] })
+            .await
+            .expect("ask delivered");
+        let meta = p.ask(BuildConnectorMeta { scheduled: vec![chunk(1000)] }).await.expect("ask delivered");
+        assert!(meta.reqs_to_save.is_empty(), "a finished request streams no more layers");
+    }
+
+    #[tokio::test]
+    async fn a_prefix_hit_of_all_but_the_last_prompt_token_loads_nothing_and_frees_p() {
+        // vLLM recomputes the last prompt token after any load; its KV is never pulled.
+        let d = spawn(KvRole::Consumer).await;
+        let m = d
+            .ask(GetNumNewMatchedTokens { request: d_request("d1"), num_computed_tokens: 999 })
+            .await
+            .expect("ask delivered");
+        assert_eq!(m, MatchedTokens { count: 0, load_async: false });
+        let updated = d
+            .ask(UpdateStateAfterAlloc {
+                request: d_request("d1"),
+                block_ids: (0..63).collect(),
+                num_external_tokens: 0,
+            })
+            .await
+            .expect("ask delivered");
+        assert_eq!(updated.map(|p| p.do_remote_prefill), Some(false), "one pull, never two");
+        // The pull names no block: P frees its blocks without writing any.
+        let meta = d.ask(BuildConnectorMeta::default()).await.expect("ask delivered");
+        assert_eq!(meta.reqs_to_recv["p-engine"]["d1"].local_block_ids, Vec::<BlockId>::new());
+    }
+
+    #[tokio::test]
+    async fn producer_records_pending_send_then_blocks_after_finish() {
+        let p = spawn(KvRole::Producer).await;
+        let updated = p
+            .ask(UpdateStateAfterAlloc {
+                request: p_request("p1"),
+                block_ids: (17..80).collect(),
+                num_external_tokens: 0,
+            })
+            .await
+            .expect("ask");
+        assert_eq!(updated, None);
+        // Step 13: the pending send with an empty block list.
+        let meta = p.ask(BuildConnectorMeta::default()).await.expect("ask delivered");
+        assert_eq!(meta.reqs_to_send.get("p1"), Some(&("xfer-p1".into(), vec![])));
+        assert!(
+            p.ask(BuildConnectorMeta::default()).await.expect("ask delivered").is_empty(),
+            "metadata is cleared after each build"
+        );
+        // Step 23: length-capped finish delays the free and records the blocks.
+        let reply = p
+            .ask(RequestFinished {
+                request: p_request("p1"),
+                status: FinishStatus::LengthCapped,
+                block_ids: (17..80).collect(),
+            })
+            .await
+            .expect("ask");
+        assert!(reply.delay_free_blocks);
+        // Step 26: the blocks go to the worker.
+        let meta = p.ask(BuildConnectorMeta::default()).await.expect("ask delivered");
+        assert_eq!(meta.reqs_to_send["p1"].1, (17..80).collect::<Vec<_>>());
+    }
+
+    #[tokio::test]
+    async fn producer_sends_even_when_the_first_token_is_a_stop() {
+        let p = spawn(KvRole::Producer).await;
+        let reply = p
+            .ask(RequestFinished { request: p_request("p1"), status: FinishStatus::Stopped, block_ids: vec![1, 2] })
+            .await
+            .expect("ask");
+        assert!(reply.delay_free_blocks, "the prompt's KV is valid: it must be sent");
+        assert_eq!(p.ask(BuildConnectorMeta::default()).await.expect("ask delivered").reqs_to_send["p1"].1, vec![1, 2]);
+    }
+
+    #[tokio::test]
+    async fn producer_abort_frees_at_once_and_reports_not_processed() {
+        let p = spawn(KvRole::Producer).await;
+        p.ask(UpdateStateAfterAlloc { request: p_request("p1"), block_ids: vec![1], num_external_tokens: 0 })
+            .await
+            .expect("ask delivered");
+        let reply = p
+            .ask(RequestFinished { request: p_request("p1"), status: FinishStatus::Aborted, block_ids: vec![1] })
+            .await
+            .expect("ask");
+        assert!(!reply.delay_free_blocks);
+        let meta = p.ask(BuildConnectorMeta::default()).await.expect("ask delivered");
+        assert!(meta.reqs_not_processed.contains("xfer-p1"));
+        assert!(meta.reqs_to_send.is_empty(), "an aborted request sends nothing");
+    }
+
+    #[tokio::test]
+    async fn consumer_records_pull_once_grouped_by_engine_and_clears_do_remote_prefill() {
+        let d = spawn(KvRole::Consumer).await;
+        let updated = d
+            .ask(UpdateStateAfterAlloc {
+                request: d_request("d1"),
+                block_ids: (512..575).collect(),
+                num_external_tokens: 1000,
+            })
+            .await
+            .expect("ask")
+            .expect("params updated");
+        assert!(!updated.do_remote_prefill);
+        let meta = d.ask(BuildConnectorMeta::default()).await.expect("ask delivered");
+        let pull = &meta.reqs_to_recv["p-engine"]["d1"];
+        assert_eq!(pull.local_block_ids.len(), 63);
+        assert_eq!(pull.transfer_id, "xfer-d1");
+        assert!(meta.traceparents.contains_key("d1"));
+        // The second update_state_after_alloc (after the KV arrived) carries the cleared params.
+        let mut resumed = d_request("d1");
+        resumed.kv_transfer_params = Some(updated);
+        d.ask(UpdateStateAfterAlloc { request: resumed, block_ids: (512..575).collect(), num_external_tokens: 0 })
+            .await
+            .expect("ask");
+        assert!(
+            d.ask(BuildConnectorMeta::default()).await.expect("ask delivered").reqs_to_recv.is_empty(),
+            "no second pull"
+        );
+    }
+
+    #[tokio::test]
+    async fn consumer_abort_in_flight_cancels_the_pull_and_early_abort_still_tells_p() {
+        let d = spawn(KvRole::Consumer).await;
+        let updated = d
+            .ask(UpdateStateAfterAlloc { request: d_request("d1"), block_ids: vec![5, 6], num_external_tokens: 32 })
+            .await
+            .expect("ask");
+        d.ask(BuildConnectorMeta::default()).await.expect("ask delivered");
+        let mut waiting = d_request("d1");
+        waiting.kv_transfer_params = updated;
+        let reply = d
+            .ask(RequestFinished { request: waiting, status: FinishStatus::Aborted, block_ids: vec![5, 6] })
+            .await
+            .expect("ask delivered");
+        assert!(!reply.delay_free_blocks);
+        assert!(d.ask(BuildConnectorMeta::default()).await.expect("ask delivered").reqs_to_abort.contains("d1"));
+        // Aborted before any allocation: an empty pull so that P frees its blocks.
+        d.ask(RequestFinished { request: d_request("d2"), status: FinishStatus::Aborted, block_ids: vec![] })
+            .await
+            .expect("ask delivered");
+        let meta = d.ask(BuildConnectorMeta::default()).await.expect("ask delivered");
+        assert!(meta.reqs_to_recv["p-engine"]["d2"].local_block_ids.is_empty());
+    }
+
+    #[tokio::test]
+    async fn update_connector_output_settles_in_flight_pulls() {
+        let d = spawn(KvRole::Consumer).await;
+        let updated = d
+            .ask(UpdateStateAfterAlloc { request: d_request("d1"), block_ids: vec![5], num_external_tokens: 16 })
+            .await
+            .expect("ask");
+        d.ask(BuildConnectorMeta::default()).await.expect("ask delivered");
+        let mut output = ConnectorOutput::default();
+        output.finished_recving.insert("d1".into());
+        d.ask(UpdateConnectorOutput { output }).await.expect("ask delivered");
+        // After the KV arrived an abort no longer cancels anything.
+        let mut req = d_request("d1");
+        req.kv_transfer_params = updated;
+        d.ask(RequestFinished { request: req, status: FinishStatus::Aborted, block_ids: vec![5] })
+            .await
+            .expect("ask delivered");
+        assert!(d.ask(BuildConnectorMeta::default()).await.expect("ask delivered").reqs_to_abort.is_empty());
+    }
+}

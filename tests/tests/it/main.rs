@@ -1,0 +1,26 @@
+//! The integration tests that share one process: each module is one area (a topology, a failure,
+//! a protocol), run against real sockets between in-process nodes or `pdflow` processes. Beside
+//! this binary: the chaos suites and the metrics test, which install a global subscriber (and a
+//! fault domain) of their own, and the wire capture, which reads every loopback packet while it
+//! runs.
+
+mod auth;
+mod bad_input;
+mod chunked_prefill;
+mod concurrent_requests;
+mod d_failure;
+mod eos_first_token;
+mod gpu_kv_processes;
+mod layerwise;
+mod p_failure;
+mod p_restart;
+mod pull_order;
+mod rank_processes;
+mod round_robin_2p2d;
+mod seed_request;
+mod separate_processes;
+mod serve_flags;
+mod streaming;
+mod supervision;
+mod topologies;
+mod tracing_otlp;
