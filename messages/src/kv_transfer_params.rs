@@ -1,4 +1,4 @@
-//! `kv_transfer_params`: the only protocol between the proxy and the engines (seed §2.3).
+//! `kv_transfer_params`: the only protocol between the proxy and the engines (steps 9–10 of docs/steps.md).
 //!
 //! The proxy writes it into each request body (steps 9–10); the engine hands it to the scheduler
 //! connector (steps 11, 16). P's form says `do_remote_decode`; D's form says `do_remote_prefill`

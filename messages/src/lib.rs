@@ -4,7 +4,7 @@
 //! (or the wire) that receives its messages, so a reader finds a message next to its peers.
 //!
 //! # Layout
-//! - [`kv_transfer_params`] — the proxy → engine protocol inside each request (seed §2.3, steps 9–10).
+//! - [`kv_transfer_params`] — the proxy → engine protocol inside each request (steps 9–10).
 //! - [`bootstrap`] — `POST /register` and `GET /query` bodies (steps 4, 7, 20).
 //! - [`sender_listener`] — the side channel: D's pull request and P's response (steps 21, 30).
 //! - [`scheduler_connector`] — the scheduler hooks, the scheduler → worker metadata and the

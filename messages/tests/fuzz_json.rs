@@ -1,5 +1,5 @@
-//! Fuzz targets (bad input) for pdflow's JSON bodies: `kv_transfer_params` (seed §2.3,
-//! steps 9–11 and 16) and the bootstrap bodies (`POST /register`, `GET /query`: steps 4, 7, 20).
+//! Fuzz targets (bad input) for pdflow's JSON bodies: `kv_transfer_params`
+//! (steps 9–11 and 16) and the bootstrap bodies (`POST /register`, `GET /query`: steps 4, 7, 20).
 //!
 //! Properties, each over a bounded number of proptest cases:
 //! - [`KvTransferParams::from_json`] and [`KvTransferParams::role`] never panic on any JSON value,

@@ -1,7 +1,7 @@
 //! pdflow-observability — the seed's 43 steps as data, and the one way actors emit step spans.
 //!
 //! Every step of the seed's timeline is one `tracing` span named `step.NN.short_name`
-//! (`STEPS.md`), with attributes `pd.step`, `pd.request_id`, `pd.transfer_id`, `pd.engine_id` and
+//! (docs/steps.md), with attributes `pd.step`, `pd.request_id`, `pd.transfer_id`, `pd.engine_id` and
 //! the step's figures. Actors never write span names themselves: they call [`step_span!`] with a
 //! constant from [`steps`].
 //!

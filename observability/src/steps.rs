@@ -76,9 +76,9 @@ pub struct Step {
     pub span_name: &'static str,
     pub owner: Owner,
     pub side: Side,
-    /// Who does it, as STEPS.md says.
+    /// Who does it, as docs/steps.md says.
     pub who: &'static str,
-    /// What happens, as STEPS.md says.
+    /// What happens, as docs/steps.md says.
     pub what: &'static str,
 }
 

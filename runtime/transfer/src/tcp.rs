@@ -1,4 +1,4 @@
-//! The `tcp` transfer backend (DESIGN §4), the default everywhere: seed step 29 (P writes the KV
+//! The `tcp` transfer backend, the default everywhere: seed step 29 (P writes the KV
 //! bytes into D's blocks) over plain TCP.
 //!
 //! - [`TcpDataServer`] (D) listens, authenticates each connection, checks every descriptor against
@@ -7,13 +7,15 @@
 //! - [`TcpTransferEngine`] (P) implements [`TransferEngine`](super::TransferEngine): it checks the
 //!   source descriptors against P's regions, splits a plan by bytes across a pool of connections per
 //!   peer, writes straight from P's memory and waits for every ack.
-//! - [`wire`] is the binary protocol between them.
+//! - [`wire`] is the binary protocol between them; [`TcpConfig`] how P connects and writes.
 //!
 //! Step spans (`step.29.p_transfer_write`) belong to the caller (the send worker), which knows the
 //! request and transfer ids; this module only logs at debug level.
 
 mod ack_wait;
 mod busy_poll;
+mod blocking_io;
+mod config;
 mod connection;
 mod engine;
 mod link;
@@ -26,7 +28,8 @@ pub(crate) use connection::constant_time_eq;
 pub(crate) use engine::split_by_bytes;
 #[cfg(any(feature = "cuda", test))]
 pub(crate) use engine::still_open;
-pub use engine::{FenceHold, TcpConfig, TcpTransferEngine, TlsSetupError};
+pub use config::{TcpConfig, TlsSetupError};
+pub use engine::{FenceHold, TcpTransferEngine};
 pub use server::{DataServerError, DataServerOptions, TcpDataServer, DEFAULT_MAX_CONNECTIONS};
 
 /// Socket buffer size asked of the OS on both ends (it may grant less).

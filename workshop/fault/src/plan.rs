@@ -107,7 +107,7 @@ fn is_one(n: &u32) -> bool {
 /// One fault.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Fault {
-    /// The step number (1–43, `STEPS.md`).
+    /// The step number (1–43, docs/steps.md).
     pub step: u8,
     #[serde(default)]
     pub when: When,
@@ -178,7 +178,7 @@ impl FaultPlan {
         for (index, f) in self.faults.iter().enumerate() {
             let mut bad = |reason: String| errors.push(FaultPlanError::Invalid { index, reason });
             if steps::by_number(f.step).is_none() {
-                bad(format!("step {} does not exist (steps are 1-43, see STEPS.md)", f.step));
+                bad(format!("step {} does not exist (steps are 1-43: `pdflow demo` prints them)", f.step));
             }
             if f.times == 0 {
                 bad("times 0 never fires: use at least 1 or remove the fault".into());

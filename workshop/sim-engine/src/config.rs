@@ -1,4 +1,4 @@
-//! The engine's configuration (DESIGN §5): one typed struct, defaults from the seed (Qwen/Qwen3-8B,
+//! The engine's configuration (docs/simulated-engine.md): one typed struct, defaults from the seed (Qwen/Qwen3-8B,
 //! block 16, `max_num_batched_tokens` 8192, `max_model_len` 4096).
 
 use pdflow_kv::memory::KvShape;

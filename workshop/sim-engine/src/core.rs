@@ -1,4 +1,4 @@
-//! The engine loop and its handle (DESIGN §5). One `step()` is vLLM's: schedule →
+//! The engine loop and its handle (docs/simulated-engine.md). One `step()` is vLLM's: schedule →
 //! `build_connector_meta` → worker `start_load_kv(meta)` → forward → worker `get_finished()` →
 //! `update_from_output` → `update_connector_output`. When nothing can run but requests wait for KV
 //! or for a delayed free, the loop still steps without a forward (vLLM's `kv_connector_no_forward`,

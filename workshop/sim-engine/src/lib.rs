@@ -1,4 +1,4 @@
-//! The simulated engine (DESIGN §5): stands in for vLLM wherever vLLM cannot run.
+//! The simulated engine (docs/simulated-engine.md): stands in for vLLM wherever vLLM cannot run.
 //!
 //! Faithful to vLLM v1's scheduler wherever the connector is involved: a paged block pool, chunked
 //! prefill, `WAITING_FOR_REMOTE_KVS`, delayed block free on P, `num_computed_tokens = prompt − 1`

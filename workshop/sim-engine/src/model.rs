@@ -1,4 +1,4 @@
-//! The deterministic model and tokenizer (DESIGN §5). Seed steps 15 and 39 run through here.
+//! The deterministic model and tokenizer (docs/simulated-engine.md). Seed steps 15 and 39 run through here.
 //!
 //! - Tokenizer: words split on whitespace; `w<N>` (N < vocab) is token N, any other word hashes to a
 //!   token; token N detokenizes as `" w<N>"`, so generated text round-trips.

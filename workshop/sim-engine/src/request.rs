@@ -149,7 +149,7 @@ pub(crate) struct Request {
     pub decode_span: Option<tracing::Span>,
     /// When the request entered the state in which it holds blocks for the connector
     /// (`WaitingForRemoteKvs`, `FinishedDelayFree`, `AbortedAwaitingRecv`): `kv_state_timeout`.
-    pub held_since: Option<std::time::Instant>,
+    pub held_since: Option<tokio::time::Instant>,
     pub output_tx: mpsc::UnboundedSender<RequestOutput>,
 }
 

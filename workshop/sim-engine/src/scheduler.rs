@@ -352,11 +352,11 @@ impl Scheduler {
         drop(span);
         let keep = if r.status == Status::WaitingForRemoteKvs {
             r.status = Status::AbortedAwaitingRecv;
-            r.held_since.get_or_insert_with(std::time::Instant::now);
+            r.held_since.get_or_insert_with(tokio::time::Instant::now);
             true
         } else if delay && !r.block_ids.is_empty() {
             r.status = Status::FinishedDelayFree;
-            r.held_since = Some(std::time::Instant::now());
+            r.held_since = Some(tokio::time::Instant::now());
             true
         } else {
             self.pool.free(std::mem::take(&mut r.block_ids));

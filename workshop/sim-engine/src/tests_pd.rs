@@ -387,7 +387,8 @@ async fn http_kv_load_failure_with_policy_fail_is_a_500() {
     wait_stats(&d.engine, d.baseline()).await;
 }
 
-#[tokio::test]
+// On tokio's paused clock: the deadline passes in virtual time, at once, and is checked exactly.
+#[tokio::test(start_paused = true)]
 async fn a_load_nobody_reports_ends_at_the_kv_state_deadline_by_policy() {
     // The connector lost track of the request (its actor restarted): nothing is ever reported.
     let single = start(small_config(32, 8192), None);
@@ -400,11 +401,13 @@ async fn a_load_nobody_reports_ends_at_the_kv_state_deadline_by_policy() {
             ..small_config(32, 8192)
         });
         let handle = d.engine.clone();
-        let started = std::time::Instant::now();
+        let started = tokio::time::Instant::now();
         let task = tokio::spawn(async move { run(&handle, d_request("r", prompt(13), 5, "p-engine")).await });
         d.meta(|m| (!m.reqs_to_recv.is_empty()).then_some(())).await;
         let (tokens, status, error) = tokio::time::timeout(DEADLINE, task).await.expect("in time").expect("joined");
-        assert!(started.elapsed() >= timeout, "not before the deadline");
+        let ended = started.elapsed();
+        assert!(ended >= timeout, "not before the deadline");
+        assert!(ended < timeout + std::time::Duration::from_secs(1), "at the deadline, not {ended:?}");
         match policy {
             LoadFailurePolicy::Recompute => assert_eq!((tokens, status), (want.clone(), FinishStatus::LengthCapped)),
             LoadFailurePolicy::Fail => {
@@ -420,18 +423,20 @@ async fn a_load_nobody_reports_ends_at_the_kv_state_deadline_by_policy() {
     }
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn p_blocks_of_a_send_nobody_reports_are_freed_at_the_kv_state_deadline() {
     // P's worker lost track of the send (its listener restarted): finished_sending never comes.
     let timeout = std::time::Duration::from_millis(300);
     let p = side(EngineConfig { kv_state_timeout: Some(timeout), ..small_config(32, 8192) });
-    let started = std::time::Instant::now();
+    let started = tokio::time::Instant::now();
     let (_, status, _) = run(&p.engine, p_request("r", prompt(13))).await;
     assert_eq!(status, FinishStatus::LengthCapped);
     let held = p.engine.block_stats();
     assert!(held.free < held.total, "blocks are held for the send (delayed free): {held:?}");
     wait_stats(&p.engine, p.baseline()).await;
-    assert!(started.elapsed() >= timeout, "freed before the deadline");
+    let freed = started.elapsed();
+    assert!(freed >= timeout, "freed before the deadline");
+    assert!(freed < timeout + std::time::Duration::from_secs(1), "freed at the deadline, not {freed:?}");
 }
 
 #[tokio::test]

@@ -19,19 +19,15 @@
 //! the socket, which then carries records, not requests).
 
 use std::collections::VecDeque;
-use std::future::Future;
 use std::io::{IoSliceMut, Read as _, Write as _};
 use std::net::{Shutdown, TcpStream};
 use std::os::fd::AsRawFd;
-use std::pin::Pin;
 use std::sync::Arc;
-use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
-use futures::FutureExt;
-use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio_util::sync::CancellationToken;
 
+use super::blocking_io::{invalid, is_timeout, is_timeout_io, now, Blocking, ReadTimeout};
 use super::busy_poll::{self, SPIN_AFTER_ACK};
 use super::link::{HandshakeError, Link};
 use super::wire::{self, Ack, BatchHeader, HostInfo, Request, WireError};
@@ -569,79 +565,4 @@ fn peer_name(stream: &TcpStream) -> String {
 
 pub(crate) fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
-}
-
-fn invalid(e: impl std::fmt::Display) -> std::io::Error {
-    std::io::Error::new(std::io::ErrorKind::InvalidData, e.to_string())
-}
-
-/// A read that ran into the socket's receive timeout (`SO_RCVTIMEO` reports `EAGAIN`).
-fn is_timeout_io(e: &std::io::Error) -> bool {
-    matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut)
-}
-
-fn is_timeout(e: &WireError) -> bool {
-    matches!(e, WireError::Io(io) if is_timeout_io(io))
-}
-
-/// The socket's receive timeout, changed only when a phase asks for another one.
-struct ReadTimeout<'a> {
-    stream: &'a TcpStream,
-    current: Option<Duration>,
-}
-
-impl<'a> ReadTimeout<'a> {
-    fn new(stream: &'a TcpStream) -> Self {
-        Self { stream, current: None }
-    }
-
-    fn set(&mut self, timeout: Duration) -> Result<(), WireError> {
-        if self.current != Some(timeout) {
-            self.stream.set_read_timeout(Some(timeout))?;
-            self.current = Some(timeout);
-        }
-        Ok(())
-    }
-}
-
-/// The wire codec (written once, over tokio's async I/O traits) run on this blocking socket: every
-/// poll does the blocking system call and is ready at once, so a codec future completes in one
-/// poll ([`now`]).
-struct Blocking<'a, 'b>(&'a mut Link<'b>);
-
-impl AsyncRead for Blocking<'_, '_> {
-    fn poll_read(mut self: Pin<&mut Self>, _cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<std::io::Result<()>> {
-        loop {
-            match self.0.read(buf.initialize_unfilled()) {
-                Ok(n) => {
-                    buf.advance(n);
-                    return Poll::Ready(Ok(()));
-                }
-                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                Err(e) => return Poll::Ready(Err(e)),
-            }
-        }
-    }
-}
-
-impl AsyncWrite for Blocking<'_, '_> {
-    fn poll_write(mut self: Pin<&mut Self>, _cx: &mut Context<'_>, buf: &[u8]) -> Poll<std::io::Result<usize>> {
-        Poll::Ready(self.0.write(buf))
-    }
-
-    fn poll_flush(self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        Poll::Ready(Ok(()))
-    }
-
-    fn poll_shutdown(mut self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        self.0.shutdown_write();
-        Poll::Ready(Ok(()))
-    }
-}
-
-/// Runs a codec future over [`Blocking`] I/O to completion (one poll).
-fn now<T>(fut: impl Future<Output = Result<T, WireError>>) -> Result<T, WireError> {
-    fut.now_or_never().unwrap_or_else(|| {
-        Err(WireError::Io(std::io::Error::other("a blocking codec call did not complete in one poll")))
-    })
 }

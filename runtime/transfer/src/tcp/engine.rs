@@ -27,9 +27,9 @@ use tokio_rustls::TlsConnector;
 
 use super::ack_wait;
 use super::stream::DataStream;
+use super::config::TcpConfig;
 use super::wire::{self, Ack, HelloAnswer, HostInfo, WireError, MAX_DESCRIPTORS_PER_BATCH};
 use super::SOCKET_BUFFER_BYTES;
-use crate::same_host::SameHostMode;
 use crate::{TransferEngine, TransferError, TransferStats};
 use pdflow_auth::{ClusterSecret, Context as AuthContext, Nonce, Proof, Refusal, Socket, TlsIdentity};
 use pdflow_kv::memory::RegionTable;
@@ -41,67 +41,6 @@ const MIN_BYTES_PER_STREAM: u64 = 64 * 1024;
 const POOL_IDLE: Duration = Duration::from_secs(60);
 /// The most slices one `writev` is given (Linux's IOV_MAX).
 pub(crate) const MAX_IOVECS: usize = 1024;
-
-/// How P connects to and writes into D's data servers.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct TcpConfig {
-    /// Connections one plan is spread over (at most), and idle connections kept per peer.
-    pub streams_per_peer: usize,
-    /// Deadline for connecting and exchanging the hello with a peer.
-    pub connect_timeout: Duration,
-    /// Deadline for one whole `write` (every byte sent and acknowledged).
-    pub write_timeout: Duration,
-    /// The token D's data server expects, if it expects one.
-    pub auth_token: Option<String>,
-    /// The cluster secret: with it, P writes only to a data server that proves it holds it, and
-    /// proves it in turn.
-    pub secret: Option<ClusterSecret>,
-    /// TLS on every data connection, with the secret's identity (D's data server must have it
-    /// too). The same-host path, which never leaves the host, is not affected.
-    pub tls: Option<TlsIdentity>,
-    /// Whether the automatic engine ([`crate::AutoTransferEngine`]) may write a peer on
-    /// the same host directly (`process_vm_writev`); the tcp engine alone ignores it.
-    pub same_host: SameHostMode,
-    /// Which path the engine for GPU KV takes to a D with GPU KV (feature `cuda`).
-    pub gpu_path: crate::GpuPath,
-}
-
-impl Default for TcpConfig {
-    fn default() -> Self {
-        Self {
-            streams_per_peer: 4,
-            connect_timeout: Duration::from_secs(5),
-            write_timeout: Duration::from_secs(30),
-            auth_token: None,
-            secret: None,
-            tls: None,
-            same_host: SameHostMode::Auto,
-            gpu_path: crate::GpuPath::Auto,
-        }
-    }
-}
-
-/// Why TLS cannot be turned on.
-#[derive(Debug, thiserror::Error)]
-pub enum TlsSetupError {
-    #[error("TLS on the data channel needs the cluster secret (its certificates are made from it): set PDFLOW_CLUSTER_SECRET_FILE or PDFLOW_CLUSTER_SECRET, or turn `tls` off")]
-    NoSecret,
-    #[error(transparent)]
-    Identity(#[from] pdflow_auth::TlsError),
-}
-
-impl TcpConfig {
-    /// Turns TLS on every data connection on (with the cluster secret's identity) or off; set
-    /// the secret first.
-    pub fn set_tls(&mut self, on: bool) -> Result<(), TlsSetupError> {
-        self.tls = match (on, &self.secret) {
-            (false, _) => None,
-            (true, None) => return Err(TlsSetupError::NoSecret),
-            (true, Some(secret)) => Some(TlsIdentity::from_secret(secret)?),
-        };
-        Ok(())
-    }
-}
 
 /// A fence D's data server holds open for a write P makes itself ([`TcpTransferEngine::hold_fence`]).
 /// [`FenceHold::release`] ends it and pools the connection again; dropped unreleased, the

@@ -1,4 +1,4 @@
-//! The `tcp` backend's wire format (DESIGN §4): little-endian, length-checked, no serde, so that the
+//! The `tcp` backend's wire format: little-endian, length-checked, no serde, so that the
 //! server can check a batch's descriptors before reading a single payload byte.
 //!
 //! ```text

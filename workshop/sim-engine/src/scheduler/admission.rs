@@ -187,7 +187,7 @@ impl Scheduler {
                         r.kv_transfer_params = Some(p);
                     }
                     r.status = Status::WaitingForRemoteKvs;
-                    r.held_since = Some(std::time::Instant::now());
+                    r.held_since = Some(tokio::time::Instant::now());
                     r.num_computed_tokens = tokens;
                 }
                 WaitingOutcome::Skip
