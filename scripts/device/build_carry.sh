@@ -31,7 +31,8 @@ for crate in kv transfer sim-engine; do
   strip -o "$CARRY/cuda-tests/$crate" "$exe"
 done
 
-exe=$(cargo test --locked -p pdflow-tests --test gpu_kv_processes --no-run --message-format=json | executable_of gpu_kv_processes)
+# The integration tests' binary (it); gpu_kv.sh runs its gpu_kv_processes module.
+exe=$(cargo test --locked -p pdflow-tests --test it --no-run --message-format=json | executable_of it)
 strip -o "$CARRY/gpu-kv-processes" "$exe"
 
 if [ -x .venv/bin/maturin ]; then

@@ -4,7 +4,7 @@
 # (scripts/device/build_carry.sh builds them all):
 #   cargo build --release --features cuda --bin pdflow          -> target/cuda-carry/pdflow (stripped copy)
 #   cargo test -p pdflow-{kv,transfer,sim-engine} --features cuda --lib --no-run -> target/cuda-carry/cuda-tests/ (stripped copies)
-#   cargo test -p pdflow-tests --test gpu_kv_processes --no-run  -> target/cuda-carry/gpu-kv-processes (stripped copy)
+#   cargo test -p pdflow-tests --test it --no-run  -> target/cuda-carry/gpu-kv-processes (stripped copy; its gpu_kv_processes module runs)
 #   maturin build --release --features cuda (in py-bridge/)     -> target/cuda-carry/wheels/pdflow-*.whl
 #   pip download pytest (pure-Python wheels)                    -> target/cuda-carry/wheels/
 # (carry: target/cuda-carry). Writes its log, the demo's report and trace under $OUT
@@ -25,7 +25,7 @@ elapsed() { echo "-- $1 done at +$((SECONDS - T0)) s"; }
   echo "== GPU KV with P and D as separate pdflow serve processes (cuda-ipc)"
   GPUS=$(nvidia-smi --query-gpu=index --format=csv,noheader | wc -l)
   PDFLOW_TEST_GPUS=$([ "$GPUS" -ge 2 ] && echo 0,1 || echo 0,0) PDFLOW_BIN="$PWD/$CARRY/pdflow" PDFLOW_TEST_LOG=1 \
-    timeout 200 "$CARRY/gpu-kv-processes" --nocapture --test-threads 1; echo "processes rc=$?"; elapsed processes
+    timeout 200 "$CARRY/gpu-kv-processes" gpu_kv_processes --nocapture --test-threads 1; echo "processes rc=$?"; elapsed processes
   echo "== pdflow demo --device cuda"
   timeout 150 "$CARRY/pdflow" demo --device cuda --json "$OUT/demo_cuda.json" --trace-file "$OUT/demo_cuda_trace.json"; echo "demo rc=$?"; elapsed demo
   echo "== pdflow demo --device cuda --gpu-path staged (the cross-host path, on loopback)"
