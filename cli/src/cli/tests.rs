@@ -1,0 +1,155 @@
+//! The command line as a user types it: flags parsed, bad values refused naming the flag.
+
+use super::*;
+
+#[test]
+fn proxy_accepts_vllm_arguments() {
+    let cli = Cli::try_parse_from([
+        "pdflow",
+        "proxy",
+        "--port",
+        "0",
+        "--prefill",
+        "http://127.0.0.1:8010",
+        "8998",
+        "--prefill",
+        "http://127.0.0.1:8011",
+        "--decode",
+        "http://127.0.0.1:8020",
+        "--decode",
+        "http://127.0.0.1:8021",
+    ])
+    .expect("parses");
+    let Command::Proxy(p) = cli.command else { panic!("not proxy") };
+    let args = p.to_args().expect("valid");
+    assert_eq!(args.prefill.len(), 2);
+    assert_eq!(args.prefill[0].bootstrap_port, 8998);
+    assert_eq!(args.prefill[1].bootstrap_port, DEFAULT_BOOTSTRAP_PORT);
+    assert_eq!(args.decode.len(), 2);
+}
+
+#[test]
+fn bad_flags_are_all_reported() {
+    let cli = Cli::try_parse_from(["pdflow", "proxy", "--prefill", "127.0.0.1:8010", "99999", "--decode", "ftp://x"])
+        .expect("parses");
+    let Command::Proxy(p) = cli.command else { panic!("not proxy") };
+    assert_eq!(p.to_args().expect_err("invalid").len(), 3);
+    assert!(parse_shape("36,8,128,16").is_ok());
+    assert!(parse_shape("36,8,x,16").is_err());
+    assert!(parse_shape("36,8,128").is_err());
+}
+
+#[cfg(feature = "fault-injection")]
+#[test]
+fn chaos_load_flags_parse_and_need_load() {
+    let cli = Cli::try_parse_from([
+        "pdflow",
+        "chaos",
+        "--load",
+        "--requests",
+        "240",
+        "--concurrency",
+        "16",
+        "--fault-rate",
+        "0.05",
+        "--seed",
+        "9",
+        "--policy",
+        "fail",
+    ])
+    .expect("parses");
+    let Command::Chaos(c) = cli.command else { panic!("not chaos") };
+    let o = c.to_load_options().expect("valid");
+    assert_eq!(
+        (o.requests, o.concurrency, o.fault_rate, o.seed, o.policy),
+        (240, 16, 0.05, 9, LoadFailurePolicy::Fail)
+    );
+    assert!(Cli::try_parse_from(["pdflow", "chaos", "--requests", "10"]).is_err(), "--requests needs --load");
+    let cli =
+        Cli::try_parse_from(["pdflow", "chaos", "--load", "--fault-rate", "2", "--concurrency", "0"]).expect("parses");
+    let Command::Chaos(c) = cli.command else { panic!("not chaos") };
+    assert_eq!(c.to_load_options().expect_err("invalid").len(), 2);
+    let cli = Cli::try_parse_from(["pdflow", "chaos", "--quick"]).expect("the matrix is unchanged");
+    let Command::Chaos(c) = cli.command else { panic!("not chaos") };
+    assert!(!c.load && c.quick);
+}
+
+#[cfg(feature = "fault-injection")]
+#[test]
+fn chaos_network_cells_are_in_the_full_run_only_alone_or_left_out() {
+    use pdflow_tools::chaos::NetworkCells;
+    let network = |args: &[&str]| {
+        let cli = Cli::try_parse_from(["pdflow", "chaos"].iter().chain(args)).expect("parses");
+        let Command::Chaos(c) = cli.command else { panic!("not chaos") };
+        c.to_options().network
+    };
+    assert_eq!(network(&[]), NetworkCells::WhereAvailable);
+    assert_eq!(network(&["--netns"]), NetworkCells::Only);
+    assert_eq!(network(&["--netns", "--only", "link:p-d"]), NetworkCells::Only);
+    assert_eq!(network(&["--no-netns"]), NetworkCells::Off);
+    assert_eq!(network(&["--quick"]), NetworkCells::Off);
+    for bad in [&["--netns", "--quick"][..], &["--netns", "--no-netns"], &["--netns", "--load"]] {
+        assert!(Cli::try_parse_from(["pdflow", "chaos"].iter().chain(bad)).is_err(), "{bad:?} must be refused");
+    }
+}
+
+#[test]
+fn serve_deadline_flags_map_onto_deadlines_and_bad_values_name_the_flag() {
+    let env = VllmEnv::from_lookup(&|_| None).expect("defaults");
+    let parse = |extra: &[&str]| {
+        let mut argv = vec!["pdflow", "serve", "--role", "consumer", "--abort-request-timeout", "10"];
+        argv.extend_from_slice(extra);
+        let Command::Serve(s) = Cli::try_parse_from(argv).expect("parses").command else { panic!("not serve") };
+        s.to_config(&env)
+    };
+    let cfg =
+        parse(&["--pull-timeout", "2.5", "--bootstrap-timeout", "0.5", "--ready-timeout", "3", "--send-expiry", "4"])
+            .expect("valid");
+    assert_eq!(
+        cfg.deadlines,
+        Deadlines {
+            ready_timeout: Duration::from_secs(3),
+            send_expiry: Duration::from_secs(4),
+            pull_timeout: Duration::from_millis(2500),
+            bootstrap_timeout: Duration::from_millis(500),
+        }
+    );
+    assert_eq!(
+        parse(&[]).expect("valid").deadlines,
+        Deadlines::from_abort_timeout(Duration::from_secs(10)),
+        "unset flags keep the derived defaults"
+    );
+    let errors =
+        parse(&["--pull-timeout", "0", "--send-expiry", "-1", "--ready-timeout", "NaN", "--bootstrap-timeout", "1e9"])
+            .expect_err("invalid");
+    assert_eq!(errors.len(), 4, "{errors:?}");
+    for (e, flag) in errors.iter().zip(["--ready-timeout", "--send-expiry", "--pull-timeout", "--bootstrap-timeout"]) {
+        assert!(e.starts_with(flag), "{e} names {flag}");
+    }
+}
+
+#[test]
+fn trace_flags_and_render_parse() {
+    let cli = Cli::try_parse_from([
+        "pdflow",
+        "serve",
+        "--role",
+        "producer",
+        "--otlp-endpoint",
+        "http://127.0.0.1:4317",
+        "--otlp-protocol",
+        "grpc",
+        "--trace-file",
+        "t.json",
+    ])
+    .expect("parses");
+    let Command::Serve(s) = cli.command else { panic!("not serve") };
+    let settings = s.trace.settings();
+    assert_eq!(settings.otlp_endpoint.as_deref(), Some("http://127.0.0.1:4317"));
+    assert_eq!(settings.otlp_protocol.as_deref(), Some("grpc"));
+    assert_eq!(settings.trace_file, Some(PathBuf::from("t.json")));
+    let cli = Cli::try_parse_from(["pdflow", "trace", "render", "t.json", "--out", "timeline.html"]).expect("parses");
+    let Command::Trace(TraceCmd::Render(r)) = cli.command else { panic!("not trace render") };
+    assert_eq!((r.trace, r.out), (PathBuf::from("t.json"), PathBuf::from("timeline.html")));
+    assert!(Cli::try_parse_from(["pdflow", "trace", "render", "t.json"]).is_err(), "--out is required");
+}
