@@ -7,6 +7,8 @@ use bytes::Bytes;
 use pdflow_auth::http::{open_answer, sign_call, Call, AUTH_HEADER, REPLY_HEADER};
 use pdflow_auth::{ClusterSecret, Socket};
 
+use crate::error::BootstrapCallError;
+
 /// What the bootstrap answered: its status and body (proven, when a secret is held and the
 /// status is a success).
 #[derive(Debug)]
@@ -17,15 +19,16 @@ pub(crate) struct Answer {
 
 /// Sends `call` to `url` (`body`: the JSON of a registration; none for a query), with its proof
 /// when `secret` is given, and checks the proof of a successful answer. `Err` says why, naming
-/// the URL.
+/// the URL; a status that is not a success is the caller's to judge.
 pub(crate) async fn send(
     http: &reqwest::Client,
     secret: Option<&ClusterSecret>,
     call: Call,
     url: &str,
     body: Option<Vec<u8>>,
-) -> Result<Answer, String> {
-    let parsed = reqwest::Url::parse(url).map_err(|e| format!("bad bootstrap URL {url}: {e}"))?;
+) -> Result<Answer, BootstrapCallError> {
+    let parsed =
+        reqwest::Url::parse(url).map_err(|source| BootstrapCallError::BadUrl { url: url.to_owned(), source })?;
     let (method, mut request) = match call {
         Call::Register => ("POST", http.post(parsed.clone()).header("content-type", "application/json")),
         Call::Query => ("GET", http.get(parsed.clone())),
@@ -44,16 +47,16 @@ pub(crate) async fn send(
     if method == "POST" {
         request = request.body(body);
     }
-    let resp = request.send().await.map_err(|e| format!("{method} {url} failed: {e}"))?;
+    let resp =
+        request.send().await.map_err(|source| BootstrapCallError::Request { method, url: url.to_owned(), source })?;
     let status = resp.status();
     let proof = resp.headers().get(REPLY_HEADER).and_then(|v| v.to_str().ok()).map(str::to_owned);
-    let answer = resp.bytes().await.map_err(|e| format!("{method} {url}: reading the answer failed: {e}"))?;
+    let answer =
+        resp.bytes().await.map_err(|source| BootstrapCallError::ReadAnswer { method, url: url.to_owned(), source })?;
     if let (Some(secret), Some(nonce), true) = (secret, nonce, status.is_success()) {
         open_answer(secret, call, &answer, proof.as_deref(), &nonce).map_err(|why| {
             pdflow_auth::refused(Socket::Bootstrap, url, why);
-            format!(
-                "{method} {url}: the answer is refused ({why}); is that bootstrap started with this cluster secret?"
-            )
+            BootstrapCallError::AnswerRefused { method, url: url.to_owned(), why }
         })?;
     }
     Ok(Answer { status, body: answer })

@@ -159,8 +159,9 @@ mod disabled {
 
     use super::{ActorKind, Role};
 
-    /// No seam: an empty value.
-    #[derive(Debug, Clone, Copy, Default)]
+    /// No seam: an empty value. Not `Copy`, as the feature's `Faults` (an `Arc`) is not: the
+    /// actors clone it the same way in both builds.
+    #[derive(Debug, Clone, Default)]
     pub struct Faults;
 
     impl Faults {

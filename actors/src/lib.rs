@@ -1,4 +1,4 @@
-//! pdflow-actors — the actors of DESIGN §2, one per file, each named after the actor.
+//! pdflow-actors — the actors (ARCHITECTURE.md lists them and their steps), one per file, each named after the actor.
 //!
 //! # Layout
 //! - [`bootstrap`] — engine_id → dp → tp → pp → side-channel address; vLLM-compatible HTTP

@@ -101,22 +101,15 @@ pub struct Proxy {
     _poller: AbortOnDropHandle<()>,
 }
 
-/// `http://{host}:{port}` for the host of `url` (IPv6 hosts keep their brackets).
-fn bootstrap_addr_of(url: &str, port: u16) -> Result<String, ActorError> {
-    let parsed = reqwest::Url::parse(url)
-        .map_err(|e| ActorError::Other(format!("invalid prefill URL `{url}`: {e} (expected http://host:port)")))?;
-    let host = parsed
-        .host_str()
-        .ok_or_else(|| ActorError::Other(format!("prefill URL `{url}` has no host (expected http://host:port)")))?;
-    Ok(format!("http://{host}:{port}"))
-}
-
-fn check_url(url: &str, pool: &str) -> Result<String, ActorError> {
+/// `url` without its trailing `/`, checked to be `http://host:port`, and its host (IPv6 hosts keep
+/// their brackets).
+fn check_url(url: &str, pool: &'static str) -> Result<(String, String), ActorError> {
     let trimmed = url.trim_end_matches('/').to_owned();
-    match reqwest::Url::parse(&trimmed) {
-        Ok(u) if u.scheme() == "http" && u.host_str().is_some() => Ok(trimmed),
-        Ok(_) => Err(ActorError::Other(format!("{pool} URL `{url}` must be http://host:port (no TLS)"))),
-        Err(e) => Err(ActorError::Other(format!("invalid {pool} URL `{url}`: {e} (expected http://host:port)"))),
+    let parsed =
+        reqwest::Url::parse(&trimmed).map_err(|source| ActorError::InvalidUrl { pool, url: url.to_owned(), source })?;
+    match parsed.host_str() {
+        Some(host) if parsed.scheme() == "http" => Ok((trimmed, host.to_owned())),
+        _ => Err(ActorError::UnsupportedUrl { pool, url: url.to_owned() }),
     }
 }
 
@@ -126,27 +119,24 @@ impl Actor for Proxy {
 
     async fn on_start(args: Self::Args, actor_ref: ActorRef<Self>) -> Result<Self, Self::Error> {
         if args.prefill.is_empty() || args.decode.is_empty() {
-            return Err(ActorError::Other(format!(
-                "the proxy needs at least one prefill and one decode instance (got {} P, {} D)",
-                args.prefill.len(),
-                args.decode.len()
-            )));
+            return Err(ActorError::EmptyPool { prefill: args.prefill.len(), decode: args.decode.len() });
         }
         let mut prefill = Vec::with_capacity(args.prefill.len());
         for p in &args.prefill {
-            let url = check_url(&p.url, "prefill")?;
-            let bootstrap_addr = bootstrap_addr_of(&url, p.bootstrap_port)?;
+            let (url, host) = check_url(&p.url, "prefill")?;
+            // D's `remote_bootstrap_addr`: P's host, the bootstrap's port.
+            let bootstrap_addr = format!("http://{host}:{}", p.bootstrap_port);
             prefill.push(PrefillState { url, bootstrap_addr, dp_engine_id: BTreeMap::new(), healthy: false });
         }
         let decode = args
             .decode
             .iter()
-            .map(|u| Ok(DecodeState { url: check_url(u, "decode")?, answered: false, healthy: false }))
+            .map(|u| Ok(DecodeState { url: check_url(u, "decode")?.0, answered: false, healthy: false }))
             .collect::<Result<Vec<_>, ActorError>>()?;
 
         let client = reqwest::Client::builder()
             .build()
-            .map_err(|e| ActorError::Other(format!("cannot build the proxy's health-check client: {e}")))?;
+            .map_err(|source| ActorError::HttpClient { what: "the proxy's health-check client", source })?;
         let shutdown = CancellationToken::new();
 
         let (requery_tx, requery_rx) = mpsc::unbounded_channel();
@@ -320,9 +310,6 @@ impl Message<ReadyDeadlinePassed> for Proxy {
             return Ok(());
         }
         // Returned to a `tell`: the error stops the actor (and its supervisor sees why).
-        Err(ActorError::Other(format!(
-            "proxy not ready before its ready timeout; still waiting for: {}",
-            self.waiting_for().join(", ")
-        )))
+        Err(ActorError::NotReadyInTime { waiting_for: self.waiting_for() })
     }
 }

@@ -2,8 +2,10 @@
 //! shards: what both ends of a pull need to pair D's ranks with P's (step 21) and to plan one
 //! pair's bytes (step 28) with [`pdflow_kv::topology`].
 
-use pdflow_kv::memory::{KvCache, KvShape};
-use pdflow_kv::topology::{pair_share, share_digests, HeadLayout, Topology, TopologyError};
+use pdflow_kv::memory::{KvCache, KvShape, RegionError};
+use pdflow_kv::topology::{
+    pair_share, share_digests, HeadLayout, RankPlanError, ShareDigestError, Topology, TopologyError,
+};
 use pdflow_messages::send_worker::DRank;
 use pdflow_messages::BlockId;
 
@@ -71,6 +73,27 @@ pub enum PairEnd {
     D,
 }
 
+/// Why the digests of blocks (whole, or a rank pair's share of them) could not be computed. Never
+/// fatal: the KV is then not checked (P) or not used (D), and the text says why.
+#[derive(Debug, thiserror::Error)]
+pub enum DigestError {
+    /// P's ranks do not form a topology.
+    #[error("P's ranks: {0}")]
+    PRanks(#[source] TopologyError),
+    /// D's ranks do not form a topology.
+    #[error("D's ranks: {0}")]
+    DRanks(#[source] TopologyError),
+    /// The pair's share, or the alignment of P's blocks with D's, could not be planned.
+    #[error(transparent)]
+    Pair(#[from] RankPlanError),
+    /// The share's runs could not be read from the cache.
+    #[error(transparent)]
+    Share(#[from] ShareDigestError),
+    /// Whole blocks could not be read from the cache.
+    #[error(transparent)]
+    Blocks(#[from] RegionError),
+}
+
 /// With `verify_checksums` between sharded engines: per block of `blocks` (in `kv_cache`, the
 /// cache of the pair's `end`), the digest of the (layer, head) runs P worker `p` writes into D
 /// worker `d` ([`pdflow_kv::topology::share_digests`]). Both ends compute it alike, so equal
@@ -80,11 +103,11 @@ pub fn pair_share_digests(
     (p, d): (&WorkerRank, &WorkerRank),
     end: PairEnd,
     blocks: &[BlockId],
-) -> Result<Vec<u64>, String> {
-    let p_topology = p.topology().map_err(|e| format!("P's ranks: {e}"))?;
-    let d_topology = d.topology().map_err(|e| format!("D's ranks: {e}"))?;
+) -> Result<Vec<u64>, DigestError> {
+    let p_topology = p.topology().map_err(DigestError::PRanks)?;
+    let d_topology = d.topology().map_err(DigestError::DRanks)?;
     let heads = p.heads();
-    let share = pair_share(&p_topology, &d_topology, &heads, (p.index(), d.index())).map_err(|e| e.to_string())?;
+    let share = pair_share(&p_topology, &d_topology, &heads, (p.index(), d.index()))?;
     if share.is_empty() {
         return Ok(Vec::new());
     }
@@ -92,5 +115,5 @@ pub fn pair_share_digests(
         PairEnd::P => &p_topology.ranks()[p.index()],
         PairEnd::D => &d_topology.ranks()[d.index()],
     };
-    share_digests(kv_cache, holder, &heads, &share, blocks).map_err(|e| e.to_string())
+    Ok(share_digests(kv_cache, holder, &heads, &share, blocks)?)
 }

@@ -39,7 +39,7 @@ use pdflow_messages::receiver::{
 };
 use pdflow_messages::scheduler_connector::{ConnectorOutput, LoadFailure, LoadFailureCause, PullMeta};
 use pdflow_messages::sender_listener::{PullErrorCause, PullReq, PullRequest};
-use pdflow_messages::{EngineId, RequestId};
+use pdflow_messages::{BlockId, EngineId, RequestId};
 use pdflow_observability::{attrs, step_span, steps, Outcome};
 use pdflow_transfer::fence::WriteFence;
 use tokio::task::{JoinHandle, JoinSet};
@@ -47,7 +47,7 @@ use tracing::Instrument;
 
 use crate::fault_seam::{register_actor, ActorKind, Faults, Role};
 use crate::pull_task::{self, PullTask, PullTaskArgs};
-use crate::ranks::{pair_share_digests, PairEnd, WorkerRank};
+use crate::ranks::{pair_share_digests, DigestError, PairEnd, WorkerRank};
 use crate::side_channel_auth::PullAuth;
 use crate::ActorError;
 
@@ -121,7 +121,7 @@ struct Lookup {
 /// Internal: a look-up task's answer.
 struct LookupDone {
     engine_id: EngineId,
-    result: Result<lookup::Answer, String>,
+    result: Result<lookup::Answer, lookup::LookupError>,
 }
 
 /// A D worker's receiver.
@@ -170,7 +170,7 @@ impl Actor for Receiver {
             .no_proxy()
             .timeout(args.bootstrap_timeout)
             .build()
-            .map_err(|e| ActorError::Other(format!("receiver cannot build its HTTP client: {e}")))?;
+            .map_err(|source| ActorError::HttpClient { what: "the receiver's HTTP client", source })?;
         // Random high bits: pull ids stay unique across D workers, so P can tell them apart.
         let next_pull_id = uuid::Uuid::new_v4().as_u64_pair().0 & !0xffff_ffff;
         Ok(Self {
@@ -346,7 +346,7 @@ impl Receiver {
             Ok(d) => d,
             Err(e) => return mismatch(format!("D cannot read its blocks to check them ({e}): the KV is not used")),
         };
-        let differ: Vec<pdflow_messages::BlockId> =
+        let differ: Vec<BlockId> =
             blocks.iter().zip(p_digests.iter().zip(&d_digests)).filter(|(_, (p, d))| p != d).map(|(b, _)| *b).collect();
         if differ.is_empty() {
             return None;
@@ -360,8 +360,8 @@ impl Receiver {
     }
 
     /// D's digests of `blocks`: whole blocks, or the share P rank `p_rank` wrote into them.
-    fn d_digests(&self, blocks: &[pdflow_messages::BlockId], p_rank: Option<WorkerRank>) -> Result<Vec<u64>, String> {
-        let Some(p) = p_rank else { return self.args.kv_cache.block_digests(blocks).map_err(|e| e.to_string()) };
+    fn d_digests(&self, blocks: &[BlockId], p_rank: Option<WorkerRank>) -> Result<Vec<u64>, DigestError> {
+        let Some(p) = p_rank else { return Ok(self.args.kv_cache.block_digests(blocks)?) };
         pair_share_digests(&self.args.kv_cache, (&p, &self.args.rank), PairEnd::D, blocks)
     }
 
@@ -469,7 +469,7 @@ impl Receiver {
             Ok(peers) => peers,
             Err(reason) => {
                 for meta in metas {
-                    self.complete(&meta, Some(LoadFailure::new(LoadFailureCause::Bootstrap, reason.clone())));
+                    self.complete(&meta, Some(LoadFailure::new(LoadFailureCause::Bootstrap, reason.to_string())));
                 }
                 return;
             }

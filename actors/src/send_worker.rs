@@ -23,9 +23,11 @@
 //! - [`write`] — the plan, the write and its end (steps 28, 29, 31);
 //! - [`stream`] — layer-wise: the layers P has finished, written to D while P still prefills;
 //! - [`ranks`] — across tensor/pipeline ranks: which D ranks pull from this worker, each one's plan;
-//! - [`ending`] — deadlines, expiry, linger and aborts: how a transfer ends without a write.
+//! - [`ending`] — deadlines, expiry, linger and aborts: how a transfer ends without a write;
+//! - [`error`] — why a pull could not be planned or written.
 
 mod ending;
+mod error;
 mod ranks;
 mod stream;
 mod write;
@@ -49,6 +51,8 @@ use crate::fault_seam::Faults;
 use crate::ranks::WorkerRank;
 use crate::ActorError;
 use pdflow_observability::Outcome;
+
+pub use error::{PullPlanError, WriteError};
 
 /// What a SendWorker is given by the listener.
 #[derive(Clone)]
@@ -170,7 +174,7 @@ struct LingerDue {
 
 /// The write task's result.
 struct WriteDone {
-    result: Result<TransferStats, String>,
+    result: Result<TransferStats, WriteError>,
 }
 
 impl Actor for SendWorker {

@@ -56,6 +56,7 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
+use crate::error::SideChannelError;
 use crate::fault_seam::{register_actor, ActorKind, Faults, Role};
 use crate::ranks::WorkerRank;
 use crate::send_worker::{SendWorker, SendWorkerArgs};
@@ -474,8 +475,8 @@ impl Message<SocketClosed> for SenderListener {
         if msg.socket_id != self.socket_id {
             return Ok(());
         }
-        tracing::error!(addr = %self.addr, reason = %msg.reason, "side-channel socket closed: the sender listener fails and is restarted");
-        Err(ActorError::SideChannel { addr: self.addr.clone(), reason: format!("socket closed: {}", msg.reason) })
+        tracing::error!(addr = %self.addr, reason = %msg.error, "side-channel socket closed: the sender listener fails and is restarted");
+        Err(ActorError::SideChannel { addr: self.addr.clone(), error: SideChannelError::Closed(msg.error) })
     }
 }
 

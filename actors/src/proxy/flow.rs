@@ -165,11 +165,11 @@ async fn flow(
     let step8 = step_span!(steps::CLIENT_REQUEST, request_id = %request_id, transfer_id = %transfer_id);
     let request = match parse_request(&step8, &body) {
         Ok(request) => request,
-        Err(message) => return error_response(StatusCode::BAD_REQUEST, "invalid_request_error", message),
+        Err(e) => return error_response(StatusCode::BAD_REQUEST, "invalid_request_error", e.to_string()),
     };
     let route = match choose_route(&ctx, &step8).await {
         Ok(route) => route,
-        Err(message) => return error_response(StatusCode::SERVICE_UNAVAILABLE, "service_unavailable", message),
+        Err(e) => return error_response(StatusCode::SERVICE_UNAVAILABLE, "service_unavailable", e.to_string()),
     };
     let traceparent = record_trace_context(&step8, &headers, &route);
     drop(step8);
@@ -190,34 +190,60 @@ async fn flow(
     upstream.relay_response(d_resp, p_task).await
 }
 
+/// Why a client's body was refused at step 8 (a 400).
+#[derive(Debug, thiserror::Error)]
+enum BadRequest {
+    #[error("request body must be a JSON object")]
+    NotAnObject,
+    #[error("request body is not valid JSON: {0}")]
+    NotJson(#[source] serde_json::Error),
+}
+
+/// Why step 8 found no route (a 503).
+#[derive(Debug, thiserror::Error)]
+enum NoRoute {
+    /// The Proxy actor is stopping: the process is shutting down.
+    #[error("proxy is stopping")]
+    Stopping,
+    /// The proxy is not ready (starting, or a pool has no healthy instance).
+    #[error(transparent)]
+    NotReady(NotReady),
+    /// The Proxy actor did not answer within [`ASK_DEADLINE`].
+    #[error("proxy did not answer")]
+    Timeout(#[source] tokio::time::error::Elapsed),
+    /// The Proxy actor could not be asked (stopped, or its mailbox refused the ask).
+    #[error("proxy did not answer")]
+    Unreachable(#[source] SendError<Route, NotReady>),
+}
+
 /// Step 8: the client's body, which must be a JSON object; `Err` says why it is not (a 400).
-fn parse_request(step8: &tracing::Span, body: &[u8]) -> Result<serde_json::Map<String, serde_json::Value>, String> {
-    let message = match step8.in_scope(|| serde_json::from_slice::<serde_json::Value>(body)) {
+fn parse_request(step8: &tracing::Span, body: &[u8]) -> Result<serde_json::Map<String, serde_json::Value>, BadRequest> {
+    let error = match step8.in_scope(|| serde_json::from_slice::<serde_json::Value>(body)) {
         Ok(serde_json::Value::Object(map)) => return Ok(map),
-        Ok(_) => "request body must be a JSON object".into(),
-        Err(e) => format!("request body is not valid JSON: {e}"),
+        Ok(_) => BadRequest::NotAnObject,
+        Err(e) => BadRequest::NotJson(e),
     };
     Outcome::BAD_REQUEST.record(step8);
-    Err(message)
+    Err(error)
 }
 
 /// Step 8: P and D chosen by the Proxy actor; `Err` says why not (a 503: the actor is stopping,
 /// not ready, or did not answer).
-async fn choose_route(ctx: &FlowContext, step8: &tracing::Span) -> Result<RouteDecision, String> {
+async fn choose_route(ctx: &FlowContext, step8: &tracing::Span) -> Result<RouteDecision, NoRoute> {
     let Some(proxy) = Some(ctx.proxy.clone()).filter(|p| p.is_alive()) else {
-        return Err("proxy is stopping".into());
+        return Err(NoRoute::Stopping);
     };
-    match route(ctx, &proxy).instrument(step8.clone()).await {
-        Ok(Ok(route)) => Ok(route),
+    let error = match route(ctx, &proxy).instrument(step8.clone()).await {
+        Ok(Ok(route)) => return Ok(route),
         Ok(Err(SendError::HandlerError(not_ready))) => {
             Outcome::NOT_READY.record(step8);
-            Err(not_ready.to_string())
+            return Err(NoRoute::NotReady(not_ready));
         }
-        _ => {
-            Outcome::PROXY_UNAVAILABLE.record(step8);
-            Err("proxy did not answer".into())
-        }
-    }
+        Ok(Err(e)) => NoRoute::Unreachable(e),
+        Err(elapsed) => NoRoute::Timeout(elapsed),
+    };
+    Outcome::PROXY_UNAVAILABLE.record(step8);
+    Err(error)
 }
 
 /// Step 8's trace attributes: the request's trace context (returned), the client's parent span,
@@ -344,7 +370,7 @@ impl Upstream {
             // clean 502 instead of a cut body.
             match relay.collect().await {
                 Ok(bytes) => Response::new(Body::from(bytes)),
-                Err(message) => return error_response(StatusCode::BAD_GATEWAY, "upstream_error", message),
+                Err(e) => return error_response(StatusCode::BAD_GATEWAY, "upstream_error", e.to_string()),
             }
         } else {
             Response::new(Body::from_stream(relay.into_stream()))

@@ -22,6 +22,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use super::{Proxy, REQUERY_EVERY};
+use crate::error::BootstrapCallError;
 use pdflow_auth::http::Call;
 use pdflow_observability::Outcome;
 
@@ -184,25 +185,46 @@ impl Poller {
     }
 
     /// `GET {bootstrap}/query` → dp rank → engine id.
-    async fn query(&self, bootstrap: &str) -> Result<BTreeMap<u32, EngineId>, String> {
+    async fn query(&self, bootstrap: &str) -> Result<BTreeMap<u32, EngineId>, QueryError> {
         let url = format!("{bootstrap}/query");
         let call = crate::bootstrap_call::send(&self.client, self.secret.as_ref(), Call::Query, &url, None);
-        let answer = tokio::time::timeout(self.probe_timeout, call)
-            .await
-            .map_err(|_| format!("GET {url} got no answer within {:?}", self.probe_timeout))??;
+        let answered = tokio::time::timeout(self.probe_timeout, call).await;
+        let answer = match answered {
+            Ok(answer) => answer?,
+            Err(_) => return Err(QueryError::Timeout { url, after: self.probe_timeout }),
+        };
         if !answer.status.is_success() {
-            return Err(format!("status {}: {}", answer.status, answer.text()));
+            return Err(QueryError::Status { status: answer.status, body: answer.text() });
         }
-        let table: QueryResponse =
-            serde_json::from_slice(&answer.body).map_err(|e| format!("unexpected /query body: {e}"))?;
+        let table: QueryResponse = serde_json::from_slice(&answer.body).map_err(QueryError::NotQueryBody)?;
         table
             .into_iter()
-            .map(|(dp, entry)| {
-                let dp = dp.parse::<u32>().map_err(|_| format!("non-numeric dp rank `{dp}` in /query"))?;
-                Ok((dp, entry.engine_id))
+            .map(|(dp, entry)| match dp.parse::<u32>() {
+                Ok(rank) => Ok((rank, entry.engine_id)),
+                Err(_) => Err(QueryError::BadDpRank { dp }),
             })
             .collect()
     }
+}
+
+/// Why step 7's `GET {bootstrap}/query` failed (logged; P stays healthy and is asked again).
+#[derive(Debug, thiserror::Error)]
+enum QueryError {
+    /// No answer within the probe's deadline.
+    #[error("GET {url} got no answer within {after:?}")]
+    Timeout { url: String, after: Duration },
+    /// The call failed (unreachable bootstrap, an answer without the cluster secret's proof …).
+    #[error(transparent)]
+    Call(#[from] BootstrapCallError),
+    /// Bootstrap answered with an error status.
+    #[error("status {status}: {body}")]
+    Status { status: reqwest::StatusCode, body: String },
+    /// The answer is not a `/query` table.
+    #[error("unexpected /query body: {0}")]
+    NotQueryBody(#[source] serde_json::Error),
+    /// The table's key is not a data-parallel rank.
+    #[error("non-numeric dp rank `{dp}` in /query")]
+    BadDpRank { dp: String },
 }
 
 /// What the poller remembers between rounds.

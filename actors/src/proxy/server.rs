@@ -43,7 +43,7 @@ impl ProxyServer {
         let client = reqwest::Client::builder()
             .pool_idle_timeout(Duration::from_secs(90))
             .build()
-            .map_err(|e| ActorError::Other(format!("cannot build the proxy's HTTP client: {e}")))?;
+            .map_err(|source| ActorError::HttpClient { what: "the proxy's HTTP client", source })?;
         let app =
             flow::router(Arc::new(FlowContext { proxy, client, upstream_timeout, was_ready: Default::default() }));
         let shutdown = CancellationToken::new();

@@ -525,3 +525,14 @@ async fn an_error_answer_carries_the_request_id_too() {
     let id = resp.headers().get("x-request-id").expect("echoed on errors").to_str().expect("ascii");
     assert!(id.starts_with("err.1-"), "{id}");
 }
+
+#[test]
+fn pool_urls_that_are_not_http_host_port_are_refused_with_what_to_give() {
+    let err = check_url("not a url", "decode").expect_err("refused");
+    assert!(matches!(err, ActorError::InvalidUrl { pool: "decode", .. }), "{err:?}");
+    assert!(err.to_string().contains("(expected http://host:port)"), "{err}");
+    let err = check_url("https://p:8000", "prefill").expect_err("refused");
+    assert!(matches!(err, ActorError::UnsupportedUrl { pool: "prefill", .. }), "{err:?}");
+    let (url, host) = check_url("http://[::1]:8000/", "prefill").expect("accepted");
+    assert_eq!((url.as_str(), host.as_str()), ("http://[::1]:8000", "[::1]"));
+}

@@ -7,11 +7,50 @@ use std::time::Duration;
 use pdflow_auth::http::Call;
 use pdflow_auth::ClusterSecret;
 use pdflow_kv::topology::pulled_by;
-use pdflow_messages::bootstrap::{QueryResponse, WorkerAddrs};
+use pdflow_kv::topology::TopologyError;
+use pdflow_messages::bootstrap::{BootstrapBodyError, QueryResponse, WorkerAddrs};
 use pdflow_messages::lifecycle::TransferState;
 use pdflow_messages::EngineId;
 
+use crate::error::BootstrapCallError;
 use crate::ranks::WorkerRank;
+
+/// Why a bootstrap look-up (step 20) failed; D's queued requests fail with this text.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum LookupError {
+    /// The call failed (unreachable bootstrap, an answer without the cluster secret's proof …).
+    #[error(transparent)]
+    Call(#[from] BootstrapCallError),
+    /// Bootstrap answered with an error status.
+    #[error("GET {url} answered HTTP {status}: {body}")]
+    Status { url: String, status: reqwest::StatusCode, body: String },
+    /// The answer is not a `/query` table.
+    #[error("GET {url}: body is not a /query answer: {source}")]
+    NotQueryBody { url: String, source: serde_json::Error },
+    /// An engine's entry names its workers wrongly.
+    #[error("GET {url}: {source}")]
+    BadEntry { url: String, source: BootstrapBodyError },
+    /// No answer within the look-up's deadline.
+    #[error("{}", TransferState::LookingUp.passed(*after, format!("GET {url} got no answer")))]
+    Timeout { url: String, after: Duration },
+}
+
+/// Why D worker cannot pair with P's workers (step 21); D's requests fail with this text.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum PairError {
+    /// Not every P worker has registered yet.
+    #[error("P engine {engine_id} registered {registered} workers, not tp_size × pp_size = {tp} × {pp}: some P workers have not registered")]
+    Incomplete { engine_id: String, registered: usize, tp: u32, pp: u32 },
+    /// P's registered workers do not form a topology of the model.
+    #[error("P engine {engine_id} (tp {tp}, pp {pp}): {source}")]
+    PRanks { engine_id: String, tp: u32, pp: u32, source: TopologyError },
+    /// This D worker's ranks do not form a topology of the model.
+    #[error("this D worker's ranks (tp {tp}, pp {pp}): {source}")]
+    DRanks { tp: u32, pp: u32, source: TopologyError },
+    /// A P worker this D worker must pull from is not registered.
+    #[error("P engine {engine_id} registered no worker for tp_rank {tp_rank}, pp_rank {pp_rank}")]
+    MissingWorker { engine_id: String, tp_rank: u32, pp_rank: u32 },
+}
 
 /// What one `/query` answered: every engine with its workers, and each worker's generation by
 /// its address (workers that gave none are absent).
@@ -28,7 +67,7 @@ pub(crate) async fn query_bootstrap(
     secret: Option<&ClusterSecret>,
     bootstrap_addr: &str,
     timeout: Duration,
-) -> Result<Answer, String> {
+) -> Result<Answer, LookupError> {
     let base = bootstrap_addr.trim_end_matches('/');
     let url = if base.starts_with("http://") || base.starts_with("https://") {
         format!("{base}/query")
@@ -39,13 +78,13 @@ pub(crate) async fn query_bootstrap(
         let answer = crate::bootstrap_call::send(http, secret, Call::Query, &url, None).await?;
         let status = answer.status;
         if !status.is_success() {
-            return Err(format!("GET {url} answered HTTP {status}: {}", answer.text()));
+            return Err(LookupError::Status { url: url.clone(), status, body: answer.text() });
         }
-        let body: QueryResponse =
-            serde_json::from_slice(&answer.body).map_err(|e| format!("GET {url}: body is not a /query answer: {e}"))?;
+        let body: QueryResponse = serde_json::from_slice(&answer.body)
+            .map_err(|source| LookupError::NotQueryBody { url: url.clone(), source })?;
         let mut answer = Answer::default();
         for entry in body.values() {
-            let workers = entry.workers().map_err(|e| format!("GET {url}: {e}"))?;
+            let workers = entry.workers().map_err(|source| LookupError::BadEntry { url: url.clone(), source })?;
             for addr in workers.values().flat_map(|pps| pps.values()) {
                 let generation = entry.generation_of(addr);
                 if generation != 0 {
@@ -56,9 +95,10 @@ pub(crate) async fn query_bootstrap(
         }
         Ok(answer)
     };
-    tokio::time::timeout(timeout, call)
-        .await
-        .map_err(|_| TransferState::LookingUp.passed(timeout, format!("GET {url} got no answer")).to_string())?
+    match tokio::time::timeout(timeout, call).await {
+        Ok(answer) => answer,
+        Err(_) => Err(LookupError::Timeout { url: url.clone(), after: timeout }),
+    }
 }
 
 /// [`query_bootstrap`] until its answer names `engine_id`, within `timeout` in all: a bootstrap
@@ -71,7 +111,7 @@ pub(crate) async fn query_until_registered(
     bootstrap_addr: &str,
     engine_id: &str,
     timeout: Duration,
-) -> Result<Answer, String> {
+) -> Result<Answer, LookupError> {
     let deadline = tokio::time::Instant::now() + timeout;
     loop {
         let left = deadline.saturating_duration_since(tokio::time::Instant::now());
@@ -105,23 +145,27 @@ pub(crate) fn world(workers: &WorkerAddrs) -> (u32, u32) {
 /// The P workers D worker `me` pulls from: for each (layer, KV head) it holds, one P worker
 /// holding it ([`pdflow_kv::topology::pulled_by`]; with equal topologies, the worker of the same
 /// ranks), plus an empty pull to any P replica no D worker reads, so that it frees its blocks.
-pub(crate) fn pair(engine_id: &str, workers: &WorkerAddrs, me: &WorkerRank) -> Result<Vec<Peer>, String> {
+pub(crate) fn pair(engine_id: &str, workers: &WorkerAddrs, me: &WorkerRank) -> Result<Vec<Peer>, PairError> {
     let (p_tp, p_pp) = world(workers);
     let registered: usize = workers.values().map(BTreeMap::len).sum();
     if p_tp == 0 || registered != (p_tp * p_pp) as usize {
-        return Err(format!(
-            "P engine {engine_id} registered {registered} workers, not tp_size × pp_size = {p_tp} × {p_pp}: some P workers have not registered"
-        ));
+        return Err(PairError::Incomplete { engine_id: engine_id.to_owned(), registered, tp: p_tp, pp: p_pp });
     }
-    let p = me.engine_of(p_tp, p_pp).map_err(|e| format!("P engine {engine_id} (tp {p_tp}, pp {p_pp}): {e}"))?;
-    let d = me.topology().map_err(|e| format!("this D worker's ranks (tp {}, pp {}): {e}", me.tp_size, me.pp_size))?;
+    let p = me.engine_of(p_tp, p_pp).map_err(|source| PairError::PRanks {
+        engine_id: engine_id.to_owned(),
+        tp: p_tp,
+        pp: p_pp,
+        source,
+    })?;
+    let d = me.topology().map_err(|source| PairError::DRanks { tp: me.tp_size, pp: me.pp_size, source })?;
     pulled_by(&p, &d, me.index())
         .into_iter()
         .map(|index| {
             let (tp_rank, pp_rank) = (index as u32 % p_tp, index as u32 / p_tp);
-            let addr = workers.get(&tp_rank).and_then(|pps| pps.get(&pp_rank)).ok_or_else(|| {
-                format!("P engine {engine_id} registered no worker for tp_rank {tp_rank}, pp_rank {pp_rank}")
-            })?;
+            let addr = workers
+                .get(&tp_rank)
+                .and_then(|pps| pps.get(&pp_rank))
+                .ok_or_else(|| PairError::MissingWorker { engine_id: engine_id.to_owned(), tp_rank, pp_rank })?;
             Ok(Peer { tp_rank, pp_rank, addr: addr.clone() })
         })
         .collect()
@@ -171,6 +215,8 @@ mod tests {
         let mut w = workers(2, 2);
         w.get_mut(&1).expect("rank 1").remove(&1);
         let err = pair("p-engine", &w, &rank(1, 0, 1, 0)).expect_err("refused");
-        assert!(err.contains("p-engine") && err.contains("have not registered"), "{err}");
+        assert!(matches!(&err, PairError::Incomplete { registered: 3, tp: 2, pp: 2, .. }), "{err:?}");
+        let text = err.to_string();
+        assert!(text.contains("p-engine") && text.contains("have not registered"), "{text}");
     }
 }

@@ -12,8 +12,8 @@ use pdflow_kv::topology::{align_tail, plan_pair, pullers_of};
 use pdflow_messages::send_worker::{DRank, ServePull};
 use pdflow_messages::BlockId;
 
-use super::SendWorker;
-use crate::ranks::{pair_share_digests, PairEnd};
+use super::{PullPlanError, SendWorker};
+use crate::ranks::{pair_share_digests, DigestError, PairEnd};
 
 impl SendWorker {
     /// Whether this pull is between sharded engines (else the one-to-one plan of step 28 serves).
@@ -47,18 +47,17 @@ impl SendWorker {
 
     /// Step 28 across ranks: what this worker writes into the pulling D rank's blocks
     /// (`src_blocks`: P's blocks aligned with D's). An empty plan: this pull moves nothing.
-    pub(super) fn rank_plan(&self, pull: &ServePull, src_blocks: &[BlockId]) -> Result<TransferPlan, String> {
+    pub(super) fn rank_plan(&self, pull: &ServePull, src_blocks: &[BlockId]) -> Result<TransferPlan, PullPlanError> {
         let me = self.args.rank;
         let d = me.of_puller(pull.d_rank);
-        let p_topology = me.topology().map_err(|e| format!("P's ranks: {e}"))?;
-        let d_topology = d.topology().map_err(|e| format!("D's ranks (tp {}, pp {}): {e}", d.tp_size, d.pp_size))?;
-        let src_blocks = align_tail(src_blocks, &pull.block_ids).map_err(|e| e.to_string())?;
+        let p_topology = me.topology().map_err(PullPlanError::PRanks)?;
+        let d_topology =
+            d.topology().map_err(|source| PullPlanError::DRanks { tp: d.tp_size, pp: d.pp_size, source })?;
+        let src_blocks = align_tail(src_blocks, &pull.block_ids)?;
         let pair =
-            plan_pair(&p_topology, &d_topology, &me.heads(), (me.index(), d.index()), src_blocks, &pull.block_ids)
-                .map_err(|e| e.to_string())?;
+            plan_pair(&p_topology, &d_topology, &me.heads(), (me.index(), d.index()), src_blocks, &pull.block_ids)?;
         let Some(pair) = pair else { return Ok(TransferPlan::default()) };
-        let plan =
-            pair.to_transfer_plan(&self.args.kv_cache.regions(), &pull.layout.regions).map_err(|e| e.to_string())?;
+        let plan = pair.to_transfer_plan(&self.args.kv_cache.regions(), &pull.layout.regions)?;
         Ok(TransferPlan { fence: pull.fence, ..plan })
     }
 
@@ -73,7 +72,7 @@ impl SendWorker {
         let me = self.args.rank;
         let d = me.of_puller(pull.d_rank);
         let digests = align_tail(src_blocks, &pull.block_ids)
-            .map_err(|e| e.to_string())
+            .map_err(DigestError::from)
             .and_then(|blocks| pair_share_digests(&self.args.kv_cache, (&me, &d), PairEnd::P, blocks));
         digests.unwrap_or_else(|e| {
             tracing::warn!(transfer_id = %self.args.transfer_id, error = %e, "cannot digest P's share: D will not check it");

@@ -22,10 +22,10 @@ use pdflow_transfer::TransferStats;
 use tokio::task::JoinHandle;
 use tracing::{Instrument, Span};
 
-use super::{Phase, SendWorker};
+use super::{Phase, SendWorker, WriteError};
 
 /// A layer write in flight: its task, which returns what it moved.
-type LayerWrite = JoinHandle<Result<TransferStats, String>>;
+type LayerWrite = JoinHandle<Result<TransferStats, WriteError>>;
 
 /// Where the layer-wise stream of one transfer stands.
 pub(super) struct Stream {
@@ -129,10 +129,10 @@ impl SendWorker {
     }
 
     /// Waits for the layer write in flight, if any, and records what it wrote; `Err` when it failed.
-    async fn finish_in_flight(&mut self) -> Result<(), String> {
+    async fn finish_in_flight(&mut self) -> Result<(), WriteError> {
         let Some(stream) = self.stream.as_mut() else { return Ok(()) };
         let Some((task, covered)) = stream.in_flight.take() else { return Ok(()) };
-        let result = task.await.map_err(|e| format!("the layer write task ended abnormally: {e}")).and_then(|r| r);
+        let result = task.await.map_err(|source| WriteError::LayerTaskEnded { source }).and_then(|r| r);
         match result {
             Ok(stats) => {
                 for (w, c) in stream.written.iter_mut().zip(covered) {
@@ -209,7 +209,7 @@ impl SendWorker {
         let (peer, me) = (pull.data_addr.clone(), me.clone());
         let task = tokio::spawn(
             async move {
-                let result = transfer.write(&peer, &plan).await.map_err(|e| e.to_string());
+                let result = transfer.write(&peer, &plan).await.map_err(WriteError::from);
                 if me.tell(LayerWriteDone).await.is_err() {
                     tracing::debug!("send worker stopped before its layer write finished");
                 }
@@ -227,7 +227,7 @@ impl SendWorker {
 
     /// A layer write failed while P prefills: D's pull is answered with the error now, and P's
     /// blocks are freed at ready (D gave the transfer up).
-    async fn stop_stream(&mut self, error: String) {
+    async fn stop_stream(&mut self, error: WriteError) {
         if let Some(stream) = self.stream.as_mut() {
             stream.stopped = true;
             if let Some(span) = stream.span.take() {
@@ -235,12 +235,13 @@ impl SendWorker {
             }
         }
         tracing::warn!(transfer_id = %self.args.transfer_id, error = %error, "layer-wise write into D's memory failed");
+        let detail = error.to_string();
         while let Some(waiting) = self.pulls.pop_front() {
             if let Some(d) = waiting.deadline {
                 d.abort();
             }
             Outcome::Failed(PullErrorCause::TransferFailed.label()).record(&waiting.span);
-            let err = Self::err(&waiting.pull.d_req_id, PullErrorCause::TransferFailed, error.clone());
+            let err = Self::err(&waiting.pull.d_req_id, PullErrorCause::TransferFailed, detail.clone());
             self.reply_err(&waiting.pull, err, false, false).await;
         }
         self.consumer_gone = true;

@@ -13,7 +13,7 @@ use pdflow_observability::{attrs, step_span, steps};
 use pdflow_transfer::{TransferEngine, TransferStats};
 use tracing::{Instrument, Span};
 
-use super::{Phase, SendWorker, WaitingPull, WriteAnswer, WriteDone, Writing};
+use super::{Phase, PullPlanError, SendWorker, WaitingPull, WriteAnswer, WriteDone, WriteError, Writing};
 use pdflow_observability::Outcome;
 
 impl SendWorker {
@@ -124,7 +124,7 @@ impl SendWorker {
         let plan = plan_span.in_scope(|| match ranked {
             true => self.rank_plan(pull, &src_blocks),
             false => build_plan(&regions, &src_blocks, &pull.layout.regions, &pull.block_ids, true)
-                .map_err(|e| e.to_string()),
+                .map_err(PullPlanError::from),
         });
         let plan = match plan {
             // D's fence for these blocks: its data server writes them only while D expects them.
@@ -208,7 +208,7 @@ impl SendWorker {
                 // An empty pull (across ranks: a replica nobody reads) moves nothing.
                 let result = match plan.descriptors.is_empty() {
                     true => Ok(TransferStats::default()),
-                    false => transfer.write(&peer, &plan).await.map_err(|e| e.to_string()),
+                    false => transfer.write(&peer, &plan).await.map_err(WriteError::from),
                 };
                 // Which path moved the bytes (tcp, same-host…), for the trace.
                 tracing::Span::current().record(attrs::BACKEND, transfer.backend_for(&peer));
@@ -259,7 +259,7 @@ impl Message<WriteDone> for SendWorker {
                 Outcome::Failed(PullErrorCause::TransferFailed.label()).record(&span);
                 drop(span);
                 tracing::warn!(transfer_id = %self.args.transfer_id, d_req_id = %pull.d_req_id, error = %e, "write into D's memory failed");
-                Err(Self::err(&pull.d_req_id, PullErrorCause::TransferFailed, e))
+                Err(Self::err(&pull.d_req_id, PullErrorCause::TransferFailed, e.to_string()))
             }
         };
         // Across ranks, D ranks still to serve keep P's blocks: this pull alone is answered.

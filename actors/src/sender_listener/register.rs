@@ -14,6 +14,7 @@ use pdflow_auth::ClusterSecret;
 use pdflow_messages::bootstrap::RegisterWorker;
 
 use crate::bootstrap_call;
+use crate::error::RegisterAttemptError;
 use crate::ActorError;
 
 /// The deadline of one `POST /register` attempt.
@@ -35,37 +36,39 @@ pub(super) async fn register_with_bootstrap(
     let client = reqwest::Client::builder()
         .timeout(ATTEMPT_TIMEOUT)
         .build()
-        .map_err(|e| ActorError::Other(format!("cannot build the HTTP client for bootstrap: {e}")))?;
+        .map_err(|source| ActorError::HttpClient { what: "the HTTP client for bootstrap", source })?;
     let endpoint = format!("{}/register", bootstrap_url.trim_end_matches('/'));
     let json = body_bytes(body)?;
     let mut delay = backoff;
-    let mut last_reason = String::new();
-    for attempt in 1..=attempts {
-        match bootstrap_call::send(&client, secret, Call::Register, &endpoint, Some(json.clone())).await {
+    let mut attempt = 1;
+    loop {
+        let failed = match bootstrap_call::send(&client, secret, Call::Register, &endpoint, Some(json.clone())).await {
             Ok(answer) if answer.status.is_success() => return Ok(()),
             Ok(answer)
                 if answer.status == reqwest::StatusCode::BAD_REQUEST
                     || answer.status == reqwest::StatusCode::UNAUTHORIZED =>
             {
-                return Err(ActorError::Other(format!(
-                    "bootstrap at {bootstrap_url} refused the registration of engine {} (dp {} tp {} pp {}): {}",
-                    body.engine_id,
-                    body.dp_rank,
-                    body.tp_rank,
-                    body.pp_rank,
-                    answer.text()
-                )));
+                return Err(ActorError::RegistrationRefused {
+                    url: bootstrap_url.to_string(),
+                    engine_id: body.engine_id.clone(),
+                    dp_rank: body.dp_rank,
+                    tp_rank: body.tp_rank,
+                    pp_rank: body.pp_rank,
+                    status: answer.status,
+                    answer: answer.text(),
+                });
             }
-            Ok(answer) => last_reason = format!("HTTP {}", answer.status),
-            Err(reason) => last_reason = reason,
+            Ok(answer) => RegisterAttemptError::Status(answer.status),
+            Err(e) => RegisterAttemptError::Call(e),
+        };
+        tracing::warn!(url = %endpoint, attempt, attempts, reason = %failed, "bootstrap registration failed; retrying");
+        if attempt >= attempts {
+            return Err(ActorError::BootstrapUnreachable { url: bootstrap_url.to_string(), attempts, last: failed });
         }
-        tracing::warn!(url = %endpoint, attempt, attempts, reason = %last_reason, "bootstrap registration failed; retrying");
-        if attempt < attempts {
-            tokio::time::sleep(delay).await;
-            delay = (delay * 2).min(MAX_BACKOFF);
-        }
+        tokio::time::sleep(delay).await;
+        delay = (delay * 2).min(MAX_BACKOFF);
+        attempt += 1;
     }
-    Err(ActorError::BootstrapUnreachable { url: bootstrap_url.to_string(), attempts, reason: last_reason })
 }
 
 /// Repeats `body`'s registration every [`REREGISTER_INTERVAL`] until `cancel`; a failure is
@@ -98,5 +101,5 @@ pub(super) async fn keep_registered(
 
 /// The registration's JSON.
 fn body_bytes(body: &RegisterWorker) -> Result<Vec<u8>, ActorError> {
-    serde_json::to_vec(body).map_err(|e| ActorError::Other(format!("cannot encode the registration: {e}")))
+    serde_json::to_vec(body).map_err(ActorError::EncodeRegistration)
 }

@@ -13,6 +13,7 @@ use tokio_util::sync::CancellationToken;
 use zeromq::{Endpoint, RouterRecvHalf, RouterSendHalf, RouterSocket, Socket, SocketRecv, SocketSend, ZmqMessage};
 
 use super::SenderListener;
+use crate::error::SideChannelError;
 use crate::side_channel_auth::{tls_refused, ListenerAuth};
 use crate::ActorError;
 
@@ -27,7 +28,7 @@ pub(super) struct SideChannelFrame {
 /// The reader lost the socket: the listener cannot serve any more.
 pub(super) struct SocketClosed {
     pub socket_id: u64,
-    pub reason: String,
+    pub error: zeromq::ZmqError,
 }
 
 /// A reply to send: the peer's identity, the encoded frame and its seal (with a cluster secret).
@@ -71,22 +72,14 @@ pub(super) async fn start(
                 tokio::time::sleep(std::time::Duration::from_millis(20)).await;
             }
             Err(e) => {
-                return Err(ActorError::SideChannel {
-                    addr: bind_addr.clone(),
-                    reason: format!(
-                        "cannot bind the ROUTER socket: {e} (is the host address local and the port free?)"
-                    ),
-                })
+                return Err(ActorError::SideChannel { addr: bind_addr.clone(), error: SideChannelError::Bind(e) })
             }
         }
     };
     let port = match endpoint {
         Endpoint::Tcp(_, port) => port,
         other => {
-            return Err(ActorError::SideChannel {
-                addr: bind_addr,
-                reason: format!("bound to a non-tcp endpoint {other}"),
-            });
+            return Err(ActorError::SideChannel { addr: bind_addr, error: SideChannelError::NotTcp(other) });
         }
     };
     let addr = format!("tcp://{bind_host}:{port}");
@@ -150,7 +143,7 @@ async fn read_loop(
                 }
             }
             Err(e) => {
-                let _ = actor.tell(SocketClosed { socket_id, reason: e.to_string() }).await;
+                let _ = actor.tell(SocketClosed { socket_id, error: e }).await;
                 return;
             }
         }

@@ -19,6 +19,8 @@ use zeromq::{DealerSocket, Socket, SocketRecv, SocketSend, ZmqMessage};
 
 use super::{SenderListener, SenderListenerArgs};
 use crate::send_worker::test_support::{filled_cache, MemcpyTransfer, SHAPE};
+use crate::ActorError;
+use kameo::error::HookError;
 
 pub(super) const WAIT: Duration = Duration::from_secs(5);
 
@@ -58,9 +60,40 @@ fn args(
     }
 }
 
-/// The listener's start-up result (ActorError is not Clone, so through the borrowing variant).
-async fn startup(listener: &ActorRef<SenderListener>) -> Result<(), String> {
-    listener.wait_for_startup_with_result(|r| r.map_err(|e| format!("{e:?}"))).await
+/// Waits for the listener's start-up; a failure fails the test with the error (ActorError is not
+/// Clone: it is only lent to the closure).
+async fn started(listener: &ActorRef<SenderListener>, what: &str) {
+    listener
+        .wait_for_startup_with_result(|r| {
+            if let Err(e) = r {
+                panic!("{what}: the listener did not start: {e:?}");
+            }
+        })
+        .await
+}
+
+/// How a listener's start-up failed on bootstrap, as the tests look at it.
+#[derive(Debug)]
+enum BootstrapFailure {
+    /// Bootstrap refused the registration with `status`; `answer` is its body.
+    Refused { status: reqwest::StatusCode, answer: String },
+    /// Bootstrap was not reached in `attempts` attempts.
+    Unreachable { attempts: u32 },
+}
+
+/// Waits for the listener's start-up to fail on bootstrap; any other end fails the test.
+async fn failed_on_bootstrap(listener: &ActorRef<SenderListener>) -> BootstrapFailure {
+    listener
+        .wait_for_startup_with_result(|r| match r {
+            Err(HookError::Error(ActorError::RegistrationRefused { status, answer, .. })) => {
+                BootstrapFailure::Refused { status: *status, answer: answer.clone() }
+            }
+            Err(HookError::Error(ActorError::BootstrapUnreachable { attempts, .. })) => {
+                BootstrapFailure::Unreachable { attempts: *attempts }
+            }
+            other => panic!("expected a bootstrap failure, got {other:?}"),
+        })
+        .await
 }
 
 async fn harness(ready_timeout: Duration) -> Harness {
@@ -85,7 +118,7 @@ pub(super) async fn harness_with_options(
     let args = SenderListenerArgs { auth, ..args(&p, &d, ready_timeout, None) };
     let events = args.events.clone();
     let listener = SenderListener::spawn(args);
-    startup(&listener).await.expect("listener starts");
+    started(&listener, "listener starts").await;
     let addr = listener.ask(SideChannelAddr).await.expect("address");
     assert!(addr.starts_with("tcp://127.0.0.1:"), "{addr}");
     let mut dealer = DealerSocket::with_options(dealer_options);
@@ -385,7 +418,7 @@ async fn registers_its_side_channel_address_with_bootstrap() {
     let p = filled_cache(4, 1);
     let d = KvCache::new(SHAPE, 4);
     let listener = SenderListener::spawn(args(&p, &d, Duration::from_secs(1), Some(url)));
-    startup(&listener).await.expect("registers and starts");
+    started(&listener, "registers and starts").await;
     let body = tokio::time::timeout(WAIT, registrations.recv()).await.expect("in time").expect("one registration");
     assert_eq!(body.engine_id, "engine-p");
     assert_eq!(body.addr, listener.ask(SideChannelAddr).await.expect("alive"));
@@ -397,7 +430,7 @@ async fn repeats_its_registration_so_a_restarted_bootstrap_learns_it_again() {
     let p = filled_cache(4, 1);
     let d = KvCache::new(SHAPE, 4);
     let listener = SenderListener::spawn(args(&p, &d, Duration::from_secs(1), Some(url)));
-    startup(&listener).await.expect("registers and starts");
+    started(&listener, "registers and starts").await;
     let first = tokio::time::timeout(WAIT, registrations.recv()).await.expect("in time").expect("registered");
     // The bootstrap lost its table (restarted): the same registration comes again, unasked.
     let again = tokio::time::timeout(super::register::REREGISTER_INTERVAL * 3, registrations.recv())
@@ -425,9 +458,11 @@ async fn bootstrap_conflict_fails_start_without_retrying() {
     a.register_backoff = Duration::from_secs(10);
     let start = Instant::now();
     let listener = SenderListener::spawn(a);
-    let err = startup(&listener).await.expect_err("refused");
+    let err = failed_on_bootstrap(&listener).await;
     assert!(start.elapsed() < Duration::from_secs(5), "retried a 400");
-    assert!(err.contains("already registered"), "{err}");
+    let BootstrapFailure::Refused { status, answer } = err else { panic!("refused by bootstrap: {err:?}") };
+    assert_eq!(status, reqwest::StatusCode::BAD_REQUEST);
+    assert!(answer.contains("already registered"), "{answer}");
 }
 
 #[tokio::test]
@@ -438,8 +473,8 @@ async fn unreachable_bootstrap_fails_start_after_its_attempts() {
     let p = filled_cache(4, 1);
     let d = KvCache::new(SHAPE, 4);
     let listener = SenderListener::spawn(args(&p, &d, Duration::from_secs(1), Some(url)));
-    let err = startup(&listener).await.expect_err("unreachable");
-    assert!(err.contains("BootstrapUnreachable"), "{err}");
+    let err = failed_on_bootstrap(&listener).await;
+    assert!(matches!(err, BootstrapFailure::Unreachable { attempts: 2 }), "{err:?}");
 }
 
 /// `pull` addressed to generation `p_generation`.
@@ -492,7 +527,7 @@ async fn every_incarnation_registers_a_larger_generation() {
     let mut generations = Vec::new();
     for _ in 0..2 {
         let listener = SenderListener::spawn(args(&p, &d, Duration::from_secs(1), Some(url.clone())));
-        startup(&listener).await.expect("registers and starts");
+        started(&listener, "registers and starts").await;
         let body = tokio::time::timeout(WAIT, registrations.recv()).await.expect("in time").expect("registered");
         generations.push(body.generation);
         listener.stop_gracefully().await.expect("stops");
@@ -509,7 +544,7 @@ async fn after_a_restart_a_pull_addressed_to_the_old_incarnation_waits_unless_it
     let args = args(&p, &d, Duration::from_secs(30), None);
     let events = args.events.clone();
     let old = SenderListener::spawn(args.clone());
-    startup(&old).await.expect("listener starts");
+    started(&old, "listener starts").await;
     let addr = old.ask(SideChannelAddr).await.expect("address");
     let mut dealer = DealerSocket::new();
     tokio::time::timeout(WAIT, dealer.connect(&addr)).await.expect("connects in time").expect("connects");
@@ -524,7 +559,7 @@ async fn after_a_restart_a_pull_addressed_to_the_old_incarnation_waits_unless_it
     h.listener.kill();
     h.listener.wait_for_shutdown().await;
     let new = SenderListener::spawn(args);
-    startup(&new).await.expect("restarted");
+    started(&new, "restarted").await;
     assert_eq!(new.ask(SideChannelAddr).await.expect("address"), addr, "the same side-channel address");
     h.listener = new;
     // D's next pull comes over a new connection (as D's pull tasks connect per pull).

@@ -7,9 +7,24 @@ use std::time::Duration;
 use axum::body::Bytes;
 use futures::stream::{BoxStream, StreamExt};
 
-use super::upstream::{report_prefill_failure, wait_prefill, PrefillHandle};
+use super::upstream::{report_prefill_failure, wait_prefill, PrefillHandle, UpstreamError};
 use super::FlowContext;
 use pdflow_observability::Outcome;
+
+/// Why D's answer could not be relayed to its end: the body is cut short (an SSE error event, an
+/// aborted body, or a 502 for a whole answer).
+#[derive(Debug, thiserror::Error)]
+pub(super) enum RelayError {
+    /// P's request failed meanwhile: D's answer is no good without P's KV.
+    #[error(transparent)]
+    Prefill(UpstreamError),
+    /// D's body broke off.
+    #[error("decode {url} broke off: {source}")]
+    DecodeBrokeOff { url: String, source: reqwest::Error },
+    /// D sent nothing within the upstream timeout.
+    #[error("decode {url} sent nothing for {after:?}")]
+    DecodeStalled { url: String, after: Duration },
+}
 
 /// D's body on its way to the client, watching P's task meanwhile (step 43).
 pub(super) struct Relay {
@@ -25,7 +40,7 @@ pub(super) struct Relay {
 }
 
 impl Relay {
-    pub(super) fn into_stream(self) -> BoxStream<'static, Result<Bytes, std::io::Error>> {
+    pub(super) fn into_stream(self) -> BoxStream<'static, Result<Bytes, RelayError>> {
         futures::stream::unfold(self, |mut relay| async move {
             let item = relay.next_chunk().await?;
             Some((item, relay))
@@ -35,16 +50,16 @@ impl Relay {
 
     /// The whole body, while watching P's task as [`Relay::next_chunk`] does; `Err` says why it
     /// could not be read to its end.
-    pub(super) async fn collect(mut self) -> Result<Bytes, String> {
+    pub(super) async fn collect(mut self) -> Result<Bytes, RelayError> {
         let mut body = Vec::new();
         while let Some(chunk) = self.next_chunk().await {
-            body.extend_from_slice(&chunk.map_err(|e| e.to_string())?);
+            body.extend_from_slice(&chunk?);
         }
         Ok(Bytes::from(body))
     }
 
     /// The next chunk for the client; `None` ends the body.
-    async fn next_chunk(&mut self) -> Option<Result<Bytes, std::io::Error>> {
+    async fn next_chunk(&mut self) -> Option<Result<Bytes, RelayError>> {
         if self.done {
             return None;
         }
@@ -54,7 +69,7 @@ impl Relay {
                     self.p_task = None;
                     if let Err(e) = p {
                         report_prefill_failure(&self.ctx, self.prefill_index, &e);
-                        return Some(self.fail(e.to_string()));
+                        return Some(self.fail(RelayError::Prefill(e)));
                     }
                 }
                 chunk = tokio::time::timeout(self.chunk_timeout, self.d_body.next()) => {
@@ -69,10 +84,13 @@ impl Relay {
                             }
                             None
                         }
-                        Ok(Some(Err(e))) => Some(self.fail(format!("decode {} broke off: {e}", self.d_url))),
-                        Err(_) => Some(self.fail(format!(
-                            "decode {} sent nothing for {:?}", self.d_url, self.chunk_timeout
-                        ))),
+                        Ok(Some(Err(source))) => {
+                            Some(self.fail(RelayError::DecodeBrokeOff { url: self.d_url.clone(), source }))
+                        }
+                        Err(_) => Some(self.fail(RelayError::DecodeStalled {
+                            url: self.d_url.clone(),
+                            after: self.chunk_timeout,
+                        })),
                     };
                 }
             }
@@ -80,15 +98,16 @@ impl Relay {
     }
 
     /// Ends the body after an upstream failure: an SSE error event, or an aborted body.
-    fn fail(&mut self, message: String) -> Result<Bytes, std::io::Error> {
+    fn fail(&mut self, error: RelayError) -> Result<Bytes, RelayError> {
         self.done = true;
         Outcome::ERROR.record(&self.span);
-        tracing::warn!(%message, "response to the client cut short");
+        tracing::warn!(message = %error, "response to the client cut short");
         if self.sse {
+            let message = error.to_string();
             let event = serde_json::json!({"error": {"message": message, "type": "upstream_error", "code": 502}});
             Ok(Bytes::from(format!("data: {event}\n\n")))
         } else {
-            Err(std::io::Error::other(message))
+            Err(error)
         }
     }
 }
