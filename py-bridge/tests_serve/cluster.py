@@ -181,6 +181,7 @@ class VllmServer(Process):
     ):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.model = model
         self.block_size = block_size
         argv = [
             str(vllm_bin()), "serve", str(model),
@@ -307,20 +308,74 @@ def sharded_server(
     size: int,
     eager: bool = True,
     extra: Optional[dict] = None,
+    args: Optional[list[str]] = None,
 ) -> VllmServer:
-    """A P (`kv_producer`) or D (`kv_consumer`) `vllm serve` with pdflow's connector at `size`
-    ranks of one kind (`parallel_flag`: `--tensor-parallel-size`, `--pipeline-parallel-size`),
-    `verify_checksums` on, D failing a load it cannot make. Every rank shares the server's core:
-    with a rank on the other server's core, the prefill was not served within D's deadline
-    (docs/vllm-cpu.md). `extra` adds to the connector's extra config (P's `bootstrap_port`)."""
-    deadline = {"abort_request_timeout_s": SHARDED_P_READY_S} if role == "kv_producer" else {"pull_timeout_s": SHARDED_D_PULL_S}
-    cfg = connector_config(role, policy="fail" if role == "kv_consumer" else None,
+    """A P (`kv_producer`), D (`kv_consumer`) or both (`kv_both`) `vllm serve` with pdflow's
+    connector at `size` ranks of one kind (`parallel_flag`: `--tensor-parallel-size`,
+    `--pipeline-parallel-size`), `verify_checksums` on, D failing a load it cannot make. Every rank
+    shares the server's core: with a rank on the other server's core, the prefill was not served
+    within D's deadline (docs/vllm-cpu.md). `extra` adds to the connector's extra config (P's
+    `bootstrap_port`); `args` adds to `vllm serve`'s arguments."""
+    deadline: dict[str, Any] = {}
+    if role in ("kv_producer", "kv_both"):
+        deadline["abort_request_timeout_s"] = SHARDED_P_READY_S
+    if role in ("kv_consumer", "kv_both"):
+        deadline["pull_timeout_s"] = SHARDED_D_PULL_S
+    cfg = connector_config(role, policy=None if role == "kv_producer" else "fail",
                            extra={"verify_checksums": True, **deadline, **(extra or {})}, engine_id=name)  # fmt: skip
     sharded = size > 1
     env = {"VLLM_CPU_OMP_THREADS_BIND": "|".join([str(core)] * size)} if sharded else None
-    flags = [parallel_flag, str(size), "--distributed-executor-backend", "mp"] if sharded else None
+    flags = [parallel_flag, str(size), "--distributed-executor-backend", "mp"] if sharded else []
+    flags += args or []
     return VllmServer(name, model, log_dir, core=core, block_size=block_size, kv_transfer_config=cfg,
                       env=env, extra_args=flags, eager=eager)  # fmt: skip
+
+
+class BothWays:
+    """Two `kv_both` servers of one model at different sizes (`big` on core 0, `small` on core
+    1), each with its own bootstrap, started once for a module's tests: a test takes them as P → D
+    either way (`big` → `small` or `small` → `big`), behind a `pdflow proxy` of its own. One
+    start-up serves both directions, where a P and a D per direction took two."""
+
+    def __init__(self, tag: str, model: Path, log_dir: Path, *, block_size: int, parallel_flag: str, big: int,
+                 small: int = 1, eager: bool = True, args: Optional[list[str]] = None):  # fmt: skip
+        self.log_dir = log_dir
+        self.tag = tag
+        self.ports: dict[int, int] = {}
+        self.servers: dict[int, VllmServer] = {}
+        for size, core in ((big, 0), (small, 1)):
+            port = free_port()
+            self.ports[size] = port
+            self.servers[size] = sharded_server(f"{tag}{size}", model, log_dir, "kv_both", core=core,
+                                                block_size=block_size, parallel_flag=parallel_flag, size=size,
+                                                eager=eager, extra={"bootstrap_port": port}, args=args)  # fmt: skip
+
+    def start(self) -> "BothWays":
+        """Waits for both servers and warms each up; stops both if either fails."""
+        try:
+            start_all(list(self.servers.values()))
+            warm_up(*self.servers.values())
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        for s in self.servers.values():
+            s.stop()
+
+    @contextmanager
+    def p_to_d(self, p_size: int, d_size: int) -> Iterator[tuple[VllmServer, VllmServer, PdflowProxy]]:
+        """P (the server of `p_size`) and D (of `d_size`) behind a new `pdflow proxy`; stopped on
+        the way out."""
+        assert p_size != d_size, "one server is not both P and D of a request here"
+        p, d = self.servers[p_size], self.servers[d_size]
+        proxy = PdflowProxy(f"proxy-{self.tag}{p_size}{d_size}", [(p.url, self.ports[p_size])], [d.url], self.log_dir)
+        try:
+            proxy.wait_ready(time.monotonic() + 60)
+            yield p, d, proxy
+        finally:
+            proxy.stop()
 
 
 def greedy_body(prompt: list[int], max_tokens: int, **extra: Any) -> dict:
@@ -339,9 +394,12 @@ def warm_up(*servers: "VllmServer") -> None:
 
 
 @contextmanager
-def p_and_d_behind_proxy(p: VllmServer, d: VllmServer, bootstrap_port: int, log_dir: Path, name: str) -> Iterator[PdflowProxy]:
+def p_and_d_behind_proxy(
+    p: VllmServer, d: VllmServer, bootstrap_port: int, log_dir: Path, name: str, *, stop_p: bool = True
+) -> Iterator[PdflowProxy]:
     """Waits for P and D, warms each up, starts `pdflow proxy` in front of them and yields it once
-    ready; stops all three on the way out, whatever happened."""
+    ready; stops all three on the way out, whatever happened (P not with `stop_p=False`: a server
+    its fixture owns)."""
     proxy = None
     try:
         start_all([p, d])
@@ -352,7 +410,7 @@ def p_and_d_behind_proxy(p: VllmServer, d: VllmServer, bootstrap_port: int, log_
     finally:
         if proxy:
             proxy.stop()
-        for s in (d, p):
+        for s in (d, p) if stop_p else (d,):
             s.stop()
 
 

@@ -4,7 +4,8 @@ DeepSeek-V2-shaped model whose every layer caches one latent of 576 values per t
 as one "head"; at tensor-parallel size 2 each rank holds the whole latent, so one P rank sends it
 to each D rank. P → D through `pdflow proxy` at TP 2 → 1 and 1 → 2 (each side at TP 1 once), with
 `verify_checksums` (D checks every block it loads against P's digests): D loads the prompt from P
-and continues as a server alone does.
+and continues as a server alone does. A TP 2 and a TP 1 server (`kv_both`) serve both directions:
+one start-up for both.
 
 "As a server alone" is checked to the float rounding of vLLM's MLA. A server alone attends over
 the whole prompt in one prefill (the latent up-projected, SDPA); a D that loaded the prompt computes
@@ -24,12 +25,15 @@ import pytest
 
 import cluster
 import make_model
-from cluster import VllmServer, explain, free_port, post, prompt_of
+from cluster import explain, post, prompt_of
 
 #: vLLM's CPU MLA kernel runs block size 16 only (the platform forces it for MLA models).
 BLOCK = 16
 MAX_TOKENS = 12
 TIE_MARGIN = 1.0
+#: vLLM's CPU build prefers its AMX MLA backend on CPUs with AMX, which takes bf16 weights only
+#: ("expect weight to be bfloat16, …" at start-up); the portable CPU_MLA runs the float32 model.
+CPU_MLA = ["--attention-backend", "CPU_MLA"]
 #: Tokens compared over the test's prompts, at least: the check is not all ties.
 MIN_COMPARED = 12
 
@@ -41,17 +45,18 @@ def mla_model():
     return out
 
 
-def _server(name, model_dir, log_dir, role: str, tp: int, core: int, **extra) -> VllmServer:
-    return cluster.sharded_server(name, model_dir, log_dir, role, core=core, block_size=BLOCK,
-                                  parallel_flag="--tensor-parallel-size", size=tp, extra=extra)  # fmt: skip
+@pytest.fixture(scope="module")
+def mla_servers(mla_model, pdflow_bin, log_dir):
+    """A TP 2 and a TP 1 server (`kv_both`): one start-up for 2 → 1 and 1 → 2."""
+    ways = cluster.BothWays("mla-tp", mla_model, log_dir, block_size=BLOCK, parallel_flag="--tensor-parallel-size", big=2,
+                            args=CPU_MLA)  # fmt: skip
+    yield ways.start()
+    ways.stop()
 
 
 @pytest.mark.parametrize("p_tp,d_tp", [(2, 1), (1, 2)])
-def test_mla_between_p_and_d_continues_as_one_server(mla_model, pdflow_bin, log_dir, p_tp, d_tp):
-    port = free_port()
-    p = _server(f"p-mla-tp{p_tp}", mla_model, log_dir, "kv_producer", p_tp, 0, bootstrap_port=port)
-    d = _server(f"d-mla-tp{d_tp}", mla_model, log_dir, "kv_consumer", d_tp, 1)
-    with cluster.p_and_d_behind_proxy(p, d, port, log_dir, f"proxy-mla-{p_tp}{d_tp}") as proxy:
+def test_mla_between_p_and_d_continues_as_one_server(mla_servers, p_tp, d_tp):
+    with mla_servers.p_to_d(p_tp, d_tp) as (p, d, proxy):
         assert "CPU_MLA" in d.log_text(), "D runs vLLM's MLA attention backend"
         # D alone (a request without kv_transfer_params runs where it is sent): its TP rounds as
         # D's decode does; a TP 2 server and a TP 1 one alone part at margins of ~0.5 here.

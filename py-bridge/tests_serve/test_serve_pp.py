@@ -7,7 +7,7 @@ The outputs equal a server's alone, and D loads the prompt from P.
 vLLM's CPU build runs PP only with the model compiled (`eager=False`): under `--enforce-eager` it
 skips the warm-up run that allocates a later stage's activation buffer, and that stage fails its
 first step (docs/vllm-cpu.md). Every server here is compiled alike, so greedy tokens compare
-exactly."""
+exactly. A PP 2 and a PP 1 server (`kv_both`) serve both directions: one start-up for both."""
 
 from __future__ import annotations
 
@@ -16,23 +16,24 @@ import time
 import pytest
 
 import cluster
-from cluster import VllmServer, completion_tokens, explain, free_port, post, prompt_of
+from cluster import completion_tokens, explain, post, prompt_of
 
 BLOCK = 32
 MAX_TOKENS = 12
 
 
-def _server(name, model_dir, log_dir, role: str, pp: int, core: int, **extra) -> VllmServer:
-    return cluster.sharded_server(name, model_dir, log_dir, role, core=core, block_size=BLOCK,
-                                  parallel_flag="--pipeline-parallel-size", size=pp, eager=False, extra=extra)  # fmt: skip
+@pytest.fixture(scope="module")
+def pp_servers(model_dir, pdflow_bin, log_dir):
+    """A PP 2 and a PP 1 server (`kv_both`): one start-up for 2 → 1 and 1 → 2."""
+    ways = cluster.BothWays("pp", model_dir, log_dir, block_size=BLOCK, parallel_flag="--pipeline-parallel-size",
+                            big=2, eager=False)  # fmt: skip
+    yield ways.start()
+    ways.stop()
 
 
 @pytest.mark.parametrize("p_pp,d_pp", [(2, 1), (1, 2)])
-def test_pp_between_p_and_d_outputs_equal_one_server(model_dir, pdflow_bin, log_dir, p_pp, d_pp):
-    port = free_port()
-    p = _server(f"p-pp{p_pp}", model_dir, log_dir, "kv_producer", p_pp, 0, bootstrap_port=port)
-    d = _server(f"d-pp{d_pp}", model_dir, log_dir, "kv_consumer", d_pp, 1)
-    with cluster.p_and_d_behind_proxy(p, d, port, log_dir, f"proxy-pp{p_pp}{d_pp}") as proxy:
+def test_pp_between_p_and_d_outputs_equal_one_server(pp_servers, p_pp, d_pp):
+    with pp_servers.p_to_d(p_pp, d_pp) as (p, d, proxy):
         src = "vllm:prompt_tokens_by_source_total"
         before = d.metric(src, source="external_kv_transfer")
         for length in (40, 3 * BLOCK + 5):
@@ -44,5 +45,5 @@ def test_pp_between_p_and_d_outputs_equal_one_server(model_dir, pdflow_bin, log_
             assert status == 200, f"{length} tokens: HTTP {status} after {took:.1f} s: {out}\n{explain(p, d, proxy)}"
             assert out["choices"][0]["token_ids"] == reference, length
         assert d.metric(src, source="external_kv_transfer") > before, "D loaded the prompts from P"
-        stages = p if p_pp == 2 else d
+        stages = pp_servers.servers[2]
         assert stages.log_text().count("pdflow connector registered 2 KV regions") == 2, "each stage registered its 2 layers"
