@@ -57,7 +57,7 @@ fn init_tracing(
 async fn run_chaos(_args: crate::cli::ChaosArgs) -> anyhow::Result<bool> {
     anyhow::bail!(
         "pdflow chaos injects faults, and this pdflow was built without them: build it with \
-         `cargo build --release --features fault-injection`"
+         `cargo build --release --features pdflow/fault-injection`"
     )
 }
 

@@ -223,7 +223,7 @@ pub async fn run(opts: Options, capture: SpanCapture) -> anyhow::Result<()> {
         #[cfg(not(feature = "fault-injection"))]
         anyhow::bail!(
             "--link-gbps {gbps}: the shaped link runs on the chaos tools' network cluster, which this pdflow \
-             was built without (build it with `--features fault-injection`)"
+             was built without (build it with `--features pdflow/fault-injection`)"
         );
     }
     let max_conc = opts.concurrency.iter().copied().max().unwrap_or(1);
