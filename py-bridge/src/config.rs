@@ -5,14 +5,62 @@
 
 use std::time::Duration;
 
-use pdflow_auth::ClusterSecret;
+use pdflow_auth::{ClusterSecret, SecretError};
 use pdflow_node::config::{Deadlines, VllmEnv};
+use pdflow_node::registration::PlacementError;
+use pdflow_observability::export::ExportError;
 use pdflow_transfer::same_host::SameHostMode;
-use pdflow_transfer::tcp::TcpConfig;
+use pdflow_transfer::tcp::{TcpConfig, TlsSetupError};
 use pdflow_transfer::GpuPath;
 use serde::Deserialize;
 
-use crate::error::BridgeError;
+/// The keys `kv_connector_extra_config` takes.
+pub const KNOWN_KEYS: &str = "host, bootstrap_port, bootstrap_url, transport, tcp_streams, auth_token, cluster_secret_file, tls, abort_request_timeout_s, pull_timeout_s, bootstrap_timeout_s, write_timeout_s, verify_checksums, layerwise, gpu_path";
+
+/// A setting of this connector that cannot be used: which one, what it was, what is allowed.
+/// Python sees each as `pdflow.ConfigError`.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// `kv_connector_extra_config` is not JSON, has an unknown key, or a value of the wrong type
+    /// (`key`: the key of a bad value, as `["key"]`; none for an unknown key or bad JSON, which
+    /// `source` names).
+    #[error("kv_connector_extra_config{}: {source}; known keys: {KNOWN_KEYS}", .key.as_deref().unwrap_or(""))]
+    ExtraConfig { key: Option<String>, source: serde_json::Error },
+    /// A key's value outside what it allows (`value` as written).
+    #[error("kv_connector_extra_config[{key:?}] = {value}: expected {expected}")]
+    Invalid { key: &'static str, value: String, expected: &'static str },
+    /// The address sockets bind to, from the extra config or `VLLM_HOST_IP`.
+    #[error("host {host:?} (kv_connector_extra_config[\"host\"] or VLLM_HOST_IP): expected an IP address")]
+    Host { host: String },
+    /// vLLM's `VLLM_MOONCAKE_*` variables (every bad one).
+    #[error("{}", .0.iter().map(|e| e.to_string()).collect::<Vec<_>>().join("; "))]
+    Environment(Vec<pdflow_node::config::ConfigError>),
+    /// The cluster secret's file (or `PDFLOW_CLUSTER_SECRET*`) cannot be used.
+    #[error("kv_connector_extra_config[\"cluster_secret_file\"]: {0}")]
+    ClusterSecret(#[source] SecretError),
+    /// `tls` asked for what cannot be set up (no cluster secret).
+    #[error("kv_connector_extra_config[\"tls\"]: {0}")]
+    Tls(#[source] TlsSetupError),
+    /// vLLM's `kv_role`.
+    #[error("kv_role {value:?}: expected \"kv_producer\" (P), \"kv_consumer\" (D) or \"kv_both\"")]
+    Role { value: String },
+    /// A worker's ranks as vLLM reports them: a rank outside its group, a stage's layers that are
+    /// not one range.
+    #[error(transparent)]
+    Placement(#[from] PlacementError),
+    /// OpenTelemetry's variables or `PDFLOW_TRACE_FILE` (every bad one).
+    #[error("trace export: {}", .0.iter().map(|e| e.to_string()).collect::<Vec<_>>().join("; "))]
+    TraceSettings(Vec<ExportError>),
+    /// The trace exporter they ask for could not start.
+    #[error("trace export: {0}")]
+    TraceExport(#[source] ExportError),
+    /// The trace file's writer thread could not start.
+    #[error("trace export: could not start the trace file's writer: {0}")]
+    TraceFileWriter(#[source] std::io::Error),
+    /// `PDFLOW_LOG` is not a log filter.
+    #[error("{var}={text:?} is not a log filter: {source}")]
+    LogFilter { var: &'static str, text: String, source: tracing_subscriber::filter::ParseError },
+}
 
 /// `kv_connector_extra_config`, as the user writes it. Every key is optional.
 #[derive(Debug, Clone, Default, PartialEq, Deserialize)]
@@ -67,13 +115,11 @@ pub struct BridgeConfig {
     pub layerwise: bool,
 }
 
-fn seconds(key: &str, value: Option<f64>) -> Result<Option<Duration>, BridgeError> {
+fn seconds(key: &'static str, value: Option<f64>) -> Result<Option<Duration>, ConfigError> {
     match value {
         None => Ok(None),
         Some(v) if v.is_finite() && v > 0.0 && v < 1e9 => Ok(Some(Duration::from_secs_f64(v))),
-        Some(v) => Err(BridgeError::Config(format!(
-            "kv_connector_extra_config[{key:?}] = {v}: expected a positive number of seconds"
-        ))),
+        Some(v) => Err(ConfigError::Invalid { key, value: v.to_string(), expected: "a positive number of seconds" }),
     }
 }
 
@@ -84,25 +130,20 @@ impl BridgeConfig {
     }
 
     /// From the extra config's JSON text and an environment lookup.
-    pub fn from_json(extra_json: &str, env: &dyn Fn(&str) -> Option<String>) -> Result<Self, BridgeError> {
+    pub fn from_json(extra_json: &str, env: &dyn Fn(&str) -> Option<String>) -> Result<Self, ConfigError> {
         let extra: ExtraConfig = if extra_json.trim().is_empty() {
             ExtraConfig::default()
         } else {
             serde_path_to_error::deserialize(&mut serde_json::Deserializer::from_str(extra_json)).map_err(|e| {
                 // The key of a bad value (none for an unknown key or bad JSON: serde names those).
                 let key = match e.path().to_string() {
-                    path if path == "." => String::new(),
-                    path => format!("[\"{path}\"]"),
+                    path if path == "." => None,
+                    path => Some(format!("[\"{path}\"]")),
                 };
-                BridgeError::Config(format!(
-                    "kv_connector_extra_config{key}: {}; known keys: host, bootstrap_port, bootstrap_url, transport, tcp_streams, auth_token, cluster_secret_file, tls, abort_request_timeout_s, pull_timeout_s, bootstrap_timeout_s, write_timeout_s, verify_checksums, layerwise, gpu_path",
-                    e.inner()
-                ))
+                ConfigError::ExtraConfig { key, source: e.into_inner() }
             })?
         };
-        let vllm_env = VllmEnv::from_lookup(env).map_err(|errors| {
-            BridgeError::Config(errors.iter().map(|e| e.to_string()).collect::<Vec<_>>().join("; "))
-        })?;
+        let vllm_env = VllmEnv::from_lookup(env).map_err(ConfigError::Environment)?;
         let abort = seconds("abort_request_timeout_s", extra.abort_request_timeout_s)?
             .unwrap_or(vllm_env.abort_request_timeout);
         let mut deadlines = Deadlines::from_abort_timeout(abort);
@@ -114,15 +155,19 @@ impl BridgeConfig {
         }
         let tcp = tcp_config(&extra, env)?;
         if extra.bootstrap_port == Some(0) {
-            return Err(BridgeError::Config(
-                "kv_connector_extra_config[\"bootstrap_port\"] = 0: expected a TCP port (1-65535)".into(),
-            ));
+            return Err(ConfigError::Invalid {
+                key: "bootstrap_port",
+                value: "0".into(),
+                expected: "a TCP port (1-65535)",
+            });
         }
         if let Some(url) = &extra.bootstrap_url {
             if !(url.starts_with("http://") || url.starts_with("https://")) {
-                return Err(BridgeError::Config(format!(
-                    "kv_connector_extra_config[\"bootstrap_url\"] = {url:?}: expected http://host:port"
-                )));
+                return Err(ConfigError::Invalid {
+                    key: "bootstrap_url",
+                    value: format!("{url:?}"),
+                    expected: "http://host:port",
+                });
             }
         }
         let host = extra
@@ -131,9 +176,7 @@ impl BridgeConfig {
             .or_else(|| env("VLLM_HOST_IP").filter(|h| !h.trim().is_empty()))
             .unwrap_or_else(|| "127.0.0.1".into());
         if host.parse::<std::net::IpAddr>().is_err() {
-            return Err(BridgeError::Config(format!(
-                "host {host:?} (kv_connector_extra_config[\"host\"] or VLLM_HOST_IP): expected an IP address"
-            )));
+            return Err(ConfigError::Host { host });
         }
         Ok(Self {
             host,
@@ -148,25 +191,20 @@ impl BridgeConfig {
 }
 
 /// The data plane's settings from `kv_connector_extra_config`.
-fn tcp_config(extra: &ExtraConfig, env: &dyn Fn(&str) -> Option<String>) -> Result<TcpConfig, BridgeError> {
+fn tcp_config(extra: &ExtraConfig, env: &dyn Fn(&str) -> Option<String>) -> Result<TcpConfig, ConfigError> {
     let secret = match &extra.cluster_secret_file {
         Some(path) => Some(ClusterSecret::from_file(path)),
         None => ClusterSecret::from_lookup(env).transpose(),
     };
-    let secret = secret
-        .transpose()
-        .map_err(|e| BridgeError::Config(format!("kv_connector_extra_config[\"cluster_secret_file\"]: {e}")))?;
+    let secret = secret.transpose().map_err(ConfigError::ClusterSecret)?;
     let mut tcp = TcpConfig { auth_token: extra.auth_token.clone(), secret, ..TcpConfig::default() };
-    tcp.set_tls(extra.tls.unwrap_or(false))
-        .map_err(|e| BridgeError::Config(format!("kv_connector_extra_config[\"tls\"]: {e}")))?;
+    tcp.set_tls(extra.tls.unwrap_or(false)).map_err(ConfigError::Tls)?;
     if let Some(d) = seconds("write_timeout_s", extra.write_timeout_s)? {
         tcp.write_timeout = d;
     }
     if let Some(n) = extra.tcp_streams {
         if n == 0 || n > 64 {
-            return Err(BridgeError::Config(format!(
-                "kv_connector_extra_config[\"tcp_streams\"] = {n}: expected 1..=64"
-            )));
+            return Err(ConfigError::Invalid { key: "tcp_streams", value: n.to_string(), expected: "1..=64" });
         }
         tcp.streams_per_peer = n;
     }
@@ -174,18 +212,22 @@ fn tcp_config(extra: &ExtraConfig, env: &dyn Fn(&str) -> Option<String>) -> Resu
         None | Some("auto") => SameHostMode::Auto,
         Some("tcp") => SameHostMode::Off,
         Some(other) => {
-            return Err(BridgeError::Config(format!(
-                "kv_connector_extra_config[\"transport\"] = {other:?}: expected \"auto\" or \"tcp\""
-            )))
+            return Err(ConfigError::Invalid {
+                key: "transport",
+                value: format!("{other:?}"),
+                expected: "\"auto\" or \"tcp\"",
+            })
         }
     };
     tcp.gpu_path = match extra.gpu_path.as_deref() {
         None | Some("auto") => GpuPath::Auto,
         Some("staged") => GpuPath::Staged,
         Some(other) => {
-            return Err(BridgeError::Config(format!(
-                "kv_connector_extra_config[\"gpu_path\"] = {other:?}: expected \"auto\" or \"staged\""
-            )));
+            return Err(ConfigError::Invalid {
+                key: "gpu_path",
+                value: format!("{other:?}"),
+                expected: "\"auto\" or \"staged\"",
+            });
         }
     };
     Ok(tcp)

@@ -2,13 +2,15 @@
 //!
 //! Python stays thin: `pdflow/vllm.py` converts vLLM's objects and forwards each hook here; this
 //! crate forwards each call to pdflow's actors. [`scheduler`] is the scheduler role, [`worker`]
-//! the worker role, [`convert`] the conversions, [`config`] the extra-config keys and environment.
+//! the worker role ([`topology`]: where vLLM placed the worker, checked by `pdflow-node`),
+//! [`convert`] the conversions, [`config`] the extra-config keys and environment.
 
 mod config;
 mod convert;
 mod error;
 mod runtime;
 mod scheduler;
+mod topology;
 mod trace_export;
 mod worker;
 
@@ -18,13 +20,14 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 /// Decodes a metadata frame into plain Python data (`reqs_to_send`, `reqs_to_recv`,
-/// `reqs_not_processed`, `reqs_to_abort`), for `PdflowConnectorMetadata`'s attributes.
+/// `reqs_not_processed`, `reqs_to_abort`, `reqs_to_save`), for `PdflowConnectorMetadata`'s
+/// attributes.
 #[pyfunction]
 fn decode_metadata<'py>(py: Python<'py>, frame_bytes: &[u8]) -> PyResult<Bound<'py, PyDict>> {
     let meta: ConnectorMetadata = if frame_bytes.is_empty() {
         ConnectorMetadata::default()
     } else {
-        frame::decode(frame_bytes, "connector metadata").map_err(|e| error::BridgeError::Metadata(e.to_string()))?
+        frame::decode(frame_bytes, "connector metadata").map_err(error::BridgeError::from)?
     };
     convert::metadata_to_py(py, &meta)
 }
@@ -56,15 +59,17 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
     m.add_class::<scheduler::SchedulerBridge>()?;
     m.add_class::<worker::WorkerBridge>()?;
+    m.add_class::<topology::TopologyBridge>()?;
     m.add_function(wrap_pyfunction!(decode_metadata, m)?)?;
     m.add_function(wrap_pyfunction!(check_config, m)?)?;
     m.add_function(wrap_pyfunction!(install_trace_export, m)?)?;
     m.add_function(wrap_pyfunction!(flush_traces, m)?)?;
-    m.add("PdflowError", py.get_type::<error::PdflowError>())?;
-    m.add("ConfigError", py.get_type::<error::ConfigError>())?;
-    m.add("RegistrationError", py.get_type::<error::RegistrationError>())?;
-    m.add("ConnectorUnavailable", py.get_type::<error::ConnectorUnavailable>())?;
-    m.add("MetadataError", py.get_type::<error::MetadataError>())?;
+    use error::exceptions::{ConfigError, ConnectorUnavailable, MetadataError, PdflowError, RegistrationError};
+    m.add("PdflowError", py.get_type::<PdflowError>())?;
+    m.add("ConfigError", py.get_type::<ConfigError>())?;
+    m.add("RegistrationError", py.get_type::<RegistrationError>())?;
+    m.add("ConnectorUnavailable", py.get_type::<ConnectorUnavailable>())?;
+    m.add("MetadataError", py.get_type::<MetadataError>())?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     // Whether this build takes CUDA KV tensors (built with `--features cuda`).
     m.add("GPU_KV", cfg!(feature = "cuda"))?;

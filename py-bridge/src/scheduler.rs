@@ -21,23 +21,21 @@ use pdflow_node::supervisor::{NodeSupervisor, MAX_RESTARTS, RESTART_WINDOW};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
-use crate::config::BridgeConfig;
+use crate::config::{BridgeConfig, ConfigError};
 use crate::convert::{json_to_py, sched_request};
-use crate::error::BridgeError;
+use crate::error::{BridgeError, MetadataError};
 use crate::runtime::BridgeRuntime;
 
 /// Longest a hook may wait for the actor (it answers in microseconds; this only bounds a fault).
 const HOOK_DEADLINE: Duration = Duration::from_secs(10);
 
 /// vLLM's `kv_role` string.
-pub fn parse_role(kv_role: &str) -> Result<KvRole, BridgeError> {
+pub fn parse_role(kv_role: &str) -> Result<KvRole, ConfigError> {
     match kv_role {
         "kv_producer" => Ok(KvRole::Producer),
         "kv_consumer" => Ok(KvRole::Consumer),
         "kv_both" => Ok(KvRole::Both),
-        other => Err(BridgeError::Config(format!(
-            "kv_role {other:?}: expected \"kv_producer\" (P), \"kv_consumer\" (D) or \"kv_both\""
-        ))),
+        other => Err(ConfigError::Role { value: other.to_string() }),
     }
 }
 
@@ -181,7 +179,7 @@ impl SchedulerBridge {
         if meta.is_empty() {
             return Ok(None);
         }
-        let bytes = frame::encode(&meta).map_err(|e| BridgeError::Metadata(e.to_string()))?;
+        let bytes = frame::encode(&meta).map_err(BridgeError::from)?;
         Ok(Some(PyBytes::new(py, &bytes)))
     }
 
@@ -202,7 +200,7 @@ impl SchedulerBridge {
         let reply = py.detach(|| self.ask("request_finished", RequestFinished { request, status, block_ids }))?;
         let params = match reply.kv_transfer_params {
             Some(p) => {
-                let v = serde_json::to_value(&p).map_err(|e| BridgeError::Metadata(e.to_string()))?;
+                let v = serde_json::to_value(&p).map_err(|e| BridgeError::Metadata(MetadataError::Json(e)))?;
                 Some(json_to_py(py, &v)?)
             }
             None => None,

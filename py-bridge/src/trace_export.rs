@@ -26,7 +26,7 @@ use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::util::SubscriberInitExt;
 use tracing_subscriber::{EnvFilter, Layer as _};
 
-use crate::error::BridgeError;
+use crate::config::ConfigError;
 
 struct ProcessExport {
     pid: u32,
@@ -96,7 +96,7 @@ fn settings(env: &dyn Fn(&str) -> Option<String>) -> ExportSettings {
 
 /// Installs this process's log lines and, if the environment asks for one, its trace exporter
 /// (idempotent per process).
-pub fn install_from_env() -> Result<(), BridgeError> {
+pub fn install_from_env() -> Result<(), ConfigError> {
     let cell = EXPORT.get_or_init(|| Mutex::new(None));
     let mut slot = cell.lock().unwrap_or_else(|p| p.into_inner());
     if slot.as_ref().is_some_and(|e| e.pid == std::process::id()) {
@@ -108,20 +108,13 @@ pub fn install_from_env() -> Result<(), BridgeError> {
     // A service name set by the user names every span; otherwise spans are named by the step's
     // side (pdflow-prefill, pdflow-decode, pdflow-bootstrap).
     let service = s.service_name.clone().filter(|n| !n.trim().is_empty());
-    let config = ExportConfig::from_settings(&s, service.as_deref()).map_err(|errors| {
-        BridgeError::Config(format!(
-            "trace export: {}",
-            errors.iter().map(|e| e.to_string()).collect::<Vec<_>>().join("; ")
-        ))
-    })?;
-    let export = if config.is_off() {
-        None
-    } else {
-        Some(TraceExport::start(&config).map_err(|e| BridgeError::Config(format!("trace export: {e}")))?)
-    };
+    let config = ExportConfig::from_settings(&s, service.as_deref()).map_err(ConfigError::TraceSettings)?;
+    let export =
+        if config.is_off() { None } else { Some(TraceExport::start(&config).map_err(ConfigError::TraceExport)?) };
     let filter = match std::env::var(ENV_LOG) {
-        Ok(text) => EnvFilter::try_new(&text)
-            .map_err(|e| BridgeError::Config(format!("{ENV_LOG}={text:?} is not a log filter: {e}")))?,
+        Ok(text) => {
+            EnvFilter::try_new(&text).map_err(|source| ConfigError::LogFilter { var: ENV_LOG, text, source })?
+        }
         Err(_) => EnvFilter::new("warn"),
     };
     let log = tracing_subscriber::fmt::layer().with_writer(std::io::stderr).with_ansi(false).with_filter(filter);
@@ -138,7 +131,7 @@ pub fn install_from_env() -> Result<(), BridgeError> {
         std::thread::Builder::new()
             .name("pdflow-trace-file".into())
             .spawn(move || write_trace_file_while_running(pid))
-            .map_err(|e| BridgeError::Config(format!("trace export: could not start the trace file's writer: {e}")))?;
+            .map_err(ConfigError::TraceFileWriter)?;
     }
     Ok(())
 }

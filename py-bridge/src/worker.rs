@@ -1,11 +1,13 @@
 //! `pdflow._native.WorkerConnector` — the worker role of `PdflowConnector`: the worker side
 //! `pdflow serve` runs ([`pdflow_node::worker::Worker`]), over vLLM's own KV tensors.
 //!
-//! `register_kv_caches` (seed step 3) registers the tensors' memory as regions — host memory, or
-//! with `device` a CUDA device's memory (a build with `--features cuda`) — and starts the worker:
-//! on P the Bootstrap (step 2, TP0 only, unless an external one is configured) and the
-//! SenderListener (side channel + registration, steps 1, 4); on D the tcp data server and the
-//! Receiver (step 5); both for kv_both.
+//! `register_kv_caches` (seed step 3) checks the tensors' geometry against the worker's place
+//! among the engine's ranks ([`pdflow_node::registration`]), registers their memory as regions —
+//! host memory, or with `device` a CUDA device's memory (a build with `--features cuda`) — and
+//! starts the worker: on P the Bootstrap (step 2, on the worker the registration says launches
+//! it, unless an external one is configured) and the SenderListener (side channel +
+//! registration, steps 1, 4); on D the tcp data server and the Receiver (step 5); both for
+//! kv_both.
 //! `start_load_kv` forwards the step's metadata (steps 14, 19), `get_transfer_results` collects
 //! `finished_sending` (step 32) and `finished_recving` / failed loads (step 35).
 
@@ -15,23 +17,23 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use kameo::prelude::*;
-use pdflow_actors::ranks::WorkerRank;
 use pdflow_actors::scheduler_connector::KvRole;
 use pdflow_kv::memory::{KvCache, KvShape};
 use pdflow_messages::frame;
 use pdflow_messages::scheduler_connector::{ConnectorMetadata, ConnectorOutput, LayerSave};
 use pdflow_messages::{BlockId, RequestId};
-use pdflow_node::ports::{ConnectorError, WorkerConnectorPort, WorkerPort};
+use pdflow_node::ports::{WorkerConnectorPort, WorkerPort};
+use pdflow_node::registration::{KvGeometry, KvRegistration, WorkerTopology};
 use pdflow_node::supervisor::NodeSupervisor;
-use pdflow_node::worker::{BootstrapPlacement, Worker, WorkerSpec};
-use pdflow_node::NodeError;
+use pdflow_node::worker::{Worker, WorkerSpec};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use crate::config::BridgeConfig;
-use crate::error::BridgeError;
+use crate::error::{BridgeError, RegistrationError};
 use crate::runtime::BridgeRuntime;
 use crate::scheduler::parse_role;
+use crate::topology::TopologyBridge;
 
 /// Longest a worker call may wait for an actor.
 const CALL_DEADLINE: Duration = Duration::from_secs(10);
@@ -67,28 +69,6 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// A node error, as the bridge reports it: a bootstrap that cannot start names the settings that
-/// move it.
-fn node_error(e: NodeError) -> BridgeError {
-    match &e {
-        NodeError::ActorStart { actor: "Bootstrap", .. } | NodeError::Bind { what: "bootstrap HTTP server", .. } => {
-            BridgeError::Config(format!(
-                "{e} (set VLLM_MOONCAKE_BOOTSTRAP_PORT or kv_connector_extra_config[\"bootstrap_port\"])"
-            ))
-        }
-        NodeError::ActorStart { actor, reason } => BridgeError::unavailable(actor, format!("did not start: {reason}")),
-        NodeError::Bind { .. } | NodeError::Transfer(_) | NodeError::Config(_) => BridgeError::Config(e.to_string()),
-    }
-}
-
-/// A port error, as the bridge reports it.
-fn port_error(what: &'static str, e: ConnectorError) -> BridgeError {
-    match e {
-        ConnectorError::RolesDisagree { .. } => BridgeError::Config(e.to_string()),
-        ConnectorError::Unavailable { .. } => BridgeError::unavailable(what, e),
-    }
-}
-
 impl WorkerBridge {
     fn port(&self) -> Result<Arc<WorkerPort>, BridgeError> {
         let running = lock(&self.running);
@@ -98,37 +78,25 @@ impl WorkerBridge {
         Ok(r.port.clone())
     }
 
-    async fn start(
-        &self,
-        kv_cache: Arc<KvCache>,
-        rank: WorkerRank,
-        dp_rank: u32,
-        launches_bootstrap: Option<bool>,
-    ) -> Result<Running, BridgeError> {
+    async fn start(&self, kv_cache: Arc<KvCache>, registration: &KvRegistration) -> Result<Running, BridgeError> {
         let cfg = &self.config;
+        let rank = registration.rank;
         let supervisor =
             NodeSupervisor::spawn(format!("vllm-worker-{}-tp{}-pp{}", self.engine_id, rank.tp_rank, rank.pp_rank));
-        // vLLM's rule: the first worker of the first data-parallel engine.
-        let launches = launches_bootstrap.unwrap_or(rank.index() == 0 && dp_rank == 0);
-        let bootstrap = match &cfg.bootstrap_url {
-            Some(url) => BootstrapPlacement::External { url: url.clone() },
-            None if launches => BootstrapPlacement::Launch { port: cfg.bootstrap_port },
-            None => BootstrapPlacement::External { url: cfg.bootstrap_addr() },
-        };
         let spec = WorkerSpec {
             engine_id: self.engine_id.clone(),
             role: self.role,
             rank,
-            dp_rank,
+            dp_rank: registration.dp_rank,
             host: cfg.host.clone(),
-            bootstrap,
+            bootstrap: registration.bootstrap(cfg.bootstrap_url.as_deref(), &cfg.host, cfg.bootstrap_port),
             side_channel: Arc::new(AtomicU16::new(0)),
             deadlines: cfg.deadlines,
             tcp: cfg.tcp.clone(),
             verify_checksums: cfg.verify_checksums,
             faults: pdflow_actors::fault_seam::no_faults(),
         };
-        let worker = Worker::start_under(&supervisor, &kv_cache, &spec).await.map_err(node_error)?;
+        let worker = Worker::start_under(&supervisor, &kv_cache, &spec).await?;
         let mut info = vec![("engine_id", self.engine_id.clone())];
         if let Some(url) = &worker.bootstrap_url {
             info.push(("bootstrap_url", url.clone()));
@@ -149,7 +117,7 @@ fn register_memory(
     owner: Py<PyAny>,
     device: Option<usize>,
 ) -> Result<Arc<KvCache>, BridgeError> {
-    let registration = |e: pdflow_kv::memory::ExternalRegionError| BridgeError::Registration(e.to_string());
+    let registration = |e| BridgeError::Registration(RegistrationError::Memory(e));
     match device {
         // SAFETY: the addresses come from the tensors in `owner` (host memory, checked contiguous
         // by the Python side), which the cache keeps alive; vLLM's block manager gives each block
@@ -163,9 +131,7 @@ fn register_memory(
         #[cfg(not(feature = "cuda"))]
         Some(device) => {
             drop(owner);
-            Err(BridgeError::Registration(format!(
-                "KV cache on cuda:{device}: this pdflow wheel was built without GPU support (build it with `maturin build --features cuda`)"
-            )))
+            Err(RegistrationError::NoGpuSupport { device }.into())
         }
     }
 }
@@ -190,100 +156,34 @@ impl WorkerBridge {
     }
 
     /// Seed step 3: registers one region per entry of `regions` (`(address, length)` of host
-    /// memory — or, with `device`, of that CUDA device's memory — one per layer, each `num_blocks` blocks of `num_kv_heads × block_size × 2·head_dim`
-    /// elements of `dtype_bytes`), then starts the worker-side actors. `owner` (the tensors) is
-    /// kept alive for as long as the connector is. Returns what peers need: engine id, bootstrap
-    /// URL (P) or data server address (D). `dp_rank`: the engine's data-parallel rank, which P's
-    /// workers register under; `launches_bootstrap`: whether this worker launches the bootstrap
-    /// (vLLM's rule: the first worker, tp and pp rank 0, of the first data-parallel engine) when
-    /// none is configured.
-    /// `pp_rank` of `pp_size` pipeline stages: `regions` are the stage's layers, from
-    /// `first_layer` (the model has `total_layers`); they must be the stage's share of vLLM's
-    /// default split, which both ends of a pull plan with.
-    #[pyo3(signature = (regions, num_blocks, num_kv_heads, block_size, head_dim, dtype_bytes, owner, tp_rank=0, tp_size=1, device=None, total_kv_heads=None, dp_rank=0, launches_bootstrap=None, pp_rank=0, pp_size=1, total_layers=None, first_layer=None))]
-    #[allow(clippy::too_many_arguments)]
+    /// memory — or, with `device`, of that CUDA device's memory — one per layer), each of
+    /// `geometry` `(num_blocks, num_kv_heads, block_size, head_dim, dtype_bytes)`: `num_blocks`
+    /// blocks of `num_kv_heads × block_size × 2·head_dim` elements of `dtype_bytes`. `owner` (the
+    /// tensors) is kept alive for as long as the connector is. `topology` says where vLLM placed
+    /// this worker (None: the one worker of an engine that is neither sharded nor data-parallel);
+    /// the tensors must be its share of the model by vLLM's default split, which both ends of a
+    /// pull plan with. Then starts the worker-side actors. Returns what peers need: engine id,
+    /// bootstrap URL (P) or data server address (D).
+    #[pyo3(signature = (regions, geometry, owner, device=None, topology=None))]
     fn register_kv_caches<'py>(
         &self,
         py: Python<'py>,
         regions: Vec<(usize, usize)>,
-        num_blocks: usize,
-        num_kv_heads: usize,
-        block_size: usize,
-        head_dim: usize,
-        dtype_bytes: usize,
+        geometry: (usize, usize, usize, usize, usize),
         owner: Py<PyAny>,
-        tp_rank: u32,
-        tp_size: u32,
         device: Option<usize>,
-        total_kv_heads: Option<usize>,
-        dp_rank: u32,
-        launches_bootstrap: Option<bool>,
-        pp_rank: u32,
-        pp_size: u32,
-        total_layers: Option<usize>,
-        first_layer: Option<usize>,
+        topology: Option<PyRef<'py, TopologyBridge>>,
     ) -> PyResult<Bound<'py, PyDict>> {
-        if tp_size == 0 || tp_rank >= tp_size {
-            return Err(BridgeError::Config(format!(
-                "tensor parallel rank {tp_rank} of {tp_size}: not a rank of the group"
-            ))
-            .into());
-        }
-        if pp_size == 0 || pp_rank >= pp_size {
-            return Err(BridgeError::Config(format!(
-                "pipeline stage {pp_rank} of {pp_size}: not a stage of the engine"
-            ))
-            .into());
-        }
         if lock(&self.running).is_some() {
-            return Err(
-                BridgeError::Registration("register_kv_caches was already called for this connector".into()).into()
-            );
+            return Err(BridgeError::from(RegistrationError::AlreadyRegistered).into());
         }
-        if regions.is_empty()
-            || num_blocks == 0
-            || num_kv_heads == 0
-            || block_size == 0
-            || head_dim == 0
-            || dtype_bytes == 0
-        {
-            return Err(BridgeError::Registration(format!(
-                "empty KV cache: {} regions, {num_blocks} blocks, shape heads={num_kv_heads} block={block_size} head_dim={head_dim} dtype_bytes={dtype_bytes}",
-                regions.len()
-            ))
-            .into());
-        }
-        let shape = KvShape { num_layers: regions.len(), num_kv_heads, head_dim, dtype_bytes, block_size };
+        let (num_blocks, num_kv_heads, block_size, head_dim, dtype_bytes) = geometry;
+        let geometry = KvGeometry { num_blocks, num_kv_heads, block_size, head_dim, dtype_bytes };
+        let topology = topology.map_or_else(WorkerTopology::single, |t| t.0.clone());
+        let registration = KvRegistration::new(regions.len(), geometry, &topology).map_err(BridgeError::from)?;
         let raw: Vec<(*mut u8, usize)> = regions.iter().map(|&(addr, len)| (addr as *mut u8, len)).collect();
-        let kv_cache = register_memory(shape, num_blocks, &raw, owner, device)?;
-        // This worker holds its share of the model's KV heads (all of them at TP 1; one, replicated,
-        // when the group is larger than the heads) and its stage's layers.
-        let total = total_kv_heads.unwrap_or(num_kv_heads * tp_size as usize);
-        let layers = total_layers.unwrap_or(regions.len() * pp_size as usize);
-        let model = KvShape { num_kv_heads: total, num_layers: layers, ..shape };
-        let rank = WorkerRank { tp_size, tp_rank, pp_size, pp_rank, model };
-        let held = rank.topology().map(|t| t.ranks()[rank.index()].clone()).map_err(|e| {
-            BridgeError::Registration(format!(
-                "tensor parallel size {tp_size} over {total} KV heads, {pp_size} pipeline stages over {layers} layers: {e}"
-            ))
-        })?;
-        if held.heads.len() != num_kv_heads {
-            return Err(BridgeError::Registration(format!(
-                "this worker's KV cache holds {num_kv_heads} heads but rank {tp_rank} of {tp_size} over {total} KV heads holds {}: vLLM shards the heads differently",
-                held.heads.len()
-            ))
-            .into());
-        }
-        if held.layers.len() != regions.len() || first_layer.is_some_and(|first| first != held.layers.start) {
-            return Err(BridgeError::Registration(format!(
-                "pipeline stage {pp_rank} of {pp_size} registered {} layers from layer {}, but vLLM's default split of {layers} layers gives it layers {:?}: pdflow plans with that split (unset VLLM_PP_LAYER_PARTITION)",
-                regions.len(),
-                first_layer.map_or_else(|| "?".to_string(), |f| f.to_string()),
-                held.layers
-            ))
-            .into());
-        }
-        let running = py.detach(|| self.rt.block_on(self.start(kv_cache, rank, dp_rank, launches_bootstrap)))??;
+        let kv_cache = register_memory(registration.shape, registration.num_blocks, &raw, owner, device)?;
+        let running = py.detach(|| self.rt.block_on(self.start(kv_cache, &registration)))??;
         let info = PyDict::new(py);
         for (k, v) in &running.info {
             info.set_item(*k, v)?;
@@ -300,8 +200,7 @@ impl WorkerBridge {
         if metadata.is_empty() {
             return Ok(());
         }
-        let meta: ConnectorMetadata =
-            frame::decode(metadata, "connector metadata").map_err(|e| BridgeError::Metadata(e.to_string()))?;
+        let meta: ConnectorMetadata = frame::decode(metadata, "connector metadata").map_err(BridgeError::from)?;
         let port = self.port()?;
         py.detach(|| -> Result<(), BridgeError> {
             self.rt
@@ -309,7 +208,7 @@ impl WorkerBridge {
                 .map_err(|_| {
                     BridgeError::unavailable("worker connector", "the actors did not take the step's work in time")
                 })?
-                .map_err(|e| port_error("worker connector", e))
+                .map_err(BridgeError::from)
         })?;
         Ok(())
     }
@@ -321,8 +220,7 @@ impl WorkerBridge {
         let reqs = if metadata.is_empty() {
             BTreeMap::new()
         } else {
-            let meta: ConnectorMetadata =
-                frame::decode(metadata, "connector metadata").map_err(|e| BridgeError::Metadata(e.to_string()))?;
+            let meta: ConnectorMetadata = frame::decode(metadata, "connector metadata").map_err(BridgeError::from)?;
             meta.reqs_to_save
         };
         *lock(&self.reqs_to_save) = reqs;
@@ -351,7 +249,7 @@ impl WorkerBridge {
                 .map_err(|_| {
                     BridgeError::unavailable("worker connector", format!("no answer within {CALL_DEADLINE:?}"))
                 })?
-                .map_err(|e| port_error("worker connector", e))
+                .map_err(BridgeError::from)
         })?;
         let mut recving: Vec<String> = output.finished_recving.into_iter().map(String::from).collect();
         let mut failed = Vec::new();

@@ -82,19 +82,24 @@ def test_worker_registration_refuses_what_it_cannot_serve():
             # The wheel CI builds has no GPU support: a CUDA device index is refused by the native
             # half too, saying how to build one that has (no CUDA tensor is needed to ask).
             with pytest.raises(pdflow.RegistrationError, match="without GPU support"):
-                worker._work().register_kv_caches([(1 << 20, 8 * 8 * 16 * 256 * 2)], 8, 8, 16, 128, 2, None, 0, 1, 0)
-        from pdflow.vllm import _first_layer
-
+                worker._work().register_kv_caches([(1 << 20, 8 * 8 * 16 * 256 * 2)], (8, 8, 16, 128, 2), None, 0)
+        names = [f"model.layers.{i}.self_attn.attn" for i in range(4)]
         with pytest.raises(pdflow.ConfigError, match="not consecutive layers"):
-            _first_layer(["model.layers.0.self_attn.attn", "model.layers.2.self_attn.attn"])
-        assert _first_layer(["model.layers.2.self_attn.attn", "model.layers.3.self_attn.attn"]) == 2
+            _native.WorkerTopology(pp_rank=0, pp_size=2, layer_names=[names[0], names[2]])
+        assert _native.WorkerTopology(pp_rank=1, pp_size=2, layer_names=names[2:]).first_layer == 2
+        with pytest.raises(pdflow.ConfigError, match="not a rank of the group"):
+            _native.WorkerTopology(tp_rank=2, tp_size=2)
         # A pipeline stage whose layers are not its share of vLLM's default split (as with
         # VLLM_PP_LAYER_PARTITION): stage 1 of 2 over 4 layers holds layers 2 and 3, not 1 and 2.
         stage = torch.zeros(2, 8, 8, 16, 256, dtype=torch.bfloat16)
         regions = [(int(stage[i].data_ptr()), stage[i].numel() * 2) for i in range(2)]
+        stage_1 = _native.WorkerTopology(pp_rank=1, pp_size=2, total_layers=4, layer_names=names[1:3])
         with pytest.raises(pdflow.RegistrationError, match="default split"):
+            worker._work().register_kv_caches(regions, (8, 8, 16, 128, 2), stage, None, stage_1)
+        # A tensor rank holding other than its share of the model's KV heads.
+        with pytest.raises(pdflow.RegistrationError, match="shards the heads differently"):
             worker._work().register_kv_caches(
-                regions, 8, 8, 16, 128, 2, stage, pp_rank=1, pp_size=2, total_layers=4, first_layer=1
+                regions, (8, 8, 16, 128, 2), stage, None, _native.WorkerTopology(tp_size=2, total_kv_heads=8)
             )
         with pytest.raises(pdflow.ConnectorUnavailable, match="register_kv_caches"):
             worker.get_transfer_results(set())

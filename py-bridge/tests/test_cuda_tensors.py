@@ -92,7 +92,7 @@ def _serve(role: str, conn, engine_id: str, extra: dict, gpu: int) -> None:
     worker = _native.WorkerConnector(engine_id, role, json.dumps(extra))
     r = regions_of(kv)
     assert r.device == gpu, r.device
-    info = worker.register_kv_caches(r.regions, *r.geometry, r.owners, 0, 1, r.device)
+    info = worker.register_kv_caches(r.regions, r.geometry, r.owners, r.device)
     conn.send({"ready": True, "info": info})
 
     def step(meta_frame):

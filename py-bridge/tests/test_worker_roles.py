@@ -23,11 +23,12 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def register(worker):
-    """Host KV tensors in vLLM 0.33's layout (LBHNC), registered with the worker."""
+def register(worker, topology=None):
+    """Host KV tensors in vLLM 0.33's layout (LBHNC), registered with the worker placed where
+    `topology` says (None: the one worker of its engine)."""
     tensors = [torch.zeros(NUM_BLOCKS, HEADS, BLOCK, 2 * HEAD_DIM, dtype=torch.bfloat16) for _ in range(LAYERS)]
     regions = [(t.data_ptr(), t.numel() * t.element_size()) for t in tensors]
-    return worker.register_kv_caches(regions, NUM_BLOCKS, HEADS, BLOCK, HEAD_DIM, 2, tensors)
+    return worker.register_kv_caches(regions, (NUM_BLOCKS, HEADS, BLOCK, HEAD_DIM, 2), tensors, None, topology)
 
 
 def config(**extra) -> str:
@@ -72,3 +73,31 @@ def test_a_producer_worker_asked_to_load_says_the_roles_disagree():
         assert worker.get_transfer_results() == ([], [], []), "nothing started, nothing reported"
     finally:
         worker.shutdown()
+
+
+def test_rust_decides_which_worker_launches_the_bootstrap():
+    """vLLM's rule, asked of the native half: the first worker (tp and pp rank 0) of the first
+    data-parallel engine — of each node's first engine with external load balancing, which then
+    registers under its local rank."""
+    assert _native.WorkerTopology().launches_bootstrap
+    assert not _native.WorkerTopology(tp_rank=1, tp_size=2).launches_bootstrap
+    assert not _native.WorkerTopology(pp_rank=1, pp_size=2).launches_bootstrap
+    second = _native.WorkerTopology(data_parallel_rank=1, data_parallel_rank_local=1)
+    assert not second.launches_bootstrap and second.dp_rank == 1
+    node_first = _native.WorkerTopology(data_parallel_rank=4, data_parallel_rank_local=0, local_engines_only=True)
+    assert node_first.launches_bootstrap and node_first.dp_rank == 0
+
+
+def test_a_worker_that_does_not_launch_the_bootstrap_registers_with_the_launchers():
+    """Tensor ranks 0 and 1 of one producer engine: rank 0 launches the bootstrap on the configured
+    port, rank 1 registers there."""
+    port = free_port()
+    launcher = _native.WorkerConnector("boot-p", "kv_producer", config(bootstrap_port=port))
+    other = _native.WorkerConnector("boot-p", "kv_producer", config(bootstrap_port=port))
+    try:
+        url = f"http://127.0.0.1:{port}"
+        assert register(launcher, _native.WorkerTopology(tp_rank=0, tp_size=2))["bootstrap_url"] == url
+        assert register(other, _native.WorkerTopology(tp_rank=1, tp_size=2))["bootstrap_url"] == url
+    finally:
+        other.shutdown()
+        launcher.shutdown()

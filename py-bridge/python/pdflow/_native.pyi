@@ -1,6 +1,11 @@
-"""Type stubs of pdflow's native module (the Rust half of `pdflow.vllm.PdflowConnector`)."""
+"""Type stubs of pdflow's native module (the Rust half of `pdflow.vllm.PdflowConnector`).
 
-from typing import Any, Optional
+Kept in step with ``py-bridge/src`` by ``py-bridge/tests/test_stub.py``: every public name of the
+module and of its classes is declared here, and nothing else is (names starting with ``_`` are
+typing helpers only).
+"""
+
+from typing import Any, Optional, TypedDict
 
 __version__: str
 GPU_KV: bool
@@ -12,9 +17,22 @@ class RegistrationError(PdflowError): ...
 class ConnectorUnavailable(PdflowError): ...
 class MetadataError(PdflowError): ...
 
-def decode_metadata(frame_bytes: bytes) -> dict[str, Any]:
-    """``{"reqs_to_send": {req_id: (transfer_id, [block ids])}, "reqs_to_recv": {engine_id: {req_id:
-    pull}}, "reqs_not_processed": set[str], "reqs_to_abort": set[str]}``."""
+class _MetadataView(TypedDict):
+    """What `decode_metadata` returns."""
+
+    reqs_to_send: dict[str, tuple[str, list[int]]]
+    """``{req_id: (transfer_id, [block ids])}``: P's sends to expect."""
+    reqs_to_recv: dict[str, dict[str, dict[str, Any]]]
+    """``{remote_engine_id: {req_id: pull}}``: D's pulls to make."""
+    reqs_not_processed: set[str]
+    """Transfer ids of requests that ended before their KV was sent."""
+    reqs_to_abort: set[str]
+    """Request ids whose pull is cancelled."""
+    reqs_to_save: dict[str, dict[str, Any]]
+    """Layer-wise P: ``{req_id: {transfer_id, block_ids, computed_upto, prompt_len}}``."""
+
+def decode_metadata(frame_bytes: bytes) -> _MetadataView:
+    """A metadata frame as plain Python data (an empty frame: nothing to do); raises MetadataError."""
 
 def check_config(extra_config_json: str) -> None:
     """Raises ConfigError if ``kv_connector_extra_config`` (JSON) or the environment is invalid."""
@@ -61,6 +79,33 @@ class SchedulerConnector:
     ) -> None: ...
     def shutdown(self) -> None: ...
 
+class WorkerTopology:
+    """Where vLLM placed one worker; checked (ConfigError) and interpreted by pdflow's Rust half."""
+
+    def __init__(
+        self,
+        *,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        pp_rank: int = 0,
+        pp_size: int = 1,
+        total_kv_heads: Optional[int] = None,
+        total_layers: Optional[int] = None,
+        layer_names: Optional[list[str]] = None,
+        data_parallel_rank: int = 0,
+        data_parallel_rank_local: int = 0,
+        local_engines_only: bool = False,
+    ) -> None: ...
+    @property
+    def launches_bootstrap(self) -> bool:
+        """Whether this worker launches P's bootstrap when no ``bootstrap_url`` is configured."""
+    @property
+    def dp_rank(self) -> int:
+        """The data-parallel rank P's workers register under at the bootstrap."""
+    @property
+    def first_layer(self) -> Optional[int]:
+        """The model layer of a pipeline stage's first KV cache, when its names carry one."""
+
 class WorkerConnector:
     """Worker role: the SenderListener (P) or Receiver (D) over vLLM's KV tensors."""
 
@@ -69,23 +114,13 @@ class WorkerConnector:
     def register_kv_caches(
         self,
         regions: list[tuple[int, int]],
-        num_blocks: int,
-        num_kv_heads: int,
-        block_size: int,
-        head_dim: int,
-        dtype_bytes: int,
+        geometry: tuple[int, int, int, int, int],
         owner: Any,
-        tp_rank: int = 0,
-        tp_size: int = 1,
         device: Optional[int] = None,
-        total_kv_heads: Optional[int] = None,
-        dp_rank: int = 0,
-        launches_bootstrap: Optional[bool] = None,
-        pp_rank: int = 0,
-        pp_size: int = 1,
-        total_layers: Optional[int] = None,
-        first_layer: Optional[int] = None,
-    ) -> dict[str, Any]: ...
+        topology: Optional[WorkerTopology] = None,
+    ) -> dict[str, Any]:
+        """``geometry``: ``(num_blocks, num_kv_heads, block_size, head_dim, dtype_bytes)``, as
+        `pdflow.kv_regions.regions_of` gives it; raises RegistrationError (or ConfigError)."""
     def start_load_kv(self, metadata: bytes) -> None: ...
     def bind_reqs_to_save(self, metadata: bytes) -> None: ...
     def save_kv_layer(self, region: int) -> None: ...

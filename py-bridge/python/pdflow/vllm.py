@@ -15,7 +15,6 @@ actors work. Seed steps: 2–5 (start-up, `register_kv_caches`), 12–13 and 17�
 from __future__ import annotations
 
 import json
-import re
 from typing import TYPE_CHECKING, Any, Optional
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -56,8 +55,8 @@ class PdflowConnectorMetadata(KVConnectorMetadata):
     vLLM pickles this object from the scheduler process to the workers; only the frame travels.
     The attributes below decode it on first use, shaped like vLLM's MooncakeConnectorMetadata:
     `reqs_to_send` ``{req_id: (transfer_id, [block ids])}``, `reqs_to_recv`
-    ``{remote_engine_id: {req_id: pull}}``, `reqs_not_processed` (transfer ids) and
-    `reqs_to_abort` (request ids whose pull is cancelled).
+    ``{remote_engine_id: {req_id: pull}}``, `reqs_not_processed` (transfer ids),
+    `reqs_to_abort` (request ids whose pull is cancelled) and, for layer-wise P, `reqs_to_save`.
     """
 
     def __init__(self, frame: Optional[bytes] = None) -> None:
@@ -104,7 +103,7 @@ class PdflowConnectorMetadata(KVConnectorMetadata):
         return (
             f"PdflowConnectorMetadata(reqs_to_send={v['reqs_to_send']!r}, "
             f"reqs_to_recv={v['reqs_to_recv']!r}, reqs_not_processed={v['reqs_not_processed']!r}, "
-            f"reqs_to_abort={v['reqs_to_abort']!r})"
+            f"reqs_to_abort={v['reqs_to_abort']!r}, reqs_to_save={v['reqs_to_save']!r})"
         )
 
 
@@ -146,44 +145,46 @@ def _total_layers(vllm_config: "VllmConfig") -> Optional[int]:
         return None
 
 
-def _first_layer(names: list[str]) -> Optional[int]:
-    """The model layer index of the first of a stage's KV caches (``model.layers.12.self_attn.attn``
-    → 12), after checking the stage's layers are consecutive; None when the names carry none."""
-    indices = []
-    for name in names:
-        m = re.search(r"\.(\d+)\.", f".{name}.")
-        if m is None:
-            return None
-        indices.append(int(m.group(1)))
-    if indices != list(range(indices[0], indices[0] + len(indices))):
-        raise ConfigError(
-            f"this worker's KV caches are not consecutive layers ({indices}): pdflow plans a stage as one range of layers"
-        )
-    return indices[0]
-
-
-def _dp_rank_and_bootstrap(vllm_config: "VllmConfig", tp_rank: int) -> tuple[int, bool]:
-    """The engine's data-parallel rank (P's workers register under it at the bootstrap), and
-    whether this worker launches the bootstrap: vLLM's rule — tensor rank 0 of the first
-    data-parallel engine, or of each node's first with external load balancing."""
+def _data_parallel(vllm_config: "VllmConfig") -> tuple[int, int, bool]:
+    """The engine's data-parallel rank (``data_parallel_index`` where vLLM has it), its rank on
+    this node, and whether each node balances its own engines (external load balancing)."""
     pc = vllm_config.parallel_config
-    local_only = bool(getattr(pc, "local_engines_only", False))
-    dp_local = int(getattr(pc, "data_parallel_rank_local", 0) or 0)
     index = getattr(pc, "data_parallel_index", None)
-    dp = int(index if index is not None else getattr(pc, "data_parallel_rank", 0) or 0)
-    if local_only:
-        return dp_local, tp_rank == 0 and dp_local == 0
-    return dp, tp_rank == 0 and dp == 0
+    rank = int(index if index is not None else getattr(pc, "data_parallel_rank", 0) or 0)
+    return rank, int(getattr(pc, "data_parallel_rank_local", 0) or 0), bool(getattr(pc, "local_engines_only", False))
 
 
-def _total_kv_heads(vllm_config: "VllmConfig", default: int) -> int:
-    """The model's KV heads before tensor parallelism shards them (MLA: one latent, on every rank)."""
+def _total_kv_heads(vllm_config: "VllmConfig") -> Optional[int]:
+    """The model's KV heads before tensor parallelism shards them (MLA: one latent, on every rank;
+    None for a test's stand-in config)."""
     try:
         if getattr(vllm_config.model_config, "use_mla", False):
             return 1
         return int(vllm_config.model_config.get_total_num_kv_heads())
-    except Exception:  # a test's stand-in config
-        return default
+    except Exception:
+        return None
+
+
+def _worker_topology(vllm_config: "VllmConfig", layer_names: list[str]) -> "_native.WorkerTopology":
+    """Where vLLM placed this worker, read from its parallel state and config. pdflow's Rust half
+    checks it against the KV tensors and decides what follows from it (the data-parallel rank P
+    registers under, which worker launches the bootstrap); raises ConfigError for a rank outside
+    its group."""
+    tp_rank, tp_size = _tp_rank_and_size(vllm_config)
+    pp_rank, pp_size = _pp_rank_and_size(vllm_config)
+    dp_rank, dp_rank_local, local_engines_only = _data_parallel(vllm_config)
+    return _native.WorkerTopology(
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        pp_rank=pp_rank,
+        pp_size=pp_size,
+        total_kv_heads=_total_kv_heads(vllm_config),
+        total_layers=_total_layers(vllm_config),
+        layer_names=layer_names,
+        data_parallel_rank=dp_rank,
+        data_parallel_rank_local=dp_rank_local,
+        local_engines_only=local_engines_only,
+    )
 
 
 class PdflowConnector(KVConnectorBase_V1, SupportsHMA):
@@ -330,38 +331,18 @@ class PdflowConnector(KVConnectorBase_V1, SupportsHMA):
         return self._worker
 
     def register_kv_caches(self, kv_caches: dict[str, "torch.Tensor"]) -> None:
-        regions, geometry, owners, device = regions_of(kv_caches)
+        r = regions_of(kv_caches)
         # Each layer's regions, in registration order: one (LBHNC) or two (K and V apart).
         first = 0
         for name, t in kv_caches.items():
             count = 2 if t.dim() == 5 else 1
             self._layer_regions[name] = list(range(first, first + count))
             first += count
-        num_blocks, heads, block_size, head_dim, dtype_bytes = geometry
-        tp_rank, tp_size = _tp_rank_and_size(self._vllm_config)
-        dp_rank, launches_bootstrap = _dp_rank_and_bootstrap(self._vllm_config, tp_rank)
-        pp_rank, pp_size = _pp_rank_and_size(self._vllm_config)
-        info = self._work().register_kv_caches(
-            regions,
-            num_blocks,
-            heads,
-            block_size,
-            head_dim,
-            dtype_bytes,
-            owners,
-            tp_rank,
-            tp_size,
-            device,
-            total_kv_heads=_total_kv_heads(self._vllm_config, heads * tp_size),
-            dp_rank=dp_rank,
-            launches_bootstrap=launches_bootstrap and pp_rank == 0,
-            pp_rank=pp_rank,
-            pp_size=pp_size,
-            # A stage's layers are placed in the model's; one stage holds whatever vLLM registered.
-            total_layers=_total_layers(self._vllm_config) if pp_size > 1 else None,
-            first_layer=_first_layer(list(kv_caches)) if pp_size > 1 else None,
+        topology = _worker_topology(self._vllm_config, list(kv_caches))
+        info = self._work().register_kv_caches(r.regions, r.geometry, r.owners, r.device, topology)
+        logger.info(
+            "pdflow connector registered %d KV regions of %d blocks (%r): %s", len(r.regions), r.geometry[0], topology, info
         )
-        logger.info("pdflow connector registered %d KV regions of %d blocks: %s", len(regions), num_blocks, info)
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         meta = self._get_connector_metadata()

@@ -46,7 +46,7 @@ impl BootstrapNode {
         secret: Option<ClusterSecret>,
         faults: &Faults,
     ) -> Result<Self, NodeError> {
-        let bind = super::fixed_port(bind, "bootstrap HTTP server")?;
+        let bind = super::fixed_port(bind, "the bootstrap HTTP server")?;
         let bootstrap = Bootstrap::supervise(supervisor, BootstrapArgs { bind, secret })
             .restart_policy(RestartPolicy::Transient)
             .restart_limit(MAX_RESTARTS, RESTART_WINDOW)

@@ -16,7 +16,7 @@ use std::sync::Arc;
 use pdflow_kv::memory::{KvCache, MemoryKind};
 use pdflow_transfer::fence::WriteFence;
 use pdflow_transfer::same_host::SameHostMode;
-use pdflow_transfer::tcp::{DataServerOptions, TcpConfig, TcpDataServer};
+use pdflow_transfer::tcp::{DataServerError, DataServerOptions, TcpConfig, TcpDataServer};
 use pdflow_transfer::{AutoTransferEngine, TransferEngine};
 
 use super::NodeError;
@@ -43,8 +43,11 @@ pub async fn serve_kv_data(
     bind: &str,
     tcp: &TcpConfig,
 ) -> Result<KvDataServing, NodeError> {
-    let bind_addr: std::net::SocketAddr =
-        bind.parse().map_err(|e| NodeError::Config(format!("data server address {bind}: {e}")))?;
+    let bind_addr: std::net::SocketAddr = bind.parse().map_err(|source| NodeError::InvalidAddress {
+        what: "the KV data server",
+        value: bind.to_string(),
+        source,
+    })?;
     let fence = WriteFence::new();
     let (device_export, gpu_serving) = serve_gpu_kv(kv_cache, host, tcp, &fence)?;
     let options = DataServerOptions {
@@ -57,9 +60,12 @@ pub async fn serve_kv_data(
         device_export,
         ..DataServerOptions::default()
     };
-    let server = TcpDataServer::bind_options(bind_addr, kv_cache.region_table(), options)
-        .await
-        .map_err(|e| NodeError::Transfer(e.to_string()))?;
+    let server =
+        TcpDataServer::bind_options(bind_addr, kv_cache.region_table(), options).await.map_err(|e| match e {
+            DataServerError::Bind { addr, source } => {
+                NodeError::Bind { what: "the KV data server", addr: addr.to_string(), source }
+            }
+        })?;
     let local_peer = register_local_peer(&server.local_addr().to_string(), kv_cache, &fence)?;
     Ok(KvDataServing { server, fence, held: gpu_serving.into_iter().chain(local_peer).collect() })
 }
@@ -71,11 +77,12 @@ pub fn producer_engine(kv_cache: &Arc<KvCache>, tcp: &TcpConfig) -> Result<Arc<d
         #[cfg(feature = "cuda")]
         MemoryKind::Cuda { device } => pdflow_transfer::cuda::gpu_engine::GpuTransferEngine::new(kv_cache, tcp.clone())
             .map(|e| Arc::new(e) as Arc<dyn TransferEngine>)
-            .map_err(|e| NodeError::Config(format!("GPU transfer engine on GPU {device}: {e}"))),
+            .map_err(|e| NodeError::TransferStart {
+                engine: crate::TransferPart::GpuEngine { device },
+                source: Box::new(e),
+            }),
         #[cfg(not(feature = "cuda"))]
-        MemoryKind::Cuda { device } => {
-            Err(NodeError::Config(format!("KV cache on GPU {device} in a build without GPU support")))
-        }
+        MemoryKind::Cuda { device } => Err(NodeError::NoGpuSupport { device }),
     }
 }
 
@@ -86,19 +93,19 @@ pub fn register_local_peer(
     kv_cache: &Arc<KvCache>,
     fence: &WriteFence,
 ) -> Result<Option<Held>, NodeError> {
-    if kv_cache.memory() == MemoryKind::Host {
-        return Ok(None);
-    }
+    let MemoryKind::Cuda { device } = kv_cache.memory() else { return Ok(None) };
     #[cfg(feature = "cuda")]
     {
-        let guard = pdflow_transfer::cuda::peer_engine::register_local_peer(data_addr, kv_cache, Some(fence.clone()))
-            .map_err(|e| NodeError::Config(e.to_string()))?;
+        let guard =
+            pdflow_transfer::cuda::peer_engine::register_local_peer(data_addr, kv_cache, Some(fence.clone())).map_err(
+                |e| NodeError::TransferStart { engine: crate::TransferPart::LocalPeer { device }, source: Box::new(e) },
+            )?;
         Ok(Some(Box::new(guard)))
     }
     #[cfg(not(feature = "cuda"))]
     {
         let _ = (data_addr, fence);
-        Err(NodeError::Config("a GPU KV cache in a build without GPU support".into()))
+        Err(NodeError::NoGpuSupport { device })
     }
 }
 
@@ -111,22 +118,22 @@ pub fn serve_gpu_kv(
     tcp: &TcpConfig,
     fence: &WriteFence,
 ) -> Result<(Vec<u8>, Option<Held>), NodeError> {
-    if kv_cache.memory() == MemoryKind::Host {
-        return Ok((Vec::new(), None));
-    }
+    let MemoryKind::Cuda { device } = kv_cache.memory() else { return Ok((Vec::new(), None)) };
     #[cfg(feature = "cuda")]
     {
         use pdflow_transfer::cuda::device_offer::DeviceServing;
         use pdflow_transfer::cuda::staged::StagedAuth;
         let auth = StagedAuth::from_tcp(tcp);
-        let serving = DeviceServing::start(kv_cache, host, auth, tcp.write_timeout, Some(fence.clone()))
-            .map_err(|e| NodeError::Config(e.to_string()))?;
+        let serving =
+            DeviceServing::start(kv_cache, host, auth, tcp.write_timeout, Some(fence.clone())).map_err(|e| {
+                NodeError::TransferStart { engine: crate::TransferPart::GpuServing { device }, source: Box::new(e) }
+            })?;
         tracing::info!(staged = %serving.staged_addr(), "D serves its GPU KV: CUDA IPC handles and a staged receiver");
         Ok((serving.export().to_vec(), Some(Box::new(serving))))
     }
     #[cfg(not(feature = "cuda"))]
     {
         let _ = (host, tcp, fence);
-        Err(NodeError::Config("a GPU KV cache in a build without GPU support".into()))
+        Err(NodeError::NoGpuSupport { device })
     }
 }

@@ -12,6 +12,9 @@
 //! - [`worker`] — the worker side of one engine (P's Bootstrap and SenderListener, D's data
 //!   server and Receiver): the one place those actors are assembled, for vLLM's workers through
 //!   the bridge and for the simulated engine's nodes.
+//! - [`registration`] — a vLLM worker's KV registration checked against its place among the
+//!   engine's ranks (tensor shares, pipeline split, data-parallel rank, who launches the
+//!   bootstrap), before anything is registered or started.
 //! - [`bootstrap_node`], [`proxy_node`] — the nodes; [`gpu_kv`] — GPU-resident KV.
 
 pub mod bootstrap_node;
@@ -19,24 +22,61 @@ pub mod config;
 pub mod gpu_kv;
 pub mod ports;
 pub mod proxy_node;
+pub mod registration;
 pub mod supervisor;
 pub mod worker;
 
 pub use bootstrap_node::BootstrapNode;
 pub use proxy_node::ProxyNode;
+pub use registration::{KvGeometry, KvRegistration, RegistrationError, WorkerTopology};
 pub use worker::{BootstrapPlacement, Worker, WorkerSpec};
 
-/// Why a node could not start.
+/// Why a node could not start. Each variant says what failed and keeps its cause, so that a
+/// caller can act on it (retry a busy port, name the setting to change, say how to build with GPU
+/// support) instead of parsing a message.
 #[derive(Debug, thiserror::Error)]
 pub enum NodeError {
     #[error("{actor} did not start: {reason}")]
     ActorStart { actor: &'static str, reason: String },
-    #[error("cannot bind the {what} on {addr}: {source} (is the port free? use port 0 for any)")]
+    #[error("cannot bind {what} on {addr}: {source} (is the port free? use port 0 for any)")]
     Bind { what: &'static str, addr: String, source: std::io::Error },
-    #[error("the transfer engine could not start: {0}")]
-    Transfer(String),
-    #[error("{0}")]
-    Config(String),
+    /// An address setting (`what`: which socket it places) whose value is not `ip:port`.
+    #[error("the address of {what} {value:?} is not valid: {source} (expected an IP address and a port, such as 127.0.0.1:8998)")]
+    InvalidAddress { what: &'static str, value: String, source: std::net::AddrParseError },
+    /// A transfer engine (or D's serving of GPU KV) could not start over this node's KV cache.
+    #[error("the {engine} could not start: {source}")]
+    TransferStart { engine: TransferPart, source: Box<dyn std::error::Error + Send + Sync + 'static> },
+    /// KV in GPU memory, in a build without the `cuda` feature.
+    #[error("KV cache on GPU {device}: this pdflow was built without GPU support (build it with `--features cuda`)")]
+    NoGpuSupport { device: usize },
+}
+
+/// The part of the data plane a [`NodeError::TransferStart`] is about.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TransferPart {
+    /// P's GPU transfer engine (cuda-peer, cuda-ipc or cuda-staged) over the KV on `device`.
+    GpuEngine { device: usize },
+    /// D's offer of its GPU KV (CUDA IPC handles) and its staged receiver.
+    GpuServing { device: usize },
+    /// D's GPU KV as a cuda-peer of this process's P engines.
+    LocalPeer { device: usize },
+}
+
+impl std::fmt::Display for TransferPart {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            TransferPart::GpuEngine { device } => write!(f, "GPU transfer engine on GPU {device}"),
+            TransferPart::GpuServing { device } => write!(f, "serving of the GPU KV on GPU {device}"),
+            TransferPart::LocalPeer { device } => write!(f, "cuda-peer registration of the GPU KV on GPU {device}"),
+        }
+    }
+}
+
+impl NodeError {
+    /// Whether retrying later may help: a port still held (by a previous incarnation).
+    pub fn is_bind(&self) -> bool {
+        matches!(self, NodeError::Bind { .. })
+    }
 }
 
 /// Waits for a freshly spawned actor's `on_start` and turns its failure into a [`NodeError`].

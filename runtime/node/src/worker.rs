@@ -143,9 +143,12 @@ impl Worker {
     ) -> Result<(), NodeError> {
         self.bootstrap_url = match &spec.bootstrap {
             BootstrapPlacement::Launch { port } => {
-                let bind: SocketAddr = format!("{}:{port}", spec.host)
-                    .parse()
-                    .map_err(|e| NodeError::Config(format!("bootstrap address {}:{port}: {e}", spec.host)))?;
+                let value = format!("{}:{port}", spec.host);
+                let bind: SocketAddr = value.parse().map_err(|source| NodeError::InvalidAddress {
+                    what: "the bootstrap HTTP server",
+                    value,
+                    source,
+                })?;
                 let node = BootstrapNode::start_under(supervisor, bind, spec.tcp.secret.clone(), &spec.faults).await?;
                 let url = node.url();
                 self.bootstrap = Some(node);

@@ -13,8 +13,8 @@
 //! request and transfer ids; this module only logs at debug level.
 
 mod ack_wait;
-mod busy_poll;
 mod blocking_io;
+mod busy_poll;
 mod config;
 mod connection;
 mod engine;
@@ -23,12 +23,12 @@ mod server;
 mod stream;
 pub mod wire;
 
+pub use config::{TcpConfig, TlsSetupError};
 #[cfg(feature = "cuda")]
 pub(crate) use connection::constant_time_eq;
 pub(crate) use engine::split_by_bytes;
 #[cfg(any(feature = "cuda", test))]
 pub(crate) use engine::still_open;
-pub use config::{TcpConfig, TlsSetupError};
 pub use engine::{FenceHold, TcpTransferEngine};
 pub use server::{DataServerError, DataServerOptions, TcpDataServer, DEFAULT_MAX_CONNECTIONS};
 

@@ -11,7 +11,7 @@ use pdflow_sim_engine::api;
 use tokio_util::sync::CancellationToken;
 
 use crate::engine_node::{serve_http, stop_http, BootstrapPlacement, EngineNode, EngineNodeConfig};
-use pdflow_node::NodeError;
+use crate::error::SimNodeError;
 
 /// A running data-parallel group.
 pub struct DataParallelGroup {
@@ -31,9 +31,9 @@ pub fn rank_engine_id(engine_id: &str, rank: u32) -> String {
 impl DataParallelGroup {
     /// Starts `size` engines from `cfg` (rank 0 launches or finds the bootstrap as `cfg` says;
     /// the others register with it), then the group's API on `cfg.port`.
-    pub async fn start(cfg: EngineNodeConfig, size: u32) -> Result<Self, NodeError> {
+    pub async fn start(cfg: EngineNodeConfig, size: u32) -> Result<Self, SimNodeError> {
         if size == 0 {
-            return Err(NodeError::Config("a data-parallel group needs at least one rank".into()));
+            return Err(SimNodeError::NoDataParallelRank);
         }
         let mut engines: Vec<EngineNode> = Vec::with_capacity(size as usize);
         for rank in 0..size {
@@ -61,7 +61,7 @@ impl DataParallelGroup {
             Ok((http_addr, http_stop, http_task)) => Ok(Self { http_addr, engines, http_stop, http_task }),
             Err(e) => {
                 stop_all(engines).await;
-                Err(e)
+                Err(e.into())
             }
         }
     }

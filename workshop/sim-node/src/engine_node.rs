@@ -17,6 +17,7 @@ use pdflow_sim_engine::{api, Engine, EngineConfig, EngineHandle};
 use pdflow_transfer::tcp::TcpConfig;
 use tokio_util::sync::CancellationToken;
 
+use crate::error::SimNodeError;
 use crate::rank_process::{shared_kv, RankLaunch, RankProcess, RankStart};
 use crate::ranked_port::{RankPort, RankedPort};
 use crate::ranks::RankTopology;
@@ -98,13 +99,13 @@ pub struct EngineNode {
 }
 
 impl EngineNode {
-    pub async fn start(cfg: EngineNodeConfig) -> Result<Self, NodeError> {
+    pub async fn start(cfg: EngineNodeConfig) -> Result<Self, SimNodeError> {
         Self::start_on(cfg, 0).await
     }
 
     /// Starts the node with P's side channel on `side_channel_port` (0: any), so that a node
     /// started again after a crash binds and registers the same address (`pdflow chaos`).
-    pub async fn start_on(cfg: EngineNodeConfig, side_channel_port: u16) -> Result<Self, NodeError> {
+    pub async fn start_on(cfg: EngineNodeConfig, side_channel_port: u16) -> Result<Self, SimNodeError> {
         let engine_id = cfg.engine.engine_id.clone();
         let side_channel = Arc::new(AtomicU16::new(side_channel_port));
         let sharded = cfg.parallel != Parallel::default();
@@ -117,8 +118,7 @@ impl EngineNode {
                 || new_kv_cache(&cfg),
                 |rank, shape| {
                     let (cache, file) =
-                        shared_kv::create(shape, cfg.engine.num_blocks, &format!("{engine_id}-rank{rank}"))
-                            .map_err(|e| NodeError::Config(e.to_string()))?;
+                        shared_kv::create(shape, cfg.engine.num_blocks, &format!("{engine_id}-rank{rank}"))?;
                     kv_files.push(file);
                     Ok(cache)
                 },
@@ -158,15 +158,13 @@ impl EngineNode {
         };
         let mut engine_cfg = cfg.engine.clone();
         engine_cfg.kv_state_timeout.get_or_insert(kv_state_timeout(&cfg.deadlines));
-        let worker_port: Arc<dyn WorkerConnectorPort> = match ports.len() {
-            1 => ports.into_iter().next().map(|r| r.port).ok_or_else(|| NodeError::Config("no rank".into()))?,
-            _ => Arc::new(RankedPort::new(ports)),
-        };
+        let mut ports = ports;
+        let worker_port: Arc<dyn WorkerConnectorPort> =
+            if ports.len() == 1 { ports.remove(0).port } else { Arc::new(RankedPort::new(ports)) };
         let connector_ports = Connector { scheduler: Arc::new(SchedulerPort(connector.clone())), worker: worker_port };
         let engine = match topology.ranks.len() {
             1 => Engine::start(engine_cfg, kv_cache.clone(), Some(connector_ports)),
-            _ => Engine::start_ranked(engine_cfg, topology.ranks.clone(), Some(connector_ports))
-                .map_err(|e| NodeError::Config(format!("the engine's ranks: {e}")))?,
+            _ => Engine::start_ranked(engine_cfg, topology.ranks.clone(), Some(connector_ports))?,
         };
         let (http_addr, http_stop, http_task) = serve_http(&cfg.host, cfg.port, api::router(engine.clone())).await?;
         Ok(Self {
@@ -345,7 +343,7 @@ async fn start_rank_processes(
     kv_files: Vec<shared_kv::TempFile>,
     side_channel: &Arc<AtomicU16>,
     lost: &CancellationToken,
-) -> Result<(Vec<RankProcess>, Vec<RankPort>), NodeError> {
+) -> Result<(Vec<RankProcess>, Vec<RankPort>), SimNodeError> {
     let mut processes: Vec<RankProcess> = Vec::with_capacity(kv_files.len());
     let mut ports = Vec::with_capacity(kv_files.len());
     for (i, kv_file) in kv_files.into_iter().enumerate() {
@@ -371,7 +369,7 @@ async fn start_rank_processes(
                 for p in processes {
                     p.stop().await;
                 }
-                return Err(NodeError::Config(e.to_string()));
+                return Err(e.into());
             }
         }
     }
@@ -393,11 +391,12 @@ pub async fn serve_http(
 ) -> Result<(SocketAddr, CancellationToken, tokio::task::JoinHandle<()>), NodeError> {
     let addr = format!("{host}:{port}");
     let listener = tokio::net::TcpListener::bind(&addr).await.map_err(|source| NodeError::Bind {
-        what: "engine HTTP API",
+        what: "the engine HTTP API",
         addr: addr.clone(),
         source,
     })?;
-    let local = listener.local_addr().map_err(|source| NodeError::Bind { what: "engine HTTP API", addr, source })?;
+    let local =
+        listener.local_addr().map_err(|source| NodeError::Bind { what: "the engine HTTP API", addr, source })?;
     let stop = CancellationToken::new();
     let token = stop.clone();
     let task = tokio::spawn(async move {
@@ -423,15 +422,15 @@ pub async fn stop_http(stop: CancellationToken, mut task: tokio::task::JoinHandl
 }
 
 /// The node's KV cache: host memory, or GPU memory with `kv_device` (feature `cuda`).
-fn new_kv_cache(cfg: &EngineNodeConfig) -> Result<Arc<KvCache>, NodeError> {
+fn new_kv_cache(cfg: &EngineNodeConfig) -> Result<Arc<KvCache>, SimNodeError> {
     let (shape, blocks) = (cfg.engine.shape, cfg.engine.num_blocks);
     match cfg.kv_device {
         None => Ok(KvCache::new(shape, blocks)),
         #[cfg(feature = "cuda")]
-        Some(device) => KvCache::new_cuda(shape, blocks, device).map_err(|e| NodeError::Config(format!("KV cache on GPU {device}: {e}"))),
+        Some(device) => {
+            KvCache::new_cuda(shape, blocks, device).map_err(|e| SimNodeError::KvOnGpu { device, source: Box::new(e) })
+        }
         #[cfg(not(feature = "cuda"))]
-        Some(device) => Err(NodeError::Config(format!(
-            "KV cache on GPU {device}: this pdflow was built without GPU support (build it with `cargo build --release --features cuda`)"
-        ))),
+        Some(device) => Err(SimNodeError::NoGpuSupport { device }),
     }
 }

@@ -13,12 +13,16 @@
 //!   the rank's KV cache in shared memory.
 //! - [`dp_group`] — a data-parallel group: several engines behind one API, each registered at
 //!   bootstrap under its dp_rank.
+//! - [`error`] — why a node could not start ([`SimNodeError`]: the production node's
+//!   [`pdflow_node::NodeError`] and the simulated engine's own).
 
 pub mod dp_group;
 pub mod engine_node;
+pub mod error;
 pub mod rank_process;
 pub mod ranked_port;
 pub mod ranks;
 
 pub use dp_group::DataParallelGroup;
 pub use engine_node::{EngineNode, EngineNodeConfig};
+pub use error::SimNodeError;

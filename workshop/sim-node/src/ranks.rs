@@ -10,7 +10,7 @@ use pdflow_kv::topology::{RankLayout, Topology};
 use pdflow_sim_engine::Rank;
 
 use crate::engine_node::{EngineNodeConfig, Parallel};
-use pdflow_node::NodeError;
+use crate::error::SimNodeError;
 
 /// The ranks of one engine, in vLLM's order (`pp_rank * tp + tp_rank`).
 pub struct RankTopology {
@@ -24,8 +24,8 @@ impl RankTopology {
     /// holding everything (in `first`, the node's cache) when nothing is parallel.
     pub fn new(
         cfg: &EngineNodeConfig,
-        first: impl FnOnce() -> Result<Arc<KvCache>, NodeError>,
-    ) -> Result<Self, NodeError> {
+        first: impl FnOnce() -> Result<Arc<KvCache>, SimNodeError>,
+    ) -> Result<Self, SimNodeError> {
         let blocks = cfg.engine.num_blocks;
         Self::with_caches(cfg, first, |_, shape| Ok(KvCache::new(shape, blocks)))
     }
@@ -33,48 +33,38 @@ impl RankTopology {
     /// As [`RankTopology::new`], each sharded rank's cache made by `cache(rank, shape)`.
     pub fn with_caches(
         cfg: &EngineNodeConfig,
-        first: impl FnOnce() -> Result<Arc<KvCache>, NodeError>,
-        mut cache: impl FnMut(usize, KvShape) -> Result<Arc<KvCache>, NodeError>,
-    ) -> Result<Self, NodeError> {
+        first: impl FnOnce() -> Result<Arc<KvCache>, SimNodeError>,
+        mut cache: impl FnMut(usize, KvShape) -> Result<Arc<KvCache>, SimNodeError>,
+    ) -> Result<Self, SimNodeError> {
         let (parallel, model) = (cfg.parallel, cfg.engine.shape);
-        let layouts = Self::layouts(cfg)?;
         if parallel == Parallel::default() {
-            let whole = layouts.into_iter().next().ok_or_else(|| NodeError::Config("no rank".into()))?;
-            return Ok(Self { ranks: vec![(whole, first()?)], parallel, model });
+            return Ok(Self { ranks: vec![(whole_model(model), first()?)], parallel, model });
         }
-        let ranks = layouts
+        let ranks = Self::layouts(cfg)?
             .into_iter()
             .enumerate()
             .map(|(i, layout)| {
                 let shape = rank_shape(model, &layout);
                 Ok((layout, cache(i, shape)?))
             })
-            .collect::<Result<Vec<_>, NodeError>>()?;
+            .collect::<Result<Vec<_>, SimNodeError>>()?;
         Ok(Self { ranks, parallel, model })
     }
 
     /// The layers and KV heads of each rank `cfg.parallel` asks for, checked against the model.
-    pub fn layouts(cfg: &EngineNodeConfig) -> Result<Vec<RankLayout>, NodeError> {
-        let (parallel, model) = (cfg.parallel, cfg.engine.shape);
-        if parallel.tp == 0 || parallel.pp == 0 {
-            return Err(NodeError::Config(format!(
-                "tensor and pipeline parallel sizes must be at least 1 (got tp {}, pp {})",
-                parallel.tp, parallel.pp
-            )));
+    pub fn layouts(cfg: &EngineNodeConfig) -> Result<Vec<RankLayout>, SimNodeError> {
+        let (Parallel { tp, pp }, model) = (cfg.parallel, cfg.engine.shape);
+        if tp == 0 || pp == 0 {
+            return Err(SimNodeError::ParallelSize { tp, pp });
         }
-        if parallel == Parallel::default() {
-            return Ok(vec![RankLayout { layers: 0..model.num_layers, heads: 0..model.num_kv_heads }]);
+        if cfg.parallel == Parallel::default() {
+            return Ok(vec![whole_model(model)]);
         }
-        if cfg.kv_device.is_some() {
-            return Err(NodeError::Config(
-                "a sharded engine (tp or pp above 1) keeps its KV in host memory: drop --kv-device".into(),
-            ));
+        if let Some(device) = cfg.kv_device {
+            return Err(SimNodeError::ShardedOnGpu { device });
         }
-        let topology =
-            Topology::uniform(parallel.tp as usize, parallel.pp as usize, model.num_layers, model.num_kv_heads)
-                .map_err(|e| {
-                    NodeError::Config(format!("tp {} × pp {} over this model: {e}", parallel.tp, parallel.pp))
-                })?;
+        let topology = Topology::uniform(tp as usize, pp as usize, model.num_layers, model.num_kv_heads)
+            .map_err(|source| SimNodeError::Topology { tp, pp, source })?;
         Ok(topology.ranks().to_vec())
     }
 
@@ -88,6 +78,11 @@ impl RankTopology {
 pub fn worker_rank(parallel: Parallel, model: KvShape, index: usize) -> WorkerRank {
     let tp = parallel.tp;
     WorkerRank { tp_size: tp, tp_rank: index as u32 % tp, pp_size: parallel.pp, pp_rank: index as u32 / tp, model }
+}
+
+/// What the one rank of an engine that is not sharded holds: every layer and head of `model`.
+fn whole_model(model: KvShape) -> RankLayout {
+    RankLayout { layers: 0..model.num_layers, heads: 0..model.num_kv_heads }
 }
 
 /// The KV shape of a rank holding `layout` of `model`.

@@ -1,4 +1,4 @@
-//! `pdflow demo`: the seed scenario in one command (DESIGN §8).
+//! `pdflow demo`: the seed scenario in one command.
 //!
 //! Starts, on loopback, a producer engine whose TP0 launches the bootstrap (seed step 2), a
 //! consumer engine and the proxy; sends the seed request (a 1000-token prompt, max_tokens 128,
@@ -36,7 +36,7 @@ use crate::timeline::{StepTiming, Timeline};
 use pdflow_node::config::Deadlines;
 use pdflow_node::{NodeError, ProxyNode};
 use pdflow_sim_node::engine_node::{serve_http, BootstrapPlacement, Parallel};
-use pdflow_sim_node::{EngineNode, EngineNodeConfig};
+use pdflow_sim_node::{EngineNode, EngineNodeConfig, SimNodeError};
 
 /// What the demo runs.
 #[derive(Debug, Clone)]
@@ -171,6 +171,8 @@ pub struct RankWrite {
 pub enum DemoError {
     #[error(transparent)]
     Node(#[from] NodeError),
+    #[error(transparent)]
+    SimNode(#[from] SimNodeError),
     #[error("HTTP request to {url} failed: {reason}")]
     Http { url: String, reason: String },
     #[error("the proxy at {url} was not ready within {deadline:?}")]

@@ -26,8 +26,8 @@ use tokio::net::{TcpSocket, TcpStream};
 use tokio_rustls::TlsConnector;
 
 use super::ack_wait;
-use super::stream::DataStream;
 use super::config::TcpConfig;
+use super::stream::DataStream;
 use super::wire::{self, Ack, HelloAnswer, HostInfo, WireError, MAX_DESCRIPTORS_PER_BATCH};
 use super::SOCKET_BUFFER_BYTES;
 use crate::{TransferEngine, TransferError, TransferStats};

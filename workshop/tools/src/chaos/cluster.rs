@@ -18,8 +18,10 @@ use pdflow_sim_engine::{EngineConfig, LoadFailurePolicy};
 use pdflow_transfer::tcp::TcpConfig;
 use tokio::sync::mpsc;
 
+use super::{http_client, ChaosError};
+use futures::TryFutureExt as _;
 use pdflow_node::config::Deadlines;
-use pdflow_node::{BootstrapNode, NodeError, ProxyNode};
+use pdflow_node::{BootstrapNode, ProxyNode};
 use pdflow_sim_node::engine_node::{BootstrapPlacement, Parallel};
 use pdflow_sim_node::{EngineNode, EngineNodeConfig};
 
@@ -103,17 +105,15 @@ pub fn node_cfg(
 }
 
 /// Retries `start` while the old incarnation's port is still busy (bounded).
-async fn retry_bind<T, F, Fut>(mut start: F) -> Result<T, NodeError>
+async fn retry_bind<T, F, Fut>(mut start: F) -> Result<T, ChaosError>
 where
     F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = Result<T, NodeError>>,
+    Fut: std::future::Future<Output = Result<T, ChaosError>>,
 {
     let until = Instant::now() + REBIND_DEADLINE;
     loop {
         match start().await {
-            Err(NodeError::Bind { .. }) if Instant::now() < until => {
-                tokio::time::sleep(Duration::from_millis(20)).await
-            }
+            Err(e) if e.is_bind() && Instant::now() < until => tokio::time::sleep(Duration::from_millis(20)).await,
             other => return other,
         }
     }
@@ -121,7 +121,7 @@ where
 
 impl ChaosCluster {
     /// Starts the cluster, its nodes and their actors registered in `domain`.
-    pub async fn start(spec: ChaosSpec, domain: &Arc<FaultDomain>) -> Result<Self, NodeError> {
+    pub async fn start(spec: ChaosSpec, domain: &Arc<FaultDomain>) -> Result<Self, ChaosError> {
         let faults = domain.seam();
         let bootstrap = BootstrapNode::start_with(SocketAddr::from(([127, 0, 0, 1], 0)), None, &faults).await?;
         let bootstrap_addr = bootstrap.addr;
@@ -153,13 +153,10 @@ impl ChaosCluster {
             &faults,
         )
         .await?;
-        let client = reqwest::Client::builder()
-            .no_proxy()
-            .build()
-            .map_err(|e| NodeError::Config(format!("HTTP client: {e}")))?;
+        let client = http_client()?;
         crate::demo::wait_ready(&client, &proxy.url(), Duration::from_secs(10))
             .await
-            .map_err(|e| NodeError::Config(format!("chaos cluster: {e}")))?;
+            .map_err(|source| ChaosError::NotReady { cluster: "chaos cluster", source })?;
         let (tx, kills) = mpsc::unbounded_channel();
         let kill_tx = Arc::new(tx);
         for node in [NodeKind::P, NodeKind::D, NodeKind::Bootstrap] {
@@ -198,7 +195,7 @@ impl ChaosCluster {
     }
 
     /// Kills `node` hard and starts it again on the same addresses.
-    pub async fn kill_and_restart(&mut self, node: NodeKind) -> Result<(), NodeError> {
+    pub async fn kill_and_restart(&mut self, node: NodeKind) -> Result<(), ChaosError> {
         tracing::warn!(node = node.name(), "chaos: killing the node and starting it again");
         match node {
             NodeKind::P => {
@@ -206,14 +203,15 @@ impl ChaosCluster {
                     p.kill().await;
                 }
                 let (cfg, port) = (self.p_cfg.clone(), self.p_side_channel_port);
-                self.prefill = Some(retry_bind(|| EngineNode::start_on(cfg.clone(), port)).await?);
+                self.prefill =
+                    Some(retry_bind(|| EngineNode::start_on(cfg.clone(), port).map_err(ChaosError::from)).await?);
             }
             NodeKind::D => {
                 if let Some(d) = self.decode.take() {
                     d.kill().await;
                 }
                 let cfg = self.d_cfg.clone();
-                self.decode = Some(retry_bind(|| EngineNode::start(cfg.clone())).await?);
+                self.decode = Some(retry_bind(|| EngineNode::start(cfg.clone()).map_err(ChaosError::from)).await?);
             }
             NodeKind::Bootstrap => {
                 if let Some(b) = self.bootstrap.take() {
@@ -221,13 +219,11 @@ impl ChaosCluster {
                 }
                 let addr = self.bootstrap_addr;
                 let faults = self.faults.clone();
-                self.bootstrap = Some(retry_bind(|| BootstrapNode::start_with(addr, None, &faults)).await?);
+                self.bootstrap = Some(
+                    retry_bind(|| BootstrapNode::start_with(addr, None, &faults).map_err(ChaosError::from)).await?,
+                );
             }
-            NodeKind::Proxy => {
-                return Err(NodeError::Config(
-                    "chaos does not kill the proxy node: the client's own connection is the proxy's".into(),
-                ))
-            }
+            NodeKind::Proxy => return Err(ChaosError::NotKillable { node: node.name() }),
         }
         self.restarted.push(node);
         Ok(())

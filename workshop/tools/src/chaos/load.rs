@@ -46,8 +46,7 @@ pub use report::{render, BadRequest, LoadReport, TerminalMs};
 
 use super::cell::{body, token_ids, truncate, Outcome};
 use super::cluster::ChaosSpec;
-use super::{ChaosLayers, Reference};
-use pdflow_node::NodeError;
+use super::{http_client, ChaosError, ChaosLayers, Reference};
 use verdict::{classify, outcome_name, verdict, Answer, Problem};
 
 /// How often step spans are read out of the capture and forgotten.
@@ -244,7 +243,7 @@ impl Prompts {
         rng: &mut SplitMix64,
         client: &reqwest::Client,
         reference: &Reference,
-    ) -> Result<Self, NodeError> {
+    ) -> Result<Self, ChaosError> {
         let (lo, hi) = opts.prompt_tokens;
         let mut bodies = Vec::with_capacity(opts.distinct_prompts);
         let mut want = Vec::with_capacity(opts.distinct_prompts);
@@ -257,13 +256,11 @@ impl Prompts {
             );
             let tokens = match post(client, &url, &format!("ref-{i}"), &b, Duration::from_secs(30)).await {
                 (_, Ok((200, v))) => token_ids(&v),
-                (_, other) => {
-                    return Err(NodeError::Config(format!("reference engine did not answer prompt {i}: {other:?}")))
-                }
+                (_, other) => return Err(ChaosError::Reference(format!("no answer to prompt {i}: {other:?}"))),
             };
             if tokens.len() != opts.max_tokens {
-                return Err(NodeError::Config(format!(
-                    "reference engine gave {} tokens for prompt {i}, asked for {}",
+                return Err(ChaosError::Reference(format!(
+                    "{} tokens for prompt {i}, asked for {}",
                     tokens.len(),
                     opts.max_tokens
                 )));
@@ -316,7 +313,7 @@ async fn blast(
 
 /// `pdflow chaos --load`: runs the load, prints progress and the summary, writes `json`;
 /// `Ok(true)` when it passed.
-pub async fn run_cli(opts: &LoadOptions, json: Option<&std::path::Path>) -> Result<bool, NodeError> {
+pub async fn run_cli(opts: &LoadOptions, json: Option<&std::path::Path>) -> Result<bool, ChaosError> {
     let layers = super::install_layers();
     println!(
         "pdflow chaos --load: {} requests at concurrency {} through the proxy and {PREFILLS}P{DECODES}D, fault rate {} (seed {}), D's policy {:?}",
@@ -331,9 +328,8 @@ pub async fn run_cli(opts: &LoadOptions, json: Option<&std::path::Path>) -> Resu
     .await?;
     println!("\n{}", render(&report));
     if let Some(path) = json {
-        let text = serde_json::to_string_pretty(&report)
-            .map_err(|e| NodeError::Config(format!("serialising the load report: {e}")))?;
-        std::fs::write(path, text).map_err(|e| NodeError::Config(format!("writing {}: {e}", path.display())))?;
+        let text = serde_json::to_string_pretty(&report).map_err(ChaosError::Report)?;
+        std::fs::write(path, text).map_err(|source| ChaosError::Write { path: path.to_path_buf(), source })?;
         println!("report written to {}", path.display());
     }
     Ok(report.passed)
@@ -351,11 +347,10 @@ pub async fn run(
     opts: &LoadOptions,
     layers: &ChaosLayers,
     mut progress: impl FnMut(Phase, usize, usize),
-) -> Result<LoadReport, NodeError> {
-    opts.validate().map_err(|e| NodeError::Config(e.join("; ")))?;
+) -> Result<LoadReport, ChaosError> {
+    opts.validate().map_err(ChaosError::LoadOptions)?;
     let spec = load_spec(opts);
-    let client =
-        reqwest::Client::builder().no_proxy().build().map_err(|e| NodeError::Config(format!("HTTP client: {e}")))?;
+    let client = http_client()?;
     let mut rng = SplitMix64::new(opts.seed);
     let reference = Reference::start(spec.shape).await?;
     let prompts = Prompts::make(opts, &mut rng, &client, &reference).await;

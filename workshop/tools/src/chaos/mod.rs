@@ -39,6 +39,62 @@ pub use matrix::{cells, CellSpec};
 use pdflow_node::config::Deadlines;
 use pdflow_node::NodeError;
 use pdflow_sim_node::engine_node::{serve_http, stop_http};
+use pdflow_sim_node::SimNodeError;
+
+/// Why a chaos run (the matrix, the network cells, the load) could not run at all — as opposed
+/// to running and failing its cells.
+#[derive(Debug, thiserror::Error)]
+pub enum ChaosError {
+    /// A node (bootstrap, proxy) did not start.
+    #[error(transparent)]
+    Node(#[from] NodeError),
+    /// An engine node did not start.
+    #[error(transparent)]
+    SimNode(#[from] SimNodeError),
+    #[error("HTTP client: {0}")]
+    HttpClient(#[source] reqwest::Error),
+    /// The cluster did not answer through its proxy after start.
+    #[error("{cluster}: {source}")]
+    NotReady { cluster: &'static str, source: crate::demo::DemoError },
+    /// Network cells asked for alone where network namespaces cannot be used.
+    #[error("the network cells cannot run here: {why}")]
+    NetworkUnavailable { why: String },
+    /// Chaos kills P, D and the bootstrap; the proxy carries the client's own connection.
+    #[error("chaos does not kill the {node} node: the client's own connection is the proxy's")]
+    NotKillable { node: &'static str },
+    /// The reference engine's answer to a prompt is unusable.
+    #[error("reference engine: {0}")]
+    Reference(String),
+    /// `--load` options that cannot run (each problem named).
+    #[error("{}", .0.join("; "))]
+    LoadOptions(Vec<String>),
+    /// A load cluster without a P or a D.
+    #[error("a load cluster needs at least one P and one D (asked for {prefills}P{decodes}D)")]
+    LoadShape { prefills: usize, decodes: usize },
+    /// A P of the load cluster that launched no bootstrap.
+    #[error("P {engine_id} launched no bootstrap")]
+    NoBootstrap { engine_id: String },
+    #[error("serialising the load report: {0}")]
+    Report(#[source] serde_json::Error),
+    #[error("writing {}: {source}", .path.display())]
+    Write { path: std::path::PathBuf, source: std::io::Error },
+}
+
+impl ChaosError {
+    /// Whether a restarted node's port is still held by its previous incarnation.
+    pub fn is_bind(&self) -> bool {
+        match self {
+            ChaosError::Node(e) => e.is_bind(),
+            ChaosError::SimNode(e) => e.is_bind(),
+            _ => false,
+        }
+    }
+}
+
+/// A client for the cluster's HTTP APIs (never through a proxy of the environment).
+pub(crate) fn http_client() -> Result<reqwest::Client, ChaosError> {
+    reqwest::Client::builder().no_proxy().build().map_err(ChaosError::HttpClient)
+}
 
 /// A small model shape: chaos cells are about failure paths, not bandwidth (8 KiB per block).
 pub const CHAOS_SHAPE: KvShape =
@@ -116,7 +172,7 @@ pub struct Reference {
 }
 
 impl Reference {
-    pub async fn start(shape: KvShape) -> Result<Self, NodeError> {
+    pub async fn start(shape: KvShape) -> Result<Self, ChaosError> {
         let cfg = EngineConfig { engine_id: "reference".into(), shape, num_blocks: 256, ..EngineConfig::default() };
         let engine = Engine::start(cfg.clone(), KvCache::new(cfg.shape, cfg.num_blocks), None);
         let (addr, stop, task) = serve_http("127.0.0.1", 0, api::router(engine.clone())).await?;
@@ -140,7 +196,7 @@ pub async fn run(
     opts: &ChaosOptions,
     layers: &ChaosLayers,
     mut progress: impl FnMut(usize, usize, &CellResult),
-) -> Result<ChaosReport, NodeError> {
+) -> Result<ChaosReport, ChaosError> {
     let started = Instant::now();
     let spec = chaos_spec(opts.policy);
     let cells: Vec<CellSpec> = cells(opts.quick, &spec.deadlines)
@@ -148,8 +204,7 @@ pub async fn run(
         .filter(|c| opts.filter.as_deref().is_none_or(|f| c.name().contains(f)))
         .collect();
     let reference = Reference::start(spec.shape).await?;
-    let client =
-        reqwest::Client::builder().no_proxy().build().map_err(|e| NodeError::Config(format!("HTTP client: {e}")))?;
+    let client = http_client()?;
     let env = CellEnv {
         spec,
         capture: &layers.capture,
@@ -187,7 +242,7 @@ pub async fn run_selected(
     layers: &ChaosLayers,
     bin: &std::path::Path,
     mut progress: impl FnMut(Progress<'_>),
-) -> Result<ChaosReport, NodeError> {
+) -> Result<ChaosReport, ChaosError> {
     let started = Instant::now();
     let mut cells = Vec::new();
     if opts.network != NetworkCells::Only {
@@ -208,9 +263,7 @@ pub async fn run_selected(
                     net::run(bin, &selected, |index, of, row| progress(Progress::Cell { index, of, row })).await?.cells,
                 );
             }
-            Err(why) if opts.network == NetworkCells::Only => {
-                return Err(NodeError::Config(format!("the network cells cannot run here: {why}")))
-            }
+            Err(why) if opts.network == NetworkCells::Only => return Err(ChaosError::NetworkUnavailable { why }),
             Err(why) => network_skipped = Some(why),
         }
     }

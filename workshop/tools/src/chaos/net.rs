@@ -23,8 +23,7 @@ use pdflow_kv::memory::KvShape;
 
 pub use cells::{run_net_cell, NetCell, NetEnv};
 
-use super::{report, CellResult, ChaosReport, Reference};
-use pdflow_node::NodeError;
+use super::{http_client, report, CellResult, ChaosError, ChaosReport, Reference};
 
 /// Whether network namespaces can be used here; `Err` says why not.
 pub fn available() -> Result<(), String> {
@@ -42,11 +41,10 @@ pub async fn run(
     bin: &Path,
     cells: &[NetCell],
     mut progress: impl FnMut(usize, usize, &CellResult),
-) -> Result<ChaosReport, NodeError> {
+) -> Result<ChaosReport, ChaosError> {
     let started = Instant::now();
     let reference = Reference::start(KvShape::QWEN3_8B).await?;
-    let client =
-        reqwest::Client::builder().no_proxy().build().map_err(|e| NodeError::Config(format!("HTTP client: {e}")))?;
+    let client = http_client()?;
     let env = NetEnv { bin, client: &client, reference_url: &reference.url };
     let mut results = Vec::with_capacity(cells.len());
     for (i, cell) in cells.iter().enumerate() {

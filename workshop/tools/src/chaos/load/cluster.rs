@@ -19,7 +19,8 @@ use pdflow_messages::sender_listener::InFlightPulls;
 use pdflow_sim_engine::scheduler::BlockStats;
 
 use crate::chaos::cluster::{node_cfg, ChaosSpec};
-use pdflow_node::{NodeError, ProxyNode};
+use crate::chaos::{http_client, ChaosError};
+use pdflow_node::ProxyNode;
 use pdflow_sim_node::engine_node::BootstrapPlacement;
 use pdflow_sim_node::EngineNode;
 
@@ -43,11 +44,9 @@ pub struct Held {
 impl LoadCluster {
     /// Starts `prefills` Ps and `decodes` Ds (at least one each) and waits until the proxy is ready.
     /// Their actors are offered to `faults`.
-    pub async fn start(spec: &ChaosSpec, prefills: usize, decodes: usize, faults: &Faults) -> Result<Self, NodeError> {
+    pub async fn start(spec: &ChaosSpec, prefills: usize, decodes: usize, faults: &Faults) -> Result<Self, ChaosError> {
         if prefills == 0 || decodes == 0 {
-            return Err(NodeError::Config(format!(
-                "a load cluster needs at least one P and one D (asked for {prefills}P{decodes}D)"
-            )));
+            return Err(ChaosError::LoadShape { prefills, decodes });
         }
         let suffix = uuid::Uuid::new_v4().simple().to_string();
         let mut prefill = Vec::with_capacity(prefills);
@@ -81,10 +80,10 @@ impl LoadCluster {
                         let bootstrap_port = p
                             .launched_bootstrap_addr()
                             .map(|a| a.port())
-                            .ok_or_else(|| NodeError::Config(format!("P {} launched no bootstrap", p.engine_id)))?;
+                            .ok_or_else(|| ChaosError::NoBootstrap { engine_id: p.engine_id.clone() })?;
                         Ok(PrefillTarget { url: p.url(), bootstrap_port })
                     })
-                    .collect::<Result<_, NodeError>>()?,
+                    .collect::<Result<_, ChaosError>>()?,
                 decode: decode.iter().map(EngineNode::url).collect(),
                 health_interval: Duration::from_millis(25),
                 upstream_timeout: spec.upstream_timeout,
@@ -95,13 +94,10 @@ impl LoadCluster {
         )
         .await?;
         let cluster = Self { prefill, decode, proxy };
-        let client = reqwest::Client::builder()
-            .no_proxy()
-            .build()
-            .map_err(|e| NodeError::Config(format!("HTTP client: {e}")))?;
-        if let Err(e) = crate::demo::wait_ready(&client, &cluster.proxy.url(), READY_DEADLINE).await {
+        let client = http_client()?;
+        if let Err(source) = crate::demo::wait_ready(&client, &cluster.proxy.url(), READY_DEADLINE).await {
             cluster.shutdown().await;
-            return Err(NodeError::Config(format!("load cluster: {e}")));
+            return Err(ChaosError::NotReady { cluster: "load cluster", source });
         }
         Ok(cluster)
     }
