@@ -533,19 +533,26 @@ mod tests {
         assert_eq!(post(&client, &base, seed_worker().to_string()).await.0, 200);
     }
 
-    #[tokio::test]
-    async fn binding_a_taken_port_is_a_bind_error() {
+    /// On the paused clock (binding is a plain syscall, no I/O is awaited): a taken port fails the
+    /// start with a bind error once the re-bind deadline has passed, not before.
+    #[tokio::test(start_paused = true)]
+    async fn binding_a_taken_port_is_a_bind_error_at_the_rebind_deadline() {
+        use crate::rebind::{REBIND_DEADLINE, REBIND_RETRY_EVERY};
         let taken = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
         let bind = taken.local_addr().expect("addr");
+        let started_at = tokio::time::Instant::now();
         let actor = Bootstrap::spawn(BootstrapArgs { bind, secret: None });
-        let started = tokio::time::timeout(
-            Duration::from_secs(5),
+        let failed = tokio::time::timeout(
+            REBIND_DEADLINE * 2,
             actor.wait_for_startup_with_result(|r| {
                 matches!(r, Err(kameo::error::HookError::Error(ActorError::Bind { .. })))
             }),
         )
         .await
         .expect("startup finishes");
-        assert!(started, "a taken port must fail with ActorError::Bind");
+        assert!(failed, "a taken port must fail with ActorError::Bind");
+        let waited = started_at.elapsed();
+        assert!(waited >= REBIND_DEADLINE && waited <= REBIND_DEADLINE + REBIND_RETRY_EVERY, "failed after {waited:?}");
+        drop(taken);
     }
 }

@@ -1,19 +1,24 @@
-//! The Receiver's bootstrap look-up (seed step 20: vLLM's `handle_new_engine_id`) and the TP/PP
-//! pairing of a D worker with P workers (step 21: vLLM's `receive_kv` rank mapping).
+//! The Receiver's bootstrap look-ups (seed step 20: vLLM's `handle_new_engine_id`): an engine
+//! whose workers are not cached is looked up once (`GET /query` in a task the actor owns, retried
+//! until the answer names it), later pulls for it queue behind that look-up, and its answer caches
+//! every engine it names before the queued pulls go (or fail).
 
 use std::collections::BTreeMap;
 use std::time::Duration;
 
+use kameo::prelude::*;
 use pdflow_auth::http::Call;
 use pdflow_auth::ClusterSecret;
-use pdflow_kv::topology::pulled_by;
-use pdflow_kv::topology::TopologyError;
 use pdflow_messages::bootstrap::{BootstrapBodyError, QueryResponse, WorkerAddrs};
 use pdflow_messages::lifecycle::TransferState;
-use pdflow_messages::EngineId;
+use pdflow_messages::scheduler_connector::{LoadFailure, LoadFailureCause, PullMeta};
+use pdflow_messages::{EngineId, RequestId};
+use pdflow_observability::{attrs, step_span, steps};
+use tokio::task::JoinHandle;
+use tracing::Instrument;
 
+use super::Receiver;
 use crate::error::BootstrapCallError;
-use crate::ranks::WorkerRank;
 
 /// Why a bootstrap look-up (step 20) failed; D's queued requests fail with this text.
 #[derive(Debug, thiserror::Error)]
@@ -33,23 +38,6 @@ pub(crate) enum LookupError {
     /// No answer within the look-up's deadline.
     #[error("{}", TransferState::LookingUp.passed(*after, format!("GET {url} got no answer")))]
     Timeout { url: String, after: Duration },
-}
-
-/// Why D worker cannot pair with P's workers (step 21); D's requests fail with this text.
-#[derive(Debug, thiserror::Error)]
-pub(crate) enum PairError {
-    /// Not every P worker has registered yet.
-    #[error("P engine {engine_id} registered {registered} workers, not tp_size × pp_size = {tp} × {pp}: some P workers have not registered")]
-    Incomplete { engine_id: String, registered: usize, tp: u32, pp: u32 },
-    /// P's registered workers do not form a topology of the model.
-    #[error("P engine {engine_id} (tp {tp}, pp {pp}): {source}")]
-    PRanks { engine_id: String, tp: u32, pp: u32, source: TopologyError },
-    /// This D worker's ranks do not form a topology of the model.
-    #[error("this D worker's ranks (tp {tp}, pp {pp}): {source}")]
-    DRanks { tp: u32, pp: u32, source: TopologyError },
-    /// A P worker this D worker must pull from is not registered.
-    #[error("P engine {engine_id} registered no worker for tp_rank {tp_rank}, pp_rank {pp_rank}")]
-    MissingWorker { engine_id: String, tp_rank: u32, pp_rank: u32 },
 }
 
 /// What one `/query` answered: every engine with its workers, and each worker's generation by
@@ -127,96 +115,75 @@ pub(crate) async fn query_until_registered(
 /// Pause between two look-ups of an engine the bootstrap does not (yet) name.
 const RETRY_EVERY: Duration = Duration::from_millis(50);
 
-/// One P worker this D worker pulls from.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct Peer {
-    pub tp_rank: u32,
-    pub pp_rank: u32,
-    pub addr: String,
+/// One bootstrap look-up in flight, with the requests queued behind it.
+#[derive(Debug)]
+pub(super) struct Lookup {
+    pub(super) bootstrap_addr: String,
+    pub(super) queued: BTreeMap<RequestId, PullMeta>,
+    pub(super) task: JoinHandle<()>,
 }
 
-/// P's engine as its registered workers describe it: (tp_size, pp_size).
-pub(crate) fn world(workers: &WorkerAddrs) -> (u32, u32) {
-    let tp = workers.len() as u32;
-    let pp = workers.values().map(|pps| pps.len()).max().unwrap_or(0) as u32;
-    (tp, pp)
+/// Internal: a look-up task's answer.
+struct LookupDone {
+    engine_id: EngineId,
+    result: Result<Answer, LookupError>,
 }
 
-/// The P workers D worker `me` pulls from: for each (layer, KV head) it holds, one P worker
-/// holding it ([`pdflow_kv::topology::pulled_by`]; with equal topologies, the worker of the same
-/// ranks), plus an empty pull to any P replica no D worker reads, so that it frees its blocks.
-pub(crate) fn pair(engine_id: &str, workers: &WorkerAddrs, me: &WorkerRank) -> Result<Vec<Peer>, PairError> {
-    let (p_tp, p_pp) = world(workers);
-    let registered: usize = workers.values().map(BTreeMap::len).sum();
-    if p_tp == 0 || registered != (p_tp * p_pp) as usize {
-        return Err(PairError::Incomplete { engine_id: engine_id.to_owned(), registered, tp: p_tp, pp: p_pp });
+impl Receiver {
+    /// Step 20: look `engine_id` up at `bootstrap_addr` in a task; its answer comes back as a message.
+    pub(super) fn spawn_lookup(
+        &mut self,
+        engine_id: &str,
+        bootstrap_addr: &str,
+        queued: BTreeMap<RequestId, PullMeta>,
+        me: &ActorRef<Self>,
+    ) {
+        let first = queued.keys().next().cloned().unwrap_or_default();
+        let span = step_span!(steps::D_BOOTSTRAP_QUERY, request_id = %first);
+        span.record(attrs::ENGINE_ID, engine_id);
+        let (http, addr, timeout, me) =
+            (self.http.clone(), bootstrap_addr.to_string(), self.args.bootstrap_timeout, me.clone());
+        let engine = engine_id.to_string();
+        let secret = self.args.auth.secret.clone();
+        let task = tokio::spawn(async move {
+            let result = query_until_registered(&http, secret.as_ref(), &addr, &engine, timeout).instrument(span).await;
+            if let Err(e) = me.tell(LookupDone { engine_id: engine.into(), result }).await {
+                tracing::debug!(error = %e, "receiver gone before its bootstrap look-up answered");
+            }
+        });
+        self.lookups.insert(engine_id.into(), Lookup { bootstrap_addr: bootstrap_addr.to_string(), queued, task });
     }
-    let p = me.engine_of(p_tp, p_pp).map_err(|source| PairError::PRanks {
-        engine_id: engine_id.to_owned(),
-        tp: p_tp,
-        pp: p_pp,
-        source,
-    })?;
-    let d = me.topology().map_err(|source| PairError::DRanks { tp: me.tp_size, pp: me.pp_size, source })?;
-    pulled_by(&p, &d, me.index())
-        .into_iter()
-        .map(|index| {
-            let (tp_rank, pp_rank) = (index as u32 % p_tp, index as u32 / p_tp);
-            let addr = workers
-                .get(&tp_rank)
-                .and_then(|pps| pps.get(&pp_rank))
-                .ok_or_else(|| PairError::MissingWorker { engine_id: engine_id.to_owned(), tp_rank, pp_rank })?;
-            Ok(Peer { tp_rank, pp_rank, addr: addr.clone() })
-        })
-        .collect()
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use pdflow_kv::memory::KvShape;
+impl Message<LookupDone> for Receiver {
+    type Reply = ();
 
-    fn workers(tp: u32, pp: u32) -> WorkerAddrs {
-        (0..tp).map(|t| (t, (0..pp).map(|p| (p, format!("tcp://h:{t}{p}"))).collect())).collect()
-    }
-
-    fn rank(tp_size: u32, tp_rank: u32, pp_size: u32, pp_rank: u32) -> WorkerRank {
-        WorkerRank { tp_size, tp_rank, pp_size, pp_rank, model: KvShape::QWEN3_8B }
-    }
-
-    fn addrs(peers: Vec<Peer>) -> Vec<String> {
-        peers.into_iter().map(|p| p.addr).collect()
-    }
-
-    #[test]
-    fn equal_tp_pairs_rank_with_rank() {
-        assert_eq!(addrs(pair("p", &workers(1, 1), &rank(1, 0, 1, 0)).expect("pairs")), vec!["tcp://h:00"]);
-        assert_eq!(addrs(pair("p", &workers(2, 1), &rank(2, 1, 1, 0)).expect("pairs")), vec!["tcp://h:10"]);
-    }
-
-    #[test]
-    fn heterogeneous_tp_and_pp_pull_from_every_holder() {
-        // P tp 4 → D tp 2: D rank 1 holds heads 4..8, held by P ranks 2 and 3.
-        assert_eq!(
-            addrs(pair("p", &workers(4, 1), &rank(2, 1, 1, 0)).expect("pairs")),
-            vec!["tcp://h:20", "tcp://h:30"]
-        );
-        // P tp 1 → D tp 4: every D rank pulls from P's one worker.
-        assert_eq!(addrs(pair("p", &workers(1, 1), &rank(4, 3, 1, 0)).expect("pairs")), vec!["tcp://h:00"]);
-        // P pp 2 → D pp 1: both stages.
-        assert_eq!(
-            addrs(pair("p", &workers(1, 2), &rank(1, 0, 1, 0)).expect("pairs")),
-            vec!["tcp://h:00", "tcp://h:01"]
-        );
-    }
-
-    #[test]
-    fn a_partly_registered_engine_is_refused_clearly() {
-        let mut w = workers(2, 2);
-        w.get_mut(&1).expect("rank 1").remove(&1);
-        let err = pair("p-engine", &w, &rank(1, 0, 1, 0)).expect_err("refused");
-        assert!(matches!(&err, PairError::Incomplete { registered: 3, tp: 2, pp: 2, .. }), "{err:?}");
-        let text = err.to_string();
-        assert!(text.contains("p-engine") && text.contains("have not registered"), "{text}");
+    /// Step 20's answer: cache every engine it names, then send (or fail) the queued pulls.
+    async fn handle(&mut self, msg: LookupDone, ctx: &mut Context<Self, Self::Reply>) -> Self::Reply {
+        let Some(lookup) = self.lookups.remove(&msg.engine_id) else { return };
+        let engine_id = msg.engine_id;
+        let failure = match msg.result {
+            Ok(answer) => {
+                let named: Vec<String> = answer.engines.keys().map(EngineId::to_string).collect();
+                self.remote_agents.extend(answer.engines);
+                self.p_generations.extend(answer.generations);
+                if self.remote_agents.contains_key(&engine_id) {
+                    let me = ctx.actor_ref().clone();
+                    self.start_pulls(&engine_id, lookup.queued.into_values().collect(), &me).await;
+                    return;
+                }
+                let what = format!(
+                    "P engine {engine_id} is not registered at bootstrap {} (its /query names {named:?}; is that P up and registered?)",
+                    lookup.bootstrap_addr
+                );
+                TransferState::LookingUp.passed(self.args.bootstrap_timeout, what).to_string()
+            }
+            Err(reason) => {
+                format!("bootstrap look-up of P engine {engine_id} at {} failed: {reason}", lookup.bootstrap_addr)
+            }
+        };
+        for meta in lookup.queued.into_values() {
+            self.complete(&meta, Some(LoadFailure::new(LoadFailureCause::Bootstrap, failure.clone())));
+        }
     }
 }

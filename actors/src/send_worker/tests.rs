@@ -173,11 +173,17 @@ async fn a_pull_before_ready_prepares_the_data_channel_while_p_prefills() {
     assert_eq!(engine.calls(), vec!["write 127.0.0.1:1".to_string()], "nothing to prepare after ready");
 }
 
-#[tokio::test]
-async fn ready_without_pull_expires_and_counts_as_sent() {
-    let mut rig = rig(memcpy, Duration::from_millis(50));
+/// On the paused clock (the worker and its stand-ins are all in process): the ready blocks
+/// expire at `send_expiry`, not before and not later.
+#[tokio::test(start_paused = true)]
+async fn ready_without_pull_expires_at_send_expiry_and_counts_as_sent() {
+    let send_expiry = Duration::from_millis(50);
+    let mut rig = rig(memcpy, send_expiry);
+    let started = tokio::time::Instant::now();
     rig.ready(vec![1]).await;
     let out = rig.next().await;
+    let waited = started.elapsed();
+    assert!(waited >= send_expiry && waited <= send_expiry + Duration::from_millis(1), "expired after {waited:?}");
     assert!(out.reply.is_none());
     assert!(out.counts_as_sent && out.finished);
 }

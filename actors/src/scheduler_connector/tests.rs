@@ -1,0 +1,288 @@
+//! SchedulerConnector tests: its producer (P) and consumer (D) hooks asked directly, in the order
+//! vLLM's scheduler calls them.
+
+use super::*;
+
+fn p_request(id: &str) -> SchedRequest {
+    SchedRequest {
+        request_id: id.into(),
+        prompt_len: 1000,
+        kv_transfer_params: Some(KvTransferParams::for_prefill(format!("xfer-{id}"))),
+        traceparent: None,
+    }
+}
+
+fn d_request(id: &str) -> SchedRequest {
+    SchedRequest {
+        request_id: id.into(),
+        prompt_len: 1000,
+        kv_transfer_params: Some(KvTransferParams::for_decode(
+            format!("xfer-{id}"),
+            "http://127.0.0.1:8998",
+            "p-engine",
+        )),
+        traceparent: Some("00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01".into()),
+    }
+}
+
+async fn spawn(role: KvRole) -> ActorRef<SchedulerConnector> {
+    let r = SchedulerConnector::spawn(SchedulerConnectorArgs {
+        engine_id: "e".into(),
+        role,
+        bootstrap_addr: Some("http://127.0.0.1:8998".into()),
+        layerwise: role == KvRole::Producer,
+    });
+    r.wait_for_startup().await;
+    r
+}
+
+#[tokio::test]
+async fn on_new_request_names_params_this_engine_cannot_serve() {
+    let d = spawn(KvRole::Consumer).await;
+    assert_eq!(d.ask(OnNewRequest { request: d_request("d1") }).await.expect("ask delivered"), None);
+    let mut broken = d_request("d2");
+    if let Some(p) = broken.kv_transfer_params.as_mut() {
+        p.remote_engine_id = None;
+    }
+    let reason = d.ask(OnNewRequest { request: broken }).await.expect("ask delivered").expect("refused");
+    assert!(reason.contains("remote_engine_id"), "{reason}");
+    let reason = d.ask(OnNewRequest { request: p_request("p1") }).await.expect("ask delivered").expect("refused");
+    assert!(reason.contains("kv_consumer"), "{reason}");
+}
+
+#[tokio::test]
+async fn get_num_new_matched_tokens_follows_the_role() {
+    let d = spawn(KvRole::Consumer).await;
+    let m = d
+        .ask(GetNumNewMatchedTokens { request: d_request("d1"), num_computed_tokens: 0 })
+        .await
+        .expect("ask delivered");
+    assert_eq!(m, MatchedTokens { count: 1000, load_async: true });
+    let m = d
+        .ask(GetNumNewMatchedTokens { request: d_request("d1"), num_computed_tokens: 1000 })
+        .await
+        .expect("ask delivered");
+    assert_eq!(m, MatchedTokens { count: 0, load_async: false });
+    let m = d
+        .ask(GetNumNewMatchedTokens { request: d_request("d1"), num_computed_tokens: 998 })
+        .await
+        .expect("ask delivered");
+    assert_eq!(m, MatchedTokens { count: 2, load_async: true });
+    let p = spawn(KvRole::Producer).await;
+    let m = p
+        .ask(GetNumNewMatchedTokens { request: p_request("p1"), num_computed_tokens: 0 })
+        .await
+        .expect("ask delivered");
+    assert_eq!(m, MatchedTokens { count: 0, load_async: false });
+    // A D request on a producer prefills locally instead of loading.
+    let m = p
+        .ask(GetNumNewMatchedTokens { request: d_request("d2"), num_computed_tokens: 0 })
+        .await
+        .expect("ask delivered");
+    assert!(!m.load_async);
+}
+
+#[tokio::test]
+async fn a_p_request_without_a_transfer_id_is_named_by_p_which_answers_what_d_needs() {
+    // vLLM's toy proxy: a bare do_remote_decode to P, P's answer forwarded to D.
+    let p = spawn(KvRole::Producer).await;
+    let bare = || SchedRequest {
+        request_id: "cmpl-abc-0-1234abcd".into(),
+        prompt_len: 100,
+        kv_transfer_params: Some(KvTransferParams { do_remote_decode: true, ..KvTransferParams::default() }),
+        traceparent: None,
+    };
+    assert_eq!(p.ask(OnNewRequest { request: bare() }).await.expect("ask delivered"), None, "served, not refused");
+    p.ask(UpdateStateAfterAlloc { request: bare(), block_ids: vec![4, 5, 6, 7], num_external_tokens: 0 })
+        .await
+        .expect("ask");
+    let meta = p.ask(BuildConnectorMeta::default()).await.expect("ask delivered");
+    assert_eq!(meta.reqs_to_send["cmpl-abc-0-1234abcd"].0, "cmpl-abc-0-1234abcd");
+    let reply = p
+        .ask(RequestFinished { request: bare(), status: FinishStatus::LengthCapped, block_ids: vec![4, 5, 6, 7] })
+        .await
+        .expect("ask delivered");
+    assert!(reply.delay_free_blocks);
+    let for_d = reply.kv_transfer_params.expect("P answers D's parameters");
+    assert_eq!(
+        for_d.role(),
+        Ok(TransferRole::Decode {
+            transfer_id: "cmpl-abc-0-1234abcd".into(),
+            remote_bootstrap_addr: "http://127.0.0.1:8998".into(),
+            remote_engine_id: "e".into(),
+        })
+    );
+}
+
+#[tokio::test]
+async fn layer_wise_p_names_each_step_s_prefill_chunks_in_reqs_to_save_until_it_finishes() {
+    let p = spawn(KvRole::Producer).await;
+    let request = p_request("p1");
+    p.ask(UpdateStateAfterAlloc { request: request.clone(), block_ids: vec![3, 4], num_external_tokens: 0 })
+        .await
+        .expect("ask");
+    let chunk = |upto: usize| ScheduledChunk { request_id: "p1".into(), block_ids: vec![3, 4], computed_upto: upto };
+    let local = ScheduledChunk { request_id: "local".into(), block_ids: vec![9], computed_upto: 5 };
+    let meta = p.ask(BuildConnectorMeta { scheduled: vec![chunk(512), local] }).await.expect("ask delivered");
+    let save = &meta.reqs_to_save["p1"];
+    assert_eq!((save.transfer_id.as_str(), save.computed_upto, save.prompt_len), ("xfer-p1", 512, 1000));
+    assert_eq!(meta.reqs_to_save.len(), 1, "a request with no transfer streams nothing");
+    // The step that samples P's one token computes no more prompt KV than the prompt holds.
+    let meta = p.ask(BuildConnectorMeta { scheduled: vec![chunk(1001)] }).await.expect("ask delivered");
+    assert_eq!(meta.reqs_to_save["p1"].computed_upto, 1000);
+    p.ask(RequestFinished { request, status: FinishStatus::LengthCapped, block_ids: vec![3, 4] })
+        .await
+        .expect("ask delivered");
+    let meta = p.ask(BuildConnectorMeta { scheduled: vec![chunk(1000)] }).await.expect("ask delivered");
+    assert!(meta.reqs_to_save.is_empty(), "a finished request streams no more layers");
+}
+
+#[tokio::test]
+async fn a_prefix_hit_of_all_but_the_last_prompt_token_loads_nothing_and_frees_p() {
+    // vLLM recomputes the last prompt token after any load; its KV is never pulled.
+    let d = spawn(KvRole::Consumer).await;
+    let m = d
+        .ask(GetNumNewMatchedTokens { request: d_request("d1"), num_computed_tokens: 999 })
+        .await
+        .expect("ask delivered");
+    assert_eq!(m, MatchedTokens { count: 0, load_async: false });
+    let updated = d
+        .ask(UpdateStateAfterAlloc { request: d_request("d1"), block_ids: (0..63).collect(), num_external_tokens: 0 })
+        .await
+        .expect("ask delivered");
+    assert_eq!(updated.map(|p| p.do_remote_prefill), Some(false), "one pull, never two");
+    // The pull names no block: P frees its blocks without writing any.
+    let meta = d.ask(BuildConnectorMeta::default()).await.expect("ask delivered");
+    assert_eq!(meta.reqs_to_recv["p-engine"]["d1"].local_block_ids, Vec::<BlockId>::new());
+}
+
+#[tokio::test]
+async fn producer_records_pending_send_then_blocks_after_finish() {
+    let p = spawn(KvRole::Producer).await;
+    let updated = p
+        .ask(UpdateStateAfterAlloc { request: p_request("p1"), block_ids: (17..80).collect(), num_external_tokens: 0 })
+        .await
+        .expect("ask");
+    assert_eq!(updated, None);
+    // Step 13: the pending send with an empty block list.
+    let meta = p.ask(BuildConnectorMeta::default()).await.expect("ask delivered");
+    assert_eq!(meta.reqs_to_send.get("p1"), Some(&("xfer-p1".into(), vec![])));
+    assert!(
+        p.ask(BuildConnectorMeta::default()).await.expect("ask delivered").is_empty(),
+        "metadata is cleared after each build"
+    );
+    // Step 23: length-capped finish delays the free and records the blocks.
+    let reply = p
+        .ask(RequestFinished {
+            request: p_request("p1"),
+            status: FinishStatus::LengthCapped,
+            block_ids: (17..80).collect(),
+        })
+        .await
+        .expect("ask");
+    assert!(reply.delay_free_blocks);
+    // Step 26: the blocks go to the worker.
+    let meta = p.ask(BuildConnectorMeta::default()).await.expect("ask delivered");
+    assert_eq!(meta.reqs_to_send["p1"].1, (17..80).collect::<Vec<_>>());
+}
+
+#[tokio::test]
+async fn producer_sends_even_when_the_first_token_is_a_stop() {
+    let p = spawn(KvRole::Producer).await;
+    let reply = p
+        .ask(RequestFinished { request: p_request("p1"), status: FinishStatus::Stopped, block_ids: vec![1, 2] })
+        .await
+        .expect("ask");
+    assert!(reply.delay_free_blocks, "the prompt's KV is valid: it must be sent");
+    assert_eq!(p.ask(BuildConnectorMeta::default()).await.expect("ask delivered").reqs_to_send["p1"].1, vec![1, 2]);
+}
+
+#[tokio::test]
+async fn producer_abort_frees_at_once_and_reports_not_processed() {
+    let p = spawn(KvRole::Producer).await;
+    p.ask(UpdateStateAfterAlloc { request: p_request("p1"), block_ids: vec![1], num_external_tokens: 0 })
+        .await
+        .expect("ask delivered");
+    let reply = p
+        .ask(RequestFinished { request: p_request("p1"), status: FinishStatus::Aborted, block_ids: vec![1] })
+        .await
+        .expect("ask");
+    assert!(!reply.delay_free_blocks);
+    let meta = p.ask(BuildConnectorMeta::default()).await.expect("ask delivered");
+    assert!(meta.reqs_not_processed.contains("xfer-p1"));
+    assert!(meta.reqs_to_send.is_empty(), "an aborted request sends nothing");
+}
+
+#[tokio::test]
+async fn consumer_records_pull_once_grouped_by_engine_and_clears_do_remote_prefill() {
+    let d = spawn(KvRole::Consumer).await;
+    let updated = d
+        .ask(UpdateStateAfterAlloc {
+            request: d_request("d1"),
+            block_ids: (512..575).collect(),
+            num_external_tokens: 1000,
+        })
+        .await
+        .expect("ask")
+        .expect("params updated");
+    assert!(!updated.do_remote_prefill);
+    let meta = d.ask(BuildConnectorMeta::default()).await.expect("ask delivered");
+    let pull = &meta.reqs_to_recv["p-engine"]["d1"];
+    assert_eq!(pull.local_block_ids.len(), 63);
+    assert_eq!(pull.transfer_id, "xfer-d1");
+    assert!(meta.traceparents.contains_key("d1"));
+    // The second update_state_after_alloc (after the KV arrived) carries the cleared params.
+    let mut resumed = d_request("d1");
+    resumed.kv_transfer_params = Some(updated);
+    d.ask(UpdateStateAfterAlloc { request: resumed, block_ids: (512..575).collect(), num_external_tokens: 0 })
+        .await
+        .expect("ask");
+    assert!(
+        d.ask(BuildConnectorMeta::default()).await.expect("ask delivered").reqs_to_recv.is_empty(),
+        "no second pull"
+    );
+}
+
+#[tokio::test]
+async fn consumer_abort_in_flight_cancels_the_pull_and_early_abort_still_tells_p() {
+    let d = spawn(KvRole::Consumer).await;
+    let updated = d
+        .ask(UpdateStateAfterAlloc { request: d_request("d1"), block_ids: vec![5, 6], num_external_tokens: 32 })
+        .await
+        .expect("ask");
+    d.ask(BuildConnectorMeta::default()).await.expect("ask delivered");
+    let mut waiting = d_request("d1");
+    waiting.kv_transfer_params = updated;
+    let reply = d
+        .ask(RequestFinished { request: waiting, status: FinishStatus::Aborted, block_ids: vec![5, 6] })
+        .await
+        .expect("ask delivered");
+    assert!(!reply.delay_free_blocks);
+    assert!(d.ask(BuildConnectorMeta::default()).await.expect("ask delivered").reqs_to_abort.contains("d1"));
+    // Aborted before any allocation: an empty pull so that P frees its blocks.
+    d.ask(RequestFinished { request: d_request("d2"), status: FinishStatus::Aborted, block_ids: vec![] })
+        .await
+        .expect("ask delivered");
+    let meta = d.ask(BuildConnectorMeta::default()).await.expect("ask delivered");
+    assert!(meta.reqs_to_recv["p-engine"]["d2"].local_block_ids.is_empty());
+}
+
+#[tokio::test]
+async fn update_connector_output_settles_in_flight_pulls() {
+    let d = spawn(KvRole::Consumer).await;
+    let updated = d
+        .ask(UpdateStateAfterAlloc { request: d_request("d1"), block_ids: vec![5], num_external_tokens: 16 })
+        .await
+        .expect("ask");
+    d.ask(BuildConnectorMeta::default()).await.expect("ask delivered");
+    let mut output = ConnectorOutput::default();
+    output.finished_recving.insert("d1".into());
+    d.ask(UpdateConnectorOutput { output }).await.expect("ask delivered");
+    // After the KV arrived an abort no longer cancels anything.
+    let mut req = d_request("d1");
+    req.kv_transfer_params = updated;
+    d.ask(RequestFinished { request: req, status: FinishStatus::Aborted, block_ids: vec![5] })
+        .await
+        .expect("ask delivered");
+    assert!(d.ask(BuildConnectorMeta::default()).await.expect("ask delivered").reqs_to_abort.is_empty());
+}
