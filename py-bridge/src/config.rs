@@ -15,12 +15,15 @@ use pdflow_transfer::GpuPath;
 use serde::Deserialize;
 
 /// The keys `kv_connector_extra_config` takes.
-pub const KNOWN_KEYS: &str = "host, bootstrap_port, bootstrap_url, transport, tcp_streams, auth_token, cluster_secret_file, tls, abort_request_timeout_s, pull_timeout_s, bootstrap_timeout_s, write_timeout_s, verify_checksums, layerwise, gpu_path";
+pub const KNOWN_KEYS: &str = "host, bootstrap_port, bootstrap_url, side_channel_port, data_port, transport, tcp_streams, auth_token, cluster_secret_file, tls, abort_request_timeout_s, pull_timeout_s, bootstrap_timeout_s, write_timeout_s, verify_checksums, layerwise, gpu_path";
 
 /// A setting of this connector that cannot be used: which one, what it was, what is allowed.
 /// Python sees each as `pdflow.ConfigError`.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
+    /// A pinned base port (`side_channel_port`, `data_port`) too high for this worker's index.
+    #[error(transparent)]
+    PortRange(pdflow_node::RegistrationError),
     /// `kv_connector_extra_config` is not JSON, has an unknown key, or a value of the wrong type
     /// (`key`: the key of a bad value, as `["key"]`; none for an unknown key or bad JSON, which
     /// `source` names).
@@ -73,6 +76,11 @@ pub struct ExtraConfig {
     pub bootstrap_port: Option<u16>,
     /// Register with this bootstrap (`http://host:port`) instead of launching one (P only).
     pub bootstrap_url: Option<String>,
+    /// P: the side channel's base port (default: any); each worker of a host listens on this
+    /// plus its index on the host (`dp_local · tp · pp + pp_rank · tp + tp_rank`).
+    pub side_channel_port: Option<u16>,
+    /// D: the data server's base port (default: any), per worker as `side_channel_port`.
+    pub data_port: Option<u16>,
     /// `auto` (same-host `process_vm_writev` when D shares the host and the kernel allows it,
     /// else tcp) or `tcp`.
     pub transport: Option<String>,
@@ -109,6 +117,9 @@ pub struct BridgeConfig {
     pub host: String,
     pub bootstrap_port: u16,
     pub bootstrap_url: Option<String>,
+    /// Pinned base ports (0: any).
+    pub side_channel_port: u16,
+    pub data_port: u16,
     pub deadlines: Deadlines,
     pub tcp: TcpConfig,
     pub verify_checksums: bool,
@@ -182,6 +193,8 @@ impl BridgeConfig {
             host,
             bootstrap_port: extra.bootstrap_port.unwrap_or(vllm_env.bootstrap_port),
             bootstrap_url: extra.bootstrap_url,
+            side_channel_port: extra.side_channel_port.unwrap_or(0),
+            data_port: extra.data_port.unwrap_or(0),
             deadlines,
             tcp,
             verify_checksums: extra.verify_checksums.unwrap_or(false),

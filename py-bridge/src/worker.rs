@@ -12,7 +12,7 @@
 //! `finished_sending` (step 32) and `finished_recving` / failed loads (step 35).
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::sync::atomic::AtomicU16;
+use std::sync::atomic::{AtomicU16, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -29,7 +29,7 @@ use pdflow_node::worker::{Worker, WorkerSpec};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use crate::config::BridgeConfig;
+use crate::config::{BridgeConfig, ConfigError};
 use crate::error::{BridgeError, RegistrationError};
 use crate::runtime::BridgeRuntime;
 use crate::scheduler::parse_role;
@@ -90,7 +90,8 @@ impl WorkerBridge {
             dp_rank: registration.dp_rank,
             host: cfg.host.clone(),
             bootstrap: registration.bootstrap(cfg.bootstrap_url.as_deref(), &cfg.host, cfg.bootstrap_port),
-            side_channel: Arc::new(AtomicU16::new(0)),
+            side_channel: Arc::new(AtomicU16::new(pinned(registration, "side_channel_port", cfg.side_channel_port)?)),
+            data_port: pinned(registration, "data_port", cfg.data_port)?,
             deadlines: cfg.deadlines,
             tcp: cfg.tcp.clone(),
             verify_checksums: cfg.verify_checksums,
@@ -104,9 +105,17 @@ impl WorkerBridge {
         if let Some(addr) = worker.data_addr() {
             info.push(("data_addr", addr.to_string()));
         }
+        if worker.sender_listener.is_some() {
+            info.push(("side_channel_addr", format!("{}:{}", cfg.host, spec.side_channel.load(Ordering::Acquire))));
+        }
         let port = Arc::new(worker.port());
         Ok(Running { supervisor, kv_cache, worker, port, info })
     }
+}
+
+/// This worker's port for a pinned base port (0: any); past 65535 is the setting's error.
+fn pinned(registration: &KvRegistration, key: &'static str, base: u16) -> Result<u16, BridgeError> {
+    registration.port(key, base).map_err(|e| BridgeError::Config(ConfigError::PortRange(e)))
 }
 
 /// The cache over vLLM's tensors: host memory, or CUDA device `device`'s.

@@ -23,6 +23,20 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def free_pair() -> int:
+    """A port that is free, and the one after it too."""
+    for _ in range(100):
+        base = free_port()
+        if base < 65535:
+            try:
+                with socket.socket() as sock:
+                    sock.bind(("127.0.0.1", base + 1))
+                return base
+            except OSError:
+                continue
+    raise AssertionError("no two consecutive free ports")
+
+
 def register(worker, topology=None):
     """Host KV tensors in vLLM 0.33's layout (LBHNC), registered with the worker placed where
     `topology` says (None: the one worker of its engine)."""
@@ -101,3 +115,27 @@ def test_a_worker_that_does_not_launch_the_bootstrap_registers_with_the_launcher
     finally:
         other.shutdown()
         launcher.shutdown()
+
+
+def test_pinned_base_ports_give_each_worker_of_a_host_its_own_port():
+    """`side_channel_port` and `data_port` pin the ports a firewall must open: each worker of a
+    host listens on the base plus its index there (tensor rank 1 of 2: base + 1); past 65535 is a
+    ConfigError naming the key."""
+    side, data = free_pair(), free_pair()
+    cfg = config(side_channel_port=side, data_port=data)
+    launcher = _native.WorkerConnector("pinned", "kv_both", cfg)
+    other = _native.WorkerConnector("pinned", "kv_both", cfg)
+    try:
+        first = register(launcher, _native.WorkerTopology(tp_rank=0, tp_size=2))
+        second = register(other, _native.WorkerTopology(tp_rank=1, tp_size=2))
+    finally:
+        other.shutdown()
+        launcher.shutdown()
+    assert first["side_channel_addr"] == f"127.0.0.1:{side}" and first["data_addr"] == f"127.0.0.1:{data}"
+    assert second["side_channel_addr"] == f"127.0.0.1:{side + 1}" and second["data_addr"] == f"127.0.0.1:{data + 1}"
+    high = _native.WorkerConnector("pinned-high", "kv_consumer", config(data_port=65535))
+    try:
+        with pytest.raises(pdflow.ConfigError, match="data_port 65535"):
+            register(high, _native.WorkerTopology(tp_rank=1, tp_size=2))
+    finally:
+        high.shutdown()

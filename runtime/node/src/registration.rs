@@ -229,6 +229,12 @@ pub enum RegistrationError {
         total_layers: usize,
         expected: Range<usize>,
     },
+    /// A pinned base port that leaves this worker's port past 65535.
+    #[error(
+        "{key} {base} + this worker's index on its host {index} is past 65535: choose a base port at most {}",
+        u16::MAX as u32 - .index
+    )]
+    PortRange { key: &'static str, base: u16, index: u32 },
 }
 
 /// One worker's KV registration, checked against its place among the engine's ranks.
@@ -243,6 +249,9 @@ pub struct KvRegistration {
     pub dp_rank: u32,
     /// Whether it launches P's bootstrap (when none is configured).
     pub launches_bootstrap: bool,
+    /// Its index among the workers vLLM runs on this host: `dp_local · tp · pp + pp_rank · tp +
+    /// tp_rank`. A pinned base port gives each worker of a host its own port ([`Self::port`]).
+    pub local_index: u32,
 }
 
 impl KvRegistration {
@@ -290,6 +299,20 @@ impl KvRegistration {
             rank,
             dp_rank: topology.dp_rank(),
             launches_bootstrap: topology.launches_bootstrap(),
+            local_index: (topology.data_parallel.local_rank * pp.size + pp.rank) * tp.size + tp.rank,
+        })
+    }
+
+    /// This worker's port for the setting `key` pinned at `base` (0: any port, chosen when it
+    /// binds): `base` + its index on the host, so the workers of one host never collide.
+    pub fn port(&self, key: &'static str, base: u16) -> Result<u16, RegistrationError> {
+        if base == 0 {
+            return Ok(0);
+        }
+        u16::try_from(u32::from(base) + self.local_index).map_err(|_| RegistrationError::PortRange {
+            key,
+            base,
+            index: self.local_index,
         })
     }
 
@@ -381,5 +404,30 @@ mod tests {
         let empty = KvGeometry { head_dim: 0, ..GEOMETRY };
         let e = KvRegistration::new(1, empty, &WorkerTopology::single()).expect_err("no head_dim");
         assert!(e.to_string().starts_with("empty KV cache"), "{e}");
+    }
+
+    #[test]
+    fn a_pinned_port_is_the_base_plus_the_workers_index_on_its_host() {
+        let geometry = KvGeometry { num_kv_heads: 4, ..GEOMETRY };
+        let worker = |tp_rank, pp_rank, local_rank| {
+            let topology =
+                WorkerTopology::new(GroupRank { rank: tp_rank, size: 2 }, GroupRank { rank: pp_rank, size: 2 })
+                    .expect("a rank of tp 2 x pp 2")
+                    .with_model(Some(8), Some(4))
+                    .with_data_parallel(DataParallel { rank: 3, local_rank, local_engines_only: false });
+            KvRegistration::new(2, geometry, &topology).expect("its share")
+        };
+        // Every worker of two data-parallel engines of tp 2 x pp 2 on one host: 8 ports, no two alike.
+        let mut ports: Vec<u16> = (0..2)
+            .flat_map(|dp| (0..2).flat_map(move |pp| (0..2).map(move |tp| (tp, pp, dp))))
+            .map(|(tp, pp, dp)| worker(tp, pp, dp).port("data_port", 9000).expect("in range"))
+            .collect();
+        assert_eq!(worker(1, 1, 1).port("data_port", 9000), Ok(9007), "dp_local 1, pp 1, tp 1: the 8th");
+        ports.sort_unstable();
+        assert_eq!(ports, (9000..9008).collect::<Vec<_>>());
+        assert_eq!(worker(1, 1, 1).port("side_channel_port", 0), Ok(0), "0 stays any port");
+        let e = worker(1, 1, 1).port("side_channel_port", 65530).expect_err("65537");
+        assert_eq!(e, RegistrationError::PortRange { key: "side_channel_port", base: 65530, index: 7 });
+        assert!(e.to_string().contains("at most 65528"), "{e}");
     }
 }

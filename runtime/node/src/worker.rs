@@ -77,6 +77,8 @@ pub struct WorkerSpec {
     /// P's side-channel port (0: any); it holds the bound port once the SenderListener runs, so
     /// that a restarted SenderListener (or node) binds and registers the same address.
     pub side_channel: Arc<AtomicU16>,
+    /// D's data-server port (0: any).
+    pub data_port: u16,
     pub deadlines: Deadlines,
     pub tcp: TcpConfig,
     /// Record KV checksums on both sides of every transfer (steps 29 and 34).
@@ -195,7 +197,7 @@ impl Worker {
         spec: &WorkerSpec,
     ) -> Result<(), NodeError> {
         let KvDataServing { server, fence, held } =
-            serve_kv_data(kv_cache, &spec.host, &format!("{}:0", spec.host), &spec.tcp).await?;
+            serve_kv_data(kv_cache, &spec.host, &format!("{}:{}", spec.host, spec.data_port), &spec.tcp).await?;
         self._gpu_serving.extend(held);
         let args = ReceiverArgs {
             engine_id: spec.engine_id.clone().into(),

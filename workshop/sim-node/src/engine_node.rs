@@ -321,6 +321,7 @@ async fn start_workers(
             host: cfg.host.clone(),
             bootstrap,
             side_channel: if i == 0 { side_channel.clone() } else { Arc::new(AtomicU16::new(0)) },
+            data_port: 0,
             deadlines: cfg.deadlines,
             tcp: cfg.tcp.clone(),
             verify_checksums: cfg.verify_checksums,

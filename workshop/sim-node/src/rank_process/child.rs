@@ -165,6 +165,7 @@ async fn start_worker(hello: &RankHello, cfg: &EngineNodeConfig) -> Result<Start
         host: cfg.host.clone(),
         bootstrap,
         side_channel: side_channel.clone(),
+        data_port: 0,
         deadlines: cfg.deadlines,
         tcp: cfg.tcp.clone(),
         verify_checksums: cfg.verify_checksums,
