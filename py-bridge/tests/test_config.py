@@ -153,3 +153,33 @@ def test_the_installed_vllm_is_checked_when_the_connector_module_loads():
     import pdflow.vllm as connector
 
     assert connector.VLLM_VERSION == tuple(int(x) for x in vllm.__version__.split(".")[:2])
+
+
+def _groups(*specs):
+    """A KV-cache config of one group per spec, two layers each."""
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
+
+    groups = [KVCacheGroupSpec([f"model.layers.{2 * i + j}.attn" for j in range(2)], s) for i, s in enumerate(specs)]
+    return KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=groups)
+
+
+def test_a_hybrid_model_is_refused_at_start_up_naming_its_groups_and_what_serves_it():
+    import torch
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
+
+    from pdflow.vllm import PdflowConnector
+
+    full = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=8, dtype=torch.bfloat16)
+    window = SlidingWindowSpec(block_size=16, num_kv_heads=2, head_size=8, dtype=torch.bfloat16, sliding_window=128)
+    state = MambaSpec(block_size=16, shapes=((4, 3), (2, 8, 16)), dtypes=(torch.float32, torch.float32))
+    config = vllm_config("kv_consumer")
+    # Sliding window beside full attention: vLLM's flag folds them into one group pdflow serves.
+    refused = r"2 KV-cache groups: FullAttentionSpec \(2 layers\), SlidingWindowSpec"
+    with pytest.raises(pdflow.ConfigError, match=refused) as e:
+        PdflowConnector(config, KVConnectorRole.SCHEDULER, _groups(full, window))
+    assert "--disable-hybrid-kv-cache-manager" in str(e.value)
+    # A recurrent state has no such fallback: the message says so instead of suggesting the flag.
+    with pytest.raises(pdflow.ConfigError, match="MambaSpec layers keep a recurrent state") as e:
+        PdflowConnector(config, KVConnectorRole.WORKER, _groups(full, state))
+    assert "--disable-hybrid-kv-cache-manager" not in str(e.value)

@@ -187,6 +187,31 @@ def _worker_topology(vllm_config: "VllmConfig", layer_names: list[str]) -> "_nat
     )
 
 
+def _hybrid_refusal(groups: list) -> str:
+    """Why a model of several KV-cache groups is refused, naming each group's kind, and what
+    serves it today: with only attention groups (sliding window beside full attention), vLLM's
+    `--disable-hybrid-kv-cache-manager` stores every layer as full attention in one group, which
+    pdflow serves; state groups (Mamba, linear attention) have no such fallback."""
+    from vllm.v1.kv_cache_interface import AttentionSpec
+
+    specs = [getattr(g, "kv_cache_spec", None) for g in groups]
+    named = ", ".join(
+        f"{type(sp).__name__} ({len(getattr(g, 'layer_names', []) or [])} layers)" for sp, g in zip(specs, groups)
+    )
+    stateful = [type(sp).__name__ for sp in specs if not isinstance(sp, AttentionSpec)]
+    if stateful:
+        fix = (
+            f"its {', '.join(sorted(set(stateful)))} layers keep a recurrent state, which pdflow does not "
+            "transfer yet: serve this model without P/D disaggregation (or with vLLM's own connector)"
+        )
+    else:
+        fix = (
+            "start vLLM with --disable-hybrid-kv-cache-manager: every layer is then stored (and sent) "
+            "as full attention, in one group"
+        )
+    return f"this model has {len(groups)} KV-cache groups: {named}; pdflow's connector serves one group so far: {fix}"
+
+
 class PdflowConnector(KVConnectorBase_V1, SupportsHMA):
     """pdflow's KV connector: P (``kv_producer``) keeps a finished prefill's blocks until D pulls
     them; D (``kv_consumer``) waits in WAITING_FOR_REMOTE_KVS while its worker pulls the KV."""
@@ -210,10 +235,7 @@ class PdflowConnector(KVConnectorBase_V1, SupportsHMA):
         _native.install_trace_export()
         groups = getattr(kv_cache_config, "kv_cache_groups", None) if kv_cache_config is not None else None
         if groups is not None and len(groups) > 1:
-            raise ConfigError(
-                f"this model has {len(groups)} KV-cache groups (hybrid attention); pdflow's connector "
-                "serves models with one group (full attention) so far"
-            )
+            raise ConfigError(_hybrid_refusal(groups))
         self._scheduler: Optional[_native.SchedulerConnector] = None
         self._worker: Optional[_native.WorkerConnector] = None
         # Layer-wise P: the scheduler tracks each request's blocks (vLLM hands only the new ones
