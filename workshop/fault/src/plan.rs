@@ -188,6 +188,10 @@ impl FaultPlan {
                     "{} acts on a side-channel message: only steps {MESSAGE_STEPS:?} send one",
                     f.action.label()
                 )),
+                FaultAction::Kill { actor: ActorKind::Engine, .. } => {
+                    bad("the engine is not an actor a plan can kill: kill one of its actors, or the node (kill_node)"
+                        .into())
+                }
                 FaultAction::Kill { actor: ActorKind::SchedulerConnector, role: None } => {
                     bad("scheduler_connector lives on P and on D: add \"role\": \"p\" or \"d\"".into())
                 }
@@ -253,11 +257,13 @@ mod tests {
           {"step": 44, "fault": "delay", "ms": 1},
           {"step": 29, "fault": "drop"},
           {"step": 12, "fault": "kill", "actor": "scheduler_connector"},
-          {"step": 12, "fault": "kill", "actor": "receiver", "role": "p"}
+          {"step": 12, "fault": "kill", "actor": "receiver", "role": "p"},
+          {"step": 15, "fault": "kill", "actor": "engine"}
         ]}"#;
         let errors = FaultPlan::from_json(text).expect_err("invalid");
-        assert_eq!(errors.len(), 4, "{errors:?}");
+        assert_eq!(errors.len(), 5, "{errors:?}");
         assert!(errors[1].to_string().contains("[21, 30]"), "{}", errors[1]);
+        assert!(errors[4].to_string().contains("not an actor a plan can kill"), "{}", errors[4]);
         assert!(FaultPlan::from_json(r#"{"faults": [{"step": 3, "fault": "explode"}]}"#).is_err());
     }
 
