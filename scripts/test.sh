@@ -30,7 +30,9 @@ fi
 log=$(mktemp)
 pylog=$(mktemp)
 setup_dir=$(mktemp -d)
-trap 'rm -rf "$log" "$pylog" "$setup_dir" "${skip_log:-}"' EXIT
+# The background installs end with the script, however it ends (a half-made environment is
+# completed by the next run: each install step is idempotent).
+trap 'kill $(jobs -p) 2>/dev/null || true; rm -rf "$log" "$pylog" "$setup_dir" "${skip_log:-}"' EXIT
 
 # What the tests install is downloaded while the Rust code builds (downloads and unpacking wait on
 # the network and the disk, the build on the CPU); each job's output goes to a log printed when it
