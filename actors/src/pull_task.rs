@@ -468,7 +468,7 @@ mod tests {
                 .map(|r| PullReq {
                     d_req_id: (*r).into(),
                     transfer_id: format!("xfer-{r}").into(),
-                    block_ids: vec![1, 2],
+                    block_ids: vec![1, 2].into(),
                     traceparent: None,
                     fence: 0,
                 })

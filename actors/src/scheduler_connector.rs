@@ -15,6 +15,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use kameo::prelude::*;
+use pdflow_messages::kv_groups::{BlockSpan, GroupBlocks, KvGroupKind, KvGroupSpec};
 use pdflow_messages::kv_transfer_params::{KvTransferParams, TransferRole};
 use pdflow_messages::scheduler_connector::{
     BuildConnectorMeta, ConnectorMetadata, ConnectorOutput, FinishStatus, GetNumNewMatchedTokens, LayerSave,
@@ -59,6 +60,11 @@ pub struct SchedulerConnectorArgs {
     pub bootstrap_addr: Option<String>,
     /// P: stream each prefill's KV to D layer by layer while it computes (`reqs_to_save`).
     pub layerwise: bool,
+    /// The model's KV-cache groups, in the engine's order; empty: one group of full attention.
+    pub groups: Vec<KvGroupSpec>,
+    /// The block id the engine puts where a sliding window freed a block (vLLM's null block, 0);
+    /// `None`: the engine frees none.
+    pub null_block: Option<BlockId>,
 }
 
 /// The scheduler-side connector actor.
@@ -68,10 +74,15 @@ pub struct SchedulerConnector {
     role: KvRole,
     bootstrap_addr: Option<String>,
     layerwise: bool,
+    groups: Vec<KvGroupSpec>,
+    null_block: Option<BlockId>,
+    /// D: the tokens each waiting request's prefix cache holds (from `get_num_new_matched_tokens`),
+    /// where its load starts in block lists that start at the prompt's first block.
+    local_hits: BTreeMap<RequestId, usize>,
     /// P, layer-wise: the prefills whose layers stream, with their transfer and prompt length.
     streaming: BTreeMap<RequestId, (TransferId, usize)>,
     /// P: request id → (transfer_id, block ids) for the next metadata (steps 13, 26).
-    reqs_need_send: BTreeMap<RequestId, (TransferId, Vec<BlockId>)>,
+    reqs_need_send: BTreeMap<RequestId, (TransferId, GroupBlocks)>,
     /// D: pulls for the next metadata (step 18).
     reqs_need_recv: BTreeMap<RequestId, PullMeta>,
     /// P: transfers whose request ended without KV.
@@ -93,6 +104,9 @@ impl Actor for SchedulerConnector {
             role: args.role,
             bootstrap_addr: args.bootstrap_addr,
             layerwise: args.layerwise,
+            groups: args.groups,
+            null_block: args.null_block,
+            local_hits: BTreeMap::new(),
             streaming: BTreeMap::new(),
             reqs_need_send: BTreeMap::new(),
             reqs_need_recv: BTreeMap::new(),
@@ -168,8 +182,14 @@ impl Message<GetNumNewMatchedTokens> for SchedulerConnector {
                 // After a load vLLM recomputes the prompt's last token to sample the next one, so
                 // its KV is never needed: when D's prefix cache holds every token before it, there
                 // is nothing to load (the empty pull only tells P to free its blocks).
-                let missing = msg.request.prompt_len.saturating_sub(msg.num_computed_tokens);
-                let count = if missing <= 1 { 0 } else { missing };
+                //
+                // A hybrid model loads one token less and computes the last prompt token itself:
+                // a state group then advances past it exactly once (P prefilled the rest), and a
+                // sliding window keeps the blocks that token attends to.
+                let prompt = msg.request.prompt_len.saturating_sub(usize::from(self.hybrid()));
+                let missing = prompt.saturating_sub(msg.num_computed_tokens);
+                let count = if missing <= 1 && !self.hybrid() { 0 } else { missing };
+                self.local_hits.insert(msg.request.request_id.clone(), msg.num_computed_tokens);
                 MatchedTokens { count, load_async: count > 0 }
             }
             TransferRole::Decode { .. } => {
@@ -195,7 +215,9 @@ impl Message<UpdateStateAfterAlloc> for SchedulerConnector {
                 if self.role.consumes() =>
             {
                 self.remember_trace(&request);
-                let local_block_ids = if msg.num_external_tokens > 0 { msg.block_ids } else { Vec::new() };
+                let hit = self.local_hits.remove(&request.request_id).unwrap_or(0);
+                let local_block_ids =
+                    if msg.num_external_tokens > 0 { self.to_load(msg.block_ids, hit) } else { GroupBlocks::default() };
                 if !local_block_ids.is_empty() {
                     self.recv_in_flight.insert(request.request_id.clone());
                 }
@@ -221,7 +243,7 @@ impl Message<UpdateStateAfterAlloc> for SchedulerConnector {
                 if self.layerwise {
                     self.streaming.insert(request.request_id.clone(), (transfer_id.clone(), request.prompt_len));
                 }
-                self.reqs_need_send.entry(request.request_id.clone()).or_insert((transfer_id, Vec::new()));
+                self.reqs_need_send.entry(request.request_id.clone()).or_insert((transfer_id, GroupBlocks::default()));
                 None
             }
             _ => None,
@@ -310,6 +332,7 @@ impl SchedulerConnector {
     fn request_finished(&mut self, msg: RequestFinished) -> RequestFinishedReply {
         let request = with_transfer_named(msg.request);
         self.streaming.remove(&request.request_id);
+        self.local_hits.remove(&request.request_id);
         let no_delay = RequestFinishedReply { delay_free_blocks: false, kv_transfer_params: None };
         let Some(params) = request.kv_transfer_params.as_ref() else { return no_delay };
         if params.do_remote_prefill && self.role.consumes() {
@@ -321,7 +344,7 @@ impl SchedulerConnector {
                     PullMeta {
                         d_req_id: request.request_id.clone(),
                         transfer_id: transfer_id.into(),
-                        local_block_ids: Vec::new(),
+                        local_block_ids: GroupBlocks::default(),
                         remote_engine_id: remote_engine_id.into(),
                         remote_bootstrap_addr,
                         traceparent: request.traceparent.clone(),
@@ -350,7 +373,8 @@ impl SchedulerConnector {
                     traceparent: request.traceparent.clone(),
                     ..KvTransferParams::for_decode(transfer_id.clone(), addr.clone(), self.engine_id.clone())
                 });
-                self.reqs_need_send.insert(request.request_id.clone(), (transfer_id.into(), msg.block_ids));
+                let held = self.held(msg.block_ids);
+                self.reqs_need_send.insert(request.request_id.clone(), (transfer_id.into(), held));
                 RequestFinishedReply { delay_free_blocks: true, kv_transfer_params: for_d }
             }
             _ => {
@@ -361,6 +385,60 @@ impl SchedulerConnector {
                 no_delay
             }
         }
+    }
+}
+
+impl SchedulerConnector {
+    /// Whether the model has more than one KV-cache group.
+    fn hybrid(&self) -> bool {
+        self.groups.len() > 1
+    }
+
+    /// The group of index `g` (a dense model: full attention).
+    fn group(&self, g: usize) -> KvGroupSpec {
+        self.groups.get(g).copied().unwrap_or(KvGroupSpec::full(1))
+    }
+
+    /// D: of the blocks allocated for the load, per group, the ones P writes: past the `hit`
+    /// tokens D's prefix cache holds (in a span that starts at a known block), then each group's
+    /// [`KvGroupSpec::to_move`]; a state group's page ends where the prompt ends.
+    fn to_load(&self, blocks: GroupBlocks, hit: usize) -> GroupBlocks {
+        let spans = blocks.0.into_iter().enumerate().map(|(g, span)| {
+            let group = self.group(g);
+            let span = match span.first {
+                Some(first) if group.kind != KvGroupKind::State => {
+                    let cached = (hit / group.block_size.max(1) as usize).saturating_sub(first as usize);
+                    let cut = cached.min(span.ids.len());
+                    BlockSpan { first: Some(first + cut as u32), ids: span.ids[cut..].to_vec() }
+                }
+                _ => span,
+            };
+            let moved = group.to_move(span, self.null_block);
+            match group.kind {
+                KvGroupKind::State => BlockSpan { first: None, ..moved },
+                _ => moved,
+            }
+        });
+        GroupBlocks(spans.collect())
+    }
+
+    /// P: of a finished prefill's blocks, per group, the ones it keeps for D: every block it
+    /// still holds (a sliding window's freed ones skipped), a state group's last page.
+    fn held(&self, blocks: GroupBlocks) -> GroupBlocks {
+        let spans = blocks.0.into_iter().enumerate().map(|(g, span)| match self.group(g).kind {
+            KvGroupKind::FullAttention => span,
+            KvGroupKind::SlidingWindow { .. } => {
+                let nulls = span.ids.iter().take_while(|&&b| Some(b) == self.null_block).count();
+                let BlockSpan { first, mut ids } = span;
+                ids.drain(..nulls);
+                BlockSpan { first: first.map(|f| f + nulls as u32), ids }
+            }
+            KvGroupKind::State => {
+                let last = span.ids.last().map(|&b| vec![b]).unwrap_or_default();
+                BlockSpan { first: None, ids: last }
+            }
+        });
+        GroupBlocks(spans.collect())
     }
 }
 

@@ -38,10 +38,11 @@ use std::time::Duration;
 
 use kameo::prelude::*;
 use pdflow_kv::memory::KvCache;
+use pdflow_messages::kv_groups::GroupBlocks;
 use pdflow_messages::lifecycle::TransferState;
 use pdflow_messages::send_worker::{PullReply, RecordSendPending, RecordSendReady, SendOutcome, ServePull};
 use pdflow_messages::sender_listener::{PullErr, PullErrorCause};
-use pdflow_messages::{BlockId, RequestId, TransferId};
+use pdflow_messages::{RequestId, TransferId};
 use pdflow_observability::{attrs, step_span, steps};
 use pdflow_transfer::{TransferEngine, TransferStats};
 use tokio::task::JoinHandle;
@@ -133,7 +134,7 @@ struct WriteAnswer {
 pub struct SendWorker {
     args: SendWorkerArgs,
     p_req_id: Option<RequestId>,
-    local_block_ids: Vec<BlockId>,
+    local_block_ids: GroupBlocks,
     phase: Phase,
     pulls: VecDeque<WaitingPull>,
     writing: Option<Writing>,
@@ -185,7 +186,7 @@ impl Actor for SendWorker {
         Ok(Self {
             args,
             p_req_id: None,
-            local_block_ids: Vec::new(),
+            local_block_ids: GroupBlocks::default(),
             phase: Phase::Waiting,
             pulls: VecDeque::new(),
             writing: None,

@@ -26,6 +26,8 @@ async fn the_scheduler_side_step_spans_join_the_requests_trace() {
         role: KvRole::Consumer,
         bootstrap_addr: None,
         layerwise: false,
+        groups: Vec::new(),
+        null_block: None,
     });
     d.wait_for_startup().await;
     let request = SchedRequest {

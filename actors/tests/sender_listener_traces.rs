@@ -49,8 +49,8 @@ async fn steps_14_and_27_join_the_requests_trace_before_any_pull() {
     });
     listener.wait_for_startup().await;
     let traceparents = BTreeMap::from([("p1".into(), TRACEPARENT.to_string())]);
-    for blocks in [vec![], vec![1, 2]] {
-        let reqs_to_send = BTreeMap::from([("p1".into(), ("xfer-p1".into(), blocks))]);
+    for blocks in [Vec::<u32>::new(), vec![1, 2]] {
+        let reqs_to_send = BTreeMap::from([("p1".into(), ("xfer-p1".into(), blocks.into()))]);
         let msg = RecordSendReqs { reqs_to_send, traceparents: traceparents.clone(), ..RecordSendReqs::default() };
         listener.ask(msg).await.expect("recorded");
     }

@@ -85,7 +85,7 @@ fn pull(pull_id: u64, layout_id: u64) -> SideChannelRequest {
         reqs: vec![PullReq {
             d_req_id: "cmpl-d".into(),
             transfer_id: "xfer-1".into(),
-            block_ids: vec![1, 2],
+            block_ids: vec![1, 2].into(),
             traceparent: None,
             fence: 0,
         }],

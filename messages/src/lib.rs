@@ -11,6 +11,7 @@
 //!   worker → scheduler output (steps 12–13, 17–18, 23, 26, 32–33, 35–37).
 //! - [`send_worker`], [`receiver`] — worker-side messages between the engine and the actors.
 //! - [`frame`] — binary frames: magic, version byte, postcard body; typed decode errors.
+//! - [`kv_groups`] — a hybrid model's KV-cache groups and a request's block ids per group.
 //! - [`layout`] — memory regions as peers describe them (base, length, block length).
 //! - [`proxy`] — the proxy's routing ask and its health poller's readiness reports (steps 6–10).
 //! - [`rank_process`] — an engine and the processes of its ranks: the worker role's calls.
@@ -19,6 +20,7 @@
 pub mod bootstrap;
 pub mod frame;
 mod ids;
+pub mod kv_groups;
 pub mod kv_transfer_params;
 pub mod layout;
 pub mod lifecycle;

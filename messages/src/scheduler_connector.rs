@@ -11,6 +11,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use serde::{Deserialize, Serialize};
 
+use crate::kv_groups::GroupBlocks;
 use crate::kv_transfer_params::KvTransferParams;
 use crate::sender_listener::PullErrorCause;
 use crate::{BlockId, EngineId, RequestId, TransferId};
@@ -64,8 +65,9 @@ pub struct MatchedTokens {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct UpdateStateAfterAlloc {
     pub request: SchedRequest,
-    /// The request's blocks, in prompt order.
-    pub block_ids: Vec<BlockId>,
+    /// The request's blocks to load, per KV-cache group, in prompt order (the blocks D's prefix
+    /// cache did not fill).
+    pub block_ids: GroupBlocks,
     /// Tokens to load from outside (0 on the second call after a remote load).
     pub num_external_tokens: usize,
 }
@@ -103,7 +105,8 @@ pub struct LayerSave {
 pub struct RequestFinished {
     pub request: SchedRequest,
     pub status: FinishStatus,
-    pub block_ids: Vec<BlockId>,
+    /// The request's blocks per KV-cache group, each from the prompt's first block.
+    pub block_ids: GroupBlocks,
 }
 
 /// Reply of [`RequestFinished`]: vLLM's `(delay_free_blocks, kv_transfer_params)`.
@@ -124,8 +127,9 @@ pub struct UpdateConnectorOutput {
 pub struct PullMeta {
     pub d_req_id: RequestId,
     pub transfer_id: TransferId,
-    /// D's blocks to fill; empty when the pull only tells P to free (request aborted early).
-    pub local_block_ids: Vec<BlockId>,
+    /// D's blocks to fill, per KV-cache group; empty when the pull only tells P to free
+    /// (request aborted early).
+    pub local_block_ids: GroupBlocks,
     pub remote_engine_id: EngineId,
     pub remote_bootstrap_addr: String,
     pub traceparent: Option<String>,
@@ -134,8 +138,9 @@ pub struct PullMeta {
 /// Scheduler → workers, once per `schedule()` (vLLM's `MooncakeConnectorMetadata`).
 #[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
 pub struct ConnectorMetadata {
-    /// P: request id → (transfer_id, block ids); empty block ids = "started, not finished" (step 13).
-    pub reqs_to_send: BTreeMap<RequestId, (TransferId, Vec<BlockId>)>,
+    /// P: request id → (transfer_id, block ids per group); no block ids = "started, not
+    /// finished" (step 13).
+    pub reqs_to_send: BTreeMap<RequestId, (TransferId, GroupBlocks)>,
     /// D: remote engine id → request id → pull (step 18).
     pub reqs_to_recv: BTreeMap<EngineId, BTreeMap<RequestId, PullMeta>>,
     /// P: transfers whose request ended without KV to send (aborted, failed).

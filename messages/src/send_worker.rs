@@ -6,6 +6,7 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::kv_groups::GroupBlocks;
 use crate::layout::KvLayout;
 use crate::{BlockId, RequestId, TransferId};
 
@@ -23,7 +24,8 @@ pub struct RecordSendPending {
 pub struct RecordSendReady {
     pub p_req_id: RequestId,
     pub transfer_id: TransferId,
-    pub block_ids: Vec<BlockId>,
+    /// P's blocks per KV-cache group, each from the prompt's first block.
+    pub block_ids: GroupBlocks,
     /// The W3C traceparent of P's request: step 27 joins its trace.
     pub traceparent: Option<String>,
 }
@@ -45,7 +47,8 @@ pub struct ServePull {
     pub pull_id: u64,
     pub d_req_id: RequestId,
     pub transfer_id: TransferId,
-    pub block_ids: Vec<BlockId>,
+    /// D's blocks to write, per KV-cache group.
+    pub block_ids: GroupBlocks,
     pub data_addr: String,
     pub layout: KvLayout,
     pub traceparent: Option<String>,

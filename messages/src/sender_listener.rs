@@ -8,16 +8,17 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::kv_groups::GroupBlocks;
 use crate::layout::KvLayout;
-use crate::{BlockId, RequestId, TransferId};
+use crate::{RequestId, TransferId};
 
 /// One D request inside a pull.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PullReq {
     pub d_req_id: RequestId,
     pub transfer_id: TransferId,
-    /// D's block ids, in prompt order (where P must write).
-    pub block_ids: Vec<BlockId>,
+    /// D's block ids per KV-cache group, in prompt order (where P must write).
+    pub block_ids: GroupBlocks,
     /// W3C traceparent of this D request: several requests share one pull, each keeps its trace.
     pub traceparent: Option<String>,
     /// D's write-fence token for this request's blocks (0: none): P names it before the data, and
@@ -214,7 +215,7 @@ mod tests {
 /// `reqs_not_processed` (from [`crate::scheduler_connector::ConnectorMetadata`]).
 #[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
 pub struct RecordSendReqs {
-    pub reqs_to_send: std::collections::BTreeMap<RequestId, (TransferId, Vec<BlockId>)>,
+    pub reqs_to_send: std::collections::BTreeMap<RequestId, (TransferId, GroupBlocks)>,
     pub reqs_not_processed: std::collections::BTreeSet<TransferId>,
     pub traceparents: std::collections::BTreeMap<RequestId, String>,
 }

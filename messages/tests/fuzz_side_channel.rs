@@ -15,6 +15,7 @@ use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
 
 use pdflow_messages::frame::{self, FrameError, MAGIC, MAX_FRAME_LEN, VERSION};
+use pdflow_messages::kv_groups::{BlockSpan, GroupBlocks};
 use pdflow_messages::layout::{KvLayout, RegionDesc};
 use pdflow_messages::sender_listener::{
     AbortPull, BlockDigests, PullErr, PullErrorCause, PullReq, PullRequest, PullResponse, PullStatus,
@@ -99,11 +100,13 @@ fn layout() -> impl Strategy<Value = KvLayout> {
 }
 
 fn pull_req() -> impl Strategy<Value = PullReq> {
-    (text(), text(), prop::collection::vec(any::<u32>(), 0..40), prop::option::of(text())).prop_map(
-        |(d_req_id, transfer_id, block_ids, traceparent)| PullReq {
+    let span = (prop::option::of(any::<u32>()), prop::collection::vec(any::<u32>(), 0..40))
+        .prop_map(|(first, ids)| BlockSpan { first, ids });
+    (text(), text(), prop::collection::vec(span, 0..4), prop::option::of(text())).prop_map(
+        |(d_req_id, transfer_id, spans, traceparent)| PullReq {
             d_req_id: d_req_id.into(),
             transfer_id: transfer_id.into(),
-            block_ids,
+            block_ids: GroupBlocks(spans),
             traceparent,
             fence: 3,
         },

@@ -20,3 +20,7 @@ pub const TP_RANK: &str = "pd.tp_rank";
 pub const PP_RANK: &str = "pd.pp_rank";
 pub const REMOTE_TP_RANK: &str = "pd.remote_tp_rank";
 pub const REMOTE_PP_RANK: &str = "pd.remote_pp_rank";
+/// Steps 28, 29 and 34 of a hybrid model (more than one KV-cache group): the blocks, and bytes,
+/// each group moved, in the groups' order (`"12,4,1"`).
+pub const GROUP_BLOCKS: &str = "pd.group_blocks";
+pub const GROUP_BYTES: &str = "pd.group_bytes";

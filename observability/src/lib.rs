@@ -69,6 +69,8 @@ macro_rules! step_span {
             pd.pp_rank = tracing::field::Empty,
             pd.remote_tp_rank = tracing::field::Empty,
             pd.remote_pp_rank = tracing::field::Empty,
+            pd.group_blocks = tracing::field::Empty,
+            pd.group_bytes = tracing::field::Empty,
         )
     };
 }

@@ -88,7 +88,7 @@ impl Harness {
         let meta = PullMeta {
             d_req_id: req.clone().into(),
             transfer_id: format!("xfer-{req}").into(),
-            local_block_ids: vec![1, 2],
+            local_block_ids: vec![1, 2].into(),
             remote_engine_id: engine_id.into(),
             remote_bootstrap_addr: bootstrap_addr.into(),
             traceparent: None,

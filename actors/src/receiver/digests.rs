@@ -23,7 +23,7 @@ impl Receiver {
             return None;
         }
         let recv = self.in_flight.get(req)?;
-        let blocks = &recv.meta.local_block_ids;
+        let blocks = recv.meta.local_block_ids.flat();
         let mismatch = |detail: String| {
             tracing::warn!(request_id = %req, "{detail}");
             Some(LoadFailure::new(LoadFailureCause::KvMismatch, detail))
@@ -35,7 +35,7 @@ impl Receiver {
                 blocks.len()
             ));
         }
-        let d_digests = match self.d_digests(blocks, p_rank) {
+        let d_digests = match self.d_digests(&blocks, p_rank) {
             Ok(d) => d,
             Err(e) => return mismatch(format!("D cannot read its blocks to check them ({e}): the KV is not used")),
         };

@@ -45,13 +45,13 @@ impl Receiver {
             Some(mut failure) => {
                 Outcome::FAILED.record(&span);
                 tracing::warn!(parent: &span, request_id = %meta.d_req_id, reason = %failure, "KV receive failed");
-                failure.block_ids.clone_from(&meta.local_block_ids);
+                failure.block_ids = meta.local_block_ids.flat();
                 self.failed_recving.insert(meta.d_req_id.clone(), failure);
             }
             None => {
                 Outcome::Ok.record(&span);
                 if self.args.verify_checksums {
-                    match self.args.kv_cache.blocks_checksum(&meta.local_block_ids) {
+                    match self.args.kv_cache.blocks_checksum(&meta.local_block_ids.flat()) {
                         Ok(sum) => {
                             span.record(attrs::KV_CHECKSUM, sum);
                         }

@@ -55,7 +55,7 @@ impl Harness {
         PullMeta {
             d_req_id: req.into(),
             transfer_id: format!("xfer-{req}").into(),
-            local_block_ids: blocks,
+            local_block_ids: blocks.into(),
             remote_engine_id: P_ENGINE.into(),
             remote_bootstrap_addr: self.bootstrap.addr.clone(),
             traceparent: None,
@@ -128,7 +128,7 @@ async fn pull_completes_into_finished_recving() {
     h.pull(vec![h.meta("cmpl-d-1", vec![3, 4, 5])]).await;
     let (id, pull) = h.next_pull().await;
     assert_eq!(pull.reqs.len(), 1);
-    assert_eq!(pull.reqs[0].block_ids, vec![3, 4, 5]);
+    assert_eq!(pull.reqs[0].block_ids.flat(), vec![3, 4, 5]);
     assert_eq!(pull.reqs[0].transfer_id, "xfer-cmpl-d-1");
     assert!(pull.layout.is_some(), "first pull carries the full layout");
     assert_eq!(pull.data_addr, "127.0.0.1:9");

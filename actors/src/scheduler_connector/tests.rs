@@ -31,6 +31,8 @@ async fn spawn(role: KvRole) -> ActorRef<SchedulerConnector> {
         role,
         bootstrap_addr: Some("http://127.0.0.1:8998".into()),
         layerwise: role == KvRole::Producer,
+        groups: Vec::new(),
+        null_block: None,
     });
     r.wait_for_startup().await;
     r
@@ -93,13 +95,17 @@ async fn a_p_request_without_a_transfer_id_is_named_by_p_which_answers_what_d_ne
         traceparent: None,
     };
     assert_eq!(p.ask(OnNewRequest { request: bare() }).await.expect("ask delivered"), None, "served, not refused");
-    p.ask(UpdateStateAfterAlloc { request: bare(), block_ids: vec![4, 5, 6, 7], num_external_tokens: 0 })
+    p.ask(UpdateStateAfterAlloc { request: bare(), block_ids: vec![4, 5, 6, 7].into(), num_external_tokens: 0 })
         .await
         .expect("ask");
     let meta = p.ask(BuildConnectorMeta::default()).await.expect("ask delivered");
     assert_eq!(meta.reqs_to_send["cmpl-abc-0-1234abcd"].0, "cmpl-abc-0-1234abcd");
     let reply = p
-        .ask(RequestFinished { request: bare(), status: FinishStatus::LengthCapped, block_ids: vec![4, 5, 6, 7] })
+        .ask(RequestFinished {
+            request: bare(),
+            status: FinishStatus::LengthCapped,
+            block_ids: vec![4, 5, 6, 7].into(),
+        })
         .await
         .expect("ask delivered");
     assert!(reply.delay_free_blocks);
@@ -118,11 +124,12 @@ async fn a_p_request_without_a_transfer_id_is_named_by_p_which_answers_what_d_ne
 async fn layer_wise_p_names_each_step_s_prefill_chunks_in_reqs_to_save_until_it_finishes() {
     let p = spawn(KvRole::Producer).await;
     let request = p_request("p1");
-    p.ask(UpdateStateAfterAlloc { request: request.clone(), block_ids: vec![3, 4], num_external_tokens: 0 })
+    p.ask(UpdateStateAfterAlloc { request: request.clone(), block_ids: vec![3, 4].into(), num_external_tokens: 0 })
         .await
         .expect("ask");
-    let chunk = |upto: usize| ScheduledChunk { request_id: "p1".into(), block_ids: vec![3, 4], computed_upto: upto };
-    let local = ScheduledChunk { request_id: "local".into(), block_ids: vec![9], computed_upto: 5 };
+    let chunk =
+        |upto: usize| ScheduledChunk { request_id: "p1".into(), block_ids: vec![3, 4].into(), computed_upto: upto };
+    let local = ScheduledChunk { request_id: "local".into(), block_ids: vec![9].into(), computed_upto: 5 };
     let meta = p.ask(BuildConnectorMeta { scheduled: vec![chunk(512), local] }).await.expect("ask delivered");
     let save = &meta.reqs_to_save["p1"];
     assert_eq!((save.transfer_id.as_str(), save.computed_upto, save.prompt_len), ("xfer-p1", 512, 1000));
@@ -130,7 +137,7 @@ async fn layer_wise_p_names_each_step_s_prefill_chunks_in_reqs_to_save_until_it_
     // The step that samples P's one token computes no more prompt KV than the prompt holds.
     let meta = p.ask(BuildConnectorMeta { scheduled: vec![chunk(1001)] }).await.expect("ask delivered");
     assert_eq!(meta.reqs_to_save["p1"].computed_upto, 1000);
-    p.ask(RequestFinished { request, status: FinishStatus::LengthCapped, block_ids: vec![3, 4] })
+    p.ask(RequestFinished { request, status: FinishStatus::LengthCapped, block_ids: vec![3, 4].into() })
         .await
         .expect("ask delivered");
     let meta = p.ask(BuildConnectorMeta { scheduled: vec![chunk(1000)] }).await.expect("ask delivered");
@@ -153,7 +160,7 @@ async fn a_prefix_hit_of_all_but_the_last_prompt_token_loads_nothing_and_frees_p
     assert_eq!(updated.map(|p| p.do_remote_prefill), Some(false), "one pull, never two");
     // The pull names no block: P frees its blocks without writing any.
     let meta = d.ask(BuildConnectorMeta::default()).await.expect("ask delivered");
-    assert_eq!(meta.reqs_to_recv["p-engine"]["d1"].local_block_ids, Vec::<BlockId>::new());
+    assert_eq!(meta.reqs_to_recv["p-engine"]["d1"].local_block_ids, GroupBlocks::default());
 }
 
 #[tokio::test]
@@ -166,7 +173,7 @@ async fn producer_records_pending_send_then_blocks_after_finish() {
     assert_eq!(updated, None);
     // Step 13: the pending send with an empty block list.
     let meta = p.ask(BuildConnectorMeta::default()).await.expect("ask delivered");
-    assert_eq!(meta.reqs_to_send.get("p1"), Some(&("xfer-p1".into(), vec![])));
+    assert_eq!(meta.reqs_to_send.get("p1"), Some(&("xfer-p1".into(), GroupBlocks::default())));
     assert!(
         p.ask(BuildConnectorMeta::default()).await.expect("ask delivered").is_empty(),
         "metadata is cleared after each build"
@@ -183,28 +190,31 @@ async fn producer_records_pending_send_then_blocks_after_finish() {
     assert!(reply.delay_free_blocks);
     // Step 26: the blocks go to the worker.
     let meta = p.ask(BuildConnectorMeta::default()).await.expect("ask delivered");
-    assert_eq!(meta.reqs_to_send["p1"].1, (17..80).collect::<Vec<_>>());
+    assert_eq!(meta.reqs_to_send["p1"].1.flat(), (17..80).collect::<Vec<_>>());
 }
 
 #[tokio::test]
 async fn producer_sends_even_when_the_first_token_is_a_stop() {
     let p = spawn(KvRole::Producer).await;
     let reply = p
-        .ask(RequestFinished { request: p_request("p1"), status: FinishStatus::Stopped, block_ids: vec![1, 2] })
+        .ask(RequestFinished { request: p_request("p1"), status: FinishStatus::Stopped, block_ids: vec![1, 2].into() })
         .await
         .expect("ask");
     assert!(reply.delay_free_blocks, "the prompt's KV is valid: it must be sent");
-    assert_eq!(p.ask(BuildConnectorMeta::default()).await.expect("ask delivered").reqs_to_send["p1"].1, vec![1, 2]);
+    assert_eq!(
+        p.ask(BuildConnectorMeta::default()).await.expect("ask delivered").reqs_to_send["p1"].1.flat(),
+        vec![1, 2]
+    );
 }
 
 #[tokio::test]
 async fn producer_abort_frees_at_once_and_reports_not_processed() {
     let p = spawn(KvRole::Producer).await;
-    p.ask(UpdateStateAfterAlloc { request: p_request("p1"), block_ids: vec![1], num_external_tokens: 0 })
+    p.ask(UpdateStateAfterAlloc { request: p_request("p1"), block_ids: vec![1].into(), num_external_tokens: 0 })
         .await
         .expect("ask delivered");
     let reply = p
-        .ask(RequestFinished { request: p_request("p1"), status: FinishStatus::Aborted, block_ids: vec![1] })
+        .ask(RequestFinished { request: p_request("p1"), status: FinishStatus::Aborted, block_ids: vec![1].into() })
         .await
         .expect("ask");
     assert!(!reply.delay_free_blocks);
@@ -247,20 +257,20 @@ async fn consumer_records_pull_once_grouped_by_engine_and_clears_do_remote_prefi
 async fn consumer_abort_in_flight_cancels_the_pull_and_early_abort_still_tells_p() {
     let d = spawn(KvRole::Consumer).await;
     let updated = d
-        .ask(UpdateStateAfterAlloc { request: d_request("d1"), block_ids: vec![5, 6], num_external_tokens: 32 })
+        .ask(UpdateStateAfterAlloc { request: d_request("d1"), block_ids: vec![5, 6].into(), num_external_tokens: 32 })
         .await
         .expect("ask");
     d.ask(BuildConnectorMeta::default()).await.expect("ask delivered");
     let mut waiting = d_request("d1");
     waiting.kv_transfer_params = updated;
     let reply = d
-        .ask(RequestFinished { request: waiting, status: FinishStatus::Aborted, block_ids: vec![5, 6] })
+        .ask(RequestFinished { request: waiting, status: FinishStatus::Aborted, block_ids: vec![5, 6].into() })
         .await
         .expect("ask delivered");
     assert!(!reply.delay_free_blocks);
     assert!(d.ask(BuildConnectorMeta::default()).await.expect("ask delivered").reqs_to_abort.contains("d1"));
     // Aborted before any allocation: an empty pull so that P frees its blocks.
-    d.ask(RequestFinished { request: d_request("d2"), status: FinishStatus::Aborted, block_ids: vec![] })
+    d.ask(RequestFinished { request: d_request("d2"), status: FinishStatus::Aborted, block_ids: vec![].into() })
         .await
         .expect("ask delivered");
     let meta = d.ask(BuildConnectorMeta::default()).await.expect("ask delivered");
@@ -271,7 +281,7 @@ async fn consumer_abort_in_flight_cancels_the_pull_and_early_abort_still_tells_p
 async fn update_connector_output_settles_in_flight_pulls() {
     let d = spawn(KvRole::Consumer).await;
     let updated = d
-        .ask(UpdateStateAfterAlloc { request: d_request("d1"), block_ids: vec![5], num_external_tokens: 16 })
+        .ask(UpdateStateAfterAlloc { request: d_request("d1"), block_ids: vec![5].into(), num_external_tokens: 16 })
         .await
         .expect("ask");
     d.ask(BuildConnectorMeta::default()).await.expect("ask delivered");
@@ -281,8 +291,84 @@ async fn update_connector_output_settles_in_flight_pulls() {
     // After the KV arrived an abort no longer cancels anything.
     let mut req = d_request("d1");
     req.kv_transfer_params = updated;
-    d.ask(RequestFinished { request: req, status: FinishStatus::Aborted, block_ids: vec![5] })
+    d.ask(RequestFinished { request: req, status: FinishStatus::Aborted, block_ids: vec![5].into() })
         .await
         .expect("ask delivered");
     assert!(d.ask(BuildConnectorMeta::default()).await.expect("ask delivered").reqs_to_abort.is_empty());
+}
+
+/// Gemma-3-shaped: full attention, then a sliding window of 64 tokens, block 16, null block 0.
+async fn spawn_hybrid(role: KvRole) -> ActorRef<SchedulerConnector> {
+    let r = SchedulerConnector::spawn(SchedulerConnectorArgs {
+        engine_id: "e".into(),
+        role,
+        bootstrap_addr: None,
+        layerwise: false,
+        groups: vec![
+            KvGroupSpec::full(16),
+            KvGroupSpec { kind: KvGroupKind::SlidingWindow { window: 64 }, block_size: 16 },
+            KvGroupSpec { kind: KvGroupKind::State, block_size: 1024 },
+        ],
+        null_block: Some(0),
+    });
+    r.wait_for_startup().await;
+    r
+}
+
+fn span(first: Option<u32>, ids: &[BlockId]) -> BlockSpan {
+    BlockSpan { first, ids: ids.to_vec() }
+}
+
+#[tokio::test]
+async fn a_hybrid_model_moves_each_group_s_blocks_and_d_computes_the_last_prompt_token() {
+    let d = spawn_hybrid(KvRole::Consumer).await;
+    // D loads all but the last prompt token, even when its prefix cache holds every other one.
+    let m = d.ask(GetNumNewMatchedTokens { request: d_request("d1"), num_computed_tokens: 998 }).await.expect("asked");
+    assert_eq!(m, MatchedTokens { count: 1, load_async: true });
+    let m = d.ask(GetNumNewMatchedTokens { request: d_request("d1"), num_computed_tokens: 999 }).await.expect("asked");
+    assert_eq!(m, MatchedTokens { count: 0, load_async: false });
+    // Its prefix cache holds 32 tokens (2 blocks), the rest loads.
+    let m = d.ask(GetNumNewMatchedTokens { request: d_request("d1"), num_computed_tokens: 32 }).await.expect("asked");
+    assert_eq!(m, MatchedTokens { count: 967, load_async: true });
+    // 999 tokens are 63 blocks of 16; the window keeps cdiv(64, 16) + 1 = 5 of them.
+    let sliding: Vec<BlockId> = (0..63).map(|i| if i < 57 { 0 } else { 500 + i }).collect();
+    let blocks = GroupBlocks(vec![
+        span(Some(0), &(100..163).collect::<Vec<_>>()),
+        span(Some(0), &sliding),
+        span(Some(0), &[900]),
+    ]);
+    d.ask(UpdateStateAfterAlloc { request: d_request("d1"), block_ids: blocks, num_external_tokens: 967 })
+        .await
+        .expect("asked");
+    let meta = d.ask(BuildConnectorMeta::default()).await.expect("asked");
+    let pull = &meta.reqs_to_recv["p-engine"]["d1"].local_block_ids;
+    assert_eq!(
+        pull,
+        &GroupBlocks(vec![
+            span(Some(2), &(102..163).collect::<Vec<_>>()),
+            span(Some(58), &[558, 559, 560, 561, 562]),
+            span(None, &[900]),
+        ])
+    );
+
+    // P keeps every block its window still holds, and its state's last page.
+    let p = spawn_hybrid(KvRole::Producer).await;
+    let p_sliding: Vec<BlockId> = (0..63).map(|i| if i < 50 { 0 } else { 300 + i }).collect();
+    let finished = GroupBlocks(vec![
+        span(Some(0), &(1..64).collect::<Vec<_>>()),
+        span(Some(0), &p_sliding),
+        span(Some(0), &[700, 701]),
+    ]);
+    p.ask(RequestFinished { request: p_request("p1"), status: FinishStatus::LengthCapped, block_ids: finished })
+        .await
+        .expect("asked");
+    let meta = p.ask(BuildConnectorMeta::default()).await.expect("asked");
+    let held = &meta.reqs_to_send["p1"].1;
+    assert_eq!(held.groups()[1], span(Some(50), &(350..363).collect::<Vec<_>>()));
+    assert_eq!(held.groups()[2], span(None, &[701]));
+    // Paired position by position: D's blocks 2.. of full attention, the window's last 5, the state.
+    let (src, dst) = held.pair_with(pull).expect("P holds what D asks for");
+    assert_eq!(dst, pull.flat());
+    let want: Vec<BlockId> = (3..64).chain(358..363).chain([701]).collect();
+    assert_eq!(src, want);
 }

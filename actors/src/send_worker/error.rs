@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use pdflow_kv::planner::PlanError;
 use pdflow_kv::topology::{AddressError, RankPlanError, TopologyError};
+use pdflow_messages::kv_groups::BlockPairError;
 use pdflow_transfer::TransferError;
 
 /// Why step 28 could not plan a pull: the two engines' layouts or ranks do not match (D is
@@ -24,6 +25,10 @@ pub enum PullPlanError {
     /// Across ranks: the pair's blocks, layers or heads do not line up.
     #[error(transparent)]
     Pair(#[from] RankPlanError),
+    /// P's blocks do not cover the positions D asks for, or the two models' KV-cache groups
+    /// differ.
+    #[error(transparent)]
+    Blocks(#[from] BlockPairError),
     /// Across ranks: the pair's plan does not fit a side's registered regions.
     #[error(transparent)]
     Address(#[from] AddressError),

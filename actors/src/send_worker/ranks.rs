@@ -8,12 +8,12 @@
 //! pulls leaves the blocks to the send expiry, as a single pull does.
 
 use pdflow_kv::planner::TransferPlan;
-use pdflow_kv::topology::{align_tail, plan_pair, pullers_of};
+use pdflow_kv::topology::{plan_pair, pullers_of};
 use pdflow_messages::send_worker::{DRank, ServePull};
 use pdflow_messages::BlockId;
 
 use super::{PullPlanError, SendWorker};
-use crate::ranks::{pair_share_digests, DigestError, PairEnd};
+use crate::ranks::{pair_share_digests, PairEnd};
 
 impl SendWorker {
     /// Whether this pull is between sharded engines (else the one-to-one plan of step 28 serves).
@@ -47,33 +47,34 @@ impl SendWorker {
 
     /// Step 28 across ranks: what this worker writes into the pulling D rank's blocks
     /// (`src_blocks`: P's blocks aligned with D's). An empty plan: this pull moves nothing.
-    pub(super) fn rank_plan(&self, pull: &ServePull, src_blocks: &[BlockId]) -> Result<TransferPlan, PullPlanError> {
+    pub(super) fn rank_plan(
+        &self,
+        pull: &ServePull,
+        src_blocks: &[BlockId],
+        dst_blocks: &[BlockId],
+    ) -> Result<TransferPlan, PullPlanError> {
         let me = self.args.rank;
         let d = me.of_puller(pull.d_rank);
         let p_topology = me.topology().map_err(PullPlanError::PRanks)?;
         let d_topology =
             d.topology().map_err(|source| PullPlanError::DRanks { tp: d.tp_size, pp: d.pp_size, source })?;
-        let src_blocks = align_tail(src_blocks, &pull.block_ids)?;
-        let pair =
-            plan_pair(&p_topology, &d_topology, &me.heads(), (me.index(), d.index()), src_blocks, &pull.block_ids)?;
+        let pair = plan_pair(&p_topology, &d_topology, &me.heads(), (me.index(), d.index()), src_blocks, dst_blocks)?;
         let Some(pair) = pair else { return Ok(TransferPlan::default()) };
         let plan = pair.to_transfer_plan(&self.args.kv_cache.regions(), &pull.layout.regions)?;
         Ok(TransferPlan { fence: pull.fence, ..plan })
     }
 
     /// With `verify_checksums`, P's digest of the pair's share of each block it is about to
-    /// write ([`pdflow_kv::topology::share_digests`]); D digests the same runs of its blocks once
-    /// they landed. Empty when off, when the pair moves nothing, or when P cannot read them (D
-    /// then checks nothing).
+    /// write ([`pdflow_kv::topology::share_digests`]; `src_blocks`: P's blocks paired with D's);
+    /// D digests the same runs of its blocks once they landed. Empty when off, when the pair
+    /// moves nothing, or when P cannot read them (D then checks nothing).
     pub(super) fn rank_digests(&self, pull: &ServePull, src_blocks: &[BlockId]) -> Vec<u64> {
         if !self.args.verify_checksums {
             return Vec::new();
         }
         let me = self.args.rank;
         let d = me.of_puller(pull.d_rank);
-        let digests = align_tail(src_blocks, &pull.block_ids)
-            .map_err(DigestError::from)
-            .and_then(|blocks| pair_share_digests(&self.args.kv_cache, (&me, &d), PairEnd::P, blocks));
+        let digests = pair_share_digests(&self.args.kv_cache, (&me, &d), PairEnd::P, src_blocks);
         digests.unwrap_or_else(|e| {
             tracing::warn!(transfer_id = %self.args.transfer_id, error = %e, "cannot digest P's share: D will not check it");
             Vec::new()

@@ -94,7 +94,10 @@ impl SendWorker {
         let block_size = self.args.kv_cache.shape().block_size.max(1);
         // D asks for the tail of the prompt's blocks (its prefix cache may hold the start).
         let prompt_blocks = stream.prompt_len.div_ceil(block_size);
-        let skip = prompt_blocks.checked_sub(pull.block_ids.len())?;
+        // One group only: a hybrid model's pull is written whole at ready.
+        let [d_span] = pull.block_ids.groups() else { return None };
+        let d_blocks = &d_span.ids;
+        let skip = prompt_blocks.checked_sub(d_blocks.len())?;
         let mut descriptors: Vec<Descriptor> = Vec::new();
         for layer in 0..layers {
             if upto[layer] <= written[layer] {
@@ -106,7 +109,7 @@ impl SendWorker {
             if lo >= hi {
                 continue;
             }
-            let (src, dst) = (&stream.block_ids[lo..hi], &pull.block_ids[lo - skip..hi - skip]);
+            let (src, dst) = (&stream.block_ids[lo..hi], &d_blocks[lo - skip..hi - skip]);
             let regions = layer * per_layer..(layer + 1) * per_layer;
             let plan = build_plan(&src_regions[regions.clone()], src, &dst_regions[regions], dst, true).ok()?;
             descriptors.extend(plan.descriptors);

@@ -95,7 +95,7 @@ impl Rig {
             .tell(RecordSendReady {
                 p_req_id: "cmpl-p".into(),
                 transfer_id: "xfer-1".into(),
-                block_ids: blocks,
+                block_ids: blocks.into(),
                 traceparent: None,
             })
             .await
@@ -107,7 +107,7 @@ impl Rig {
             pull_id: 3,
             d_req_id: "cmpl-d".into(),
             transfer_id: "xfer-1".into(),
-            block_ids: blocks,
+            block_ids: blocks.into(),
             data_addr: "127.0.0.1:1".into(),
             layout: self.d.layout(),
             traceparent: None,
@@ -246,7 +246,7 @@ async fn consumer_abort_before_ready_frees_p_once_ready() {
         .tell(RecordSendReady {
             p_req_id: "cmpl-p".into(),
             transfer_id: "xfer-1".into(),
-            block_ids: vec![1],
+            block_ids: vec![1].into(),
             traceparent: None,
         })
         .await
@@ -259,8 +259,13 @@ async fn consumer_abort_before_ready_frees_p_once_ready() {
 
 impl Rig {
     async fn layer(&self, layer: usize, computed_upto: usize) {
-        let done =
-            LayerDone { p_req_id: "cmpl-p".into(), layer, block_ids: vec![2, 3, 5], computed_upto, prompt_len: 6 };
+        let done = LayerDone {
+            p_req_id: "cmpl-p".into(),
+            layer,
+            block_ids: vec![2, 3, 5].into(),
+            computed_upto,
+            prompt_len: 6,
+        };
         self.worker.tell(done).await.expect("worker alive");
     }
 }
@@ -373,7 +378,7 @@ async fn each_d_rank_gets_its_heads_and_the_last_one_frees_the_blocks() {
             pull_id: u64::from(d_rank) + 1,
             d_req_id: "cmpl-d".into(),
             transfer_id: "xfer-1".into(),
-            block_ids: vec![5, 9],
+            block_ids: vec![5, 9].into(),
             data_addr: "127.0.0.1:1".into(),
             layout: d.layout(),
             traceparent: None,

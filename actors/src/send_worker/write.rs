@@ -114,17 +114,20 @@ impl SendWorker {
             step_span!(steps::P_BUILD_TRANSFER, request_id = p_req_id, transfer_id = self.args.transfer_id.as_str());
         let regions = self.args.kv_cache.regions();
         // D's prefix cache may already hold the prompt's first blocks: it then asks only for the
-        // rest, and P sends the tail of its blocks (a D asking for more than P holds is refused).
-        let skip = self.local_block_ids.len().saturating_sub(pull.block_ids.len());
-        let src_blocks = self.local_block_ids[skip..].to_vec();
+        // rest, and P sends the blocks at the same positions, group by group (a D asking for a
+        // block P does not hold is refused).
         let ranked = self.ranked(pull);
         if ranked {
             self.record_ranks(&plan_span, pull);
         }
-        let plan = plan_span.in_scope(|| match ranked {
-            true => self.rank_plan(pull, &src_blocks),
-            false => build_plan(&regions, &src_blocks, &pull.layout.regions, &pull.block_ids, true)
-                .map_err(PullPlanError::from),
+        let paired = self.local_block_ids.pair_with(&pull.block_ids).map_err(PullPlanError::from);
+        let src_blocks = paired.as_ref().map(|(src, _)| src.clone()).unwrap_or_default();
+        let plan = plan_span.in_scope(|| {
+            let (src, dst) = paired?;
+            match ranked {
+                true => self.rank_plan(pull, &src, &dst),
+                false => build_plan(&regions, &src, &pull.layout.regions, &dst, true).map_err(PullPlanError::from),
+            }
         });
         let plan = match plan {
             // D's fence for these blocks: its data server writes them only while D expects them.
@@ -137,6 +140,9 @@ impl SendWorker {
             }
         };
         plan_span.record(attrs::BLOCKS, src_blocks.len() as u64);
+        if self.local_block_ids.groups().len() > 1 {
+            plan_span.record(attrs::GROUP_BLOCKS, group_counts(&pull.block_ids).as_str());
+        }
         plan_span.record(attrs::DESCRIPTORS, plan.descriptors.len() as u64);
         plan_span.record(attrs::BYTES, plan.total_bytes());
         Ok((plan, src_blocks))
@@ -292,4 +298,9 @@ impl Message<WriteDone> for SendWorker {
         let reply = PullReply { pull_id: pull.pull_id, d_req_id: pull.d_req_id.clone(), result };
         self.report(Some(reply), counts, true).await;
     }
+}
+
+/// Blocks per KV-cache group, as a span attribute (`"12,4,1"`).
+pub(super) fn group_counts(blocks: &pdflow_messages::kv_groups::GroupBlocks) -> String {
+    blocks.counts().iter().map(|n| n.to_string()).collect::<Vec<_>>().join(",")
 }

@@ -143,7 +143,7 @@ impl Harness {
                 .map(|(d, t, b)| PullReq {
                     d_req_id: (*d).into(),
                     transfer_id: (*t).into(),
-                    block_ids: b.clone(),
+                    block_ids: b.clone().into(),
                     traceparent: None,
                     fence: 0,
                 })
@@ -175,7 +175,7 @@ impl Harness {
 
     pub(super) async fn record(&self, to_send: &[(&str, &str, Vec<u32>)], not_processed: &[&str]) {
         let reqs_to_send: BTreeMap<_, _> =
-            to_send.iter().map(|(p, t, b)| ((*p).into(), ((*t).into(), b.clone()))).collect();
+            to_send.iter().map(|(p, t, b)| ((*p).into(), ((*t).into(), b.clone().into()))).collect();
         let reqs_not_processed = not_processed.iter().map(|t| (*t).into()).collect();
         let msg = RecordSendReqs { reqs_to_send, reqs_not_processed, traceparents: BTreeMap::new() };
         self.listener.ask(msg).await.expect("recorded");

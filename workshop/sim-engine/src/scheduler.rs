@@ -338,7 +338,7 @@ impl Scheduler {
         span.record(attrs::BLOCKS, r.block_ids.len());
         let (delay, params) = match &self.connector {
             Some(conn) => {
-                let msg = RequestFinished { request: r.sched_request(), status, block_ids: r.block_ids.clone() };
+                let msg = RequestFinished { request: r.sched_request(), status, block_ids: r.block_ids.clone().into() };
                 match conn.scheduler.request_finished(msg).await {
                     Ok(reply) => (reply.delay_free_blocks, reply.kv_transfer_params),
                     Err(e) => {
@@ -380,7 +380,7 @@ impl Scheduler {
     pub async fn reject(&mut self, request: SchedRequest) {
         let Some(conn) = &self.connector else { return };
         let id = request.request_id.clone();
-        let msg = RequestFinished { request, status: FinishStatus::Error, block_ids: Vec::new() };
+        let msg = RequestFinished { request, status: FinishStatus::Error, block_ids: Default::default() };
         if let Err(e) = conn.scheduler.request_finished(msg).await {
             tracing::warn!(request_id = %id, error = %e, "request_finished for a rejected request failed; the peer waits for its deadline");
         }

@@ -7,10 +7,11 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
 
 use futures::future::BoxFuture;
+use pdflow_messages::kv_groups::GroupBlocks;
 use pdflow_messages::kv_transfer_params::KvTransferParams;
 use pdflow_messages::scheduler_connector::*;
 use pdflow_messages::sender_listener::PullErrorCause;
-use pdflow_messages::{BlockId, EngineId, RequestId, TransferId};
+use pdflow_messages::{EngineId, RequestId, TransferId};
 use tokio::sync::{mpsc, Notify};
 
 use super::ranks_tests::copy_across;
@@ -22,7 +23,7 @@ use pdflow_kv::memory::KvShape;
 
 #[derive(Default)]
 struct SchedState {
-    reqs_need_send: BTreeMap<RequestId, (TransferId, Vec<BlockId>)>,
+    reqs_need_send: BTreeMap<RequestId, (TransferId, GroupBlocks)>,
     reqs_need_recv: BTreeMap<EngineId, BTreeMap<RequestId, PullMeta>>,
     reqs_not_processed: BTreeSet<TransferId>,
     reqs_to_abort: BTreeSet<RequestId>,
@@ -65,8 +66,10 @@ impl SchedulerConnectorPort for TestScheduler {
             Some(p)
         } else {
             if p.do_remote_decode {
-                st.reqs_need_send
-                    .insert(msg.request.request_id, (p.transfer_id.clone().unwrap_or_default().into(), Vec::new()));
+                st.reqs_need_send.insert(
+                    msg.request.request_id,
+                    (p.transfer_id.clone().unwrap_or_default().into(), GroupBlocks::default()),
+                );
             }
             None
         };
@@ -235,7 +238,7 @@ async fn p_then_d_over_ranks_equals_single_engine(
         d.engine.add_request(d_request("r1", prompt(prompt_len), max_tokens, &p_id)).await.expect("accepted");
     // Steps 17–18: D waits for remote KV, its pull names its blocks.
     let d_blocks = d
-        .meta(|m| m.reqs_to_recv.get(p_id.as_str()).and_then(|r| r.get("r1")).map(|pull| pull.local_block_ids.clone()))
+        .meta(|m| m.reqs_to_recv.get(p_id.as_str()).and_then(|r| r.get("r1")).map(|pull| pull.local_block_ids.flat()))
         .await;
     assert_eq!(d_blocks.len(), shape.blocks_for(prompt_len as usize));
     // Steps 11–15, 23–24: P prefills (chunked or not) and finishes length-capped with one token.
@@ -243,8 +246,9 @@ async fn p_then_d_over_ranks_equals_single_engine(
     assert_eq!((p_tokens, p_status), (vec![want[0]], FinishStatus::LengthCapped));
     // Step 13 then 26: reqs_to_send first without blocks, then with them (after the finish).
     let first = p.meta(|m| m.reqs_to_send.get("r1").cloned()).await;
-    assert_eq!(first, ("xfer-r1".into(), vec![]));
+    assert_eq!(first, ("xfer-r1".into(), GroupBlocks::default()));
     let (_, p_blocks) = p.meta(|m| m.reqs_to_send.get("r1").filter(|(_, b)| !b.is_empty()).cloned()).await;
+    let p_blocks = p_blocks.flat();
     assert_eq!(p_blocks.len(), d_blocks.len());
     // Delayed free: P still holds the blocks and the request.
     let held = p.engine.block_stats();

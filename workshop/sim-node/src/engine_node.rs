@@ -133,6 +133,8 @@ impl EngineNode {
             role: cfg.role,
             bootstrap_addr,
             layerwise: cfg.layerwise,
+            groups: Vec::new(),
+            null_block: None,
         };
         let connector = SchedulerConnector::supervise(&supervisor, args)
             .restart_policy(RestartPolicy::Transient)

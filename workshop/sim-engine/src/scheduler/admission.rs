@@ -135,7 +135,7 @@ impl Scheduler {
         if let Some(conn) = self.connector.clone() {
             let msg = UpdateStateAfterAlloc {
                 request: r.sched_request(),
-                block_ids: r.block_ids.clone(),
+                block_ids: r.block_ids.clone().into(),
                 num_external_tokens: 0,
             };
             match conn.scheduler.update_state_after_alloc(msg).await {
@@ -176,7 +176,7 @@ impl Scheduler {
         span.record(attrs::TOKENS, count);
         let msg = UpdateStateAfterAlloc {
             request: r.sched_request(),
-            block_ids: r.block_ids.clone(),
+            block_ids: r.block_ids.clone().into(),
             num_external_tokens: count,
         };
         let Some(conn) = self.connector.clone() else { return WaitingOutcome::Gone };

@@ -102,11 +102,11 @@ impl ActorPair {
         for d in d_blocks {
             let id = self.next_id.fetch_add(1, Ordering::Relaxed);
             let (p_req, d_req, xfer) = (format!("cmpl-p-{id}"), format!("cmpl-d-{id}"), format!("xfer-{id}"));
-            reqs_to_send.insert(p_req.into(), (xfer.clone().into(), p_blocks.to_vec()));
+            reqs_to_send.insert(p_req.into(), (xfer.clone().into(), p_blocks.to_vec().into()));
             let meta = PullMeta {
                 d_req_id: d_req.clone().into(),
                 transfer_id: xfer.into(),
-                local_block_ids: d.clone(),
+                local_block_ids: d.clone().into(),
                 remote_engine_id: self.p_engine_id.clone().into(),
                 remote_bootstrap_addr: self.bootstrap_url.clone(),
                 traceparent: None,
