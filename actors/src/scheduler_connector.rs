@@ -118,6 +118,15 @@ impl Actor for SchedulerConnector {
     }
 }
 
+/// Trailing prompt tokens P leaves to D (P prefills the rest; D loads it and computes these). One
+/// for a hybrid model: a state group must hold the state before the last prompt token, which D's
+/// first step advances past once, and a sliding window the blocks that token attends to (P's
+/// window after the whole prompt has left its first one). None for a dense model: D recomputes
+/// the last token over KV P computed.
+pub fn prefill_backoff(groups: &[KvGroupSpec]) -> usize {
+    usize::from(groups.len() > 1)
+}
+
 /// A P request whose proxy named no transfer is named after P's request id: vLLM's toy proxy
 /// sends P a bare `do_remote_decode` and forwards what P answers (see `RequestFinished`) to D.
 /// Applied to every request as it arrives at a handler, so each hook sees the same name.
@@ -186,7 +195,7 @@ impl Message<GetNumNewMatchedTokens> for SchedulerConnector {
                 // A hybrid model loads one token less and computes the last prompt token itself:
                 // a state group then advances past it exactly once (P prefilled the rest), and a
                 // sliding window keeps the blocks that token attends to.
-                let prompt = msg.request.prompt_len.saturating_sub(usize::from(self.hybrid()));
+                let prompt = msg.request.prompt_len.saturating_sub(prefill_backoff(&self.groups));
                 let missing = prompt.saturating_sub(msg.num_computed_tokens);
                 let count = if missing <= 1 && !self.hybrid() { 0 } else { missing };
                 self.local_hits.insert(msg.request.request_id.clone(), msg.num_computed_tokens);

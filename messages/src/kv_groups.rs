@@ -130,6 +130,11 @@ impl GroupBlocks {
         self.0.iter().map(|s| s.ids.len()).collect()
     }
 
+    /// Blocks per group as one span attribute (`"12,4,1"`), for a request of more than one group.
+    pub fn counts_label(&self) -> Option<String> {
+        (self.0.len() > 1).then(|| self.counts().iter().map(|n| n.to_string()).collect::<Vec<_>>().join(","))
+    }
+
     pub fn clear(&mut self) {
         self.0.clear();
     }

@@ -44,6 +44,9 @@ pub enum ConfigError {
     /// `tls` asked for what cannot be set up (no cluster secret).
     #[error("kv_connector_extra_config[\"tls\"]: {0}")]
     Tls(#[source] TlsSetupError),
+    /// A KV-cache group the bridge does not know (from vLLM's `kv_cache_config`).
+    #[error("KV-cache group of kind {kind:?} (sliding window {window}): expected \"full\", \"sliding_window\" with a window, or \"state\"; this vLLM has a group pdflow does not know yet")]
+    KvGroup { kind: String, window: u32 },
     /// vLLM's `kv_role`.
     #[error("kv_role {value:?}: expected \"kv_producer\" (P), \"kv_consumer\" (D) or \"kv_both\"")]
     Role { value: String },

@@ -89,7 +89,7 @@ pub fn metadata_to_py<'py>(py: Python<'py>, meta: &ConnectorMetadata) -> PyResul
             req_id.as_str(),
             PyTuple::new(
                 py,
-                [transfer_id.as_str().into_pyobject(py)?.into_any(), PyList::new(py, blocks)?.into_any()],
+                [transfer_id.as_str().into_pyobject(py)?.into_any(), PyList::new(py, blocks.flat())?.into_any()],
             )?,
         )?;
     }
@@ -100,7 +100,7 @@ pub fn metadata_to_py<'py>(py: Python<'py>, meta: &ConnectorMetadata) -> PyResul
             let p = PyDict::new(py);
             p.set_item("d_req_id", pull.d_req_id.as_str())?;
             p.set_item("transfer_id", pull.transfer_id.as_str())?;
-            p.set_item("local_block_ids", PyList::new(py, &pull.local_block_ids)?)?;
+            p.set_item("local_block_ids", PyList::new(py, pull.local_block_ids.flat())?)?;
             p.set_item("remote_engine_id", pull.remote_engine_id.as_str())?;
             p.set_item("remote_bootstrap_addr", &pull.remote_bootstrap_addr)?;
             p.set_item("traceparent", pull.traceparent.as_deref())?;

@@ -10,8 +10,9 @@ use std::time::Duration;
 
 use kameo::prelude::*;
 use kameo::supervision::RestartPolicy;
-use pdflow_actors::scheduler_connector::{KvRole, SchedulerConnector, SchedulerConnectorArgs};
+use pdflow_actors::scheduler_connector::{prefill_backoff, KvRole, SchedulerConnector, SchedulerConnectorArgs};
 use pdflow_messages::frame;
+use pdflow_messages::kv_groups::{BlockSpan, GroupBlocks, KvGroupKind, KvGroupSpec};
 use pdflow_messages::scheduler_connector::{
     BuildConnectorMeta, ConnectorOutput, FinishStatus, GetNumNewMatchedTokens, LoadFailure, LoadFailureCause,
     OnNewRequest, RequestFinished, ScheduledChunk, UpdateConnectorOutput, UpdateStateAfterAlloc,
@@ -25,6 +26,9 @@ use crate::config::{BridgeConfig, ConfigError};
 use crate::convert::{json_to_py, sched_request};
 use crate::error::{BridgeError, MetadataError};
 use crate::runtime::BridgeRuntime;
+
+/// vLLM's null block: the block pool's first, which a sliding window's freed positions point at.
+const VLLM_NULL_BLOCK: BlockId = 0;
 
 /// Longest a hook may wait for the actor (it answers in microseconds; this only bounds a fault).
 const HOOK_DEADLINE: Duration = Duration::from_secs(10);
@@ -50,6 +54,42 @@ fn finish_status(name: &str) -> FinishStatus {
     }
 }
 
+/// Block ids as the Python side gives them: a flat list (one group of full attention, ending
+/// where the prompt ends) or one `(first block index or None, ids)` span per KV-cache group.
+#[derive(FromPyObject)]
+pub enum BlockIdsArg {
+    Flat(Vec<BlockId>),
+    Spans(Vec<(Option<u32>, Vec<BlockId>)>),
+}
+
+impl From<BlockIdsArg> for GroupBlocks {
+    fn from(arg: BlockIdsArg) -> Self {
+        match arg {
+            BlockIdsArg::Flat(ids) => GroupBlocks::from(ids),
+            BlockIdsArg::Spans(spans) => {
+                GroupBlocks(spans.into_iter().map(|(first, ids)| BlockSpan { first, ids }).collect())
+            }
+        }
+    }
+}
+
+/// vLLM's KV-cache groups as `(kind, block_size, sliding_window)`, kind one of `full`,
+/// `sliding_window`, `state`.
+fn group_specs(groups: Vec<(String, u32, u32)>) -> Result<Vec<KvGroupSpec>, ConfigError> {
+    groups
+        .into_iter()
+        .map(|(kind, block_size, window)| {
+            let kind = match kind.as_str() {
+                "full" => KvGroupKind::FullAttention,
+                "sliding_window" if window > 0 => KvGroupKind::SlidingWindow { window },
+                "state" => KvGroupKind::State,
+                _ => return Err(ConfigError::KvGroup { kind, window }),
+            };
+            Ok(KvGroupSpec { kind, block_size })
+        })
+        .collect()
+}
+
 /// The scheduler role.
 #[pyclass(module = "pdflow._native", name = "SchedulerConnector", frozen)]
 pub struct SchedulerBridge {
@@ -58,6 +98,8 @@ pub struct SchedulerBridge {
     supervisor: ActorRef<NodeSupervisor>,
     #[pyo3(get)]
     engine_id: String,
+    /// Trailing prompt tokens a P request of this model leaves to D.
+    backoff: usize,
 }
 
 impl SchedulerBridge {
@@ -77,9 +119,20 @@ impl SchedulerBridge {
 #[pymethods]
 impl SchedulerBridge {
     #[new]
-    #[pyo3(signature = (engine_id, kv_role, extra_config_json = ""))]
-    fn new(py: Python<'_>, engine_id: String, kv_role: &str, extra_config_json: &str) -> PyResult<Self> {
+    /// `kv_groups`: the model's KV-cache groups (see [`group_specs`]); None: one group of full
+    /// attention. With groups, vLLM's null block (0) marks a block a sliding window freed.
+    #[pyo3(signature = (engine_id, kv_role, extra_config_json = "", kv_groups = None))]
+    fn new(
+        py: Python<'_>,
+        engine_id: String,
+        kv_role: &str,
+        extra_config_json: &str,
+        kv_groups: Option<Vec<(String, u32, u32)>>,
+    ) -> PyResult<Self> {
         let role = parse_role(kv_role)?;
+        let null_block = kv_groups.is_some().then_some(VLLM_NULL_BLOCK);
+        let groups = group_specs(kv_groups.unwrap_or_default())?;
+        let backoff = prefill_backoff(&groups);
         let config = BridgeConfig::from_json(extra_config_json, &|k| std::env::var(k).ok())?;
         let bootstrap_addr = matches!(role, KvRole::Producer | KvRole::Both).then(|| config.bootstrap_addr());
         py.detach(|| {
@@ -93,6 +146,8 @@ impl SchedulerBridge {
                         role,
                         bootstrap_addr,
                         layerwise: config.layerwise,
+                        groups,
+                        null_block,
                     },
                 )
                 .restart_policy(RestartPolicy::Transient)
@@ -102,7 +157,7 @@ impl SchedulerBridge {
                 actor.wait_for_startup().await;
                 (supervisor, actor)
             })?;
-            Ok::<_, BridgeError>(Self { rt, actor, supervisor, engine_id })
+            Ok::<_, BridgeError>(Self { rt, actor, supervisor, engine_id, backoff })
         })
         .map_err(PyErr::from)
     }
@@ -141,6 +196,15 @@ impl SchedulerBridge {
         Ok(py.detach(|| self.ask("on_new_request", OnNewRequest { request }))?)
     }
 
+    /// Step 11: how many trailing prompt tokens P leaves to D for this request (0 but for a P
+    /// request of a hybrid model): the caller drops them from the prompt before it is scheduled.
+    #[pyo3(signature = (kv_transfer_params))]
+    fn prefill_backoff(&self, kv_transfer_params: Option<Bound<'_, PyDict>>) -> PyResult<usize> {
+        let Some(dict) = kv_transfer_params else { return Ok(0) };
+        let params = crate::convert::params_from_dict(&dict)?;
+        Ok(if params.do_remote_decode && !params.do_remote_prefill { self.backoff } else { 0 })
+    }
+
     /// Steps 12 and 17. Returns True when the caller must set `do_remote_prefill = False` in the
     /// request's dict (the pull is recorded once; the second call after the load finds it false).
     #[pyo3(signature = (request_id, num_prompt_tokens, kv_transfer_params, block_ids, num_external_tokens))]
@@ -150,10 +214,11 @@ impl SchedulerBridge {
         request_id: String,
         num_prompt_tokens: usize,
         kv_transfer_params: Option<Bound<'_, PyDict>>,
-        block_ids: Vec<BlockId>,
+        block_ids: BlockIdsArg,
         num_external_tokens: usize,
     ) -> PyResult<bool> {
         let request = sched_request(request_id, num_prompt_tokens, kv_transfer_params.as_ref())?;
+        let block_ids = GroupBlocks::from(block_ids);
         let was_set = request.kv_transfer_params.as_ref().is_some_and(|p| p.do_remote_prefill);
         let updated = py.detach(|| {
             self.ask("update_state_after_alloc", UpdateStateAfterAlloc { request, block_ids, num_external_tokens })
@@ -193,9 +258,10 @@ impl SchedulerBridge {
         num_prompt_tokens: usize,
         kv_transfer_params: Option<Bound<'py, PyDict>>,
         status: &str,
-        block_ids: Vec<BlockId>,
+        block_ids: BlockIdsArg,
     ) -> PyResult<(bool, Option<Bound<'py, PyAny>>)> {
         let request = sched_request(request_id, num_prompt_tokens, kv_transfer_params.as_ref())?;
+        let block_ids = GroupBlocks::from(block_ids);
         let status = finish_status(status);
         let reply = py.detach(|| self.ask("request_finished", RequestFinished { request, status, block_ids }))?;
         let params = match reply.kv_transfer_params {

@@ -163,23 +163,27 @@ def _groups(*specs):
     return KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=groups)
 
 
-def test_a_hybrid_model_is_refused_at_start_up_naming_its_groups_and_what_serves_it():
+def test_a_hybrid_model_is_served_per_group_and_what_pdflow_cannot_move_is_refused_naming_the_group():
     import torch
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
+    from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, FullAttentionSpec, SlidingWindowSpec
 
     from pdflow.vllm import PdflowConnector
 
     full = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=8, dtype=torch.bfloat16)
     window = SlidingWindowSpec(block_size=16, num_kv_heads=2, head_size=8, dtype=torch.bfloat16, sliding_window=128)
-    state = MambaSpec(block_size=16, shapes=((4, 3), (2, 8, 16)), dtypes=(torch.float32, torch.float32))
-    config = vllm_config("kv_consumer")
-    # Sliding window beside full attention: vLLM's flag folds them into one group pdflow serves.
-    refused = r"2 KV-cache groups: FullAttentionSpec \(2 layers\), SlidingWindowSpec"
-    with pytest.raises(pdflow.ConfigError, match=refused) as e:
-        PdflowConnector(config, KVConnectorRole.SCHEDULER, _groups(full, window))
+    chunked = ChunkedLocalAttentionSpec(
+        block_size=16, num_kv_heads=2, head_size=8, dtype=torch.bfloat16, attention_chunk_size=64
+    )
+    # Sliding window beside full attention, with vLLM's hybrid allocator on: each group its blocks.
+    served = PdflowConnector(vllm_config("kv_consumer"), KVConnectorRole.SCHEDULER, _groups(full, window))
+    assert served._kv_groups == [("full", 16, 0), ("sliding_window", 16, 128)]
+    served.shutdown()
+    # A kind of group pdflow does not move is named, with what serves the model instead.
+    with pytest.raises(pdflow.ConfigError, match=r"KV-cache group 1 \(ChunkedLocalAttentionSpec, 2 layers\)") as e:
+        PdflowConnector(vllm_config("kv_consumer"), KVConnectorRole.SCHEDULER, _groups(full, chunked))
     assert "--disable-hybrid-kv-cache-manager" in str(e.value)
-    # A recurrent state has no such fallback: the message says so instead of suggesting the flag.
-    with pytest.raises(pdflow.ConfigError, match="MambaSpec layers keep a recurrent state") as e:
-        PdflowConnector(config, KVConnectorRole.WORKER, _groups(full, state))
-    assert "--disable-hybrid-kv-cache-manager" not in str(e.value)
+    # Layer-wise transfer is for models of one group.
+    layerwise = vllm_config("kv_producer", extra={"layerwise": True})
+    with pytest.raises(pdflow.ConfigError, match=r"2 KV-cache groups \(full, sliding_window\(128\)\); layer-wise"):
+        PdflowConnector(layerwise, KVConnectorRole.SCHEDULER, _groups(full, window))

@@ -180,7 +180,7 @@ def test_drift_is_caught():
         "bind_reqs_to_save": text.replace("    def bind_reqs_to_save(self, metadata: bytes) -> None: ...\n", ""),
         "not_in_the_module": text + "\ndef not_in_the_module() -> None: ...\n",
         "frame_bytes": text.replace("def decode_metadata(frame_bytes: bytes)", "def decode_metadata(frame: bytes)"),
-        "extra_config_json": text.replace('extra_config_json: str = "") -> None', "extra_config_json: str) -> None"),
+        "extra_config_json": text.replace('extra_config_json: str = "",\n        kv_groups', "extra_config_json: str,\n        kv_groups"),
         "launches_bootstrap": text.replace(
             "    @property\n    def launches_bootstrap(self) -> bool:", "    def launches_bootstrap(self) -> bool:"
         ),

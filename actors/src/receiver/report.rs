@@ -29,6 +29,9 @@ impl Receiver {
         let span = step_span!(steps::D_PULL_RESULT, request_id = %meta.d_req_id, transfer_id = %meta.transfer_id);
         span.record(attrs::ENGINE_ID, meta.remote_engine_id.as_str());
         span.record(attrs::BLOCKS, meta.local_block_ids.len() as u64);
+        if let Some(groups) = meta.local_block_ids.counts_label() {
+            span.record(attrs::GROUP_BLOCKS, groups.as_str());
+        }
         if !self.args.rank.is_single() {
             span.record(attrs::TP_RANK, self.args.rank.tp_rank);
             span.record(attrs::PP_RANK, self.args.rank.pp_rank);

@@ -140,9 +140,7 @@ impl SendWorker {
             }
         };
         plan_span.record(attrs::BLOCKS, src_blocks.len() as u64);
-        if self.local_block_ids.groups().len() > 1 {
-            plan_span.record(attrs::GROUP_BLOCKS, group_counts(&pull.block_ids).as_str());
-        }
+        self.record_groups(&plan_span, pull, &plan);
         plan_span.record(attrs::DESCRIPTORS, plan.descriptors.len() as u64);
         plan_span.record(attrs::BYTES, plan.total_bytes());
         Ok((plan, src_blocks))
@@ -160,6 +158,7 @@ impl SendWorker {
         let write_span =
             step_span!(steps::P_TRANSFER_WRITE, request_id = p_req_id, transfer_id = self.args.transfer_id.as_str());
         write_span.record(attrs::BLOCKS, src_blocks.len() as u64);
+        self.record_groups(&write_span, pull, plan);
         write_span.record(attrs::DESCRIPTORS, plan.descriptors.len() as u64);
         write_span.record(attrs::BYTES, plan.total_bytes());
         if let Some(tp) = &pull.traceparent {
@@ -171,6 +170,16 @@ impl SendWorker {
             self.record_checksum(&write_span, src_blocks);
         }
         write_span
+    }
+
+    /// A hybrid model's blocks and bytes per KV-cache group on step 28's or 29's span (each block
+    /// moves through every region, so a group's bytes are its share of the plan's).
+    fn record_groups(&self, span: &Span, pull: &ServePull, plan: &TransferPlan) {
+        let Some(groups) = pull.block_ids.counts_label() else { return };
+        let per_block = plan.total_bytes().checked_div(pull.block_ids.len() as u64).unwrap_or(0);
+        span.record(attrs::GROUP_BLOCKS, groups.as_str());
+        let bytes = pull.block_ids.counts().iter().map(|&n| (n as u64 * per_block).to_string()).collect::<Vec<_>>();
+        span.record(attrs::GROUP_BYTES, bytes.join(",").as_str());
     }
 
     /// Across ranks, who writes to whom on step 28's or 29's span.
@@ -298,9 +307,4 @@ impl Message<WriteDone> for SendWorker {
         let reply = PullReply { pull_id: pull.pull_id, d_req_id: pull.d_req_id.clone(), result };
         self.report(Some(reply), counts, true).await;
     }
-}
-
-/// Blocks per KV-cache group, as a span attribute (`"12,4,1"`).
-pub(super) fn group_counts(blocks: &pdflow_messages::kv_groups::GroupBlocks) -> String {
-    blocks.counts().iter().map(|n| n.to_string()).collect::<Vec<_>>().join(",")
 }

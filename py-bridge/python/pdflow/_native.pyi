@@ -5,7 +5,7 @@ module and of its classes is declared here, and nothing else is (names starting 
 typing helpers only).
 """
 
-from typing import Any, Optional, TypedDict
+from typing import Any, Optional, TypedDict, Union
 
 __version__: str
 GPU_KV: bool
@@ -47,10 +47,17 @@ class SchedulerConnector:
     """Scheduler role: each method is one ask to the SchedulerConnector actor."""
 
     engine_id: str
-    def __init__(self, engine_id: str, kv_role: str, extra_config_json: str = "") -> None: ...
+    def __init__(
+        self,
+        engine_id: str,
+        kv_role: str,
+        extra_config_json: str = "",
+        kv_groups: Optional[list[tuple[str, int, int]]] = None,
+    ) -> None: ...
     def on_new_request(
         self, request_id: str, num_prompt_tokens: int, kv_transfer_params: Optional[dict[str, Any]]
     ) -> Optional[str]: ...
+    def prefill_backoff(self, kv_transfer_params: Optional[dict[str, Any]]) -> int: ...
     def get_num_new_matched_tokens(
         self, request_id: str, num_prompt_tokens: int, num_computed_tokens: int, kv_transfer_params: Optional[dict[str, Any]]
     ) -> tuple[int, bool]: ...
@@ -59,7 +66,7 @@ class SchedulerConnector:
         request_id: str,
         num_prompt_tokens: int,
         kv_transfer_params: Optional[dict[str, Any]],
-        block_ids: list[int],
+        block_ids: Union[list[int], list[tuple[Optional[int], list[int]]]],
         num_external_tokens: int,
     ) -> bool: ...
     def build_connector_meta(self, scheduled: Optional[list[tuple[str, list[int], int]]] = None) -> Optional[bytes]: ...
@@ -69,7 +76,7 @@ class SchedulerConnector:
         num_prompt_tokens: int,
         kv_transfer_params: Optional[dict[str, Any]],
         status: str,
-        block_ids: list[int],
+        block_ids: Union[list[int], list[tuple[Optional[int], list[int]]]],
     ) -> tuple[bool, Optional[dict[str, Any]]]: ...
     def update_connector_output(
         self,

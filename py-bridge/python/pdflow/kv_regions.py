@@ -25,6 +25,25 @@ class KvRegions(NamedTuple):
     """The tensors, kept alive by the connector."""
     device: Optional[int]
     """The CUDA device the tensors are on, or ``None`` for host memory."""
+    layers: list[str]
+    """The layers whose tensors the regions are, in order (an aliasing layer is left out)."""
+
+
+def _device_of(name: str, t: "torch.Tensor", first: Optional["torch.device"]) -> Optional[int]:
+    """The CUDA device index of layer `name`'s tensor, None for host memory; every layer's on the
+    first one's device."""
+    if first is not None and t.device != first:
+        raise RegistrationError(f"layer {name}: KV cache on {t.device}, the first layer's on {first}: one engine's KV lives on one device")
+    if t.device.type == "cuda":
+        if not _native.GPU_KV:
+            raise RegistrationError(
+                f"layer {name}: KV cache on {t.device}; this pdflow wheel was built without GPU support "
+                "(build it with `maturin build --features cuda`), so it registers host memory only"
+            )
+        return int(t.device.index if t.device.index is not None else 0)
+    if t.device.type != "cpu":
+        raise RegistrationError(f"layer {name}: KV cache on {t.device}; pdflow registers host memory or CUDA device memory")
+    return None
 
 
 def regions_of(kv_caches: dict[str, "torch.Tensor"]) -> KvRegions:
@@ -37,22 +56,12 @@ def regions_of(kv_caches: dict[str, "torch.Tensor"]) -> KvRegions:
     geometry: Optional[tuple[int, int, int, int, int]] = None
     device: Optional[int] = None
     first_device = None
+    layers: list[str] = []
     if not kv_caches:
         raise RegistrationError("register_kv_caches got no KV cache tensors")
     for name, t in kv_caches.items():
-        if first_device is None:
-            first_device = t.device
-        elif t.device != first_device:
-            raise RegistrationError(f"layer {name}: KV cache on {t.device}, the first layer's on {first_device}: one engine's KV lives on one device")
-        if t.device.type == "cuda":
-            if not _native.GPU_KV:
-                raise RegistrationError(
-                    f"layer {name}: KV cache on {t.device}; this pdflow wheel was built without GPU support "
-                    "(build it with `maturin build --features cuda`), so it registers host memory only"
-                )
-            device = int(t.device.index if t.device.index is not None else 0)
-        elif t.device.type != "cpu":
-            raise RegistrationError(f"layer {name}: KV cache on {t.device}; pdflow registers host memory or CUDA device memory")
+        device = _device_of(name, t, first_device)
+        first_device = t.device
         if not t.is_contiguous():
             raise RegistrationError(f"layer {name}: KV cache tensor is not contiguous (shape {tuple(t.shape)})")
         if t.dim() == 4:
@@ -79,8 +88,53 @@ def regions_of(kv_caches: dict[str, "torch.Tensor"]) -> KvRegions:
         if geometry is not None and g != geometry:
             raise RegistrationError(f"layer {name}: geometry {g} differs from the first layer's {geometry}")
         geometry = g
+        layers.append(name)
         for p in parts:
             regions.append((int(p.data_ptr()), int(p.numel()) * int(p.element_size())))
         owners.append(t)
     assert geometry is not None
-    return KvRegions(regions, geometry, owners, device)
+    return KvRegions(regions, geometry, owners, device, layers)
+
+
+def pages_of(kv_caches: dict[str, "torch.Tensor"]) -> KvRegions:
+    """A hybrid model's KV cache as pages. vLLM's hybrid allocator backs every KV-cache group with
+    one buffer: block `b` of a layer's tensor is the page at `b × page` bytes from the tensor's
+    start (its first stride), whatever the layer keeps in it (attention's K and V, or a Mamba
+    layer's conv and SSM state, padded to the page); layers of different groups overlay the same
+    pages, a block id being one group's at a time. One region per distinct tensor start, of
+    `num_blocks` pages, in the geometry of a one-head, one-token block: ``(num_blocks, 1, 1,
+    page / 2, 1)``."""
+    regions: list[tuple[int, int]] = []
+    owners: list = []
+    layers: list[str] = []
+    starts: set[int] = set()
+    first_device = None
+    device: Optional[int] = None
+    paging: Optional[tuple[int, int]] = None
+    if not kv_caches:
+        raise RegistrationError("register_kv_caches got no KV cache tensors")
+    for name, t in kv_caches.items():
+        device = _device_of(name, t, first_device)
+        first_device = t.device
+        num_blocks, page = int(t.shape[0]), int(t.stride(0)) * int(t.element_size())
+        if paging is not None and (num_blocks, page) != paging:
+            raise RegistrationError(
+                f"layer {name}: {num_blocks} blocks of {page} B, the first layer's {paging[0]} of {paging[1]} B: "
+                "vLLM's hybrid allocator gives every group one page size"
+            )
+        paging = (num_blocks, page)
+        storage = t.untyped_storage()
+        start = int(t.data_ptr())
+        if page % 2 or start + num_blocks * page > int(storage.data_ptr()) + int(storage.nbytes()):
+            raise RegistrationError(
+                f"layer {name}: {num_blocks} pages of {page} B from its start do not lie in its buffer "
+                f"(shape {tuple(t.shape)}, stride {tuple(t.stride())})"
+            )
+        owners.append(t)
+        if start in starts:
+            continue
+        starts.add(start)
+        layers.append(name)
+        regions.append((start, num_blocks * page))
+    assert paging is not None
+    return KvRegions(regions, (paging[0], 1, 1, paging[1] // 2, 1), owners, device, layers)

@@ -29,7 +29,7 @@ from vllm.logger import init_logger
 
 from pdflow import _native, vllm_version
 from pdflow._native import ConfigError
-from pdflow.kv_regions import regions_of
+from pdflow.kv_regions import pages_of, regions_of
 
 VLLM_VERSION = vllm_version.check(getattr(vllm, "__version__", ""))
 
@@ -165,11 +165,11 @@ def _total_kv_heads(vllm_config: "VllmConfig") -> Optional[int]:
         return None
 
 
-def _worker_topology(vllm_config: "VllmConfig", layer_names: list[str]) -> "_native.WorkerTopology":
+def _worker_topology(vllm_config: "VllmConfig", layer_names: list[str], heads: bool = True) -> "_native.WorkerTopology":
     """Where vLLM placed this worker, read from its parallel state and config. pdflow's Rust half
     checks it against the KV tensors and decides what follows from it (the data-parallel rank P
     registers under, which worker launches the bootstrap); raises ConfigError for a rank outside
-    its group."""
+    its group. `heads=False`: the KV is registered as pages (a hybrid model), not by head."""
     tp_rank, tp_size = _tp_rank_and_size(vllm_config)
     pp_rank, pp_size = _pp_rank_and_size(vllm_config)
     dp_rank, dp_rank_local, local_engines_only = _data_parallel(vllm_config)
@@ -178,7 +178,7 @@ def _worker_topology(vllm_config: "VllmConfig", layer_names: list[str]) -> "_nat
         tp_size=tp_size,
         pp_rank=pp_rank,
         pp_size=pp_size,
-        total_kv_heads=_total_kv_heads(vllm_config),
+        total_kv_heads=_total_kv_heads(vllm_config) if heads else None,
         total_layers=_total_layers(vllm_config),
         layer_names=layer_names,
         data_parallel_rank=dp_rank,
@@ -187,29 +187,51 @@ def _worker_topology(vllm_config: "VllmConfig", layer_names: list[str]) -> "_nat
     )
 
 
-def _hybrid_refusal(groups: list) -> str:
-    """Why a model of several KV-cache groups is refused, naming each group's kind, and what
-    serves it today: with only attention groups (sliding window beside full attention), vLLM's
-    `--disable-hybrid-kv-cache-manager` stores every layer as full attention in one group, which
-    pdflow serves; state groups (Mamba, linear attention) have no such fallback."""
-    from vllm.v1.kv_cache_interface import AttentionSpec
+def _kv_groups(kv_cache_config: "KVCacheConfig | None") -> Optional[list[tuple[str, int, int]]]:
+    """A hybrid model's KV-cache groups as ``(kind, block_size, sliding_window)`` for pdflow's
+    scheduler connector (kind ``full``, ``sliding_window`` or ``state``); None for a model of one
+    group. Raises ConfigError naming a group of a kind pdflow does not move."""
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) if kv_cache_config is not None else None
+    if not groups or len(groups) <= 1:
+        return None
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
 
-    specs = [getattr(g, "kv_cache_spec", None) for g in groups]
-    named = ", ".join(
-        f"{type(sp).__name__} ({len(getattr(g, 'layer_names', []) or [])} layers)" for sp, g in zip(specs, groups)
-    )
-    stateful = [type(sp).__name__ for sp in specs if not isinstance(sp, AttentionSpec)]
-    if stateful:
-        fix = (
-            f"its {', '.join(sorted(set(stateful)))} layers keep a recurrent state, which pdflow does not "
-            "transfer yet: serve this model without P/D disaggregation (or with vLLM's own connector)"
+    out: list[tuple[str, int, int]] = []
+    for i, g in enumerate(groups):
+        sp = getattr(g, "kv_cache_spec", None)
+        if isinstance(sp, SlidingWindowSpec):
+            out.append(("sliding_window", int(sp.block_size), int(sp.sliding_window)))
+        elif isinstance(sp, MambaSpec):
+            out.append(("state", int(sp.block_size), 0))
+        elif isinstance(sp, FullAttentionSpec) and not getattr(sp, "attention_chunk_size", None):
+            out.append(("full", int(sp.block_size), 0))
+        else:
+            raise ConfigError(
+                f"KV-cache group {i} ({type(sp).__name__}, {len(getattr(g, 'layer_names', []) or [])} layers): "
+                "pdflow moves full attention, sliding-window and state (Mamba, linear attention) groups; "
+                "serve this model without P/D disaggregation, or with --disable-hybrid-kv-cache-manager "
+                "if its layers are all attention"
+            )
+    return out
+
+
+def _hybrid_refusal(groups: list[tuple[str, int, int]], vllm_config: "VllmConfig", layerwise: bool) -> Optional[str]:
+    """Why this hybrid model cannot be served in this setup, or None. Every group is moved whole
+    at the end of the prefill, between engines of one tensor- and pipeline-parallel shape."""
+    named = ", ".join(f"{kind}" + (f"({window})" if window else "") for kind, _, window in groups)
+    if layerwise:
+        return (
+            f"this model has {len(groups)} KV-cache groups ({named}); layer-wise transfer is for models of one "
+            'group: leave "layerwise" out of kv_connector_extra_config'
         )
-    else:
-        fix = (
-            "start vLLM with --disable-hybrid-kv-cache-manager: every layer is then stored (and sent) "
-            "as full attention, in one group"
+    _, tp = _tp_rank_and_size(vllm_config)
+    _, pp = _pp_rank_and_size(vllm_config)
+    if tp > 1 or pp > 1:
+        return (
+            f"this model has {len(groups)} KV-cache groups ({named}); pdflow serves hybrid models at tensor- and "
+            f"pipeline-parallel size 1 so far (this engine: TP {tp}, PP {pp})"
         )
-    return f"this model has {len(groups)} KV-cache groups: {named}; pdflow's connector serves one group so far: {fix}"
+    return None
 
 
 class PdflowConnector(KVConnectorBase_V1, SupportsHMA):
@@ -233,19 +255,24 @@ class PdflowConnector(KVConnectorBase_V1, SupportsHMA):
             raise ConfigError(f"kv_connector_extra_config is not JSON-serialisable: {e}") from e
         _native.check_config(self._extra_json)
         _native.install_trace_export()
-        groups = getattr(kv_cache_config, "kv_cache_groups", None) if kv_cache_config is not None else None
-        if groups is not None and len(groups) > 1:
-            raise ConfigError(_hybrid_refusal(groups))
-        self._scheduler: Optional[_native.SchedulerConnector] = None
-        self._worker: Optional[_native.WorkerConnector] = None
         # Layer-wise P: the scheduler tracks each request's blocks (vLLM hands only the new ones
         # of a running request); the worker maps each attention layer to its KV regions.
         self._layerwise = bool(extra.get("layerwise", False))
+        # A hybrid model (vLLM's hybrid allocator): one block list per group.
+        self._kv_groups = _kv_groups(kv_cache_config)
+        if self._kv_groups is not None:
+            refusal = _hybrid_refusal(self._kv_groups, vllm_config, self._layerwise)
+            if refusal is not None:
+                raise ConfigError(refusal)
+        self._scheduler: Optional[_native.SchedulerConnector] = None
+        self._worker: Optional[_native.WorkerConnector] = None
         self._blocks: dict[str, list[int]] = {}
+        # P of a hybrid model: requests whose prompt lost its last token(s) to D (once each).
+        self._truncated: set[str] = set()
         self._layer_regions: dict[str, list[int]] = {}
         self._saving_meta: Optional[KVConnectorMetadata] = None
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = _native.SchedulerConnector(self.engine_id, self.kv_role, self._extra_json)
+            self._scheduler = _native.SchedulerConnector(self.engine_id, self.kv_role, self._extra_json, self._kv_groups)
         elif role == KVConnectorRole.WORKER:
             self._worker = _native.WorkerConnector(self.engine_id, self.kv_role, self._extra_json)
         logger.info("pdflow connector: engine %s, %s, role %s", self.engine_id, self.kv_role, role.name)
@@ -275,8 +302,16 @@ class PdflowConnector(KVConnectorBase_V1, SupportsHMA):
         params = request.kv_transfer_params
         if not params:
             return
-        # Only the blocks D's prefix cache did not fill are loaded.
-        block_ids = _first_group(blocks.get_unhashed_block_ids_all_groups()) if num_external_tokens > 0 else []
+        block_ids: Any
+        if num_external_tokens <= 0:
+            block_ids = []
+        elif self._kv_groups is not None:
+            # Every group's blocks from the prompt's first: pdflow skips what D's prefix cache
+            # holds (the hit it was told) and what each group does not need.
+            block_ids = [(0, list(ids)) for ids in blocks.get_block_ids()]
+        else:
+            # Only the blocks D's prefix cache did not fill are loaded.
+            block_ids = _first_group(blocks.get_unhashed_block_ids_all_groups())
         clear = self._sched().update_state_after_alloc(
             request.request_id, request.num_prompt_tokens, params, block_ids, num_external_tokens
         )
@@ -310,6 +345,22 @@ class PdflowConnector(KVConnectorBase_V1, SupportsHMA):
         reason = self._sched().on_new_request(request.request_id, request.num_prompt_tokens, request.kv_transfer_params)
         if reason is not None:
             logger.warning("request %s: %s; it is served without KV transfer", request.request_id, reason)
+            return
+        backoff = self._sched().prefill_backoff(request.kv_transfer_params)
+        if backoff and request.request_id not in self._truncated:
+            self._truncate_prompt(request, backoff)
+
+    def _truncate_prompt(self, request: "Request", backoff: int) -> None:
+        """P of a hybrid model prefills all but the prompt's last `backoff` tokens, which D
+        computes: a state group then holds the state D continues from, and a sliding window the
+        blocks D's first token attends to. Its one sampled token is not used."""
+        if request.num_prompt_tokens <= backoff or request.prompt_token_ids is None:
+            return
+        del request.prompt_token_ids[-backoff:]
+        del request._all_token_ids[-backoff:]
+        request.num_prompt_tokens -= backoff
+        request.max_tokens = 1
+        self._truncated.add(request.request_id)
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, Optional[dict[str, Any]]]:
         return self._finished(request, list(block_ids))
@@ -317,10 +368,13 @@ class PdflowConnector(KVConnectorBase_V1, SupportsHMA):
     def request_finished_all_groups(
         self, request: "Request", block_ids: tuple[list[int], ...]
     ) -> tuple[bool, Optional[dict[str, Any]]]:
-        return self._finished(request, _first_group(block_ids))
+        if self._kv_groups is None:
+            return self._finished(request, _first_group(block_ids))
+        return self._finished(request, [(0, list(ids)) for ids in block_ids])
 
-    def _finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, Optional[dict[str, Any]]]:
+    def _finished(self, request: "Request", block_ids: Any) -> tuple[bool, Optional[dict[str, Any]]]:
         self._blocks.pop(request.request_id, None)
+        self._truncated.discard(request.request_id)
         params = request.kv_transfer_params
         if not params:
             return False, None
@@ -353,14 +407,15 @@ class PdflowConnector(KVConnectorBase_V1, SupportsHMA):
         return self._worker
 
     def register_kv_caches(self, kv_caches: dict[str, "torch.Tensor"]) -> None:
-        r = regions_of(kv_caches)
+        # A hybrid model's groups share one buffer of pages; a dense model is one region per layer.
+        r = pages_of(kv_caches) if self._kv_groups is not None else regions_of(kv_caches)
         # Each layer's regions, in registration order: one (LBHNC) or two (K and V apart).
         first = 0
-        for name, t in kv_caches.items():
-            count = 2 if t.dim() == 5 else 1
+        for name in r.layers:
+            count = 2 if kv_caches[name].dim() == 5 else 1
             self._layer_regions[name] = list(range(first, first + count))
             first += count
-        topology = _worker_topology(self._vllm_config, list(kv_caches))
+        topology = _worker_topology(self._vllm_config, r.layers, heads=self._kv_groups is None)
         info = self._work().register_kv_caches(r.regions, r.geometry, r.owners, r.device, topology)
         logger.info(
             "pdflow connector registered %d KV regions of %d blocks (%r): %s", len(r.regions), r.geometry[0], topology, info
@@ -404,7 +459,12 @@ class PdflowConnector(KVConnectorBase_V1, SupportsHMA):
         )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return set(self._work().get_block_ids_with_load_errors())
+        errors = set(self._work().get_block_ids_with_load_errors())
+        if self._kv_groups is not None:
+            # vLLM recovers block-level errors for one group only; with several, the failed
+            # request (in failed_recving) follows kv_load_failure_policy whole.
+            return set()
+        return errors
 
     def shutdown(self) -> None:
         if self._worker is not None:
