@@ -15,6 +15,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use kameo::prelude::*;
+pub use pdflow_messages::kv_groups::prefill_backoff;
 use pdflow_messages::kv_groups::{BlockSpan, GroupBlocks, KvGroupKind, KvGroupSpec};
 use pdflow_messages::kv_transfer_params::{KvTransferParams, TransferRole};
 use pdflow_messages::scheduler_connector::{
@@ -116,15 +117,6 @@ impl Actor for SchedulerConnector {
             traceparents: BTreeMap::new(),
         })
     }
-}
-
-/// Trailing prompt tokens P leaves to D (P prefills the rest; D loads it and computes these). One
-/// for a hybrid model: a state group must hold the state before the last prompt token, which D's
-/// first step advances past once, and a sliding window the blocks that token attends to (P's
-/// window after the whole prompt has left its first one). None for a dense model: D recomputes
-/// the last token over KV P computed.
-pub fn prefill_backoff(groups: &[KvGroupSpec]) -> usize {
-    usize::from(groups.len() > 1)
 }
 
 /// A P request whose proxy named no transfer is named after P's request id: vLLM's toy proxy

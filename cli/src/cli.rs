@@ -14,6 +14,7 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 use pdflow_actors::proxy::{PrefillTarget, ProxyArgs};
 use pdflow_actors::scheduler_connector::KvRole;
 use pdflow_kv::memory::KvShape;
+use pdflow_sim_engine::hybrid::{HybridLayout, ModelShape};
 use pdflow_sim_engine::{EngineConfig, LoadFailurePolicy};
 use pdflow_transfer::tcp::TcpConfig;
 
@@ -230,12 +231,15 @@ pub struct DemoArgs {
     pub prompt_tokens: usize,
     #[arg(long, default_value_t = 128)]
     pub max_tokens: usize,
-    /// KV blocks per engine.
-    #[arg(long, default_value_t = 96)]
-    pub num_blocks: usize,
-    /// KV shape: `qwen3-8b` or `LAYERS,KV_HEADS,HEAD_DIM,BLOCK_SIZE` (bf16).
+    /// KV blocks per engine (default: 96, or what the request takes over a hybrid model's
+    /// groups if more).
+    #[arg(long)]
+    pub num_blocks: Option<usize>,
+    /// KV shape: `qwen3-8b`, a hybrid model (`gpt-oss-like`: sliding window 128 and full attention
+    /// alternating; `qwen3.5-like`: three linear-attention layers with a recurrent state per full
+    /// one) or `LAYERS,KV_HEADS,HEAD_DIM,BLOCK_SIZE` (bf16).
     #[arg(long, default_value = "qwen3-8b", value_parser = parse_shape)]
-    pub kv_shape: KvShape,
+    pub kv_shape: ModelShape,
     /// Where the engines keep their KV: `cpu` (host memory), or `cuda` (P on GPU 0, D on GPU 1 —
     /// both on GPU 0 when it is the only one; needs a build with `--features cuda`).
     #[arg(long, value_enum, default_value = "cpu")]
@@ -377,23 +381,29 @@ pub enum PolicyArg {
 /// The largest value `pdflow serve` takes for a deadline flag, in seconds (one day).
 pub const MAX_DEADLINE_S: f64 = 86_400.0;
 
-/// Parses `qwen3-8b` or `LAYERS,KV_HEADS,HEAD_DIM,BLOCK_SIZE`.
-pub fn parse_shape(s: &str) -> Result<KvShape, String> {
+/// What `--kv-shape` takes.
+const SHAPES: &str =
+    "qwen3-8b, a hybrid preset (gpt-oss-like, qwen3.5-like) or four positive numbers LAYERS,KV_HEADS,HEAD_DIM,BLOCK_SIZE";
+
+/// Parses `qwen3-8b`, a hybrid preset (`gpt-oss-like`, `qwen3.5-like`) or
+/// `LAYERS,KV_HEADS,HEAD_DIM,BLOCK_SIZE`.
+pub fn parse_shape(s: &str) -> Result<ModelShape, String> {
     if s.eq_ignore_ascii_case("qwen3-8b") {
-        return Ok(KvShape::QWEN3_8B);
+        return Ok(KvShape::QWEN3_8B.into());
+    }
+    if let Some((kv, layout)) = HybridLayout::preset(&s.to_ascii_lowercase()) {
+        return Ok(ModelShape { kv, hybrid: Some(layout) });
     }
     let parts: Vec<usize> = s
         .split(',')
         .map(|p| p.trim().parse::<usize>().map_err(|_| format!("`{p}` is not a number")))
         .collect::<Result<_, _>>()
-        .map_err(|e| format!("--kv-shape {s:?}: {e}; expected qwen3-8b or LAYERS,KV_HEADS,HEAD_DIM,BLOCK_SIZE"))?;
+        .map_err(|e| format!("--kv-shape {s:?}: {e}; expected {SHAPES}"))?;
     match parts[..] {
         [num_layers, num_kv_heads, head_dim, block_size] if parts.iter().all(|&p| p > 0) => {
-            Ok(KvShape { num_layers, num_kv_heads, head_dim, dtype_bytes: 2, block_size })
+            Ok(KvShape { num_layers, num_kv_heads, head_dim, dtype_bytes: 2, block_size }.into())
         }
-        _ => Err(format!(
-            "--kv-shape {s:?}: expected qwen3-8b or four positive numbers LAYERS,KV_HEADS,HEAD_DIM,BLOCK_SIZE"
-        )),
+        _ => Err(format!("--kv-shape {s:?}: expected {SHAPES}")),
     }
 }
 

@@ -138,7 +138,7 @@ async fn run_demo(args: DemoArgs) -> anyhow::Result<bool> {
     let capture = SpanCapture::new();
     let trace_export = start_export(&args.trace, None)?;
     init_tracing(Some(capture.clone()), Some(&trace_export), Some(MetricsLayer::global()), None);
-    metrics::global().set_block_bytes(args.kv_shape.bytes_per_block() as u64);
+    metrics::global().set_block_bytes(args.kv_shape.kv.bytes_per_block() as u64);
     let device = match args.device {
         DemoDevice::Cpu => KvPlacement::Host,
         DemoDevice::Cuda => KvPlacement::cuda()?,
@@ -150,8 +150,16 @@ async fn run_demo(args: DemoArgs) -> anyhow::Result<bool> {
     let opts = DemoOptions {
         prompt_tokens: args.prompt_tokens,
         max_tokens: args.max_tokens,
-        shape: if args.mla { KvShape::DEEPSEEK_V3_MLA } else { args.kv_shape },
-        num_blocks: args.num_blocks,
+        shape: if args.mla { KvShape::DEEPSEEK_V3_MLA } else { args.kv_shape.kv },
+        hybrid: if args.mla { None } else { args.kv_shape.hybrid.clone() },
+        num_blocks: args.num_blocks.unwrap_or_else(|| {
+            let cfg = pdflow_sim_engine::EngineConfig {
+                shape: args.kv_shape.kv,
+                hybrid: args.kv_shape.hybrid.clone(),
+                ..Default::default()
+            };
+            cfg.blocks_for(args.prompt_tokens + args.max_tokens).max(96)
+        }),
         device,
         gpu_path,
         layerwise: args.layerwise == OnOff::On,
@@ -384,7 +392,7 @@ async fn run_serve(cmd: &ServeCmd) -> anyhow::Result<bool> {
     let mut cfg = cmd.to_config(&env).map_err(|e| anyhow::anyhow!("invalid serve arguments:\n  {}", e.join("\n  ")))?;
     let (trace_export, faults) =
         start_node_telemetry(&cmd.trace, service, Some(MetricsLayer::global()), cfg.tcp.clone())?;
-    metrics::global().set_block_bytes(cmd.kv_shape.bytes_per_block() as u64);
+    metrics::global().set_block_bytes(cmd.kv_shape.kv.bytes_per_block() as u64);
     cfg.faults = faults.seam();
     let kind = if cfg.role == pdflow_actors::scheduler_connector::KvRole::Consumer { NodeKind::D } else { NodeKind::P };
     if cmd.rank_processes {

@@ -24,6 +24,15 @@ pub enum KvGroupKind {
     State,
 }
 
+/// Trailing prompt tokens P leaves to D (P prefills the rest; D loads it and computes these). One
+/// for a hybrid model: a state group must hold the state before the last prompt token, which D's
+/// first step advances past once, and a sliding window the blocks that token attends to (P's
+/// window after the whole prompt has left its first one). None for a dense model: D recomputes
+/// the last token over KV P computed.
+pub fn prefill_backoff(groups: &[KvGroupSpec]) -> usize {
+    usize::from(groups.len() > 1)
+}
+
 /// One group of a model's KV cache.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct KvGroupSpec {

@@ -317,7 +317,11 @@ pub fn token_ids(v: &Value) -> Vec<u64> {
 
 /// The same request on one engine alone (no connector): the reference every P/D run must equal.
 pub async fn reference(shape: KvShape, body: &Value) -> anyhow::Result<Value> {
-    let cfg = engine_config(shape, &EngineOpts::default(), "reference".into());
+    reference_of(engine_config(shape, &EngineOpts::default(), "reference".into()), body).await
+}
+
+/// [`reference`] on an engine of `cfg` (a hybrid model's, say).
+pub async fn reference_of(cfg: EngineConfig, body: &Value) -> anyhow::Result<Value> {
     let engine = Engine::start(cfg.clone(), KvCache::new(cfg.shape, cfg.num_blocks), None);
     let (addr, stop, task) = serve_http("127.0.0.1", 0, api::router(engine.clone())).await?;
     let result = post(&http_client(), &format!("http://{addr}/v1/completions"), body).await;

@@ -33,7 +33,8 @@ async fn run_on(spec: chaos::ChaosSpec, cells: Vec<(CellSpec, &[Outcome])>) {
     static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
     let _turn = ONE_AT_A_TIME.lock().await;
     let layers = chaos::install_layers();
-    let reference = Reference::start(spec.shape).await.expect("reference engine");
+    let (shape, hybrid) = spec.model();
+    let reference = Reference::start(shape, hybrid).await.expect("reference engine");
     let client = reqwest::Client::builder().no_proxy().build().expect("client");
     let env = CellEnv {
         spec,
@@ -131,6 +132,26 @@ async fn layer_wise_kills_mid_stream_end_cleanly_with_correct_tokens_and_no_leak
             ),
             (cell("receiver", kill(ActorKind::Receiver, Role::D, 29, When::Begin)), &[Outcome::Recomputed]),
             (cell("pull_task", Fault::new(21, When::Begin, FaultAction::Delay { ms: 300 })), RECOVERED),
+        ],
+    )
+    .await;
+}
+
+/// A hybrid model (`qwen3.5-like`: three groups of a recurrent state per group of full
+/// attention; P prefills all but the last prompt token, D loads the state pages and the
+/// attention blocks): P's send worker killed as it writes, P killed whole, D's receiver killed,
+/// a byte of the KV altered on the wire (every block checked): each ends with the reference
+/// tokens or a clean error, and no block of any group is left held.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_hybrid_model_s_faults_end_cleanly_with_correct_tokens_and_no_leak() {
+    let spec = chaos::ChaosSpec { hybrid: Some("qwen3.5-like"), ..chaos::chaos_spec(LoadFailurePolicy::Recompute) };
+    run_on(
+        spec,
+        vec![
+            (cell("send_worker", kill(ActorKind::SendWorker, Role::P, 29, When::Begin)), &[Outcome::Recomputed]),
+            (cell("node.p", Fault::new(29, When::Begin, FaultAction::KillNode { node: NodeKind::P })), NODE_P_KILLED),
+            (cell("receiver", kill(ActorKind::Receiver, Role::D, 19, When::End)), &[Outcome::Recomputed]),
+            (cell("p.scheduler_connector", kill(ActorKind::SchedulerConnector, Role::P, 26, When::End)), RECOVERED),
         ],
     )
     .await;

@@ -26,7 +26,7 @@ async fn check(cell: NetCell) {
     }
     let _serial = SERIAL.lock().await;
     let bin = pdflow_bin().expect("the pdflow binary");
-    let reference = Reference::start(KvShape::QWEN3_8B).await.expect("reference engine");
+    let reference = Reference::start(KvShape::QWEN3_8B, None).await.expect("reference engine");
     let client = reqwest::Client::builder().no_proxy().build().expect("client");
     let r = net::run_net_cell(cell, &NetEnv { bin: &bin, client: &client, reference_url: &reference.url }).await;
     reference.shutdown().await;

@@ -17,8 +17,10 @@ pub struct ServeCmd {
     pub engine_id: Option<String>,
     #[arg(long, default_value = "Qwen/Qwen3-8B")]
     pub served_model_name: String,
+    /// KV shape: `qwen3-8b`, a hybrid preset (`gpt-oss-like`, `qwen3.5-like`) or
+    /// `LAYERS,KV_HEADS,HEAD_DIM,BLOCK_SIZE`.
     #[arg(long, default_value = "qwen3-8b", value_parser = parse_shape)]
-    pub kv_shape: KvShape,
+    pub kv_shape: ModelShape,
     #[arg(long, default_value_t = 256)]
     pub num_blocks: usize,
     /// Tokens per step; below the prompt length this is chunked prefill.
@@ -247,7 +249,8 @@ impl ServeCmd {
         EngineConfig {
             engine_id: self.engine_id.clone().unwrap_or_else(|| uuid::Uuid::new_v4().to_string()),
             served_model_name: self.served_model_name.clone(),
-            shape: self.kv_shape,
+            shape: self.kv_shape.kv,
+            hybrid: self.kv_shape.hybrid.clone(),
             num_blocks: self.num_blocks,
             max_num_batched_tokens: self.max_num_batched_tokens,
             max_model_len: self.max_model_len,

@@ -11,6 +11,7 @@ mod concurrent_requests;
 mod d_failure;
 mod eos_first_token;
 mod gpu_kv_processes;
+mod hybrid;
 mod layerwise;
 mod p_failure;
 mod p_restart;

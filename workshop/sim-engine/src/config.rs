@@ -3,6 +3,8 @@
 
 use pdflow_kv::memory::KvShape;
 
+use crate::hybrid::HybridLayout;
+
 /// What D does when a remote KV load fails (vLLM's `kv_load_failure_policy`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -40,6 +42,19 @@ pub struct EngineConfig {
     /// Run the model's forward pinned to this CPU, apart from the threads of the connector and
     /// the network stack (as a GPU's forward is); `None`: wherever the OS schedules it.
     pub forward_cpu: Option<usize>,
+    /// A hybrid model's layers and KV-cache groups ([`crate::hybrid`]); `shape` is then one KV
+    /// region per layer of a group. None: a dense model, one region per layer.
+    pub hybrid: Option<HybridLayout>,
+}
+
+impl EngineConfig {
+    /// Blocks a request of `tokens` tokens holds, over every group.
+    pub fn blocks_for(&self, tokens: usize) -> usize {
+        match &self.hybrid {
+            Some(layout) => layout.blocks_for(tokens).iter().sum(),
+            None => self.shape.blocks_for(tokens),
+        }
+    }
 }
 
 impl Default for EngineConfig {
@@ -56,6 +71,7 @@ impl Default for EngineConfig {
             kv_load_failure_policy: LoadFailurePolicy::Recompute,
             kv_state_timeout: None,
             forward_cpu: None,
+            hybrid: None,
         }
     }
 }

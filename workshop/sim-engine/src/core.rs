@@ -62,7 +62,17 @@ impl Engine {
             config.shape = kv_cache.shape();
             config.num_blocks = kv_cache.num_blocks();
         }
-        let model = ShardedModel::single(config.vocab_size, kv_cache);
+        let mut model = ShardedModel::single(config.vocab_size, kv_cache);
+        if let Some(layout) = config.hybrid.clone() {
+            match model.clone().with_hybrid(layout) {
+                Ok(hybrid) => model = hybrid,
+                Err(e) => {
+                    // `start_ranked` refuses it; here the engine runs the dense model it can.
+                    tracing::error!(engine_id = %config.engine_id, error = %e, "the hybrid layout does not fit the KV cache: serving it as a dense model");
+                    config.hybrid = None;
+                }
+            }
+        }
         Self::spawn(config, model, connector)
     }
 
@@ -77,7 +87,10 @@ impl Engine {
         connector: Option<Connector>,
     ) -> Result<EngineHandle, RanksError> {
         let model = Model { shape: config.shape, vocab_size: config.vocab_size };
-        let model = ShardedModel::new(model, config.num_blocks, ranks)?;
+        let mut model = ShardedModel::new(model, config.num_blocks, ranks)?;
+        if let Some(layout) = config.hybrid.clone() {
+            model = model.with_hybrid(layout)?;
+        }
         Ok(Self::spawn(config, model, connector))
     }
 
@@ -237,7 +250,7 @@ fn validate(config: &EngineConfig, has_connector: bool, req: &EngineRequest) -> 
             max_model_len: config.max_model_len,
         });
     }
-    let needed = config.shape.blocks_for(prompt_len + req.max_tokens);
+    let needed = config.blocks_for(prompt_len + req.max_tokens);
     if needed > config.num_blocks {
         return Err(EngineError::TooManyBlocks {
             needed,

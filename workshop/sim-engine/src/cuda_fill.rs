@@ -233,6 +233,7 @@ mod tests {
             tokens: tokens.clone(),
             start: 0,
             block_ids: blocks.clone(),
+            group_blocks: Vec::new(),
             digest: ContextDigest::default(),
             sample: false,
         };
@@ -261,6 +262,7 @@ mod tests {
             tokens: tokens.clone(),
             start: 0,
             block_ids: blocks.clone(),
+            group_blocks: Vec::new(),
             digest: ContextDigest::default(),
             sample: false,
         };

@@ -47,6 +47,7 @@ fn generate(cache: &KvCache, blocks: &[BlockId], prompt: &[u32], chunk: usize, n
             tokens: tokens[start..end].to_vec(),
             start,
             block_ids: blocks.to_vec(),
+            group_blocks: Vec::new(),
             digest,
             sample: end == tokens.len(),
         };
@@ -218,6 +219,7 @@ fn gpu_caches_sharded_over_ranks_are_refused() {
         tokens: prompt(30),
         start: 0,
         block_ids: vec![4, 9],
+        group_blocks: Vec::new(),
         digest: ContextDigest::default(),
         sample: true,
     };

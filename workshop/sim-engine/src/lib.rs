@@ -20,6 +20,7 @@ pub mod config;
 pub mod core;
 #[cfg(feature = "cuda")]
 pub mod cuda_fill;
+pub mod hybrid;
 pub mod model;
 pub mod openai;
 pub mod ranks;

@@ -140,6 +140,8 @@ pub struct ForwardItem {
     pub start: usize,
     /// The request's blocks; must cover every position up to the last computed one.
     pub block_ids: Vec<BlockId>,
+    /// A hybrid model's blocks per KV-cache group ([`crate::hybrid`]); empty for a dense model.
+    pub group_blocks: Vec<Vec<BlockId>>,
     pub digest: ContextDigest,
     /// Sample a token after this chunk (the last prefill chunk, or a decode step).
     pub sample: bool,
@@ -266,6 +268,7 @@ mod tests {
                 tokens: tokens[start..end].to_vec(),
                 start,
                 block_ids: blocks.to_vec(),
+                group_blocks: Vec::new(),
                 digest,
                 sample: end == tokens.len(),
             };
@@ -309,6 +312,7 @@ mod tests {
             tokens: prompt[start..end].to_vec(),
             start,
             block_ids: vec![5, 1, 6],
+            group_blocks: Vec::new(),
             digest,
             sample: end == prompt.len(),
         };
@@ -333,6 +337,7 @@ mod tests {
             tokens: vec![42],
             start: 0,
             block_ids: vec![3],
+            group_blocks: Vec::new(),
             digest: ContextDigest::default(),
             sample: true,
         };
@@ -366,6 +371,7 @@ mod tests {
             tokens: prompt[..8].to_vec(),
             start: 0,
             block_ids: blocks.to_vec(),
+            group_blocks: Vec::new(),
             digest: ContextDigest::default(),
             sample: false,
         };
@@ -375,6 +381,7 @@ mod tests {
                 tokens: vec![prompt[8]],
                 start: 8,
                 block_ids: blocks.to_vec(),
+                group_blocks: Vec::new(),
                 digest: ContextDigest::default(),
                 sample: true,
             };
@@ -418,6 +425,7 @@ mod tests {
                 tokens: tokens[start..].to_vec(),
                 start,
                 block_ids: b_blocks.to_vec(),
+                group_blocks: Vec::new(),
                 digest,
                 sample: true,
             };
@@ -445,6 +453,7 @@ mod tests {
             tokens: vec![prompt[39]],
             start: 39,
             block_ids: vec![0, 1, 2],
+            group_blocks: Vec::new(),
             digest: ContextDigest::default(),
             sample: true,
         };

@@ -16,6 +16,7 @@ use std::sync::Arc;
 use pdflow_kv::memory::{KvCache, KvShape, MemoryKind, RegionError};
 use pdflow_kv::topology::{RankLayout, Topology, TopologyError};
 
+use crate::hybrid::{HybridError, HybridLayout};
 use crate::model::{fill_kv, slot_hash, ForwardItem, Model, PositionHash};
 
 /// One rank: the global layers and KV heads it holds, and its KV cache of them (local layer `i`
@@ -33,6 +34,10 @@ pub enum RanksError {
     NumBlocks { rank: usize, got: usize, expected: usize },
     #[error("rank {rank}'s KV cache is in {memory} memory: a KV cache on a GPU runs only as an engine's one rank (holding every layer and head), not sharded over ranks")]
     ShardedDevice { rank: usize, memory: MemoryKind },
+    #[error("a hybrid model runs on one rank in host memory (no tensor or pipeline parallelism, no GPU) in the simulated engine; this engine has {ranks} ranks in {memory} memory")]
+    HybridRanks { ranks: usize, memory: MemoryKind },
+    #[error("hybrid model: {0}")]
+    Hybrid(#[from] HybridError),
 }
 
 /// The model over a checked set of ranks (see the module docs).
@@ -41,6 +46,8 @@ pub struct ShardedModel {
     model: Model,
     /// Never empty.
     ranks: Vec<Rank>,
+    /// A hybrid model's layers and groups (one rank, host memory).
+    hybrid: Option<Arc<HybridLayout>>,
 }
 
 impl ShardedModel {
@@ -70,13 +77,25 @@ impl ShardedModel {
                 return Err(RanksError::ShardedDevice { rank, memory: cache.memory() });
             }
         }
-        Ok(Self { model, ranks })
+        Ok(Self { model, ranks, hybrid: None })
+    }
+
+    /// The model as a hybrid one of `layout`: one rank in host memory, its shape one region per
+    /// layer of a group.
+    pub fn with_hybrid(mut self, layout: HybridLayout) -> Result<Self, RanksError> {
+        let memory = self.first_cache().memory();
+        if self.ranks.len() != 1 || memory != MemoryKind::Host {
+            return Err(RanksError::HybridRanks { ranks: self.ranks.len(), memory });
+        }
+        layout.check(&self.model.shape)?;
+        self.hybrid = Some(Arc::new(layout));
+        Ok(self)
     }
 
     /// The model on one cache holding all of it (its shape is the model's).
     pub fn single(vocab_size: u32, cache: Arc<KvCache>) -> Self {
         let model = Model { shape: cache.shape(), vocab_size };
-        Self { ranks: vec![(model.whole(), cache)], model }
+        Self { ranks: vec![(model.whole(), cache)], model, hybrid: None }
     }
 
     pub fn model(&self) -> &Model {
@@ -102,6 +121,9 @@ impl ShardedModel {
         items: &mut [ForwardItem],
         layer_done: &mut dyn FnMut(usize),
     ) -> Vec<Result<Option<u32>, RegionError>> {
+        if let (Some(layout), [(_, cache)]) = (&self.hybrid, self.ranks.as_slice()) {
+            return crate::hybrid::forward(&self.model, layout, cache, items, layer_done);
+        }
         if let [(_, cache)] = self.ranks.as_slice() {
             // One rank holds everything (perhaps on a GPU).
             return self.model.forward_layers(cache, items, layer_done);

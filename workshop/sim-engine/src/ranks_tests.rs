@@ -74,6 +74,7 @@ fn generate(m: &ShardedModel, reqs: &[Req], chunk: usize, n: usize) -> Vec<Trace
                     tokens: tokens[*start..end].to_vec(),
                     start: *start,
                     block_ids: reqs[k].blocks.clone(),
+                    group_blocks: Vec::new(),
                     digest: *digest,
                     sample: end == tokens.len(),
                 }
@@ -229,6 +230,7 @@ fn each_layer_is_reported_once_after_every_rank_holding_it_wrote_it() {
         tokens: prompt.clone(),
         start: 0,
         block_ids: vec![4, 1],
+        group_blocks: Vec::new(),
         digest: ContextDigest::default(),
         sample: true,
     }];
@@ -291,6 +293,7 @@ fn a_remote_load_from_another_topology_decodes_a_single_rank_s_tokens() {
                     tokens: tokens[start..].to_vec(),
                     start,
                     block_ids: d_blocks.clone(),
+                    group_blocks: Vec::new(),
                     digest,
                     sample: true,
                 }];
@@ -316,6 +319,7 @@ fn the_digest_reads_each_slot_from_its_first_holder() {
         tokens: prompt[..8].to_vec(),
         start: 0,
         block_ids: blocks.clone(),
+        group_blocks: Vec::new(),
         digest: ContextDigest::default(),
         sample: false,
     }];
@@ -325,6 +329,7 @@ fn the_digest_reads_each_slot_from_its_first_holder() {
             tokens: vec![prompt[8]],
             start: 8,
             block_ids: blocks.clone(),
+            group_blocks: Vec::new(),
             digest: ContextDigest::default(),
             sample: true,
         }];

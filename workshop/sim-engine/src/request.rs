@@ -6,6 +6,7 @@
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
+use pdflow_messages::kv_groups::{BlockSpan, GroupBlocks};
 use pdflow_messages::kv_transfer_params::{KvTransferParams, KvTransferParamsError, TransferRole};
 use pdflow_messages::scheduler_connector::{FinishStatus, SchedRequest};
 use pdflow_messages::BlockId;
@@ -137,7 +138,10 @@ pub(crate) struct Request {
     pub role: TransferRole,
     pub status: Status,
     pub num_computed_tokens: usize,
+    /// Every block the request holds (a hybrid model's, over all groups).
     pub block_ids: Vec<BlockId>,
+    /// A hybrid model's blocks per KV-cache group, in prompt order; empty for a dense model.
+    pub group_blocks: Vec<Vec<BlockId>>,
     pub digest: ContextDigest,
     /// Counted in the block reservation (admitted once; see `Scheduler::reserved_blocks`).
     pub admitted: bool,
@@ -154,6 +158,15 @@ pub(crate) struct Request {
 }
 
 impl Request {
+    /// The request's blocks as the connector takes them: a dense model's list, or (`hybrid`) one
+    /// list per KV-cache group from the prompt's first block.
+    pub fn connector_blocks(&self, hybrid: bool) -> GroupBlocks {
+        if !hybrid {
+            return self.block_ids.clone().into();
+        }
+        GroupBlocks(self.group_blocks.iter().map(|ids| BlockSpan { first: Some(0), ids: ids.clone() }).collect())
+    }
+
     pub fn new(req: EngineRequest, role: TransferRole, output_tx: mpsc::UnboundedSender<RequestOutput>) -> Self {
         Self {
             id: req.request_id,
@@ -168,6 +181,7 @@ impl Request {
             status: Status::Waiting,
             num_computed_tokens: 0,
             block_ids: Vec::new(),
+            group_blocks: Vec::new(),
             digest: ContextDigest::default(),
             admitted: false,
             connector_matched: false,

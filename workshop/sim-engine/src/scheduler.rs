@@ -21,6 +21,7 @@
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::{Arc, Mutex};
 
+use pdflow_messages::kv_groups::prefill_backoff;
 use pdflow_messages::scheduler_connector::{FinishStatus, RequestFinished, SchedRequest, ScheduledChunk};
 use pdflow_observability::{attrs, steps};
 use tracing::Span;
@@ -131,9 +132,18 @@ impl Scheduler {
     }
 
     /// Seed steps 11 (P) and 16 (D): the request enters the waiting queue.
-    pub fn add_request(&mut self, req: Request) -> Result<(), EngineError> {
+    pub fn add_request(&mut self, mut req: Request) -> Result<(), EngineError> {
         if self.requests.contains_key(&req.id) {
             return Err(EngineError::DuplicateRequestId(req.id));
+        }
+        if let Some(layout) = &self.config.hybrid {
+            // A hybrid model's P leaves the prompt's last token to D (as vLLM's connectors do).
+            let backoff = prefill_backoff(&layout.groups);
+            if req.is_prefill_role() && req.prompt_len > backoff {
+                req.prompt_len -= backoff;
+                req.all_token_ids.truncate(req.prompt_len);
+                req.max_tokens = 1;
+            }
         }
         let span = if req.is_prefill_role() {
             req_span!(steps::P_ADD_REQUEST, req, self.config.engine_id.as_str())
@@ -151,6 +161,9 @@ impl Scheduler {
 
     /// Grows `id`'s block table to cover `tokens` tokens; false if the pool is short.
     fn allocate_for(&mut self, id: &str, tokens: usize) -> bool {
+        if let Some(layout) = &self.config.hybrid {
+            return Self::allocate_groups(&mut self.pool, &mut self.requests, id, layout.blocks_for(tokens));
+        }
         let Some(r) = self.requests.get_mut(id) else { return false };
         let need = self.config.shape.blocks_for(tokens).saturating_sub(r.block_ids.len());
         if need == 0 {
@@ -163,6 +176,25 @@ impl Scheduler {
             }
             None => false,
         }
+    }
+
+    /// A hybrid model's allocation: each group grown to `per_group` blocks, from the one pool.
+    fn allocate_groups(
+        pool: &mut BlockPool,
+        requests: &mut HashMap<String, Request>,
+        id: &str,
+        per_group: Vec<usize>,
+    ) -> bool {
+        let Some(r) = requests.get_mut(id) else { return false };
+        r.group_blocks.resize(per_group.len(), Vec::new());
+        let needs: Vec<usize> =
+            per_group.iter().zip(&r.group_blocks).map(|(&n, have)| n.saturating_sub(have.len())).collect();
+        let Some(mut fresh) = pool.allocate(needs.iter().sum()) else { return false };
+        for (group, need) in r.group_blocks.iter_mut().zip(needs) {
+            group.extend(fresh.drain(..need));
+        }
+        r.block_ids = r.group_blocks.concat();
+        true
     }
 
     /// One `schedule()`: running requests first, then the waiting queue.
@@ -248,6 +280,7 @@ impl Scheduler {
                 tokens: r.all_token_ids[start..end].to_vec(),
                 start,
                 block_ids: r.block_ids.clone(),
+                group_blocks: r.group_blocks.clone(),
                 digest: r.digest,
                 sample: end == r.num_tokens(),
             };
@@ -338,7 +371,11 @@ impl Scheduler {
         span.record(attrs::BLOCKS, r.block_ids.len());
         let (delay, params) = match &self.connector {
             Some(conn) => {
-                let msg = RequestFinished { request: r.sched_request(), status, block_ids: r.block_ids.clone().into() };
+                let msg = RequestFinished {
+                    request: r.sched_request(),
+                    status,
+                    block_ids: r.connector_blocks(self.config.hybrid.is_some()),
+                };
                 match conn.scheduler.request_finished(msg).await {
                     Ok(reply) => (reply.delay_free_blocks, reply.kv_transfer_params),
                     Err(e) => {
@@ -360,6 +397,7 @@ impl Scheduler {
             true
         } else {
             self.pool.free(std::mem::take(&mut r.block_ids));
+            r.group_blocks.clear();
             false
         };
         let output_span =

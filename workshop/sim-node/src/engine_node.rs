@@ -107,6 +107,10 @@ impl EngineNode {
     /// started again after a crash binds and registers the same address (`pdflow chaos`).
     pub async fn start_on(cfg: EngineNodeConfig, side_channel_port: u16) -> Result<Self, SimNodeError> {
         let engine_id = cfg.engine.engine_id.clone();
+        if let (Some(hybrid), true) = (&cfg.engine.hybrid, cfg.layerwise) {
+            let groups = hybrid.groups.iter().map(|g| g.label()).collect::<Vec<_>>().join(", ");
+            return Err(SimNodeError::HybridLayerwise { groups });
+        }
         let side_channel = Arc::new(AtomicU16::new(side_channel_port));
         let sharded = cfg.parallel != Parallel::default();
         let apart = if sharded { cfg.rank_processes.clone() } else { None };
@@ -133,7 +137,7 @@ impl EngineNode {
             role: cfg.role,
             bootstrap_addr,
             layerwise: cfg.layerwise,
-            groups: Vec::new(),
+            groups: cfg.engine.hybrid.as_ref().map(|h| h.groups.clone()).unwrap_or_default(),
             null_block: None,
         };
         let connector = SchedulerConnector::supervise(&supervisor, args)
@@ -164,8 +168,8 @@ impl EngineNode {
         let worker_port: Arc<dyn WorkerConnectorPort> =
             if ports.len() == 1 { ports.remove(0).port } else { Arc::new(RankedPort::new(ports)) };
         let connector_ports = Connector { scheduler: Arc::new(SchedulerPort(connector.clone())), worker: worker_port };
-        let engine = match topology.ranks.len() {
-            1 => Engine::start(engine_cfg, kv_cache.clone(), Some(connector_ports)),
+        let engine = match (topology.ranks.len(), &engine_cfg.hybrid) {
+            (1, None) => Engine::start(engine_cfg, kv_cache.clone(), Some(connector_ports)),
             _ => Engine::start_ranked(engine_cfg, topology.ranks.clone(), Some(connector_ports))?,
         };
         let (http_addr, http_stop, http_task) = serve_http(&cfg.host, cfg.port, api::router(engine.clone())).await?;

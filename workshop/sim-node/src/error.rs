@@ -33,6 +33,8 @@ pub enum SimNodeError {
     #[error("KV cache on GPU {device}: this pdflow was built without GPU support (build it with `cargo build --release --features cuda`)")]
     NoGpuSupport { device: usize },
     /// A data-parallel group of no engine.
+    #[error("layer-wise transfer is for models of one KV-cache group: a hybrid model ({groups}) is written whole at the end of its prefill; drop --layerwise")]
+    HybridLayerwise { groups: String },
     #[error("a data-parallel group needs at least one rank")]
     NoDataParallelRank,
     /// A rank's process (its shared cache, its socket, its start).

@@ -26,6 +26,7 @@ use pdflow_actors::scheduler_connector::KvRole;
 use pdflow_kv::memory::{KvCache, KvShape};
 use pdflow_observability::attrs;
 use pdflow_observability::capture::SpanCapture;
+use pdflow_sim_engine::hybrid::HybridLayout;
 use pdflow_sim_engine::scheduler::BlockStats;
 use pdflow_sim_engine::{api, Engine, EngineConfig};
 use pdflow_transfer::tcp::TcpConfig;
@@ -44,6 +45,9 @@ pub struct DemoOptions {
     pub prompt_tokens: usize,
     pub max_tokens: usize,
     pub shape: KvShape,
+    /// A hybrid model's layers and KV-cache groups (`shape` is then one region per layer of a
+    /// group); None: a dense model.
+    pub hybrid: Option<HybridLayout>,
     /// Blocks per engine.
     pub num_blocks: usize,
     pub deadlines: Deadlines,
@@ -64,6 +68,7 @@ impl Default for DemoOptions {
             prompt_tokens: 1000,
             max_tokens: 128,
             shape: KvShape::QWEN3_8B,
+            hybrid: None,
             num_blocks: 96,
             deadlines: Deadlines::default(),
             device: KvPlacement::Host,
@@ -203,6 +208,7 @@ fn engine_config(opts: &DemoOptions, engine_id: &str) -> EngineConfig {
     EngineConfig {
         engine_id: engine_id.to_string(),
         shape: opts.shape,
+        hybrid: opts.hybrid.clone(),
         num_blocks: opts.num_blocks,
         ..EngineConfig::default()
     }
@@ -420,7 +426,8 @@ async fn drive(
             true => rank_writes.iter().map(|w| w.bytes).sum(),
             false => timeline.figure(29, attrs::BYTES).unwrap_or(0),
         },
-        blocks: timeline.figure(27, attrs::BLOCKS).unwrap_or(0),
+        // The blocks step 29 moved (a hybrid model's window and state pages, not all it holds).
+        blocks: timeline.figure(29, attrs::BLOCKS).or_else(|| timeline.figure(27, attrs::BLOCKS)).unwrap_or(0),
         descriptors: timeline
             .figure(29, attrs::DESCRIPTORS)
             .or_else(|| timeline.figure(28, attrs::DESCRIPTORS))

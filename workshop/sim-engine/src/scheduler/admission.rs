@@ -24,7 +24,7 @@ pub(super) enum WaitingOutcome {
 
 impl Scheduler {
     fn worst_blocks(&self, r: &Request) -> usize {
-        self.config.shape.blocks_for(r.prompt_len + r.max_tokens)
+        self.config.blocks_for(r.prompt_len + r.max_tokens)
     }
 
     /// Blocks that admitted, unfinished requests may still take.
@@ -135,7 +135,7 @@ impl Scheduler {
         if let Some(conn) = self.connector.clone() {
             let msg = UpdateStateAfterAlloc {
                 request: r.sched_request(),
-                block_ids: r.block_ids.clone().into(),
+                block_ids: r.connector_blocks(self.config.hybrid.is_some()),
                 num_external_tokens: 0,
             };
             match conn.scheduler.update_state_after_alloc(msg).await {
@@ -176,7 +176,7 @@ impl Scheduler {
         span.record(attrs::TOKENS, count);
         let msg = UpdateStateAfterAlloc {
             request: r.sched_request(),
-            block_ids: r.block_ids.clone().into(),
+            block_ids: r.connector_blocks(self.config.hybrid.is_some()),
             num_external_tokens: count,
         };
         let Some(conn) = self.connector.clone() else { return WaitingOutcome::Gone };

@@ -56,6 +56,7 @@ impl Scheduler {
         let Some(mut r) = self.requests.remove(id) else { return 0 };
         let n = r.block_ids.len();
         self.pool.free(std::mem::take(&mut r.block_ids));
+        r.group_blocks.clear();
         n
     }
 

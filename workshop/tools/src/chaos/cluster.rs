@@ -22,6 +22,7 @@ use super::{http_client, ChaosError};
 use futures::TryFutureExt as _;
 use pdflow_node::config::Deadlines;
 use pdflow_node::{BootstrapNode, ProxyNode};
+use pdflow_sim_engine::hybrid::HybridLayout;
 use pdflow_sim_node::engine_node::{BootstrapPlacement, Parallel};
 use pdflow_sim_node::{EngineNode, EngineNodeConfig};
 
@@ -46,6 +47,18 @@ pub struct ChaosSpec {
     /// P's and D's tensor/pipeline-parallel sizes.
     pub prefill_parallel: Parallel,
     pub decode_parallel: Parallel,
+    /// A hybrid preset (`HybridLayout::preset`) instead of `shape`'s dense model.
+    pub hybrid: Option<&'static str>,
+}
+
+impl ChaosSpec {
+    /// The engines' KV shape and, for a hybrid preset, its layout.
+    pub fn model(&self) -> (KvShape, Option<HybridLayout>) {
+        match self.hybrid.and_then(HybridLayout::preset) {
+            Some((shape, layout)) => (shape, Some(layout)),
+            None => (self.shape, None),
+        }
+    }
 }
 
 /// One cell's cluster.
@@ -83,7 +96,8 @@ pub fn node_cfg(
         port: 0,
         engine: EngineConfig {
             engine_id: id,
-            shape: spec.shape,
+            shape: spec.model().0,
+            hybrid: spec.model().1,
             num_blocks: spec.num_blocks,
             kv_load_failure_policy: spec.policy,
             max_num_batched_tokens: if role.produces() { spec.p_max_batched_tokens } else { 8192 },

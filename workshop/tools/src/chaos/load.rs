@@ -352,7 +352,8 @@ pub async fn run(
     let spec = load_spec(opts);
     let client = http_client()?;
     let mut rng = SplitMix64::new(opts.seed);
-    let reference = Reference::start(spec.shape).await?;
+    let (shape, hybrid) = spec.model();
+    let reference = Reference::start(shape, hybrid).await?;
     let prompts = Prompts::make(opts, &mut rng, &client, &reference).await;
     reference.shutdown().await;
     let prompts = prompts?;

@@ -28,6 +28,7 @@ use std::time::{Duration, Instant};
 use pdflow_fault::FaultDomain;
 use pdflow_kv::memory::{KvCache, KvShape};
 use pdflow_observability::capture::SpanCapture;
+use pdflow_sim_engine::hybrid::HybridLayout;
 use pdflow_sim_engine::{api, Engine, EngineConfig, LoadFailurePolicy};
 use pdflow_transfer::tcp::TcpConfig;
 use serde::Serialize;
@@ -160,6 +161,7 @@ pub fn chaos_spec(policy: LoadFailurePolicy) -> ChaosSpec {
         p_max_batched_tokens: 8192,
         prefill_parallel: Default::default(),
         decode_parallel: Default::default(),
+        hybrid: None,
     }
 }
 
@@ -172,8 +174,10 @@ pub struct Reference {
 }
 
 impl Reference {
-    pub async fn start(shape: KvShape) -> Result<Self, ChaosError> {
-        let cfg = EngineConfig { engine_id: "reference".into(), shape, num_blocks: 256, ..EngineConfig::default() };
+    /// A reference engine of `shape`, or (`hybrid`) of a hybrid layout over it.
+    pub async fn start(shape: KvShape, hybrid: Option<HybridLayout>) -> Result<Self, ChaosError> {
+        let cfg =
+            EngineConfig { engine_id: "reference".into(), shape, hybrid, num_blocks: 256, ..EngineConfig::default() };
         let engine = Engine::start(cfg.clone(), KvCache::new(cfg.shape, cfg.num_blocks), None);
         let (addr, stop, task) = serve_http("127.0.0.1", 0, api::router(engine.clone())).await?;
         Ok(Self { engine, url: format!("http://{addr}"), stop, task })
@@ -203,7 +207,8 @@ pub async fn run(
         .into_iter()
         .filter(|c| opts.filter.as_deref().is_none_or(|f| c.name().contains(f)))
         .collect();
-    let reference = Reference::start(spec.shape).await?;
+    let (shape, hybrid) = spec.model();
+    let reference = Reference::start(shape, hybrid).await?;
     let client = http_client()?;
     let env = CellEnv {
         spec,

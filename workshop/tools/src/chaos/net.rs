@@ -43,7 +43,7 @@ pub async fn run(
     mut progress: impl FnMut(usize, usize, &CellResult),
 ) -> Result<ChaosReport, ChaosError> {
     let started = Instant::now();
-    let reference = Reference::start(KvShape::QWEN3_8B).await?;
+    let reference = Reference::start(KvShape::QWEN3_8B, None).await?;
     let client = http_client()?;
     let env = NetEnv { bin, client: &client, reference_url: &reference.url };
     let mut results = Vec::with_capacity(cells.len());
