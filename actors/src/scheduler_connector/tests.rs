@@ -128,8 +128,8 @@ async fn layer_wise_p_names_each_step_s_prefill_chunks_in_reqs_to_save_until_it_
         .await
         .expect("ask");
     let chunk =
-        |upto: usize| ScheduledChunk { request_id: "p1".into(), block_ids: vec![3, 4].into(), computed_upto: upto };
-    let local = ScheduledChunk { request_id: "local".into(), block_ids: vec![9].into(), computed_upto: 5 };
+        |upto: usize| ScheduledChunk { request_id: "p1".into(), block_ids: vec![3, 4], computed_upto: upto };
+    let local = ScheduledChunk { request_id: "local".into(), block_ids: vec![9], computed_upto: 5 };
     let meta = p.ask(BuildConnectorMeta { scheduled: vec![chunk(512), local] }).await.expect("ask delivered");
     let save = &meta.reqs_to_save["p1"];
     assert_eq!((save.transfer_id.as_str(), save.computed_upto, save.prompt_len), ("xfer-p1", 512, 1000));

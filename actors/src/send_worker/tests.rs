@@ -262,7 +262,7 @@ impl Rig {
         let done = LayerDone {
             p_req_id: "cmpl-p".into(),
             layer,
-            block_ids: vec![2, 3, 5].into(),
+            block_ids: vec![2, 3, 5],
             computed_upto,
             prompt_len: 6,
         };

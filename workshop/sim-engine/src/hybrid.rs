@@ -211,7 +211,7 @@ fn forward_item(
                     let block = block_of(ids, pos, group.block_size as usize)?;
                     for head in 0..shape.num_kv_heads {
                         fill_kv(token, pos, layer, head, &mut slot);
-                        cache.write_slot(region, block, head, pos % group.block_size as usize, &mut slot)?;
+                        cache.write_slot(region, block, head, pos % group.block_size as usize, &slot)?;
                     }
                 }
             }
