@@ -1,9 +1,10 @@
 """Makes a small Qwen3 model that real `vllm serve` loads on a CPU, with nothing downloaded.
 
-    python make_model.py OUT_DIR [--shape tiny|one-kv-head|seed|mla|gemma3|granite-hybrid]
+    python make_model.py OUT_DIR [--shape tiny|one-kv-head|seed|mla|gemma3|granite-hybrid|qwen3_5]
 
 Weights are random from a fixed seed (`transformers`' Qwen3ForCausalLM, safetensors; DeepSeek-V2
-for `mla`, Gemma3ForCausalLM for `gemma3`, GraniteMoeHybridForCausalLM for `granite-hybrid`); the
+for `mla`, Gemma3ForCausalLM for `gemma3`, GraniteMoeHybridForCausalLM for `granite-hybrid`,
+Qwen3_5ForCausalLM for `qwen3_5`); the
 tokenizer is a byte-level BPE trained here with `tokenizers` on generated text, with bos/eos and a
 ChatML-like chat template. The same arguments give the same files. Shapes:
 
@@ -24,6 +25,14 @@ ChatML-like chat template. The same arguments give the same files. Shapes:
   `--block-size 64 --no-enable-prefix-caching` (4 KV-cache groups: 3 state, 1 attention). Per
   Mamba layer the state is 8 heads × 64 × d_state 16 (SSM, 32 KiB) plus the conv window; 1 KiB of
   attention KV per token.
+- `qwen3_5`: a Qwen3.5-shaped text model (`qwen3_5_text`), 4 layers: 3 Gated DeltaNet (linear
+  attention: 2 key heads × 64, 4 value heads × 64, conv kernel 4) then 1 gated full-attention
+  layer (2 KV heads, head_dim 80 of which 64 rotary), hidden 256, bfloat16 (vLLM's CPU GDN
+  kernel takes nothing else). Head_dim 80 (a multiple of 16, not of 32) makes vLLM's CPU attention
+  run its portable `vec16` kernel in bf16 too, never the AMX one (see `DTYPES`); the rotary part
+  is 64 as in Qwen3.5 (vLLM's CPU rotary kernel segfaults on a rotary dim of 20, Qwen3.5's
+  quarter of 80, in `BF16Vec8::save` under `rotary_embedding_impl`). Serves with
+  vLLM's defaults (prefix caching on, Mamba cache mode `align`); 640 B of attention KV per token.
 
 Plain random weights make a model that repeats one token whatever the prompt, which would hide a
 wrong KV. Scaled (embeddings ×50, q/k norms ×3, v/o projections ×10, output head ×25), it
@@ -33,7 +42,11 @@ output depends on the KV of the whole context. `gemma3` gets the same treatment 
 (A = −exp(A_log) = −0.05, dt ≈ softplus(dt_bias = −3) ≈ 0.05: the state keeps ~1/0.0025 = 400
 tokens), no D skip, in_proj ×3, out_proj ×30, embeddings ×10: with its attention layer's output
 zeroed, changing the first of 300 prompt tokens still changes the first greedy token, so the
-output depends on the Mamba state as well as on the attention KV.
+output depends on the Mamba state as well as on the attention KV. `qwen3_5`'s GDN layers get a
+slower decay (A = 0.01, dt_bias −3), a write strength β of ½ (in_proj_b zero), in_proj_qkv ×3,
+out_proj ×90; its (1 + weight) q/k norms ×3, v/o ×10, embeddings ×10. Changing the first of 300
+prompt tokens changed the first greedy token (`transformers`, float32) in 8 of 8 prompts, and in
+6 of 8 with the full-attention layer's output zeroed: the GDN state carries it.
 """
 
 from __future__ import annotations
@@ -71,13 +84,23 @@ SHAPES = {
         mamba_n_heads=8, mamba_d_head=64, mamba_n_groups=1, mamba_d_state=16, mamba_d_conv=4, mamba_expand=2,
         mamba_chunk_size=256,
     ),
+    # Qwen3.5 text: Gated DeltaNet (linear attention) layers and a gated full-attention layer.
+    "qwen3_5": dict(
+        num_hidden_layers=4, num_key_value_heads=2, head_dim=80, hidden_size=256, num_attention_heads=4,
+        intermediate_size=512, layer_types=["linear_attention"] * 3 + ["full_attention"],
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64, linear_value_head_dim=64,
+        linear_conv_kernel_dim=4, partial_rotary_factor=0.8,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.8},
+    ),
 }
 #: float32: on CPUs with AMX, vLLM 0.32's CPU attention runs bf16 at block sizes that are multiples
 #: of 32 on its AMX kernel, which dies (SIGILL) when a request resumes mid-block after an external
 #: KV load, as every P/D connector's D does; float32 runs the portable kernel. Greedy tokens of two
-#: servers also compare exactly in float32.
+#: servers also compare exactly in float32. `qwen3_5` is bfloat16 (vLLM's CPU GDN kernel asserts
+#: it); its head_dim 80 keeps the attention off the AMX kernel (vLLM picks `vec16` for head sizes
+#: that are multiples of 16 and not of 32, whatever the dtype).
 DTYPES = {"tiny": "float32", "one-kv-head": "float32", "seed": "float32", "mla": "float32", "gemma3": "float32",
-          "granite-hybrid": "float32"}  # fmt: skip
+          "granite-hybrid": "float32", "qwen3_5": "bfloat16"}  # fmt: skip
 VOCAB = 2048
 MAX_POSITIONS = 4096
 CHAT_TEMPLATE = (
@@ -122,6 +145,8 @@ def model_classes(shape: dict) -> tuple[type, type]:
         return t.Gemma3TextConfig, t.Gemma3ForCausalLM
     if "mamba_d_state" in shape:
         return t.GraniteMoeHybridConfig, t.GraniteMoeHybridForCausalLM
+    if "linear_num_value_heads" in shape:
+        return t.Qwen3_5TextConfig, t.Qwen3_5ForCausalLM
     return t.Qwen3Config, t.Qwen3ForCausalLM
 
 
@@ -131,6 +156,7 @@ def make_weights(out: str, shape: dict, dtype: str, eos_id: int, bos_id: int) ->
     mla = "kv_lora_rank" in shape
     gemma = "sliding_window" in shape
     mamba = "mamba_d_state" in shape
+    gdn = "linear_num_value_heads" in shape
     config_cls, model_cls = model_classes(shape)
     torch.manual_seed(0)
     config = config_cls(
@@ -145,8 +171,8 @@ def make_weights(out: str, shape: dict, dtype: str, eos_id: int, bos_id: int) ->
     )
     model = model_cls(config)
     with torch.no_grad():  # see the module's doc
-        # Gemma scales its embeddings by √hidden (16) itself; Granite's state must not drown in them.
-        model.model.embed_tokens.weight.mul_(50.0 / 16.0 if gemma else 10.0 if mamba else 50.0)
+        # Gemma scales its embeddings by √hidden (16) itself; a state layer's output must not drown in them.
+        model.model.embed_tokens.weight.mul_(50.0 / 16.0 if gemma else 10.0 if mamba or gdn else 50.0)
         model.lm_head.weight.mul_(25.0)
         for layer in model.model.layers:
             if getattr(layer, "mamba", None) is not None:  # a Granite Mamba2 layer
@@ -157,8 +183,16 @@ def make_weights(out: str, shape: dict, dtype: str, eos_id: int, bos_id: int) ->
                 mixer.in_proj.weight.mul_(3.0)
                 mixer.out_proj.weight.mul_(30.0)
                 continue
+            if getattr(layer, "linear_attn", None) is not None:  # a Qwen3.5 Gated DeltaNet layer
+                mixer = layer.linear_attn
+                mixer.A_log.fill_(math.log(0.01))
+                mixer.dt_bias.fill_(-3.0)
+                mixer.in_proj_b.weight.zero_()  # β = sigmoid(0) = ½ for every token: the delta rule overwrites less
+                mixer.in_proj_qkv.weight.mul_(3.0)
+                mixer.out_proj.weight.mul_(90.0)
+                continue
             attn = layer.self_attn
-            if gemma:  # its RMSNorms scale by 1 + weight (0 at init)
+            if gemma or gdn:  # their RMSNorms scale by 1 + weight (0 at init)
                 attn.q_norm.weight.fill_(2.0)
                 attn.k_norm.weight.fill_(2.0)
                 attn.v_proj.weight.mul_(10.0)
@@ -184,8 +218,8 @@ def make_weights(out: str, shape: dict, dtype: str, eos_id: int, bos_id: int) ->
 def kv_bytes_per_token(shape: dict, dtype: str) -> int:
     """Attention KV bytes per token (state layers hold none; a sliding-window layer holds them for
     its window only)."""
-    if "mamba_d_state" in shape:
-        attn_layers = shape["layer_types"].count("attention")
+    if "mamba_d_state" in shape or "linear_num_value_heads" in shape:
+        attn_layers = shape["layer_types"].count("attention") + shape["layer_types"].count("full_attention")
         return 2 * attn_layers * shape["num_key_value_heads"] * shape["head_dim"] * (4 if dtype == "float32" else 2)
     if "kv_lora_rank" in shape:  # one latent per layer, K and V together
         return shape["num_hidden_layers"] * (shape["kv_lora_rank"] + shape["qk_rope_head_dim"]) * (4 if dtype == "float32" else 2)

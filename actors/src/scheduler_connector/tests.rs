@@ -127,8 +127,7 @@ async fn layer_wise_p_names_each_step_s_prefill_chunks_in_reqs_to_save_until_it_
     p.ask(UpdateStateAfterAlloc { request: request.clone(), block_ids: vec![3, 4].into(), num_external_tokens: 0 })
         .await
         .expect("ask");
-    let chunk =
-        |upto: usize| ScheduledChunk { request_id: "p1".into(), block_ids: vec![3, 4], computed_upto: upto };
+    let chunk = |upto: usize| ScheduledChunk { request_id: "p1".into(), block_ids: vec![3, 4], computed_upto: upto };
     let local = ScheduledChunk { request_id: "local".into(), block_ids: vec![9], computed_upto: 5 };
     let meta = p.ask(BuildConnectorMeta { scheduled: vec![chunk(512), local] }).await.expect("ask delivered");
     let save = &meta.reqs_to_save["p1"];

@@ -259,13 +259,8 @@ async fn consumer_abort_before_ready_frees_p_once_ready() {
 
 impl Rig {
     async fn layer(&self, layer: usize, computed_upto: usize) {
-        let done = LayerDone {
-            p_req_id: "cmpl-p".into(),
-            layer,
-            block_ids: vec![2, 3, 5],
-            computed_upto,
-            prompt_len: 6,
-        };
+        let done =
+            LayerDone { p_req_id: "cmpl-p".into(), layer, block_ids: vec![2, 3, 5], computed_upto, prompt_len: 6 };
         self.worker.tell(done).await.expect("worker alive");
     }
 }

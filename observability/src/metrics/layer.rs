@@ -53,6 +53,7 @@ impl Visitor<'_> {
             attrs::TRANSFER_ID => self.0.transfer_id = Some(value),
             attrs::OUTCOME => self.0.outcome = Some(value),
             attrs::BACKEND => self.0.backend = Some(value),
+            attrs::GROUP_BYTES => self.0.group_bytes = Some(value),
             _ => {}
         }
     }
@@ -60,7 +61,7 @@ impl Visitor<'_> {
 
 impl Visit for Visitor<'_> {
     fn record_debug(&mut self, field: &Field, value: &dyn std::fmt::Debug) {
-        if matches!(field.name(), attrs::TRANSFER_ID | attrs::OUTCOME | attrs::BACKEND) {
+        if matches!(field.name(), attrs::TRANSFER_ID | attrs::OUTCOME | attrs::BACKEND | attrs::GROUP_BYTES) {
             self.text(field, format!("{value:?}"));
         } else if matches!(field.name(), attrs::STEP | attrs::BYTES | attrs::DESCRIPTORS | attrs::BLOCKS) {
             if let Ok(n) = format!("{value:?}").parse() {

@@ -10,6 +10,8 @@
 //! - `pdflow_failures_total{service,step,cause}` — step spans whose `pd.outcome` is not a success;
 //! - `pdflow_transfer_writes_total{service,backend,outcome}` — P's step-29 writes by the transfer
 //!   backend that carried them (`tcp`, `same-host`, `cuda-peer`, `cuda-ipc`);
+//! - `pdflow_transfer_group_bytes_total{service,group}` — a hybrid model's step-29 bytes per
+//!   KV-cache group (its index in vLLM's order);
 //! - `pdflow_auth_refusals_total{socket,cause}` — peers refused for their proof of the cluster
 //!   secret, by socket (`data`, `side_channel`, `bootstrap`) and cause (a fixed set of labels);
 //! - `pdflow_pulls_in_flight{service,side}` — D: pulls sent (step 21) not yet settled (step 34);
@@ -111,6 +113,8 @@ pub(crate) struct StepObservation {
     pub outcome: Option<String>,
     /// Step 29's transfer backend (`tcp`, `same-host`, `cuda-peer`, …).
     pub backend: Option<String>,
+    /// Step 29 of a hybrid model: bytes per KV-cache group (`"a,b,c"`).
+    pub group_bytes: Option<String>,
 }
 
 type StepKey = (&'static str, u8);
@@ -126,6 +130,8 @@ struct State {
     failures: BTreeMap<StepKey, BTreeMap<String, u64>>,
     /// P's step-29 writes by (service, backend, outcome).
     writes: BTreeMap<(&'static str, String, String), u64>,
+    /// A hybrid model's step-29 bytes by (service, KV-cache group index).
+    group_bytes: BTreeMap<(&'static str, usize), u64>,
     /// D: transfer_id → when its pull was sent (step 21 start).
     d_pending: HashMap<String, Instant>,
     /// P: transfer_id → when its pull arrived (step 22 start).
@@ -235,6 +241,11 @@ impl Metrics {
             let outcome = if is_success(outcome) { "ok" } else { outcome };
             let key = (service, truncate_label(backend), truncate_label(outcome));
             *st.writes.entry(key).or_insert(0) += 1;
+            // At most MAX_GROUPS series per service: vLLM's models have a handful of groups.
+            let groups = o.group_bytes.as_deref().unwrap_or_default().split(',').filter_map(|b| b.parse::<u64>().ok());
+            for (group, bytes) in groups.enumerate().take(MAX_GROUPS) {
+                *st.group_bytes.entry((service, group)).or_insert(0) += bytes;
+            }
         }
         if let Some((side, duration, bytes)) = transfer {
             let key = (service, side);
@@ -275,7 +286,8 @@ impl Metrics {
             st.p_pending.retain(|_, at| now.saturating_duration_since(*at) < PENDING_PULL_TTL);
             let mut families = vec![step_family(&st)];
             families.extend(side_families(&st));
-            families.extend([failures_family(&st), writes_family(&st), pulls_family(&st), auth_family(&st)]);
+            families.extend([failures_family(&st), writes_family(&st), group_bytes_family(&st)]);
+            families.extend([pulls_family(&st), auth_family(&st)]);
             families
         };
         let registered: Vec<_> = self.gauges.lock().unwrap_or_else(|p| p.into_inner()).clone();
@@ -367,6 +379,22 @@ fn failures_family(st: &State) -> Family {
                 *count as f64,
             );
         }
+    }
+    f
+}
+
+/// The most KV-cache groups counted apart in `pdflow_transfer_group_bytes_total`.
+const MAX_GROUPS: usize = 16;
+
+/// `pdflow_transfer_group_bytes_total`: a hybrid model's step-29 bytes per KV-cache group.
+fn group_bytes_family(st: &State) -> Family {
+    let mut f = Family::new(
+        "pdflow_transfer_group_bytes_total",
+        "Bytes P wrote (step 29) per KV-cache group of a hybrid model, by the group's index in vLLM's order.",
+        Kind::Counter,
+    );
+    for ((service, group), bytes) in &st.group_bytes {
+        f.sample(vec![("service", (*service).to_owned()), ("group", group.to_string())], *bytes as f64);
     }
     f
 }

@@ -175,3 +175,22 @@ fn step_29_writes_are_counted_by_backend_and_outcome() {
     }
     assert_eq!(text.matches("pdflow_transfer_writes_total{").count(), 4, "{text}");
 }
+
+#[test]
+fn a_hybrid_model_s_step_29_bytes_are_counted_per_kv_cache_group() {
+    let metrics = Metrics::new();
+    with_layer(&metrics, || {
+        for groups in ["327680,327680,2162688", "163840,163840,327680", "not,a,number"] {
+            let write = step_span!(steps::P_TRANSFER_WRITE, request_id = "p1", transfer_id = "t1");
+            write.record(attrs::GROUP_BYTES, groups);
+        }
+        // A dense model's write names no groups.
+        drop(step_span!(steps::P_TRANSFER_WRITE, request_id = "p2", transfer_id = "t2"));
+    });
+    let text = metrics.render();
+    for (group, bytes) in [(0, 491_520), (1, 491_520), (2, 2_490_368)] {
+        let line = format!("pdflow_transfer_group_bytes_total{{service=\"prefill\",group=\"{group}\"}} {bytes}\n");
+        assert!(text.contains(&line), "missing {line:?} in\n{text}");
+    }
+    assert_eq!(text.matches("pdflow_transfer_group_bytes_total{").count(), 3, "{text}");
+}
