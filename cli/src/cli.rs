@@ -86,6 +86,10 @@ pub struct ChaosArgs {
     /// The full matrix without its network cells.
     #[arg(long, conflicts_with = "load")]
     pub no_netns: bool,
+    /// The in-process matrix on a hybrid model (`gpt-oss-like`, `qwen3.5-like`) instead of the
+    /// small dense one.
+    #[arg(long, value_parser = parse_hybrid_preset, conflicts_with_all = ["load", "netns"])]
+    pub hybrid: Option<&'static str>,
     /// Load with faults instead of the matrix: many requests at once through the proxy and 2P2D,
     /// a few of them given one random per-request fault (actor kills, message drop / corrupt /
     /// delay; no node kills); checks every request ends clean and correct, no block leaks, flat
@@ -127,7 +131,13 @@ impl ChaosArgs {
         } else {
             pdflow_tools::chaos::NetworkCells::WhereAvailable
         };
-        pdflow_tools::chaos::ChaosOptions { quick: self.quick, policy, filter: self.only.clone(), network }
+        pdflow_tools::chaos::ChaosOptions {
+            quick: self.quick,
+            policy,
+            filter: self.only.clone(),
+            network,
+            hybrid: self.hybrid,
+        }
     }
 
     /// The options of `--load`, every bad value reported.
@@ -380,6 +390,12 @@ pub enum PolicyArg {
 
 /// The largest value `pdflow serve` takes for a deadline flag, in seconds (one day).
 pub const MAX_DEADLINE_S: f64 = 86_400.0;
+
+/// A hybrid preset's name (`pdflow chaos --hybrid`).
+fn parse_hybrid_preset(s: &str) -> Result<&'static str, String> {
+    let presets = pdflow_sim_engine::hybrid::PRESETS;
+    presets.iter().copied().find(|p| p.eq_ignore_ascii_case(s)).ok_or_else(|| format!("expected one of {presets:?}"))
+}
 
 /// What `--kv-shape` takes.
 const SHAPES: &str =

@@ -1,6 +1,6 @@
 """Real `vllm serve` engines for hybrid models (the CPU build, vLLM's hybrid KV-cache allocator on):
-two P and two D per model (`kv_load_failure_policy` `recompute` and `fail`), `pdflow proxy` in
-front of one of each, and what the hybrid tests (`test_serve_hybrid_*.py`) check on them."""
+one P and two D per model (`kv_load_failure_policy` `recompute` and `fail`), `pdflow proxy` in
+front of P and the first D, and what the hybrid tests (`test_serve_hybrid_*.py`) check on them."""
 
 from __future__ import annotations
 
@@ -22,7 +22,6 @@ D_PULL_TIMEOUT_S = 8
 @dataclass
 class Hybrid:
     p: VllmServer
-    p_doomed: VllmServer
     d: VllmServer
     d_fail: VllmServer
     proxy: PdflowProxy
@@ -38,17 +37,22 @@ class Hybrid:
         # P alone computes the whole prompt itself (a request without kv_transfer_params).
         return completion_tokens(self.p.url, prompt, MAX_TOKENS)
 
-    def assert_as_alone(self, got: list[int], prompt: list[int], what: str) -> None:
-        """`got` is P alone's greedy continuation of `prompt`, up to its first near tie."""
+    def alone(self, prompt: list[int]) -> dict:
+        """P alone's greedy choice for `prompt`, with its top two logprobs per token."""
+        status, alone = cluster.post(self.p.url + "/v1/completions", cluster.greedy_body(prompt, MAX_TOKENS, logprobs=2))
+        assert status == 200, alone
+        return alone["choices"][0]
+
+    def assert_as_alone(self, got: list[int], prompt: list[int], what: str, alone: Optional[dict] = None) -> None:
+        """`got` is P alone's greedy continuation of `prompt` (`alone`, when P answered it before),
+        up to its first near tie with a `tie_margin`."""
+        alone = alone or self.alone(prompt)
+        want = alone["token_ids"]
         if self.tie_margin is None:
-            want = self.reference(prompt)
             assert got == want, f"{what}: {got}, P alone {want}\n{explain(self.p, self.d, self.proxy)}"
             self.compared += len(want)
             return
-        status, alone = cluster.post(self.p.url + "/v1/completions", cluster.greedy_body(prompt, MAX_TOKENS, logprobs=2))
-        assert status == 200, alone
-        want, tops = alone["choices"][0]["token_ids"], alone["choices"][0]["logprobs"]["top_logprobs"]
-        for i, top in enumerate(tops):
+        for i, top in enumerate(alone["logprobs"]["top_logprobs"]):
             best = sorted(top.values(), reverse=True)
             if len(best) > 1 and best[0] - best[1] < self.tie_margin:
                 break
@@ -64,7 +68,7 @@ def start(shape: str, block: int, log_dir: Path, args: list[str], tie_margin: Op
     make_model.make(str(model), shape)
     traces = log_dir / "traces"
     traces.mkdir(exist_ok=True)
-    ports = {"p": free_port(), "p_doomed": free_port()}
+    ports = {"p": free_port()}
 
     def producer(name: str, core: int) -> VllmServer:
         cfg = connector_config("kv_producer", extra={"bootstrap_port": ports[name], "verify_checksums": True}, engine_id=name)
@@ -75,11 +79,11 @@ def start(shape: str, block: int, log_dir: Path, args: list[str], tie_margin: Op
         cfg = connector_config("kv_consumer", policy=policy, extra={"pull_timeout_s": D_PULL_TIMEOUT_S, "verify_checksums": True})
         return VllmServer(name, model, log_dir, core=core, block_size=block, kv_transfer_config=cfg, extra_args=args)
 
-    servers = [producer("p", 0), producer("p_doomed", 0), consumer("d", "recompute", 1), consumer("d_fail", "fail", 1)]
+    servers = [producer("p", 0), consumer("d", "recompute", 1), consumer("d_fail", "fail", 1)]
     try:
         cluster.start_all(servers)
         cluster.warm_up(*servers)
-        proxy = PdflowProxy(f"proxy-{shape}", [(servers[0].url, ports["p"])], [servers[2].url], log_dir)
+        proxy = PdflowProxy(f"proxy-{shape}", [(servers[0].url, ports["p"])], [servers[1].url], log_dir)
         proxy.wait_ready(time.monotonic() + 60)
     except BaseException:
         for s in servers:
@@ -90,7 +94,7 @@ def start(shape: str, block: int, log_dir: Path, args: list[str], tie_margin: Op
 
 def stop(h: Hybrid) -> None:
     h.proxy.stop()
-    for s in (h.p, h.p_doomed, h.d, h.d_fail):
+    for s in (h.p, h.d, h.d_fail):
         s.stop()
 
 
@@ -135,22 +139,23 @@ def no_block_held(*servers: VllmServer) -> None:
 
 
 def killed_p_then_decode(h: Hybrid, seed: int) -> None:
-    """P (`p_doomed`) prefills two requests and holds their blocks, then dies; D `recompute` serves
-    the right tokens, D `fail` an error, each within its deadline; no block of any group stays
-    held on either D."""
+    """P prefills two requests and holds their blocks, then dies (a module's last test); D
+    `recompute` serves P alone's tokens, D `fail` an error, each within its deadline; both D serve
+    on, and no block of any group stays held on either."""
     prompts = {name: prompt_of(300, seed=seed + i) for i, name in enumerate(("d", "d_fail"))}
+    alone = h.alone(prompts["d"])
     transfers = {name: f"xfer-killed-{seed}-{name}" for name in prompts}
     for name, prompt in prompts.items():
         status, body = cluster.post(
-            h.p_doomed.url + "/v1/completions",
+            h.p.url + "/v1/completions",
             {"model": cluster.MODEL_NAME, "prompt": prompt, "max_tokens": 1, "temperature": 0.0,
              "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": transfers[name]}},
         )  # fmt: skip
         assert status == 200, body
-    h.p_doomed.kill()
+    h.p.kill()
     for name, d in (("d", h.d), ("d_fail", h.d_fail)):
         params = {"do_remote_prefill": True, "do_remote_decode": False, "transfer_id": transfers[name],
-                  "remote_engine_id": "p_doomed", "remote_bootstrap_addr": f"http://127.0.0.1:{h.ports['p_doomed']}"}  # fmt: skip
+                  "remote_engine_id": "p", "remote_bootstrap_addr": f"http://127.0.0.1:{h.ports['p']}"}  # fmt: skip
         started = time.monotonic()
         status, body = cluster.post(
             d.url + "/v1/completions", cluster.greedy_body(prompts[name], MAX_TOKENS, kv_transfer_params=params),
@@ -160,15 +165,12 @@ def killed_p_then_decode(h: Hybrid, seed: int) -> None:
         assert took < D_PULL_TIMEOUT_S + 30, f"{name}: {took:.1f} s"
         if name == "d":
             assert status == 200, body
-            h.assert_as_alone(body["choices"][0]["token_ids"], prompts[name], "D recomputed the prompt")
+            h.assert_as_alone(body["choices"][0]["token_ids"], prompts[name], "D recomputed the prompt", alone)
         else:
             failed = status >= 400 or body["choices"][0].get("finish_reason") not in ("length", "stop")
             assert failed, f"kv_load_failure_policy=fail answered as if the KV had arrived: {status} {body}"
-    # Both D serve the next request (the engine did not die), and hold nothing after.
-    prompt = prompt_of(120, seed=seed + 9)
-    h.assert_as_alone(completion_tokens(h.proxy.url, prompt, MAX_TOKENS), prompt, "after P died, through the proxy")
-    status, _ = cluster.post(h.d_fail.url + "/v1/completions", cluster.greedy_body(prompt, 2))
-    assert status == 200, "D (fail) still serves"
-    no_block_held(h.p, h.d, h.d_fail)
-
-
+    # Both D serve the next request of their own (the engine did not die), and hold nothing after.
+    for d in (h.d, h.d_fail):
+        status, _ = cluster.post(d.url + "/v1/completions", cluster.greedy_body(prompt_of(120, seed=seed + 9), 2))
+        assert status == 200, f"{d.name} still serves"
+    no_block_held(h.d, h.d_fail)

@@ -56,6 +56,4 @@ def test_qwen3_5_shaped_gdn_hybrid_through_the_proxy_equals_a_server_alone(qwen3
 
 
 def test_zz_qwen3_5_shaped_p_killed_while_d_needs_its_kv(qwen3_5):
-    # Seed 5730: its 120-token follow-up prompt (seed + 9) has no near tie (see above); 5700's,
-    # 5710's, 5720's and 5780's part at their 3rd to 5th token, at bf16 logit margins of 0.125-0.25.
     killed_p_then_decode(qwen3_5, seed=5730)

@@ -105,6 +105,7 @@ async fn a_full_run_reports_the_network_cells_or_why_they_did_not_run() {
         policy: LoadFailurePolicy::Recompute,
         filter: Some("no_cut".into()),
         network,
+        hybrid: None,
     };
     let mut sections = Vec::new();
     let report = chaos::run_selected(&opts(NetworkCells::WhereAvailable), &layers, &bin, |p| {

@@ -29,6 +29,9 @@ pub enum PullPlanError {
     /// differ.
     #[error(transparent)]
     Blocks(#[from] BlockPairError),
+    /// A hybrid model between engines of different tensor or pipeline sizes.
+    #[error("a hybrid model's KV moves between engines of one shape: P runs tp {} × pp {}, D tp {} × pp {}", .p.0, .p.1, .d.0, .d.1)]
+    HybridShape { p: (u32, u32), d: (u32, u32) },
     /// Across ranks: the pair's plan does not fit a side's registered regions.
     #[error(transparent)]
     Address(#[from] AddressError),

@@ -403,3 +403,53 @@ async fn each_d_rank_gets_its_heads_and_the_last_one_frees_the_blocks() {
         }
     }
 }
+
+/// A hybrid model (two KV-cache groups): a pull of the same shape writes each group's blocks at
+/// their positions; a D of another tensor-parallel size is refused (its pages are another
+/// shape's), naming both shapes, and P's blocks are freed.
+#[tokio::test]
+async fn a_hybrid_pull_pairs_each_group_and_a_d_of_another_shape_is_refused() {
+    use pdflow_messages::kv_groups::{BlockSpan, GroupBlocks};
+    let span = |first, ids: &[u32]| BlockSpan { first: Some(first), ids: ids.to_vec() };
+    for (d_rank, refused) in [(DRank::default(), false), (DRank { tp_size: 2, ..DRank::default() }, true)] {
+        let mut rig = rig(memcpy, Duration::from_secs(30));
+        rig.worker
+            .tell(RecordSendReady {
+                p_req_id: "cmpl-p".into(),
+                transfer_id: "xfer-1".into(),
+                block_ids: GroupBlocks(vec![span(0, &[1, 2, 3]), span(1, &[6, 7])]),
+                traceparent: None,
+            })
+            .await
+            .expect("worker alive");
+        let serve = ServePull {
+            pull_id: 3,
+            d_req_id: "cmpl-d".into(),
+            transfer_id: "xfer-1".into(),
+            block_ids: GroupBlocks(vec![span(1, &[10, 11]), span(2, &[12])]),
+            data_addr: "127.0.0.1:1".into(),
+            layout: rig.d.layout(),
+            traceparent: None,
+            fence: 0,
+            d_rank,
+            write_by: None,
+        };
+        rig.worker.tell(serve).await.expect("worker alive");
+        let out = rig.next().await;
+        let result = out.reply.expect("answers the pull").result;
+        assert!(out.finished, "P's blocks are freed either way");
+        if refused {
+            let err = result.expect_err("another shape is refused");
+            assert_eq!(err.cause, PullErrorCause::LayoutMismatch);
+            assert!(err.detail.contains("P runs tp 1 × pp 1, D tp 2 × pp 1"), "{}", err.detail);
+        } else {
+            result.expect("written");
+            // P's blocks 2, 3 (full attention, positions 1–2) and 7 (the window's position 2).
+            let p = filled_cache(8, 1);
+            for (src, dst) in [(2, 10), (3, 11), (7, 12)] {
+                let (want, got) = (p.block_bytes(src).expect("in range"), rig.d.block_bytes(dst).expect("in range"));
+                assert_eq!(want, got, "P {src} → D {dst}");
+            }
+        }
+    }
+}

@@ -120,7 +120,9 @@ impl SendWorker {
         if ranked {
             self.record_ranks(&plan_span, pull);
         }
-        let paired = self.local_block_ids.pair_with(&pull.block_ids).map_err(PullPlanError::from);
+        let paired = self
+            .hybrid_shape_matches(pull)
+            .and_then(|()| self.local_block_ids.pair_with(&pull.block_ids).map_err(PullPlanError::from));
         let src_blocks = paired.as_ref().map(|(src, _)| src.clone()).unwrap_or_default();
         let plan = plan_span.in_scope(|| {
             let (src, dst) = paired?;
@@ -170,6 +172,17 @@ impl SendWorker {
             self.record_checksum(&write_span, src_blocks);
         }
         write_span
+    }
+
+    /// A hybrid model's KV registers as pages, each rank's its own: it moves only between engines
+    /// of one shape, page to page (a D of another tensor or pipeline size is refused).
+    fn hybrid_shape_matches(&self, pull: &ServePull) -> Result<(), PullPlanError> {
+        let me = self.args.rank;
+        let d = pull.d_rank;
+        if self.local_block_ids.groups().len() <= 1 || (d.tp_size, d.pp_size) == (me.tp_size, me.pp_size) {
+            return Ok(());
+        }
+        Err(PullPlanError::HybridShape { p: (me.tp_size, me.pp_size), d: (d.tp_size, d.pp_size) })
     }
 
     /// A hybrid model's blocks and bytes per KV-cache group on step 28's or 29's span (each block

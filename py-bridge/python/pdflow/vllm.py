@@ -217,19 +217,19 @@ def _kv_groups(kv_cache_config: "KVCacheConfig | None") -> Optional[list[tuple[s
 
 def _hybrid_refusal(groups: list[tuple[str, int, int]], vllm_config: "VllmConfig", layerwise: bool) -> Optional[str]:
     """Why this hybrid model cannot be served in this setup, or None. Every group is moved whole
-    at the end of the prefill, between engines of one tensor- and pipeline-parallel shape."""
+    at the end of the prefill, page by page between ranks of engines of one tensor-parallel size
+    (P refuses a pull from a D of another)."""
     named = ", ".join(f"{kind}" + (f"({window})" if window else "") for kind, _, window in groups)
     if layerwise:
         return (
             f"this model has {len(groups)} KV-cache groups ({named}); layer-wise transfer is for models of one "
             'group: leave "layerwise" out of kv_connector_extra_config'
         )
-    _, tp = _tp_rank_and_size(vllm_config)
     _, pp = _pp_rank_and_size(vllm_config)
-    if tp > 1 or pp > 1:
+    if pp > 1:
         return (
-            f"this model has {len(groups)} KV-cache groups ({named}); pdflow serves hybrid models at tensor- and "
-            f"pipeline-parallel size 1 so far (this engine: TP {tp}, PP {pp})"
+            f"this model has {len(groups)} KV-cache groups ({named}); pdflow serves hybrid models at "
+            f"pipeline-parallel size 1 so far (this engine: PP {pp})"
         )
     return None
 

@@ -120,6 +120,8 @@ pub struct ChaosOptions {
     pub filter: Option<String>,
     /// Whether the network cells ([`net`]) run.
     pub network: NetworkCells,
+    /// A hybrid preset the in-process cells run on instead of the small dense model.
+    pub hybrid: Option<&'static str>,
 }
 
 /// Whether a run includes the network cells (processes in network namespaces, root only).
@@ -202,7 +204,7 @@ pub async fn run(
     mut progress: impl FnMut(usize, usize, &CellResult),
 ) -> Result<ChaosReport, ChaosError> {
     let started = Instant::now();
-    let spec = chaos_spec(opts.policy);
+    let spec = ChaosSpec { hybrid: opts.hybrid, ..chaos_spec(opts.policy) };
     let cells: Vec<CellSpec> = cells(opts.quick, &spec.deadlines)
         .into_iter()
         .filter(|c| opts.filter.as_deref().is_none_or(|f| c.name().contains(f)))
