@@ -125,7 +125,9 @@ def pages_of(kv_caches: dict[str, "torch.Tensor"]) -> KvRegions:
         paging = (num_blocks, page)
         storage = t.untyped_storage()
         start = int(t.data_ptr())
-        if page % 2 or start + num_blocks * page > int(storage.data_ptr()) + int(storage.nbytes()):
+        if page % 2:
+            raise RegistrationError(f"layer {name}: a page of {page} B is not K and V halves (an odd length)")
+        if start + num_blocks * page > int(storage.data_ptr()) + int(storage.nbytes()):
             raise RegistrationError(
                 f"layer {name}: {num_blocks} pages of {page} B from its start do not lie in its buffer "
                 f"(shape {tuple(t.shape)}, stride {tuple(t.stride())})"

@@ -191,15 +191,15 @@ fn forward_item(
 ) -> Result<Option<u32>, RegionError> {
     let shape = cache.shape();
     let mut slot = vec![0u8; shape.slot_len()];
-    let blocks = |layer: usize| -> Result<(&KvGroupSpec, &[BlockId]), RegionError> {
+    // The group of a layer and the item's blocks in it.
+    let blocks = |layer: usize| -> (&KvGroupSpec, &[BlockId]) {
         let g = layout.layer_groups[layer];
-        let ids = item.group_blocks.get(g).map(Vec::as_slice).unwrap_or_default();
-        Ok((&layout.groups[g], ids))
+        (&layout.groups[g], item.group_blocks.get(g).map(Vec::as_slice).unwrap_or_default())
     };
     for (i, &token) in item.tokens.iter().enumerate() {
         let pos = item.start + i;
         for layer in 0..layout.layer_groups.len() {
-            let (group, ids) = blocks(layer)?;
+            let (group, ids) = blocks(layer);
             let region = layout.region(layer);
             match group.kind {
                 KvGroupKind::State => {
@@ -223,7 +223,7 @@ fn forward_item(
         let pos = item.digest.upto;
         let mut h = PositionHash::default();
         for layer in 0..layout.layer_groups.len() {
-            let (group, ids) = blocks(layer)?;
+            let (group, ids) = blocks(layer);
             if group.kind == KvGroupKind::FullAttention {
                 fold_position(
                     cache,
@@ -243,7 +243,7 @@ fn forward_item(
     // The window's positions and every state page, read back at the sampled token.
     let mut tail = PositionHash::default();
     for layer in 0..layout.layer_groups.len() {
-        let (group, ids) = blocks(layer)?;
+        let (group, ids) = blocks(layer);
         let region = layout.region(layer);
         match group.kind {
             KvGroupKind::SlidingWindow { window } => {
