@@ -139,11 +139,10 @@ async fn layer_wise_kills_mid_stream_end_cleanly_with_correct_tokens_and_no_leak
 
 /// A hybrid model (`qwen3.5-like`: three groups of a recurrent state per group of full
 /// attention; P prefills all but the last prompt token, D loads the state pages and the
-/// attention blocks): P's send worker killed as it writes, D's receiver killed, P's scheduler
-/// connector restarted: each ends with the reference tokens or a clean error, and no block of any
-/// group is left held. P's node killed mid-write is not among them: on the same-host path, which
-/// has no write fence, a killed P's write can land after D reported the load failed, and a state
-/// page then changes D's recomputed tokens (docs/hybrid-models.md, "Known defect").
+/// attention blocks): P's send worker killed as it writes, P killed whole as it writes (a state
+/// page landing after D gave the load up would change D's recomputed tokens), D's receiver
+/// killed, P's scheduler connector restarted: each ends with the reference tokens or a clean
+/// error, and no block of any group is left held.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_hybrid_model_s_faults_end_cleanly_with_correct_tokens_and_no_leak() {
     let spec = chaos::ChaosSpec { hybrid: Some("qwen3.5-like"), ..chaos::chaos_spec(LoadFailurePolicy::Recompute) };
@@ -151,6 +150,7 @@ async fn a_hybrid_model_s_faults_end_cleanly_with_correct_tokens_and_no_leak() {
         spec,
         vec![
             (cell("send_worker", kill(ActorKind::SendWorker, Role::P, 29, When::Begin)), &[Outcome::Recomputed]),
+            (cell("node.p", Fault::new(29, When::Begin, FaultAction::KillNode { node: NodeKind::P })), NODE_P_KILLED),
             (cell("receiver", kill(ActorKind::Receiver, Role::D, 19, When::End)), &[Outcome::Recomputed]),
             (cell("p.scheduler_connector", kill(ActorKind::SchedulerConnector, Role::P, 26, When::End)), RECOVERED),
         ],

@@ -23,8 +23,8 @@ pub struct TransferPlan {
     /// before the plan's batches; D's data server writes them only while the token is open.
     pub fence: u64,
     /// No byte may be written after this instant (D's pull deadline, less a margin): the
-    /// same-host path, which no data-server fence guards, stops between system calls there, so a
-    /// late write never lands in blocks D gave up. `None`: the engine's write deadline only.
+    /// same-host path stops between system calls there, before D's own deadline. `None`: the
+    /// engine's write deadline only.
     /// Never sent on the wire.
     pub write_by: Option<std::time::Instant>,
 }

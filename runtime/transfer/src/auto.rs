@@ -126,9 +126,8 @@ impl AutoTransferEngine {
         let Route::SameHost(p) = route else {
             return self.tcp.write(peer, plan).await;
         };
-        // The write deadline, or D's pull deadline (less a margin) if sooner: the same-host path
-        // has no data-server fence, so it stops (between system calls) before D can give the
-        // blocks up — a late byte never lands in blocks D reuses.
+        // The write deadline, or D's pull deadline (less a margin) if sooner: the threads stop
+        // (between system calls) before D gives the blocks up at its deadline.
         let now = tokio::time::Instant::now();
         let mut timeout = self.tcp.config().write_timeout;
         if let Some(write_by) = plan.write_by {
@@ -137,7 +136,22 @@ impl AutoTransferEngine {
         if timeout.is_zero() {
             return Err(TransferError::Timeout { peer: peer.to_string(), deadline: timeout });
         }
-        match same_host::write(&p, &self.local, &descriptors, self.threads, now + timeout).await {
+        // D's write fence, held by the writing threads themselves: D reports the pull failed (and
+        // the engine reuses its blocks) only once the hold is released or its connection closed —
+        // after the last thread stopped, even when P dies mid-write. A pull D already gave up on
+        // is refused here, before a byte is written.
+        let hold = match plan.fence {
+            0 => None,
+            token => Some(self.tcp.hold_fence(peer, token).await?),
+        };
+        let hold = Arc::new(hold);
+        let written = same_host::write(&p, &self.local, &descriptors, self.threads, now + timeout, hold.clone()).await;
+        if let Ok(Some(hold)) = Arc::try_unwrap(hold) {
+            if let Err(e) = hold.release().await {
+                tracing::debug!(%peer, error = %e, "the fence release did not leave: D releases when the connection closes");
+            }
+        }
+        match written {
             Ok(bytes) => Ok(TransferStats { bytes, descriptors: plan.descriptors.len(), duration: started.elapsed() }),
             Err(SameHostError::OutOfRegion(e)) => Err(TransferError::Refused {
                 peer: peer.to_string(),

@@ -100,6 +100,12 @@ impl WriteFence {
         self.drained.notify_waiters();
     }
 
+    /// How many writes are in flight under `token` (open or draining).
+    pub fn in_flight(&self, token: u64) -> usize {
+        let state = self.lock();
+        state.open.get(&token).map(|(n, _)| *n).or_else(|| state.draining.get(&token).copied()).unwrap_or(0)
+    }
+
     /// Closes `token` without waiting: no new batch is written under it and the batches landing
     /// are told to stop. Returns how many are still landing (0: no byte can land any more).
     pub fn close_now(&self, token: u64) -> usize {

@@ -132,14 +132,18 @@ pub fn check_destinations(regions: &[RegionDesc], descriptors: &[Descriptor]) ->
 /// regions, here) into the peer, over up to `threads` blocking threads, until `deadline`. Returns
 /// the bytes written. It returns only once every thread has stopped — at the deadline or after an
 /// error, the others stop between system calls and are waited for — so that when it reports a
-/// failure, no byte of this write can land in the peer any more (no data-server fence guards this
-/// path: D gives its blocks up on that report, or at its own deadline, which `deadline` precedes).
-pub async fn write(
+/// failure, no byte of this write can land in the peer any more.
+///
+/// `keep` lives as long as the last writing thread: the caller passes D's fence hold, whose
+/// connection then closes only once no thread can write any more, even when this future is
+/// dropped mid-write (P's actor killed) while a system call is still copying.
+pub async fn write<K: Send + Sync + 'static>(
     peer: &SameHostPeer,
     local: &RegionTable,
     descriptors: &[Descriptor],
     threads: usize,
     deadline: tokio::time::Instant,
+    keep: Arc<K>,
 ) -> Result<u64, SameHostError> {
     check_destinations(&peer.regions, descriptors)?;
     for d in descriptors {
@@ -167,10 +171,10 @@ pub async fn write(
     let shares = super::tcp::split_by_bytes(descriptors, threads);
     let mut tasks = tokio::task::JoinSet::new();
     for share in shares {
-        let (pid, local, cancel) = (peer.pid, local.clone(), cancel.clone());
-        // `local` keeps P's memory alive for as long as the thread may read it.
+        let (pid, local, cancel, keep) = (peer.pid, local.clone(), cancel.clone(), keep.clone());
+        // `local` keeps P's memory alive for as long as the thread may read it, `keep` D's fence.
         tasks.spawn_blocking(move || {
-            let _keep = local;
+            let _keep = (local, keep);
             write_blocking(pid, &share, &cancel)
         });
     }

@@ -170,6 +170,63 @@ async fn a_same_host_write_that_passes_its_deadline_returns_only_once_its_thread
     assert!(snapshot == again, "a byte landed after the write reported its deadline");
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_same_host_write_holds_d_s_fence_until_its_threads_stop_even_when_p_is_killed_mid_write() {
+    use crate::fence::WriteFence;
+    let fence = WriteFence::new();
+    let (src, dst) = (filled_cache(65536, 1), KvCache::new(SMALL, 65536));
+    let addr = "127.0.0.1:0".parse().expect("valid address");
+    let server =
+        TcpDataServer::bind_fenced(addr, dst.region_table(), None, true, Some(fence.clone())).await.expect("binds");
+    let peer = server.local_addr().to_string();
+    let engine = Arc::new(AutoTransferEngine::new(src.region_table(), TcpConfig::default()));
+    let plan = |from: &[BlockId], to: &[BlockId], token: u64| TransferPlan {
+        fence: token,
+        ..build_plan(&src.regions(), from, &dst.regions(), to, false).expect("plannable")
+    };
+    fence.open(1);
+    bounded("route", engine.write(&peer, &plan(&[1], &[4], 1))).await.expect("written");
+    assert_eq!(engine.backend_for(&peer), BACKEND_SAME_HOST);
+    // A finished write releases its hold (the release is not answered: D counts it soon after).
+    bounded("the release", async {
+        while fence.in_flight(1) != 0 {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    })
+    .await;
+
+    // A pull D already gave up on: refused before a byte is written.
+    fence.close_now(1);
+    let err = bounded("closed fence", engine.write(&peer, &plan(&[2], &[5], 1))).await.expect_err("refused");
+    assert!(err.to_string().contains("fence 1 is closed"), "{err}");
+    assert!(dst.block_bytes(5).expect("a block of D").iter().all(|&b| b == 0), "written under a closed fence");
+
+    // P's writer killed mid-write (its future dropped while its threads copy): D's fence counts
+    // the write in flight, and closing it waits for the last thread, after which D's memory
+    // changes no more.
+    fence.open(2);
+    let from: Vec<BlockId> = (0..32768).collect();
+    let to: Vec<BlockId> = (32768..65536).collect();
+    let big = plan(&from, &to, 2);
+    let writer = {
+        let (engine, peer) = (engine.clone(), peer.clone());
+        tokio::spawn(async move { engine.write(&peer, &big).await })
+    };
+    bounded("the hold", async {
+        while fence.in_flight(2) == 0 {
+            assert!(!writer.is_finished(), "the write ended without D's fence counting it");
+            tokio::task::yield_now().await;
+        }
+    })
+    .await;
+    writer.abort();
+    bounded("the fence drains", fence.close(2, Duration::from_secs(5))).await.expect("the threads stop");
+    let snapshot: Vec<u8> = to.iter().flat_map(|b| dst.block_bytes(*b).expect("a block of D")).collect();
+    std::thread::sleep(Duration::from_millis(50));
+    let again: Vec<u8> = to.iter().flat_map(|b| dst.block_bytes(*b).expect("a block of D")).collect();
+    assert!(snapshot == again, "a byte landed after D's fence drained");
+}
+
 #[tokio::test]
 async fn tcp_is_used_when_the_path_is_off_or_not_offered_and_required_fails_clearly() {
     for (offer, mode) in [(true, SameHostMode::Off), (false, SameHostMode::Auto)] {
