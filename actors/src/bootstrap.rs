@@ -31,7 +31,7 @@ use kameo::prelude::*;
 use pdflow_auth::http::{open_call, seal_answer, Call, AUTH_HEADER, REPLY_HEADER};
 use pdflow_auth::{ClusterSecret, Nonce, Refusal, ReplayGuard, Socket};
 use pdflow_messages::bootstrap::{
-    BootstrapAddr, EngineEntry, QueryEngines, QueryResponse, RegisterRejected, RegisterWorker,
+    BootstrapAddr, EngineEntry, QueryEngines, QueryResponse, RegisterRejected, RegisterWorker, TABLE_AGE_HEADER,
 };
 use pdflow_messages::EngineId;
 use pdflow_observability::{step_span, steps};
@@ -99,7 +99,7 @@ impl Actor for Bootstrap {
             // A strong ref: weak refs taken in `on_start` of a supervisor-restarted kameo actor do not
             // upgrade; the server task is owned by the actor and stopped in `on_stop`.
             let auth = args.secret.map(|secret| Arc::new(CallAuth { secret, guard: ReplayGuard::new(CALL_WINDOW) }));
-            let app = router(Http { actor: actor_ref.clone(), auth });
+            let app = router(Http { actor: actor_ref.clone(), auth, started: std::time::Instant::now() });
             let stop = shutdown.clone().cancelled_owned();
             let server = tokio::spawn(async move {
                 axum::serve(listener, app.into_make_service_with_connect_info::<SocketAddr>())
@@ -256,6 +256,8 @@ struct CallAuth {
 struct Http {
     actor: ActorRef<Bootstrap>,
     auth: Option<Arc<CallAuth>>,
+    /// When this incarnation's (empty) table started filling.
+    started: std::time::Instant,
 }
 
 /// A call the bootstrap serves: its proof checked (with a secret), its answer to be sealed to it.
@@ -388,7 +390,10 @@ async fn http_query(
     match tokio::time::timeout(ASK_DEADLINE, http.actor.ask(QueryEngines)).await {
         Ok(Ok(table)) => {
             let table = serde_json::to_value(table).unwrap_or_default();
-            http.answer(call, &admitted, StatusCode::OK, &table)
+            let mut answer = http.answer(call, &admitted, StatusCode::OK, &table);
+            let age = u64::try_from(http.started.elapsed().as_millis()).unwrap_or(u64::MAX);
+            answer.headers_mut().insert(TABLE_AGE_HEADER, HeaderValue::from(age));
+            answer
         }
         Ok(Err(_)) => http.unavailable(call, &admitted, GONE.to_owned()),
         Err(_) => http.unavailable(call, &admitted, format!("bootstrap did not answer within {ASK_DEADLINE:?}")),
@@ -439,15 +444,15 @@ mod tests {
         )
         .await;
         assert_eq!(status, 200);
-        let q: serde_json::Value = client
-            .get(format!("{base}/query"))
-            .timeout(Duration::from_secs(5))
-            .send()
-            .await
-            .expect("query")
-            .json()
-            .await
-            .expect("json");
+        let answer = client.get(format!("{base}/query")).timeout(Duration::from_secs(5)).send().await.expect("query");
+        let age: u64 = answer
+            .headers()
+            .get(TABLE_AGE_HEADER)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse().ok())
+            .expect("the table's age in milliseconds");
+        assert!(age < 60_000, "the table started with this bootstrap: {age} ms");
+        let q: serde_json::Value = answer.json().await.expect("json");
         assert_eq!(
             q,
             serde_json::json!({"0": {"engine_id": "6c1f", "worker_addr": {

@@ -6,6 +6,7 @@
 use bytes::Bytes;
 use pdflow_auth::http::{open_answer, sign_call, Call, AUTH_HEADER, REPLY_HEADER};
 use pdflow_auth::{ClusterSecret, Socket};
+use pdflow_messages::bootstrap::TABLE_AGE_HEADER;
 
 use crate::error::BootstrapCallError;
 
@@ -15,6 +16,8 @@ use crate::error::BootstrapCallError;
 pub(crate) struct Answer {
     pub status: reqwest::StatusCode,
     pub body: Bytes,
+    /// How long the bootstrap's table has been filling ([`TABLE_AGE_HEADER`]), when it says.
+    pub table_age: Option<std::time::Duration>,
 }
 
 /// Sends `call` to `url` (`body`: the JSON of a registration; none for a query), with its proof
@@ -51,6 +54,12 @@ pub(crate) async fn send(
         request.send().await.map_err(|source| BootstrapCallError::Request { method, url: url.to_owned(), source })?;
     let status = resp.status();
     let proof = resp.headers().get(REPLY_HEADER).and_then(|v| v.to_str().ok()).map(str::to_owned);
+    let table_age = resp
+        .headers()
+        .get(TABLE_AGE_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse().ok())
+        .map(std::time::Duration::from_millis);
     let answer =
         resp.bytes().await.map_err(|source| BootstrapCallError::ReadAnswer { method, url: url.to_owned(), source })?;
     if let (Some(secret), Some(nonce), true) = (secret, nonce, status.is_success()) {
@@ -59,7 +68,7 @@ pub(crate) async fn send(
             BootstrapCallError::AnswerRefused { method, url: url.to_owned(), why }
         })?;
     }
-    Ok(Answer { status, body: answer })
+    Ok(Answer { status, body: answer, table_age })
 }
 
 impl Answer {

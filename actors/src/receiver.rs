@@ -87,15 +87,30 @@ pub struct ReceiverArgs {
     pub auth: PullAuth,
 }
 
+/// A P engine as a request names it: the bootstrap it is registered at and its engine id. Look-ups
+/// and cached answers are keyed by both, so a request that names another bootstrap for an engine
+/// id (a client's `kv_transfer_params` are not trusted) reaches no other request's pulls.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub(crate) struct EngineAt {
+    pub bootstrap: String,
+    pub engine_id: EngineId,
+}
+
+impl std::fmt::Display for EngineAt {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "P engine {} (bootstrap {})", self.engine_id, self.bootstrap)
+    }
+}
+
 /// A D worker's receiver.
 #[derive(Debug)]
 pub struct Receiver {
     args: ReceiverArgs,
     layout: KvLayout,
     http: reqwest::Client,
-    /// engine id → its workers (vLLM's `_remote_agents`).
-    remote_agents: HashMap<EngineId, WorkerAddrs>,
-    lookups: HashMap<EngineId, lookup::Lookup>,
+    /// P engine → its workers (vLLM's `_remote_agents`), only as its own bootstrap named them.
+    remote_agents: HashMap<EngineAt, WorkerAddrs>,
+    lookups: HashMap<EngineAt, lookup::Lookup>,
     /// P worker address → the layout id it acknowledged.
     layout_acks: HashMap<String, u64>,
     /// P worker address → its generation, from bootstrap or its last answer: every
@@ -203,25 +218,25 @@ impl Message<StartLoadKv> for Receiver {
                 span.record(attrs::TRACEPARENT, tp.as_str());
             }
         }
+        let mut by_engine: BTreeMap<(String, EngineId), BTreeMap<RequestId, _>> = BTreeMap::new();
         for (engine_id, metas) in msg.reqs_to_recv {
-            let mut fresh = BTreeMap::new();
             for (req, meta) in metas {
                 if self.is_known(&req) {
                     tracing::warn!(request_id = %req, "pull already in flight for this request: duplicate ignored");
                 } else {
-                    fresh.insert(req, meta);
+                    let key = (meta.remote_bootstrap_addr.clone(), engine_id.clone());
+                    by_engine.entry(key).or_default().insert(req, meta);
                 }
             }
-            if fresh.is_empty() {
-                continue;
-            }
-            if self.remote_agents.contains_key(&engine_id) {
-                self.start_pulls(&engine_id, fresh.into_values().collect(), &me).await;
-            } else if let Some(lookup) = self.lookups.get_mut(&engine_id) {
+        }
+        for ((bootstrap, engine_id), fresh) in by_engine {
+            let engine = EngineAt { bootstrap, engine_id };
+            if self.remote_agents.contains_key(&engine) {
+                self.start_pulls(&engine, fresh.into_values().collect(), &me).await;
+            } else if let Some(lookup) = self.lookups.get_mut(&engine) {
                 lookup.queued.extend(fresh);
             } else {
-                let bootstrap_addr = fresh.values().next().map(|m| m.remote_bootstrap_addr.clone()).unwrap_or_default();
-                self.spawn_lookup(&engine_id, &bootstrap_addr, fresh, &me);
+                self.spawn_lookup(engine, fresh, &me);
             }
         }
         for req in &msg.reqs_to_abort {

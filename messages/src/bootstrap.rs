@@ -37,6 +37,13 @@ pub struct EngineEntry {
     pub worker_generation: BTreeMap<String, BTreeMap<String, u64>>,
 }
 
+/// The header of pdflow's `/query` answers saying, in milliseconds, how long the bootstrap's table
+/// has been filling (since it started). P re-registers every second, so once it is a few seconds
+/// old an engine it does not name is not registered; a younger table may still be refilling after
+/// a restart. Not part of the proven answer: a forged value can only make D fail or wait a
+/// look-up, as dropping the answer could.
+pub const TABLE_AGE_HEADER: &str = "x-pdflow-table-age-ms";
+
 /// `GET /query`: dp_rank (decimal string) → entry.
 pub type QueryResponse = BTreeMap<String, EngineEntry>;
 

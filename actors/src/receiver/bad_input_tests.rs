@@ -207,7 +207,7 @@ async fn a_pull_for_an_engine_the_real_bootstrap_does_not_know_fails_naming_it()
     let addr = h.bootstrap_addr.clone();
     let req = h.pull("ghost-engine", &addr).await;
     let reason = h.fails_naming(&req, &["ghost-engine", &addr, "not registered", P_ENGINE]).await;
-    assert!(reason.contains("is that P up and registered?"), "{reason}");
+    assert!(reason.contains("is that P up and registered there?"), "{reason}");
     assert!(h.p.quiet_for(Duration::from_millis(100)).await, "nothing was sent to P");
     h.still_serves().await;
     // An empty engine id is just another unknown one.

@@ -88,6 +88,10 @@ pub struct FakeBootstrap {
     /// When set, `/query` waits (bounded) for `release` before answering.
     pub gate: Arc<Mutex<bool>>,
     pub release: Arc<Notify>,
+    /// The table age `/query` answers with (pdflow's header), if any.
+    pub table_age_ms: Arc<Mutex<Option<u64>>>,
+    /// A status `/query` answers with instead of the table, if any.
+    pub status: Arc<Mutex<Option<u16>>>,
     task: JoinHandle<()>,
 }
 
@@ -97,14 +101,25 @@ struct StubState {
     body: Arc<Mutex<serde_json::Value>>,
     gate: Arc<Mutex<bool>>,
     release: Arc<Notify>,
+    table_age_ms: Arc<Mutex<Option<u64>>>,
+    status: Arc<Mutex<Option<u16>>>,
 }
 
-async fn query(axum::extract::State(s): axum::extract::State<StubState>) -> axum::Json<serde_json::Value> {
+async fn query(axum::extract::State(s): axum::extract::State<StubState>) -> axum::response::Response {
+    use axum::response::IntoResponse;
     s.calls.fetch_add(1, Ordering::SeqCst);
     if *s.gate.lock().await {
         let _ = tokio::time::timeout(WAIT, s.release.notified()).await;
     }
-    axum::Json(s.body.lock().await.clone())
+    if let Some(status) = *s.status.lock().await {
+        let status = axum::http::StatusCode::from_u16(status).expect("a status code");
+        return (status, "refused by the stub").into_response();
+    }
+    let mut answer = axum::Json(s.body.lock().await.clone()).into_response();
+    if let Some(age) = *s.table_age_ms.lock().await {
+        answer.headers_mut().insert(pdflow_messages::bootstrap::TABLE_AGE_HEADER, age.into());
+    }
+    answer
 }
 
 impl FakeBootstrap {
@@ -116,6 +131,8 @@ impl FakeBootstrap {
             body: Arc::new(Mutex::new(body)),
             gate: Arc::new(Mutex::new(false)),
             release: Arc::new(Notify::new()),
+            table_age_ms: Arc::new(Mutex::new(None)),
+            status: Arc::new(Mutex::new(None)),
         };
         let router = axum::Router::new().route("/query", axum::routing::get(query)).with_state(state.clone());
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("binds");
@@ -123,7 +140,16 @@ impl FakeBootstrap {
         let task = tokio::spawn(async move {
             let _ = axum::serve(listener, router).await;
         });
-        Self { addr, calls: state.calls, body: state.body, gate: state.gate, release: state.release, task }
+        Self {
+            addr,
+            calls: state.calls,
+            body: state.body,
+            gate: state.gate,
+            release: state.release,
+            table_age_ms: state.table_age_ms,
+            status: state.status,
+            task,
+        }
     }
 
     pub fn calls(&self) -> usize {

@@ -10,9 +10,9 @@ use kameo::prelude::*;
 use pdflow_messages::receiver::{CancelTransfers, PullOutcome, PullTransportFailed};
 use pdflow_messages::scheduler_connector::{LoadFailure, LoadFailureCause, PullMeta};
 use pdflow_messages::sender_listener::{PullErrorCause, PullReq, PullRequest};
-use pdflow_messages::{EngineId, RequestId};
+use pdflow_messages::RequestId;
 
-use super::{pairing, Receiver};
+use super::{pairing, EngineAt, Receiver};
 use crate::fault_seam::{register_actor, ActorKind, Role};
 use crate::pull_task::{self, PullTask, PullTaskArgs};
 use crate::ranks::WorkerRank;
@@ -38,7 +38,7 @@ pub(super) struct Recv {
 #[derive(Debug)]
 pub(super) struct Pull {
     pub(super) task: ActorRef<PullTask>,
-    pub(super) engine_id: EngineId,
+    pub(super) engine: EngineAt,
     pub(super) worker_addr: String,
     pub(super) reqs: Vec<RequestId>,
     /// The P rank it reads, between sharded engines (its digests cover the pair's share).
@@ -100,7 +100,7 @@ impl Receiver {
     /// Spawns one PullTask for `reqs` (already in `in_flight`) to one P worker.
     pub(super) async fn spawn_pull(
         &mut self,
-        engine_id: &str,
+        engine: &EngineAt,
         (worker_addr, p_rank): (&str, Option<WorkerRank>),
         reqs: &[RequestId],
         me: &ActorRef<Self>,
@@ -132,11 +132,11 @@ impl Receiver {
             p_generation: self.p_generations.get(worker_addr).copied().unwrap_or(0),
             deadline_ms: u64::try_from(self.args.pull_timeout.as_millis()).unwrap_or(u64::MAX),
             pp_rank: self.args.rank.pp_rank,
-            p_world: self.remote_agents.get(engine_id).map_or((1, 1), pairing::world),
+            p_world: self.remote_agents.get(engine).map_or((1, 1), pairing::world),
         };
         let args = PullTaskArgs {
             pull_id,
-            remote_engine_id: engine_id.into(),
+            remote_engine_id: engine.engine_id.clone(),
             worker_addr: worker_addr.to_string(),
             request,
             deadline: self.args.pull_timeout,
@@ -163,26 +163,20 @@ impl Receiver {
         }
         self.pulls.insert(
             pull_id,
-            Pull {
-                task,
-                engine_id: engine_id.into(),
-                worker_addr: worker_addr.to_string(),
-                reqs: reqs.to_vec(),
-                p_rank,
-            },
+            Pull { task, engine: engine.clone(), worker_addr: worker_addr.to_string(), reqs: reqs.to_vec(), p_rank },
         );
     }
 
     /// Step 21 for one engine whose workers are cached: one pull per paired P worker.
-    pub(super) async fn start_pulls(&mut self, engine_id: &str, metas: Vec<PullMeta>, me: &ActorRef<Self>) {
-        let Some(workers) = self.remote_agents.get(engine_id) else {
+    pub(super) async fn start_pulls(&mut self, engine: &EngineAt, metas: Vec<PullMeta>, me: &ActorRef<Self>) {
+        let Some(workers) = self.remote_agents.get(engine) else {
             for meta in metas {
-                let detail = format!("P engine {engine_id} has no cached workers");
+                let detail = format!("{engine} has no cached workers");
                 self.complete(&meta, Some(LoadFailure::new(LoadFailureCause::Bootstrap, detail)));
             }
             return;
         };
-        let peers = match pairing::pair(engine_id, workers, &self.args.rank) {
+        let peers = match pairing::pair(&engine.engine_id, workers, &self.args.rank) {
             Ok(peers) => peers,
             Err(reason) => {
                 for meta in metas {
@@ -202,7 +196,7 @@ impl Receiver {
         }
         for peer in peers {
             let p_rank = ranked.then(|| self.args.rank.peer(peer.tp_rank, peer.pp_rank, world));
-            self.spawn_pull(engine_id, (&peer.addr, p_rank), &reqs, me).await;
+            self.spawn_pull(engine, (&peer.addr, p_rank), &reqs, me).await;
         }
     }
 
@@ -284,7 +278,7 @@ impl Message<PullOutcome> for Receiver {
             }
             if err.cause == PullErrorCause::LayoutMismatch {
                 // P's engine may have more workers than the cached answer named: look it up again.
-                self.remote_agents.remove(&pull.engine_id);
+                self.remote_agents.remove(&pull.engine);
             }
             self.settle(&err.d_req_id, pull_id, Some(LoadFailure::new(LoadFailureCause::Pull(err.cause), err.detail)));
         }
@@ -297,7 +291,7 @@ impl Message<PullOutcome> for Receiver {
             tracing::info!(pull_id, worker_addr = %pull.worker_addr, "P does not know D's layout: pulling again with the full layout");
             self.layout_acks.remove(&pull.worker_addr);
             let me = ctx.actor_ref().clone();
-            self.spawn_pull(&pull.engine_id, (&pull.worker_addr, pull.p_rank), &retry, &me).await;
+            self.spawn_pull(&pull.engine, (&pull.worker_addr, pull.p_rank), &retry, &me).await;
         }
     }
 }
@@ -308,14 +302,14 @@ impl Message<PullTransportFailed> for Receiver {
     /// The side channel to a cached address failed: the bootstrap answer may be stale.
     async fn handle(&mut self, msg: PullTransportFailed, _ctx: &mut Context<Self, Self::Reply>) -> Self::Reply {
         self.layout_acks.remove(&msg.worker_addr);
-        let stale = self
-            .remote_agents
-            .get(&msg.remote_engine_id)
-            .is_some_and(|w| w.values().flat_map(|pps| pps.values()).any(|a| *a == msg.worker_addr));
-        if stale {
+        let before = self.remote_agents.len();
+        self.remote_agents.retain(|engine, workers| {
+            engine.engine_id != msg.remote_engine_id
+                || !workers.values().flat_map(|pps| pps.values()).any(|a| *a == msg.worker_addr)
+        });
+        if self.remote_agents.len() < before {
             tracing::warn!(engine_id = %msg.remote_engine_id, worker_addr = %msg.worker_addr, reason = %msg.reason,
                 "side channel to P failed: its cached bootstrap answer is dropped, the next pull looks it up again");
-            self.remote_agents.remove(&msg.remote_engine_id);
         }
     }
 }

@@ -292,6 +292,90 @@ async fn engine_missing_from_query_fails_naming_it() {
 }
 
 #[tokio::test]
+async fn an_engine_a_settled_table_does_not_name_fails_at_the_first_answer() {
+    let mut h = Harness::start(Duration::from_secs(5)).await;
+    *h.bootstrap.table_age_ms.lock().await = Some(60_000);
+    let mut meta = h.meta("a", vec![1]);
+    meta.remote_engine_id = "ghost-engine".into();
+    let msg = StartLoadKv {
+        reqs_to_recv: BTreeMap::from([("ghost-engine".into(), BTreeMap::from([("a".into(), meta)]))]),
+        reqs_to_abort: BTreeSet::new(),
+    };
+    h.receiver.tell(msg).await.expect("receiver alive");
+    let failure = h.settled("a", WAIT).await.failed_recving["a"].clone();
+    assert_eq!(failure.cause, LoadFailureCause::Bootstrap, "{failure}");
+    assert!(failure.detail.contains("ghost-engine is not registered at bootstrap"), "{failure}");
+    assert!(!failure.detail.contains("looking_up"), "failed at once, not at a deadline: {failure}");
+    assert_eq!(h.bootstrap.calls(), 1, "a settled table is asked once");
+}
+
+#[tokio::test]
+async fn a_refused_look_up_is_not_asked_again() {
+    let mut h = Harness::start(Duration::from_secs(5)).await;
+    *h.bootstrap.status.lock().await = Some(401);
+    h.pull(vec![h.meta("a", vec![1])]).await;
+    let failure = h.settled("a", WAIT).await.failed_recving["a"].clone();
+    assert!(failure.detail.contains("401"), "{failure}");
+    assert_eq!(h.bootstrap.calls(), 1, "a refusal is asked (and counted at the bootstrap) once");
+}
+
+#[tokio::test]
+async fn a_restarted_bootstrap_is_asked_again_backing_off_until_the_deadline() {
+    // A bootstrap with an empty table that does not say how old it is (a restart, or not
+    // pdflow's): asked again within the 2 s look-up deadline, with growing pauses.
+    let mut h = Harness::start(Duration::from_secs(5)).await;
+    *h.bootstrap.body.lock().await = serde_json::json!({});
+    h.pull(vec![h.meta("a", vec![1])]).await;
+    let failure = h.settled("a", WAIT).await.failed_recving["a"].clone();
+    assert!(failure.detail.contains("state `looking_up` past its bootstrap_timeout"), "{failure}");
+    let calls = h.bootstrap.calls();
+    // 50 ms pauses would make 40 calls in 2 s; doubling from 50 ms to 1 s makes 6.
+    assert!((2..=8).contains(&calls), "{calls} calls in the look-up's 2 s");
+}
+
+#[tokio::test]
+async fn a_request_naming_another_bootstrap_for_an_engine_reaches_no_other_request() {
+    // Without a secret anyone may send D a request naming any bootstrap: one that claims P's
+    // engine id (and another engine) for its own P must not be where other requests pull from.
+    let mut h = Harness::start(Duration::from_secs(5)).await;
+    let mut evil_p = FakeP::start().await;
+    let evil = FakeBootstrap::start(P_ENGINE, &evil_p.addr).await;
+    evil.body.lock().await["1"] =
+        serde_json::json!({"engine_id": "other-engine", "worker_addr": {"0": {"0": evil_p.addr.clone()}}});
+    let mut forged = h.meta("forged", vec![1]);
+    forged.remote_bootstrap_addr = evil.addr.clone();
+    h.pull(vec![forged]).await;
+    let (id, pull) = match evil_p.next_request().await {
+        (id, SideChannelRequest::Pull(pull)) => (id, pull),
+        (_, other) => panic!("expected a pull, got {other:?}"),
+    };
+    evil_p.reply(&id, &finish(&pull, &["forged"]));
+    h.settled("forged", WAIT).await;
+
+    // The victim's request names P's own bootstrap: looked up there, pulled from the real P.
+    h.pull(vec![h.meta("a", vec![2])]).await;
+    let (id, pull) = h.next_pull().await;
+    assert_eq!(pull.reqs[0].d_req_id.as_str(), "a");
+    h.p.reply(&id, &finish(&pull, &["a"]));
+    assert!(h.settled("a", WAIT).await.finished_recving.contains("a"));
+    assert_eq!(h.bootstrap.calls(), 1, "P's own bootstrap was asked");
+    assert!(evil_p.quiet_for(Duration::from_millis(100)).await, "nothing more reached the other P");
+    // Nor did the other engine its answer named get cached: asked at the bootstrap named.
+    let mut other = h.meta("b", vec![3]);
+    other.remote_engine_id = "other-engine".into();
+    *h.bootstrap.table_age_ms.lock().await = Some(60_000);
+    let msg = StartLoadKv {
+        reqs_to_recv: BTreeMap::from([("other-engine".into(), BTreeMap::from([("b".into(), other)]))]),
+        reqs_to_abort: BTreeSet::new(),
+    };
+    h.receiver.tell(msg).await.expect("receiver alive");
+    let failure = h.settled("b", WAIT).await.failed_recving["b"].clone();
+    assert!(failure.detail.contains("other-engine is not registered at bootstrap"), "{failure}");
+    assert_eq!(h.bootstrap.calls(), 2);
+    assert!(evil_p.quiet_for(Duration::from_millis(100)).await, "nothing reached the other P");
+}
+
+#[tokio::test]
 async fn unreachable_bootstrap_fails_naming_the_address() {
     let mut h = Harness::start(Duration::from_secs(5)).await;
     let mut meta = h.meta("a", vec![1]);
