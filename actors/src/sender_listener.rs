@@ -107,6 +107,9 @@ struct WorkerEntry {
     generation: u64,
     /// P's request once ready was recorded (to free its blocks if the worker dies).
     ready_p_req: Option<RequestId>,
+    /// The P request this transfer belongs to, from its first record: another P request naming
+    /// the same transfer_id is refused, never routed to this worker.
+    owner: Option<RequestId>,
     counted: bool,
 }
 
@@ -292,6 +295,45 @@ impl Actor for SenderListener {
 }
 
 impl SenderListener {
+    /// Whether `transfer_id` belongs to a P request other than `p_req_id` (two requests named the
+    /// same transfer: a client's mistake or an attack). The first is left alone. The second is
+    /// never routed: once it is ready (`ready`: its prefill done, its blocks held for D) it is
+    /// reported sent at once, so the engine frees its blocks instead of holding them for a pull
+    /// that would reach the first. Otherwise `p_req_id` claims the transfer.
+    async fn claimed_by_another(
+        &mut self,
+        transfer_id: &TransferId,
+        p_req_id: &RequestId,
+        ready: bool,
+        me: &ActorRef<Self>,
+    ) -> bool {
+        let entry = match self.workers.get(transfer_id) {
+            Some(_) => self.workers.get_mut(transfer_id),
+            None => {
+                self.worker(transfer_id, me).await;
+                self.workers.get_mut(transfer_id)
+            }
+        };
+        let Some(entry) = entry else { return false };
+        match &entry.owner {
+            None => {
+                entry.owner = Some(p_req_id.clone());
+                false
+            }
+            Some(owner) if owner == p_req_id => false,
+            Some(owner) => {
+                tracing::warn!(transfer_id = %transfer_id, request_id = %p_req_id, owner = %owner,
+                    "a second P request names a transfer_id in use: it is not held for D (transfer ids must be unique per request)");
+                if ready {
+                    self.finished_sending.insert(p_req_id.clone());
+                    self.args.events.notify_waiters();
+                    self.args.events.notify_one();
+                }
+                true
+            }
+        }
+    }
+
     /// The SendWorker of `transfer_id`, spawned (as a placeholder if need be) on first sight.
     async fn worker(&mut self, transfer_id: &TransferId, me: &ActorRef<Self>) -> ActorRef<SendWorker> {
         if let Some(entry) = self.workers.get(transfer_id) {
@@ -315,7 +357,13 @@ impl SenderListener {
         register_actor(&self.args.faults, ActorKind::SendWorker, Role::P, vec![transfer_id.clone()], &actor);
         self.workers.insert(
             transfer_id.clone(),
-            WorkerEntry { actor: actor.clone(), generation: self.next_generation, ready_p_req: None, counted: false },
+            WorkerEntry {
+                actor: actor.clone(),
+                generation: self.next_generation,
+                ready_p_req: None,
+                owner: None,
+                counted: false,
+            },
         );
         actor
     }
@@ -371,6 +419,9 @@ impl Message<RecordSendReqs> for SenderListener {
     async fn handle(&mut self, msg: RecordSendReqs, ctx: &mut Context<Self, Self::Reply>) {
         let me = ctx.actor_ref().clone();
         for (p_req_id, (transfer_id, block_ids)) in msg.reqs_to_send {
+            if self.claimed_by_another(&transfer_id, &p_req_id, !block_ids.is_empty(), &me).await {
+                continue;
+            }
             // The request's trace, whether or not D's pull (which carries it too) came first.
             let traceparent = msg.traceparents.get(&p_req_id).cloned();
             if block_ids.is_empty() {

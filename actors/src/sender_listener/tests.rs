@@ -240,6 +240,24 @@ async fn ready_before_pull_writes_and_finishes_once() {
 }
 
 #[tokio::test]
+async fn a_second_p_request_naming_a_transfer_in_use_is_freed_at_once_and_the_first_is_untouched() {
+    let mut h = harness(Duration::from_secs(30)).await;
+    h.record(&[("cmpl-p1", "xfer-1", vec![])], &[]).await;
+    h.record(&[("cmpl-p2", "xfer-1", vec![])], &[]).await;
+    h.record(&[("cmpl-p1", "xfer-1", vec![3, 4])], &[]).await;
+    h.record(&[("cmpl-p2", "xfer-1", vec![9])], &[]).await;
+    // The second is reported sent (its blocks freed) at once, not held for D's pull.
+    h.wait_finished("cmpl-p2").await;
+    assert!(!h.seen_finished.contains("cmpl-p1"), "the first is still held for D");
+    // D's pull gets the first request's KV.
+    h.send(&h.pull(11, &[("cmpl-d1", "xfer-1", vec![20, 21])], true)).await;
+    let resp = h.recv().await;
+    assert_eq!((resp.status, resp.ok_reqs.clone()), (PullStatus::Finish, vec!["cmpl-d1".into()]), "{resp:?}");
+    h.assert_copied(&[3, 4], &[20, 21]);
+    h.wait_finished("cmpl-p1").await;
+}
+
+#[tokio::test]
 async fn a_pull_for_a_transfer_already_sent_or_expired_is_refused_at_once() {
     let mut h = harness(Duration::from_secs(30)).await;
     h.record(&[("cmpl-p1", "xfer-1", vec![3])], &[]).await;

@@ -113,6 +113,7 @@ fn error_response(status: StatusCode, message: impl Into<String>) -> Response {
     let kind = match status {
         StatusCode::BAD_REQUEST => "BadRequestError",
         StatusCode::NOT_FOUND => "NotFoundError",
+        StatusCode::CONFLICT => "ConflictError",
         StatusCode::SERVICE_UNAVAILABLE => "ServiceUnavailableError",
         _ => "InternalServerError",
     };
@@ -120,8 +121,12 @@ fn error_response(status: StatusCode, message: impl Into<String>) -> Response {
     (status, Json(body)).into_response()
 }
 
-fn engine_error_response(e: &EngineError) -> Response {
-    let status = if e.is_client_error() { StatusCode::BAD_REQUEST } else { StatusCode::SERVICE_UNAVAILABLE };
+pub(crate) fn engine_error_response(e: &EngineError) -> Response {
+    let status = match e {
+        EngineError::TransferIdInUse { .. } => StatusCode::CONFLICT,
+        e if e.is_client_error() => StatusCode::BAD_REQUEST,
+        _ => StatusCode::SERVICE_UNAVAILABLE,
+    };
     error_response(status, e.to_string())
 }
 

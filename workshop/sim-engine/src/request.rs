@@ -57,6 +57,8 @@ pub enum EngineError {
     NoConnector { role: &'static str },
     #[error("a request with id `{0}` is already running: request ids must be unique")]
     DuplicateRequestId(String),
+    #[error("kv_transfer_params names transfer_id `{transfer_id}`, which request `{owner}` on this engine already uses: every request needs its own transfer_id")]
+    TransferIdInUse { transfer_id: String, owner: String },
     #[error("the engine loop has stopped; the server is shutting down or failed")]
     EngineStopped,
 }

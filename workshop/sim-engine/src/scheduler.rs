@@ -136,6 +136,19 @@ impl Scheduler {
         if self.requests.contains_key(&req.id) {
             return Err(EngineError::DuplicateRequestId(req.id));
         }
+        // A transfer belongs to one request on each side: a second would take the first's KV
+        // (D) or be held for a pull that reaches the first (P).
+        let transfer_id = req.transfer_id();
+        if !transfer_id.is_empty() {
+            let same_side =
+                |r: &&Request| r.is_prefill_role() == req.is_prefill_role() && r.transfer_id() == transfer_id;
+            if let Some(owner) = self.requests.values().find(same_side) {
+                return Err(EngineError::TransferIdInUse {
+                    transfer_id: transfer_id.to_owned(),
+                    owner: owner.id.clone(),
+                });
+            }
+        }
         if let Some(layout) = &self.config.hybrid {
             // A hybrid model's P leaves the prompt's last token to D (as vLLM's connectors do).
             let backoff = prefill_backoff(&layout.groups);

@@ -470,3 +470,27 @@ async fn a_request_refused_at_admission_still_tells_the_connector_about_its_tran
     assert_eq!(d.sched.0.lock().expect("lock").finished.len(), 1);
     wait_stats(&d.engine, d.baseline()).await;
 }
+
+#[tokio::test]
+async fn a_second_request_naming_a_transfer_in_use_is_refused_and_the_first_keeps_its_blocks() {
+    let p = side(small_config(32, 8192));
+    let (_, status, _) = run(&p.engine, p_request("first", prompt(13))).await;
+    assert_eq!(status, FinishStatus::LengthCapped);
+    let held = p.engine.block_stats();
+    assert!(held.free < held.total, "the first's blocks are held for D: {held:?}");
+    let second = EngineRequest {
+        kv_transfer_params: Some(KvTransferParams::for_prefill("xfer-first".to_owned())),
+        ..request("second", prompt(9), 1)
+    };
+    let refused = p.engine.add_request(second).await;
+    let Err(e) = refused else { panic!("a transfer_id in use was admitted") };
+    assert!(matches!(&e, EngineError::TransferIdInUse { owner, .. } if owner == "first"), "{e:?}");
+    assert!(e.to_string().contains("every request needs its own transfer_id"), "{e}");
+    assert_eq!(api::engine_error_response(&e).status(), axum::http::StatusCode::CONFLICT);
+    assert_eq!(p.engine.block_stats(), held, "the first request is untouched and nothing more is held");
+    assert_eq!(
+        p.sched.0.lock().expect("lock").finished,
+        vec![("first".into(), FinishStatus::LengthCapped)],
+        "the connector never heard of the refused request (it would cancel the first's transfer)"
+    );
+}
