@@ -52,6 +52,16 @@ impl Deadlines {
     }
 }
 
+impl Deadlines {
+    /// How long an engine may hold blocks on the connector's behalf before it settles them as
+    /// the connector would have (P's delayed free reported sent, D's load failed): longer than
+    /// every deadline of the transfer path — D's look-up and exchange, P's send expiry or a
+    /// pull's exchange — so that when it passes no write can still land.
+    pub fn held_backstop(&self) -> Duration {
+        self.send_expiry.max(self.pull_timeout) + self.bootstrap_timeout + Duration::from_secs(2)
+    }
+}
+
 impl Default for Deadlines {
     fn default() -> Self {
         Self::from_abort_timeout(DEFAULT_ABORT_REQUEST_TIMEOUT)

@@ -8,7 +8,8 @@
 //! - [`config`] — one typed config per process, from flags and vLLM's environment variables,
 //!   validated before anything binds.
 //! - [`ports`] — the engine's connector ports implemented over the actors (where an engine
-//!   meets SchedulerConnector / SenderListener / Receiver).
+//!   meets SchedulerConnector / SenderListener / Receiver); [`held_sends`] — P's backstop for
+//!   blocks held for a send the actors forgot.
 //! - [`worker`] — the worker side of one engine (P's Bootstrap and SenderListener, D's data
 //!   server and Receiver): the one place those actors are assembled, for vLLM's workers through
 //!   the bridge and for the simulated engine's nodes.
@@ -20,6 +21,7 @@
 pub mod bootstrap_node;
 pub mod config;
 pub mod gpu_kv;
+pub mod held_sends;
 pub mod ports;
 pub mod proxy_node;
 pub mod registration;

@@ -23,6 +23,8 @@ use pdflow_messages::sender_listener::{GetFinishedSending, LayerSaved, RecordSen
 use pdflow_messages::RequestId;
 use tokio::sync::Notify;
 
+use crate::held_sends::HeldSends;
+
 fn unavailable(what: &str, e: impl std::fmt::Display) -> ConnectorError {
     ConnectorError::unavailable(what, "its actor", e)
 }
@@ -66,6 +68,8 @@ pub struct WorkerPort {
     pub listener: Option<ActorRef<SenderListener>>,
     pub receiver: Option<ActorRef<Receiver>>,
     pub events: Arc<Notify>,
+    /// P's backstop for blocks held for a send ([`HeldSends`]); `None` without one.
+    pub held_sends: Option<Arc<HeldSends>>,
 }
 
 impl WorkerConnectorPort for WorkerPort {
@@ -78,6 +82,9 @@ impl WorkerConnectorPort for WorkerPort {
             // A half this worker does not run has nothing to free or cancel; asked to send or load,
             // the roles disagree.
             if let Some(listener) = &self.listener {
+                if let Some(held) = &self.held_sends {
+                    held.held(reqs_to_send.iter().filter(|(_, (_, blocks))| !blocks.is_empty()).map(|(r, _)| r));
+                }
                 if !reqs_to_send.is_empty() || !reqs_not_processed.is_empty() {
                     let msg = RecordSendReqs { reqs_to_send, reqs_not_processed, traceparents };
                     listener.tell(msg).await.map_err(|e| unavailable("record_send_reqs", e))?;
@@ -108,6 +115,9 @@ impl WorkerConnectorPort for WorkerPort {
             if let Some(l) = &self.listener {
                 output.finished_sending =
                     l.ask(GetFinishedSending).await.map_err(|e| unavailable("get_finished", e))?;
+            }
+            if let Some(held) = &self.held_sends {
+                held.settle(&mut output.finished_sending);
             }
             Ok(output)
         }

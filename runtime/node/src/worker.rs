@@ -31,6 +31,7 @@ use tokio::sync::Notify;
 use crate::bootstrap_node::BootstrapNode;
 use crate::config::Deadlines;
 use crate::gpu_kv::{producer_engine, serve_kv_data, Held, KvDataServing};
+use crate::held_sends::HeldSends;
 use crate::ports::WorkerPort;
 use crate::supervisor::{NodeSupervisor, MAX_RESTARTS, RESTART_WINDOW};
 use crate::{started, NodeError};
@@ -97,6 +98,9 @@ pub struct Worker {
     pub bootstrap_url: Option<String>,
     /// Woken whenever a transfer settles (the engine's loop polls the connector then).
     pub events: Arc<Notify>,
+    /// P: the requests whose blocks the engine holds for a send, reported sent at the
+    /// deadlines' backstop if the actors never do.
+    held_sends: Option<Arc<HeldSends>>,
     data_server: Option<TcpDataServer>,
     /// D's serving of GPU KV, while it serves: its registration as a GPU peer of this process
     /// and its staged receiver (GPU KV only).
@@ -124,6 +128,7 @@ impl Worker {
             bootstrap: None,
             bootstrap_url: None,
             events: Arc::new(Notify::new()),
+            held_sends: spec.role.produces().then(|| Arc::new(HeldSends::new(spec.deadlines.held_backstop()))),
             data_server: None,
             _gpu_serving: Vec::new(),
         };
@@ -230,6 +235,7 @@ impl Worker {
             listener: self.sender_listener.clone(),
             receiver: self.receiver.clone(),
             events: self.events.clone(),
+            held_sends: self.held_sends.clone(),
         }
     }
 

@@ -387,7 +387,7 @@ async fn start_rank_processes(
 /// every deadline of the transfer path (a pull's bootstrap look-up and exchange on D; P's send
 /// expiry or a pull's exchange), so that when it passes no write can still land.
 pub fn kv_state_timeout(d: &Deadlines) -> std::time::Duration {
-    d.send_expiry.max(d.pull_timeout) + d.bootstrap_timeout + std::time::Duration::from_secs(2)
+    d.held_backstop()
 }
 
 /// Serves `router` on `host:port` until the returned token is cancelled.

@@ -157,7 +157,12 @@ mod tests {
     /// Two ranks whose worker ports run no actors: only the tally is exercised.
     fn two_ranks() -> RankedPort {
         let rank = |layers| RankPort {
-            port: Arc::new(WorkerPort { listener: None, receiver: None, events: Arc::new(Notify::new()) }),
+            port: Arc::new(WorkerPort {
+                listener: None,
+                receiver: None,
+                events: Arc::new(Notify::new()),
+                held_sends: None,
+            }),
             layers,
         };
         RankedPort::new(vec![rank(0..2), rank(2..4)])
