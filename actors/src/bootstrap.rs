@@ -7,7 +7,8 @@
 //! receiver.
 //!
 //! The table is owned by the actor alone; the axum handlers only `ask` it. The HTTP server runs in
-//! a task the actor owns and is shut down gracefully (with a deadline) in `on_stop`.
+//! a task the actor owns ([`crate::http_serve`]: header and idle deadlines, connection caps) and is
+//! shut down gracefully (with a deadline) in `on_stop`.
 //!
 //! Semantics beyond vLLM's: an identical re-registration is 200 (P retries `/register`), a
 //! conflicting one is 400 with the reason as `{"error": "…", "detail": "…"}` (`detail` is what
@@ -39,6 +40,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::AbortOnDropHandle;
 use tracing::Instrument;
 
+use crate::http_serve::{self, HttpLimits};
 use crate::ActorError;
 
 /// How long an HTTP handler waits for the actor's answer.
@@ -78,7 +80,7 @@ pub struct Bootstrap {
     /// dp_rank → entry.
     engines: BTreeMap<u32, DpEntry>,
     shutdown: CancellationToken,
-    server: Option<AbortOnDropHandle<std::io::Result<()>>>,
+    server: Option<AbortOnDropHandle<()>>,
 }
 
 impl Actor for Bootstrap {
@@ -100,12 +102,9 @@ impl Actor for Bootstrap {
             // upgrade; the server task is owned by the actor and stopped in `on_stop`.
             let auth = args.secret.map(|secret| Arc::new(CallAuth { secret, guard: ReplayGuard::new(CALL_WINDOW) }));
             let app = router(Http { actor: actor_ref.clone(), auth, started: std::time::Instant::now() });
-            let stop = shutdown.clone().cancelled_owned();
-            let server = tokio::spawn(async move {
-                axum::serve(listener, app.into_make_service_with_connect_info::<SocketAddr>())
-                    .with_graceful_shutdown(stop)
-                    .await
-            });
+            // Every request carries its peer's address (`ConnectInfo`), which refusals name.
+            let server =
+                tokio::spawn(http_serve::serve(listener, app, "bootstrap", HttpLimits::default(), shutdown.clone()));
             tracing::info!(%addr, "bootstrap server listening");
             Ok(Bootstrap { addr, engines: BTreeMap::new(), shutdown, server: Some(AbortOnDropHandle::new(server)) })
         }
@@ -117,8 +116,7 @@ impl Actor for Bootstrap {
         self.shutdown.cancel();
         if let Some(server) = self.server.take() {
             match tokio::time::timeout(SHUTDOWN_DEADLINE, server).await {
-                Ok(Ok(Ok(()))) => {}
-                Ok(Ok(Err(e))) => tracing::warn!(error = %e, "bootstrap server ended with an error"),
+                Ok(Ok(())) => {}
                 Ok(Err(e)) => tracing::warn!(error = %e, "bootstrap server task failed"),
                 Err(_) => tracing::warn!("bootstrap server did not stop within {SHUTDOWN_DEADLINE:?}; aborted"),
             }

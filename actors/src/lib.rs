@@ -14,6 +14,8 @@
 //! - [`pull_task`] — one side-channel exchange (ZeroMQ DEALER) with a deadline (steps 21, 30 receive).
 //! - [`ranks`] — a worker's tensor/pipeline position and the model it shards (pairing and planning
 //!   across ranks).
+//! - [`http_serve`] — how every pdflow HTTP server serves: header and idle deadlines, connection
+//!   caps, each close counted in `/metrics` (the proxy's, the bootstrap's, the simulated engine's).
 //! - [`fault_seam`] — the one seam a fault-injection tool reaches the actors through (a no-op in
 //!   production).
 //! - [`error`] — the crate's error type.
@@ -22,6 +24,7 @@ pub mod bootstrap;
 mod bootstrap_call;
 pub mod error;
 pub mod fault_seam;
+pub mod http_serve;
 pub mod proxy;
 pub mod pull_task;
 pub mod ranks;

@@ -30,6 +30,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::body::{Body, Bytes};
+use axum::extract::rejection::BytesRejection;
 use axum::extract::{DefaultBodyLimit, State};
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -49,8 +50,10 @@ use pdflow_observability::Outcome;
 use relay::Relay;
 use upstream::{call_prefill, report_prefill_failure, upstream_headers, wait_prefill, PrefillHandle};
 
-/// Largest client body the proxy accepts (long prompts are large).
-const MAX_BODY_BYTES: usize = 64 * 1024 * 1024;
+/// Largest client body the proxy accepts: the engines' own limit (axum's default, 2 MiB, which the
+/// simulated engine's API keeps), so that a body the engines would refuse is refused here, with a
+/// 413 that names the limit, instead of failing upstream as an unreachable engine.
+pub const MAX_BODY_BYTES: usize = 2 * 1024 * 1024;
 /// How long a handler waits for the Proxy actor's answer.
 const ASK_DEADLINE: Duration = Duration::from_secs(5);
 /// D's non-streamed answers up to this length are relayed whole (longer ones chunk by chunk).
@@ -104,12 +107,33 @@ async fn health(State(ctx): State<Arc<FlowContext>>) -> Response {
     }
 }
 
-async fn completions(State(ctx): State<Arc<FlowContext>>, headers: HeaderMap, body: Bytes) -> Response {
+async fn completions(
+    State(ctx): State<Arc<FlowContext>>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
     serve(ctx, "/v1/completions", headers, body).await
 }
 
-async fn chat_completions(State(ctx): State<Arc<FlowContext>>, headers: HeaderMap, body: Bytes) -> Response {
+async fn chat_completions(
+    State(ctx): State<Arc<FlowContext>>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
     serve(ctx, "/v1/chat/completions", headers, body).await
+}
+
+/// A client body that could not be read: over [`MAX_BODY_BYTES`] (a 413 naming the limit), or
+/// cut off or malformed on the wire (axum's status and reason).
+fn body_refused(rejected: BytesRejection) -> Response {
+    let status = rejected.status();
+    if status == StatusCode::PAYLOAD_TOO_LARGE {
+        let message = format!(
+            "request body is larger than the proxy's limit of {MAX_BODY_BYTES} bytes (2 MiB, the engines' limit too); send a shorter prompt"
+        );
+        return error_response(status, "invalid_request_error", message);
+    }
+    error_response(status, "invalid_request_error", format!("request body could not be read: {}", rejected.body_text()))
 }
 
 /// Asks the Proxy actor for a route within [`ASK_DEADLINE`]. If it stopped while holding the ask,
@@ -142,11 +166,19 @@ async fn route(
     }
 }
 
-/// The flow of one request (steps 8–10, 25, 43); every answer carries the request's id in
-/// `x-request-id` (streamed ones too: headers go first).
-async fn serve(ctx: Arc<FlowContext>, api: &'static str, headers: HeaderMap, body: Bytes) -> Response {
+/// The flow of one request (steps 8–10, 25, 43), or the refusal of a body that could not be read;
+/// every answer carries the request's id in `x-request-id` (streamed ones too: headers go first).
+async fn serve(
+    ctx: Arc<FlowContext>,
+    api: &'static str,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
     let request_id = flow_request_id(&headers);
-    let mut response = flow(ctx, api, headers, body, request_id.clone().into()).await;
+    let mut response = match body {
+        Ok(body) => flow(ctx, api, headers, body, request_id.clone().into()).await,
+        Err(rejected) => body_refused(rejected),
+    };
     if let Ok(v) = HeaderValue::from_str(&request_id) {
         response.headers_mut().insert("x-request-id", v);
     }

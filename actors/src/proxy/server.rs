@@ -2,7 +2,8 @@
 //! 43 in [`super::flow`]). It is not part of the Proxy actor: it reaches the actor through an
 //! `ActorRef`, which stays valid across the supervisor's restarts (same mailbox), so killing the
 //! actor never closes the socket or a client's connection — flows that ask it meanwhile wait for
-//! the restarted actor (bounded by the flow's ask deadline).
+//! the restarted actor (bounded by the flow's ask deadline). Connections are served by
+//! [`crate::http_serve`]: a header and an idle deadline, connection caps.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -14,25 +15,41 @@ use tokio_util::task::AbortOnDropHandle;
 
 use super::flow::{self, FlowContext};
 use super::Proxy;
+use crate::http_serve::{self, HttpLimits};
 use crate::ActorError;
 
 /// How long [`ProxyServer::shutdown`] waits for open connections to finish.
 const SHUTDOWN_DEADLINE: Duration = Duration::from_secs(5);
 
+/// How long the proxy keeps an idle pooled connection to P or D: well under the engines' idle
+/// timeout ([`http_serve::DEFAULT_IDLE_TIMEOUT`]), so that the proxy, not the engine, closes it and
+/// no request is sent on a connection the engine is closing.
+const UPSTREAM_POOL_IDLE: Duration = Duration::from_secs(30);
+
 /// A running proxy HTTP server.
 pub struct ProxyServer {
     pub addr: SocketAddr,
     shutdown: CancellationToken,
-    task: Option<AbortOnDropHandle<std::io::Result<()>>>,
+    task: Option<AbortOnDropHandle<()>>,
 }
 
 impl ProxyServer {
     /// Binds `bind` and serves the proxy's routes, asking `proxy` for every request's route.
-    /// `upstream_timeout` bounds each call to P and D.
+    /// `upstream_timeout` bounds each call to P and D. Clients are held to [`HttpLimits::default`].
     pub async fn start(
         bind: SocketAddr,
         proxy: ActorRef<Proxy>,
         upstream_timeout: Duration,
+    ) -> Result<Self, ActorError> {
+        Self::start_with_limits(bind, proxy, upstream_timeout, HttpLimits::default()).await
+    }
+
+    /// [`ProxyServer::start`], its clients held to `limits`.
+    pub async fn start_with_limits(
+        bind: SocketAddr,
+        proxy: ActorRef<Proxy>,
+        upstream_timeout: Duration,
+        limits: HttpLimits,
     ) -> Result<Self, ActorError> {
         let listener = crate::rebind::bind_http(bind, "the proxy HTTP server").await?;
         let addr = listener.local_addr().map_err(|source| ActorError::Bind {
@@ -41,14 +58,13 @@ impl ProxyServer {
             source,
         })?;
         let client = reqwest::Client::builder()
-            .pool_idle_timeout(Duration::from_secs(90))
+            .pool_idle_timeout(UPSTREAM_POOL_IDLE)
             .build()
             .map_err(|source| ActorError::HttpClient { what: "the proxy's HTTP client", source })?;
         let app =
             flow::router(Arc::new(FlowContext { proxy, client, upstream_timeout, was_ready: Default::default() }));
         let shutdown = CancellationToken::new();
-        let stop = shutdown.clone().cancelled_owned();
-        let task = tokio::spawn(async move { axum::serve(listener, app).with_graceful_shutdown(stop).await });
+        let task = tokio::spawn(http_serve::serve(listener, app, "proxy", limits, shutdown.clone()));
         tracing::info!(%addr, "proxy listening");
         Ok(Self { addr, shutdown, task: Some(AbortOnDropHandle::new(task)) })
     }
@@ -58,8 +74,7 @@ impl ProxyServer {
         self.shutdown.cancel();
         if let Some(task) = self.task.take() {
             match tokio::time::timeout(SHUTDOWN_DEADLINE, task).await {
-                Ok(Ok(Ok(()))) => {}
-                Ok(Ok(Err(e))) => tracing::warn!(error = %e, "proxy server ended with an error"),
+                Ok(Ok(())) => {}
                 Ok(Err(e)) => tracing::warn!(error = %e, "proxy server task failed"),
                 Err(_) => tracing::warn!("proxy server did not stop within {SHUTDOWN_DEADLINE:?}; aborted"),
             }

@@ -460,6 +460,29 @@ async fn malformed_client_json_is_400_and_the_proxy_keeps_serving() {
     assert_eq!(resp.status(), 200);
 }
 
+/// A body over the proxy's limit (the engines' 2 MiB) is a 413 that names the limit, reaches
+/// neither P nor D, and the proxy keeps serving.
+#[tokio::test]
+async fn a_body_over_the_limit_is_413_naming_it() {
+    let (_proxy, base, p, d, _) = one_p_one_d(Mode::Completion, Mode::Completion).await;
+    let client = reqwest::Client::new();
+    let prompt = "x".repeat(3 * 1024 * 1024);
+    let resp = client
+        .post(format!("{base}/v1/completions"))
+        .json(&json!({"model": "m", "prompt": prompt, "max_tokens": 1}))
+        .send()
+        .await
+        .expect("an answer, not a broken connection");
+    assert_eq!(resp.status(), 413);
+    assert!(resp.headers().contains_key("x-request-id"));
+    let body: Value = resp.json().await.expect("json error");
+    let message = body["error"]["message"].as_str().expect("message");
+    assert!(message.contains(&flow::MAX_BODY_BYTES.to_string()) && message.contains("2 MiB"), "{message}");
+    assert!(p.state.bodies.lock().expect("lock").is_empty() && d.state.bodies.lock().expect("lock").is_empty());
+    let resp = client.post(format!("{base}/v1/completions")).json(&seed_request()).send().await.expect("request");
+    assert_eq!(resp.status(), 200);
+}
+
 #[tokio::test]
 async fn ready_timeout_stops_the_proxy_with_the_reason() {
     let d = stub("D", Mode::Completion).await;

@@ -14,6 +14,10 @@
 //!   KV-cache group (its index in vLLM's order);
 //! - `pdflow_auth_refusals_total{socket,cause}` — peers refused for their proof of the cluster
 //!   secret, by socket (`data`, `side_channel`, `bootstrap`) and cause (a fixed set of labels);
+//! - `pdflow_http_connections_closed_total{service,reason}` — connections an HTTP server closed on
+//!   its own (`actors::http_serve`): over its connection caps (`server_full`, `peer_full`), no
+//!   complete request header in time (`header_timeout`), kept alive idle too long (`idle_timeout`);
+//!   `service` is the server's (`proxy`, `bootstrap`, `engine`);
 //! - `pdflow_pulls_in_flight{service,side}` — D: pulls sent (step 21) not yet settled (step 34);
 //!   P: pulls received (step 22) not yet answered (step 30);
 //! - gauges registered with [`Metrics::register_gauge`], read at scrape time, and per-endpoint
@@ -138,6 +142,8 @@ struct State {
     p_pending: HashMap<String, Instant>,
     /// Peers refused for their proof, by (socket, cause).
     auth_refusals: BTreeMap<(&'static str, &'static str), u64>,
+    /// Connections HTTP servers closed on their own, by (service, reason).
+    http_closes: BTreeMap<(&'static str, &'static str), u64>,
 }
 
 /// The registry: one per process ([`global`]); tests make their own with [`Metrics::new`].
@@ -191,6 +197,12 @@ impl Metrics {
     /// A peer was refused on `socket` for `cause` (both fixed labels, never peer input).
     pub fn count_auth_refusal(&self, socket: &'static str, cause: &'static str) {
         *self.lock().auth_refusals.entry((socket, cause)).or_default() += 1;
+    }
+
+    /// `service`'s HTTP server closed a connection on its own for `reason` (both fixed labels,
+    /// never peer input).
+    pub fn count_http_close(&self, service: &'static str, reason: &'static str) {
+        *self.lock().http_closes.entry((service, reason)).or_default() += 1;
     }
 
     /// A step span opened: remember when a pull starts (steps 21 and 22).
@@ -287,7 +299,7 @@ impl Metrics {
             let mut families = vec![step_family(&st)];
             families.extend(side_families(&st));
             families.extend([failures_family(&st), writes_family(&st), group_bytes_family(&st)]);
-            families.extend([pulls_family(&st), auth_family(&st)]);
+            families.extend([pulls_family(&st), auth_family(&st), http_closes_family(&st)]);
             families
         };
         let registered: Vec<_> = self.gauges.lock().unwrap_or_else(|p| p.into_inner()).clone();
@@ -361,6 +373,19 @@ fn auth_family(st: &State) -> Family {
     );
     for ((socket, cause), count) in &st.auth_refusals {
         f.sample(vec![("socket", (*socket).to_owned()), ("cause", (*cause).to_owned())], *count as f64);
+    }
+    f
+}
+
+/// `pdflow_http_connections_closed_total`: connections HTTP servers closed on their own.
+fn http_closes_family(st: &State) -> Family {
+    let mut f = Family::new(
+        "pdflow_http_connections_closed_total",
+        "Connections an HTTP server closed on its own, by service and reason (server_full, peer_full, header_timeout, idle_timeout).",
+        Kind::Counter,
+    );
+    for ((service, reason), count) in &st.http_closes {
+        f.sample(vec![("service", (*service).to_owned()), ("reason", (*reason).to_owned())], *count as f64);
     }
     f
 }

@@ -10,6 +10,7 @@ use std::sync::Arc;
 use kameo::prelude::*;
 use kameo::supervision::RestartPolicy;
 use pdflow_actors::fault_seam::{register_actor, ActorKind, Faults, Role};
+use pdflow_actors::http_serve::{self, HttpLimits};
 use pdflow_actors::scheduler_connector::{KvRole, SchedulerConnector, SchedulerConnectorArgs};
 use pdflow_connector::Connector;
 use pdflow_kv::memory::KvCache;
@@ -390,7 +391,9 @@ pub fn kv_state_timeout(d: &Deadlines) -> std::time::Duration {
     d.held_backstop()
 }
 
-/// Serves `router` on `host:port` until the returned token is cancelled.
+/// Serves `router` on `host:port` until the returned token is cancelled, its clients held to
+/// [`HttpLimits::default`] (header and idle deadlines, connection caps; `service="engine"` in
+/// `/metrics`).
 pub async fn serve_http(
     host: &str,
     port: u16,
@@ -406,12 +409,7 @@ pub async fn serve_http(
         listener.local_addr().map_err(|source| NodeError::Bind { what: "the engine HTTP API", addr, source })?;
     let stop = CancellationToken::new();
     let token = stop.clone();
-    let task = tokio::spawn(async move {
-        let result = axum::serve(listener, router).with_graceful_shutdown(async move { token.cancelled().await }).await;
-        if let Err(e) = result {
-            tracing::error!(error = %e, "engine HTTP server failed");
-        }
-    });
+    let task = tokio::spawn(http_serve::serve(listener, router, "engine", HttpLimits::default(), token));
     Ok((local, stop, task))
 }
 
