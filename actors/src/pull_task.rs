@@ -339,9 +339,9 @@ async fn run(
             ids = cancels.recv(), if cancels_open => match ids {
                 Some(ids) => {
                     let ids: Vec<TransferId> = ids.into_iter().filter(|t| tally.unsettled.values().any(|u| u == t)).collect();
-                    if !ids.is_empty() {
-                        let abort = SideChannelRequest::Abort(AbortPull { pull_id: args.pull_id, transfer_ids: ids });
-                        let bytes = frame::encode(&abort).map_err(|e| Stop::Transport(format!("abort cannot be encoded: {e}")))?;
+                    // P refuses an abort naming more than MAX_ABORT_IDS: several, if need be.
+                    for abort in AbortPull::split(args.pull_id, ids) {
+                        let bytes = frame::encode(&SideChannelRequest::Abort(abort)).map_err(|e| Stop::Transport(format!("abort cannot be encoded: {e}")))?;
                         socket.send(sealed_message(&args.auth, bytes).0).await.map_err(|e| Stop::Transport(format!("send abort: {e}")))?;
                     }
                 }
@@ -374,15 +374,29 @@ fn sealed_message(auth: &PullAuth, bytes: Vec<u8>) -> (ZmqMessage, Option<pdflow
     (message, nonce)
 }
 
-/// Best effort: tell P to stop writing these transfers (bounded; failures are logged).
+/// Best effort: tell P to stop writing these transfers (bounded; failures are logged), in as
+/// many aborts as P's cap per abort needs.
 async fn send_abort(socket: &mut DealerSocket, auth: &PullAuth, pull_id: u64, transfer_ids: Vec<TransferId>) {
-    let abort = SideChannelRequest::Abort(AbortPull { pull_id, transfer_ids });
-    let Ok(bytes) = frame::encode(&abort) else { return };
-    match tokio::time::timeout(ABORT_SEND_BOUND, socket.send(sealed_message(auth, bytes).0)).await {
+    let sent = tokio::time::timeout(ABORT_SEND_BOUND, async {
+        for bytes in abort_frames(pull_id, transfer_ids) {
+            socket.send(sealed_message(auth, bytes).0).await?;
+        }
+        Ok::<(), zeromq::ZmqError>(())
+    });
+    match sent.await {
         Ok(Ok(())) => {}
         Ok(Err(e)) => tracing::warn!(pull_id, error = %e, "abort after the deadline could not be sent"),
         Err(_) => tracing::warn!(pull_id, "abort after the deadline could not be sent in time"),
     }
+}
+
+/// The encoded aborts of `transfer_ids`, at most `MAX_ABORT_IDS` each (an abort that cannot be
+/// encoded is left out: the deadline on P's side still stops its writes).
+fn abort_frames(pull_id: u64, transfer_ids: Vec<TransferId>) -> Vec<Vec<u8>> {
+    AbortPull::split(pull_id, transfer_ids)
+        .into_iter()
+        .filter_map(|abort| frame::encode(&SideChannelRequest::Abort(abort)).ok())
+        .collect()
 }
 
 /// Best effort, on a fresh socket: tell P to stop writing these transfers of a pull whose
@@ -395,10 +409,12 @@ pub(crate) async fn abort_orphaned(
     bound: Duration,
 ) {
     let mut socket = DealerSocket::with_options(auth.socket_options(bound));
-    let Ok(bytes) = frame::encode(&SideChannelRequest::Abort(AbortPull { pull_id, transfer_ids })) else { return };
     let sent = tokio::time::timeout(bound, async {
         socket.connect(&worker_addr).await?;
-        socket.send(sealed_message(&auth, bytes).0).await
+        for bytes in abort_frames(pull_id, transfer_ids) {
+            socket.send(sealed_message(&auth, bytes).0).await?;
+        }
+        Ok::<(), zeromq::ZmqError>(())
     })
     .await;
     if !matches!(sent, Ok(Ok(()))) {
@@ -594,5 +610,24 @@ mod tests {
         p.reply(&id, &PullResponse { err_reqs: vec![err], ..response(PullStatus::Finish, &[]) });
         let Reported::Outcome(outcome) = next(&mut rx).await else { panic!("expected an outcome") };
         assert_eq!(outcome.err_reqs[0].cause, PullErrorCause::CancelledByPeer);
+    }
+
+    #[tokio::test]
+    async fn cancelling_more_than_one_abort_may_name_sends_several() {
+        use pdflow_messages::sender_listener::MAX_ABORT_IDS;
+        let mut p = FakeP::start().await;
+        let names: Vec<String> = (0..=MAX_ABORT_IDS).map(|i| format!("r{i}")).collect();
+        let reqs: Vec<&str> = names.iter().map(String::as_str).collect();
+        let (task, _rx) = spawn(&p.addr, &reqs, WAIT);
+        let _ = p.next_request().await;
+        let all: Vec<TransferId> = names.iter().map(|r| format!("xfer-{r}").into()).collect();
+        task.tell(CancelTransfers { transfer_ids: all.clone() }).await.expect("alive");
+        let mut aborted = Vec::new();
+        for expected in [MAX_ABORT_IDS, 1] {
+            let (_, SideChannelRequest::Abort(abort)) = p.next_request().await else { panic!("expected an abort") };
+            assert_eq!(abort.transfer_ids.len(), expected);
+            aborted.extend(abort.transfer_ids);
+        }
+        assert_eq!(aborted, all, "every transfer aborted once, in order");
     }
 }

@@ -11,17 +11,22 @@
 //! - `RecordSendReqs` (steps 14, 27): `reqs_to_send` without blocks → `RecordSendPending`; with
 //!   blocks → `RecordSendReady`; `reqs_not_processed` → `AbortSend{Producer}`.
 //! - D's frames: a `PullRequest` is checked (layout cached per D engine and `layout_id`), tracked,
-//!   and each request routed as `ServePull`; an `AbortPull` becomes `AbortSend{Consumer}`; a garbage
-//!   frame is answered with an error response and the listener keeps serving.
+//!   and each request routed as `ServePull`; an `AbortPull` becomes `AbortSend{Consumer}` (one naming
+//!   more than `MAX_ABORT_IDS` is refused unread and counted); a garbage frame is answered with an
+//!   error response and the listener keeps serving.
 //! - `SendOutcome`s come back from the workers: the listener answers D (`Continue` / `Finish`,
 //!   step 30) and collects finished_sending (step 31), which P's worker fetches with
 //!   `GetFinishedSending` (step 32 is the scheduler connector's).
 //!
 //! Its parts: [`pull`] (a pull checked, routed and answered), `side_channel` (the ROUTER socket),
-//! `register` (the bootstrap registration), [`lineage`] (generations across restarts).
+//! [`limits`] (what a peer may make that socket hold), `register` (the bootstrap registration),
+//! [`lineage`] (generations across restarts).
 
 #[cfg(test)]
 mod auth_tests;
+pub mod limits;
+#[cfg(test)]
+mod limits_tests;
 pub mod lineage;
 mod pull;
 mod register;
@@ -37,15 +42,15 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use kameo::prelude::*;
+use pdflow_auth::Refusal;
 use pdflow_kv::memory::KvCache;
 use pdflow_messages::bootstrap::RegisterWorker;
-use pdflow_messages::frame;
 use pdflow_messages::layout::KvLayout;
 use pdflow_messages::send_worker::{
     AbortSend, AbortSource, LayerDone, RecordSendPending, RecordSendReady, SendOutcome,
 };
 use pdflow_messages::sender_listener::{
-    GetFinishedSending, InFlightPulls, LayerSaved, PullErr, PullErrorCause, PullResponse, RecordSendReqs,
+    GetFinishedSending, InFlightPulls, LayerSaved, PullErr, PullErrorCause, PullResponse, RecordSendReqs, RequestError,
     SideChannelAddr, SideChannelRequest,
 };
 use pdflow_messages::{EngineId, RequestId, TransferId};
@@ -182,7 +187,15 @@ impl Actor for SenderListener {
         });
         let cancel = CancellationToken::new();
         let port = args.side_channel_port.load(Ordering::Acquire);
-        let channel = side_channel::start(&args.bind_host, port, &args.auth, actor_ref.clone(), cancel.clone()).await?;
+        let channel = side_channel::start(
+            &args.bind_host,
+            port,
+            &args.auth,
+            args.ready_timeout,
+            actor_ref.clone(),
+            cancel.clone(),
+        )
+        .await?;
         args.side_channel_port.store(channel.port, Ordering::Release);
         let listener = Self {
             socket_id: channel.socket_id,
@@ -489,7 +502,12 @@ impl Message<SideChannelFrame> for SenderListener {
                 return;
             }
         };
-        match frame::decode::<SideChannelRequest>(body, "side-channel request") {
+        match SideChannelRequest::decode(body) {
+            Err(e @ RequestError::TooManyIds { .. }) => {
+                // Refused unread: each id could cost a SendWorker. D splits its aborts.
+                self.args.auth.refuse(&identity, Refusal::TooManyIds);
+                self.send(identity, &PullResponse::error(0, e.to_string()));
+            }
             Err(e) => {
                 tracing::warn!(addr = %self.addr, error = %e, "garbage side-channel frame answered with an error");
                 self.send(identity, &PullResponse::error(0, e.to_string()));

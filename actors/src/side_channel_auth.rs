@@ -3,7 +3,9 @@
 //! secret, each once, and seals its answers to them. Without a secret nothing is sealed or
 //! checked (and a seal a peer sends is ignored). With TLS (the secret's identity,
 //! [`pdflow_auth::tls`]) every side-channel connection is also encrypted and mutually
-//! authenticated by its handshake, before any ZeroMQ frame. Owns no seed step.
+//! authenticated by its handshake, before any ZeroMQ frame. P's end also carries the side
+//! channel's limits ([`crate::sender_listener::limits`]), which hold before the secret is proven
+//! as after. Owns no seed step.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -12,6 +14,8 @@ use std::time::Duration;
 use bytes::Bytes;
 use pdflow_auth::{sealed, ClusterSecret, Nonce, Refusal, ReplayGuard, Socket, TlsIdentity};
 use zeromq::{SocketOptions, TlsOption};
+
+use crate::sender_listener::limits::SideChannelLimits;
 
 /// How far a pull's send time may be from P's clock.
 pub const PULL_WINDOW: Duration = Duration::from_secs(30);
@@ -23,6 +27,8 @@ pub struct ListenerAuth {
     secret: Option<ClusterSecret>,
     replay: Arc<ReplayGuard>,
     tls: Option<TlsIdentity>,
+    /// What a peer may make the socket hold, before and after it proves the secret.
+    limits: SideChannelLimits,
 }
 
 impl Default for ListenerAuth {
@@ -33,7 +39,12 @@ impl Default for ListenerAuth {
 
 impl ListenerAuth {
     pub fn new(secret: Option<ClusterSecret>) -> Self {
-        Self { secret, replay: Arc::new(ReplayGuard::new(PULL_WINDOW)), tls: None }
+        Self {
+            secret,
+            replay: Arc::new(ReplayGuard::new(PULL_WINDOW)),
+            tls: None,
+            limits: SideChannelLimits::default(),
+        }
     }
 
     /// The same, with TLS on the side channel's socket (D's pull tasks must connect with it).
@@ -42,13 +53,26 @@ impl ListenerAuth {
         self
     }
 
-    /// The ROUTER socket's options: TLS's server side when on.
-    pub(crate) fn socket_options(&self) -> SocketOptions {
+    /// The same, with other limits on the side channel than [`SideChannelLimits::default`].
+    pub fn with_limits(mut self, limits: SideChannelLimits) -> Self {
+        self.limits = limits;
+        self
+    }
+
+    /// The ROUTER socket's options: its limits (the idle timeout outlasting `ready_timeout`), and
+    /// TLS's server side when on.
+    pub(crate) fn socket_options(&self, ready_timeout: Duration) -> SocketOptions {
         let mut options = SocketOptions::default();
+        self.limits.apply(&mut options, ready_timeout);
         if let Some(tls) = &self.tls {
             options.tls(TlsOption::Server { config: tls.server_config() });
         }
         options
+    }
+
+    /// Counts and logs a request from `identity` refused before it was served.
+    pub(crate) fn refuse(&self, identity: &Bytes, why: Refusal) {
+        pdflow_auth::refused(Socket::SideChannel, &peer_name(identity), why);
     }
 
     /// The secret P's worker signs its bootstrap registrations with.

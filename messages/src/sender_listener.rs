@@ -8,6 +8,7 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::frame::{self, FrameError};
 use crate::kv_groups::GroupBlocks;
 use crate::layout::KvLayout;
 use crate::{RequestId, TransferId};
@@ -70,11 +71,75 @@ pub struct AbortPull {
     pub transfer_ids: Vec<TransferId>,
 }
 
+/// The most transfer ids one [`AbortPull`] may name. P refuses a larger abort before decoding it
+/// (each id it names may cost P a placeholder SendWorker: one frame naming 20,000 took ~230 MiB),
+/// and D sends what it gives up in aborts of at most this many ([`AbortPull::split`]). One pull
+/// carries one D step's requests for one P worker, rarely more than vLLM's default `max_num_seqs`
+/// (256), so a pull's abort rarely needs a second frame.
+pub const MAX_ABORT_IDS: usize = 256;
+
+impl AbortPull {
+    /// Aborts of pull `pull_id` naming `transfer_ids`, at most [`MAX_ABORT_IDS`] each, in order
+    /// (none for no ids).
+    pub fn split(pull_id: u64, transfer_ids: Vec<TransferId>) -> Vec<AbortPull> {
+        transfer_ids.chunks(MAX_ABORT_IDS).map(|ids| AbortPull { pull_id, transfer_ids: ids.to_vec() }).collect()
+    }
+}
+
 /// Everything D may send on the side channel.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum SideChannelRequest {
     Pull(PullRequest),
     Abort(AbortPull),
+}
+
+/// Why a side-channel frame is not a request P serves.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RequestError {
+    #[error(transparent)]
+    Frame(#[from] FrameError),
+    #[error(
+        "an abort names {count} transfer ids, more than the {MAX_ABORT_IDS} one frame may: send them in several \
+         aborts (pdflow's D does)"
+    )]
+    TooManyIds { count: u64 },
+}
+
+impl SideChannelRequest {
+    /// Decodes a side-channel frame; an abort naming more than [`MAX_ABORT_IDS`] ids is refused
+    /// from its header, before any id is decoded.
+    pub fn decode(bytes: &[u8]) -> Result<Self, RequestError> {
+        if let Some(count) = abort_len(bytes).filter(|&n| n > MAX_ABORT_IDS as u64) {
+            return Err(RequestError::TooManyIds { count });
+        }
+        Ok(frame::decode(bytes, "side-channel request")?)
+    }
+}
+
+/// How many transfer ids an encoded [`SideChannelRequest::Abort`] names, read from its first bytes
+/// (postcard: the variant's index, the pull id, then the ids' count, each a varint); `None` for
+/// anything else.
+fn abort_len(bytes: &[u8]) -> Option<u64> {
+    const ABORT_VARIANT: u64 = 1;
+    let body = bytes.strip_prefix(&frame::MAGIC)?.strip_prefix(&[frame::VERSION])?;
+    let (variant, rest) = varint(body)?;
+    if variant != ABORT_VARIANT {
+        return None;
+    }
+    let (_pull_id, rest) = varint(rest)?;
+    varint(rest).map(|(count, _)| count)
+}
+
+/// A postcard varint (LEB128, at most 10 bytes) and what follows it.
+fn varint(bytes: &[u8]) -> Option<(u64, &[u8])> {
+    let mut value = 0u64;
+    for (i, byte) in bytes.iter().take(10).enumerate() {
+        value |= u64::from(byte & 0x7f) << (7 * i);
+        if byte & 0x80 == 0 {
+            return Some((value, &bytes[i + 1..]));
+        }
+    }
+    None
 }
 
 /// The status of one response (vLLM's MooncakeXferResponse statuses).
@@ -208,6 +273,75 @@ mod tests {
         let bytes = frame::encode(&pull).expect("encodes");
         assert_eq!(frame::decode::<SideChannelRequest>(&bytes, "side-channel request"), Ok(pull));
         assert!(frame::decode::<SideChannelRequest>(b"PDFL\x02\xff\xff", "side-channel request").is_err());
+    }
+
+    fn abort(n: usize) -> Vec<TransferId> {
+        (0..n).map(|i| TransferId::from(format!("xfer-{i}"))).collect()
+    }
+
+    #[test]
+    fn an_abort_over_the_id_cap_is_refused_from_its_header_and_split_ones_pass() {
+        let ids = abort(MAX_ABORT_IDS + 1);
+        let big = frame::encode(&SideChannelRequest::Abort(AbortPull { pull_id: u64::MAX, transfer_ids: ids.clone() }))
+            .expect("encodes");
+        assert_eq!(SideChannelRequest::decode(&big), Err(RequestError::TooManyIds { count: MAX_ABORT_IDS as u64 + 1 }));
+        let parts = AbortPull::split(7, ids.clone());
+        assert_eq!(parts.iter().map(|a| a.transfer_ids.len()).collect::<Vec<_>>(), vec![MAX_ABORT_IDS, 1]);
+        assert_eq!(parts.iter().flat_map(|a| a.transfer_ids.clone()).collect::<Vec<_>>(), ids);
+        for part in parts {
+            let bytes = frame::encode(&SideChannelRequest::Abort(part.clone())).expect("encodes");
+            assert_eq!(SideChannelRequest::decode(&bytes), Ok(SideChannelRequest::Abort(part)));
+        }
+        assert!(AbortPull::split(7, vec![]).is_empty());
+        // A header cut short is not an abort's count: the frame decoder reports it.
+        assert!(matches!(SideChannelRequest::decode(&big[..7]), Err(RequestError::Frame(_))));
+    }
+
+    /// The largest pull D could send fits the frame cap with room to spare: 1,024 requests (four
+    /// times vLLM's default `max_num_seqs`) sharing 262,144 distinct blocks (a 1B model's KV on
+    /// one H200) in three KV-cache groups, each with a traceparent, and a full 512-region layout.
+    #[test]
+    fn the_largest_pull_is_a_small_fraction_of_the_frame_cap() {
+        use crate::kv_groups::BlockSpan;
+        use crate::layout::RegionDesc;
+        let reqs = (0..1024u32)
+            .map(|r| PullReq {
+                d_req_id: format!("cmpl-{r:032x}-0").into(),
+                transfer_id: format!("xfer-{r:032x}").into(),
+                block_ids: GroupBlocks(
+                    (0..3)
+                        .map(|g| BlockSpan {
+                            first: Some(0),
+                            ids: (0..256).filter(|b| b % 3 == g).map(|b| r * 256 + b + 200_000).collect(),
+                        })
+                        .collect(),
+                ),
+                traceparent: Some(format!("00-{r:032x}-{r:016x}-01")),
+                fence: u64::MAX,
+            })
+            .collect();
+        let pull = SideChannelRequest::Pull(PullRequest {
+            pull_id: u64::MAX,
+            engine_id: "d".repeat(64),
+            data_addr: "255.255.255.255:65535".into(),
+            tp_size: 8,
+            tp_rank: 7,
+            pp_size: 8,
+            layout_id: u64::MAX,
+            layout: Some(KvLayout {
+                layout_id: u64::MAX,
+                regions: vec![RegionDesc { base_addr: u64::MAX, len: u64::MAX, block_len: u64::MAX }; 512],
+            }),
+            reqs,
+            traceparent: Some("00-0123456789abcdef0123456789abcdef-0123456789abcdef-01".into()),
+            p_generation: u64::MAX,
+            deadline_ms: u64::MAX,
+            pp_rank: 7,
+            p_world: (8, 8),
+        });
+        let len = frame::encode(&pull).expect("encodes").len();
+        eprintln!("largest pull: {len} bytes");
+        assert!(len < frame::MAX_FRAME_LEN / 4, "{len} bytes");
     }
 }
 

@@ -51,15 +51,18 @@ const REBIND_DEADLINE: std::time::Duration = std::time::Duration::from_secs(5);
 /// Binds `tcp://{bind_host}:{port}` (0: any port) and starts the reader and writer tasks.
 /// With TLS in `auth`, every connection's handshake comes first; a failed one is counted (a
 /// stranger) or logged by the accept watcher, and never reaches the listener.
+/// The socket holds what [`ListenerAuth`]'s limits allow (its idle timeout outlasting
+/// `ready_timeout`); a peer past one is closed and counted.
 pub(super) async fn start(
     bind_host: &str,
     port: u16,
     auth: &ListenerAuth,
+    ready_timeout: std::time::Duration,
     listener: ActorRef<SenderListener>,
     cancel: CancellationToken,
 ) -> Result<SideChannel, ActorError> {
     let bind_addr = format!("tcp://{bind_host}:{port}");
-    let mut socket = RouterSocket::with_options(auth.socket_options());
+    let mut socket = RouterSocket::with_options(auth.socket_options(ready_timeout));
     let accepts = socket.monitor();
     // A restarted listener re-binds its old port: the previous incarnation's socket closes
     // asynchronously, so the port may stay busy for a moment. Retry within a short deadline.

@@ -1,4 +1,4 @@
-//! Why a secret could not be loaded, and why a peer's proof was refused.
+//! Why a secret could not be loaded, and why a peer was refused (its proof, or a socket's limit).
 
 /// A cluster secret that cannot be used.
 #[derive(Debug, thiserror::Error)]
@@ -39,6 +39,22 @@ pub enum Refusal {
     /// This side holds the secret and the peer proved nothing: the peer is not trusted.
     #[error("the peer did not prove that it holds the cluster secret")]
     Unproven,
+    /// A message passed the socket's size limit (a hostile peer, or a limit set below a real
+    /// message: raise it only then).
+    #[error("the peer's message passed the socket's size limit")]
+    MessageTooLarge,
+    /// A message had more frames than the socket accepts.
+    #[error("the peer's message passed the socket's frame limit")]
+    TooManyFrames,
+    /// The socket already holds its most connections, in all or from the peer's address.
+    #[error("the socket holds its most connections (in all, or from this peer's address)")]
+    TooManyConnections,
+    /// The peer finished no handshake, or no message, within the socket's deadline: closed.
+    #[error("the peer finished no handshake or message within the socket's deadline")]
+    IdleTimeout,
+    /// A message names more items (an abort's transfer ids) than one message may.
+    #[error("the peer's message names more items than one message may (split it)")]
+    TooManyIds,
 }
 
 impl Refusal {
@@ -52,6 +68,11 @@ impl Refusal {
             Refusal::Replayed => "replayed",
             Refusal::Malformed => "malformed",
             Refusal::Unproven => "unproven",
+            Refusal::MessageTooLarge => "message_too_large",
+            Refusal::TooManyFrames => "too_many_frames",
+            Refusal::TooManyConnections => "too_many_connections",
+            Refusal::IdleTimeout => "idle_timeout",
+            Refusal::TooManyIds => "too_many_ids",
         }
     }
 }

@@ -1,6 +1,6 @@
-//! What happens when a peer is refused: counted in `/metrics`
-//! (`pdflow_auth_refusals_total{socket,cause}`) and logged once per socket and peer address, so
-//! that a flood of forgeries is one warning per attacker, not one per attempt.
+//! What happens when a peer is refused (for its proof, or for passing one of a socket's limits):
+//! counted in `/metrics` (`pdflow_auth_refusals_total{socket,cause}`) and logged once per socket
+//! and peer address, so that a flood of forgeries is one warning per attacker, not one per attempt.
 
 use std::collections::HashSet;
 use std::sync::{Mutex, OnceLock};

@@ -7,6 +7,7 @@ mod dealer;
 mod endpoint;
 mod error;
 mod fair_queue;
+mod limits;
 mod message;
 mod r#pub;
 mod pull;
@@ -199,6 +200,7 @@ pub mod __bench {
 pub use crate::dealer::*;
 pub use crate::endpoint::{Endpoint, Host, Transport, TryIntoEndpoint};
 pub use crate::error::{ZmqError, ZmqResult};
+pub use crate::limits::{LimitHit, LimitHook, LimitKind, SocketLimits};
 pub use crate::message::*;
 pub use crate::pull::*;
 pub use crate::push::*;
@@ -356,6 +358,11 @@ pub struct SocketOptions {
     /// pdflow patch: TLS over every tcp connection of the socket, when set.
     #[cfg(feature = "tls")]
     pub(crate) tls: Option<TlsOption>,
+    /// pdflow patch: what a peer may make the socket hold (see [`SocketLimits`]), the hook told
+    /// of each limit hit, and the accepted connections counted against the caps.
+    pub(crate) limits: SocketLimits,
+    pub(crate) on_limit: Option<LimitHook>,
+    pub(crate) connection_slots: Arc<limits::ConnectionSlots>,
 }
 
 /// pdflow patch: TLS on the tcp transport (rustls): a connecting socket's client side, or a
@@ -394,6 +401,9 @@ impl Default for SocketOptions {
             read_buffer_short_reads: 2,
             #[cfg(feature = "tls")]
             tls: None,
+            limits: SocketLimits::default(),
+            on_limit: None,
+            connection_slots: Arc::default(),
         }
     }
 }
@@ -403,6 +413,20 @@ impl SocketOptions {
     #[cfg(feature = "tls")]
     pub fn tls(&mut self, tls: TlsOption) -> &mut Self {
         self.tls = Some(tls);
+        self
+    }
+
+    /// pdflow patch: what a peer may make the socket hold (set before constructing it); every
+    /// limit is off by default. See [`SocketLimits`].
+    pub fn limits(&mut self, limits: SocketLimits) -> &mut Self {
+        self.limits = limits;
+        self
+    }
+
+    /// pdflow patch: called with each [`LimitHit`] (from the socket's tasks, so it must not
+    /// block), before the offending connection is closed.
+    pub fn on_limit(&mut self, hook: impl Fn(&LimitHit) + Send + Sync + 'static) -> &mut Self {
+        self.on_limit = Some(Arc::new(hook));
         self
     }
 

@@ -16,6 +16,9 @@ pub enum CodecError {
     Io(#[from] std::io::Error),
     #[error("{0}")]
     Other(&'static str),
+    /// pdflow patch: the peer hit one of the socket's limits (`SocketOptions::limits`).
+    #[error("peer refused: {0}")]
+    Limit(crate::LimitKind),
 }
 
 pub(crate) type CodecResult<T> = Result<T, CodecError>;

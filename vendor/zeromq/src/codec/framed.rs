@@ -1,4 +1,5 @@
 use crate::codec::ZmqCodec;
+use crate::limits::{self, ReadDeadline};
 use crate::SocketOptions;
 
 use super::error::{CodecError, CodecResult};
@@ -9,6 +10,7 @@ use bytes::BytesMut;
 use futures::{ready, AsyncRead, AsyncWrite, Stream};
 
 use std::io;
+use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
@@ -35,6 +37,11 @@ pub struct ZmqFramedRead {
     // Configuration is shared; adaptation state belongs to this connection.
     options: Arc<SocketOptions>,
     short_reads: usize,
+    // pdflow patch: the connection's handshake/idle deadline, its peer (for the limit hook), and
+    // whether a deadline has closed it.
+    deadline: ReadDeadline,
+    peer: Option<SocketAddr>,
+    expired: bool,
 }
 
 impl ZmqFramedRead {
@@ -44,9 +51,37 @@ impl ZmqFramedRead {
             codec: ZmqCodec::with_options(&options),
             buffer: BytesMut::with_capacity(options.read_buffer_initial_size),
             read_chunk_size: options.read_buffer_initial_size,
+            deadline: ReadDeadline::new(&options.limits),
             options,
             short_reads: 0,
+            peer: None,
+            expired: false,
         }
+    }
+
+    /// pdflow patch: the peer's address, named when it hits a limit.
+    pub(crate) fn set_peer(&mut self, peer: SocketAddr) {
+        self.peer = Some(peer);
+    }
+
+    /// pdflow patch: decodes what is buffered (`eof`: the stream has ended); a complete command or
+    /// message pushes the deadline back, a limit hit is reported to the socket's hook.
+    fn decode(&mut self, eof: bool) -> CodecResult<Option<Message>> {
+        let decoded = if eof {
+            self.codec.decode_eof(&mut self.buffer)
+        } else {
+            self.codec.decode(&mut self.buffer)
+        };
+        match &decoded {
+            Ok(Some(Message::Greeting(_))) | Ok(None) => {}
+            Ok(Some(_)) => self.deadline.on_progress(),
+            Err(CodecError::Limit(kind)) => {
+                self.expired = true;
+                limits::report(self.options.on_limit.as_ref(), *kind, self.peer);
+            }
+            Err(_) => {}
+        }
+        decoded
     }
 
     fn poll_read_into_buffer(
@@ -109,18 +144,27 @@ impl Stream for ZmqFramedRead {
 
     fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
         let this = &mut *self;
+        if this.expired {
+            return Poll::Ready(None);
+        }
 
         // Consume buffered data first; read from the socket only when the
         // current buffer cannot produce a full message.
-        if let Some(item) = this.codec.decode(&mut this.buffer)? {
+        if let Some(item) = this.decode(false)? {
             return Poll::Ready(Some(Ok(item)));
         }
 
         loop {
+            // pdflow patch: a peer past its handshake or idle deadline is closed.
+            if let Some(kind) = this.deadline.poll_expired(cx) {
+                this.expired = true;
+                limits::report(this.options.on_limit.as_ref(), kind, this.peer);
+                return Poll::Ready(Some(Err(CodecError::Limit(kind))));
+            }
             let min_read_size = this.codec.bytes_needed(this.buffer.len());
             let n = ready!(this.poll_read_into_buffer(cx, min_read_size))?;
             let ended = n == 0;
-            match this.codec.decode(&mut this.buffer)? {
+            match this.decode(false)? {
                 Some(item) => return Poll::Ready(Some(Ok(item))),
                 None if ended => {
                     // Give the decoder one final chance at EOF; leftover bytes
@@ -128,7 +172,7 @@ impl Stream for ZmqFramedRead {
                     if this.buffer.is_empty() {
                         return Poll::Ready(None);
                     }
-                    match this.codec.decode_eof(&mut this.buffer)? {
+                    match this.decode(true)? {
                         Some(item) => return Poll::Ready(Some(Ok(item))),
                         None if this.buffer.is_empty() => return Poll::Ready(None),
                         None => {

@@ -37,6 +37,12 @@ pub struct ZmqCodec {
     // internal details to higher levels
     buffered_message: Option<ZmqMessage>,
     max_read_chunk_size: usize,
+    // pdflow patch: the socket's caps on one multipart message (usize::MAX: none), and what the
+    // message being read holds so far (frames counted at their header, bytes at their length).
+    max_message_len: usize,
+    max_message_frames: usize,
+    message_len: usize,
+    message_frames: usize,
 }
 
 impl ZmqCodec {
@@ -50,6 +56,10 @@ impl ZmqCodec {
             waiting_for: 64, // len of the greeting frame
             buffered_message: None,
             max_read_chunk_size: options.read_buffer_max_size,
+            max_message_len: options.limits.max_message_len.unwrap_or(usize::MAX),
+            max_message_frames: options.limits.max_message_frames.unwrap_or(usize::MAX),
+            message_len: 0,
+            message_frames: 0,
         }
     }
 
@@ -108,6 +118,13 @@ impl Decoder for ZmqCodec {
                         long: (flags & 0b0000_0010) != 0,
                         more: (flags & 0b0000_0001) != 0,
                     };
+                    // pdflow patch: a message's frames are counted as their headers arrive.
+                    if !frame.command {
+                        self.message_frames += 1;
+                        if self.message_frames > self.max_message_frames {
+                            return Err(CodecError::Limit(crate::LimitKind::TooManyFrames));
+                        }
+                    }
                     self.state = DecoderState::FrameLen(frame);
                     self.waiting_for = if frame.long { 8 } else { 1 };
                 }
@@ -133,6 +150,15 @@ impl Decoder for ZmqCodec {
                     if frame_len > MAX_FRAME_LEN {
                         return Err(CodecError::Decode("Frame length exceeds the 64 MiB limit"));
                     }
+                    // pdflow patch: and a frame that would take its message (or a command) past
+                    // the socket's per-message cap, before anything is reserved for it.
+                    let held = if frame.command { 0 } else { self.message_len };
+                    if frame_len > self.max_message_len.saturating_sub(held) {
+                        return Err(CodecError::Limit(crate::LimitKind::MessageTooLarge));
+                    }
+                    if !frame.command {
+                        self.message_len += frame_len;
+                    }
                     self.state = DecoderState::Frame(frame);
                     self.waiting_for = frame_len;
                 }
@@ -151,6 +177,9 @@ impl Decoder for ZmqCodec {
                     }
 
                     if !frame.more {
+                        // pdflow patch: the next frame starts a new message.
+                        self.message_len = 0;
+                        self.message_frames = 0;
                         // Quoth the Raven “Nevermore.”
                         return Ok(Some(Message::Message(
                             self.buffered_message

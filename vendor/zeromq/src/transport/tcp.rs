@@ -11,6 +11,9 @@ use super::AcceptStopHandle;
 use crate::async_rt;
 use crate::codec::FramedIo;
 use crate::endpoint::{Endpoint, Host, Port};
+#[cfg(feature = "tokio-runtime")]
+use crate::limits::Slotted;
+use crate::limits::{self, SlotGuard};
 use crate::task_handle::TaskHandle;
 use crate::ZmqResult;
 
@@ -74,11 +77,12 @@ async fn accept_tls(
     raw_socket: TcpStream,
     remote_addr: std::net::SocketAddr,
     options: Arc<crate::SocketOptions>,
+    slot: SlotGuard,
 ) -> ZmqResult<(FramedIo, Endpoint)> {
     let acceptor = tokio_rustls::TlsAcceptor::from(config);
     match tokio::time::timeout(TLS_HANDSHAKE_TIMEOUT, acceptor.accept(raw_socket)).await {
         Ok(Ok(stream)) => Ok((
-            make_framed(stream, options),
+            framed_accepted(stream, options, slot, remote_addr),
             Endpoint::from_tcp_addr(remote_addr),
         )),
         Ok(Err(e)) => Err(crate::ZmqError::Network(std::io::Error::new(
@@ -153,42 +157,49 @@ where
         loop {
             select! {
                 incoming = listener.accept().fuse() => {
+                    let (raw_socket, remote_addr) = match incoming {
+                        Ok(accepted) => accepted,
+                        Err(e) => {
+                            async_rt::task::spawn(cback(Err(e.into())));
+                            // pdflow patch: out of descriptors, accept fails at once and the
+                            // listener stays readable; pause rather than spin on it.
+                            async_rt::task::sleep(ACCEPT_ERROR_PAUSE).await;
+                            continue;
+                        }
+                    };
+                    // pdflow patch: a connection past the socket's caps is closed at once (its
+                    // refusal reported to the socket's hook); the others hold a slot until closed.
+                    let slot = match options.connection_slots.acquire(&options.limits, remote_addr) {
+                        Ok(slot) => slot,
+                        Err(kind) => {
+                            limits::report(options.on_limit.as_ref(), kind, Some(remote_addr));
+                            drop(raw_socket);
+                            continue;
+                        }
+                    };
                     // pdflow patch: with TLS, each handshake runs in a task of its own (a slow
                     // peer never holds up the accept loop), then the connection goes on as usual.
                     #[cfg(all(feature = "tls", feature = "tokio-runtime"))]
                     if let Some(crate::TlsOption::Server { config }) = &options.tls {
-                        match incoming {
-                            Ok((raw_socket, remote_addr)) => {
-                                let _ = raw_socket.set_nodelay(true);
-                                tune_socket_buffers(&raw_socket);
-                                let (config, options, cback) =
-                                    (Arc::clone(config), Arc::clone(&options), Arc::clone(&cback));
-                                async_rt::task::spawn(async move {
-                                    cback(accept_tls(config, raw_socket, remote_addr, options).await).await
-                                });
-                            }
-                            Err(e) => {
-                                async_rt::task::spawn(cback(Err(e.into())));
-                            }
-                        }
+                        let _ = raw_socket.set_nodelay(true);
+                        tune_socket_buffers(&raw_socket);
+                        let (config, options, cback) =
+                            (Arc::clone(config), Arc::clone(&options), Arc::clone(&cback));
+                        async_rt::task::spawn(async move {
+                            cback(accept_tls(config, raw_socket, remote_addr, options, slot).await).await
+                        });
                         continue;
                     }
-                    let maybe_accepted: Result<_, _> = incoming
-                        .and_then(|(raw_socket, remote_addr)| {
-                            raw_socket
-                                .set_nodelay(true)
-                                .map(|_| {
-                                    tune_socket_buffers(&raw_socket);
-                                    (raw_socket, remote_addr)
-                                })
-                        })
-                        .map(|(raw_socket, remote_addr)| {
-                            (
-                                make_framed(raw_socket, Arc::clone(&options)),
+                    let maybe_accepted = match raw_socket.set_nodelay(true) {
+                        Ok(()) => {
+                            tune_socket_buffers(&raw_socket);
+                            Ok((
+                                framed_accepted(raw_socket, Arc::clone(&options), slot, remote_addr),
                                 Endpoint::from_tcp_addr(remote_addr),
-                            )
-                        })
-                        .map_err(|err| err.into());
+                            ))
+                        }
+                        Err(e) => Err(e.into()),
+                    };
                     async_rt::task::spawn(cback(maybe_accepted));
                 }
                 _ = stop_callback => {
@@ -202,6 +213,32 @@ where
         endpoint,
         AcceptStopHandle(TaskHandle::new(stop_channel, task_handle)),
     ))
+}
+
+/// pdflow patch: how long the accept loop pauses after a failed accept.
+const ACCEPT_ERROR_PAUSE: std::time::Duration = std::time::Duration::from_millis(10);
+
+/// pdflow patch: an accepted connection's framing, holding its slot (given back once both halves
+/// are dropped) and naming its peer when it hits a limit.
+#[cfg(feature = "tokio-runtime")]
+fn framed_accepted<T>(
+    stream: T,
+    options: Arc<crate::SocketOptions>,
+    slot: SlotGuard,
+    remote_addr: std::net::SocketAddr,
+) -> FramedIo
+where
+    T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + Sync + 'static,
+{
+    let mut framed = make_framed(
+        Slotted {
+            inner: stream,
+            _slot: slot,
+        },
+        options,
+    );
+    framed.read_half.set_peer(remote_addr);
+    framed
 }
 
 #[cfg(feature = "tokio-runtime")]
