@@ -569,6 +569,23 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn an_address_no_p_serves_any_more_fails_well_before_the_deadline() {
+        // A cached address of a P that has gone away: refused, retried briefly, then reported
+        // (the Receiver drops the cached look-up) — not at the connect timeout (half the deadline).
+        let dead = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("binds");
+        let addr = format!("tcp://{}", dead.local_addr().expect("addr"));
+        drop(dead);
+        let started = std::time::Instant::now();
+        let (_task, mut rx) = spawn(&addr, &["a"], Duration::from_secs(35));
+        let Reported::Transport(failed) = next(&mut rx).await else { panic!("expected a transport failure first") };
+        assert_eq!(failed.worker_addr, addr);
+        let waited = started.elapsed();
+        // 0.35 s of retries on a quiet machine; far below the 17.5 s connect timeout on a loaded one.
+        assert!(waited < Duration::from_secs(5), "a refused address failed after {waited:?}");
+        assert!(waited >= crate::side_channel_auth::REFUSED_RETRY_FOR / 2, "retried before failing: {waited:?}");
+    }
+
+    #[tokio::test]
     async fn an_error_p_could_not_address_to_the_pull_fails_it_at_once() {
         let mut p = FakeP::start().await;
         let started = std::time::Instant::now();

@@ -154,11 +154,18 @@ pub struct PullAuth {
     pub tls: Option<TlsIdentity>,
 }
 
+/// How long D keeps connecting to a P worker address that refuses connections: a listener the
+/// supervisor restarts rebinds within it; an address no P serves any more (P moved or died) fails
+/// the pull then, and its cached look-up with it, instead of at the connect timeout.
+pub(crate) const REFUSED_RETRY_FOR: Duration = Duration::from_millis(500);
+
 impl PullAuth {
-    /// A DEALER socket's options: `connect_timeout`, and TLS's client side when on.
+    /// A DEALER socket's options: `connect_timeout` (a refused connection — no P listens at the
+    /// address any more — is retried for [`REFUSED_RETRY_FOR`] only), and TLS's client side when on.
     pub(crate) fn socket_options(&self, connect_timeout: Duration) -> SocketOptions {
         let mut options = SocketOptions::default();
         options.connect_timeout(connect_timeout);
+        options.refused_retry_for(REFUSED_RETRY_FOR.min(connect_timeout));
         if let Some(tls) = &self.tls {
             options.tls(TlsOption::Client { config: tls.client_config(), server_name: TlsIdentity::server_name() });
         }

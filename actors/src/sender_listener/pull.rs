@@ -29,10 +29,17 @@ struct RoutedPull<'a> {
 }
 
 /// A pull must name at least one request, each once.
-fn check_reqs(pull: &PullRequest) -> Result<(), &'static str> {
+fn check_reqs(pull: &PullRequest) -> Result<(), String> {
     let mut d_reqs = BTreeSet::new();
     if pull.reqs.is_empty() || !pull.reqs.iter().all(|r| d_reqs.insert(r.d_req_id.as_str())) {
-        return Err("a pull must name at least one request, each d_req_id once");
+        return Err("a pull must name at least one request, each d_req_id once".into());
+    }
+    if pull.tp_rank >= pull.tp_size.max(1) || pull.pp_rank >= pull.pp_size.max(1) {
+        // Nothing of P's KV belongs to such a rank: answering "ok" with 0 bytes would hide it.
+        return Err(format!(
+            "the pull comes from D rank tp {} of {}, pp {} of {}, which does not exist: nothing is written",
+            pull.tp_rank, pull.tp_size, pull.pp_rank, pull.pp_size
+        ));
     }
     Ok(())
 }
@@ -128,7 +135,7 @@ impl SenderListener {
     pub(super) async fn on_pull(&mut self, identity: Bytes, pull: PullRequest, me: &ActorRef<Self>) {
         let received = std::time::Instant::now();
         if let Err(why) = check_reqs(&pull) {
-            tracing::warn!(pull_id = pull.pull_id, engine_id = %pull.engine_id, why);
+            tracing::warn!(pull_id = pull.pull_id, engine_id = %pull.engine_id, "{why}");
             self.send(identity, &PullResponse::error(pull.pull_id, why));
             return;
         }

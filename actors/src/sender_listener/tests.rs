@@ -366,6 +366,26 @@ async fn a_pull_that_sees_another_p_world_is_refused_and_nothing_is_written() {
 }
 
 #[tokio::test]
+async fn a_pull_from_a_d_rank_that_does_not_exist_is_refused_and_nothing_is_written() {
+    let mut h = harness(Duration::from_secs(30)).await;
+    h.record(&[("cmpl-p1", "xfer-r", vec![3, 4])], &[]).await;
+    for (tp_size, tp_rank, pp_size, pp_rank) in [(2, 2, 1, 0), (1, 0, 1, 1), (1, 7, 1, 0)] {
+        let SideChannelRequest::Pull(pull) = h.pull(31, &[("cmpl-d1", "xfer-r", vec![20, 21])], true) else {
+            unreachable!("the harness makes pulls")
+        };
+        h.send(&SideChannelRequest::Pull(PullRequest { tp_size, tp_rank, pp_size, pp_rank, ..pull })).await;
+        let resp = h.recv().await;
+        assert_eq!((resp.pull_id, resp.status), (31, PullStatus::Error), "{resp:?}");
+        assert!(resp.error.as_deref().is_some_and(|e| e.contains("does not exist")), "{:?}", resp.error);
+        assert_eq!(h.d.blocks_checksum(&[20, 21]).ok(), KvCache::new(SHAPE, 32).blocks_checksum(&[20, 21]).ok());
+    }
+    // The transfer is still P's to serve to the D rank that exists.
+    h.send(&h.pull(32, &[("cmpl-d1", "xfer-r", vec![20, 21])], true)).await;
+    assert_eq!(h.recv().await.ok_reqs, vec!["cmpl-d1"]);
+    h.assert_copied(&[3, 4], &[20, 21]);
+}
+
+#[tokio::test]
 async fn unknown_layout_is_an_error_for_every_request() {
     let mut h = harness(Duration::from_secs(30)).await;
     h.send(&h.pull(6, &[("cmpl-d1", "xfer-u1", vec![1]), ("cmpl-d2", "xfer-u2", vec![2])], false)).await;

@@ -351,6 +351,9 @@ pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(30);
 pub struct SocketOptions {
     pub(crate) peer_id: Option<PeerIdentity>,
     pub(crate) connect_timeout: Option<Duration>,
+    /// pdflow patch: how long `connect` keeps retrying a refused connection (no one listens at
+    /// the address) before it fails with the refusal; `None`: until the connect timeout.
+    pub(crate) refused_retry_for: Option<Duration>,
     pub(crate) read_buffer_initial_size: usize,
     // Shared by read preparation and decoder reservation.
     pub(crate) read_buffer_max_size: usize,
@@ -396,6 +399,7 @@ impl Default for SocketOptions {
         Self {
             peer_id: None,
             connect_timeout: Some(DEFAULT_CONNECT_TIMEOUT),
+            refused_retry_for: None,
             read_buffer_initial_size: 128,
             read_buffer_max_size: 64 * 1024,
             read_buffer_short_reads: 2,
@@ -493,6 +497,14 @@ impl SocketOptions {
 
     pub fn no_connect_timeout(&mut self) -> &mut Self {
         self.connect_timeout = None;
+        self
+    }
+
+    /// pdflow patch: `connect` gives a refused connection up after `window` of retries (a
+    /// listener that is rebinding comes back within it; an address no one serves any more fails
+    /// fast instead of at the connect timeout).
+    pub fn refused_retry_for(&mut self, window: Duration) -> &mut Self {
+        self.refused_retry_for = Some(window);
         self
     }
 }

@@ -246,9 +246,19 @@ pub(crate) async fn connect_forever(
     const INITIAL: Duration = Duration::from_millis(50);
     const MAX: Duration = Duration::from_secs(30);
     let mut delay = INITIAL;
+    // pdflow patch: a refused connection is retried within `refused_retry_for` only.
+    let started = std::time::Instant::now();
     loop {
         match transport::connect(&endpoint, Arc::clone(&options)).await {
             Ok(res) => return Ok(res),
+            Err(e)
+                if is_retryable_connect_error(&endpoint, &e)
+                    && options
+                        .refused_retry_for
+                        .is_some_and(|window| started.elapsed() + delay > window) =>
+            {
+                return Err(e)
+            }
             Err(e) if is_retryable_connect_error(&endpoint, &e) => {
                 let jitter = rand::rng().random_range(0.0f64..0.1f64);
                 async_rt::task::sleep(delay + delay.mul_f64(jitter)).await;
