@@ -317,7 +317,14 @@ fn router(http: Http) -> Router {
         .route("/register", post(http_register))
         .route("/query", get(http_query))
         .route("/health", get(|| async { Json(serde_json::json!({"status": "ok"})) }))
+        // This process's counters (refused calls and connections among them), as the proxy's.
+        .route("/metrics", get(metrics))
         .with_state(http)
+}
+
+async fn metrics() -> Response {
+    use pdflow_observability::metrics as m;
+    ([(axum::http::header::CONTENT_TYPE, m::CONTENT_TYPE)], m::global().render()).into_response()
 }
 
 /// A call refused before admission: 401, unsealed, saying what to do.
@@ -409,6 +416,30 @@ mod tests {
             .expect("bootstrap answers in time")
             .expect("bootstrap started");
         (actor, format!("http://{addr}"))
+    }
+
+    #[tokio::test]
+    async fn refused_calls_are_counted_in_the_bootstrap_s_own_metrics() {
+        let secret = ClusterSecret::from_text("0123456789abcdef-bootstrap-metrics").expect("a valid secret");
+        let actor =
+            Bootstrap::spawn(BootstrapArgs { bind: "127.0.0.1:0".parse().expect("addr"), secret: Some(secret) });
+        let addr = tokio::time::timeout(Duration::from_secs(5), actor.ask(BootstrapAddr))
+            .await
+            .expect("bootstrap answers in time")
+            .expect("bootstrap started");
+        let base = format!("http://{addr}");
+        let client = reqwest::Client::new();
+        let unsigned = client.get(format!("{base}/query")).send().await.expect("an answer");
+        assert_eq!(unsigned.status(), 401);
+        let metrics = client.get(format!("{base}/metrics")).send().await.expect("metrics");
+        assert_eq!(metrics.status(), 200);
+        let text = metrics.text().await.expect("text");
+        let refused = text
+            .lines()
+            .find(|l| l.starts_with("pdflow_auth_refusals_total{") && l.contains("socket=\"bootstrap\""))
+            .unwrap_or_else(|| panic!("no bootstrap refusal in /metrics:\n{text}"));
+        let count: f64 = refused.rsplit(' ').next().and_then(|v| v.parse().ok()).expect("a count");
+        assert!(count >= 1.0, "{refused}");
     }
 
     fn seed_worker() -> serde_json::Value {
