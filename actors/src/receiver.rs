@@ -96,6 +96,20 @@ pub(crate) struct EngineAt {
     pub engine_id: EngineId,
 }
 
+impl EngineAt {
+    /// `engine_id` at the bootstrap `bootstrap` names, in one spelling (`http://host:port`, as the
+    /// proxy writes it; vLLM's proxies may leave the scheme out), so that both name one entry.
+    pub(crate) fn new(bootstrap: &str, engine_id: EngineId) -> Self {
+        let base = bootstrap.trim().trim_end_matches('/');
+        let bootstrap = if base.starts_with("http://") || base.starts_with("https://") {
+            base.to_string()
+        } else {
+            format!("http://{base}")
+        };
+        Self { bootstrap, engine_id }
+    }
+}
+
 impl std::fmt::Display for EngineAt {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "P engine {} (bootstrap {})", self.engine_id, self.bootstrap)
@@ -218,19 +232,18 @@ impl Message<StartLoadKv> for Receiver {
                 span.record(attrs::TRACEPARENT, tp.as_str());
             }
         }
-        let mut by_engine: BTreeMap<(String, EngineId), BTreeMap<RequestId, _>> = BTreeMap::new();
+        let mut by_engine: HashMap<EngineAt, BTreeMap<RequestId, _>> = HashMap::new();
         for (engine_id, metas) in msg.reqs_to_recv {
             for (req, meta) in metas {
                 if self.is_known(&req) {
                     tracing::warn!(request_id = %req, "pull already in flight for this request: duplicate ignored");
                 } else {
-                    let key = (meta.remote_bootstrap_addr.clone(), engine_id.clone());
-                    by_engine.entry(key).or_default().insert(req, meta);
+                    let engine = EngineAt::new(&meta.remote_bootstrap_addr, engine_id.clone());
+                    by_engine.entry(engine).or_default().insert(req, meta);
                 }
             }
         }
-        for ((bootstrap, engine_id), fresh) in by_engine {
-            let engine = EngineAt { bootstrap, engine_id };
+        for (engine, fresh) in by_engine {
             if self.remote_agents.contains_key(&engine) {
                 self.start_pulls(&engine, fresh.into_values().collect(), &me).await;
             } else if let Some(lookup) = self.lookups.get_mut(&engine) {

@@ -468,6 +468,23 @@ async fn unknown_layout_is_retried_once_with_the_full_layout() {
 }
 
 #[tokio::test]
+async fn one_bootstrap_spelled_two_ways_is_looked_up_once() {
+    let mut h = Harness::start(Duration::from_secs(5)).await;
+    h.pull(vec![h.meta("a", vec![1])]).await;
+    let (id, pull) = h.next_pull().await;
+    h.p.reply(&id, &finish(&pull, &["a"]));
+    h.settled("a", WAIT).await;
+    // vLLM's proxies may name the bootstrap without its scheme (and with a trailing slash).
+    let mut meta = h.meta("b", vec![2]);
+    meta.remote_bootstrap_addr = format!("{}/", h.bootstrap.addr.trim_start_matches("http://"));
+    h.pull(vec![meta]).await;
+    let (id, pull) = h.next_pull().await;
+    h.p.reply(&id, &finish(&pull, &["b"]));
+    assert!(h.settled("b", WAIT).await.finished_recving.contains("b"));
+    assert_eq!(h.bootstrap.calls(), 1, "the cached look-up served both spellings");
+}
+
+#[tokio::test]
 async fn dead_cached_worker_drops_the_cache_entry() {
     let mut h = Harness::start(Duration::from_millis(500)).await;
     h.pull(vec![h.meta("a", vec![1])]).await;
