@@ -21,7 +21,8 @@ from __future__ import annotations
 import pytest
 
 import hybrid_cluster
-from hybrid_cluster import assert_through_proxy_equals_alone, killed_p_then_decode, no_block_held
+from cluster import completion_tokens, prompt_of
+from hybrid_cluster import MAX_TOKENS, assert_through_proxy_equals_alone, killed_p_then_decode, no_block_held, sources
 
 BLOCK = 128
 GDN_LAYERS = 3
@@ -52,6 +53,42 @@ def test_qwen3_5_shaped_gdn_hybrid_through_the_proxy_equals_a_server_alone(qwen3
         # Three GDN groups (one state page each) and the attention group's blocks.
         assert len(groups) == GDN_LAYERS + 1, f"{length} tokens: {groups}"
         assert groups.count(1) >= GDN_LAYERS and sum(groups) == GDN_LAYERS + attention, f"{length} tokens: {groups}"
+    no_block_held(qwen3_5.p, qwen3_5.d)
+
+
+def test_qwen3_5_shaped_prompts_d_has_seen_load_what_d_lacks_and_compute_at_least_one_token(qwen3_5):
+    # D's prefix cache after loaded prompts (vLLM's `align` mode keeps GDN states at block
+    # boundaries D computed): the same prompt again, and one sharing its first blocks, come out as
+    # P alone's, D loading at most what its cache lacks and never left with zero tokens to compute
+    # (vLLM #53514: Mamba's N-1 with a local hit).
+    first = prompt_of(4 * BLOCK + 26, seed=5600)
+    second = first[: 4 * BLOCK] + prompt_of(60, seed=5602)
+    for what, prompt in (("first", first), ("the same again", first), ("sharing 4 blocks", second)):
+        local, external = sources(qwen3_5.d)
+        got = completion_tokens(qwen3_5.proxy.url, prompt, MAX_TOKENS)
+        qwen3_5.assert_as_alone(got, prompt, what)
+        local_after, external_after = sources(qwen3_5.d)
+        computed, loaded = local_after - local, external_after - external
+        assert computed >= 1, f"{what}: D computed no prompt token (loaded {loaded})"
+        assert computed + loaded <= len(prompt), f"{what}: D computed {computed} and loaded {loaded} of {len(prompt)}"
+    no_block_held(qwen3_5.p, qwen3_5.d)
+
+
+def test_qwen3_5_shaped_partial_prefix_hit_on_d_loads_only_what_d_lacks(qwen3_5):
+    # D computed a prompt alone (its GDN states cached at block boundaries, vLLM's `align` mode,
+    # and its attention blocks): a P/D request sharing its first 4 blocks hits them in every group
+    # on D, which loads from P the attention blocks after them and the GDN states at N - 1.
+    first = prompt_of(4 * BLOCK + 40, seed=5700)
+    second = first[: 4 * BLOCK] + prompt_of(50, seed=5702)
+    assert completion_tokens(qwen3_5.d.url, first, MAX_TOKENS)
+    local, external = sources(qwen3_5.d)
+    got = completion_tokens(qwen3_5.proxy.url, second, MAX_TOKENS)
+    qwen3_5.assert_as_alone(got, second, "sharing 4 blocks D computed")
+    local_after, external_after = sources(qwen3_5.d)
+    computed, loaded = local_after - local, external_after - external
+    assert (computed, loaded) == (1, len(second) - 1 - 4 * BLOCK), (
+        f"D computed {computed} and loaded {loaded} of {len(second)} tokens with 4 blocks cached"
+    )
     no_block_held(qwen3_5.p, qwen3_5.d)
 
 
