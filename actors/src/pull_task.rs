@@ -308,16 +308,10 @@ async fn run(
         span.record(attrs::BYTES, bytes.len() as u64);
     }
     tracing::debug!(pull_id = args.pull_id, worker_addr = %args.worker_addr, reqs = request.reqs.len(), "sending pull");
-    socket.connect(&args.worker_addr).await.map_err(|e| {
-        let why = if crate::side_channel_auth::tls_refused(&e, &args.worker_addr) {
-            " (TLS: P's side channel does not hold the cluster secret)"
-        } else if args.auth.tls.is_some() {
-            " (is TLS on at P as well? `tls` on both ends)"
-        } else {
-            ""
-        };
-        Stop::Transport(format!("connect to {}: {e}{why}", args.worker_addr))
-    })?;
+    socket
+        .connect(&args.worker_addr)
+        .await
+        .map_err(|e| Stop::Transport(connect_failure(&e, &args.worker_addr, &args.auth)))?;
     let first_req = request.reqs.first().map(|r| r.d_req_id.as_str()).unwrap_or_default();
     let mut nonce = None;
     if let Some(bytes) = args.faults.outgoing(steps::D_SEND_PULL_META.number, first_req, bytes) {
@@ -364,6 +358,21 @@ async fn run(
 
 /// The side-channel message of a request `bytes`: sealed with the cluster secret when there is
 /// one; the nonce P's answers must be sealed to.
+/// Why D could not connect to P's side channel at `addr`, with what to change when the two ends
+/// disagree about TLS (the error alone reads as a codec error or a closed connection).
+pub(crate) fn connect_failure(error: &zeromq::ZmqError, addr: &str, auth: &PullAuth) -> String {
+    let why = if crate::side_channel_auth::tls_refused(error, addr) {
+        " (TLS: P's side channel does not hold the cluster secret)"
+    } else if auth.tls.is_some() {
+        " (is TLS on at P as well? `tls` must be set alike on both ends: `pdflow serve --tls on`, \"tls\": true in kv_connector_extra_config)"
+    } else if !matches!(error, zeromq::ZmqError::Network(e) if e.kind() == std::io::ErrorKind::ConnectionRefused) {
+        " (P's side channel did not answer in plain ZeroMQ: is TLS on at P and off here? `tls` must be set alike on both ends: `pdflow serve --tls on`, \"tls\": true in kv_connector_extra_config)"
+    } else {
+        ""
+    };
+    format!("connect to {addr}: {error}{why}")
+}
+
 fn sealed_message(auth: &PullAuth, bytes: Vec<u8>) -> (ZmqMessage, Option<pdflow_auth::Nonce>) {
     let (frames, nonce) = auth.seal(bytes);
     let mut frames = frames.into_iter().map(Bytes::from);

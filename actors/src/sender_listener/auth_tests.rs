@@ -122,6 +122,18 @@ async fn with_tls_a_holder_is_served_and_a_stranger_or_a_plain_dealer_never_reac
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 
+    // A D without TLS is told why it cannot connect, naming the setting to change.
+    let plain_d = PullAuth { secret: Some(key.clone()), tls: None };
+    let mut dealer = DealerSocket::with_options(plain_d.socket_options(Duration::from_secs(2)));
+    match tokio::time::timeout(Duration::from_secs(5), dealer.connect(&addr)).await {
+        Ok(Err(e)) => {
+            let why = crate::pull_task::connect_failure(&e, &addr, &plain_d);
+            assert!(why.contains("is TLS on at P and off here?") && why.contains("--tls on"), "{why}");
+        }
+        Ok(Ok(())) => panic!("a D without TLS connected to a TLS side channel"),
+        Err(_) => panic!("a D without TLS was not refused within its connect timeout"),
+    }
+
     // A D without TLS: whatever it sends is never answered and writes nothing.
     let mut plain = DealerSocket::new();
     let _ = tokio::time::timeout(Duration::from_secs(2), plain.connect(&addr)).await;
