@@ -74,6 +74,16 @@ impl KvTransferParams {
         }
     }
 
+    /// Names a P request's transfer after its request id when its proxy named none: vLLM's toy
+    /// proxy and vllm-router's NIXL mode send P a bare `do_remote_decode` and forward what P
+    /// answers (D's form, naming this transfer) to D, as the bridge's connector expects. Any other
+    /// form is left as it is.
+    pub fn name_transfer_after(&mut self, request_id: &str) {
+        if self.do_remote_decode && !self.do_remote_prefill && self.transfer_id.as_deref().is_none_or(str::is_empty) {
+            self.transfer_id = Some(request_id.to_owned());
+        }
+    }
+
     /// Parses the JSON value a request carried.
     pub fn from_json(value: &serde_json::Value) -> Result<Self, KvTransferParamsError> {
         serde_json::from_value(value.clone()).map_err(|e| KvTransferParamsError::Malformed(e.to_string()))
@@ -118,6 +128,22 @@ mod tests {
         let d = KvTransferParams::for_decode("xfer-1", "http://127.0.0.1:8998", "e1");
         let back = KvTransferParams::from_json(&serde_json::to_value(&d).expect("serialises")).expect("parses");
         assert_eq!(back, d);
+    }
+
+    #[test]
+    fn a_bare_prefill_form_is_named_after_its_request() {
+        let toy = serde_json::json!({"do_remote_decode": true, "do_remote_prefill": false,
+            "remote_engine_id": null, "remote_block_ids": null, "remote_host": null, "remote_port": null});
+        let mut p = KvTransferParams::from_json(&toy).expect("the toy proxy's P form parses");
+        assert!(matches!(p.role(), Err(KvTransferParamsError::Missing { field: "transfer_id", .. })));
+        p.name_transfer_after("req-7");
+        assert_eq!(p.role(), Ok(TransferRole::Prefill { transfer_id: "req-7".into() }));
+        let mut named = KvTransferParams::for_prefill("xfer-1");
+        named.name_transfer_after("req-8");
+        assert_eq!(named.transfer_id.as_deref(), Some("xfer-1"), "a named transfer keeps its name");
+        let mut d = KvTransferParams::for_decode("", "http://b", "e");
+        d.name_transfer_after("req-9");
+        assert_eq!(d.transfer_id.as_deref(), Some(""), "D's form is never named here");
     }
 
     #[test]

@@ -6,8 +6,13 @@
 //! `do_remote_prefill`, P's bootstrap address and engine id), 25 (P's status checked, its body
 //! discarded) and 43 (D's status, content type and bytes streamed back chunk by chunk; 42 is D's).
 //!
-//! This runs in the HTTP handler's task, never in the actor's mailbox. Unlike vLLM's example
-//! proxy, a failed prefill (connection error, deadline, non-2xx) cancels D's request and answers
+//! This runs in the HTTP handler's task, never in the actor's mailbox. A body either engine would
+//! refuse is refused at step 8, with a 400 naming the field, before P sees it: P's copy is
+//! rewritten, so a value only D refuses (`max_tokens: -1`, `stream: "yes"`) would otherwise leave
+//! P holding the prompt's blocks for a pull that never comes. A D that refuses anyway (a 4xx: a
+//! limit of D's the proxy cannot see) or cannot be reached cancels P's request at once; a P that
+//! finished first frees its blocks when D's connector reports the refusal (an empty pull). Unlike
+//! vLLM's example proxy, a failed prefill (connection error, deadline, non-2xx) cancels D's request and answers
 //! the client at once; a client that goes away cancels both upstream calls (P runs in a task
 //! behind an abort-on-drop guard, D's response lives in the response body stream); every
 //! upstream call has a deadline. Upstream errors are JSON `{"error": {"message", "type", "code"}}`
@@ -17,14 +22,17 @@
 //! - this file — the routes and the stages of one request's flow (steps 8, 9, 10, 43);
 //! - [`ids`] — the request_id and the trace context (step 8);
 //! - [`upstream`] — P's and D's bodies and headers, P's call, upstream errors (steps 9, 10, 25);
-//! - [`relay`] — D's answer on its way to the client, P's task watched meanwhile (step 43).
+//! - [`relay`] — D's answer on its way to the client, P's task watched meanwhile (step 43);
+//! - [`validate`] — the client's fields checked before P and D see them (step 8).
 
 mod ids;
 mod relay;
 mod upstream;
+mod validate;
 
 pub use ids::flow_request_id;
 pub use upstream::{decode_body, error_response, prefill_body, UpstreamError};
+pub use validate::{validate, InvalidField};
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -72,11 +80,16 @@ pub struct FlowContext {
     pub was_ready: std::sync::atomic::AtomicBool,
 }
 
+/// The completion API's path.
+const COMPLETIONS_API: &str = "/v1/completions";
+/// The chat completion API's path.
+const CHAT_API: &str = "/v1/chat/completions";
+
 /// The proxy's routes: `/v1/completions`, `/v1/chat/completions`, `/health`, `/metrics`.
 pub fn router(ctx: Arc<FlowContext>) -> Router {
     Router::new()
-        .route("/v1/completions", post(completions))
-        .route("/v1/chat/completions", post(chat_completions))
+        .route(COMPLETIONS_API, post(completions))
+        .route(CHAT_API, post(chat_completions))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
@@ -112,7 +125,7 @@ async fn completions(
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    serve(ctx, "/v1/completions", headers, body).await
+    serve(ctx, COMPLETIONS_API, headers, body).await
 }
 
 async fn chat_completions(
@@ -120,7 +133,7 @@ async fn chat_completions(
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    serve(ctx, "/v1/chat/completions", headers, body).await
+    serve(ctx, CHAT_API, headers, body).await
 }
 
 /// A client body that could not be read: over [`MAX_BODY_BYTES`] (a 413 naming the limit), or
@@ -195,9 +208,9 @@ async fn flow(
 ) -> Response {
     let transfer_id = format!("xfer-{request_id}");
     let step8 = step_span!(steps::CLIENT_REQUEST, request_id = %request_id, transfer_id = %transfer_id);
-    let request = match parse_request(&step8, &body) {
+    let request = match parse_request(&step8, &body, api == CHAT_API) {
         Ok(request) => request,
-        Err(e) => return error_response(StatusCode::BAD_REQUEST, "invalid_request_error", e.to_string()),
+        Err(e) => return e.into_response(),
     };
     let route = match choose_route(&ctx, &step8).await {
         Ok(route) => route,
@@ -222,13 +235,30 @@ async fn flow(
     upstream.relay_response(d_resp, p_task).await
 }
 
-/// Why a client's body was refused at step 8 (a 400).
+/// Why a client's body was refused at step 8 (a 400), before P or D saw it.
 #[derive(Debug, thiserror::Error)]
 enum BadRequest {
     #[error("request body must be a JSON object")]
     NotAnObject,
     #[error("request body is not valid JSON: {0}")]
     NotJson(#[source] serde_json::Error),
+    /// A field the engines would refuse (D alone, for those the proxy rewrites for P).
+    #[error(transparent)]
+    Field(#[from] InvalidField),
+}
+
+impl BadRequest {
+    /// A 400 `invalid_request_error`; a bad field is named in `param` too (OpenAI's error shape).
+    fn into_response(self) -> Response {
+        let message = self.to_string();
+        let param = match &self {
+            BadRequest::Field(e) => serde_json::Value::from(e.field()),
+            _ => serde_json::Value::Null,
+        };
+        let code = StatusCode::BAD_REQUEST;
+        let body = serde_json::json!({"error": {"message": message, "type": "invalid_request_error", "param": param, "code": code.as_u16()}});
+        (code, Json(body)).into_response()
+    }
 }
 
 /// Why step 8 found no route (a 503).
@@ -248,10 +278,18 @@ enum NoRoute {
     Unreachable(#[source] SendError<Route, NotReady>),
 }
 
-/// Step 8: the client's body, which must be a JSON object; `Err` says why it is not (a 400).
-fn parse_request(step8: &tracing::Span, body: &[u8]) -> Result<serde_json::Map<String, serde_json::Value>, BadRequest> {
+/// Step 8: the client's body, which must be a JSON object whose fields the engines serve
+/// ([`validate`]); `Err` says why it is not (a 400).
+fn parse_request(
+    step8: &tracing::Span,
+    body: &[u8],
+    chat: bool,
+) -> Result<serde_json::Map<String, serde_json::Value>, BadRequest> {
     let error = match step8.in_scope(|| serde_json::from_slice::<serde_json::Value>(body)) {
-        Ok(serde_json::Value::Object(map)) => return Ok(map),
+        Ok(serde_json::Value::Object(map)) => match validate(&map, chat) {
+            Ok(()) => return Ok(map),
+            Err(e) => BadRequest::Field(e),
+        },
         Ok(_) => BadRequest::NotAnObject,
         Err(e) => BadRequest::NotJson(e),
     };

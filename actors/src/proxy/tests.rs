@@ -17,6 +17,8 @@ use tokio::sync::{mpsc, oneshot};
 
 use super::*;
 
+mod refusals;
+
 const WAIT: Duration = Duration::from_secs(5);
 
 async fn serve(app: Router) -> SocketAddr {

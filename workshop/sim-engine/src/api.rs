@@ -4,6 +4,10 @@
 //! input, 500 for a failed request (e.g. a KV load failed under policy `fail`), 503 when the
 //! engine is gone — never a 200 with an error inside. A client that disconnects aborts its request
 //! (the body stream owns the [`RequestStream`]). Seed step 42 (D's HTTP response) is emitted here.
+//! Wherever a request is refused — its body here, or the engine at admission — a transfer its
+//! `kv_transfer_params` name is reported to the connector, so that the peer engine frees what
+//! it holds for it at once. P takes vLLM's toy-proxy form (a bare `do_remote_decode`): the
+//! transfer is named after its request id and its response carries D's `kv_transfer_params`.
 //!
 //! One API server fronts one engine or a data-parallel group of them, as vLLM's does: a request
 //! goes to the rank its `X-data-parallel-rank` header names (the proxy sets it for P, the rank
@@ -104,6 +108,7 @@ struct Sampling {
     prompt: Prompt,
     max_tokens: Option<usize>,
     stream: bool,
+    n: Option<u32>,
     stop_token_ids: Vec<u32>,
     ignore_eos: bool,
     kv_transfer_params: Option<serde_json::Value>,
@@ -236,7 +241,12 @@ fn build_generation(
     s: Sampling,
 ) -> Result<Generation, ApiError> {
     let tokenizer = Tokenizer { vocab_size: handle.config().vocab_size };
-    let Sampling { prompt, max_tokens, stream, stop_token_ids, ignore_eos, kv_transfer_params: params } = s;
+    let Sampling { prompt, max_tokens, stream, n, stop_token_ids, ignore_eos, kv_transfer_params: params } = s;
+    if let Some(n) = n.filter(|&n| n != 1) {
+        return Err(ApiError::bad_request(format!(
+            "n = {n}: this engine serves one choice per request (n = 1); send {n} requests instead"
+        )));
+    }
     let prompt_token_ids = match prompt {
         Prompt::Text(t) => tokenizer.encode(&t),
         Prompt::Ids(ids) => {
@@ -249,13 +259,18 @@ fn build_generation(
             ids
         }
     };
-    let kv_transfer_params = parse_params(params)?;
+    let request_id = request_id(headers);
+    let mut kv_transfer_params = parse_params(params)?;
+    if let Some(p) = kv_transfer_params.as_mut() {
+        // vLLM's toy proxy names no transfer for P: it is named after P's request id.
+        p.name_transfer_after(&request_id);
+    }
     let role = match &kv_transfer_params {
         Some(p) => p.role().map_err(|e| ApiError::bad_request(format!("invalid kv_transfer_params: {e}")))?,
         None => TransferRole::Local,
     };
     let request = EngineRequest {
-        request_id: request_id(headers),
+        request_id,
         prompt_token_ids,
         max_tokens: max_tokens.unwrap_or(16),
         stop_token_ids,
@@ -267,50 +282,76 @@ fn build_generation(
 }
 
 async fn completions(State(engines): State<Engines>, headers: HeaderMap, body: Bytes) -> Response {
-    let handle = match engines.pick(&headers) {
-        Ok(h) => h,
-        Err(e) => return e.into_response(),
-    };
-    let req: CompletionRequest = match parse_json(&body) {
-        Ok(r) => r,
-        Err(e) => return e.into_response(),
-    };
-    let s = Sampling {
-        prompt: req.prompt,
-        max_tokens: req.max_tokens,
-        stream: req.sampling.stream,
-        stop_token_ids: req.sampling.stop_token_ids,
-        ignore_eos: req.sampling.ignore_eos,
-        kv_transfer_params: req.sampling.kv_transfer_params,
-    };
-    match build_generation(&handle, &headers, false, s) {
-        Ok(g) => generate(handle, g).await,
-        Err(e) => e.into_response(),
-    }
+    serve(engines, headers, body, false).await
 }
 
 async fn chat_completions(State(engines): State<Engines>, headers: HeaderMap, body: Bytes) -> Response {
+    serve(engines, headers, body, true).await
+}
+
+/// One completion or chat request: the rank it is for, its body, then the engine. A request
+/// refused on the way ([`refuse`]) still tells the engine's connector about the transfer it names.
+async fn serve(engines: Engines, headers: HeaderMap, body: Bytes, chat: bool) -> Response {
     let handle = match engines.pick(&headers) {
         Ok(h) => h,
-        Err(e) => return e.into_response(),
+        Err(e) => return refuse(engines.first(), &headers, &body, e),
     };
-    let req: ChatCompletionRequest = match parse_json(&body) {
-        Ok(r) => r,
-        Err(e) => return e.into_response(),
-    };
-    let text = req.messages.iter().map(ChatMessage::text).collect::<Vec<_>>().join(" ");
-    let s = Sampling {
-        prompt: Prompt::Text(text),
-        max_tokens: req.max_completion_tokens.or(req.max_tokens),
-        stream: req.sampling.stream,
-        stop_token_ids: req.sampling.stop_token_ids,
+    let sampling = if chat { parse_json(&body).map(chat_sampling) } else { parse_json(&body).map(completion_sampling) };
+    match sampling.and_then(|s| build_generation(&handle, &headers, chat, s)) {
+        Ok(g) => generate(handle, g).await,
+        Err(e) => refuse(&handle, &headers, &body, e),
+    }
+}
+
+fn completion_sampling(req: CompletionRequest) -> Sampling {
+    Sampling {
+        prompt: req.prompt,
+        max_tokens: req.max_tokens,
+        stream: req.sampling.stream.unwrap_or(false),
+        n: req.sampling.n,
+        stop_token_ids: req.sampling.stop_token_ids.unwrap_or_default(),
         ignore_eos: req.sampling.ignore_eos,
         kv_transfer_params: req.sampling.kv_transfer_params,
-    };
-    match build_generation(&handle, &headers, true, s) {
-        Ok(g) => generate(handle, g).await,
-        Err(e) => e.into_response(),
     }
+}
+
+fn chat_sampling(req: ChatCompletionRequest) -> Sampling {
+    let text = req.messages.iter().map(ChatMessage::text).collect::<Vec<_>>().join(" ");
+    Sampling {
+        prompt: Prompt::Text(text),
+        max_tokens: req.max_completion_tokens.or(req.max_tokens),
+        stream: req.sampling.stream.unwrap_or(false),
+        n: req.sampling.n,
+        stop_token_ids: req.sampling.stop_token_ids.unwrap_or_default(),
+        ignore_eos: req.sampling.ignore_eos,
+        kv_transfer_params: req.sampling.kv_transfer_params,
+    }
+}
+
+/// A request the API refuses before the engine sees it (its body does not parse, a field is
+/// out of range, its rank header names no rank). If its body still carries `kv_transfer_params`
+/// naming a transfer, the engine's connector hears of the refusal as the engine's own refusals
+/// are heard of ([`EngineHandle::report_refused`]): a D refusing, say, `"stream": "yes"` that the
+/// proxy rewrote to `false` for P tells P at once to free the blocks it holds for the transfer,
+/// instead of P holding them until its send expiry.
+fn refuse(handle: &EngineHandle, headers: &HeaderMap, body: &Bytes, e: ApiError) -> Response {
+    if let Some(params) = transfer_params_of(body) {
+        let refused = EngineRequest {
+            request_id: request_id(headers),
+            kv_transfer_params: Some(params),
+            traceparent: traceparent(headers),
+            ..EngineRequest::default()
+        };
+        handle.report_refused(&refused);
+    }
+    e.into_response()
+}
+
+/// The `kv_transfer_params` of a body the API refused, if it is a JSON object holding them in a
+/// form that parses.
+fn transfer_params_of(body: &[u8]) -> Option<KvTransferParams> {
+    let value: serde_json::Value = serde_json::from_slice(body).ok()?;
+    KvTransferParams::from_json(value.get("kv_transfer_params")?).ok()
 }
 
 /// The response's fixed parts.

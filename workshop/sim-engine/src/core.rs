@@ -46,7 +46,7 @@ pub(crate) enum Command {
         ack: oneshot::Sender<Result<(), EngineError>>,
     },
     Abort(String),
-    /// A request refused at admission that names a transfer (see `EngineHandle::report_rejected`).
+    /// A request refused before it ran that names a transfer (see `EngineHandle::report_refused`).
     Rejected(SchedRequest),
 }
 
@@ -149,12 +149,17 @@ impl std::fmt::Debug for EngineHandle {
 }
 
 impl EngineHandle {
-    /// Validates and submits a request; its outputs arrive on the returned stream.
-    pub async fn add_request(&self, req: EngineRequest) -> Result<RequestStream, EngineError> {
+    /// Validates and submits a request; its outputs arrive on the returned stream. A P request
+    /// whose `kv_transfer_params` name no transfer (vLLM's toy proxy) is named after its request
+    /// id, as the bridge's connector names it, and answers D's form when it finishes.
+    pub async fn add_request(&self, mut req: EngineRequest) -> Result<RequestStream, EngineError> {
+        if let Some(params) = req.kv_transfer_params.as_mut() {
+            params.name_transfer_after(&req.request_id);
+        }
         let role = match validate(&self.inner.config, self.inner.has_connector, &req) {
             Ok(role) => role,
             Err(e) => {
-                self.report_rejected(&req);
+                self.report_refused(&req);
                 return Err(e);
             }
         };
@@ -170,23 +175,27 @@ impl EngineHandle {
         }
     }
 
-    /// A request refused at admission that names a transfer still concerns the peer engine: D's
-    /// pull for a P request that never ran, or P's blocks held for a D request that never ran. The
-    /// connector hears of it as a request finished with an error and no blocks, so that P answers
-    /// D's pull at once (`reqs_not_processed`) and D releases P's blocks (an empty pull), instead
-    /// of the peer waiting for its deadline.
-    fn report_rejected(&self, req: &EngineRequest) {
+    /// A request refused before it ran — at admission here, or earlier by the API (a body it
+    /// cannot parse, a bad rank header) — that names a transfer still concerns the peer engine:
+    /// D's pull for a P request that never ran, or P's blocks held for a D request that never ran.
+    /// The connector hears of it as a request finished with an error and no blocks, so that P
+    /// answers D's pull at once (`reqs_not_processed`) and D releases P's blocks (an empty pull),
+    /// instead of the peer waiting for its deadline. Not told when the request's id or transfer
+    /// belongs to a request this engine holds (that one's transfer is not this refusal's).
+    pub fn report_refused(&self, req: &EngineRequest) {
         if !self.inner.has_connector {
             return;
         }
         let Some(params) = &req.kv_transfer_params else { return };
+        let mut params = params.clone();
+        params.name_transfer_after(&req.request_id);
         if !matches!(params.role(), Ok(TransferRole::Prefill { .. } | TransferRole::Decode { .. })) {
             return;
         }
         let request = SchedRequest {
             request_id: req.request_id.clone().into(),
             prompt_len: req.prompt_token_ids.len(),
-            kv_transfer_params: Some(params.clone()),
+            kv_transfer_params: Some(params),
             traceparent: req.traceparent.clone(),
         };
         let _ = self.inner.commands.send(Command::Rejected(request));

@@ -18,10 +18,15 @@ pub struct SamplingFields {
     /// Ignored: the simulated model is greedy.
     #[serde(default)]
     pub temperature: Option<f64>,
+    /// `null` is `false`, as in vLLM.
     #[serde(default)]
-    pub stream: bool,
+    pub stream: Option<bool>,
+    /// Choices per request: only 1 is served (the simulated engine samples one sequence).
     #[serde(default)]
-    pub stop_token_ids: Vec<u32>,
+    pub n: Option<u32>,
+    /// `null` is none, as in vLLM.
+    #[serde(default)]
+    pub stop_token_ids: Option<Vec<u32>>,
     #[serde(default)]
     pub ignore_eos: bool,
     #[serde(default)]

@@ -22,6 +22,7 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::{Arc, Mutex};
 
 use pdflow_messages::kv_groups::prefill_backoff;
+use pdflow_messages::kv_transfer_params::TransferRole;
 use pdflow_messages::scheduler_connector::{FinishStatus, RequestFinished, SchedRequest, ScheduledChunk};
 use pdflow_observability::{attrs, steps};
 use tracing::Span;
@@ -425,12 +426,26 @@ impl Scheduler {
         self.publish_stats();
     }
 
-    /// A request refused at admission (never queued, no blocks) that names a transfer: the
-    /// connector is told it finished with an error and no blocks, and one more step runs so that
-    /// its metadata (`reqs_not_processed` on P, an empty pull on D) reaches the workers.
+    /// A request refused before it was queued (no blocks) that names a transfer: the connector is
+    /// told it finished with an error and no blocks, and one more step runs so that its metadata
+    /// (`reqs_not_processed` on P, an empty pull on D) reaches the workers. Not when the refused request's id, or its transfer on this side, is a held request's: the
+    /// connector would take the refusal for that request's (a refused duplicate must not cancel
+    /// the transfer of the request it duplicates).
     pub async fn reject(&mut self, request: SchedRequest) {
         let Some(conn) = &self.connector else { return };
         let id = request.request_id.clone();
+        let role = request.kv_transfer_params.as_ref().and_then(|p| p.role().ok());
+        let (transfer, prefill) = match &role {
+            Some(TransferRole::Prefill { transfer_id }) => (transfer_id.as_str(), true),
+            Some(TransferRole::Decode { transfer_id, .. }) => (transfer_id.as_str(), false),
+            _ => return,
+        };
+        let held = |r: &Request| r.id == id.as_str() || (r.is_prefill_role() == prefill && r.transfer_id() == transfer);
+        if let Some(owner) = self.requests.values().find(|r| held(r)) {
+            tracing::debug!(request_id = %id, owner = %owner.id, transfer_id = transfer,
+                "a refused request names a held request's id or transfer: its connector is not told");
+            return;
+        }
         let msg = RequestFinished { request, status: FinishStatus::Error, block_ids: Default::default() };
         if let Err(e) = conn.scheduler.request_finished(msg).await {
             tracing::warn!(request_id = %id, error = %e, "request_finished for a rejected request failed; the peer waits for its deadline");

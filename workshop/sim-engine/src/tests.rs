@@ -144,14 +144,17 @@ async fn bad_requests_get_typed_errors() {
         Some(pdflow_messages::kv_transfer_params::KvTransferParams::for_decode("x", "http://b", "e"));
     assert!(matches!(err(d).await, EngineError::NoConnector { .. }));
     let mut bad = request("bad", prompt(4), 4);
-    bad.kv_transfer_params =
-        Some(pdflow_messages::kv_transfer_params::KvTransferParams { do_remote_decode: true, ..Default::default() });
+    bad.kv_transfer_params = Some(pdflow_messages::kv_transfer_params::KvTransferParams {
+        do_remote_decode: true,
+        do_remote_prefill: true,
+        ..Default::default()
+    });
     assert!(matches!(err(bad).await, EngineError::InvalidKvTransferParams(_)));
 }
 
 // ---- HTTP over a real socket ----
 
-async fn serve(handle: EngineHandle) -> String {
+pub(crate) async fn serve(handle: EngineHandle) -> String {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let addr = listener.local_addr().expect("addr");
     tokio::spawn(async move {
@@ -161,7 +164,7 @@ async fn serve(handle: EngineHandle) -> String {
 }
 
 /// A minimal HTTP/1.1 client: (status, headers, body).
-async fn http(addr: &str, method: &str, path: &str, body: &str) -> (u16, String, String) {
+pub(crate) async fn http(addr: &str, method: &str, path: &str, body: &str) -> (u16, String, String) {
     let mut sock = tokio::net::TcpStream::connect(addr).await.expect("connect");
     let req = format!(
         "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nX-Request-Id: {}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",

@@ -15,7 +15,7 @@ use pdflow_messages::{EngineId, RequestId, TransferId};
 use tokio::sync::{mpsc, Notify};
 
 use super::ranks_tests::copy_across;
-use super::tests::{prompt, request, run, small_config, start, wait_stats, DEADLINE, SMALL};
+use super::tests::{http, prompt, request, run, serve, small_config, start, wait_stats, DEADLINE, SMALL};
 use super::tests_ranked::start_topology;
 use super::*;
 use pdflow_connector::{Connector, ConnectorError, SchedulerConnectorPort, WorkerConnectorPort};
@@ -493,4 +493,75 @@ async fn a_second_request_naming_a_transfer_in_use_is_refused_and_the_first_keep
         vec![("first".into(), FinishStatus::LengthCapped)],
         "the connector never heard of the refused request (it would cancel the first's transfer)"
     );
+}
+
+#[tokio::test]
+async fn a_body_the_api_refuses_still_tells_the_connector_about_its_transfer() {
+    // D: fields the proxy rewrote for P (`stream`, `max_tokens`), a bad rank header, an unknown
+    // token: each refused before the engine sees it, and each still reported, so that P's blocks
+    // held for the transfer are released by an empty pull instead of at P's send expiry.
+    let mut d = side(small_config(32, 8192));
+    let addr = serve(d.engine.clone()).await;
+    let d_params = r#"{"do_remote_prefill":true,"transfer_id":"xfer-q","remote_bootstrap_addr":"http://127.0.0.1:1","remote_engine_id":"p-engine"}"#;
+    for bad in [r#""stream":"yes""#, r#""max_tokens":-1"#, r#""n":2"#, r#""prompt_extra":1,"prompt":[1,99999]"#] {
+        let body = format!(r#"{{"prompt":"w1 w2 w3","max_tokens":4,{bad},"kv_transfer_params":{d_params}}}"#);
+        let (status, _, resp) = http(&addr, "POST", "/v1/completions", &body).await;
+        assert_eq!(status, 400, "{body} → {resp}");
+        let aborted = d.meta(|m| (!m.reqs_to_abort.is_empty()).then_some(m.reqs_to_abort.len())).await;
+        assert_eq!(aborted, 1, "{body}: the refusal reached the connector");
+    }
+    let finished = d.sched.0.lock().expect("lock").finished.clone();
+    assert_eq!(finished.len(), 4, "{finished:?}");
+    assert!(finished.iter().all(|(_, status)| *status == FinishStatus::Error), "{finished:?}");
+    // Unparseable params, or none, concern no transfer: the connector is not told.
+    for body in [
+        r#"{"prompt":"w1","stream":"yes","kv_transfer_params":{"do_remote_prefill":"yes"}}"#,
+        r#"{"prompt":"w1","stream":"yes"}"#,
+        "{not json",
+    ] {
+        assert_eq!(http(&addr, "POST", "/v1/completions", body).await.0, 400, "{body}");
+    }
+    // The engine runs one step for each report; a normal request afterwards proves the loop idle.
+    let (_, status, _) = run(&d.engine, request("local", prompt(5), 2)).await;
+    assert_eq!(status, FinishStatus::LengthCapped);
+    assert_eq!(d.sched.0.lock().expect("lock").finished.len(), 5, "only the local request was added");
+    wait_stats(&d.engine, d.baseline()).await;
+}
+
+#[tokio::test]
+async fn a_bare_do_remote_decode_is_named_after_its_request_as_vllms_toy_proxy_needs() {
+    // vLLM's toy proxy sends P `do_remote_decode` with no transfer_id (and nulls it does not fill).
+    let mut p = side(small_config(32, 8192));
+    let addr = serve(p.engine.clone()).await;
+    let body = r#"{"prompt":"w1 w2 w3 w4 w5","max_tokens":1,"stream":false,"kv_transfer_params":{"do_remote_decode":true,"do_remote_prefill":false,"remote_engine_id":null,"remote_block_ids":null,"remote_host":null,"remote_port":null}}"#;
+    let (status, _, resp) = http(&addr, "POST", "/v1/completions", body).await;
+    assert_eq!(status, 200, "{resp}");
+    let (request_id, transfer_id) =
+        p.meta(|m| m.reqs_to_send.iter().next().map(|(r, (t, _))| (r.to_string(), t.to_string()))).await;
+    assert_eq!(transfer_id, request_id, "the transfer is named after P's request id");
+    p.worker.report(ConnectorOutput { finished_sending: [request_id.as_str().into()].into(), ..Default::default() });
+    wait_stats(&p.engine, p.baseline()).await;
+}
+
+#[tokio::test]
+async fn a_refused_request_naming_a_held_requests_transfer_does_not_cancel_it() {
+    let p = side(small_config(32, 8192));
+    let addr = serve(p.engine.clone()).await;
+    let (_, status, _) = run(&p.engine, p_request("first", prompt(13))).await;
+    assert_eq!(status, FinishStatus::LengthCapped);
+    let held = p.engine.block_stats();
+    assert!(held.free < held.total, "the first's blocks are held for D: {held:?}");
+    let body =
+        r#"{"prompt":"w1","stream":"yes","kv_transfer_params":{"do_remote_decode":true,"transfer_id":"xfer-first"}}"#;
+    assert_eq!(http(&addr, "POST", "/v1/completions", body).await.0, 400);
+    // A later request runs a step: any report of the refusal would have reached the connector.
+    let (_, status, _) = run(&p.engine, request("later", prompt(5), 2)).await;
+    assert_eq!(status, FinishStatus::LengthCapped);
+    let finished = p.sched.0.lock().expect("lock").finished.clone();
+    assert_eq!(
+        finished,
+        vec![("first".into(), FinishStatus::LengthCapped), ("later".into(), FinishStatus::LengthCapped)],
+        "the refusal was not taken for the first's"
+    );
+    assert_eq!(p.engine.block_stats().free, held.free, "the first still holds its blocks");
 }

@@ -53,7 +53,9 @@ pub fn error_response(status: StatusCode, kind: &str, message: String) -> Respon
     (status, Json(body)).into_response()
 }
 
-/// P's body (step 9): one token, not streamed, `do_remote_decode`.
+/// P's body (step 9): one token, not streamed, `do_remote_decode`; no `stream_options` and no
+/// `min_tokens` (vLLM refuses them with one token that does not stream: its toy proxy drops them
+/// too, and D keeps them).
 pub fn prefill_body(
     client: &serde_json::Map<String, serde_json::Value>,
     transfer_id: &str,
@@ -69,6 +71,8 @@ pub fn prefill_body(
         body.insert("max_completion_tokens".into(), 1.into());
     }
     body.remove("stream_options");
+    body.remove("min_tokens");
+    body.remove("min_completion_tokens");
     serde_json::Value::Object(body)
 }
 
