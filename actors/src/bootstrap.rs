@@ -15,10 +15,12 @@
 //! FastAPI clients read), and a malformed body is 400 with the parser's message. With a cluster
 //! secret, `/register` and `/query` serve only calls signed by a holder of it (each once), 401
 //! otherwise, before the body is read; answers carry the bootstrap's proof bound to the call
-//! ([`pdflow_auth::http`]). `/health` stays open: it tells nothing.
+//! ([`pdflow_auth::http`]). `/health` stays open: it tells nothing. Without a secret the server
+//! serves loopback peers only unless `insecure` ([`PeerFilter`]), and a registration may neither
+//! take a worker over nor add one from another peer address ([`Registrants`]: 403).
 
 use std::collections::BTreeMap;
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -30,9 +32,10 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use kameo::prelude::*;
 use pdflow_auth::http::{open_call, seal_answer, Call, AUTH_HEADER, REPLY_HEADER};
-use pdflow_auth::{ClusterSecret, Nonce, Refusal, ReplayGuard, Socket};
+use pdflow_auth::{ClusterSecret, Nonce, PeerFilter, Refusal, ReplayGuard, Socket};
 use pdflow_messages::bootstrap::{
-    BootstrapAddr, EngineEntry, QueryEngines, QueryResponse, RegisterRejected, RegisterWorker, TABLE_AGE_HEADER,
+    BootstrapAddr, EngineEntry, QueryEngines, QueryResponse, RegisterFrom, RegisterRejected, RegisterWorker,
+    TABLE_AGE_HEADER,
 };
 use pdflow_messages::EngineId;
 use pdflow_observability::{step_span, steps};
@@ -52,11 +55,14 @@ const SHUTDOWN_DEADLINE: Duration = Duration::from_secs(5);
 pub const CALL_WINDOW: Duration = Duration::from_secs(30);
 
 /// Where the bootstrap server listens (`0.0.0.0:8998` in the seed), and the secret its callers
-/// must prove (none: every call is served, as vLLM's bootstrap does).
+/// must prove (none: every call is served, as vLLM's bootstrap does — from loopback peers only,
+/// unless `insecure`; see [`PeerFilter`]).
 #[derive(Debug, Clone)]
 pub struct BootstrapArgs {
     pub bind: SocketAddr,
     pub secret: Option<ClusterSecret>,
+    /// Without a secret, serve non-loopback peers anyway (protected mode's opt-out).
+    pub insecure: bool,
 }
 
 /// One dp rank's engine and its workers, with numeric ranks.
@@ -67,11 +73,15 @@ struct DpEntry {
     workers: BTreeMap<u32, BTreeMap<u32, Worker>>,
 }
 
-/// One registered P worker: its side-channel address and generation (0: not given).
+/// One registered P worker: its side-channel address and generation (0: not given), and where its
+/// registration came from.
 #[derive(Debug, Clone)]
 struct Worker {
     addr: String,
     generation: u64,
+    /// The peer IP address of the registration that set `addr` and `generation` (none: asked in
+    /// this process, [`Message<RegisterWorker>`]).
+    from: Option<IpAddr>,
 }
 
 /// The bootstrap registry and its HTTP server.
@@ -79,8 +89,40 @@ pub struct Bootstrap {
     addr: SocketAddr,
     /// dp_rank → entry.
     engines: BTreeMap<u32, DpEntry>,
+    /// Without a secret: which registrations may change the table ([`Registrants`]); `None` with
+    /// one (every registration is signed by a holder of the secret).
+    registrants: Option<Registrants>,
     shutdown: CancellationToken,
     server: Option<AbortOnDropHandle<()>>,
+}
+
+/// Without a cluster secret, the bootstrap cannot tell a P worker from anyone who reaches its
+/// port, and a registration decides where D sends its pulls (and so where P's KV goes). It keeps
+/// the rule "trust on first use, per peer address": the peer IP address a registration comes from
+/// is the only thing a forger cannot choose freely (TCP's handshake proves it can receive there).
+///
+/// - A registered worker's address or generation changes only by a registration from the peer
+///   address that registered it. A P worker that restarts (a new generation, often on a new port)
+///   registers from the same host, hence the same address, and is accepted; someone elsewhere
+///   offering a newer generation — which would otherwise take the worker's traffic over until the
+///   bootstrap restarts — is refused. An identical re-registration changes nothing and is accepted
+///   from anywhere.
+/// - A worker the table does not hold yet — a new data-parallel rank, or a new tensor or pipeline
+///   rank — is added only by a peer address that has already registered a worker here, the very
+///   first registration of an empty table excepted. An engine's workers and its data-parallel
+///   ranks start on the host of the first (processes of one `vllm serve`) and register from it;
+///   a forger elsewhere can add neither a dp rank (the proxy would send it a share of the
+///   requests, which P answers 400, blamed on the client) nor a tensor rank (D counts an engine's
+///   tensor ranks in the table, and would send the forger a pull naming D's blocks).
+///
+/// What it costs: without a secret, workers that move to another host, and the workers of P
+/// engines (or data-parallel ranks) spread over hosts other than the first registrant's, are
+/// refused (403, saying to set a cluster secret) until the bootstrap restarts. With a cluster
+/// secret every registration is signed and none of this applies.
+#[derive(Debug, Default)]
+struct Registrants {
+    /// Every peer address a registration has been accepted from (none: asked in this process).
+    known: std::collections::HashSet<Option<IpAddr>>,
 }
 
 impl Actor for Bootstrap {
@@ -100,13 +142,20 @@ impl Actor for Bootstrap {
             let shutdown = CancellationToken::new();
             // A strong ref: weak refs taken in `on_start` of a supervisor-restarted kameo actor do not
             // upgrade; the server task is owned by the actor and stopped in `on_stop`.
+            let limits = HttpLimits::serving(PeerFilter::new(args.secret.as_ref(), args.insecure));
+            let registrants = args.secret.is_none().then(Registrants::default);
             let auth = args.secret.map(|secret| Arc::new(CallAuth { secret, guard: ReplayGuard::new(CALL_WINDOW) }));
             let app = router(Http { actor: actor_ref.clone(), auth, started: std::time::Instant::now() });
             // Every request carries its peer's address (`ConnectInfo`), which refusals name.
-            let server =
-                tokio::spawn(http_serve::serve(listener, app, "bootstrap", HttpLimits::default(), shutdown.clone()));
+            let server = tokio::spawn(http_serve::serve(listener, app, "bootstrap", limits, shutdown.clone()));
             tracing::info!(%addr, "bootstrap server listening");
-            Ok(Bootstrap { addr, engines: BTreeMap::new(), shutdown, server: Some(AbortOnDropHandle::new(server)) })
+            Ok(Bootstrap {
+                addr,
+                engines: BTreeMap::new(),
+                registrants,
+                shutdown,
+                server: Some(AbortOnDropHandle::new(server)),
+            })
         }
         .instrument(span)
         .await
@@ -126,10 +175,22 @@ impl Actor for Bootstrap {
 }
 
 impl Bootstrap {
-    /// Records a worker; identical re-registrations are accepted, conflicting ones refused. A
-    /// worker of a newer generation replaces its previous incarnation (a restart, on the same
-    /// address or another); an older generation is refused (a stale process still running).
-    fn register(&mut self, w: RegisterWorker) -> Result<(), RegisterRejected> {
+    /// Records a worker registered from `from` (none: in this process); identical re-registrations
+    /// are accepted, conflicting ones refused. A worker of a newer generation replaces its
+    /// previous incarnation (a restart, on the same address or another); an older generation is
+    /// refused (a stale process still running). Without a secret, only from the peer address
+    /// that registered it, and a new worker only from a known one ([`Registrants`]).
+    fn register(&mut self, w: RegisterWorker, from: Option<IpAddr>) -> Result<(), RegisterRejected> {
+        let from_known = self.registrants.as_ref().is_none_or(|r| r.known.contains(&from) || self.engines.is_empty());
+        let slot = self.engines.get(&w.dp_rank).and_then(|e| e.workers.get(&w.tp_rank)?.get(&w.pp_rank));
+        if slot.is_none() && !from_known {
+            return Err(RegisterRejected::NewWorkerFromUnknownPeer {
+                dp_rank: w.dp_rank,
+                tp_rank: w.tp_rank,
+                pp_rank: w.pp_rank,
+                from: shown(from),
+            });
+        }
         if let Some(entry) = self.engines.get(&w.dp_rank) {
             if entry.engine_id != w.engine_id {
                 return Err(RegisterRejected::EngineIdMismatch {
@@ -166,6 +227,17 @@ impl Bootstrap {
                     _ if w.generation == registered.generation => return Ok(()),
                     _ => {}
                 }
+                // A change of this worker (its address, its generation), not from its registrant.
+                if self.registrants.is_some() && registered.from != from {
+                    return Err(RegisterRejected::NotTheRegistrant {
+                        dp_rank: w.dp_rank,
+                        tp_rank: w.tp_rank,
+                        pp_rank: w.pp_rank,
+                        registered: registered.addr.clone(),
+                        registered_from: shown(registered.from),
+                        from: shown(from),
+                    });
+                }
             }
         }
         tracing::info!(engine_id = %w.engine_id, dp_rank = w.dp_rank, tp_rank = w.tp_rank, pp_rank = w.pp_rank,
@@ -178,7 +250,10 @@ impl Bootstrap {
             .workers
             .entry(w.tp_rank)
             .or_default()
-            .insert(w.pp_rank, Worker { addr: w.addr, generation: w.generation });
+            .insert(w.pp_rank, Worker { addr: w.addr, generation: w.generation, from });
+        if let Some(registrants) = &mut self.registrants {
+            registrants.known.insert(from);
+        }
         Ok(())
     }
 
@@ -217,11 +292,26 @@ impl Drop for Bootstrap {
     }
 }
 
+/// A peer address as refusals name it.
+fn shown(from: Option<IpAddr>) -> String {
+    from.map_or_else(|| "this process".to_string(), |ip| ip.to_string())
+}
+
+/// A registration made in this process (tests, tools): its registrant is "this process".
 impl Message<RegisterWorker> for Bootstrap {
     type Reply = Result<(), RegisterRejected>;
 
     async fn handle(&mut self, msg: RegisterWorker, _ctx: &mut Context<Self, Self::Reply>) -> Self::Reply {
-        self.register(msg)
+        self.register(msg, None)
+    }
+}
+
+/// A registration over HTTP (`POST /register`), from its peer's address.
+impl Message<RegisterFrom> for Bootstrap {
+    type Reply = Result<(), RegisterRejected>;
+
+    async fn handle(&mut self, msg: RegisterFrom, _ctx: &mut Context<Self, Self::Reply>) -> Self::Reply {
+        self.register(msg.worker, Some(msg.peer))
     }
 }
 
@@ -366,11 +456,14 @@ async fn http_register(
     if !http.actor.is_alive() {
         return http.unavailable(call, &admitted, GONE.to_owned());
     }
-    match tokio::time::timeout(ASK_DEADLINE, http.actor.ask(worker)).await {
+    let registration = RegisterFrom { worker, peer: peer.ip().to_canonical() };
+    match tokio::time::timeout(ASK_DEADLINE, http.actor.ask(registration)).await {
         Ok(Ok(())) => http.answer(call, &admitted, StatusCode::OK, &serde_json::json!({"status": "ok"})),
         Ok(Err(SendError::HandlerError(rejected))) => {
-            tracing::warn!(reason = %rejected, "registration refused");
-            http.error(call, &admitted, StatusCode::BAD_REQUEST, rejected.to_string())
+            tracing::warn!(reason = %rejected, %peer, "registration refused");
+            // A takeover refused without a secret is forbidden; a conflict is a bad request.
+            let status = if rejected.is_takeover() { StatusCode::FORBIDDEN } else { StatusCode::BAD_REQUEST };
+            http.error(call, &admitted, status, rejected.to_string())
         }
         Ok(Err(_)) => http.unavailable(call, &admitted, GONE.to_owned()),
         Err(_) => http.unavailable(call, &admitted, format!("bootstrap did not answer within {ASK_DEADLINE:?}")),
@@ -406,11 +499,17 @@ async fn http_query(
 }
 
 #[cfg(test)]
+mod protected_tests;
+#[cfg(test)]
 mod tests {
     use super::*;
 
     async fn start() -> (ActorRef<Bootstrap>, String) {
-        let actor = Bootstrap::spawn(BootstrapArgs { bind: "127.0.0.1:0".parse().expect("addr"), secret: None });
+        let actor = Bootstrap::spawn(BootstrapArgs {
+            bind: "127.0.0.1:0".parse().expect("addr"),
+            secret: None,
+            insecure: false,
+        });
         let addr = tokio::time::timeout(Duration::from_secs(5), actor.ask(BootstrapAddr))
             .await
             .expect("bootstrap answers in time")
@@ -421,8 +520,11 @@ mod tests {
     #[tokio::test]
     async fn refused_calls_are_counted_in_the_bootstrap_s_own_metrics() {
         let secret = ClusterSecret::from_text("0123456789abcdef-bootstrap-metrics").expect("a valid secret");
-        let actor =
-            Bootstrap::spawn(BootstrapArgs { bind: "127.0.0.1:0".parse().expect("addr"), secret: Some(secret) });
+        let actor = Bootstrap::spawn(BootstrapArgs {
+            bind: "127.0.0.1:0".parse().expect("addr"),
+            secret: Some(secret),
+            insecure: false,
+        });
         let addr = tokio::time::timeout(Duration::from_secs(5), actor.ask(BootstrapAddr))
             .await
             .expect("bootstrap answers in time")
@@ -575,7 +677,7 @@ mod tests {
         let taken = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
         let bind = taken.local_addr().expect("addr");
         let started_at = tokio::time::Instant::now();
-        let actor = Bootstrap::spawn(BootstrapArgs { bind, secret: None });
+        let actor = Bootstrap::spawn(BootstrapArgs { bind, secret: None, insecure: false });
         let failed = tokio::time::timeout(
             REBIND_DEADLINE * 2,
             actor.wait_for_startup_with_result(|r| {

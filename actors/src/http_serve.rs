@@ -6,6 +6,9 @@
 //! them [`HttpLimits::max_connections_per_peer`] from one IP address) are held at once; a
 //! connection over a cap is closed as soon as it is accepted. Every such close is counted in
 //! `/metrics` (`pdflow_http_connections_closed_total{service,reason}`) and logged once per peer.
+//! Before any cap, a peer that [`HttpLimits::peers`] refuses (protected mode: no cluster secret, no
+//! `insecure`, and not on loopback) is closed at its accept, counted as a refusal
+//! (`pdflow_auth_refusals_total{socket=service,cause="not_loopback"}`) and logged once per peer.
 //!
 //! HTTP/1.1 only (as before: the workspace builds axum with `http1`). Every request carries
 //! axum's `ConnectInfo<SocketAddr>` (the peer), so handlers may extract it. Shutdown is graceful:
@@ -14,12 +17,14 @@
 //! still holds (they are its tasks, in a `JoinSet`). Owns no step of the timeline.
 //!
 //! # Layout
-//! - this file — [`HttpLimits`], [`serve`] (the accept loop and its caps), the count and the log of
-//!   every close;
+//! - this file — [`HttpLimits`], [`serve`] (the accept loop, its peer filter and its caps), the
+//!   count and the log of every close;
 //! - [`connection`] — one connection: hyper's HTTP/1 state machine watched for its header and idle
 //!   deadlines.
 
 mod connection;
+#[cfg(test)]
+mod protected_tests;
 #[cfg(test)]
 mod tests;
 
@@ -29,6 +34,7 @@ use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 use std::time::Duration;
 
 use axum::Router;
+use pdflow_auth::{PeerFilter, Socket};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
@@ -61,6 +67,9 @@ pub struct HttpLimits {
     pub max_connections: usize,
     /// Connections held at once from one IP address; a connection over it is closed at once.
     pub max_connections_per_peer: usize,
+    /// Which peers are served at all ([`PeerFilter::new`] over the process's secret and its
+    /// `insecure` opt-out); the default, [`PeerFilter::LoopbackOnly`], serves loopback only.
+    pub peers: PeerFilter,
 }
 
 impl Default for HttpLimits {
@@ -84,7 +93,13 @@ impl HttpLimits {
             idle_timeout: DEFAULT_IDLE_TIMEOUT,
             max_connections,
             max_connections_per_peer: (max_connections * 3 / 4).max(1),
+            peers: PeerFilter::default(),
         }
+    }
+
+    /// The defaults, serving the peers `peers` lets in.
+    pub fn serving(peers: PeerFilter) -> Self {
+        Self { peers, ..Self::default() }
     }
 }
 
@@ -221,6 +236,8 @@ pub async fn serve(
             _ = shutdown.cancelled() => break,
             Some(ended) = connections.join_next(), if !connections.is_empty() => log_panic(service, ended),
             accepted = listener.accept() => match accepted {
+                // Protected mode: closed at once (the stream drops), counted and logged once per peer.
+                Ok((_stream, peer)) if !limits.peers.admit(refusal_socket(service), peer) => {}
                 Ok((stream, peer)) => {
                     let ip = peer.ip().to_canonical();
                     match admit(&held, ip, &limits) {
@@ -255,6 +272,15 @@ pub async fn serve(
     drop(listener);
     while let Some(ended) = connections.join_next().await {
         log_panic(service, ended);
+    }
+}
+
+/// The socket a refusal by `service`'s server is counted on (`pdflow_auth_refusals_total`).
+fn refusal_socket(service: &'static str) -> Socket {
+    match service {
+        "bootstrap" => Socket::Bootstrap,
+        "proxy" => Socket::Proxy,
+        _ => Socket::Engine,
     }
 }
 

@@ -28,6 +28,8 @@ pub mod limits;
 #[cfg(test)]
 mod limits_tests;
 pub mod lineage;
+#[cfg(test)]
+mod protected_tests;
 mod pull;
 mod register;
 mod side_channel;

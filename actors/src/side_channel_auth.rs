@@ -5,14 +5,15 @@
 //! [`pdflow_auth::tls`]) every side-channel connection is also encrypted and mutually
 //! authenticated by its handshake, before any ZeroMQ frame. P's end also carries the side
 //! channel's limits ([`crate::sender_listener::limits`]), which hold before the secret is proven
-//! as after. Owns no seed step.
+//! as after, and protected mode: without a secret (and without `insecure`) a peer not on loopback
+//! is closed at its accept ([`PeerFilter`]). Owns no seed step.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
-use pdflow_auth::{sealed, ClusterSecret, Nonce, Refusal, ReplayGuard, Socket, TlsIdentity};
+use pdflow_auth::{sealed, ClusterSecret, Nonce, PeerFilter, Refusal, ReplayGuard, Socket, TlsIdentity};
 use zeromq::{SocketOptions, TlsOption};
 
 use crate::sender_listener::limits::SideChannelLimits;
@@ -29,6 +30,9 @@ pub struct ListenerAuth {
     tls: Option<TlsIdentity>,
     /// What a peer may make the socket hold, before and after it proves the secret.
     limits: SideChannelLimits,
+    /// Which peers may connect at all: every one with the secret, only loopback ones without it
+    /// unless the operator opted out ([`ListenerAuth::insecure`]).
+    peers: PeerFilter,
 }
 
 impl Default for ListenerAuth {
@@ -40,11 +44,19 @@ impl Default for ListenerAuth {
 impl ListenerAuth {
     pub fn new(secret: Option<ClusterSecret>) -> Self {
         Self {
+            peers: PeerFilter::new(secret.as_ref(), false),
             secret,
             replay: Arc::new(ReplayGuard::new(PULL_WINDOW)),
             tls: None,
             limits: SideChannelLimits::default(),
         }
+    }
+
+    /// The same, serving non-loopback peers without a secret when `insecure` (protected mode's
+    /// opt-out; no effect with a secret).
+    pub fn insecure(mut self, insecure: bool) -> Self {
+        self.peers = PeerFilter::new(self.secret.as_ref(), insecure);
+        self
     }
 
     /// The same, with TLS on the side channel's socket (D's pull tasks must connect with it).
@@ -59,10 +71,12 @@ impl ListenerAuth {
         self
     }
 
-    /// The ROUTER socket's options: its limits (the idle timeout outlasting `ready_timeout`), and
-    /// TLS's server side when on.
+    /// The ROUTER socket's options: which peers it accepts, its limits (the idle timeout
+    /// outlasting `ready_timeout`), and TLS's server side when on.
     pub(crate) fn socket_options(&self, ready_timeout: Duration) -> SocketOptions {
         let mut options = SocketOptions::default();
+        let peers = self.peers;
+        options.accept_peers(move |ip| peers.allows(ip));
         self.limits.apply(&mut options, ready_timeout);
         if let Some(tls) = &self.tls {
             options.tls(TlsOption::Server { config: tls.server_config() });

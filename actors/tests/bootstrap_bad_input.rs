@@ -25,7 +25,8 @@ fn cfg(cases: u32) -> Config {
 }
 
 async fn start() -> (ActorRef<Bootstrap>, String) {
-    let actor = Bootstrap::spawn(BootstrapArgs { bind: "127.0.0.1:0".parse().expect("addr"), secret: None });
+    let actor =
+        Bootstrap::spawn(BootstrapArgs { bind: "127.0.0.1:0".parse().expect("addr"), secret: None, insecure: false });
     let addr = tokio::time::timeout(BOUND, actor.ask(BootstrapAddr))
         .await
         .expect("bootstrap answers in time")

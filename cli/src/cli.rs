@@ -317,18 +317,56 @@ impl From<GpuPathArg> for pdflow_transfer::GpuPath {
     }
 }
 
-/// The cluster secret, shared by a deployment's bootstrap, proxy, P and D.
+/// The cluster secret, shared by a deployment's bootstrap, proxy, P and D, and protected mode's
+/// opt-out.
 #[derive(Debug, Args)]
 pub struct SecretArgs {
     /// A file holding the cluster secret (the current key; during a rotation, the previous one on
     /// a second line). Without it, PDFLOW_CLUSTER_SECRET_FILE or PDFLOW_CLUSTER_SECRET are read.
     /// With a secret, every pdflow socket serves only peers that prove they hold it: the
     /// bootstrap's /register and /query, the side channel's pulls, the data channel's hello.
+    /// Without one, every pdflow socket serves loopback peers only (protected mode).
     #[arg(long)]
     pub cluster_secret_file: Option<String>,
+    /// Without a cluster secret, serve peers that are not on loopback anyway, unauthenticated:
+    /// anyone who reaches the ports can register P workers, read the bootstrap's table, pull KV
+    /// and write D's blocks. Also PDFLOW_INSECURE=1. No effect with a secret.
+    #[arg(long)]
+    pub insecure: bool,
 }
 
 impl SecretArgs {
+    /// `--insecure`, else PDFLOW_INSECURE.
+    pub fn insecure(&self) -> Result<bool, String> {
+        if self.insecure {
+            return Ok(true);
+        }
+        pdflow_auth::insecure_from_env().map_err(|e| e.to_string())
+    }
+
+    /// The secret and the opt-out, checked against the address sockets bind (`host`): in
+    /// protected mode, a non-loopback address is refused ([`pdflow_auth::PeerFilter::check_bind`]).
+    /// Every error in `errors`.
+    pub fn load_for(
+        &self,
+        host: Option<std::net::IpAddr>,
+        errors: &mut Vec<String>,
+    ) -> (Option<pdflow_auth::ClusterSecret>, bool) {
+        let secret = self.load().unwrap_or_else(|e| {
+            errors.push(e);
+            None
+        });
+        let insecure = self.insecure().unwrap_or_else(|e| {
+            errors.push(e);
+            false
+        });
+        let peers = pdflow_auth::PeerFilter::new(secret.as_ref(), insecure);
+        if let Some(Err(e)) = host.map(|h| peers.check_bind(h)) {
+            errors.push(format!("--host {e}"));
+        }
+        (secret, insecure)
+    }
+
     /// The secret from `--cluster-secret-file`, else the environment (none: no authentication).
     pub fn load(&self) -> Result<Option<pdflow_auth::ClusterSecret>, String> {
         let loaded = match &self.cluster_secret_file {
@@ -437,6 +475,12 @@ fn group_prefill(values: &[String]) -> Vec<Vec<String>> {
 }
 
 impl ProxyCmd {
+    /// Whether the proxy serves clients off loopback without a secret (`--insecure`,
+    /// `PDFLOW_INSECURE`); [`ProxyCmd::to_args`] reports a bad value.
+    pub fn insecure(&self) -> bool {
+        self.secret.insecure().unwrap_or(false)
+    }
+
     /// The proxy's arguments, every error reported at once.
     pub fn to_args(&self) -> Result<ProxyArgs, Vec<String>> {
         let mut errors = Vec::new();
@@ -466,10 +510,7 @@ impl ProxyCmd {
         let bind = format!("{}:{}", self.host, self.port);
         let bind: Option<SocketAddr> =
             bind.parse().map_err(|_| errors.push(format!("--host/--port {bind}: not an IP address and port"))).ok();
-        let secret = self.secret.load().unwrap_or_else(|e| {
-            errors.push(e);
-            None
-        });
+        let (secret, _insecure) = self.secret.load_for(bind.map(|b| b.ip()), &mut errors);
         match bind {
             Some(bind) if errors.is_empty() => Ok(ProxyArgs {
                 bind,

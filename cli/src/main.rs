@@ -362,12 +362,14 @@ async fn run_bootstrap(args: BootstrapCmd) -> anyhow::Result<bool> {
         start_node_telemetry(&args.trace, export::SERVICE_BOOTSTRAP, None, TcpConfig::default())?;
     let env = vllm_env()?;
     let addr = format!("{}:{}", args.host, args.port.unwrap_or(env.bootstrap_port));
-    let bind = addr.parse().with_context(|| format!("--host/--port {addr} is not an IP address and port"))?;
-    let secret = args.secret.load().map_err(|e| anyhow::anyhow!(e))?;
-    if secret.is_none() {
-        tracing::warn!("no cluster secret (PDFLOW_CLUSTER_SECRET_FILE or PDFLOW_CLUSTER_SECRET): the bootstrap serves every caller; anyone who reaches its port can register a P worker or read the table");
-    }
-    let node = BootstrapNode::start_with(bind, secret, &faults.seam()).await?;
+    let bind: std::net::SocketAddr =
+        addr.parse().with_context(|| format!("--host/--port {addr} is not an IP address and port"))?;
+    let mut errors = Vec::new();
+    let (secret, insecure) = args.secret.load_for(Some(bind.ip()), &mut errors);
+    anyhow::ensure!(errors.is_empty(), "invalid bootstrap arguments:\n  {}", errors.join("\n  "));
+    // Without a secret: protected mode (loopback callers only), or the operator's opt-out.
+    pdflow_auth::PeerFilter::announce(secret.as_ref(), insecure);
+    let node = BootstrapNode::start_with(bind, secret, insecure, &faults.seam()).await?;
     faults.register_process_kill(NodeKind::Bootstrap);
     ready_line(serde_json::json!({"event": "ready", "service": "bootstrap", "addr": node.addr.to_string()}));
     serve_until_signal(&trace_export, || node.shutdown()).await
@@ -378,7 +380,9 @@ async fn run_proxy(cmd: ProxyCmd) -> anyhow::Result<bool> {
     let (trace_export, faults) =
         start_node_telemetry(&cmd.trace, export::SERVICE_PROXY, Some(MetricsLayer::global()), TcpConfig::default())?;
     let args = cmd.to_args().map_err(|e| anyhow::anyhow!("invalid proxy arguments:\n  {}", e.join("\n  ")))?;
-    let node = ProxyNode::start_with(args, &faults.seam()).await?;
+    let insecure = cmd.insecure();
+    pdflow_auth::PeerFilter::announce(args.secret.as_ref(), insecure);
+    let node = ProxyNode::start_with_insecure(args, insecure, &faults.seam()).await?;
     faults.register_process_kill(NodeKind::Proxy);
     ready_line(serde_json::json!({"event": "ready", "service": "proxy", "addr": node.addr.to_string()}));
     serve_until_signal(&trace_export, || node.shutdown()).await

@@ -133,4 +133,35 @@ pub enum RegisterRejected {
     AddrConflict { dp_rank: u32, tp_rank: u32, pp_rank: u32, registered: String, offered: String },
     #[error("worker dp_rank={dp_rank} tp_rank={tp_rank} pp_rank={pp_rank} of generation {offered} is older than the registered generation {registered}: a previous incarnation of a restarted worker is still running — stop it")]
     StaleGeneration { dp_rank: u32, tp_rank: u32, pp_rank: u32, registered: u64, offered: u64 },
+    /// Without a cluster secret: a registration changing a worker that another peer address
+    /// registered (a takeover, or a worker that moved to another host).
+    #[error("worker dp_rank={dp_rank} tp_rank={tp_rank} pp_rank={pp_rank} is registered at {registered} by {registered_from}; without a cluster secret only {registered_from} may replace it, not {from} (a restarted worker registers from its own host; to let workers register from anywhere, give every peer the cluster secret: --cluster-secret-file, PDFLOW_CLUSTER_SECRET_FILE or PDFLOW_CLUSTER_SECRET)")]
+    NotTheRegistrant {
+        dp_rank: u32,
+        tp_rank: u32,
+        pp_rank: u32,
+        registered: String,
+        registered_from: String,
+        from: String,
+    },
+    /// Without a cluster secret: a new worker (a new dp, tp or pp rank) from a peer address that
+    /// registered no worker here.
+    #[error("worker dp_rank={dp_rank} tp_rank={tp_rank} pp_rank={pp_rank} is not registered and {from} has registered no worker with this bootstrap; without a cluster secret a new worker (a new data-parallel, tensor or pipeline rank) is accepted only from an address that already registered one (its engine's host). To register workers from other hosts, give every peer the cluster secret: --cluster-secret-file, PDFLOW_CLUSTER_SECRET_FILE or PDFLOW_CLUSTER_SECRET")]
+    NewWorkerFromUnknownPeer { dp_rank: u32, tp_rank: u32, pp_rank: u32, from: String },
+}
+
+impl RegisterRejected {
+    /// A registration refused because, without a cluster secret, it would take a worker or a
+    /// data-parallel rank over from another peer address (HTTP 403; the others are conflicts, 400).
+    pub fn is_takeover(&self) -> bool {
+        matches!(self, Self::NotTheRegistrant { .. } | Self::NewWorkerFromUnknownPeer { .. })
+    }
+}
+
+/// A registration as the Bootstrap actor receives it over HTTP: the body, and the peer IP
+/// address it came from (without a cluster secret, the only thing that tells registrants apart).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RegisterFrom {
+    pub worker: RegisterWorker,
+    pub peer: std::net::IpAddr,
 }

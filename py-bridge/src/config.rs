@@ -15,7 +15,7 @@ use pdflow_transfer::GpuPath;
 use serde::Deserialize;
 
 /// The keys `kv_connector_extra_config` takes.
-pub const KNOWN_KEYS: &str = "host, bootstrap_port, bootstrap_url, side_channel_port, data_port, transport, tcp_streams, auth_token, cluster_secret_file, tls, abort_request_timeout_s, pull_timeout_s, bootstrap_timeout_s, write_timeout_s, verify_checksums, layerwise, gpu_path";
+pub const KNOWN_KEYS: &str = "host, bootstrap_port, bootstrap_url, side_channel_port, data_port, transport, tcp_streams, auth_token, cluster_secret_file, insecure, tls, abort_request_timeout_s, pull_timeout_s, bootstrap_timeout_s, write_timeout_s, verify_checksums, layerwise, gpu_path";
 
 /// A setting of this connector that cannot be used: which one, what it was, what is allowed.
 /// Python sees each as `pdflow.ConfigError`.
@@ -41,6 +41,13 @@ pub enum ConfigError {
     /// The cluster secret's file (or `PDFLOW_CLUSTER_SECRET*`) cannot be used.
     #[error("kv_connector_extra_config[\"cluster_secret_file\"]: {0}")]
     ClusterSecret(#[source] SecretError),
+    /// `PDFLOW_INSECURE` is neither on nor off.
+    #[error(transparent)]
+    Insecure(#[from] pdflow_auth::InsecureEnvError),
+    /// Without a cluster secret (and without `insecure`), `host` is an address no peer could use:
+    /// pdflow would serve loopback peers only.
+    #[error("host (kv_connector_extra_config[\"host\"] or VLLM_HOST_IP): {0}; or set \"insecure\": true in kv_connector_extra_config")]
+    Protected(#[source] pdflow_auth::ProtectedBindError),
     /// `tls` asked for what cannot be set up (no cluster secret).
     #[error("kv_connector_extra_config[\"tls\"]: {0}")]
     Tls(#[source] TlsSetupError),
@@ -94,6 +101,9 @@ pub struct ExtraConfig {
     /// A file holding the cluster secret (current key, optionally the previous one on a second
     /// line); without it, `PDFLOW_CLUSTER_SECRET_FILE` or `PDFLOW_CLUSTER_SECRET` are read.
     pub cluster_secret_file: Option<String>,
+    /// Without a cluster secret, serve peers that are not on loopback anyway (unauthenticated);
+    /// also `PDFLOW_INSECURE=1`. Without either, pdflow's sockets serve loopback peers only.
+    pub insecure: Option<bool>,
     /// TLS on every data connection (needs the cluster secret; set the same on P and D).
     pub tls: Option<bool>,
     /// Seconds (default `$VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT`, 30): how long P waits for a
@@ -189,9 +199,8 @@ impl BridgeConfig {
             .clone()
             .or_else(|| env("VLLM_HOST_IP").filter(|h| !h.trim().is_empty()))
             .unwrap_or_else(|| "127.0.0.1".into());
-        if host.parse::<std::net::IpAddr>().is_err() {
-            return Err(ConfigError::Host { host });
-        }
+        let Ok(ip) = host.parse::<std::net::IpAddr>() else { return Err(ConfigError::Host { host }) };
+        tcp.peers().check_bind(ip).map_err(ConfigError::Protected)?;
         Ok(Self {
             host,
             bootstrap_port: extra.bootstrap_port.unwrap_or(vllm_env.bootstrap_port),
@@ -213,7 +222,11 @@ fn tcp_config(extra: &ExtraConfig, env: &dyn Fn(&str) -> Option<String>) -> Resu
         None => ClusterSecret::from_lookup(env).transpose(),
     };
     let secret = secret.transpose().map_err(ConfigError::ClusterSecret)?;
-    let mut tcp = TcpConfig { auth_token: extra.auth_token.clone(), secret, ..TcpConfig::default() };
+    let insecure = match extra.insecure {
+        Some(on) => on,
+        None => pdflow_auth::insecure_from_lookup(env)?,
+    };
+    let mut tcp = TcpConfig { auth_token: extra.auth_token.clone(), secret, insecure, ..TcpConfig::default() };
     tcp.set_tls(extra.tls.unwrap_or(false)).map_err(ConfigError::Tls)?;
     if let Some(d) = seconds("write_timeout_s", extra.write_timeout_s)? {
         tcp.write_timeout = d;

@@ -20,6 +20,8 @@ def test_an_unknown_extra_config_key_is_refused_by_name():
         ({"tcp_streams": 0}, "tcp_streams"),
         ({"pull_timeout_s": -1}, "pull_timeout_s"),
         ({"host": "not-an-ip"}, "host"),
+        ({"host": "10.0.0.1"}, "loopback peers only"),
+        ({"insecure": "yes"}, r'\["insecure"\]: invalid type'),
         ({"bootstrap_url": "127.0.0.1:8998"}, "bootstrap_url"),
         ({"gpu_path": "nvlink"}, "gpu_path"),
         ({"cluster_secret_file": "/nonexistent/pdflow-secret"}, "/nonexistent/pdflow-secret"),
@@ -39,6 +41,20 @@ def test_a_cluster_secret_too_short_to_be_one_is_refused_saying_how_long(tmp_pat
         scheduler(vllm_config("kv_consumer", extra={"cluster_secret_file": str(short)}))
     monkeypatch.setenv("PDFLOW_CLUSTER_SECRET", "tiny")
     with pytest.raises(pdflow.ConfigError, match="at least 16"):
+        _native.check_config("{}")
+
+
+def test_without_a_secret_a_host_off_loopback_needs_insecure(monkeypatch):
+    # Protected mode: without a cluster secret pdflow serves loopback peers only, so a host no
+    # peer could reach is refused at start-up, saying how to opt out.
+    with pytest.raises(pdflow.ConfigError, match="insecure"):
+        _native.check_config('{"host": "10.0.0.1"}')
+    _native.check_config('{"host": "10.0.0.1", "insecure": true}')
+    _native.check_config('{"host": "0.0.0.0"}')
+    monkeypatch.setenv("PDFLOW_INSECURE", "1")
+    _native.check_config('{"host": "10.0.0.1"}')
+    monkeypatch.setenv("PDFLOW_INSECURE", "maybe")
+    with pytest.raises(pdflow.ConfigError, match="PDFLOW_INSECURE"):
         _native.check_config("{}")
 
 

@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use pdflow_actors::proxy::{PrefillTarget, ProxyArgs};
 use pdflow_actors::scheduler_connector::KvRole;
+use pdflow_auth::PeerFilter;
 use pdflow_kv::memory::{KvCache, KvShape};
 use pdflow_node::config::Deadlines;
 use pdflow_node::ProxyNode;
@@ -323,7 +324,7 @@ pub async fn reference(shape: KvShape, body: &Value) -> anyhow::Result<Value> {
 /// [`reference`] on an engine of `cfg` (a hybrid model's, say).
 pub async fn reference_of(cfg: EngineConfig, body: &Value) -> anyhow::Result<Value> {
     let engine = Engine::start(cfg.clone(), KvCache::new(cfg.shape, cfg.num_blocks), None);
-    let (addr, stop, task) = serve_http("127.0.0.1", 0, api::router(engine.clone())).await?;
+    let (addr, stop, task) = serve_http("127.0.0.1", 0, api::router(engine.clone()), PeerFilter::LoopbackOnly).await?;
     let result = post(&http_client(), &format!("http://{addr}/v1/completions"), body).await;
     pdflow_sim_node::engine_node::stop_http(stop, task).await;
     engine.shutdown().await;

@@ -20,6 +20,8 @@ use tokio::sync::Notify;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
+use pdflow_auth::PeerFilter;
+
 use super::{serve, HttpLimits};
 use crate::proxy::{PrefillTarget, Proxy, ProxyArgs, ProxyServer};
 
@@ -86,6 +88,7 @@ async fn silent_connections_are_capped_per_peer_then_reaped_while_others_are_ser
         idle_timeout: Duration::from_secs(60),
         max_connections: 150,
         max_connections_per_peer: 100,
+        peers: PeerFilter::LoopbackOnly,
     };
     let (_actor, server) = proxy_with(limits).await;
     let base = server.addr;
@@ -198,6 +201,7 @@ async fn connections_over_the_server_cap_are_closed_at_once() {
         idle_timeout: Duration::from_secs(600),
         max_connections: 20,
         max_connections_per_peer: 15,
+        peers: PeerFilter::LoopbackOnly,
     };
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let addr = listener.local_addr().expect("addr");

@@ -50,7 +50,11 @@ impl Harness {
 
     async fn start_with(pull_timeout: Duration) -> Self {
         let p = FakeP::start().await;
-        let bootstrap = Bootstrap::spawn(BootstrapArgs { bind: "127.0.0.1:0".parse().expect("addr"), secret: None });
+        let bootstrap = Bootstrap::spawn(BootstrapArgs {
+            bind: "127.0.0.1:0".parse().expect("addr"),
+            secret: None,
+            insecure: false,
+        });
         let addr = tokio::time::timeout(WAIT, bootstrap.ask(BootstrapAddr))
             .await
             .expect("in time")
@@ -219,7 +223,8 @@ async fn a_pull_for_an_engine_the_real_bootstrap_does_not_know_fails_naming_it()
 #[tokio::test]
 async fn an_empty_bootstrap_table_fails_the_pull() {
     let mut h = Harness::start().await;
-    let empty = Bootstrap::spawn(BootstrapArgs { bind: "127.0.0.1:0".parse().expect("addr"), secret: None });
+    let empty =
+        Bootstrap::spawn(BootstrapArgs { bind: "127.0.0.1:0".parse().expect("addr"), secret: None, insecure: false });
     let addr = format!("http://{}", empty.ask(BootstrapAddr).await.expect("started"));
     let req = h.pull(P_ENGINE, &addr).await;
     h.fails_naming(&req, &[P_ENGINE, &addr, "not registered"]).await;

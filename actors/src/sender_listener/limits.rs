@@ -87,6 +87,8 @@ fn count(hit: &LimitHit) {
         LimitKind::TooManyFrames => Refusal::TooManyFrames,
         LimitKind::TooManyConnections | LimitKind::TooManyConnectionsFromPeer => Refusal::TooManyConnections,
         LimitKind::HandshakeTimeout | LimitKind::IdleTimeout => Refusal::IdleTimeout,
+        // The only peer predicate pdflow sets is protected mode's (`ListenerAuth::socket_options`).
+        LimitKind::PeerNotAllowed => Refusal::NotLoopback,
     };
     let peer = hit.peer.map_or_else(|| "an unknown address".to_string(), |addr| addr.ip().to_string());
     pdflow_auth::refused(Socket::SideChannel, &peer, why);

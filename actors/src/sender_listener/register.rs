@@ -1,6 +1,7 @@
 //! Seed step 4: a P worker registers its side-channel address with bootstrap (`POST /register`),
-//! retrying with exponential back-off as vLLM's Mooncake connector does. A 400 (conflict) is not
-//! retried: the registration itself is wrong.
+//! retrying with exponential back-off as vLLM's Mooncake connector does. A 400 (conflict), 401
+//! (no proof of the secret) or 403 (without a secret, a takeover from another address) is not
+//! retried: the registration itself is refused.
 //!
 //! Beyond vLLM: once registered, the worker repeats the (identical, idempotent)
 //! registration every [`REREGISTER_INTERVAL`], so that a bootstrap that restarted with an empty
@@ -46,7 +47,8 @@ pub(super) async fn register_with_bootstrap(
             Ok(answer) if answer.status.is_success() => return Ok(()),
             Ok(answer)
                 if answer.status == reqwest::StatusCode::BAD_REQUEST
-                    || answer.status == reqwest::StatusCode::UNAUTHORIZED =>
+                    || answer.status == reqwest::StatusCode::UNAUTHORIZED
+                    || answer.status == reqwest::StatusCode::FORBIDDEN =>
             {
                 return Err(ActorError::RegistrationRefused {
                     url: bootstrap_url.to_string(),

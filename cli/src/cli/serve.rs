@@ -130,14 +130,13 @@ impl ServeCmd {
         if self.role == RoleArg::Consumer && (self.bootstrap_url.is_some() || self.bootstrap_port.is_some()) {
             errors.push("--bootstrap-url/--bootstrap-port are for producers: a consumer finds P's bootstrap in each request's kv_transfer_params".to_string());
         }
-        let secret = self.secret.load().unwrap_or_else(|e| {
-            errors.push(e);
-            None
-        });
+        let host = self.host.parse::<std::net::IpAddr>().ok();
+        let (secret, insecure) = self.secret.load_for(host, &mut errors);
         let mut tcp = TcpConfig {
             streams_per_peer: self.streams_per_peer,
             auth_token: self.transfer_token.clone(),
             secret,
+            insecure,
             gpu_path: self.gpu_path.into(),
             same_host: match self.transport {
                 TransportArg::Auto => pdflow_transfer::same_host::SameHostMode::Auto,

@@ -153,3 +153,41 @@ fn trace_flags_and_render_parse() {
     assert_eq!((r.trace, r.out), (PathBuf::from("t.json"), PathBuf::from("timeline.html")));
     assert!(Cli::try_parse_from(["pdflow", "trace", "render", "t.json"]).is_err(), "--out is required");
 }
+
+/// Protected mode's opt-out is a flag of `serve`, `proxy` and `bootstrap`; without a secret or
+/// `--insecure`, a `--host` no peer could reach (not loopback, not 0.0.0.0) is refused before
+/// anything binds, saying what to do. (Assumes PDFLOW_INSECURE and the secret's variables unset,
+/// as the test command runs.)
+#[test]
+fn insecure_is_a_flag_and_a_host_off_loopback_needs_it_or_a_secret() {
+    let env = VllmEnv::from_lookup(&|_| None).expect("defaults");
+    let serve = |extra: &[&str]| {
+        let mut argv = vec!["pdflow", "serve", "--role", "consumer"];
+        argv.extend_from_slice(extra);
+        let Command::Serve(s) = Cli::try_parse_from(argv).expect("parses").command else { panic!("not serve") };
+        s.to_config(&env)
+    };
+    let errors = serve(&["--host", "192.0.2.7"]).expect_err("unreachable in protected mode");
+    assert!(errors.iter().any(|e| e.starts_with("--host 192.0.2.7") && e.contains("--insecure")), "{errors:?}");
+    let cfg = serve(&["--host", "192.0.2.7", "--insecure"]).expect("opted out");
+    assert!(cfg.tcp.insecure);
+    assert_eq!(cfg.tcp.peers(), pdflow_auth::PeerFilter::AnyPeer);
+    let cfg = serve(&["--host", "0.0.0.0"]).expect("loopback peers on every interface");
+    assert_eq!(cfg.tcp.peers(), pdflow_auth::PeerFilter::LoopbackOnly);
+
+    let proxy = |extra: &[&str]| {
+        let mut argv =
+            vec!["pdflow", "proxy", "--prefill", "http://127.0.0.1:8010", "--decode", "http://127.0.0.1:8020"];
+        argv.extend_from_slice(extra);
+        let Command::Proxy(p) = Cli::try_parse_from(argv).expect("parses").command else { panic!("not proxy") };
+        p
+    };
+    assert!(proxy(&["--host", "192.0.2.7"]).to_args().is_err());
+    let opted = proxy(&["--host", "192.0.2.7", "--insecure"]);
+    assert!(opted.to_args().is_ok() && opted.insecure());
+    let Command::Bootstrap(b) = Cli::try_parse_from(["pdflow", "bootstrap", "--insecure"]).expect("parses").command
+    else {
+        panic!("not bootstrap")
+    };
+    assert!(b.secret.insecure);
+}

@@ -13,7 +13,8 @@
 //! - `pdflow_transfer_group_bytes_total{service,group}` — a hybrid model's step-29 bytes per
 //!   KV-cache group (its index in vLLM's order);
 //! - `pdflow_auth_refusals_total{socket,cause}` — peers refused for their proof of the cluster
-//!   secret, by socket (`data`, `side_channel`, `bootstrap`) and cause (a fixed set of labels);
+//!   secret, or for their address in protected mode (`cause="not_loopback"`), by socket (`data`,
+//!   `side_channel`, `bootstrap`, `proxy`, `engine`) and cause (a fixed set of labels);
 //! - `pdflow_http_connections_closed_total{service,reason}` — connections an HTTP server closed on
 //!   its own (`actors::http_serve`): over its connection caps (`server_full`, `peer_full`), no
 //!   complete request header in time (`header_timeout`), kept alive idle too long (`idle_timeout`);
@@ -368,7 +369,7 @@ fn side_families(st: &State) -> Vec<Family> {
 fn auth_family(st: &State) -> Family {
     let mut f = Family::new(
         "pdflow_auth_refusals_total",
-        "Peers refused for their proof of the cluster secret, by socket and cause.",
+        "Peers refused for their proof of the cluster secret (or, without one, for a non-loopback address), by socket and cause.",
         Kind::Counter,
     );
     for ((socket, cause), count) in &st.auth_refusals {

@@ -1,4 +1,5 @@
-//! Why a secret could not be loaded, and why a peer was refused (its proof, or a socket's limit).
+//! Why a secret could not be loaded, and why a peer was refused (its proof, a socket's limit, or
+//! its address in protected mode).
 
 /// A cluster secret that cannot be used.
 #[derive(Debug, thiserror::Error)]
@@ -55,6 +56,10 @@ pub enum Refusal {
     /// A message names more items (an abort's transfer ids) than one message may.
     #[error("the peer's message names more items than one message may (split it)")]
     TooManyIds,
+    /// Protected mode: no cluster secret is set, and the peer is not on loopback
+    /// ([`crate::PeerFilter`]).
+    #[error("no cluster secret is set, so only loopback peers are served (give every peer the cluster secret, or start this side with --insecure / PDFLOW_INSECURE=1)")]
+    NotLoopback,
 }
 
 impl Refusal {
@@ -73,6 +78,7 @@ impl Refusal {
             Refusal::TooManyConnections => "too_many_connections",
             Refusal::IdleTimeout => "idle_timeout",
             Refusal::TooManyIds => "too_many_ids",
+            Refusal::NotLoopback => "not_loopback",
         }
     }
 }

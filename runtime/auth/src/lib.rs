@@ -13,6 +13,8 @@
 //! - [`sealed`] — side-channel frames sealed by D (a pull, once) and answered sealed by P;
 //! - [`tls`] — TLS for the data channel, its certificates derived from the secret;
 //! - [`replay`] — freshness for one-shot messages: a timestamp window and the nonces seen in it;
+//! - [`protected`] — protected mode: without a secret, only loopback peers are served unless the
+//!   operator opts out ([`PeerFilter`], the one decision every socket asks at accept);
 //! - [`Refusal`] — why a proof was refused, with a fixed label for metrics; [`refused`] counts
 //!   it in `/metrics` and logs it once per peer.
 //!
@@ -22,6 +24,7 @@
 mod error;
 pub mod http;
 pub mod proof;
+pub mod protected;
 mod refusals;
 pub mod replay;
 pub mod sealed;
@@ -30,6 +33,9 @@ pub mod tls;
 
 pub use error::{Refusal, SecretError};
 pub use proof::{nonce, Context, Nonce, Proof};
+pub use protected::{
+    insecure_from_env, insecure_from_lookup, InsecureEnvError, PeerFilter, ProtectedBindError, ENV_INSECURE,
+};
 pub use refusals::{refused, Socket};
 pub use replay::ReplayGuard;
 pub use secret::{ClusterSecret, KeyId, ENV_SECRET, ENV_SECRET_FILE, MIN_SECRET_LEN};

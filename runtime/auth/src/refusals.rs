@@ -1,4 +1,5 @@
-//! What happens when a peer is refused (for its proof, or for passing one of a socket's limits):
+//! What happens when a peer is refused (for its proof, for passing one of a socket's limits, or for
+//! its address in protected mode):
 //! counted in `/metrics` (`pdflow_auth_refusals_total{socket,cause}`) and logged once per socket
 //! and peer address, so that a flood of forgeries is one warning per attacker, not one per attempt.
 
@@ -16,6 +17,10 @@ pub enum Socket {
     SideChannel,
     /// The bootstrap's HTTP API, or a client refusing its answer.
     Bootstrap,
+    /// The proxy's HTTP API (refused only for its address, in protected mode).
+    Proxy,
+    /// An engine's HTTP API, `pdflow serve`'s (refused only for its address, in protected mode).
+    Engine,
 }
 
 impl Socket {
@@ -24,6 +29,8 @@ impl Socket {
             Socket::Data => "data",
             Socket::SideChannel => "side_channel",
             Socket::Bootstrap => "bootstrap",
+            Socket::Proxy => "proxy",
+            Socket::Engine => "engine",
         }
     }
 }

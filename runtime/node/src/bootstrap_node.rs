@@ -21,20 +21,22 @@ pub struct BootstrapNode {
 }
 
 impl BootstrapNode {
-    /// Starts a bootstrap server under its own supervisor, serving every caller.
+    /// Starts a bootstrap server under its own supervisor, serving every caller from loopback
+    /// (no secret: protected mode).
     pub async fn start(bind: SocketAddr) -> Result<Self, NodeError> {
-        Self::start_with(bind, None, &no_faults()).await
+        Self::start_with(bind, None, false, &no_faults()).await
     }
 
-    /// [`BootstrapNode::start`], serving only callers that prove `secret` (when given), its
-    /// actor offered to `faults`.
+    /// [`BootstrapNode::start`], serving only callers that prove `secret` (when given; without
+    /// it, only loopback callers unless `insecure`), its actor offered to `faults`.
     pub async fn start_with(
         bind: SocketAddr,
         secret: Option<ClusterSecret>,
+        insecure: bool,
         faults: &Faults,
     ) -> Result<Self, NodeError> {
         let supervisor = NodeSupervisor::spawn("bootstrap".to_string());
-        let mut node = Self::start_under(&supervisor, bind, secret, faults).await?;
+        let mut node = Self::start_under(&supervisor, bind, secret, insecure, faults).await?;
         node.supervisor = Some(supervisor);
         Ok(node)
     }
@@ -44,10 +46,11 @@ impl BootstrapNode {
         supervisor: &ActorRef<NodeSupervisor>,
         bind: SocketAddr,
         secret: Option<ClusterSecret>,
+        insecure: bool,
         faults: &Faults,
     ) -> Result<Self, NodeError> {
         let bind = super::fixed_port(bind, "the bootstrap HTTP server")?;
-        let bootstrap = Bootstrap::supervise(supervisor, BootstrapArgs { bind, secret })
+        let bootstrap = Bootstrap::supervise(supervisor, BootstrapArgs { bind, secret, insecure })
             .restart_policy(RestartPolicy::Transient)
             .restart_limit(MAX_RESTARTS, RESTART_WINDOW)
             .spawn()

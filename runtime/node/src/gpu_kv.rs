@@ -58,6 +58,7 @@ pub async fn serve_kv_data(
         offer_same_host: tcp.same_host != SameHostMode::Off && kv_cache.memory() == MemoryKind::Host,
         fence: Some(fence.clone()),
         device_export,
+        insecure: tcp.insecure,
         ..DataServerOptions::default()
     };
     let server =

@@ -7,8 +7,10 @@ use std::net::SocketAddr;
 use kameo::prelude::*;
 use kameo::supervision::RestartPolicy;
 use pdflow_actors::fault_seam::{no_faults, register_actor, ActorKind, Faults, Role};
+use pdflow_actors::http_serve::HttpLimits;
 use pdflow_actors::proxy::{Proxy, ProxyArgs, ProxyServer};
 use pdflow_actors::ActorError;
+use pdflow_auth::PeerFilter;
 
 use super::supervisor::{NodeSupervisor, MAX_RESTARTS, RESTART_WINDOW};
 use super::{started, NodeError};
@@ -26,10 +28,18 @@ impl ProxyNode {
         Self::start_with(args, &no_faults()).await
     }
 
-    /// [`ProxyNode::start`], its actor offered to `faults`.
+    /// [`ProxyNode::start`], its actor offered to `faults`. Without a cluster secret its clients
+    /// must be on loopback (protected mode, [`PeerFilter`]).
     pub async fn start_with(args: ProxyArgs, faults: &Faults) -> Result<Self, NodeError> {
+        Self::start_with_insecure(args, false, faults).await
+    }
+
+    /// [`ProxyNode::start_with`]; with `insecure` and no secret, clients from any address are
+    /// served (protected mode's opt-out).
+    pub async fn start_with_insecure(args: ProxyArgs, insecure: bool, faults: &Faults) -> Result<Self, NodeError> {
         let bind = args.bind;
         let upstream_timeout = args.upstream_timeout;
+        let limits = HttpLimits::serving(PeerFilter::new(args.secret.as_ref(), insecure));
         let supervisor = NodeSupervisor::spawn("proxy".to_string());
         let proxy = Proxy::supervise(&supervisor, args)
             .restart_policy(RestartPolicy::Transient)
@@ -38,7 +48,7 @@ impl ProxyNode {
             .await;
         started("Proxy", &proxy).await?;
         register_actor(faults, ActorKind::Proxy, Role::Proxy, Vec::new(), &proxy);
-        let server = match ProxyServer::start(bind, proxy.clone(), upstream_timeout).await {
+        let server = match ProxyServer::start_with_limits(bind, proxy.clone(), upstream_timeout, limits).await {
             Ok(server) => server,
             Err(e) => {
                 let _ = proxy.stop_gracefully().await;

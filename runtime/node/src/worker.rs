@@ -24,6 +24,7 @@ use pdflow_actors::receiver::{Receiver, ReceiverArgs};
 use pdflow_actors::scheduler_connector::KvRole;
 use pdflow_actors::sender_listener::{SenderListener, SenderListenerArgs};
 use pdflow_actors::side_channel_auth::{ListenerAuth, PullAuth};
+use pdflow_auth::PeerFilter;
 use pdflow_kv::memory::KvCache;
 use pdflow_transfer::tcp::{TcpConfig, TcpDataServer};
 use tokio::sync::Notify;
@@ -114,14 +115,8 @@ impl Worker {
         kv_cache: &Arc<KvCache>,
         spec: &WorkerSpec,
     ) -> Result<Self, NodeError> {
-        if spec.tcp.secret.is_none() {
-            static WARNED: std::sync::Once = std::sync::Once::new();
-            WARNED.call_once(|| {
-                tracing::warn!(
-                    "no cluster secret (PDFLOW_CLUSTER_SECRET_FILE or PDFLOW_CLUSTER_SECRET): the side channel and the data channel authenticate nobody; anyone who reaches their ports can pull KV or write D's blocks"
-                )
-            });
-        }
+        // Without a secret: protected mode (loopback peers only), or the operator's opt-out.
+        PeerFilter::announce(spec.tcp.secret.as_ref(), spec.tcp.insecure);
         let mut worker = Worker {
             sender_listener: None,
             receiver: None,
@@ -156,7 +151,14 @@ impl Worker {
                     value,
                     source,
                 })?;
-                let node = BootstrapNode::start_under(supervisor, bind, spec.tcp.secret.clone(), &spec.faults).await?;
+                let node = BootstrapNode::start_under(
+                    supervisor,
+                    bind,
+                    spec.tcp.secret.clone(),
+                    spec.tcp.insecure,
+                    &spec.faults,
+                )
+                .await?;
                 let url = node.url();
                 self.bootstrap = Some(node);
                 Some(url)
@@ -181,7 +183,7 @@ impl Worker {
             verify_checksums: spec.verify_checksums,
             lineage: Default::default(),
             faults: spec.faults.clone(),
-            auth: ListenerAuth::new(spec.tcp.secret.clone()).with_tls(spec.tcp.tls.clone()),
+            auth: ListenerAuth::new(spec.tcp.secret.clone()).insecure(spec.tcp.insecure).with_tls(spec.tcp.tls.clone()),
         };
         let listener = SenderListener::supervise(supervisor, args)
             .restart_policy(RestartPolicy::Transient)

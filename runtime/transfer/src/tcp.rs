@@ -40,6 +40,8 @@ mod auth_tests;
 #[cfg(test)]
 mod fuzz_tests;
 #[cfg(test)]
+mod protected_tests;
+#[cfg(test)]
 pub(crate) mod test_side;
 #[cfg(test)]
 mod tests;

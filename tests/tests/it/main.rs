@@ -15,6 +15,7 @@ mod hybrid;
 mod layerwise;
 mod p_failure;
 mod p_restart;
+mod protected_mode;
 mod pull_order;
 mod rank_processes;
 mod refusals;

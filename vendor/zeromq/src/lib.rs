@@ -200,7 +200,7 @@ pub mod __bench {
 pub use crate::dealer::*;
 pub use crate::endpoint::{Endpoint, Host, Transport, TryIntoEndpoint};
 pub use crate::error::{ZmqError, ZmqResult};
-pub use crate::limits::{LimitHit, LimitHook, LimitKind, SocketLimits};
+pub use crate::limits::{LimitHit, LimitHook, LimitKind, PeerPredicate, SocketLimits};
 pub use crate::message::*;
 pub use crate::pull::*;
 pub use crate::push::*;
@@ -366,6 +366,8 @@ pub struct SocketOptions {
     pub(crate) limits: SocketLimits,
     pub(crate) on_limit: Option<LimitHook>,
     pub(crate) connection_slots: Arc<limits::ConnectionSlots>,
+    /// pdflow patch: which peers may connect at all (none: every peer).
+    pub(crate) accept_peer: Option<PeerPredicate>,
 }
 
 /// pdflow patch: TLS on the tcp transport (rustls): a connecting socket's client side, or a
@@ -408,6 +410,7 @@ impl Default for SocketOptions {
             limits: SocketLimits::default(),
             on_limit: None,
             connection_slots: Arc::default(),
+            accept_peer: None,
         }
     }
 }
@@ -431,6 +434,18 @@ impl SocketOptions {
     /// block), before the offending connection is closed.
     pub fn on_limit(&mut self, hook: impl Fn(&LimitHit) + Send + Sync + 'static) -> &mut Self {
         self.on_limit = Some(Arc::new(hook));
+        self
+    }
+
+    /// pdflow patch: accept tcp connections only from peers whose IP address `allowed` passes
+    /// (set before binding); any other is closed at its accept, before it takes a connection
+    /// slot or starts a TLS or ZMTP handshake, and reported to the [`on_limit`](Self::on_limit)
+    /// hook as [`LimitKind::PeerNotAllowed`]. Every peer is accepted by default.
+    pub fn accept_peers(
+        &mut self,
+        allowed: impl Fn(std::net::IpAddr) -> bool + Send + Sync + 'static,
+    ) -> &mut Self {
+        self.accept_peer = Some(Arc::new(allowed));
         self
     }
 

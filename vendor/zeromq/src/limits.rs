@@ -7,7 +7,11 @@
 //!   before its TLS or ZMTP handshake ([`ConnectionSlots`], taken in `transport/tcp.rs`);
 //! - a handshake deadline (ZMTP greeting and READY, from the connection's framing) and an idle
 //!   deadline (no complete message for that long), kept by the connection's reader
-//!   ([`ReadDeadline`], in [`crate::codec::ZmqFramedRead`]).
+//!   ([`ReadDeadline`], in [`crate::codec::ZmqFramedRead`]);
+//! - which peers may connect at all: a predicate over the peer's IP address
+//!   ([`SocketOptions::accept_peers`](crate::SocketOptions::accept_peers), e.g. loopback only when
+//!   pdflow runs without a cluster secret); a peer it refuses is closed at accept, before the caps
+//!   are counted and before its TLS or ZMTP handshake ([`LimitKind::PeerNotAllowed`]).
 //!
 //! Every limit is off by default (upstream's behaviour). Each time one is hit, the socket's hook
 //! ([`SocketOptions::on_limit`](crate::SocketOptions::on_limit)) is called with a [`LimitHit`], so
@@ -50,6 +54,8 @@ pub enum LimitKind {
     TooManyConnectionsFromPeer,
     HandshakeTimeout,
     IdleTimeout,
+    /// The socket's peer predicate refused the peer's address.
+    PeerNotAllowed,
 }
 
 impl fmt::Display for LimitKind {
@@ -63,6 +69,7 @@ impl fmt::Display for LimitKind {
             }
             LimitKind::HandshakeTimeout => "the peer did not finish its handshake in time",
             LimitKind::IdleTimeout => "the peer completed no message within the idle timeout",
+            LimitKind::PeerNotAllowed => "the socket does not accept connections from this address",
         })
     }
 }
@@ -77,6 +84,26 @@ pub struct LimitHit {
 
 /// The socket owner's hook, called once per limit hit (from the socket's tasks: keep it short).
 pub type LimitHook = Arc<dyn Fn(&LimitHit) + Send + Sync>;
+
+/// Whether a peer at this IP address may connect (called at each accept: keep it short).
+pub type PeerPredicate = Arc<dyn Fn(IpAddr) -> bool + Send + Sync>;
+
+/// Whether `options` let a connection from `peer` in; a refused one is reported to the hook (the
+/// caller closes it).
+pub(crate) fn peer_allowed(options: &crate::SocketOptions, peer: SocketAddr) -> bool {
+    let allowed = options
+        .accept_peer
+        .as_ref()
+        .is_none_or(|allowed| allowed(peer.ip()));
+    if !allowed {
+        report(
+            options.on_limit.as_ref(),
+            LimitKind::PeerNotAllowed,
+            Some(peer),
+        );
+    }
+    allowed
+}
 
 /// Calls the socket's hook, if any.
 pub(crate) fn report(hook: Option<&LimitHook>, kind: LimitKind, peer: Option<SocketAddr>) {

@@ -57,7 +57,7 @@ impl DataParallelGroup {
             }
         }
         let router = api::data_parallel_router(engines.iter().map(|e| e.engine.clone()).collect());
-        match serve_http(&cfg.host, cfg.port, router).await {
+        match serve_http(&cfg.host, cfg.port, router, cfg.tcp.peers()).await {
             Ok((http_addr, http_stop, http_task)) => Ok(Self { http_addr, engines, http_stop, http_task }),
             Err(e) => {
                 stop_all(engines).await;

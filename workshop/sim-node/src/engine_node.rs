@@ -12,6 +12,7 @@ use kameo::supervision::RestartPolicy;
 use pdflow_actors::fault_seam::{register_actor, ActorKind, Faults, Role};
 use pdflow_actors::http_serve::{self, HttpLimits};
 use pdflow_actors::scheduler_connector::{KvRole, SchedulerConnector, SchedulerConnectorArgs};
+use pdflow_auth::PeerFilter;
 use pdflow_connector::Connector;
 use pdflow_kv::memory::KvCache;
 use pdflow_sim_engine::{api, Engine, EngineConfig, EngineHandle};
@@ -173,7 +174,8 @@ impl EngineNode {
             (1, None) => Engine::start(engine_cfg, kv_cache.clone(), Some(connector_ports)),
             _ => Engine::start_ranked(engine_cfg, topology.ranks.clone(), Some(connector_ports))?,
         };
-        let (http_addr, http_stop, http_task) = serve_http(&cfg.host, cfg.port, api::router(engine.clone())).await?;
+        let (http_addr, http_stop, http_task) =
+            serve_http(&cfg.host, cfg.port, api::router(engine.clone()), cfg.tcp.peers()).await?;
         Ok(Self {
             http_addr,
             engine,
@@ -391,13 +393,15 @@ pub fn kv_state_timeout(d: &Deadlines) -> std::time::Duration {
     d.held_backstop()
 }
 
-/// Serves `router` on `host:port` until the returned token is cancelled, its clients held to
-/// [`HttpLimits::default`] (header and idle deadlines, connection caps; `service="engine"` in
-/// `/metrics`).
+/// Serves `router` on `host:port` until the returned token is cancelled, to the clients `peers`
+/// lets in (an engine's: [`TcpConfig::peers`], loopback only without a secret unless
+/// `insecure`), held to [`HttpLimits::default`] (header and idle deadlines, connection caps;
+/// `service="engine"` in `/metrics`).
 pub async fn serve_http(
     host: &str,
     port: u16,
     router: axum::Router,
+    peers: PeerFilter,
 ) -> Result<(SocketAddr, CancellationToken, tokio::task::JoinHandle<()>), NodeError> {
     let addr = format!("{host}:{port}");
     let listener = tokio::net::TcpListener::bind(&addr).await.map_err(|source| NodeError::Bind {
@@ -409,7 +413,7 @@ pub async fn serve_http(
         listener.local_addr().map_err(|source| NodeError::Bind { what: "the engine HTTP API", addr, source })?;
     let stop = CancellationToken::new();
     let token = stop.clone();
-    let task = tokio::spawn(http_serve::serve(listener, router, "engine", HttpLimits::default(), token));
+    let task = tokio::spawn(http_serve::serve(listener, router, "engine", HttpLimits::serving(peers), token));
     Ok((local, stop, task))
 }
 

@@ -4,6 +4,8 @@
 //! so instead of passing silently: [`skipped`] prints why, and with `PDFLOW_SKIP_LOG` naming a file
 //! appends one line per skipped test there (`test thread \t what \t why`), which the test command
 //! counts as skipped, not passed. Called once per skipped test, before it returns.
+//! [`non_loopback_ip`] finds an address of this machine other than loopback, for tests of what a
+//! socket serves to other hosts.
 
 use std::fmt::Display;
 use std::io::Write;
@@ -20,4 +22,24 @@ pub fn skipped(what: &str, why: &dyn Display) {
     if let Err(e) = written {
         eprintln!("could not record the skip in {}: {e}", path.to_string_lossy());
     }
+}
+
+/// An address of this machine that is not loopback — the source address of its route to another
+/// network, found by connecting a UDP socket (no packet is sent) — for tests of what a socket
+/// serves to other hosts: such a test binds its server on the unspecified address and connects
+/// from this one, no root needed. `Err` says why there is none (no route off the host); the test
+/// then reports itself [`skipped`].
+pub fn non_loopback_ip() -> Result<std::net::IpAddr, String> {
+    let mut tried = Vec::new();
+    for (bind, target) in [("0.0.0.0:0", "10.255.255.1:9"), ("[::]:0", "[2001:db8::1]:9")] {
+        let found = std::net::UdpSocket::bind(bind)
+            .and_then(|socket| socket.connect(target).and_then(|()| socket.local_addr()))
+            .map(|local| local.ip());
+        match found {
+            Ok(ip) if !ip.is_loopback() && !ip.is_unspecified() => return Ok(ip),
+            Ok(ip) => tried.push(format!("the route to {target} leaves from {ip}")),
+            Err(e) => tried.push(format!("no route to {target} ({e})")),
+        }
+    }
+    Err(format!("this machine has no non-loopback address: {}", tried.join("; ")))
 }

@@ -23,6 +23,7 @@ use std::time::{Duration, Instant};
 
 use pdflow_actors::proxy::{PrefillTarget, ProxyArgs};
 use pdflow_actors::scheduler_connector::KvRole;
+use pdflow_auth::PeerFilter;
 use pdflow_kv::memory::{KvCache, KvShape};
 use pdflow_observability::attrs;
 use pdflow_observability::capture::SpanCapture;
@@ -460,7 +461,7 @@ async fn reference_run(
 ) -> Result<serde_json::Value, DemoError> {
     let cfg = engine_config(opts, "reference");
     let engine = Engine::start(cfg.clone(), KvCache::new(cfg.shape, cfg.num_blocks), None);
-    let (addr, stop, task) = serve_http("127.0.0.1", 0, api::router(engine.clone())).await?;
+    let (addr, stop, task) = serve_http("127.0.0.1", 0, api::router(engine.clone()), PeerFilter::LoopbackOnly).await?;
     let result = post_json(client, &format!("http://{addr}/v1/completions"), body).await;
     pdflow_sim_node::engine_node::stop_http(stop, task).await;
     engine.shutdown().await;

@@ -105,12 +105,20 @@ pub struct StagedAuth {
     pub secret: Option<ClusterSecret>,
     /// TLS on every connection, with the secret's identity.
     pub tls: Option<TlsIdentity>,
+    /// Without a secret, D's receiver serves non-loopback peers anyway (protected mode's opt-out;
+    /// [`pdflow_auth::PeerFilter`]).
+    pub insecure: bool,
 }
 
 impl StagedAuth {
-    /// The token, secret and TLS identity of the tcp data channel's config.
+    /// The token, secret, TLS identity and protected mode's opt-out of the tcp data channel's config.
     pub fn from_tcp(tcp: &TcpConfig) -> Self {
-        Self { token: tcp.auth_token.clone(), secret: tcp.secret.clone(), tls: tcp.tls.clone() }
+        Self { token: tcp.auth_token.clone(), secret: tcp.secret.clone(), tls: tcp.tls.clone(), insecure: tcp.insecure }
+    }
+
+    /// Which peers D's receiver serves.
+    pub fn peers(&self) -> pdflow_auth::PeerFilter {
+        pdflow_auth::PeerFilter::new(self.secret.as_ref(), self.insecure)
     }
 }
 

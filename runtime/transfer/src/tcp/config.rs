@@ -1,10 +1,11 @@
 //! How P connects to and writes into D's data servers ([`TcpConfig`]): streams per peer,
-//! deadlines, the transfer token, the cluster secret and TLS, the same-host and GPU paths. Owns no
+//! deadlines, the transfer token, the cluster secret and TLS, protected mode's opt-out, the
+//! same-host and GPU paths. Owns no
 //! seed step; step 29's engine ([`super::TcpTransferEngine`]) is built from it.
 
 use std::time::Duration;
 
-use pdflow_auth::{ClusterSecret, TlsIdentity};
+use pdflow_auth::{ClusterSecret, PeerFilter, TlsIdentity};
 
 use crate::same_host::SameHostMode;
 
@@ -30,6 +31,10 @@ pub struct TcpConfig {
     pub same_host: SameHostMode,
     /// Which path the engine for GPU KV takes to a D with GPU KV (feature `cuda`).
     pub gpu_path: crate::GpuPath,
+    /// Without a secret, serve non-loopback peers anyway (the operator's explicit opt-out of
+    /// protected mode: `--insecure`, `"insecure": true`, `PDFLOW_INSECURE=1`). No effect with a
+    /// secret. Read by every socket the engine binds, through [`TcpConfig::peers`].
+    pub insecure: bool,
 }
 
 impl Default for TcpConfig {
@@ -43,6 +48,7 @@ impl Default for TcpConfig {
             tls: None,
             same_host: SameHostMode::Auto,
             gpu_path: crate::GpuPath::Auto,
+            insecure: false,
         }
     }
 }
@@ -57,6 +63,12 @@ pub enum TlsSetupError {
 }
 
 impl TcpConfig {
+    /// Which peers the engine's sockets serve ([`PeerFilter::new`]: all with a secret or
+    /// `insecure`, loopback only otherwise).
+    pub fn peers(&self) -> PeerFilter {
+        PeerFilter::new(self.secret.as_ref(), self.insecure)
+    }
+
     /// Turns TLS on every data connection on (with the cluster secret's identity) or off; set
     /// the secret first.
     pub fn set_tls(&mut self, on: bool) -> Result<(), TlsSetupError> {

@@ -386,7 +386,7 @@ impl Inner {
         let unanswered = |e: std::io::Error| {
             use std::io::ErrorKind::{BrokenPipe, ConnectionAborted, ConnectionReset, UnexpectedEof};
             if matches!(e.kind(), UnexpectedEof | ConnectionReset | BrokenPipe | ConnectionAborted) {
-                let why = format!("D closed the connection before answering the hello ({e}): it serves its most connections (max_connections), it is stopping, or its data channel expects TLS (`tls` on both ends)");
+                let why = format!("D closed the connection before answering the hello ({e}): it serves its most connections (max_connections), it is stopping, its data channel expects TLS (`tls` on both ends), or it runs without a cluster secret and so serves loopback peers only (give both sides the cluster secret, or start D with --insecure / PDFLOW_INSECURE=1)");
                 return connect_err(std::io::Error::new(e.kind(), why));
             }
             connect_err(e)

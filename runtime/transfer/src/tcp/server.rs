@@ -9,7 +9,8 @@
 //! few per peer): one more is closed as soon as it is accepted, so that a flood of connections
 //! costs D no threads. The server owns its accept loop and connection threads: when it is shut
 //! down or dropped it stops accepting and shuts every connection's socket down, which ends the
-//! threads' reads at once.
+//! threads' reads at once. Without a cluster secret (and without `insecure`), only loopback peers
+//! are served: any other is closed at its accept ([`pdflow_auth::PeerFilter`], protected mode).
 //!
 //! After the hello, P may ask for the same-host details (see [`wire::HostInfo`]): unless started
 //! with `offer_same_host = false`, the server answers with its pid, host identity, a random canary
@@ -21,7 +22,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use pdflow_auth::{ClusterSecret, TlsIdentity};
+use pdflow_auth::{ClusterSecret, PeerFilter, Socket, TlsIdentity};
 use tokio::net::{TcpListener, TcpSocket};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -64,6 +65,10 @@ pub struct DataServerOptions {
     pub device_export: Vec<u8>,
     /// The most connections served at once (at least 1); one more is closed at its accept.
     pub max_connections: usize,
+    /// Without `secret`: serve non-loopback peers anyway (the operator's opt-out of protected
+    /// mode). Without both, a peer not on loopback is closed at its accept and counted
+    /// ([`PeerFilter`]: `pdflow_auth_refusals_total{socket="data",cause="not_loopback"}`).
+    pub insecure: bool,
 }
 
 impl Default for DataServerOptions {
@@ -76,6 +81,7 @@ impl Default for DataServerOptions {
             fence: None,
             device_export: Vec::new(),
             max_connections: DEFAULT_MAX_CONNECTIONS,
+            insecure: false,
         }
     }
 }
@@ -167,8 +173,17 @@ impl TcpDataServer {
         regions: RegionTable,
         options: DataServerOptions,
     ) -> Result<Self, DataServerError> {
-        let DataServerOptions { auth_token, secret, tls, offer_same_host, fence, device_export, max_connections } =
-            options;
+        let DataServerOptions {
+            auth_token,
+            secret,
+            tls,
+            offer_same_host,
+            fence,
+            device_export,
+            max_connections,
+            insecure,
+        } = options;
+        let peers = PeerFilter::new(secret.as_ref(), insecure);
         let listener = listen(addr).map_err(|source| DataServerError::Bind { addr, source })?;
         let local_addr = listener.local_addr().map_err(|source| DataServerError::Bind { addr, source })?;
         let canary = same_host::new_canary();
@@ -197,7 +212,7 @@ impl TcpDataServer {
         });
         let tracker = TaskTracker::new();
         let connections = Arc::new(Connections::new(max_connections));
-        tracker.spawn(accept_loop(listener, shared, tracker.clone(), connections.clone()));
+        tracker.spawn(accept_loop(listener, shared, tracker.clone(), connections.clone(), peers));
         tracing::debug!(%local_addr, "tcp data server listening");
         Ok(Self { local_addr, cancel, tracker, connections, _canary: canary })
     }
@@ -246,13 +261,21 @@ fn listen(addr: SocketAddr) -> std::io::Result<TcpListener> {
     socket.listen(1024)
 }
 
-async fn accept_loop(listener: TcpListener, shared: Arc<Shared>, tracker: TaskTracker, connections: Arc<Connections>) {
+async fn accept_loop(
+    listener: TcpListener,
+    shared: Arc<Shared>,
+    tracker: TaskTracker,
+    connections: Arc<Connections>,
+    peers: PeerFilter,
+) {
     loop {
         let accepted = tokio::select! {
             _ = shared.cancel.cancelled() => return,
             accepted = listener.accept() => accepted,
         };
         match accepted {
+            // Protected mode: closed here (the stream drops), counted and logged once per peer.
+            Ok((_stream, peer)) if !peers.admit(Socket::Data, peer) => {}
             Ok((stream, peer)) => {
                 if let Err(e) = start_connection(stream, peer, &shared, &tracker, &connections) {
                     tracing::warn!("cannot serve the data connection from {peer}: {e}");

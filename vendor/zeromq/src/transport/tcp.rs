@@ -167,6 +167,12 @@ where
                             continue;
                         }
                     };
+                    // pdflow patch: a peer the socket's predicate refuses is closed at once,
+                    // before it takes a slot (its refusal reported to the socket's hook).
+                    if !limits::peer_allowed(&options, remote_addr) {
+                        drop(raw_socket);
+                        continue;
+                    }
                     // pdflow patch: a connection past the socket's caps is closed at once (its
                     // refusal reported to the socket's hook); the others hold a slot until closed.
                     let slot = match options.connection_slots.acquire(&options.limits, remote_addr) {

@@ -15,6 +15,7 @@ use anyhow::Context;
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use pdflow_actors::proxy::{PrefillTarget, ProxyArgs};
+use pdflow_auth::PeerFilter;
 use serde_json::{json, Value};
 
 use super::report::{self, quantile, Row};
@@ -107,8 +108,8 @@ fn latency_row(name: &str, concurrency: usize, samples: &[f64], wall: Duration) 
 
 /// Runs the benchmark; prints the table; writes the JSON.
 pub async fn run(opts: Options) -> anyhow::Result<()> {
-    let (p_addr, p_stop, p_task) = serve_http("127.0.0.1", 0, prefill_stub()).await?;
-    let (d_addr, d_stop, d_task) = serve_http("127.0.0.1", 0, decode_stub()).await?;
+    let (p_addr, p_stop, p_task) = serve_http("127.0.0.1", 0, prefill_stub(), PeerFilter::LoopbackOnly).await?;
+    let (d_addr, d_stop, d_task) = serve_http("127.0.0.1", 0, decode_stub(), PeerFilter::LoopbackOnly).await?;
     let proxy = ProxyNode::start(ProxyArgs {
         bind: SocketAddr::from(([127, 0, 0, 1], 0)),
         prefill: vec![PrefillTarget { url: format!("http://{p_addr}"), bootstrap_port: p_addr.port() }],

@@ -213,6 +213,7 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
             let bootstrap = BootstrapNode::start_with(
                 "127.0.0.1:0".parse()?,
                 secret.clone(),
+                false,
                 &pdflow_actors::fault_seam::no_faults(),
             )
             .await?;

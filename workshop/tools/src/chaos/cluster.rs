@@ -137,7 +137,7 @@ impl ChaosCluster {
     /// Starts the cluster, its nodes and their actors registered in `domain`.
     pub async fn start(spec: ChaosSpec, domain: &Arc<FaultDomain>) -> Result<Self, ChaosError> {
         let faults = domain.seam();
-        let bootstrap = BootstrapNode::start_with(SocketAddr::from(([127, 0, 0, 1], 0)), None, &faults).await?;
+        let bootstrap = BootstrapNode::start_with(SocketAddr::from(([127, 0, 0, 1], 0)), None, false, &faults).await?;
         let bootstrap_addr = bootstrap.addr;
         let suffix = uuid::Uuid::new_v4().simple().to_string();
         let mut p_cfg = node_cfg(
@@ -234,7 +234,8 @@ impl ChaosCluster {
                 let addr = self.bootstrap_addr;
                 let faults = self.faults.clone();
                 self.bootstrap = Some(
-                    retry_bind(|| BootstrapNode::start_with(addr, None, &faults).map_err(ChaosError::from)).await?,
+                    retry_bind(|| BootstrapNode::start_with(addr, None, false, &faults).map_err(ChaosError::from))
+                        .await?,
                 );
             }
             NodeKind::Proxy => return Err(ChaosError::NotKillable { node: node.name() }),

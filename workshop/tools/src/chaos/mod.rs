@@ -25,6 +25,7 @@ use std::fmt::Write as _;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use pdflow_auth::PeerFilter;
 use pdflow_fault::FaultDomain;
 use pdflow_kv::memory::{KvCache, KvShape};
 use pdflow_observability::capture::SpanCapture;
@@ -181,7 +182,8 @@ impl Reference {
         let cfg =
             EngineConfig { engine_id: "reference".into(), shape, hybrid, num_blocks: 256, ..EngineConfig::default() };
         let engine = Engine::start(cfg.clone(), KvCache::new(cfg.shape, cfg.num_blocks), None);
-        let (addr, stop, task) = serve_http("127.0.0.1", 0, api::router(engine.clone())).await?;
+        let (addr, stop, task) =
+            serve_http("127.0.0.1", 0, api::router(engine.clone()), PeerFilter::LoopbackOnly).await?;
         Ok(Self { engine, url: format!("http://{addr}"), stop, task })
     }
 

@@ -25,7 +25,7 @@ const STRANGER: &str = "not-the-cluster-secret";
 fn auth(token: Option<&str>, key: Option<&str>, tls: bool) -> StagedAuth {
     let secret = key.map(|k| ClusterSecret::from_text(k).expect("valid secret"));
     let tls = secret.as_ref().filter(|_| tls).map(|s| TlsIdentity::from_secret(s).expect("identity"));
-    StagedAuth { token: token.map(str::to_string), secret, tls }
+    StagedAuth { token: token.map(str::to_string), secret, tls, insecure: false }
 }
 
 /// D's receiver over `d_regions` (the small test shape, no fence) requiring `auth`.

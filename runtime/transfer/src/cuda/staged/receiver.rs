@@ -7,7 +7,8 @@
 //! `idle_close` is closed (P's pool drops such connections before it would reuse them); at most
 //! `max_connections` are served at once, one more is closed at its accept (no thread for it).
 //! With TLS, each connection begins with the handshake (P's certificate must be the secret's);
-//! a stranger's is refused and counted before anything else is read.
+//! a stranger's is refused and counted before anything else is read. Without a secret (and
+//! without `insecure`) only loopback peers are served ([`pdflow_auth::PeerFilter`]).
 //!
 //! Owns D's side of seed step 29 on the cross-host GPU path (the bytes land in D's regions; step
 //! 31's completion follows on the side channel as for any backend).
@@ -180,6 +181,11 @@ fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
             return;
         }
         let Ok(conn) = conn else { continue };
+        // Protected mode: a peer not on loopback, without a secret, is closed here (counted).
+        let Ok(peer) = conn.peer_addr() else { continue };
+        if !shared.auth.peers().admit(Socket::Data, peer) {
+            continue;
+        }
         let Ok(clone) = conn.try_clone() else { continue };
         let id = shared.next_conn.fetch_add(1, Ordering::Relaxed);
         {

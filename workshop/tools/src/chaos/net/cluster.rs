@@ -180,6 +180,9 @@ impl NetCluster {
                 "160",
             ]);
             a.extend(strings(&["--abort-request-timeout", &abort, "--max-model-len", "4096"]));
+            // P and D reach each other (and the proxy reaches them) over veth links, not loopback:
+            // without a cluster secret that takes protected mode's opt-out.
+            a.push("--insecure".to_string());
             a
         };
         let mut p_args = engine("producer", topo.addr(p).to_string());
