@@ -279,10 +279,13 @@ impl Conn<'_> {
         Ok(())
     }
 
-    /// [`Request::HostInfo`]: the same-host details, when offered.
+    /// [`Request::HostInfo`]: the same-host details, when offered — and only to a peer on this
+    /// host (connecting from loopback or from the address it reached): D's pid, canary and
+    /// region addresses are of no use to another host, and nothing to tell it.
     fn answer_host_info(&mut self, p_pid: u32) -> Result<(), ConnectionError> {
-        let host_info = self.shared.host_info.as_ref();
-        tracing::debug!(p_pid, offered = host_info.is_some(), "P asked for the same-host details");
+        let on_this_host = same_host_peer(self.link.tcp);
+        let host_info = self.shared.host_info.as_ref().filter(|_| on_this_host);
+        tracing::debug!(p_pid, on_this_host, offered = host_info.is_some(), "P asked for the same-host details");
         let answer = wire::encode_host_info(host_info.unwrap_or(&HostInfo::default()))?;
         self.link.write_all(&answer).map_err(WireError::from)?;
         Ok(())
@@ -558,6 +561,15 @@ fn refuse_and_close(link: &mut Link<'_>, batch_id: u64, err: ConnectionError) ->
     err
 }
 
+/// Whether the peer connected from this host: from a loopback address, or from the very address
+/// it reached (the kernel picks that one as the source of a connection to a local address).
+fn same_host_peer(stream: &TcpStream) -> bool {
+    match (stream.peer_addr(), stream.local_addr()) {
+        (Ok(peer), Ok(local)) => peer.ip().is_loopback() || peer.ip() == local.ip(),
+        _ => false,
+    }
+}
+
 /// The peer's address for logs and refusals.
 fn peer_name(stream: &TcpStream) -> String {
     stream.peer_addr().map_or_else(|_| "unknown".to_string(), |a| a.to_string())
@@ -565,4 +577,47 @@ fn peer_name(stream: &TcpStream) -> String {
 
 pub(crate) fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+#[cfg(test)]
+mod same_host_peer_tests {
+    use std::net::{SocketAddr, TcpListener, TcpStream};
+
+    use super::same_host_peer;
+
+    /// The server's end of a connection from `from` (any port) to `to`.
+    fn accepted(listener: &TcpListener, from: Option<std::net::IpAddr>, to: SocketAddr) -> TcpStream {
+        let client = match from {
+            None => TcpStream::connect(to).expect("connects"),
+            Some(ip) => {
+                let socket = tokio::net::TcpSocket::new_v4().expect("a socket");
+                socket.bind(SocketAddr::new(ip, 0)).expect("binds the source address");
+                let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("a runtime");
+                rt.block_on(socket.connect(to)).expect("connects").into_std().expect("a std stream")
+            }
+        };
+        let (server, _) = listener.accept().expect("accepts");
+        drop(client);
+        server
+    }
+
+    #[test]
+    fn only_a_peer_on_this_host_is_told_the_same_host_details() {
+        let ip = match pdflow_testkit::non_loopback_ip() {
+            Ok(ip) if ip.is_ipv4() => ip,
+            Ok(ip) => {
+                return pdflow_testkit::skipped("same-host details to another host", &format!("only {ip} (IPv6)"))
+            }
+            Err(why) => return pdflow_testkit::skipped("same-host details to another host", &why),
+        };
+        let listener = TcpListener::bind("0.0.0.0:0").expect("binds");
+        let port = listener.local_addr().expect("addr").port();
+        let loopback = SocketAddr::from(([127, 0, 0, 1], port));
+        assert!(same_host_peer(&accepted(&listener, None, loopback)), "a loopback peer is on this host");
+        let own = SocketAddr::new(ip, port);
+        assert!(same_host_peer(&accepted(&listener, None, own)), "a peer reaching this host's address from it");
+        // From this host's address to loopback: the peer's address is not the one it reached,
+        // as for a peer on another host.
+        assert!(!same_host_peer(&accepted(&listener, Some(ip), loopback)), "a peer from elsewhere was told");
+    }
 }
