@@ -63,9 +63,19 @@ impl Harness {
     }
 
     async fn pull(&self, metas: Vec<PullMeta>) {
-        let reqs = metas.into_iter().map(|m| (m.d_req_id.clone(), m)).collect();
-        let msg =
-            StartLoadKv { reqs_to_recv: BTreeMap::from([(P_ENGINE.into(), reqs)]), reqs_to_abort: BTreeSet::new() };
+        self.pull_from(P_ENGINE, metas).await;
+    }
+
+    /// Hands `metas` over as pulls from P engine `engine` (each meta names it too).
+    async fn pull_from(&self, engine: &str, metas: Vec<PullMeta>) {
+        let reqs = metas
+            .into_iter()
+            .map(|mut m| {
+                m.remote_engine_id = engine.into();
+                (m.d_req_id.clone(), m)
+            })
+            .collect();
+        let msg = StartLoadKv { reqs_to_recv: BTreeMap::from([(engine.into(), reqs)]), reqs_to_abort: BTreeSet::new() };
         self.receiver.tell(msg).await.expect("receiver alive");
     }
 
@@ -276,13 +286,7 @@ async fn an_engine_registered_while_its_look_up_runs_is_pulled_from() {
 #[tokio::test]
 async fn engine_missing_from_query_fails_naming_it() {
     let mut h = Harness::start(Duration::from_secs(5)).await;
-    let mut meta = h.meta("a", vec![1]);
-    meta.remote_engine_id = "ghost-engine".into();
-    let msg = StartLoadKv {
-        reqs_to_recv: BTreeMap::from([("ghost-engine".into(), BTreeMap::from([("a".into(), meta)]))]),
-        reqs_to_abort: BTreeSet::new(),
-    };
-    h.receiver.tell(msg).await.expect("receiver alive");
+    h.pull_from("ghost-engine", vec![h.meta("a", vec![1])]).await;
     let failure = h.settled("a", WAIT).await.failed_recving["a"].clone();
     assert_eq!(failure.cause, LoadFailureCause::Bootstrap, "{failure}");
     let reason = failure.detail;
@@ -295,13 +299,7 @@ async fn engine_missing_from_query_fails_naming_it() {
 async fn an_engine_a_settled_table_does_not_name_fails_at_the_first_answer() {
     let mut h = Harness::start(Duration::from_secs(5)).await;
     *h.bootstrap.table_age_ms.lock().await = Some(60_000);
-    let mut meta = h.meta("a", vec![1]);
-    meta.remote_engine_id = "ghost-engine".into();
-    let msg = StartLoadKv {
-        reqs_to_recv: BTreeMap::from([("ghost-engine".into(), BTreeMap::from([("a".into(), meta)]))]),
-        reqs_to_abort: BTreeSet::new(),
-    };
-    h.receiver.tell(msg).await.expect("receiver alive");
+    h.pull_from("ghost-engine", vec![h.meta("a", vec![1])]).await;
     let failure = h.settled("a", WAIT).await.failed_recving["a"].clone();
     assert_eq!(failure.cause, LoadFailureCause::Bootstrap, "{failure}");
     assert!(failure.detail.contains("ghost-engine is not registered at bootstrap"), "{failure}");
@@ -361,14 +359,8 @@ async fn a_request_naming_another_bootstrap_for_an_engine_reaches_no_other_reque
     assert_eq!(h.bootstrap.calls(), 1, "P's own bootstrap was asked");
     assert!(evil_p.quiet_for(Duration::from_millis(100)).await, "nothing more reached the other P");
     // Nor did the other engine its answer named get cached: asked at the bootstrap named.
-    let mut other = h.meta("b", vec![3]);
-    other.remote_engine_id = "other-engine".into();
     *h.bootstrap.table_age_ms.lock().await = Some(60_000);
-    let msg = StartLoadKv {
-        reqs_to_recv: BTreeMap::from([("other-engine".into(), BTreeMap::from([("b".into(), other)]))]),
-        reqs_to_abort: BTreeSet::new(),
-    };
-    h.receiver.tell(msg).await.expect("receiver alive");
+    h.pull_from("other-engine", vec![h.meta("b", vec![3])]).await;
     let failure = h.settled("b", WAIT).await.failed_recving["b"].clone();
     assert!(failure.detail.contains("other-engine is not registered at bootstrap"), "{failure}");
     assert_eq!(h.bootstrap.calls(), 2);
