@@ -227,12 +227,13 @@ pub(crate) fn tls_refused(error: &zeromq::ZmqError, peer: &str) -> bool {
         Some(accept) => (accept.peer.to_string(), &accept.source),
         None => (peer.to_string(), io),
     };
-    let refused = io
-        .get_ref()
-        .and_then(|e| e.downcast_ref::<pdflow_auth::tls::RustlsError>())
-        .is_some_and(pdflow_auth::tls::is_refusal);
+    let tls_error = io.get_ref().and_then(|e| e.downcast_ref::<pdflow_auth::tls::RustlsError>());
+    let refused = tls_error.is_some_and(pdflow_auth::tls::is_refusal);
     if refused {
         pdflow_auth::refused(Socket::SideChannel, &peer, Refusal::BadProof);
+    } else if tls_error.is_some_and(pdflow_auth::tls::is_plaintext) {
+        // Counted, not a refusal of the caller's secret: its `tls` is off.
+        pdflow_auth::refused(Socket::SideChannel, &peer, Refusal::PlainTextOnTls);
     } else {
         tracing::debug!(%peer, "side-channel TLS handshake failed: {io}");
     }

@@ -122,7 +122,8 @@ async fn with_tls_a_holder_is_served_and_a_stranger_or_a_plain_dealer_never_reac
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 
-    // A D without TLS is told why it cannot connect, naming the setting to change.
+    // A D without TLS is told why it cannot connect, naming the setting to change, and P counts it.
+    let plaintext_before = side_channel_refusals("plaintext_on_tls");
     let plain_d = PullAuth { secret: Some(key.clone()), tls: None };
     let mut dealer = DealerSocket::with_options(plain_d.socket_options(Duration::from_secs(2)));
     match tokio::time::timeout(Duration::from_secs(5), dealer.connect(&addr)).await {
@@ -132,6 +133,11 @@ async fn with_tls_a_holder_is_served_and_a_stranger_or_a_plain_dealer_never_reac
         }
         Ok(Ok(())) => panic!("a D without TLS connected to a TLS side channel"),
         Err(_) => panic!("a D without TLS was not refused within its connect timeout"),
+    }
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while side_channel_refusals("plaintext_on_tls") <= plaintext_before {
+        assert!(tokio::time::Instant::now() < deadline, "P did not count the plain-text D");
+        tokio::time::sleep(Duration::from_millis(20)).await;
     }
 
     // A D without TLS: whatever it sends is never answered and writes nothing.

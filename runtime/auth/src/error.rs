@@ -60,6 +60,9 @@ pub enum Refusal {
     /// ([`crate::PeerFilter`]).
     #[error("no cluster secret is set, so only loopback peers are served (give every peer the cluster secret, or start this side with --insecure / PDFLOW_INSECURE=1)")]
     NotLoopback,
+    /// TLS is on at this port and the peer spoke something else (its `tls` is off).
+    #[error("the peer did not speak TLS to this TLS port (set `tls` alike on both ends: `--tls on`, \"tls\": true)")]
+    PlainTextOnTls,
 }
 
 impl Refusal {
@@ -79,6 +82,7 @@ impl Refusal {
             Refusal::IdleTimeout => "idle_timeout",
             Refusal::TooManyIds => "too_many_ids",
             Refusal::NotLoopback => "not_loopback",
+            Refusal::PlainTextOnTls => "plaintext_on_tls",
         }
     }
 }

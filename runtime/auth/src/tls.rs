@@ -258,6 +258,12 @@ impl ClientCertVerifier for SecretCertificates {
     handshake_signatures!();
 }
 
+/// Whether a TLS server's handshake failed because the peer did not speak TLS at all (the first
+/// bytes are no TLS record: a peer whose `tls` is off).
+pub fn is_plaintext(e: &rustls::Error) -> bool {
+    matches!(e, rustls::Error::InvalidMessage(_))
+}
+
 /// Whether a handshake failed because the peer's certificate is not the secret's (or it sent
 /// none): an authentication refusal, not a network fault.
 pub fn is_refusal(e: &rustls::Error) -> bool {

@@ -127,6 +127,11 @@ fn serve_requests(stream: &TcpStream, shared: &Shared) -> Result<(), ConnectionE
                     let _ = stream.shutdown(Shutdown::Both);
                     return Err(ConnectionError::Refused(Refusal::BadProof));
                 }
+                Err(HandshakeError::Tls(e)) if pdflow_auth::tls::is_plaintext(&e) => {
+                    pdflow_auth::refused(Socket::Data, &peer_name(stream), Refusal::PlainTextOnTls);
+                    let _ = stream.shutdown(Shutdown::Both);
+                    return Err(ConnectionError::Refused(Refusal::PlainTextOnTls));
+                }
                 Err(e) => {
                     let _ = stream.shutdown(Shutdown::Both);
                     return Err(ConnectionError::Tls(e));

@@ -94,10 +94,22 @@ async fn a_stranger_is_refused_by_either_end_at_the_handshake_and_nothing_lands(
 
 #[tokio::test]
 async fn tls_on_one_end_only_fails_with_a_hint_and_nothing_lands() {
+    let plaintext = || {
+        let series = "pdflow_auth_refusals_total{socket=\"data\",cause=\"plaintext_on_tls\"} ";
+        let text = pdflow_observability::metrics::global().render();
+        text.lines().find_map(|l| l.strip_prefix(series)).and_then(|v| v.trim().parse::<f64>().ok()).unwrap_or(0.0)
+    };
+    let before = plaintext();
     let d_tls = side(Some(KEY), true).await;
     let err = d_tls.write(&engine(&d_tls, Some(KEY), false), &d_tls.plan(&[1], &[5])).await.expect_err("P without TLS");
     assert!(err.to_string().contains("TLS"), "{err}");
     assert!(d_tls.untouched());
+    // D counts (and logs, naming the setting) the plain-text peer at its TLS port.
+    let deadline = tokio::time::Instant::now() + BOUND;
+    while plaintext() <= before {
+        assert!(tokio::time::Instant::now() < deadline, "D did not count the plain-text peer");
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
 
     let d_plain = side(Some(KEY), false).await;
     let err =
