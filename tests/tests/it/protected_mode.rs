@@ -25,17 +25,6 @@ use tokio::net::TcpStream;
 const SHAPE: &str = "4,2,16,16";
 const WAIT: Duration = Duration::from_secs(5);
 
-/// This machine's non-loopback address, or `None` once the test is reported skipped.
-fn off_loopback(test: &str) -> Option<IpAddr> {
-    match pdflow_testkit::non_loopback_ip() {
-        Ok(ip) => Some(ip),
-        Err(why) => {
-            pdflow_testkit::skipped(test, &why);
-            None
-        }
-    }
-}
-
 /// The loopback address of `ip`'s family.
 fn loopback_of(ip: IpAddr) -> IpAddr {
     if ip.is_ipv4() {
@@ -102,7 +91,7 @@ async fn not_loopback_refusals(url: &str, socket: &str) -> f64 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn without_a_secret_every_socket_closes_a_peer_off_loopback_and_loopback_is_served() {
-    let Some(ip) = off_loopback("processes: protected mode on every socket") else { return };
+    let Some(ip) = pdflow_testkit::non_loopback_ip_or_skip("processes: protected mode on every socket") else { return };
     let any = if ip.is_ipv4() { "0.0.0.0" } else { "::" };
     let producer = engine("producer", any, &["--bootstrap-port", "0"], &[]).await;
     let consumer = engine("consumer", any, &["--kv-load-failure-policy", "fail", "--transport", "tcp"], &[]).await;
@@ -156,7 +145,9 @@ async fn without_a_secret_every_socket_closes_a_peer_off_loopback_and_loopback_i
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn with_insecure_p_and_d_on_a_non_loopback_address_serve_each_other() {
-    let Some(ip) = off_loopback("processes: insecure serves non-loopback peers") else { return };
+    let Some(ip) = pdflow_testkit::non_loopback_ip_or_skip("processes: insecure serves non-loopback peers") else {
+        return;
+    };
     let host = ip.to_string();
     let producer = engine("producer", &host, &["--bootstrap-port", "0", "--insecure"], &[]).await;
     // The environment variable opts out as the flag does.
@@ -172,7 +163,9 @@ async fn with_insecure_p_and_d_on_a_non_loopback_address_serve_each_other() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn with_a_secret_p_and_d_on_a_non_loopback_address_serve_each_other_and_still_demand_proofs() {
-    let Some(ip) = off_loopback("processes: a secret serves non-loopback peers") else { return };
+    let Some(ip) = pdflow_testkit::non_loopback_ip_or_skip("processes: a secret serves non-loopback peers") else {
+        return;
+    };
     let dir =
         std::env::temp_dir().join(format!("pdflow-protected-{}-{}", std::process::id(), pdflow_tests::uuid_like()));
     std::fs::create_dir_all(&dir).expect("temp dir");

@@ -4,7 +4,7 @@
 //! so instead of passing silently: [`skipped`] prints why, and with `PDFLOW_SKIP_LOG` naming a file
 //! appends one line per skipped test there (`test thread \t what \t why`), which the test command
 //! counts as skipped, not passed. Called once per skipped test, before it returns.
-//! [`non_loopback_ip`] finds an address of this machine other than loopback, for tests of what a
+//! [`non_loopback_ip`] (and [`non_loopback_ip_or_skip`]) finds an address of this machine other than loopback, for tests of what a
 //! socket serves to other hosts.
 
 use std::fmt::Display;
@@ -42,4 +42,15 @@ pub fn non_loopback_ip() -> Result<std::net::IpAddr, String> {
         }
     }
     Err(format!("this machine has no non-loopback address: {}", tried.join("; ")))
+}
+
+/// [`non_loopback_ip`], or `None` once `test` is reported [`skipped`] for want of one.
+pub fn non_loopback_ip_or_skip(test: &str) -> Option<std::net::IpAddr> {
+    match non_loopback_ip() {
+        Ok(ip) => Some(ip),
+        Err(why) => {
+            skipped(test, &why);
+            None
+        }
+    }
 }

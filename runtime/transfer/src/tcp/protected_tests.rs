@@ -17,17 +17,6 @@ use crate::{TransferEngine, TransferError};
 const SHAPE: KvShape = KvShape { num_layers: 2, num_kv_heads: 2, head_dim: 8, dtype_bytes: 2, block_size: 4 };
 const BOUND: std::time::Duration = std::time::Duration::from_secs(10);
 
-/// This machine's non-loopback address, or `None` once the test is reported skipped.
-fn off_loopback(test: &str) -> Option<IpAddr> {
-    match pdflow_testkit::non_loopback_ip() {
-        Ok(ip) => Some(ip),
-        Err(why) => {
-            pdflow_testkit::skipped(test, &why);
-            None
-        }
-    }
-}
-
 /// D on `0.0.0.0:0` (or `[::]:0`) under `options`; P's engine under `p`; P's blocks 1, 2 written
 /// into D's 5, 6 at `ip`. Returns what the write gave and whether D's blocks hold P's bytes.
 async fn write_at(ip: IpAddr, options: DataServerOptions, p: TcpConfig) -> (Result<(), TransferError>, bool) {
@@ -50,7 +39,10 @@ fn secret() -> ClusterSecret {
 
 #[tokio::test]
 async fn without_a_secret_a_peer_off_loopback_is_closed_at_accept_and_a_loopback_one_is_served() {
-    let Some(ip) = off_loopback("data server: protected mode refuses a non-loopback peer") else { return };
+    let Some(ip) = pdflow_testkit::non_loopback_ip_or_skip("data server: protected mode refuses a non-loopback peer")
+    else {
+        return;
+    };
     let before = data_refusals("not_loopback");
     let (written, landed) = write_at(ip, DataServerOptions::default(), TcpConfig::default()).await;
     match written {
@@ -70,7 +62,9 @@ async fn without_a_secret_a_peer_off_loopback_is_closed_at_accept_and_a_loopback
 
 #[tokio::test]
 async fn with_insecure_the_same_peer_is_served() {
-    let Some(ip) = off_loopback("data server: insecure serves a non-loopback peer") else { return };
+    let Some(ip) = pdflow_testkit::non_loopback_ip_or_skip("data server: insecure serves a non-loopback peer") else {
+        return;
+    };
     let options = DataServerOptions { insecure: true, ..DataServerOptions::default() };
     let (written, landed) = write_at(ip, options, TcpConfig::default()).await;
     written.expect("served");
@@ -79,7 +73,9 @@ async fn with_insecure_the_same_peer_is_served() {
 
 #[tokio::test]
 async fn with_a_secret_the_same_peer_is_served_and_must_still_prove_it() {
-    let Some(ip) = off_loopback("data server: a secret serves a non-loopback peer") else { return };
+    let Some(ip) = pdflow_testkit::non_loopback_ip_or_skip("data server: a secret serves a non-loopback peer") else {
+        return;
+    };
     let options = || DataServerOptions { secret: Some(secret()), ..DataServerOptions::default() };
     let (written, landed) = write_at(ip, options(), TcpConfig { secret: Some(secret()), ..TcpConfig::default() }).await;
     written.expect("served");
