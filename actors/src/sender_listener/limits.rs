@@ -10,6 +10,8 @@
 //! | limit | default | why |
 //! |---|---|---|
 //! | bytes per message | 16 MiB + 64 KiB | a pdflow frame is at most `frame::MAX_FRAME_LEN` (16 MiB), its seal a few dozen bytes; the largest pull D could send (1,024 requests over 262,144 blocks with a full layout) is under 1 MiB |
+//! | unfinished bytes, whole socket | 64 MiB | what every connection's unfinished message may hold together beyond its own allowance: P holds at most 64 MiB + 512 × 64 KiB = 96 MiB of unfinished messages, not 512 × 16 MiB |
+//! | unfinished bytes per connection, outside the budget | 64 KiB | a pull is a few KiB: a D's pull is never refused because others hold the budget |
 //! | frames per message | 64 | D sends one frame, or a frame and its seal; 64 leaves room for the protocol to grow and costs a few KiB of bookkeeping |
 //! | connections | 512 | one per D pull in flight (each PullTask has its own DEALER), from every D worker paired with this P worker; holds P's descriptors well under a 1,024-file limit |
 //! | connections per peer address | 128 | one D host (several D workers, DP engines) rarely has more pulls in flight to one P worker; one host cannot take the whole socket |
@@ -26,6 +28,11 @@ use zeromq::{LimitHit, LimitKind, SocketLimits, SocketOptions};
 pub const MAX_MESSAGE_LEN: usize = frame::MAX_FRAME_LEN + 64 * 1024;
 /// Most frames of one side-channel message.
 pub const MAX_MESSAGE_FRAMES: usize = 64;
+/// Most bytes of unfinished messages P's side channel holds at once, beyond each connection's
+/// [`UNBUDGETED_BYTES_PER_CONNECTION`].
+pub const MAX_UNFINISHED_BYTES: usize = 64 << 20;
+/// Bytes of an unfinished message one connection holds without drawing on the socket's budget.
+pub const UNBUDGETED_BYTES_PER_CONNECTION: usize = 64 << 10;
 /// Most side-channel connections open at once.
 pub const MAX_CONNECTIONS: usize = 512;
 /// Most side-channel connections open at once from one peer address.
@@ -40,6 +47,10 @@ pub const IDLE_TIMEOUT: Duration = Duration::from_secs(300);
 pub struct SideChannelLimits {
     pub max_message_len: usize,
     pub max_message_frames: usize,
+    /// Bytes of unfinished messages, across every connection, beyond each one's allowance.
+    pub max_unfinished_bytes: usize,
+    /// Bytes of an unfinished message a connection holds outside the socket's budget.
+    pub unbudgeted_bytes_per_connection: usize,
     pub max_connections: usize,
     pub max_connections_per_ip: usize,
     pub handshake_timeout: Duration,
@@ -52,6 +63,8 @@ impl Default for SideChannelLimits {
         Self {
             max_message_len: MAX_MESSAGE_LEN,
             max_message_frames: MAX_MESSAGE_FRAMES,
+            max_unfinished_bytes: MAX_UNFINISHED_BYTES,
+            unbudgeted_bytes_per_connection: UNBUDGETED_BYTES_PER_CONNECTION,
             max_connections: MAX_CONNECTIONS,
             max_connections_per_ip: MAX_CONNECTIONS_PER_IP,
             handshake_timeout: HANDSHAKE_TIMEOUT,
@@ -75,6 +88,8 @@ impl SideChannelLimits {
             max_connections_per_ip: Some(self.max_connections_per_ip),
             handshake_timeout: Some(self.handshake_timeout),
             idle_timeout: Some(self.idle_timeout(ready_timeout)),
+            max_unfinished_bytes: Some(self.max_unfinished_bytes),
+            unbudgeted_bytes_per_connection: self.unbudgeted_bytes_per_connection,
         });
         options.on_limit(count);
     }
@@ -87,6 +102,7 @@ fn count(hit: &LimitHit) {
         LimitKind::TooManyFrames => Refusal::TooManyFrames,
         LimitKind::TooManyConnections | LimitKind::TooManyConnectionsFromPeer => Refusal::TooManyConnections,
         LimitKind::HandshakeTimeout | LimitKind::IdleTimeout => Refusal::IdleTimeout,
+        LimitKind::UnfinishedBytes => Refusal::UnfinishedBytes,
         // The only peer predicate pdflow sets is protected mode's (`ListenerAuth::socket_options`).
         LimitKind::PeerNotAllowed => Refusal::NotLoopback,
     };

@@ -128,25 +128,36 @@ async fn fresh_dealer(addr: SocketAddr) -> DealerSocket {
 
 const MEMORY_CHILD: &str = "PDFLOW_SIDE_CHANNEL_MEMORY_CHILD";
 
-/// Run alone in a child process, so that its peak memory is P's and this test's only.
+/// Runs the test `name` (of this module) alone in a child process, so that its peak memory is
+/// P's and that test's only; true in the child, which then runs the test's body.
+fn in_memory_child(name: &str) -> bool {
+    if std::env::var_os(MEMORY_CHILD).is_some() {
+        return true;
+    }
+    let name = format!("sender_listener::limits_tests::{name}");
+    let exe = std::env::current_exe().expect("test binary");
+    let out = std::process::Command::new(exe)
+        .args(["--exact", &name, "--nocapture", "--test-threads=1"])
+        .env(MEMORY_CHILD, "1")
+        .output()
+        .expect("child runs");
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "child failed: {}\n{stdout}\n{stderr}", out.status);
+    assert!(stdout.contains("1 passed"), "the child ran no test:\n{stdout}\n{stderr}");
+    eprintln!("{}", stderr.lines().filter(|l| l.starts_with("memory:")).collect::<Vec<_>>().join("\n"));
+    false
+}
+
+fn memory_runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime")
+}
+
 #[test]
 fn an_unfinished_multipart_message_is_cut_at_the_cap_and_p_memory_stays_bounded() {
-    if std::env::var_os(MEMORY_CHILD).is_none() {
-        let name = "sender_listener::limits_tests::an_unfinished_multipart_message_is_cut_at_the_cap_and_p_memory_stays_bounded";
-        let exe = std::env::current_exe().expect("test binary");
-        let out = std::process::Command::new(exe)
-            .args(["--exact", name, "--nocapture", "--test-threads=1"])
-            .env(MEMORY_CHILD, "1")
-            .output()
-            .expect("child runs");
-        let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-        assert!(out.status.success(), "child failed: {}\n{stdout}\n{stderr}", out.status);
-        assert!(stdout.contains("1 passed"), "the child ran no test:\n{stdout}\n{stderr}");
-        eprintln!("{}", stderr.lines().filter(|l| l.starts_with("memory:")).collect::<Vec<_>>().join("\n"));
+    if !in_memory_child("an_unfinished_multipart_message_is_cut_at_the_cap_and_p_memory_stays_bounded") {
         return;
     }
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime");
-    rt.block_on(async {
+    memory_runtime().block_on(async {
         let (mut h, addr) = harness(SideChannelLimits::default()).await;
         serves_a_pull(&mut h, 1).await;
         let before = (peak_rss(), refusals("message_too_large"));
@@ -172,6 +183,55 @@ fn an_unfinished_multipart_message_is_cut_at_the_cap_and_p_memory_stays_bounded(
         assert!(grown < 2 * MAX_MESSAGE_LEN, "P's peak memory grew by {grown} bytes");
         assert!(refusals("message_too_large") >= before.1 + 2.0, "the cuts were not counted");
         serves_a_pull(&mut h, 2).await;
+    });
+}
+
+/// Ten connections, each sending one 15 MiB frame of a message it never finishes, against a
+/// 32 MiB budget for the whole socket: two are held, eight are cut at their frame's header; P's
+/// memory grows by the budget, not by 150 MiB; a D's pull (inside its connection's allowance) is
+/// served while the budget is spent, and the budget comes back when the holders close.
+#[test]
+fn unfinished_messages_of_many_connections_share_one_budget() {
+    if !in_memory_child("unfinished_messages_of_many_connections_share_one_budget") {
+        return;
+    }
+    memory_runtime().block_on(async {
+        let budget = 32 * MIB;
+        let limits = SideChannelLimits { max_unfinished_bytes: budget, ..SideChannelLimits::default() };
+        let (mut h, addr) = harness(limits).await;
+        serves_a_pull(&mut h, 1).await;
+        let before = (peak_rss(), refusals("unfinished_bytes"));
+
+        let (mut holders, mut cut) = (Vec::new(), 0);
+        for _ in 0..10 {
+            let mut attacker = connect_from([127, 0, 0, 1], addr).await;
+            attacker.write_all(&handshake()).await.expect("handshake sent");
+            match unfinished_message(&mut attacker, 1, 15 * MIB).await {
+                None => holders.push(attacker),
+                Some(written) => {
+                    assert!(written < 15 * MIB, "P read all of a frame it refused");
+                    assert!(until_closed(attacker, WAIT).await.is_some(), "P kept a connection it refused");
+                    cut += 1;
+                }
+            }
+        }
+        assert_eq!((holders.len(), cut), (2, 8), "(held, cut) of ten 15 MiB unfinished messages, 32 MiB budget");
+        let grown = peak_rss().saturating_sub(before.0);
+        eprintln!("memory: P's peak grew by {} MiB (budget {} MiB)", grown / MIB, budget / MIB);
+        assert!(grown < 2 * budget, "P's peak memory grew by {grown} bytes");
+        assert!(refusals("unfinished_bytes") >= before.1 + 8.0, "the cuts were not counted");
+        serves_a_pull(&mut h, 2).await;
+
+        // The holders go away: their bytes are given back.
+        drop(holders);
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let mut again = connect_from([127, 0, 0, 1], addr).await;
+        again.write_all(&handshake()).await.expect("handshake sent");
+        assert!(
+            unfinished_message(&mut again, 1, 15 * MIB).await.is_none(),
+            "the closed connections' bytes were not given back to the budget"
+        );
+        serves_a_pull(&mut h, 3).await;
     });
 }
 

@@ -44,6 +44,10 @@ pub enum Refusal {
     /// message: raise it only then).
     #[error("the peer's message passed the socket's size limit")]
     MessageTooLarge,
+    /// The socket's unfinished messages, from every peer together, hold all the bytes it allows
+    /// (hostile peers, or a budget set below a real load: raise it only then).
+    #[error("the socket's unfinished messages from all peers hold its byte budget")]
+    UnfinishedBytes,
     /// A message had more frames than the socket accepts.
     #[error("the peer's message passed the socket's frame limit")]
     TooManyFrames,
@@ -78,6 +82,7 @@ impl Refusal {
             Refusal::Unproven => "unproven",
             Refusal::MessageTooLarge => "message_too_large",
             Refusal::TooManyFrames => "too_many_frames",
+            Refusal::UnfinishedBytes => "unfinished_bytes",
             Refusal::TooManyConnections => "too_many_connections",
             Refusal::IdleTimeout => "idle_timeout",
             Refusal::TooManyIds => "too_many_ids",

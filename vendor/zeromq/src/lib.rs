@@ -366,6 +366,9 @@ pub struct SocketOptions {
     pub(crate) limits: SocketLimits,
     pub(crate) on_limit: Option<LimitHook>,
     pub(crate) connection_slots: Arc<limits::ConnectionSlots>,
+    /// pdflow patch: the unfinished messages' bytes, counted against
+    /// [`SocketLimits::max_unfinished_bytes`].
+    pub(crate) unfinished_bytes: Arc<limits::UnfinishedBytes>,
     /// pdflow patch: which peers may connect at all (none: every peer).
     pub(crate) accept_peer: Option<PeerPredicate>,
 }
@@ -410,6 +413,7 @@ impl Default for SocketOptions {
             limits: SocketLimits::default(),
             on_limit: None,
             connection_slots: Arc::default(),
+            unfinished_bytes: Arc::default(),
             accept_peer: None,
         }
     }

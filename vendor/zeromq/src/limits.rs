@@ -3,6 +3,10 @@
 //!
 //! - bytes and frames of one multipart message, checked by the codec as each frame header arrives,
 //!   before anything is reserved for the frame ([`crate::codec::ZmqCodec`]);
+//! - bytes of unfinished messages across every connection of the socket: past a small allowance
+//!   of its own, a connection's unfinished message draws on one budget shared by the socket,
+//!   charged at each frame header before the frame is read and given back when the message
+//!   completes or the connection closes ([`UnfinishedBytes`]);
 //! - accepted tcp connections, per socket and per peer IP: one past either cap is closed at once,
 //!   before its TLS or ZMTP handshake ([`ConnectionSlots`], taken in `transport/tcp.rs`);
 //! - a handshake deadline (ZMTP greeting and READY, from the connection's framing) and an idle
@@ -20,6 +24,7 @@
 use std::collections::HashMap;
 use std::fmt;
 use std::net::{IpAddr, SocketAddr};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -41,6 +46,12 @@ pub struct SocketLimits {
     pub handshake_timeout: Option<Duration>,
     /// How long a connection may go without completing a message.
     pub idle_timeout: Option<Duration>,
+    /// Most bytes of unfinished messages the socket holds at once, across its connections, beyond
+    /// each connection's [`unbudgeted_bytes_per_connection`](Self::unbudgeted_bytes_per_connection).
+    pub max_unfinished_bytes: Option<usize>,
+    /// Bytes of an unfinished message a connection holds without drawing on the socket's budget
+    /// (so that small messages are never refused while large ones hold the budget).
+    pub unbudgeted_bytes_per_connection: usize,
 }
 
 /// Which limit a peer hit.
@@ -54,6 +65,8 @@ pub enum LimitKind {
     TooManyConnectionsFromPeer,
     HandshakeTimeout,
     IdleTimeout,
+    /// The socket's unfinished messages hold its whole budget of bytes.
+    UnfinishedBytes,
     /// The socket's peer predicate refused the peer's address.
     PeerNotAllowed,
 }
@@ -69,6 +82,9 @@ impl fmt::Display for LimitKind {
             }
             LimitKind::HandshakeTimeout => "the peer did not finish its handshake in time",
             LimitKind::IdleTimeout => "the peer completed no message within the idle timeout",
+            LimitKind::UnfinishedBytes => {
+                "the socket's unfinished messages hold all the bytes it allows"
+            }
             LimitKind::PeerNotAllowed => "the socket does not accept connections from this address",
         })
     }
@@ -147,6 +163,85 @@ impl ConnectionSlots {
             slots: Arc::clone(self),
             ip: peer.ip(),
         })
+    }
+}
+
+/// The bytes of unfinished messages a socket's connections hold beyond their allowance (shared
+/// by the connections' codecs).
+#[derive(Debug, Default)]
+pub(crate) struct UnfinishedBytes {
+    held: AtomicUsize,
+}
+
+impl UnfinishedBytes {
+    /// Takes `n` bytes of the budget `max`, or none if that would pass it.
+    fn try_take(&self, n: usize, max: usize) -> bool {
+        self.held
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |held| {
+                held.checked_add(n).filter(|&after| after <= max)
+            })
+            .is_ok()
+    }
+
+    fn give_back(&self, n: usize) {
+        let _ = self
+            .held
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |held| {
+                Some(held.saturating_sub(n))
+            });
+    }
+
+    /// Bytes held now.
+    #[cfg(test)]
+    pub(crate) fn held(&self) -> usize {
+        self.held.load(Ordering::Acquire)
+    }
+}
+
+/// What one connection's unfinished message takes of its socket's [`UnfinishedBytes`]: given
+/// back when the message completes and when the connection's codec is dropped.
+#[derive(Debug)]
+pub(crate) struct MessageCharge {
+    shared: Arc<UnfinishedBytes>,
+    /// The socket's budget (`None`: none, nothing is charged).
+    max: Option<usize>,
+    allowance: usize,
+    charged: usize,
+}
+
+impl MessageCharge {
+    pub(crate) fn new(options: &crate::SocketOptions) -> Self {
+        Self {
+            shared: Arc::clone(&options.unfinished_bytes),
+            max: options.limits.max_unfinished_bytes,
+            allowance: options.limits.unbudgeted_bytes_per_connection,
+            charged: 0,
+        }
+    }
+
+    /// The message being read now holds `message_len` bytes: charges what passes the allowance,
+    /// or says that the budget cannot take it.
+    pub(crate) fn hold(&mut self, message_len: usize) -> Result<(), LimitKind> {
+        let Some(max) = self.max else { return Ok(()) };
+        let due = message_len.saturating_sub(self.allowance);
+        if due > self.charged {
+            if !self.shared.try_take(due - self.charged, max) {
+                return Err(LimitKind::UnfinishedBytes);
+            }
+            self.charged = due;
+        }
+        Ok(())
+    }
+
+    /// The message completed: its bytes are the socket's owner's now.
+    pub(crate) fn release(&mut self) {
+        self.shared.give_back(std::mem::take(&mut self.charged));
+    }
+}
+
+impl Drop for MessageCharge {
+    fn drop(&mut self) {
+        self.release();
     }
 }
 

@@ -43,6 +43,9 @@ pub struct ZmqCodec {
     max_message_frames: usize,
     message_len: usize,
     message_frames: usize,
+    // pdflow patch: what the message being read takes of the socket's budget for unfinished
+    // messages (given back when it completes, or when the codec is dropped with its connection).
+    charge: crate::limits::MessageCharge,
 }
 
 impl ZmqCodec {
@@ -60,6 +63,7 @@ impl ZmqCodec {
             max_message_frames: options.limits.max_message_frames.unwrap_or(usize::MAX),
             message_len: 0,
             message_frames: 0,
+            charge: crate::limits::MessageCharge::new(options),
         }
     }
 
@@ -158,6 +162,10 @@ impl Decoder for ZmqCodec {
                     }
                     if !frame.command {
                         self.message_len += frame_len;
+                        // pdflow patch: and charged to the socket's budget before it is read.
+                        self.charge
+                            .hold(self.message_len)
+                            .map_err(CodecError::Limit)?;
                     }
                     self.state = DecoderState::Frame(frame);
                     self.waiting_for = frame_len;
@@ -180,6 +188,7 @@ impl Decoder for ZmqCodec {
                         // pdflow patch: the next frame starts a new message.
                         self.message_len = 0;
                         self.message_frames = 0;
+                        self.charge.release();
                         // Quoth the Raven “Nevermore.”
                         return Ok(Some(Message::Message(
                             self.buffered_message
