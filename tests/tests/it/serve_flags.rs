@@ -99,3 +99,28 @@ async fn forward_cpu_pins_the_forward_and_a_cpu_out_of_reach_is_refused() {
     assert_eq!(v["usage"]["completion_tokens"], 4, "{v}");
     d.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bootstrap_on_port_0_is_named_by_its_bound_port_in_p_s_answers() {
+    let args = ["serve", "--role", "producer", "--kv-shape", "4,2,16,16", "--num-blocks", "64", "--bootstrap-port", "0"];
+    let p = Proc::spawn("producer", &args, &[]).await.expect("serve starts with --bootstrap-port 0");
+    let bound = p.ready["bootstrap_addr"].as_str().expect("the ready line names the bootstrap it launched").to_owned();
+    assert!(!bound.ends_with(":0"), "the bootstrap bound a port: {bound}");
+    let mut body = pdflow_tests::completion(&pdflow_tests::prompt(40, 2), 1);
+    body["kv_transfer_params"] = serde_json::json!({"do_remote_decode": true});
+    let client = pdflow_tests::http_client();
+    let (status, answer) =
+        pdflow_tests::post(&client, &format!("{}/v1/completions", p.url()), &body).await.expect("P answers");
+    assert_eq!(status, 200, "{answer}");
+    // What a proxy hands D names the bootstrap D can reach, with the port it bound.
+    let params = &answer["kv_transfer_params"];
+    assert_eq!(params["remote_bootstrap_addr"], format!("http://{bound}").as_str(), "{answer}");
+    let query = client
+        .get(format!("http://{bound}/query"))
+        .timeout(Duration::from_secs(10))
+        .send()
+        .await
+        .expect("the named bootstrap answers");
+    assert_eq!(query.status(), 200);
+    p.stop().await;
+}

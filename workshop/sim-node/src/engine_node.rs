@@ -132,8 +132,28 @@ impl EngineNode {
         };
         let kv_cache = topology.ranks[0].1.clone();
         let supervisor = NodeSupervisor::spawn(format!("engine-{engine_id}"));
-        // P answers D's kv_transfer_params with its bootstrap (for a proxy that forwards them).
-        let bootstrap_addr = cfg.bootstrap.url(&cfg.host);
+        let rank_lost = CancellationToken::new();
+        let (workers, rank_processes, ports) = match apart {
+            None => start_workers(&cfg, &topology, &supervisor, &side_channel).await?,
+            Some(launch) => {
+                let started = start_rank_processes(&cfg, &topology, &launch, kv_files, &side_channel, &rank_lost).await;
+                match started {
+                    Ok((processes, ports)) => (Vec::new(), processes, ports),
+                    Err(e) => {
+                        supervisor.kill();
+                        return Err(e);
+                    }
+                }
+            }
+        };
+        // P answers D's kv_transfer_params with its bootstrap (for a proxy that forwards them):
+        // the one its workers registered with, so a bootstrap launched on port 0 is named by the
+        // port it bound.
+        let bootstrap_addr = match (workers.first(), rank_processes.first()) {
+            (Some(worker), _) => worker.bootstrap_url.clone(),
+            (None, Some(process)) => process.ready.bootstrap_url.clone(),
+            (None, None) => cfg.bootstrap.url(&cfg.host),
+        };
         let args = SchedulerConnectorArgs {
             engine_id: engine_id.clone().into(),
             role: cfg.role,
@@ -150,20 +170,6 @@ impl EngineNode {
         started("SchedulerConnector", &connector).await?;
         let role = if cfg.role == KvRole::Consumer { Role::D } else { Role::P };
         register_actor(&cfg.faults, ActorKind::SchedulerConnector, role, Vec::new(), &connector);
-        let rank_lost = CancellationToken::new();
-        let (workers, rank_processes, ports) = match apart {
-            None => start_workers(&cfg, &topology, &supervisor, &side_channel).await?,
-            Some(launch) => {
-                let started = start_rank_processes(&cfg, &topology, &launch, kv_files, &side_channel, &rank_lost).await;
-                match started {
-                    Ok((processes, ports)) => (Vec::new(), processes, ports),
-                    Err(e) => {
-                        supervisor.kill();
-                        return Err(e);
-                    }
-                }
-            }
-        };
         let mut engine_cfg = cfg.engine.clone();
         engine_cfg.kv_state_timeout.get_or_insert(kv_state_timeout(&cfg.deadlines));
         let mut ports = ports;
