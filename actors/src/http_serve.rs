@@ -2,8 +2,10 @@
 //! `axum::serve`, with what a server facing untrusted clients needs and `axum::serve` lacks: a
 //! connection is closed when its request header does not arrive within
 //! [`HttpLimits::header_timeout`] or when it sits idle between requests for
-//! [`HttpLimits::idle_timeout`], and no more than [`HttpLimits::max_connections`] connections (of
-//! them [`HttpLimits::max_connections_per_peer`] from one IP address) are held at once; a
+//! [`HttpLimits::idle_timeout`]; a request whose body has not arrived in full within
+//! [`HttpLimits::body_timeout`] of its header is answered 408 and its connection closed; no more
+//! than [`HttpLimits::max_connections`] connections (of them
+//! [`HttpLimits::max_connections_per_peer`] from one IP address) are held at once; a
 //! connection over a cap is closed as soon as it is accepted. Every such close is counted in
 //! `/metrics` (`pdflow_http_connections_closed_total{service,reason}`) and logged once per peer.
 //! Before any cap, a peer that [`HttpLimits::peers`] refuses (protected mode: no cluster secret, no
@@ -20,8 +22,11 @@
 //! - this file — [`HttpLimits`], [`serve`] (the accept loop, its peer filter and its caps), the
 //!   count and the log of every close;
 //! - [`connection`] — one connection: hyper's HTTP/1 state machine watched for its header and idle
-//!   deadlines.
+//!   deadlines;
+//! - [`body_deadline`] — a request body that fails once its deadline passes, and the 408 that
+//!   replaces the answer to such a request.
 
+mod body_deadline;
 mod connection;
 #[cfg(test)]
 mod protected_tests;
@@ -44,6 +49,9 @@ use tokio_util::sync::CancellationToken;
 pub const DEFAULT_HEADER_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long a kept-alive connection may wait, with no request in flight, for its next request.
 pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(60);
+/// How long a request's body may take to arrive in full, from its header: 2 MiB (the engines'
+/// and the proxy's largest body) at 70 KB/s.
+pub const DEFAULT_BODY_TIMEOUT: Duration = Duration::from_secs(30);
 /// The connection cap when the process's open-file limit cannot be read.
 pub const FALLBACK_MAX_CONNECTIONS: usize = 512;
 /// The connection cap is never set above this by default, whatever the open-file limit.
@@ -60,6 +68,9 @@ const MAX_LOGGED_PEERS: usize = 4096;
 pub struct HttpLimits {
     /// A connection's request header must be complete within this ([`DEFAULT_HEADER_TIMEOUT`]).
     pub header_timeout: Duration,
+    /// A request's body must arrive in full within this of its header ([`DEFAULT_BODY_TIMEOUT`]);
+    /// past it, the request is answered 408 and its connection closed.
+    pub body_timeout: Duration,
     /// A kept-alive connection with no request in flight is closed after this
     /// ([`DEFAULT_IDLE_TIMEOUT`]).
     pub idle_timeout: Duration,
@@ -90,6 +101,7 @@ impl HttpLimits {
             open_files.map(|limit| (limit / 2).clamp(1, MAX_DEFAULT_CONNECTIONS)).unwrap_or(FALLBACK_MAX_CONNECTIONS);
         Self {
             header_timeout: DEFAULT_HEADER_TIMEOUT,
+            body_timeout: DEFAULT_BODY_TIMEOUT,
             idle_timeout: DEFAULT_IDLE_TIMEOUT,
             max_connections,
             max_connections_per_peer: (max_connections * 3 / 4).max(1),
@@ -128,6 +140,8 @@ pub enum Closed {
     HeaderTimeout,
     /// Kept alive with no request for [`HttpLimits::idle_timeout`].
     IdleTimeout,
+    /// A request's body did not arrive in full within [`HttpLimits::body_timeout`].
+    BodyTimeout,
 }
 
 impl Closed {
@@ -138,6 +152,7 @@ impl Closed {
             Closed::PeerFull => "peer_full",
             Closed::HeaderTimeout => "header_timeout",
             Closed::IdleTimeout => "idle_timeout",
+            Closed::BodyTimeout => "body_timeout",
         }
     }
 
@@ -152,6 +167,7 @@ impl Closed {
             }
             Closed::HeaderTimeout => "connection closed: its request header did not arrive in time",
             Closed::IdleTimeout => "kept-alive connection closed after sitting idle",
+            Closed::BodyTimeout => "request answered 408 and its connection closed: its body did not arrive in time",
         }
     }
 }

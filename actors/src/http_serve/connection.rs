@@ -6,6 +6,8 @@
 //!   timeout of being accepted (a silent connection is closed then);
 //! - with a request in flight (from its header until the last byte of its answer is written),
 //!   nothing runs out: a long streamed answer is never cut;
+//! - a request's body must arrive in full within the body timeout of its header
+//!   ([`super::body_deadline`]): past it, the request is answered 408 and the connection closed;
 //! - between requests, a kept-alive connection is closed after the idle timeout, unless a next
 //!   request has begun, whose header must then be complete within the header timeout of its first
 //!   byte.
@@ -15,6 +17,7 @@ use std::future::Future;
 use std::io;
 use std::net::SocketAddr;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context, Poll};
 
@@ -32,6 +35,7 @@ use tokio::sync::Notify;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
+use super::body_deadline::{request_timeout, DeadlineBody};
 use super::{note_closed, Admitted, Closed, HttpLimits};
 
 /// What one connection's task needs.
@@ -49,7 +53,13 @@ impl Connection {
     pub async fn run(self, stream: TcpStream, _admitted: Admitted) {
         let activity = Arc::new(Activity::new());
         let io = TokioIo::new(Watched { inner: stream, activity: activity.clone() });
-        let service = Tracked { router: self.router, peer: self.peer, activity: activity.clone() };
+        let service = Tracked {
+            router: self.router,
+            peer: self.peer,
+            service: self.service,
+            body_timeout: self.limits.body_timeout,
+            activity: activity.clone(),
+        };
         let mut http = hyper::server::conn::http1::Builder::new();
         // The deadlines are kept here (`Activity`); hyper's would also close idle connections.
         http.header_read_timeout(None);
@@ -224,6 +234,8 @@ impl AsyncWrite for Watched {
 struct Tracked {
     router: Router,
     peer: SocketAddr,
+    service: &'static str,
+    body_timeout: std::time::Duration,
     activity: Arc<Activity>,
 }
 
@@ -234,14 +246,22 @@ impl hyper::service::Service<Request<Incoming>> for Tracked {
     type Error = Infallible;
     type Future = ResponseFuture;
 
-    fn call(&self, mut request: Request<Incoming>) -> Self::Future {
+    fn call(&self, request: Request<Incoming>) -> Self::Future {
         let in_flight = self.activity.request_started();
+        let timed_out = Arc::new(AtomicBool::new(false));
+        let body_timeout = self.body_timeout;
+        let mut request = request.map(|body| DeadlineBody::new(body, body_timeout, timed_out.clone()));
         request.extensions_mut().insert(ConnectInfo(self.peer));
         let mut router = self.router.clone();
+        let (service, peer) = (self.service, self.peer);
         Box::pin(async move {
             use tower_service::Service;
-            std::future::poll_fn(|cx| Service::<Request<Incoming>>::poll_ready(&mut router, cx)).await?;
-            let response = router.call(request).await?;
+            std::future::poll_fn(|cx| Service::<Request<DeadlineBody>>::poll_ready(&mut router, cx)).await?;
+            let mut response = router.call(request).await?;
+            if timed_out.load(Ordering::Acquire) {
+                note_closed(service, peer.ip().to_canonical(), Closed::BodyTimeout);
+                response = request_timeout(body_timeout);
+            }
             Ok(response.map(|body| Answer { body, _in_flight: in_flight }))
         })
     }

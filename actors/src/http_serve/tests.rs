@@ -85,6 +85,7 @@ async fn closes(client: &reqwest::Client, base: SocketAddr, service: &str, reaso
 async fn silent_connections_are_capped_per_peer_then_reaped_while_others_are_served() {
     let limits = HttpLimits {
         header_timeout: Duration::from_secs(3),
+        body_timeout: Duration::from_secs(30),
         idle_timeout: Duration::from_secs(60),
         max_connections: 150,
         max_connections_per_peer: 100,
@@ -153,6 +154,41 @@ async fn half_a_request_header_is_closed_after_the_header_timeout() {
     server.shutdown().await;
 }
 
+/// A request whose body stops short: answered 408 naming the deadline once the body timeout
+/// passes, its connection closed, counted; a body that arrives in pieces within the timeout is
+/// read and answered as usual.
+#[tokio::test]
+async fn a_body_that_stops_short_is_answered_408_and_its_connection_closed() {
+    let limits = HttpLimits { body_timeout: Duration::from_millis(800), ..HttpLimits::default() };
+    let (_actor, server) = proxy_with(limits).await;
+    let client = client_from(loopback(1));
+    let before = closes(&client, server.addr, "proxy", "body_timeout").await;
+    let header = "POST /v1/completions HTTP/1.1\r\nHost: pdflow\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n";
+
+    let mut stream = connect_from(loopback(5), server.addr).await;
+    stream.write_all(format!("{header}{{\"prompt\": \"").as_bytes()).await.expect("write");
+    let mut answer = Vec::new();
+    let read = tokio::time::timeout(limits.body_timeout * 10, stream.read_to_end(&mut answer)).await;
+    assert!(read.is_ok(), "the request with half a body was held open");
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
+    assert!(answer.contains("did not arrive in full within"), "{answer}");
+    assert!(closes(&client, server.addr, "proxy", "body_timeout").await > before);
+
+    // The same length, sent in two pieces well inside the deadline: read, and refused for what it
+    // says (the proxy's P and D are nowhere), not for its timing.
+    let mut stream = connect_from(loopback(5), server.addr).await;
+    let body = format!("{{\"prompt\": \"{}\"}}", "a".repeat(1000 - 14));
+    stream.write_all(format!("{header}{}", &body[..500]).as_bytes()).await.expect("write");
+    tokio::time::sleep(limits.body_timeout / 4).await;
+    stream.write_all(&body.as_bytes()[500..]).await.expect("write");
+    let mut head = [0u8; 12];
+    tokio::time::timeout(AT_ONCE, stream.read_exact(&mut head)).await.expect("answered in time").expect("read");
+    let status = String::from_utf8_lossy(&head);
+    assert!(status.starts_with("HTTP/1.1 ") && !status.ends_with("408"), "{status}");
+    server.shutdown().await;
+}
+
 /// A kept-alive connection: served several requests, then closed once idle for the idle timeout.
 #[tokio::test]
 async fn a_kept_alive_connection_is_closed_once_idle() {
@@ -198,6 +234,7 @@ async fn read_response(stream: &mut TcpStream) -> String {
 async fn connections_over_the_server_cap_are_closed_at_once() {
     let limits = HttpLimits {
         header_timeout: Duration::from_secs(600),
+        body_timeout: Duration::from_secs(600),
         idle_timeout: Duration::from_secs(600),
         max_connections: 20,
         max_connections_per_peer: 15,
