@@ -14,6 +14,7 @@
 
 pub mod flow;
 mod poller;
+mod release;
 mod server;
 #[cfg(test)]
 mod tests;
@@ -26,8 +27,8 @@ use std::time::Duration;
 
 use kameo::prelude::*;
 use pdflow_messages::proxy::{
-    NotReady, Pool, PrefillDiscovered, PrefillFailed, ProxyReadiness, ProxyStatus, ReadyDeadlinePassed, Route,
-    RouteDecision, TargetHealth,
+    NotReady, Pool, PrefillDiscovered, PrefillFailed, ProxyReadiness, ProxyStatus, ReadyDeadlinePassed, ReleasePrefill,
+    Route, RouteDecision, TargetHealth,
 };
 use pdflow_messages::EngineId;
 use tokio::sync::mpsc;
@@ -97,6 +98,8 @@ pub struct Proxy {
     next_prefill: usize,
     next_decode: usize,
     requery_tx: mpsc::UnboundedSender<usize>,
+    /// Frees P's blocks for a transfer whose D could not be reached ([`ReleasePrefill`]).
+    releaser: release::Releaser,
     shutdown: CancellationToken,
     _poller: AbortOnDropHandle<()>,
 }
@@ -140,6 +143,7 @@ impl Actor for Proxy {
         let shutdown = CancellationToken::new();
 
         let (requery_tx, requery_rx) = mpsc::unbounded_channel();
+        let releaser = release::Releaser::new(client.clone(), args.secret.clone());
         let poller = poller::Poller {
             actor: actor_ref.clone(),
             client,
@@ -160,6 +164,7 @@ impl Actor for Proxy {
             next_prefill: 0,
             next_decode: 0,
             requery_tx,
+            releaser,
             shutdown,
             _poller: AbortOnDropHandle::new(poller),
         })
@@ -237,6 +242,14 @@ impl Message<Route> for Proxy {
 
     async fn handle(&mut self, _msg: Route, _ctx: &mut Context<Self, Self::Reply>) -> Self::Reply {
         self.route()
+    }
+}
+
+impl Message<ReleasePrefill> for Proxy {
+    type Reply = ();
+
+    async fn handle(&mut self, msg: ReleasePrefill, _ctx: &mut Context<Self, Self::Reply>) -> Self::Reply {
+        self.releaser.release(msg);
     }
 }
 

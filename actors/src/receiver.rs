@@ -31,7 +31,7 @@ mod bad_input_tests;
 mod digests;
 #[cfg(test)]
 pub(crate) mod fake_peers;
-mod lookup;
+pub(crate) mod lookup;
 mod pairing;
 mod pulls;
 mod report;

@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
-use crate::EngineId;
+use crate::{EngineId, TransferId};
 
 /// Which pool a target belongs to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -85,3 +85,14 @@ pub struct PrefillFailed {
 /// Poller → Proxy: the ready deadline passed before every P and D answered.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct ReadyDeadlinePassed;
+
+/// Flow → Proxy: D could not be reached for this request (its connection was refused), so it will
+/// never pull P's KV: P is told to free the blocks it holds for the transfer now, not at its send
+/// expiry.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReleasePrefill {
+    /// P's bootstrap, where its workers' side channels are looked up.
+    pub bootstrap_addr: String,
+    pub engine_id: EngineId,
+    pub transfer_id: TransferId,
+}

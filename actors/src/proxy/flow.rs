@@ -46,7 +46,7 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use futures::stream::StreamExt;
 use kameo::prelude::*;
-use pdflow_messages::proxy::{NotReady, ProxyStatus, Route, RouteDecision};
+use pdflow_messages::proxy::{NotReady, ProxyStatus, ReleasePrefill, Route, RouteDecision};
 use pdflow_messages::{RequestId, TransferId};
 use pdflow_observability::{attrs, step_span, steps};
 use tokio_util::task::AbortOnDropHandle;
@@ -401,15 +401,38 @@ impl Upstream {
             Ok(Ok(resp)) => resp,
             Ok(Err(e)) => {
                 Outcome::ERROR.record(&step10);
+                if e.is_connect() {
+                    // D never saw the request, so no D will pull its KV: P is told to free the
+                    // blocks now (it may have finished already) rather than at its send expiry.
+                    self.release_prefill();
+                }
                 return Err(UpstreamError::Connect { role: "decode", url: d_url, reason: e.to_string() });
             }
             Err(_) => {
                 Outcome::TIMEOUT.record(&step10);
+                // The proxy gives D's request up (dropping it closes D's connection: a D that got
+                // it aborts it and tells P itself); one that never got it cannot: P is told.
+                self.release_prefill();
                 return Err(UpstreamError::Timeout { role: "decode", url: d_url, after: self.ctx.upstream_timeout });
             }
         };
         Outcome::Http(d_resp.status().as_u16()).record(&step10);
         Ok(d_resp)
+    }
+
+    /// Asks the Proxy actor to free P's blocks for this transfer ([`ReleasePrefill`]).
+    fn release_prefill(&self) {
+        let release = ReleasePrefill {
+            bootstrap_addr: self.route.prefill_bootstrap_addr.clone(),
+            engine_id: self.route.prefill_engine_id.clone(),
+            transfer_id: self.transfer_id.clone(),
+        };
+        let proxy = self.ctx.proxy.clone();
+        tokio::spawn(async move {
+            if let Err(e) = proxy.tell(release).await {
+                tracing::debug!(error = %e, "the proxy could not take the release of P's blocks: P's send expiry frees them");
+            }
+        });
     }
 
     /// Step 43: D's status, content type and bytes, chunk by chunk. A non-2xx D cancels P.

@@ -17,7 +17,8 @@
 //!   `side_channel`, `bootstrap`, `proxy`, `engine`) and cause (a fixed set of labels);
 //! - `pdflow_http_connections_closed_total{service,reason}` — connections an HTTP server closed on
 //!   its own (`actors::http_serve`): over its connection caps (`server_full`, `peer_full`), no
-//!   complete request header in time (`header_timeout`), kept alive idle too long (`idle_timeout`);
+//!   complete request header in time (`header_timeout`), a request body not in full in time
+//!   (`body_timeout`, answered 408), kept alive idle too long (`idle_timeout`);
 //!   `service` is the server's (`proxy`, `bootstrap`, `engine`);
 //! - `pdflow_pulls_in_flight{service,side}` — D: pulls sent (step 21) not yet settled (step 34);
 //!   P: pulls received (step 22) not yet answered (step 30);

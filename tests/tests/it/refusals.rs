@@ -4,7 +4,9 @@
 //! over D's max_model_len, P's being larger) leaves P at its baseline within 1 s. And without the
 //! proxy's check — a D request whose body D's API refuses, after P finished and holds the blocks
 //! for the transfer it names — D still tells P to free them, within 1 s, not at P's send expiry
-//! (20 s here). In one process and as separate `pdflow` processes.
+//! (20 s here). In one process and as separate `pdflow` processes. And a D the proxy cannot reach
+//! (it never answers, or its port is closed) leaves P at its baseline within 1 s too: the proxy
+//! tells P's workers to free the transfer.
 
 use std::time::{Duration, Instant};
 
@@ -105,5 +107,80 @@ async fn refused_requests_leave_p_at_baseline_in_one_process() {
 async fn refused_requests_leave_p_at_baseline_as_processes() {
     let cluster = ProcCluster::start(spec()).await.expect("cluster starts");
     scenario(&cluster.endpoints).await;
+    cluster.shutdown().await;
+}
+
+/// A stand-in D that answers `/health` (so the proxy routes to it) and, for a completion, either
+/// never answers (`hang`) or is gone by then (its port closed: connection refused).
+async fn fake_d(hang: bool) -> (String, tokio::task::JoinHandle<()>) {
+    use axum::routing::{get, post as post_route};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let url = format!("http://{}", listener.local_addr().expect("addr"));
+    let mut router = axum::Router::new().route("/health", get(|| async { "ok" }));
+    if hang {
+        router = router.route("/v1/completions", post_route(std::future::pending::<&'static str>));
+    }
+    let task = tokio::spawn(async move {
+        let _ = axum::serve(listener, router).await;
+    });
+    (url, task)
+}
+
+/// A proxy in front of the cluster's P and `decode_url`, checking health once a minute (so that
+/// a D gone after the first check is still routed to) with a 2 s upstream deadline.
+async fn proxy_to(e: &Endpoints, decode_url: &str) -> pdflow_actors::proxy::ProxyServer {
+    use kameo::prelude::*;
+    use pdflow_actors::proxy::{PrefillTarget, Proxy, ProxyArgs, ProxyServer};
+    let p = &e.prefill[0];
+    let bootstrap = p.bootstrap_url.as_deref().expect("P launched its bootstrap");
+    let bootstrap_port = bootstrap.rsplit(':').next().and_then(|port| port.parse().ok()).expect("a port");
+    let args = ProxyArgs {
+        bind: "127.0.0.1:0".parse().expect("addr"),
+        prefill: vec![PrefillTarget { url: p.url.clone(), bootstrap_port }],
+        decode: vec![decode_url.to_owned()],
+        health_interval: Duration::from_secs(60),
+        upstream_timeout: Duration::from_secs(2),
+        ready_timeout: None,
+        secret: None,
+    };
+    let (bind, upstream_timeout) = (args.bind, args.upstream_timeout);
+    let actor = Proxy::spawn(args);
+    let server = ProxyServer::start(bind, actor, upstream_timeout).await.expect("the proxy binds");
+    pdflow_tests::wait_healthy(&e.client, &format!("http://{}", server.addr), Duration::from_secs(10))
+        .await
+        .expect("the proxy is ready");
+    server
+}
+
+/// D unreachable once the proxy sent P its request: no D will ever pull the transfer, so the
+/// proxy tells P to free the blocks — at once, not at P's send expiry (20 s). Both ways D can be
+/// unreachable: a D that never answers (the proxy's deadline passes after P finished) and a D
+/// whose port is closed (connection refused).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_unreachable_d_leaves_p_at_baseline() {
+    let cluster = Cluster::start(spec()).await.expect("cluster starts");
+    let e = &cluster.endpoints;
+    let p = &e.prefill[0];
+    for hang in [true, false] {
+        let (d_url, d_task) = fake_d(hang).await;
+        let proxy = proxy_to(e, &d_url).await;
+        if !hang {
+            d_task.abort();
+            while !d_task.is_finished() {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        }
+        let url = format!("http://{}/v1/completions", proxy.addr);
+        let finished_before = e.finished(p).await;
+        let (status, answer) =
+            post(&e.client, &url, &completion(&prompt(200, 77), 16)).await.expect("the proxy answers");
+        assert!(status >= 500, "D unreachable (hang: {hang}): {status} {answer}");
+        if hang {
+            assert!(e.finished(p).await > finished_before, "P finished its prefill before D's deadline passed");
+        }
+        at_baseline_within(e, p, &format!("after D was unreachable (hang: {hang})")).await;
+        proxy.shutdown().await;
+        d_task.abort();
+    }
     cluster.shutdown().await;
 }
