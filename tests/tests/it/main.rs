@@ -27,4 +27,5 @@ mod streaming;
 mod supervision;
 mod topologies;
 mod tracing_otlp;
+mod vllm_router;
 mod vllm_toy_proxy;
