@@ -95,16 +95,20 @@ impl Default for HttpLimits {
 }
 
 impl HttpLimits {
-    /// The defaults for a process whose open-file limit is `open_files` (`None`: unknown).
+    /// The defaults for a process whose open-file limit is `open_files` (`None`: unknown), with
+    /// the limits the operator set for the process (`--limit http.…`,
+    /// [`pdflow_auth::limits::install`]) in their place.
     fn for_open_file_limit(open_files: Option<usize>) -> Self {
         let max_connections =
             open_files.map(|limit| (limit / 2).clamp(1, MAX_DEFAULT_CONNECTIONS)).unwrap_or(FALLBACK_MAX_CONNECTIONS);
+        let set = pdflow_auth::limits::process();
+        let max_connections = set.http_max_connections.unwrap_or(max_connections);
         Self {
-            header_timeout: DEFAULT_HEADER_TIMEOUT,
-            body_timeout: DEFAULT_BODY_TIMEOUT,
-            idle_timeout: DEFAULT_IDLE_TIMEOUT,
+            header_timeout: set.http_header_timeout.unwrap_or(DEFAULT_HEADER_TIMEOUT),
+            body_timeout: set.http_body_timeout.unwrap_or(DEFAULT_BODY_TIMEOUT),
+            idle_timeout: set.http_idle_timeout.unwrap_or(DEFAULT_IDLE_TIMEOUT),
             max_connections,
-            max_connections_per_peer: (max_connections * 3 / 4).max(1),
+            max_connections_per_peer: set.http_max_connections_per_peer.unwrap_or((max_connections * 3 / 4).max(1)),
             peers: PeerFilter::default(),
         }
     }

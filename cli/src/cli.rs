@@ -22,7 +22,9 @@ use pdflow_node::config::{Deadlines, VllmEnv, DEFAULT_BOOTSTRAP_PORT};
 use pdflow_sim_node::engine_node::{BootstrapPlacement, Parallel};
 use pdflow_sim_node::EngineNodeConfig;
 
+mod limits;
 mod serve;
+pub use limits::LimitArgs;
 pub use serve::ServeCmd;
 
 #[derive(Debug, Parser)]
@@ -387,6 +389,8 @@ pub struct BootstrapCmd {
     #[command(flatten)]
     pub secret: SecretArgs,
     #[command(flatten)]
+    pub limits: LimitArgs,
+    #[command(flatten)]
     pub trace: TraceArgs,
 }
 
@@ -410,6 +414,8 @@ pub struct ProxyCmd {
     pub health_interval_ms: u64,
     #[command(flatten)]
     pub secret: SecretArgs,
+    #[command(flatten)]
+    pub limits: LimitArgs,
     #[command(flatten)]
     pub trace: TraceArgs,
 }

@@ -333,6 +333,10 @@ async fn run_rank_worker(args: RankWorkerArgs) -> anyhow::Result<bool> {
             anyhow::bail!("rank {rank}: the engine's arguments do not parse: {e}");
         }
     };
+    if let Err(e) = cmd.limits.install() {
+        child.fail(e.to_string()).await;
+        return Err(e);
+    }
     let env = vllm_env()?;
     let mut cfg = match cmd.to_config(&env) {
         Ok(cfg) => cfg,
@@ -360,6 +364,7 @@ async fn run_rank_worker(args: RankWorkerArgs) -> anyhow::Result<bool> {
 async fn run_bootstrap(args: BootstrapCmd) -> anyhow::Result<bool> {
     let (trace_export, faults) =
         start_node_telemetry(&args.trace, export::SERVICE_BOOTSTRAP, None, TcpConfig::default())?;
+    args.limits.install()?;
     let env = vllm_env()?;
     let addr = format!("{}:{}", args.host, args.port.unwrap_or(env.bootstrap_port));
     let bind: std::net::SocketAddr =
@@ -379,6 +384,7 @@ async fn run_bootstrap(args: BootstrapCmd) -> anyhow::Result<bool> {
 async fn run_proxy(cmd: ProxyCmd) -> anyhow::Result<bool> {
     let (trace_export, faults) =
         start_node_telemetry(&cmd.trace, export::SERVICE_PROXY, Some(MetricsLayer::global()), TcpConfig::default())?;
+    cmd.limits.install()?;
     let args = cmd.to_args().map_err(|e| anyhow::anyhow!("invalid proxy arguments:\n  {}", e.join("\n  ")))?;
     let insecure = cmd.insecure();
     pdflow_auth::PeerFilter::announce(args.secret.as_ref(), insecure);
@@ -396,6 +402,7 @@ async fn run_serve(cmd: &ServeCmd) -> anyhow::Result<bool> {
     let mut cfg = cmd.to_config(&env).map_err(|e| anyhow::anyhow!("invalid serve arguments:\n  {}", e.join("\n  ")))?;
     let (trace_export, faults) =
         start_node_telemetry(&cmd.trace, service, Some(MetricsLayer::global()), cfg.tcp.clone())?;
+    cmd.limits.install()?;
     metrics::global().set_block_bytes(cmd.kv_shape.kv.bytes_per_block() as u64);
     cfg.faults = faults.seam();
     let kind = if cfg.role == pdflow_actors::scheduler_connector::KvRole::Consumer { NodeKind::D } else { NodeKind::P };

@@ -5,7 +5,7 @@
 
 use std::time::Duration;
 
-use pdflow_auth::{ClusterSecret, SecretError};
+use pdflow_auth::{ClusterSecret, LimitSettings, SecretError};
 use pdflow_node::config::{Deadlines, VllmEnv};
 use pdflow_node::registration::PlacementError;
 use pdflow_observability::export::ExportError;
@@ -15,7 +15,7 @@ use pdflow_transfer::GpuPath;
 use serde::Deserialize;
 
 /// The keys `kv_connector_extra_config` takes.
-pub const KNOWN_KEYS: &str = "host, bootstrap_port, bootstrap_url, side_channel_port, data_port, transport, tcp_streams, auth_token, cluster_secret_file, insecure, tls, abort_request_timeout_s, pull_timeout_s, bootstrap_timeout_s, write_timeout_s, verify_checksums, layerwise, gpu_path";
+pub const KNOWN_KEYS: &str = "host, bootstrap_port, bootstrap_url, side_channel_port, data_port, transport, tcp_streams, auth_token, cluster_secret_file, insecure, tls, abort_request_timeout_s, pull_timeout_s, bootstrap_timeout_s, write_timeout_s, verify_checksums, layerwise, gpu_path, limits";
 
 /// A setting of this connector that cannot be used: which one, what it was, what is allowed.
 /// Python sees each as `pdflow.ConfigError`.
@@ -70,6 +70,9 @@ pub enum ConfigError {
     /// The trace file's writer thread could not start.
     #[error("trace export: could not start the trace file's writer: {0}")]
     TraceFileWriter(#[source] std::io::Error),
+    /// `limits` names a limit that does not exist, or a value it cannot take (every one).
+    #[error("kv_connector_extra_config[\"limits\"]: {}", .0.iter().map(|e| e.to_string()).collect::<Vec<_>>().join("; "))]
+    Limits(Vec<pdflow_auth::LimitError>),
     /// `PDFLOW_LOG` is not a log filter.
     #[error("{var}={text:?} is not a log filter: {source}")]
     LogFilter { var: &'static str, text: String, source: tracing_subscriber::filter::ParseError },
@@ -122,6 +125,10 @@ pub struct ExtraConfig {
     /// With KV on a GPU: `auto` (CUDA IPC on one host, staged tcp across hosts) or `staged`
     /// (staged tcp always).
     pub gpu_path: Option<String>,
+    /// What a peer may make this worker's sockets hold, over the defaults:
+    /// `{"side_channel.max_unfinished_bytes": "32MiB", "http.header_timeout": 5}` (the keys of
+    /// `pdflow serve --limit`, [`pdflow_auth::limits::KEYS`]).
+    pub limits: Option<std::collections::BTreeMap<String, serde_json::Value>>,
 }
 
 /// The resolved configuration of one connector.
@@ -137,6 +144,21 @@ pub struct BridgeConfig {
     pub tcp: TcpConfig,
     pub verify_checksums: bool,
     pub layerwise: bool,
+    /// The process's limits on what peers may make its sockets hold (installed when the worker
+    /// starts: [`pdflow_auth::limits::install`]).
+    pub limits: LimitSettings,
+}
+
+/// `limits`, each value a number or a string (`"32MiB"`); every refused one in the error.
+fn limit_settings(
+    limits: Option<&std::collections::BTreeMap<String, serde_json::Value>>,
+) -> Result<LimitSettings, ConfigError> {
+    let items = limits.into_iter().flatten().map(|(key, value)| match value {
+        serde_json::Value::String(text) => format!("{key}={text}"),
+        other => format!("{key}={other}"),
+    });
+    let items = items.collect::<Vec<_>>();
+    LimitSettings::parse(items.iter().map(String::as_str)).map_err(ConfigError::Limits)
 }
 
 fn seconds(key: &'static str, value: Option<f64>) -> Result<Option<Duration>, ConfigError> {
@@ -211,6 +233,7 @@ impl BridgeConfig {
             tcp,
             verify_checksums: extra.verify_checksums.unwrap_or(false),
             layerwise: extra.layerwise.unwrap_or(false),
+            limits: limit_settings(extra.limits.as_ref())?,
         })
     }
 }

@@ -152,6 +152,11 @@ impl WorkerBridge {
     fn new(engine_id: String, kv_role: &str, extra_config_json: &str) -> PyResult<Self> {
         let role = parse_role(kv_role)?;
         let config = BridgeConfig::from_json(extra_config_json, &|k| std::env::var(k).ok())?;
+        // The worker's sockets bind after this: they take the operator's limits.
+        if !pdflow_auth::limits::install(config.limits) {
+            let in_force = pdflow_auth::limits::process();
+            tracing::warn!(?in_force, "limits were already set for this process; the config's are ignored");
+        }
         let rt = BridgeRuntime::multi_thread(RUNTIME_THREADS, "pdflow-worker")?;
         Ok(Self {
             engine_id,

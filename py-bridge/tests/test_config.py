@@ -27,11 +27,18 @@ def test_an_unknown_extra_config_key_is_refused_by_name():
         ({"cluster_secret_file": "/nonexistent/pdflow-secret"}, "/nonexistent/pdflow-secret"),
         ({"tls": True}, "needs the cluster secret"),
         ({"tls": "yes"}, r'\["tls"\]: invalid type'),
+        ({"limits": {"http.header_timeout": 0}}, r'\["limits"\]: limit `http.header_timeout`'),
+        ({"limits": {"side_channel.max_conections": 10}}, "unknown limit `side_channel.max_conections`"),
+        ({"limits": {"side_channel.max_unfinished_bytes": "lots"}}, "number of bytes"),
     ],
 )
 def test_bad_values_are_refused_with_the_key(extra, needle):
     with pytest.raises(pdflow.ConfigError, match=needle):
         scheduler(vllm_config("kv_consumer", extra=extra))
+
+
+def test_limits_take_numbers_and_sizes():
+    _native.check_config('{"limits": {"http.header_timeout": 2.5, "side_channel.max_unfinished_bytes": "32MiB"}}')
 
 
 def test_a_cluster_secret_too_short_to_be_one_is_refused_saying_how_long(tmp_path, monkeypatch):

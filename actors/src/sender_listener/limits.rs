@@ -59,16 +59,21 @@ pub struct SideChannelLimits {
 }
 
 impl Default for SideChannelLimits {
+    /// The constants above, with the limits the operator set for the process (`--limit
+    /// side_channel.…`, [`pdflow_auth::limits::install`]) in their place.
     fn default() -> Self {
+        let set = pdflow_auth::limits::process();
         Self {
-            max_message_len: MAX_MESSAGE_LEN,
-            max_message_frames: MAX_MESSAGE_FRAMES,
-            max_unfinished_bytes: MAX_UNFINISHED_BYTES,
-            unbudgeted_bytes_per_connection: UNBUDGETED_BYTES_PER_CONNECTION,
-            max_connections: MAX_CONNECTIONS,
-            max_connections_per_ip: MAX_CONNECTIONS_PER_IP,
-            handshake_timeout: HANDSHAKE_TIMEOUT,
-            idle_timeout: None,
+            max_message_len: set.side_channel_max_message_bytes.unwrap_or(MAX_MESSAGE_LEN),
+            max_message_frames: set.side_channel_max_message_frames.unwrap_or(MAX_MESSAGE_FRAMES),
+            max_unfinished_bytes: set.side_channel_max_unfinished_bytes.unwrap_or(MAX_UNFINISHED_BYTES),
+            unbudgeted_bytes_per_connection: set
+                .side_channel_unbudgeted_bytes_per_connection
+                .unwrap_or(UNBUDGETED_BYTES_PER_CONNECTION),
+            max_connections: set.side_channel_max_connections.unwrap_or(MAX_CONNECTIONS),
+            max_connections_per_ip: set.side_channel_max_connections_per_peer.unwrap_or(MAX_CONNECTIONS_PER_IP),
+            handshake_timeout: set.side_channel_handshake_timeout.unwrap_or(HANDSHAKE_TIMEOUT),
+            idle_timeout: set.side_channel_idle_timeout,
         }
     }
 }

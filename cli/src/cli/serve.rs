@@ -119,6 +119,8 @@ pub struct ServeCmd {
     #[arg(long)]
     pub rank_processes: bool,
     #[command(flatten)]
+    pub limits: super::LimitArgs,
+    #[command(flatten)]
     pub trace: TraceArgs,
 }
 

@@ -13,6 +13,7 @@
 //! - [`sealed`] — side-channel frames sealed by D (a pull, once) and answered sealed by P;
 //! - [`tls`] — TLS for the data channel, its certificates derived from the secret;
 //! - [`replay`] — freshness for one-shot messages: a timestamp window and the nonces seen in it;
+//! - [`limits`] — the operator's settings of what a peer may make a socket hold ([`LimitSettings`]);
 //! - [`protected`] — protected mode: without a secret, only loopback peers are served unless the
 //!   operator opts out ([`PeerFilter`], the one decision every socket asks at accept);
 //! - [`Refusal`] — why a proof was refused, with a fixed label for metrics; [`refused`] counts
@@ -23,6 +24,7 @@
 
 mod error;
 pub mod http;
+pub mod limits;
 pub mod proof;
 pub mod protected;
 mod refusals;
@@ -32,6 +34,7 @@ pub mod secret;
 pub mod tls;
 
 pub use error::{Refusal, SecretError};
+pub use limits::{LimitError, LimitSettings};
 pub use proof::{nonce, Context, Nonce, Proof};
 pub use protected::{
     insecure_from_env, insecure_from_lookup, InsecureEnvError, PeerFilter, ProtectedBindError, ENV_INSECURE,

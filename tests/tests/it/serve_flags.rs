@@ -102,7 +102,8 @@ async fn forward_cpu_pins_the_forward_and_a_cpu_out_of_reach_is_refused() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_bootstrap_on_port_0_is_named_by_its_bound_port_in_p_s_answers() {
-    let args = ["serve", "--role", "producer", "--kv-shape", "4,2,16,16", "--num-blocks", "64", "--bootstrap-port", "0"];
+    let args =
+        ["serve", "--role", "producer", "--kv-shape", "4,2,16,16", "--num-blocks", "64", "--bootstrap-port", "0"];
     let p = Proc::spawn("producer", &args, &[]).await.expect("serve starts with --bootstrap-port 0");
     let bound = p.ready["bootstrap_addr"].as_str().expect("the ready line names the bootstrap it launched").to_owned();
     assert!(!bound.ends_with(":0"), "the bootstrap bound a port: {bound}");
@@ -123,4 +124,38 @@ async fn a_bootstrap_on_port_0_is_named_by_its_bound_port_in_p_s_answers() {
         .expect("the named bootstrap answers");
     assert_eq!(query.status(), 200);
     p.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bad_limit_is_refused_naming_it_and_a_good_one_takes_effect() {
+    for (command, limit, says) in [
+        ("serve", "http.header_timeout=0", "positive number of seconds"),
+        ("proxy", "side_channel.max_connections=many", "whole number"),
+        ("bootstrap", "http.header_time=3", "unknown limit `http.header_time`"),
+        ("bootstrap", "side_channel.max_unfinished_bytes", "KEY=VALUE"),
+    ] {
+        let mut args = vec![command, "--port", "0", "--limit", limit];
+        match command {
+            "serve" => args.extend(["--role", "consumer"]),
+            "proxy" => args.extend(["--prefill", "http://127.0.0.1:9", "--decode", "http://127.0.0.1:9"]),
+            _ => {}
+        }
+        let (ok, stderr) = run_to_end(&args).await;
+        assert!(!ok, "{command} --limit {limit} must be refused");
+        assert!(stderr.contains("--limit") && stderr.contains(says), "{command} --limit {limit}: {stderr}");
+    }
+
+    // A header deadline of half a second instead of the default 10 s: half a header is closed
+    // within a few seconds.
+    let b = Proc::spawn("bootstrap", &["bootstrap", "--port", "0", "--limit", "http.header_timeout=0.5"], &[])
+        .await
+        .expect("the bootstrap starts with a limit");
+    let addr = b.ready["addr"].as_str().expect("addr").to_owned();
+    let mut stream = tokio::net::TcpStream::connect(&addr).await.expect("connect");
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    stream.write_all(b"GET /query HTTP/1.1\r\nHost: pdf").await.expect("half a header");
+    let mut buf = [0u8; 64];
+    let closed = tokio::time::timeout(Duration::from_secs(5), stream.read(&mut buf)).await;
+    assert!(matches!(closed, Ok(Ok(0) | Err(_))), "half a header was held past the 0.5 s limit: {closed:?}");
+    b.stop().await;
 }
