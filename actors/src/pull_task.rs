@@ -356,8 +356,6 @@ async fn run(
     }
 }
 
-/// The side-channel message of a request `bytes`: sealed with the cluster secret when there is
-/// one; the nonce P's answers must be sealed to.
 /// Why D could not connect to P's side channel at `addr`, with what to change when the two ends
 /// disagree about TLS (the error alone reads as a codec error or a closed connection).
 pub(crate) fn connect_failure(error: &zeromq::ZmqError, addr: &str, auth: &PullAuth) -> String {
@@ -366,13 +364,15 @@ pub(crate) fn connect_failure(error: &zeromq::ZmqError, addr: &str, auth: &PullA
     } else if auth.tls.is_some() {
         " (is TLS on at P as well? `tls` must be set alike on both ends: `pdflow serve --tls on`, \"tls\": true in kv_connector_extra_config)"
     } else if !matches!(error, zeromq::ZmqError::Network(e) if e.kind() == std::io::ErrorKind::ConnectionRefused) {
-        " (P's side channel did not answer in plain ZeroMQ: is TLS on at P and off here? `tls` must be set alike on both ends: `pdflow serve --tls on`, \"tls\": true in kv_connector_extra_config)"
+        " (P closed the connection before the ZeroMQ handshake: either P's side channel holds its most connections, which P logs and counts as pdflow_auth_refusals_total{socket=\"side_channel\",cause=\"too_many_connections\"}, or TLS is on at P and off here: `tls` must be set alike on both ends, `pdflow serve --tls on`, \"tls\": true in kv_connector_extra_config)"
     } else {
         ""
     };
     format!("connect to {addr}: {error}{why}")
 }
 
+/// The side-channel message of a request `bytes`: sealed with the cluster secret when there is
+/// one; the nonce P's answers must be sealed to.
 fn sealed_message(auth: &PullAuth, bytes: Vec<u8>) -> (ZmqMessage, Option<pdflow_auth::Nonce>) {
     let (frames, nonce) = auth.seal(bytes);
     let mut frames = frames.into_iter().map(Bytes::from);

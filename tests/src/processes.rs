@@ -58,8 +58,32 @@ pub struct Proc {
 impl Proc {
     /// Starts `pdflow ARGS…` and waits (bounded) for its ready line.
     pub async fn spawn(name: &str, args: &[&str], envs: &[(&str, &str)]) -> anyhow::Result<Self> {
+        Self::spawn_with_open_files(name, args, envs, None).await
+    }
+
+    /// [`Proc::spawn`], the process's open-file limit (`ulimit -n`) set to `open_files` when given.
+    pub async fn spawn_with_open_files(
+        name: &str,
+        args: &[&str],
+        envs: &[(&str, &str)],
+        open_files: Option<u64>,
+    ) -> anyhow::Result<Self> {
         let mut cmd = Command::new(pdflow_bin()?);
         cmd.args(args).stdout(Stdio::piped()).stdin(Stdio::null()).kill_on_drop(true);
+        if let Some(limit) = open_files {
+            // SAFETY: between fork and exec the closure only calls setrlimit, which is
+            // async-signal-safe, on a struct on its own stack.
+            unsafe {
+                cmd.pre_exec(move || {
+                    let rlimit = libc::rlimit { rlim_cur: limit as libc::rlim_t, rlim_max: limit as libc::rlim_t };
+                    if libc::setrlimit(libc::RLIMIT_NOFILE, &rlimit) == 0 {
+                        Ok(())
+                    } else {
+                        Err(std::io::Error::last_os_error())
+                    }
+                });
+            }
+        }
         if std::env::var_os("PDFLOW_TEST_LOG").is_none() {
             cmd.stderr(Stdio::null());
         }

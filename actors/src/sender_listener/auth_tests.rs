@@ -129,7 +129,7 @@ async fn with_tls_a_holder_is_served_and_a_stranger_or_a_plain_dealer_never_reac
     match tokio::time::timeout(Duration::from_secs(5), dealer.connect(&addr)).await {
         Ok(Err(e)) => {
             let why = crate::pull_task::connect_failure(&e, &addr, &plain_d);
-            assert!(why.contains("is TLS on at P and off here?") && why.contains("--tls on"), "{why}");
+            assert!(why.contains("or TLS is on at P and off here") && why.contains("--tls on"), "{why}");
         }
         Ok(Ok(())) => panic!("a D without TLS connected to a TLS side channel"),
         Err(_) => panic!("a D without TLS was not refused within its connect timeout"),

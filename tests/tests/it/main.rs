@@ -12,6 +12,7 @@ mod d_failure;
 mod eos_first_token;
 mod gpu_kv_processes;
 mod hybrid;
+mod idle_connections;
 mod layerwise;
 mod p_failure;
 mod p_restart;
