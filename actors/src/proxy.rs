@@ -8,13 +8,15 @@
 //! mailbox never waits on I/O.
 //!
 //! Until every P has an engine id and every D has answered `/health`, the proxy answers 503.
-//! After that, requests go round robin over the healthy P × dp ranks and the healthy D; the
-//! poller keeps probing, re-queries a P's engine ids every [`REQUERY_EVERY`] rounds, after a P
+//! After that, each request goes to one of the healthy P × dp ranks and one of the healthy D,
+//! each pool by its policy ([`routing`]: round robin, least loaded, cache aware); the poller keeps
+//! probing, re-queries a P's engine ids every [`REQUERY_EVERY`] rounds, after a P
 //! came back from being unhealthy, and after a failed prefill ([`PrefillFailed`]).
 
 pub mod flow;
 mod poller;
 mod release;
+pub mod routing;
 mod server;
 #[cfg(test)]
 mod tests;
@@ -27,8 +29,8 @@ use std::time::Duration;
 
 use kameo::prelude::*;
 use pdflow_messages::proxy::{
-    NotReady, Pool, PrefillDiscovered, PrefillFailed, ProxyReadiness, ProxyStatus, ReadyDeadlinePassed, ReleasePrefill,
-    Route, RouteDecision, TargetHealth,
+    Choice, NotReady, Pool, PrefillDiscovered, PrefillFailed, ProxyReadiness, ProxyStatus, ReadyDeadlinePassed,
+    ReleasePrefill, Route, RouteDecision, RouteDone, TargetHealth,
 };
 use pdflow_messages::EngineId;
 use tokio::sync::mpsc;
@@ -72,6 +74,9 @@ pub struct ProxyArgs {
     /// The cluster secret: the proxy's `/query` calls (step 7) are signed with it and only
     /// answers proven by a bootstrap that holds it are taken.
     pub secret: Option<pdflow_auth::ClusterSecret>,
+    /// How a P (and its dp rank) and a D are chosen for each request ([`routing::Policy`]).
+    pub prefill_policy: routing::Policy,
+    pub decode_policy: routing::Policy,
 }
 
 #[derive(Debug)]
@@ -95,8 +100,9 @@ pub struct Proxy {
     prefill: Vec<PrefillState>,
     decode: Vec<DecodeState>,
     ready: bool,
-    next_prefill: usize,
-    next_decode: usize,
+    /// P (index, dp rank) and D (index) pickers: each pool's policy, load and likely caches.
+    prefill_picker: routing::Picker<(usize, u32)>,
+    decode_picker: routing::Picker<usize>,
     requery_tx: mpsc::UnboundedSender<usize>,
     /// Frees P's blocks for a transfer whose D could not be reached ([`ReleasePrefill`]).
     releaser: release::Releaser,
@@ -155,14 +161,20 @@ impl Actor for Proxy {
             secret: args.secret.clone(),
         };
         let poller = tokio::spawn(poller.run(requery_rx, shutdown.clone()));
-        tracing::info!(prefill = prefill.len(), decode = decode.len(), "proxy routing");
+        tracing::info!(
+            prefill = prefill.len(),
+            decode = decode.len(),
+            prefill_policy = args.prefill_policy.name(),
+            decode_policy = args.decode_policy.name(),
+            "proxy routing"
+        );
 
         Ok(Proxy {
             prefill,
             decode,
             ready: false,
-            next_prefill: 0,
-            next_decode: 0,
+            prefill_picker: routing::Picker::new(args.prefill_policy),
+            decode_picker: routing::Picker::new(args.decode_policy),
             requery_tx,
             releaser,
             shutdown,
@@ -202,46 +214,67 @@ impl Proxy {
         }
     }
 
-    fn route(&mut self) -> Result<RouteDecision, NotReady> {
+    fn route(&mut self, prompt: &pdflow_messages::proxy::PromptKey) -> Result<RouteDecision, NotReady> {
         if !self.ready {
             return Err(NotReady::Starting { waiting_for: self.waiting_for() });
         }
-        let candidates: Vec<(usize, u32, &EngineId)> = self
+        let candidates: Vec<(usize, u32)> = self
             .prefill
             .iter()
             .enumerate()
             .filter(|(_, p)| p.healthy)
-            .flat_map(|(i, p)| p.dp_engine_id.iter().map(move |(dp, id)| (i, *dp, id)))
+            .flat_map(|(i, p)| p.dp_engine_id.keys().map(move |dp| (i, *dp)))
             .collect();
-        if candidates.is_empty() {
-            return Err(NotReady::NoHealthy { pool: Pool::Prefill });
-        }
         let decodes: Vec<usize> = (0..self.decode.len()).filter(|&j| self.decode[j].healthy).collect();
-        if decodes.is_empty() {
+        let Some(((pi, dp), prefill_choice, prefill_tokens)) = self.prefill_picker.pick(&candidates, prompt) else {
+            return Err(NotReady::NoHealthy { pool: Pool::Prefill });
+        };
+        let Some((dj, decode_choice, decode_tokens)) = self.decode_picker.pick(&decodes, prompt) else {
+            self.prefill_picker.done((pi, dp), prefill_tokens);
             return Err(NotReady::NoHealthy { pool: Pool::Decode });
+        };
+        let engine_id = self.prefill[pi].dp_engine_id.get(&dp).cloned().unwrap_or_default();
+        let metrics = pdflow_observability::metrics::global();
+        for (pool, policy, choice) in [
+            ("prefill", self.prefill_picker.policy(), prefill_choice),
+            ("decode", self.decode_picker.policy(), decode_choice),
+        ] {
+            let matched = match choice {
+                Choice::CacheHit { chunks } => chunks as u64,
+                _ => 0,
+            };
+            metrics.count_route(pool, policy.name(), choice.label(), matched);
         }
-        let (pi, dp, engine_id) = candidates[self.next_prefill % candidates.len()];
-        let dj = decodes[self.next_decode % decodes.len()];
-        let decision = RouteDecision {
+        Ok(RouteDecision {
             prefill_index: pi,
             prefill_url: self.prefill[pi].url.clone(),
             prefill_bootstrap_addr: self.prefill[pi].bootstrap_addr.clone(),
             prefill_dp_rank: dp,
-            prefill_engine_id: engine_id.clone(),
+            prefill_engine_id: engine_id,
             decode_index: dj,
             decode_url: self.decode[dj].url.clone(),
-        };
-        self.next_prefill = self.next_prefill.wrapping_add(1);
-        self.next_decode = self.next_decode.wrapping_add(1);
-        Ok(decision)
+            prefill_choice,
+            decode_choice,
+            prefill_tokens,
+            decode_tokens,
+        })
     }
 }
 
 impl Message<Route> for Proxy {
     type Reply = Result<RouteDecision, NotReady>;
 
-    async fn handle(&mut self, _msg: Route, _ctx: &mut Context<Self, Self::Reply>) -> Self::Reply {
-        self.route()
+    async fn handle(&mut self, msg: Route, _ctx: &mut Context<Self, Self::Reply>) -> Self::Reply {
+        self.route(&msg.prompt)
+    }
+}
+
+impl Message<RouteDone> for Proxy {
+    type Reply = ();
+
+    async fn handle(&mut self, msg: RouteDone, _ctx: &mut Context<Self, Self::Reply>) -> Self::Reply {
+        self.prefill_picker.done((msg.prefill_index, msg.prefill_dp_rank), msg.prefill_tokens);
+        self.decode_picker.done(msg.decode_index, msg.decode_tokens);
     }
 }
 

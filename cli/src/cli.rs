@@ -412,6 +412,14 @@ pub struct ProxyCmd {
     /// How often P and D are health-checked, in milliseconds.
     #[arg(long, default_value_t = 500)]
     pub health_interval_ms: u64,
+    /// How P (and its data-parallel rank) is chosen for each request: round_robin, least_loaded
+    /// (the fewest tokens in flight), cache_aware (the P the prompt's prefix was routed to,
+    /// unless it is far busier than the least loaded).
+    #[arg(long, default_value = "round_robin")]
+    pub prefill_policy: String,
+    /// How D is chosen for each request (the same policies).
+    #[arg(long, default_value = "round_robin")]
+    pub decode_policy: String,
     #[command(flatten)]
     pub secret: SecretArgs,
     #[command(flatten)]
@@ -517,6 +525,14 @@ impl ProxyCmd {
         let bind: Option<SocketAddr> =
             bind.parse().map_err(|_| errors.push(format!("--host/--port {bind}: not an IP address and port"))).ok();
         let (secret, _insecure) = self.secret.load_for(bind.map(|b| b.ip()), &mut errors);
+        let mut policy = |flag: &str, value: &str| {
+            value
+                .parse::<pdflow_actors::proxy::routing::Policy>()
+                .map_err(|e| errors.push(format!("{flag}: {e}")))
+                .unwrap_or_default()
+        };
+        let prefill_policy = policy("--prefill-policy", &self.prefill_policy);
+        let decode_policy = policy("--decode-policy", &self.decode_policy);
         match bind {
             Some(bind) if errors.is_empty() => Ok(ProxyArgs {
                 bind,
@@ -526,6 +542,8 @@ impl ProxyCmd {
                 upstream_timeout: Duration::from_secs(self.upstream_timeout.max(1)),
                 ready_timeout: None,
                 secret,
+                prefill_policy,
+                decode_policy,
             }),
             _ => Err(errors),
         }

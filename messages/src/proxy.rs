@@ -17,9 +17,59 @@ pub enum Pool {
     Decode,
 }
 
-/// Ask the Proxy for the next (P, P's dp rank, D) by round robin (step 8).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Route;
+/// Ask the Proxy where a request goes: (P, P's dp rank, D), each chosen by its pool's policy
+/// (step 8). `Route::default()` knows nothing of the prompt (the cache-aware policy then falls
+/// back to load).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Route {
+    pub prompt: PromptKey,
+}
+
+/// What the routing policies know of a request's prompt: the chained hashes of its full chunks
+/// (two prompts that share a prefix share their leading hashes, as vLLM's block hashes do) and
+/// its length in (estimated) tokens.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PromptKey {
+    pub chunks: Vec<u64>,
+    pub tokens: usize,
+}
+
+/// Why a pool's policy chose its engine (the proxy's step-8 span and `/metrics` say it).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Choice {
+    /// The next in turn.
+    #[default]
+    RoundRobin,
+    /// The engine with the least work in flight.
+    LeastLoaded,
+    /// The engine that most likely holds the longest prefix of the prompt: its first `chunks`
+    /// chunks were routed to it before.
+    CacheHit { chunks: usize },
+}
+
+impl Choice {
+    /// The `choice` label in `/metrics`.
+    pub fn label(self) -> &'static str {
+        match self {
+            Choice::RoundRobin => "round_robin",
+            Choice::LeastLoaded => "least_loaded",
+            Choice::CacheHit { .. } => "cache_hit",
+        }
+    }
+}
+
+/// Flow → Proxy: a routed request ended (answered, failed or given up): its work leaves the
+/// load the policies count for its P and D.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RouteDone {
+    pub prefill_index: usize,
+    pub prefill_dp_rank: u32,
+    pub decode_index: usize,
+    /// The tokens charged to P when it was routed.
+    pub prefill_tokens: usize,
+    /// The tokens charged to D.
+    pub decode_tokens: usize,
+}
 
 /// Where one request goes (steps 9–10).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -38,6 +88,25 @@ pub struct RouteDecision {
     pub decode_index: usize,
     /// D's HTTP base URL.
     pub decode_url: String,
+    /// Why P and D were chosen.
+    pub prefill_choice: Choice,
+    pub decode_choice: Choice,
+    /// The tokens charged to P and to D (given back by [`RouteDone`]).
+    pub prefill_tokens: usize,
+    pub decode_tokens: usize,
+}
+
+impl RouteDecision {
+    /// The [`RouteDone`] that gives this route's work back.
+    pub fn done(&self) -> RouteDone {
+        RouteDone {
+            prefill_index: self.prefill_index,
+            prefill_dp_rank: self.prefill_dp_rank,
+            decode_index: self.decode_index,
+            prefill_tokens: self.prefill_tokens,
+            decode_tokens: self.decode_tokens,
+        }
+    }
 }
 
 /// Why the proxy cannot route a request now (HTTP 503).

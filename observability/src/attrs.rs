@@ -24,3 +24,5 @@ pub const REMOTE_PP_RANK: &str = "pd.remote_pp_rank";
 /// each group moved, in the groups' order (`"12,4,1"`).
 pub const GROUP_BLOCKS: &str = "pd.group_blocks";
 pub const GROUP_BYTES: &str = "pd.group_bytes";
+/// Step 8: the proxy's routing decision, `prefill=<policy>:<choice>[:<chunks>] decode=…`.
+pub const ROUTE: &str = "pd.route";

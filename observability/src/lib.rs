@@ -71,6 +71,7 @@ macro_rules! step_span {
             pd.remote_pp_rank = tracing::field::Empty,
             pd.group_blocks = tracing::field::Empty,
             pd.group_bytes = tracing::field::Empty,
+            pd.route = tracing::field::Empty,
         )
     };
 }

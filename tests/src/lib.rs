@@ -237,6 +237,8 @@ impl Cluster {
             ready_timeout: None,
             // The proxy's look-ups are signed with P's secret (a deployment gives all one).
             secret: spec.prefill.first().and_then(EngineOpts::cluster_secret),
+            prefill_policy: Default::default(),
+            decode_policy: Default::default(),
         })
         .await?;
         let endpoint = |n: &EngineNode| EngineEndpoint {

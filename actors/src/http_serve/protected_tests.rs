@@ -28,6 +28,8 @@ async fn proxy(any: IpAddr, peers: PeerFilter) -> (ActorRef<Proxy>, ProxyServer)
         upstream_timeout: WAIT,
         ready_timeout: None,
         secret: None,
+        prefill_policy: Default::default(),
+        decode_policy: Default::default(),
     };
     let (bind, upstream_timeout) = (args.bind, args.upstream_timeout);
     let actor = Proxy::spawn(args);

@@ -43,6 +43,8 @@ async fn proxy_with(limits: HttpLimits) -> (ActorRef<Proxy>, ProxyServer) {
         upstream_timeout: Duration::from_secs(5),
         ready_timeout: None,
         secret: None,
+        prefill_policy: Default::default(),
+        decode_policy: Default::default(),
     };
     let (bind, upstream_timeout) = (args.bind, args.upstream_timeout);
     let actor = Proxy::spawn(args);

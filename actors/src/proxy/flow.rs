@@ -21,16 +21,21 @@
 //! # Layout
 //! - this file — the routes and the stages of one request's flow (steps 8, 9, 10, 43);
 //! - [`ids`] — the request_id and the trace context (step 8);
+//! - [`prompt_key`] — the prompt's chunk hashes the routing policies match (step 8);
+//! - [`route_done`] — the routed work given back to the policies' load when the request ends;
 //! - [`upstream`] — P's and D's bodies and headers, P's call, upstream errors (steps 9, 10, 25);
 //! - [`relay`] — D's answer on its way to the client, P's task watched meanwhile (step 43);
 //! - [`validate`] — the client's fields checked before P and D see them (step 8).
 
 mod ids;
+mod prompt_key;
 mod relay;
+mod route_done;
 mod upstream;
 mod validate;
 
 pub use ids::flow_request_id;
+pub use prompt_key::prompt_key;
 pub use upstream::{decode_body, error_response, prefill_body, UpstreamError};
 pub use validate::{validate, InvalidField};
 
@@ -46,9 +51,10 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use futures::stream::StreamExt;
 use kameo::prelude::*;
-use pdflow_messages::proxy::{NotReady, ProxyStatus, ReleasePrefill, Route, RouteDecision};
+use pdflow_messages::proxy::{Choice, NotReady, PromptKey, ProxyStatus, ReleasePrefill, Route, RouteDecision};
 use pdflow_messages::{RequestId, TransferId};
 use pdflow_observability::{attrs, step_span, steps};
+use route_done::RouteDoneGuard;
 use tokio_util::task::AbortOnDropHandle;
 use tracing::Instrument;
 
@@ -156,11 +162,12 @@ fn body_refused(rejected: BytesRejection) -> Response {
 async fn route(
     ctx: &FlowContext,
     proxy: &ActorRef<Proxy>,
+    prompt: &PromptKey,
 ) -> Result<Result<RouteDecision, SendError<Route, NotReady>>, tokio::time::error::Elapsed> {
     use std::sync::atomic::Ordering;
     let deadline = tokio::time::Instant::now() + ASK_DEADLINE;
     loop {
-        let answer = tokio::time::timeout_at(deadline, proxy.ask(Route)).await?;
+        let answer = tokio::time::timeout_at(deadline, proxy.ask(Route { prompt: prompt.clone() })).await?;
         let restarting = match &answer {
             // Killed while this ask was in its mailbox or in hand, or drained by the restart: the
             // next incarnation reads the same mailbox.
@@ -212,13 +219,15 @@ async fn flow(
         Ok(request) => request,
         Err(e) => return e.into_response(),
     };
-    let route = match choose_route(&ctx, &step8).await {
+    let prompt = prompt_key(&request, api == CHAT_API);
+    let route = match choose_route(&ctx, &step8, &prompt).await {
         Ok(route) => route,
         Err(e) => return error_response(StatusCode::SERVICE_UNAVAILABLE, "service_unavailable", e.to_string()),
     };
     let traceparent = record_trace_context(&step8, &headers, &route);
     drop(step8);
     let upstream = Upstream {
+        route_done: RouteDoneGuard::new(ctx.proxy.clone(), route.done()),
         headers: upstream_headers(&headers, &request_id, &traceparent),
         ctx,
         api,
@@ -299,12 +308,15 @@ fn parse_request(
 
 /// Step 8: P and D chosen by the Proxy actor; `Err` says why not (a 503: the actor is stopping,
 /// not ready, or did not answer).
-async fn choose_route(ctx: &FlowContext, step8: &tracing::Span) -> Result<RouteDecision, NoRoute> {
+async fn choose_route(ctx: &FlowContext, step8: &tracing::Span, prompt: &PromptKey) -> Result<RouteDecision, NoRoute> {
     let Some(proxy) = Some(ctx.proxy.clone()).filter(|p| p.is_alive()) else {
         return Err(NoRoute::Stopping);
     };
-    let error = match route(ctx, &proxy).instrument(step8.clone()).await {
-        Ok(Ok(route)) => return Ok(route),
+    let error = match route(ctx, &proxy, prompt).instrument(step8.clone()).await {
+        Ok(Ok(route)) => {
+            step8.record(attrs::ROUTE, describe_route(&route).as_str());
+            return Ok(route);
+        }
         Ok(Err(SendError::HandlerError(not_ready))) => {
             Outcome::NOT_READY.record(step8);
             return Err(NoRoute::NotReady(not_ready));
@@ -314,6 +326,15 @@ async fn choose_route(ctx: &FlowContext, step8: &tracing::Span) -> Result<RouteD
     };
     Outcome::PROXY_UNAVAILABLE.record(step8);
     Err(error)
+}
+
+/// The routing decision as step 8's span records it: `prefill=cache_hit:12 decode=least_loaded`.
+fn describe_route(route: &RouteDecision) -> String {
+    let one = |choice: Choice| match choice {
+        Choice::CacheHit { chunks } => format!("{}:{chunks}", choice.label()),
+        other => other.label().to_owned(),
+    };
+    format!("prefill={} decode={}", one(route.prefill_choice), one(route.decode_choice))
 }
 
 /// Step 8's trace attributes: the request's trace context (returned), the client's parent span,
@@ -338,6 +359,9 @@ struct Upstream {
     traceparent: String,
     /// Sent to P and D ([`upstream_headers`]).
     headers: reqwest::header::HeaderMap,
+    /// Gives the route's work back to the policies' load once the request ends (dropped with
+    /// the flow, or with D's relayed answer).
+    route_done: RouteDoneGuard,
 }
 
 impl Upstream {
@@ -455,6 +479,7 @@ impl Upstream {
             d_url: self.decode_url(),
             ctx: self.ctx,
             prefill_index: self.route.prefill_index,
+            _route_done: self.route_done,
             span: step43,
         };
         let mut response = if whole {

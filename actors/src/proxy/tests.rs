@@ -177,6 +177,8 @@ async fn start_proxy(prefill: Vec<PrefillTarget>, decode: Vec<String>) -> (Runni
         upstream_timeout: Duration::from_secs(10),
         ready_timeout: None,
         secret: None,
+        prefill_policy: Default::default(),
+        decode_policy: Default::default(),
     };
     let (bind, upstream_timeout) = (args.bind, args.upstream_timeout);
     let actor = Proxy::spawn(args);
@@ -497,6 +499,8 @@ async fn ready_timeout_stops_the_proxy_with_the_reason() {
         upstream_timeout: Duration::from_secs(1),
         ready_timeout: Some(Duration::from_millis(100)),
         secret: None,
+        prefill_policy: Default::default(),
+        decode_policy: Default::default(),
     });
     tokio::time::timeout(WAIT, proxy.wait_for_shutdown()).await.expect("the proxy stops after its ready timeout");
 }

@@ -20,6 +20,9 @@
 //!   complete request header in time (`header_timeout`), a request body not in full in time
 //!   (`body_timeout`, answered 408), kept alive idle too long (`idle_timeout`);
 //!   `service` is the server's (`proxy`, `bootstrap`, `engine`);
+//! - `pdflow_proxy_routes_total{pool,policy,choice}` and `pdflow_proxy_matched_chunks_total{pool}`
+//!   — the proxy's routing decisions (`round_robin`, `least_loaded`, `cache_hit`) and the prompt
+//!   chunks its cache hits matched;
 //! - `pdflow_pulls_in_flight{service,side}` — D: pulls sent (step 21) not yet settled (step 34);
 //!   P: pulls received (step 22) not yet answered (step 30);
 //! - gauges registered with [`Metrics::register_gauge`], read at scrape time, and per-endpoint
@@ -146,6 +149,10 @@ struct State {
     auth_refusals: BTreeMap<(&'static str, &'static str), u64>,
     /// Connections HTTP servers closed on their own, by (service, reason).
     http_closes: BTreeMap<(&'static str, &'static str), u64>,
+    /// The proxy's routing decisions, by (pool, policy, choice), and the prompt chunks its
+    /// cache hits matched, by pool.
+    routes: BTreeMap<(&'static str, &'static str, &'static str), u64>,
+    matched_chunks: BTreeMap<&'static str, u64>,
 }
 
 /// The registry: one per process ([`global`]); tests make their own with [`Metrics::new`].
@@ -205,6 +212,14 @@ impl Metrics {
     /// never peer input).
     pub fn count_http_close(&self, service: &'static str, reason: &'static str) {
         *self.lock().http_closes.entry((service, reason)).or_default() += 1;
+    }
+
+    /// The proxy routed a request of `pool` by `policy`, choosing for `choice` (fixed labels),
+    /// matching `matched_chunks` of its prompt's chunks.
+    pub fn count_route(&self, pool: &'static str, policy: &'static str, choice: &'static str, matched_chunks: u64) {
+        let mut st = self.lock();
+        *st.routes.entry((pool, policy, choice)).or_default() += 1;
+        *st.matched_chunks.entry(pool).or_default() += matched_chunks;
     }
 
     /// A step span opened: remember when a pull starts (steps 21 and 22).
@@ -302,6 +317,7 @@ impl Metrics {
             families.extend(side_families(&st));
             families.extend([failures_family(&st), writes_family(&st), group_bytes_family(&st)]);
             families.extend([pulls_family(&st), auth_family(&st), http_closes_family(&st)]);
+            families.extend(routes_families(&st));
             families
         };
         let registered: Vec<_> = self.gauges.lock().unwrap_or_else(|p| p.into_inner()).clone();
@@ -380,6 +396,28 @@ fn auth_family(st: &State) -> Family {
 }
 
 /// `pdflow_http_connections_closed_total`: connections HTTP servers closed on their own.
+fn routes_families(st: &State) -> [Family; 2] {
+    let mut routes = Family::new(
+        "pdflow_proxy_routes_total",
+        "The proxy's routing decisions, by pool (prefill, decode), policy and choice (round_robin, least_loaded, cache_hit).",
+        Kind::Counter,
+    );
+    for ((pool, policy, choice), count) in &st.routes {
+        let labels =
+            vec![("pool", (*pool).to_owned()), ("policy", (*policy).to_owned()), ("choice", (*choice).to_owned())];
+        routes.sample(labels, *count as f64);
+    }
+    let mut matched = Family::new(
+        "pdflow_proxy_matched_chunks_total",
+        "Prompt chunks (about 16 tokens each) that cache-aware routing found already routed to the chosen engine, by pool.",
+        Kind::Counter,
+    );
+    for (pool, count) in &st.matched_chunks {
+        matched.sample(vec![("pool", (*pool).to_owned())], *count as f64);
+    }
+    [routes, matched]
+}
+
 fn http_closes_family(st: &State) -> Family {
     let mut f = Family::new(
         "pdflow_http_connections_closed_total",

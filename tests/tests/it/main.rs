@@ -21,6 +21,7 @@ mod pull_order;
 mod rank_processes;
 mod refusals;
 mod round_robin_2p2d;
+mod routing;
 mod seed_request;
 mod separate_processes;
 mod serve_flags;

@@ -142,6 +142,8 @@ async fn proxy_to(e: &Endpoints, decode_url: &str) -> pdflow_actors::proxy::Prox
         upstream_timeout: Duration::from_secs(2),
         ready_timeout: None,
         secret: None,
+        prefill_policy: Default::default(),
+        decode_policy: Default::default(),
     };
     let (bind, upstream_timeout) = (args.bind, args.upstream_timeout);
     let actor = Proxy::spawn(args);

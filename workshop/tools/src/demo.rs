@@ -297,6 +297,8 @@ impl LocalCluster {
             upstream_timeout: Duration::from_secs(120),
             ready_timeout: None,
             secret: None,
+            prefill_policy: Default::default(),
+            decode_policy: Default::default(),
         })
         .await?;
         let client = reqwest::Client::builder()

@@ -35,6 +35,8 @@ pub(super) struct Relay {
     pub(super) done: bool,
     pub(super) ctx: Arc<FlowContext>,
     pub(super) prefill_index: usize,
+    /// Gives the route's work back when the answer is done (dropped with the relay).
+    pub(super) _route_done: super::route_done::RouteDoneGuard,
     pub(super) d_url: String,
     pub(super) span: tracing::Span,
 }

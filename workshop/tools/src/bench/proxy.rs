@@ -118,6 +118,8 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         upstream_timeout: Duration::from_secs(30),
         ready_timeout: Some(Duration::from_secs(20)),
         secret: None,
+        prefill_policy: Default::default(),
+        decode_policy: Default::default(),
     })
     .await?;
     let client = reqwest::Client::builder().no_proxy().pool_max_idle_per_host(256).build()?;

@@ -163,6 +163,8 @@ impl ChaosCluster {
                 upstream_timeout: spec.upstream_timeout,
                 ready_timeout: None,
                 secret: None,
+                prefill_policy: Default::default(),
+                decode_policy: Default::default(),
             },
             &faults,
         )

@@ -89,6 +89,8 @@ impl LoadCluster {
                 upstream_timeout: spec.upstream_timeout,
                 ready_timeout: None,
                 secret: None,
+                prefill_policy: Default::default(),
+                decode_policy: Default::default(),
             },
             faults,
         )

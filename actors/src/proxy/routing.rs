@@ -1,0 +1,287 @@
+//! How the Proxy actor picks one engine of a pool for a request (step 8): the pool's [`Policy`]
+//! over its healthy candidates, the work each has in flight, and — for `cache_aware` — which
+//! prompt prefixes were routed to each.
+//!
+//! - `round_robin`: the next in turn (what vLLM's example proxy does).
+//! - `least_loaded`: the candidate with the fewest tokens in flight (then the fewest requests);
+//!   the proxy counts what it sent each engine until the request ends ([`Picker::done`]).
+//! - `cache_aware`: each candidate's likely cache, from the prompts routed to it: a bounded,
+//!   least-recently-used set of the chained chunk hashes of those prompts ([`ChunkCache`]). The
+//!   candidate whose set holds the longest leading run of the prompt's chunks wins, unless it
+//!   already carries far more work than the least loaded one (then the least loaded wins, so that
+//!   a hot prefix does not pile every request on one engine); no match at all: least loaded.
+//!   What the chosen engine computes is charged as its load: the prompt minus the matched prefix.
+//!
+//! Owns no step of its own: it is the decision inside step 8.
+
+use std::collections::{BTreeMap, HashMap};
+use std::hash::Hash;
+use std::str::FromStr;
+
+use pdflow_messages::proxy::{Choice, PromptKey};
+
+/// Chunk hashes remembered per engine (~4 M tokens at 16 tokens a chunk: more than an engine's
+/// KV cache holds, so the set forgets later than the engine does, and the balance rule covers
+/// what it still believes).
+pub const CACHE_CHUNKS: usize = 1 << 18;
+/// A cache hit is taken unless the engine has this many more tokens in flight than the least
+/// loaded one…
+pub const BALANCE_TOKENS: usize = 8192;
+/// …and more than this many times as many.
+pub const BALANCE_RATIO: usize = 2;
+
+/// A pool's routing policy (`--prefill-policy`, `--decode-policy`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Policy {
+    #[default]
+    RoundRobin,
+    LeastLoaded,
+    CacheAware,
+}
+
+impl Policy {
+    pub const NAMES: &'static str = "round_robin, least_loaded, cache_aware";
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Policy::RoundRobin => "round_robin",
+            Policy::LeastLoaded => "least_loaded",
+            Policy::CacheAware => "cache_aware",
+        }
+    }
+}
+
+impl FromStr for Policy {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "round_robin" => Ok(Policy::RoundRobin),
+            "least_loaded" | "load_aware" => Ok(Policy::LeastLoaded),
+            "cache_aware" => Ok(Policy::CacheAware),
+            other => Err(format!("unknown routing policy `{other}`; known: {}", Policy::NAMES)),
+        }
+    }
+}
+
+/// Work in flight on one engine, as the proxy sent it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Load {
+    pub requests: usize,
+    pub tokens: usize,
+}
+
+/// One pool's picker: its policy, its turn, and per candidate its load and likely cache.
+#[derive(Debug)]
+pub struct Picker<K> {
+    policy: Policy,
+    next: usize,
+    loads: HashMap<K, Load>,
+    caches: HashMap<K, ChunkCache>,
+    cache_chunks: usize,
+}
+
+impl<K: Copy + Eq + Hash> Picker<K> {
+    pub fn new(policy: Policy) -> Self {
+        Self::with_cache_chunks(policy, CACHE_CHUNKS)
+    }
+
+    /// A picker whose per-engine caches remember `cache_chunks` chunk hashes.
+    pub fn with_cache_chunks(policy: Policy, cache_chunks: usize) -> Self {
+        Self { policy, next: 0, loads: HashMap::new(), caches: HashMap::new(), cache_chunks }
+    }
+
+    pub fn policy(&self) -> Policy {
+        self.policy
+    }
+
+    /// Picks one of `candidates` (not empty) for `prompt`, charges it the tokens it will compute
+    /// (returned), and remembers the prompt's chunks there.
+    pub fn pick(&mut self, candidates: &[K], prompt: &PromptKey) -> Option<(K, Choice, usize)> {
+        let first = *candidates.first()?;
+        let turn = self.next;
+        self.next = self.next.wrapping_add(1);
+        let (chosen, choice) = match self.policy {
+            Policy::RoundRobin => (candidates[turn % candidates.len()], Choice::RoundRobin),
+            Policy::LeastLoaded => (self.least_loaded(candidates, turn).unwrap_or(first), Choice::LeastLoaded),
+            Policy::CacheAware => self.cache_aware(candidates, prompt, turn).unwrap_or((first, Choice::LeastLoaded)),
+        };
+        let matched = match choice {
+            Choice::CacheHit { chunks } => chunks,
+            _ => 0,
+        };
+        let tokens = prompt.tokens.saturating_sub(prompt.tokens * matched / prompt.chunks.len().max(1));
+        let load = self.loads.entry(chosen).or_default();
+        load.requests += 1;
+        load.tokens += tokens;
+        if self.policy == Policy::CacheAware && !prompt.chunks.is_empty() {
+            let cap = self.cache_chunks;
+            self.caches.entry(chosen).or_insert_with(|| ChunkCache::new(cap)).insert(&prompt.chunks);
+        }
+        Some((chosen, choice, tokens))
+    }
+
+    /// A request routed to `key` with `tokens` charged has ended.
+    pub fn done(&mut self, key: K, tokens: usize) {
+        if let Some(load) = self.loads.get_mut(&key) {
+            load.requests = load.requests.saturating_sub(1);
+            load.tokens = load.tokens.saturating_sub(tokens);
+        }
+    }
+
+    /// Work in flight on `key`.
+    pub fn load(&self, key: K) -> Load {
+        self.loads.get(&key).copied().unwrap_or_default()
+    }
+
+    /// Forgets what `key` was thought to hold (the engine restarted or was removed).
+    pub fn forget(&mut self, key: K) {
+        self.caches.remove(&key);
+    }
+
+    /// The least loaded candidate; ties go to the one next in turn from `turn`.
+    fn least_loaded(&self, candidates: &[K], turn: usize) -> Option<K> {
+        let n = candidates.len();
+        (0..n).map(|i| candidates[(turn + i) % n]).min_by_key(|k| {
+            let l = self.load(*k);
+            (l.tokens, l.requests)
+        })
+    }
+
+    fn cache_aware(&self, candidates: &[K], prompt: &PromptKey, turn: usize) -> Option<(K, Choice)> {
+        let least = self.least_loaded(candidates, turn)?;
+        let n = candidates.len();
+        let best = (0..n)
+            .map(|i| candidates[(turn + i) % n])
+            .map(|k| (k, self.caches.get(&k).map_or(0, |c| c.matched(&prompt.chunks))))
+            .max_by_key(|(_, matched)| *matched)
+            .filter(|(_, matched)| *matched > 0);
+        let Some((best, chunks)) = best else { return Some((least, Choice::LeastLoaded)) };
+        let (busy, idle) = (self.load(best).tokens, self.load(least).tokens);
+        let overloaded = busy > idle + BALANCE_TOKENS && busy > idle.saturating_mul(BALANCE_RATIO);
+        Some(if overloaded { (least, Choice::LeastLoaded) } else { (best, Choice::CacheHit { chunks }) })
+    }
+}
+
+/// The chunk hashes last routed to one engine, at most `capacity`, the least recently used
+/// forgotten first.
+#[derive(Debug)]
+pub struct ChunkCache {
+    capacity: usize,
+    tick: u64,
+    last_use: HashMap<u64, u64>,
+    by_age: BTreeMap<u64, u64>,
+}
+
+impl ChunkCache {
+    pub fn new(capacity: usize) -> Self {
+        Self { capacity: capacity.max(1), tick: 0, last_use: HashMap::new(), by_age: BTreeMap::new() }
+    }
+
+    /// How many of `chunks`, from the first, are held.
+    pub fn matched(&self, chunks: &[u64]) -> usize {
+        chunks.iter().take_while(|c| self.last_use.contains_key(c)).count()
+    }
+
+    /// Holds `chunks` as just used, forgetting the least recently used past the capacity.
+    pub fn insert(&mut self, chunks: &[u64]) {
+        for &chunk in chunks {
+            self.tick += 1;
+            if let Some(old) = self.last_use.insert(chunk, self.tick) {
+                self.by_age.remove(&old);
+            }
+            self.by_age.insert(self.tick, chunk);
+        }
+        while self.last_use.len() > self.capacity {
+            let Some((_, oldest)) = self.by_age.pop_first() else { break };
+            self.last_use.remove(&oldest);
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.last_use.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.last_use.is_empty()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key(chunks: &[u64]) -> PromptKey {
+        PromptKey { chunks: chunks.to_vec(), tokens: chunks.len() * 16 }
+    }
+
+    #[test]
+    fn round_robin_takes_turns() {
+        let mut p = Picker::new(Policy::RoundRobin);
+        let picks: Vec<_> = (0..4).map(|_| p.pick(&[0, 1, 2], &key(&[1])).map(|x| x.0)).collect();
+        assert_eq!(picks, [Some(0), Some(1), Some(2), Some(0)]);
+    }
+
+    #[test]
+    fn least_loaded_picks_the_engine_with_the_fewest_tokens_in_flight() {
+        let mut p = Picker::new(Policy::LeastLoaded);
+        let (a, _, big) = p.pick(&[0, 1], &key(&[1; 100])).expect("a pick");
+        let (b, _, _) = p.pick(&[0, 1], &key(&[2])).expect("a pick");
+        let (c, _, _) = p.pick(&[0, 1], &key(&[3])).expect("a pick");
+        assert_ne!(a, b, "the second request avoids the busy engine");
+        assert_eq!(b, c, "and so does the third, while the first is in flight");
+        p.done(a, big);
+        assert_eq!(p.load(a), Load::default());
+    }
+
+    #[test]
+    fn cache_aware_follows_the_prefix_and_charges_only_what_is_left_to_compute() {
+        let mut p = Picker::new(Policy::CacheAware);
+        let (first, choice, _) = p.pick(&[0, 1, 2], &key(&[10, 11, 12, 13])).expect("a pick");
+        assert_eq!(choice, Choice::LeastLoaded, "nothing routed yet");
+        for last in 100..103 {
+            let (k, choice, tokens) = p.pick(&[0, 1, 2], &key(&[10, 11, 12, last])).expect("a pick");
+            assert_eq!((k, choice), (first, Choice::CacheHit { chunks: 3 }));
+            assert_eq!(tokens, 16, "three of four chunks were routed there before");
+        }
+        let (other, choice, _) = p.pick(&[0, 1, 2], &key(&[50, 51])).expect("a pick");
+        assert_ne!(other, first, "a new prompt goes to a less loaded engine");
+        assert_eq!(choice, Choice::LeastLoaded);
+    }
+
+    #[test]
+    fn a_hot_prefix_spills_over_once_its_engine_is_far_busier() {
+        let mut p = Picker::new(Policy::CacheAware);
+        let hot = PromptKey { chunks: vec![7, 8], tokens: 6000 };
+        let (first, _, _) = p.pick(&[0, 1], &hot).expect("a pick");
+        let mut spilled = false;
+        for _ in 0..10 {
+            let long = PromptKey { chunks: vec![7, 8, 9], tokens: 9000 };
+            let (k, choice, _) = p.pick(&[0, 1], &long).expect("a pick");
+            if k != first {
+                assert_eq!(choice, Choice::LeastLoaded);
+                spilled = true;
+                break;
+            }
+        }
+        assert!(spilled, "every request of a hot prefix piled on one engine: {:?}", p.load(first));
+    }
+
+    #[test]
+    fn the_chunk_cache_forgets_the_least_recently_used() {
+        let mut c = ChunkCache::new(3);
+        c.insert(&[1, 2, 3]);
+        c.insert(&[1]);
+        c.insert(&[4]);
+        // 2 is the least recently used: 1 was used again after it.
+        assert_eq!((c.len(), c.matched(&[1]), c.matched(&[2]), c.matched(&[3, 4])), (3, 1, 0, 2));
+    }
+
+    #[test]
+    fn policies_parse_by_name() {
+        assert_eq!("cache_aware".parse(), Ok(Policy::CacheAware));
+        assert_eq!("load_aware".parse(), Ok(Policy::LeastLoaded));
+        let err = "random".parse::<Policy>().expect_err("unknown");
+        assert!(err.contains("round_robin, least_loaded, cache_aware"), "{err}");
+    }
+}

@@ -1,0 +1,96 @@
+//! `pdflow proxy --prefill-policy cache_aware` in front of two P and one D (`pdflow serve`
+//! processes): the requests of a session, which share its long prefix, all go to the P its first
+//! request went to, so that P's prefix cache would hold it; `/metrics` counts the hits and step 8's
+//! span says why. Under round robin, the same sessions are split across both P. Every answer equals
+//! one engine's alone.
+
+use std::time::Duration;
+
+use pdflow_tests::processes::Proc;
+use pdflow_tests::{completion, http_client, post, prompt, reference, token_ids, SMALL};
+use serde_json::Value;
+
+const SHAPE: &str = "4,2,16,16";
+
+async fn finished(client: &reqwest::Client, engine: &Proc) -> u64 {
+    let stats: Value = client
+        .get(format!("{}/pdflow/blocks", engine.url()))
+        .send()
+        .await
+        .expect("block stats")
+        .json()
+        .await
+        .expect("JSON");
+    stats["finished"].as_u64().unwrap_or_default()
+}
+
+/// `pdflow_proxy_routes_total{pool="prefill",…,choice=CHOICE}` of the proxy.
+async fn routes(client: &reqwest::Client, proxy: &Proc, choice: &str) -> f64 {
+    let text =
+        client.get(format!("{}/metrics", proxy.url())).send().await.expect("metrics").text().await.expect("text");
+    text.lines()
+        .filter(|l| l.starts_with("pdflow_proxy_routes_total{") && l.contains("pool=\"prefill\""))
+        .filter(|l| l.contains(&format!("choice=\"{choice}\"")))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// Two sessions of four requests each through a proxy with `policy` for P; returns how many
+/// requests each P prefilled (per session pair, in order) and the proxy.
+async fn run(policy: &str) -> (Vec<u64>, Proc, Vec<Proc>) {
+    let client = http_client();
+    let engine = |role: &'static str| vec!["serve", "--role", role, "--kv-shape", SHAPE, "--num-blocks", "256"];
+    let mut ps = Vec::new();
+    for _ in 0..2 {
+        let mut args = engine("producer");
+        args.extend(["--bootstrap-port", "0"]);
+        ps.push(Proc::spawn("producer", &args, &[]).await.expect("P starts"));
+    }
+    let d = Proc::spawn("consumer", &engine("consumer"), &[]).await.expect("D starts");
+    let mut args = vec!["proxy".to_owned(), "--port".into(), "0".into(), "--prefill-policy".into(), policy.into()];
+    for p in &ps {
+        let bootstrap = p.ready["bootstrap_addr"].as_str().expect("P's bootstrap").to_owned();
+        let port = bootstrap.rsplit(':').next().unwrap_or_default().to_owned();
+        args.extend(["--prefill".into(), p.url(), port]);
+    }
+    args.extend(["--decode".into(), d.url()]);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let proxy = Proc::spawn("proxy", &args, &[]).await.expect("the proxy starts");
+    pdflow_tests::wait_healthy(&client, &proxy.url(), Duration::from_secs(10)).await.expect("the proxy is ready");
+
+    let url = format!("{}/v1/completions", proxy.url());
+    let mut per_p = Vec::new();
+    for session in 0..2u64 {
+        let before: Vec<u64> = futures::future::join_all(ps.iter().map(|p| finished(&client, p))).await;
+        // A session: one long shared prefix, then a different question each turn.
+        let prefix = prompt(200, 9000 + session);
+        for turn in 0..4u64 {
+            let body = completion(&format!("{prefix} {}", prompt(8, 100 * session + turn)), 4);
+            let (status, answer) = post(&client, &url, &body).await.expect("the proxy answers");
+            assert_eq!(status, 200, "{answer}");
+            assert_eq!(token_ids(&answer), token_ids(&reference(SMALL, &body).await.expect("reference")));
+        }
+        for (p, before) in ps.iter().zip(before) {
+            per_p.push(finished(&client, p).await - before);
+        }
+    }
+    let mut engines = ps;
+    engines.push(d);
+    (per_p, proxy, engines)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cache_aware_routing_keeps_a_session_on_one_p_and_round_robin_does_not() {
+    let client = http_client();
+    let (per_p, proxy, engines) = run("cache_aware").await;
+    for (session, counts) in per_p.chunks(2).enumerate() {
+        assert!(counts.contains(&4) && counts.contains(&0), "session {session} was split across P: {counts:?}");
+    }
+    assert_eq!(routes(&client, &proxy, "cache_hit").await, 6.0, "three hits per session");
+    drop((proxy, engines));
+
+    let (per_p, _proxy, _engines) = run("round_robin").await;
+    for (session, counts) in per_p.chunks(2).enumerate() {
+        assert_eq!(counts, [2, 2], "round robin splits session {session}");
+    }
+}
