@@ -77,6 +77,8 @@ pub struct ProxyArgs {
     /// How a P (and its dp rank) and a D are chosen for each request ([`routing::Policy`]).
     pub prefill_policy: routing::Policy,
     pub decode_policy: routing::Policy,
+    /// When D serves a request alone, without P ([`routing::LocalPrefill`]).
+    pub local_prefill: routing::LocalPrefill,
 }
 
 #[derive(Debug)]
@@ -103,6 +105,7 @@ pub struct Proxy {
     /// P (index, dp rank) and D (index) pickers: each pool's policy, load and likely caches.
     prefill_picker: routing::Picker<(usize, u32)>,
     decode_picker: routing::Picker<usize>,
+    local_prefill: routing::LocalPrefill,
     requery_tx: mpsc::UnboundedSender<usize>,
     /// Frees P's blocks for a transfer whose D could not be reached ([`ReleasePrefill`]).
     releaser: release::Releaser,
@@ -175,6 +178,7 @@ impl Actor for Proxy {
             ready: false,
             prefill_picker: routing::Picker::new(args.prefill_policy),
             decode_picker: routing::Picker::new(args.decode_policy),
+            local_prefill: args.local_prefill,
             requery_tx,
             releaser,
             shutdown,
@@ -225,15 +229,29 @@ impl Proxy {
             .filter(|(_, p)| p.healthy)
             .flat_map(|(i, p)| p.dp_engine_id.keys().map(move |dp| (i, *dp)))
             .collect();
-        let decodes: Vec<usize> = (0..self.decode.len()).filter(|&j| self.decode[j].healthy).collect();
-        let Some(((pi, dp), prefill_choice, prefill_tokens)) = self.prefill_picker.pick(&candidates, prompt) else {
+        if candidates.is_empty() && !self.local_prefill.enabled() {
             return Err(NotReady::NoHealthy { pool: Pool::Prefill });
-        };
+        }
+        let decodes: Vec<usize> = (0..self.decode.len()).filter(|&j| self.decode[j].healthy).collect();
         let Some((dj, decode_choice, decode_tokens)) = self.decode_picker.pick(&decodes, prompt) else {
-            self.prefill_picker.done((pi, dp), prefill_tokens);
             return Err(NotReady::NoHealthy { pool: Pool::Decode });
         };
-        let engine_id = self.prefill[pi].dp_engine_id.get(&dp).cloned().unwrap_or_default();
+        let (pi, dp, prefill_choice, prefill_tokens) = if self.local_prefill.applies(prompt, decode_choice) {
+            (0, 0, Choice::Skipped, 0)
+        } else {
+            match self.prefill_picker.pick(&candidates, prompt) {
+                Some(((pi, dp), choice, tokens)) => (pi, dp, choice, tokens),
+                None => {
+                    self.decode_picker.done(dj, decode_tokens);
+                    return Err(NotReady::NoHealthy { pool: Pool::Prefill });
+                }
+            }
+        };
+        let disaggregate = prefill_choice != Choice::Skipped;
+        let engine_id = match disaggregate {
+            true => self.prefill[pi].dp_engine_id.get(&dp).cloned().unwrap_or_default(),
+            false => EngineId::default(),
+        };
         let metrics = pdflow_observability::metrics::global();
         for (pool, policy, choice) in [
             ("prefill", self.prefill_picker.policy(), prefill_choice),
@@ -245,10 +263,14 @@ impl Proxy {
             };
             metrics.count_route(pool, policy.name(), choice.label(), matched);
         }
+        let (prefill_url, prefill_bootstrap_addr) = match disaggregate {
+            true => (self.prefill[pi].url.clone(), self.prefill[pi].bootstrap_addr.clone()),
+            false => (String::new(), String::new()),
+        };
         Ok(RouteDecision {
             prefill_index: pi,
-            prefill_url: self.prefill[pi].url.clone(),
-            prefill_bootstrap_addr: self.prefill[pi].bootstrap_addr.clone(),
+            prefill_url,
+            prefill_bootstrap_addr,
             prefill_dp_rank: dp,
             prefill_engine_id: engine_id,
             decode_index: dj,
@@ -257,6 +279,7 @@ impl Proxy {
             decode_choice,
             prefill_tokens,
             decode_tokens,
+            disaggregate,
         })
     }
 }
@@ -273,7 +296,9 @@ impl Message<RouteDone> for Proxy {
     type Reply = ();
 
     async fn handle(&mut self, msg: RouteDone, _ctx: &mut Context<Self, Self::Reply>) -> Self::Reply {
-        self.prefill_picker.done((msg.prefill_index, msg.prefill_dp_rank), msg.prefill_tokens);
+        if msg.disaggregated {
+            self.prefill_picker.done((msg.prefill_index, msg.prefill_dp_rank), msg.prefill_tokens);
+        }
         self.decode_picker.done(msg.decode_index, msg.decode_tokens);
     }
 }

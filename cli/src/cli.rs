@@ -420,6 +420,14 @@ pub struct ProxyCmd {
     /// How D is chosen for each request (the same policies).
     #[arg(long, default_value = "round_robin")]
     pub decode_policy: String,
+    /// D serves a prompt of fewer (estimated) tokens than this alone: no P, no KV transfer
+    /// (0: every request goes through P).
+    #[arg(long, default_value_t = 0)]
+    pub local_prefill_below: usize,
+    /// With `--decode-policy cache_aware`: D serves a prompt alone when the share of it already
+    /// routed to D is at least this (0–1, e.g. 0.8).
+    #[arg(long)]
+    pub local_prefill_when_d_holds: Option<f64>,
     #[command(flatten)]
     pub secret: SecretArgs,
     #[command(flatten)]
@@ -533,6 +541,20 @@ impl ProxyCmd {
         };
         let prefill_policy = policy("--prefill-policy", &self.prefill_policy);
         let decode_policy = policy("--decode-policy", &self.decode_policy);
+        let d_holds_permille = match self.local_prefill_when_d_holds {
+            Some(share) if !(0.0..=1.0).contains(&share) => {
+                errors.push(format!("--local-prefill-when-d-holds {share}: a share of the prompt, from 0 to 1"));
+                None
+            }
+            Some(_) if decode_policy != pdflow_actors::proxy::routing::Policy::CacheAware => {
+                errors.push("--local-prefill-when-d-holds needs --decode-policy cache_aware (what D holds is known from the prompts routed to it)".into());
+                None
+            }
+            Some(share) => Some((share * 1000.0).round() as u32),
+            None => None,
+        };
+        let local_prefill =
+            pdflow_actors::proxy::routing::LocalPrefill { below_tokens: self.local_prefill_below, d_holds_permille };
         match bind {
             Some(bind) if errors.is_empty() => Ok(ProxyArgs {
                 bind,
@@ -544,6 +566,7 @@ impl ProxyCmd {
                 secret,
                 prefill_policy,
                 decode_policy,
+                local_prefill,
             }),
             _ => Err(errors),
         }

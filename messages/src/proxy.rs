@@ -45,6 +45,8 @@ pub enum Choice {
     /// The engine that most likely holds the longest prefix of the prompt: its first `chunks`
     /// chunks were routed to it before.
     CacheHit { chunks: usize },
+    /// No P: D computes the prompt itself (it is short, or D already holds most of it).
+    Skipped,
 }
 
 impl Choice {
@@ -54,6 +56,7 @@ impl Choice {
             Choice::RoundRobin => "round_robin",
             Choice::LeastLoaded => "least_loaded",
             Choice::CacheHit { .. } => "cache_hit",
+            Choice::Skipped => "skipped",
         }
     }
 }
@@ -69,6 +72,8 @@ pub struct RouteDone {
     pub prefill_tokens: usize,
     /// The tokens charged to D.
     pub decode_tokens: usize,
+    /// Whether a P was charged at all.
+    pub disaggregated: bool,
 }
 
 /// Where one request goes (steps 9–10).
@@ -94,6 +99,9 @@ pub struct RouteDecision {
     /// The tokens charged to P and to D (given back by [`RouteDone`]).
     pub prefill_tokens: usize,
     pub decode_tokens: usize,
+    /// Whether P prefills and D loads the KV; `false`: D alone serves the request, and the
+    /// prefill fields name no engine ([`Choice::Skipped`]).
+    pub disaggregate: bool,
 }
 
 impl RouteDecision {
@@ -105,6 +113,7 @@ impl RouteDecision {
             decode_index: self.decode_index,
             prefill_tokens: self.prefill_tokens,
             decode_tokens: self.decode_tokens,
+            disaggregated: self.disaggregate,
         }
     }
 }

@@ -239,6 +239,7 @@ impl Cluster {
             secret: spec.prefill.first().and_then(EngineOpts::cluster_secret),
             prefill_policy: Default::default(),
             decode_policy: Default::default(),
+            local_prefill: Default::default(),
         })
         .await?;
         let endpoint = |n: &EngineNode| EngineEndpoint {

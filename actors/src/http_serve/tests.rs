@@ -45,6 +45,7 @@ async fn proxy_with(limits: HttpLimits) -> (ActorRef<Proxy>, ProxyServer) {
         secret: None,
         prefill_policy: Default::default(),
         decode_policy: Default::default(),
+        local_prefill: Default::default(),
     };
     let (bind, upstream_timeout) = (args.bind, args.upstream_timeout);
     let actor = Proxy::spawn(args);

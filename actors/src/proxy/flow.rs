@@ -236,7 +236,8 @@ async fn flow(
         transfer_id: transfer_id.into(),
         traceparent,
     };
-    let mut p_task = Some(upstream.dispatch_prefill(&request));
+    // D alone (a short prompt, or one D holds most of): no P, no transfer.
+    let mut p_task = upstream.route.disaggregate.then(|| upstream.dispatch_prefill(&request));
     let d_resp = match upstream.dispatch_decode(request, &mut p_task).await {
         Ok(d_resp) => d_resp,
         Err(e) => return e.into_response(),
@@ -401,7 +402,10 @@ impl Upstream {
                 .client
                 .post(&d_url)
                 .headers(self.headers.clone())
-                .json(&decode_body(request, &self.transfer_id, &self.route, &self.traceparent))
+                .json(&match self.route.disaggregate {
+                    true => decode_body(request, &self.transfer_id, &self.route, &self.traceparent),
+                    false => serde_json::Value::Object(request),
+                })
                 .send(),
         )
         .instrument(step10.clone());
@@ -446,6 +450,9 @@ impl Upstream {
 
     /// Asks the Proxy actor to free P's blocks for this transfer ([`ReleasePrefill`]).
     fn release_prefill(&self) {
+        if !self.route.disaggregate {
+            return;
+        }
         let release = ReleasePrefill {
             bootstrap_addr: self.route.prefill_bootstrap_addr.clone(),
             engine_id: self.route.prefill_engine_id.clone(),

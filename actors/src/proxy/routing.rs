@@ -12,6 +12,8 @@
 //!   a hot prefix does not pile every request on one engine); no match at all: least loaded.
 //!   What the chosen engine computes is charged as its load: the prompt minus the matched prefix.
 //!
+//! [`LocalPrefill`] decides, before P is picked, whether D serves the request alone.
+//!
 //! Owns no step of its own: it is the decision inside step 8.
 
 use std::collections::{BTreeMap, HashMap};
@@ -60,6 +62,39 @@ impl FromStr for Policy {
             "least_loaded" | "load_aware" => Ok(Policy::LeastLoaded),
             "cache_aware" => Ok(Policy::CacheAware),
             other => Err(format!("unknown routing policy `{other}`; known: {}", Policy::NAMES)),
+        }
+    }
+}
+
+/// When D serves a request alone, computing the prompt itself: no P, no transfer. Disaggregation
+/// costs a second engine's queue, a KV transfer and a second request; for a short prompt, or one
+/// D already holds most of, computing it on D costs less (`--local-prefill-below`,
+/// `--local-prefill-when-d-holds`). Off by default: every request goes through P.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LocalPrefill {
+    /// Prompts of fewer (estimated) tokens than this (0: none).
+    pub below_tokens: usize,
+    /// With a cache-aware D pool: D's match covering at least this many thousandths of the
+    /// prompt's chunks (`None`: never).
+    pub d_holds_permille: Option<u32>,
+}
+
+impl LocalPrefill {
+    /// Whether any request may be served by D alone.
+    pub fn enabled(&self) -> bool {
+        self.below_tokens > 0 || self.d_holds_permille.is_some()
+    }
+
+    /// Whether `prompt`, for which D's pool chose `decode_choice`, is served by D alone.
+    pub fn applies(&self, prompt: &PromptKey, decode_choice: Choice) -> bool {
+        if prompt.tokens < self.below_tokens {
+            return true;
+        }
+        match (self.d_holds_permille, decode_choice) {
+            (Some(share), Choice::CacheHit { chunks }) if !prompt.chunks.is_empty() => {
+                chunks * 1000 >= prompt.chunks.len() * share as usize
+            }
+            _ => false,
         }
     }
 }
@@ -275,6 +310,16 @@ mod tests {
         c.insert(&[4]);
         // 2 is the least recently used: 1 was used again after it.
         assert_eq!((c.len(), c.matched(&[1]), c.matched(&[2]), c.matched(&[3, 4])), (3, 1, 0, 2));
+    }
+
+    #[test]
+    fn d_alone_serves_short_prompts_and_those_it_holds_most_of() {
+        let off = LocalPrefill::default();
+        assert!(!off.enabled() && !off.applies(&key(&[1]), Choice::CacheHit { chunks: 1 }));
+        let on = LocalPrefill { below_tokens: 64, d_holds_permille: Some(800) };
+        assert!(on.applies(&key(&[1, 2, 3]), Choice::RoundRobin), "48 tokens: short");
+        assert!(!on.applies(&key(&[1, 2, 3, 4, 5]), Choice::CacheHit { chunks: 3 }), "D holds 3 of 5");
+        assert!(on.applies(&key(&[1, 2, 3, 4, 5]), Choice::CacheHit { chunks: 4 }), "D holds 4 of 5");
     }
 
     #[test]

@@ -179,6 +179,7 @@ async fn start_proxy(prefill: Vec<PrefillTarget>, decode: Vec<String>) -> (Runni
         secret: None,
         prefill_policy: Default::default(),
         decode_policy: Default::default(),
+        local_prefill: Default::default(),
     };
     let (bind, upstream_timeout) = (args.bind, args.upstream_timeout);
     let actor = Proxy::spawn(args);
@@ -501,6 +502,7 @@ async fn ready_timeout_stops_the_proxy_with_the_reason() {
         secret: None,
         prefill_policy: Default::default(),
         decode_policy: Default::default(),
+        local_prefill: Default::default(),
     });
     tokio::time::timeout(WAIT, proxy.wait_for_shutdown()).await.expect("the proxy stops after its ready timeout");
 }

@@ -144,6 +144,7 @@ async fn proxy_to(e: &Endpoints, decode_url: &str) -> pdflow_actors::proxy::Prox
         secret: None,
         prefill_policy: Default::default(),
         decode_policy: Default::default(),
+        local_prefill: Default::default(),
     };
     let (bind, upstream_timeout) = (args.bind, args.upstream_timeout);
     let actor = Proxy::spawn(args);

@@ -94,3 +94,62 @@ async fn cache_aware_routing_keeps_a_session_on_one_p_and_round_robin_does_not()
         assert_eq!(counts, [2, 2], "round robin splits session {session}");
     }
 }
+
+/// `--local-prefill-below 50` and `--local-prefill-when-d-holds 0.8` (D cache-aware): a short
+/// prompt, and a session's later turns whose prefix D already holds, are served by D alone (P
+/// prefills nothing, no KV moves); a long new prompt goes through P. Every answer is right.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn d_alone_serves_short_prompts_and_prompts_it_holds() {
+    let client = http_client();
+    let engine = |role: &'static str| vec!["serve", "--role", role, "--kv-shape", SHAPE, "--num-blocks", "256"];
+    let mut p_args = engine("producer");
+    p_args.extend(["--bootstrap-port", "0"]);
+    let p = Proc::spawn("producer", &p_args, &[]).await.expect("P starts");
+    let d = Proc::spawn("consumer", &engine("consumer"), &[]).await.expect("D starts");
+    let bootstrap = p.ready["bootstrap_addr"].as_str().expect("P's bootstrap").to_owned();
+    let port = bootstrap.rsplit(':').next().unwrap_or_default().to_owned();
+    let args = [
+        "proxy",
+        "--port",
+        "0",
+        "--decode-policy",
+        "cache_aware",
+        "--local-prefill-below",
+        "50",
+        "--local-prefill-when-d-holds",
+        "0.8",
+        "--prefill",
+        &p.url(),
+        &port,
+        "--decode",
+        &d.url(),
+    ];
+    let proxy = Proc::spawn("proxy", &args, &[]).await.expect("the proxy starts");
+    pdflow_tests::wait_healthy(&client, &proxy.url(), Duration::from_secs(10)).await.expect("the proxy is ready");
+    let url = format!("{}/v1/completions", proxy.url());
+    let ask = |text: String| {
+        let (client, url) = (client.clone(), url.clone());
+        async move {
+            let body = completion(&text, 4);
+            let (status, answer) = post(&client, &url, &body).await.expect("the proxy answers");
+            assert_eq!(status, 200, "{answer}");
+            assert_eq!(token_ids(&answer), token_ids(&reference(SMALL, &body).await.expect("reference")));
+        }
+    };
+
+    // Short: D alone.
+    let before = finished(&client, &p).await;
+    ask(prompt(10, 1)).await;
+    assert_eq!(finished(&client, &p).await, before, "P prefilled a 10-token prompt");
+    // Long and new: through P.
+    let prefix = prompt(300, 2);
+    ask(format!("{prefix} {}", prompt(4, 3))).await;
+    assert_eq!(finished(&client, &p).await, before + 1, "a new 300-token prompt went through P");
+    // The same prefix again: D holds it, D alone.
+    ask(format!("{prefix} {}", prompt(4, 4))).await;
+    assert_eq!(finished(&client, &p).await, before + 1, "P prefilled a prompt D holds");
+    assert_eq!(routes(&client, &proxy, "skipped").await, 2.0);
+    for engine in [&p, &d] {
+        engine.assert_blocks_at_baseline(&client, "after D served alone").await;
+    }
+}

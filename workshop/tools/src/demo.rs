@@ -299,6 +299,7 @@ impl LocalCluster {
             secret: None,
             prefill_policy: Default::default(),
             decode_policy: Default::default(),
+            local_prefill: Default::default(),
         })
         .await?;
         let client = reqwest::Client::builder()

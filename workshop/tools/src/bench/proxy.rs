@@ -120,6 +120,7 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         secret: None,
         prefill_policy: Default::default(),
         decode_policy: Default::default(),
+        local_prefill: Default::default(),
     })
     .await?;
     let client = reqwest::Client::builder().no_proxy().pool_max_idle_per_host(256).build()?;

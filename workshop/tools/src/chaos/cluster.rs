@@ -165,6 +165,7 @@ impl ChaosCluster {
                 secret: None,
                 prefill_policy: Default::default(),
                 decode_policy: Default::default(),
+                local_prefill: Default::default(),
             },
             &faults,
         )

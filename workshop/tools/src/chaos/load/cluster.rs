@@ -91,6 +91,7 @@ impl LoadCluster {
                 secret: None,
                 prefill_policy: Default::default(),
                 decode_policy: Default::default(),
+                local_prefill: Default::default(),
             },
             faults,
         )
