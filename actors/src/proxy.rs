@@ -218,7 +218,11 @@ impl Proxy {
         }
     }
 
-    fn route(&mut self, prompt: &pdflow_messages::proxy::PromptKey) -> Result<RouteDecision, NotReady> {
+    fn route(
+        &mut self,
+        prompt: &pdflow_messages::proxy::PromptKey,
+        exclude: &[usize],
+    ) -> Result<RouteDecision, NotReady> {
         if !self.ready {
             return Err(NotReady::Starting { waiting_for: self.waiting_for() });
         }
@@ -226,7 +230,7 @@ impl Proxy {
             .prefill
             .iter()
             .enumerate()
-            .filter(|(_, p)| p.healthy)
+            .filter(|(i, p)| p.healthy && !exclude.contains(i))
             .flat_map(|(i, p)| p.dp_engine_id.keys().map(move |dp| (i, *dp)))
             .collect();
         if candidates.is_empty() && !self.local_prefill.enabled() {
@@ -288,7 +292,7 @@ impl Message<Route> for Proxy {
     type Reply = Result<RouteDecision, NotReady>;
 
     async fn handle(&mut self, msg: Route, _ctx: &mut Context<Self, Self::Reply>) -> Self::Reply {
-        self.route(&msg.prompt)
+        self.route(&msg.prompt, &msg.exclude_prefill)
     }
 }
 

@@ -23,6 +23,8 @@ pub enum Pool {
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Route {
     pub prompt: PromptKey,
+    /// P (indices in the prefill list) not to choose: they failed this request already.
+    pub exclude_prefill: Vec<usize>,
 }
 
 /// What the routing policies know of a request's prompt: the chained hashes of its full chunks

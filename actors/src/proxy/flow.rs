@@ -72,6 +72,8 @@ pub const MAX_BODY_BYTES: usize = 2 * 1024 * 1024;
 const ASK_DEADLINE: Duration = Duration::from_secs(5);
 /// D's non-streamed answers up to this length are relayed whole (longer ones chunk by chunk).
 const MAX_WHOLE_BODY: u64 = 1 << 20;
+/// How many other P a request is retried on when its P fails before D answered.
+const MAX_PREFILL_RETRIES: usize = 1;
 /// How often a flow asks a restarted Proxy actor again for a route.
 const RESTART_POLL: Duration = Duration::from_millis(10);
 
@@ -163,11 +165,16 @@ async fn route(
     ctx: &FlowContext,
     proxy: &ActorRef<Proxy>,
     prompt: &PromptKey,
+    exclude_prefill: &[usize],
 ) -> Result<Result<RouteDecision, SendError<Route, NotReady>>, tokio::time::error::Elapsed> {
     use std::sync::atomic::Ordering;
     let deadline = tokio::time::Instant::now() + ASK_DEADLINE;
     loop {
-        let answer = tokio::time::timeout_at(deadline, proxy.ask(Route { prompt: prompt.clone() })).await?;
+        let answer = tokio::time::timeout_at(
+            deadline,
+            proxy.ask(Route { prompt: prompt.clone(), exclude_prefill: exclude_prefill.to_vec() }),
+        )
+        .await?;
         let restarting = match &answer {
             // Killed while this ask was in its mailbox or in hand, or drained by the restart: the
             // next incarnation reads the same mailbox.
@@ -220,29 +227,57 @@ async fn flow(
         Err(e) => return e.into_response(),
     };
     let prompt = prompt_key(&request, api == CHAT_API);
-    let route = match choose_route(&ctx, &step8, &prompt).await {
-        Ok(route) => route,
-        Err(e) => return error_response(StatusCode::SERVICE_UNAVAILABLE, "service_unavailable", e.to_string()),
-    };
-    let traceparent = record_trace_context(&step8, &headers, &route);
-    drop(step8);
-    let upstream = Upstream {
-        route_done: RouteDoneGuard::new(ctx.proxy.clone(), route.done()),
-        headers: upstream_headers(&headers, &request_id, &traceparent),
-        ctx,
-        api,
-        route,
-        request_id,
-        transfer_id: transfer_id.into(),
-        traceparent,
-    };
-    // D alone (a short prompt, or one D holds most of): no P, no transfer.
-    let mut p_task = upstream.route.disaggregate.then(|| upstream.dispatch_prefill(&request));
-    let d_resp = match upstream.dispatch_decode(request, &mut p_task).await {
-        Ok(d_resp) => d_resp,
-        Err(e) => return e.into_response(),
-    };
-    upstream.relay_response(d_resp, p_task).await
+    let mut failed_prefill = Vec::new();
+    let mut prefill_error: Option<UpstreamError> = None;
+    loop {
+        // A retry is a new request to P and D (a new transfer): the first D request was closed.
+        let (upstream_id, transfer_id) = match failed_prefill.len() {
+            0 => (request_id.clone(), transfer_id.clone()),
+            n => (format!("{request_id}-retry{n}").into(), format!("{transfer_id}-retry{n}")),
+        };
+        let route = match (choose_route(&ctx, &step8, &prompt, &failed_prefill).await, prefill_error.take()) {
+            (Ok(route), _) => route,
+            // No other P to retry on: the client gets the failure of the one it had.
+            (Err(_), Some(failed)) => return failed.into_response(),
+            (Err(e), None) => {
+                return error_response(StatusCode::SERVICE_UNAVAILABLE, "service_unavailable", e.to_string())
+            }
+        };
+        if !failed_prefill.is_empty() {
+            pdflow_observability::metrics::global().count_prefill_retry();
+        }
+        let traceparent = record_trace_context(&step8, &headers, &route);
+        let upstream = Upstream {
+            route_done: RouteDoneGuard::new(ctx.proxy.clone(), route.done()),
+            headers: upstream_headers(&headers, &upstream_id, &traceparent),
+            ctx: ctx.clone(),
+            api,
+            route,
+            request_id: upstream_id,
+            transfer_id: transfer_id.into(),
+            traceparent,
+        };
+        // D alone (a short prompt, or one D holds most of): no P, no transfer.
+        let mut p_task = upstream.route.disaggregate.then(|| upstream.dispatch_prefill(&request));
+        match upstream.dispatch_decode(request.clone(), &mut p_task).await {
+            Ok(d_resp) => {
+                drop(step8);
+                return upstream.relay_response(d_resp, p_task).await;
+            }
+            // P failed before D answered, so nothing reached the client: once more on another P.
+            Err(e)
+                if e.is_prefill_failure()
+                    && failed_prefill.len() < MAX_PREFILL_RETRIES
+                    && upstream.route.disaggregate =>
+            {
+                tracing::warn!(request_id = %request_id, prefill = %upstream.route.prefill_url, error = %e,
+                    "prefill failed before any token reached the client: retrying on another P");
+                failed_prefill.push(upstream.route.prefill_index);
+                prefill_error = Some(e);
+            }
+            Err(e) => return e.into_response(),
+        }
+    }
 }
 
 /// Why a client's body was refused at step 8 (a 400), before P or D saw it.
@@ -309,11 +344,16 @@ fn parse_request(
 
 /// Step 8: P and D chosen by the Proxy actor; `Err` says why not (a 503: the actor is stopping,
 /// not ready, or did not answer).
-async fn choose_route(ctx: &FlowContext, step8: &tracing::Span, prompt: &PromptKey) -> Result<RouteDecision, NoRoute> {
+async fn choose_route(
+    ctx: &FlowContext,
+    step8: &tracing::Span,
+    prompt: &PromptKey,
+    exclude_prefill: &[usize],
+) -> Result<RouteDecision, NoRoute> {
     let Some(proxy) = Some(ctx.proxy.clone()).filter(|p| p.is_alive()) else {
         return Err(NoRoute::Stopping);
     };
-    let error = match route(ctx, &proxy, prompt).instrument(step8.clone()).await {
+    let error = match route(ctx, &proxy, prompt, exclude_prefill).instrument(step8.clone()).await {
         Ok(Ok(route)) => {
             step8.record(attrs::ROUTE, describe_route(&route).as_str());
             return Ok(route);

@@ -22,7 +22,8 @@
 //!   `service` is the server's (`proxy`, `bootstrap`, `engine`);
 //! - `pdflow_proxy_routes_total{pool,policy,choice}` and `pdflow_proxy_matched_chunks_total{pool}`
 //!   — the proxy's routing decisions (`round_robin`, `least_loaded`, `cache_hit`) and the prompt
-//!   chunks its cache hits matched;
+//!   chunks its cache hits matched; `pdflow_proxy_prefill_retries_total` — requests retried on
+//!   another P;
 //! - `pdflow_pulls_in_flight{service,side}` — D: pulls sent (step 21) not yet settled (step 34);
 //!   P: pulls received (step 22) not yet answered (step 30);
 //! - gauges registered with [`Metrics::register_gauge`], read at scrape time, and per-endpoint
@@ -153,6 +154,8 @@ struct State {
     /// cache hits matched, by pool.
     routes: BTreeMap<(&'static str, &'static str, &'static str), u64>,
     matched_chunks: BTreeMap<&'static str, u64>,
+    /// Requests the proxy sent to another P after theirs failed before D answered.
+    prefill_retries: u64,
 }
 
 /// The registry: one per process ([`global`]); tests make their own with [`Metrics::new`].
@@ -220,6 +223,11 @@ impl Metrics {
         let mut st = self.lock();
         *st.routes.entry((pool, policy, choice)).or_default() += 1;
         *st.matched_chunks.entry(pool).or_default() += matched_chunks;
+    }
+
+    /// The proxy retried a request on another P.
+    pub fn count_prefill_retry(&self) {
+        self.lock().prefill_retries += 1;
     }
 
     /// A step span opened: remember when a pull starts (steps 21 and 22).
@@ -396,7 +404,7 @@ fn auth_family(st: &State) -> Family {
 }
 
 /// `pdflow_http_connections_closed_total`: connections HTTP servers closed on their own.
-fn routes_families(st: &State) -> [Family; 2] {
+fn routes_families(st: &State) -> [Family; 3] {
     let mut routes = Family::new(
         "pdflow_proxy_routes_total",
         "The proxy's routing decisions, by pool (prefill, decode), policy and choice (round_robin, least_loaded, cache_hit).",
@@ -415,7 +423,13 @@ fn routes_families(st: &State) -> [Family; 2] {
     for (pool, count) in &st.matched_chunks {
         matched.sample(vec![("pool", (*pool).to_owned())], *count as f64);
     }
-    [routes, matched]
+    let mut retries = Family::new(
+        "pdflow_proxy_prefill_retries_total",
+        "Requests the proxy sent to another P because theirs failed before D answered (no token had reached the client).",
+        Kind::Counter,
+    );
+    retries.sample(Vec::new(), st.prefill_retries as f64);
+    [routes, matched, retries]
 }
 
 fn http_closes_family(st: &State) -> Family {

@@ -153,3 +153,53 @@ async fn d_alone_serves_short_prompts_and_prompts_it_holds() {
         engine.assert_blocks_at_baseline(&client, "after D served alone").await;
     }
 }
+
+/// A P that dies before it answered (its process killed at its prefill forward, step 15) costs
+/// the client nothing: the proxy sends the request to the other P, and every answer, before and
+/// after the health checks eject the dead P, equals one engine's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_whose_p_dies_before_answering_is_retried_on_another_p() {
+    let client = http_client();
+    let engine = |role: &'static str| vec!["serve", "--role", role, "--kv-shape", SHAPE, "--num-blocks", "256"];
+    let mut p_args = engine("producer");
+    p_args.extend(["--bootstrap-port", "0"]);
+    let plan = r#"{"faults": [{"step": 15, "fault": "kill_node", "node": "p"}]}"#;
+    let dying = Proc::spawn("producer", &p_args, &[("PDFLOW_FAULT_PLAN", plan)]).await.expect("P starts");
+    let p = Proc::spawn("producer", &p_args, &[]).await.expect("P starts");
+    let d = Proc::spawn("consumer", &engine("consumer"), &[]).await.expect("D starts");
+    let port =
+        |p: &Proc| p.ready["bootstrap_addr"].as_str().and_then(|a| a.rsplit(':').next()).unwrap_or_default().to_owned();
+    let (dying_port, p_port) = (port(&dying), port(&p));
+    let args = [
+        "proxy",
+        "--port",
+        "0",
+        "--prefill",
+        &dying.url(),
+        &dying_port,
+        "--prefill",
+        &p.url(),
+        &p_port,
+        "--decode",
+        &d.url(),
+    ];
+    let proxy = Proc::spawn("proxy", &args, &[]).await.expect("the proxy starts");
+    pdflow_tests::wait_healthy(&client, &proxy.url(), Duration::from_secs(10)).await.expect("the proxy is ready");
+    let url = format!("{}/v1/completions", proxy.url());
+    for seed in 0..6 {
+        let body = completion(&prompt(60, 500 + seed), 4);
+        let (status, answer) = post(&client, &url, &body).await.expect("the proxy answers");
+        assert_eq!(status, 200, "request {seed}: {answer}");
+        assert_eq!(token_ids(&answer), token_ids(&reference(SMALL, &body).await.expect("reference")));
+    }
+    let text =
+        client.get(format!("{}/metrics", proxy.url())).send().await.expect("metrics").text().await.expect("text");
+    let retries = text
+        .lines()
+        .find_map(|l| l.strip_prefix("pdflow_proxy_prefill_retries_total "))
+        .and_then(|v| v.trim().parse::<f64>().ok());
+    assert!(retries.is_some_and(|n| n >= 1.0), "the request P died under was retried: {retries:?}");
+    for engine in [&p, &d] {
+        engine.assert_blocks_at_baseline(&client, "after the retry").await;
+    }
+}

@@ -35,6 +35,17 @@ pub enum UpstreamError {
 }
 
 impl UpstreamError {
+    /// P failed for a reason another P may not have (unreachable, no answer in time, a 5xx, its
+    /// task died); a 4xx is the request's own fault.
+    pub(super) fn is_prefill_failure(&self) -> bool {
+        match self {
+            UpstreamError::Status { role, status, .. } => *role == "prefill" && *status >= 500,
+            UpstreamError::Connect { role, .. }
+            | UpstreamError::Timeout { role, .. }
+            | UpstreamError::Internal { role, .. } => *role == "prefill",
+        }
+    }
+
     pub(super) fn into_response(self) -> Response {
         let (status, kind) = match &self {
             UpstreamError::Status { status, .. } if (400..500).contains(status) => {
