@@ -26,6 +26,23 @@ pub struct ServeCmd {
     /// Tokens per step; below the prompt length this is chunked prefill.
     #[arg(long, default_value_t = 8192)]
     pub max_num_batched_tokens: usize,
+    /// Prefix caching as vLLM's (`--enable-prefix-caching`): a prompt's cached full blocks are
+    /// reused, freed blocks stay cached until evicted. Off by default here; dense models only.
+    #[arg(long)]
+    pub enable_prefix_caching: bool,
+    /// Publish KV events on a ZeroMQ PUB socket here (e.g. `tcp://*:5557`; a wildcard binds, any
+    /// other host is connected to), in vLLM's wire format. Needs --enable-prefix-caching.
+    #[arg(long, value_name = "ENDPOINT", conflicts_with = "kv_events_config")]
+    pub kv_events_endpoint: Option<String>,
+    /// vLLM's `--kv-events-config` JSON (`enable_kv_cache_events`, `publisher`, `endpoint`,
+    /// `replay_endpoint`, `buffer_steps`, `hwm`, `max_queue_size`, `topic`).
+    #[arg(long, value_name = "JSON")]
+    pub kv_events_config: Option<String>,
+    /// Make each step take as long as a GPU would: `h200` (Qwen3-8B on one H200, see
+    /// docs/simulated-engine.md) or `PREFILL_US_PER_TOKEN,DECODE_US_PER_STEP`. The engine sleeps
+    /// the difference, so that many engines share few cores. Off by default.
+    #[arg(long, value_name = "MODEL", value_parser = parse_forward_timing)]
+    pub forward_timing: Option<pdflow_sim_engine::ForwardTiming>,
     #[arg(long, default_value_t = 4096)]
     pub max_model_len: usize,
     /// Producer: register with this bootstrap instead of launching one (e.g. `http://127.0.0.1:8998`).
@@ -149,9 +166,13 @@ impl ServeCmd {
         if let Err(e) = tcp.set_tls(self.tls == OnOff::On) {
             errors.push(format!("--tls on: {e}"));
         }
-        if !errors.is_empty() {
-            return Err(errors);
+        let engine = self.engine_config().map_err(|e| errors.push(e)).ok();
+        if let Some(Err(e)) = engine.as_ref().map(EngineConfig::check) {
+            errors.push(e.to_string());
         }
+        let Some(engine) = engine.filter(|_| errors.is_empty()) else {
+            return Err(errors);
+        };
         let role = match self.role {
             RoleArg::Producer => KvRole::Producer,
             RoleArg::Consumer => KvRole::Consumer,
@@ -160,7 +181,7 @@ impl ServeCmd {
             role,
             host: self.host.clone(),
             port: self.port,
-            engine: self.engine_config(),
+            engine,
             bootstrap: self.bootstrap(role, env),
             deadlines: self.deadlines(env, flags),
             tcp,
@@ -246,8 +267,15 @@ impl ServeCmd {
     }
 
     /// The simulated engine's config.
-    fn engine_config(&self) -> EngineConfig {
-        EngineConfig {
+    fn engine_config(&self) -> Result<EngineConfig, String> {
+        let kv_events = match (&self.kv_events_endpoint, &self.kv_events_config) {
+            (Some(endpoint), _) => Some(pdflow_sim_engine::kv_events::KvEventsConfig::zmq(endpoint.clone(), None)),
+            (None, Some(json)) => {
+                Some(pdflow_sim_engine::kv_events::KvEventsConfig::from_json(json).map_err(|e| e.to_string())?)
+            }
+            (None, None) => None,
+        };
+        Ok(EngineConfig {
             engine_id: self.engine_id.clone().unwrap_or_else(|| uuid::Uuid::new_v4().to_string()),
             served_model_name: self.served_model_name.clone(),
             shape: self.kv_shape.kv,
@@ -260,8 +288,11 @@ impl ServeCmd {
                 PolicyArg::Fail => LoadFailurePolicy::Fail,
             },
             forward_cpu: self.forward_cpu,
+            enable_prefix_caching: self.enable_prefix_caching,
+            kv_events,
+            forward_timing: self.forward_timing,
             ..EngineConfig::default()
-        }
+        })
     }
 }
 
@@ -276,5 +307,25 @@ fn deadline_seconds(flag: &str, value: Option<f64>, errors: &mut Vec<String>) ->
         errors
             .push(format!("{flag} {v}: expected a number of seconds above 0 and at most {MAX_DEADLINE_S} (e.g. 2.5)"));
         None
+    }
+}
+
+/// `--forward-timing`: `h200`, or `PREFILL_US_PER_TOKEN,DECODE_US_PER_STEP` (microseconds).
+fn parse_forward_timing(s: &str) -> Result<pdflow_sim_engine::ForwardTiming, String> {
+    if s == "h200" {
+        return Ok(pdflow_sim_engine::ForwardTiming::H200_QWEN3_8B);
+    }
+    let us = |v: &str| {
+        v.trim()
+            .parse::<f64>()
+            .ok()
+            .filter(|x| x.is_finite() && *x >= 0.0 && *x <= 60e6)
+            .map(|x| Duration::from_secs_f64(x / 1e6))
+    };
+    match s.split_once(',').map(|(p, d)| (us(p), us(d))) {
+        Some((Some(prefill_per_token), Some(decode_per_step))) => {
+            Ok(pdflow_sim_engine::ForwardTiming { prefill_per_token, decode_per_step })
+        }
+        _ => Err(format!("`{s}`: expected `h200` or PREFILL_US_PER_TOKEN,DECODE_US_PER_STEP (e.g. 30,5000)")),
     }
 }

@@ -165,12 +165,14 @@ async fn blocks(State(engines): State<Engines>) -> Response {
         free: a.free + b.free,
         requests: a.requests + b.requests,
         finished: a.finished + b.finished,
+        cached: a.cached + b.cached,
     });
     Json(sum).into_response()
 }
 
 /// `/metrics`: the process's step metrics, plus each engine's blocks and requests (read now),
-/// labelled by engine id.
+/// labelled by engine id, and vLLM's prefix-cache and prompt-token counters
+/// ([`crate::cache_stats`]).
 async fn metrics(State(engines): State<Engines>) -> Response {
     use pdflow_observability::metrics::{self as m, Gauge, GaugeSample};
     let stats: Vec<(String, BlockStats)> =
@@ -197,7 +199,18 @@ async fn metrics(State(engines): State<Engines>) -> Response {
             s.finished as f64
         }),
     ];
-    ([(header::CONTENT_TYPE, m::CONTENT_TYPE)], m::global().render_with(&extra)).into_response()
+    let counters: Vec<crate::cache_stats::EngineCounters<'_>> = engines
+        .ranks
+        .iter()
+        .map(|h| crate::cache_stats::EngineCounters {
+            model_name: &h.config().served_model_name,
+            engine: h.config().data_parallel_rank,
+            stats: h.cache_stats(),
+        })
+        .collect();
+    let mut text = m::global().render_with(&extra);
+    text.push_str(&crate::cache_stats::render(&counters));
+    ([(header::CONTENT_TYPE, m::CONTENT_TYPE)], text).into_response()
 }
 
 /// What both endpoints ask of the engine, once parsed.

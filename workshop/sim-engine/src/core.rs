@@ -9,7 +9,9 @@
 //! finished layer is reported to the worker (vLLM's `save_kv_layer`), which streams it to D while
 //! later layers compute. The model may be sharded over ranks ([`Engine::start_ranked`]): one
 //! scheduler and block pool for all of them, one connector, each layer reported once by its global
-//! index.
+//! index. After each step the prefix cache's KV events go to the engine's publisher
+//! ([`crate::kv_events`]); with a timing model ([`crate::timing`]) the loop sleeps until the
+//! step's modelled end before applying its tokens.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -25,11 +27,15 @@ use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
+use super::cache_stats::CacheStats;
 use super::config::EngineConfig;
+use super::kv_events::publisher::PublisherEndpoints;
+use super::kv_events::{KvEventBatch, KvEventPublisher, KvEventsError};
 use super::model::{ForwardItem, Model};
 use super::ranks::{Rank, RanksError, ShardedModel};
 use super::request::{EngineError, EngineRequest, Request, RequestStream};
 use super::scheduler::{BlockStats, ForwardResult, Scheduler};
+use super::timing::ForwardTiming;
 use pdflow_connector::Connector;
 use pdflow_kv::memory::KvCache;
 
@@ -94,22 +100,39 @@ impl Engine {
         Ok(Self::spawn(config, model, connector))
     }
 
-    fn spawn(config: EngineConfig, model: ShardedModel, connector: Option<Connector>) -> EngineHandle {
+    fn spawn(mut config: EngineConfig, model: ShardedModel, connector: Option<Connector>) -> EngineHandle {
+        if let Err(e) = config.check() {
+            tracing::error!(engine_id = %config.engine_id, error = %e, "running without prefix caching and KV events");
+            config.enable_prefix_caching = false;
+            config.kv_events = None;
+        }
         let stats = Arc::new(Mutex::new(BlockStats::default()));
+        let cache_stats = Arc::new(Mutex::new(CacheStats::default()));
         let (commands, rx) = mpsc::unbounded_channel();
         let cancel = CancellationToken::new();
         let running = Arc::new(AtomicBool::new(false));
         let has_connector = connector.is_some();
-        let scheduler = Scheduler::new(config.clone(), connector, stats.clone());
+        let scheduler = Scheduler::new(config.clone(), connector, stats.clone(), cache_stats.clone());
         let model = Arc::new(model);
-        let forward_cpu = config.forward_cpu;
-        let task = tokio::spawn(run_loop(scheduler, rx, cancel.clone(), running.clone(), model.clone(), forward_cpu));
+        let publisher = config
+            .published_kv_events()
+            .map(|events| Arc::new(KvEventPublisher::spawn(events.clone(), config.data_parallel_rank)));
+        let engine = StepContext {
+            model: model.clone(),
+            forward_cpu: config.forward_cpu,
+            timing: config.forward_timing,
+            publisher: publisher.clone(),
+            data_parallel_rank: config.data_parallel_rank,
+        };
+        let task = tokio::spawn(run_loop(scheduler, rx, cancel.clone(), running.clone(), engine));
         EngineHandle {
             inner: Arc::new(Inner {
                 config,
                 model,
                 commands,
                 stats,
+                cache_stats,
+                publisher,
                 running,
                 cancel,
                 has_connector,
@@ -124,6 +147,8 @@ struct Inner {
     model: Arc<ShardedModel>,
     commands: mpsc::UnboundedSender<Command>,
     stats: Arc<Mutex<BlockStats>>,
+    cache_stats: Arc<Mutex<CacheStats>>,
+    publisher: Option<Arc<KvEventPublisher>>,
     running: Arc<AtomicBool>,
     cancel: CancellationToken,
     has_connector: bool,
@@ -209,6 +234,20 @@ impl EngineHandle {
     /// Block usage right now.
     pub fn block_stats(&self) -> BlockStats {
         *self.inner.stats.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The prefix-cache and prompt-token counters right now.
+    pub fn cache_stats(&self) -> CacheStats {
+        *self.inner.cache_stats.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Where the KV event publisher's sockets are, once bound (`None`: no events published), or
+    /// why they could not be set up.
+    pub async fn kv_events_endpoints(&self) -> Result<Option<PublisherEndpoints>, KvEventsError> {
+        match &self.inner.publisher {
+            Some(publisher) => publisher.ready().await.map(Some),
+            None => Ok(None),
+        }
     }
 
     pub fn config(&self) -> &EngineConfig {
@@ -301,13 +340,21 @@ async fn handle_command(scheduler: &mut Scheduler, cmd: Command) {
     }
 }
 
+/// What each step needs besides the scheduler.
+struct StepContext {
+    model: Arc<ShardedModel>,
+    forward_cpu: Option<usize>,
+    timing: Option<ForwardTiming>,
+    publisher: Option<Arc<KvEventPublisher>>,
+    data_parallel_rank: u32,
+}
+
 async fn run_loop(
     mut scheduler: Scheduler,
     mut commands: mpsc::UnboundedReceiver<Command>,
     cancel: CancellationToken,
     running: Arc<AtomicBool>,
-    model: Arc<ShardedModel>,
-    forward_cpu: Option<usize>,
+    engine: StepContext,
 ) {
     running.store(true, Ordering::Release);
     loop {
@@ -327,7 +374,8 @@ async fn run_loop(
             }
             continue;
         }
-        let did_forward = step(&mut scheduler, &model, forward_cpu).await;
+        let did_forward = step(&mut scheduler, &engine).await;
+        publish_kv_events(&mut scheduler, &engine);
         if !did_forward {
             let events = scheduler.connector().map(|c| c.worker.kv_events());
             let kv_event = async {
@@ -350,8 +398,20 @@ async fn run_loop(
     running.store(false, Ordering::Release);
 }
 
+/// The prefix cache's events of the step, as one batch (none when nothing changed).
+fn publish_kv_events(scheduler: &mut Scheduler, engine: &StepContext) {
+    let events = scheduler.take_kv_events();
+    let Some(publisher) = &engine.publisher else { return };
+    if events.is_empty() {
+        return;
+    }
+    let ts = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64());
+    publisher.publish(KvEventBatch { ts, events, data_parallel_rank: Some(engine.data_parallel_rank) });
+}
+
 /// One engine step; returns whether a forward ran.
-async fn step(scheduler: &mut Scheduler, model: &Arc<ShardedModel>, forward_cpu: Option<usize>) -> bool {
+async fn step(scheduler: &mut Scheduler, engine: &StepContext) -> bool {
+    let (model, forward_cpu) = (&engine.model, engine.forward_cpu);
     let scheduled = scheduler.schedule().await;
     let connector = scheduler.connector().cloned();
     // Layer-wise P: the step's prefills whose layers go to D as the forward finishes them.
@@ -369,6 +429,8 @@ async fn step(scheduler: &mut Scheduler, model: &Arc<ShardedModel>, forward_cpu:
     }
     let did_forward = !scheduled.is_empty();
     if did_forward {
+        let started = tokio::time::Instant::now();
+        let modelled = engine.timing.map(|t| scheduler.modelled_step(&t, &scheduled));
         let (work, spans) = scheduler.prepare_forward(&scheduled);
         let ids: Vec<(String, usize)> = work.iter().map(|(id, n, _)| (id.clone(), *n)).collect();
         let model = model.clone();
@@ -403,6 +465,10 @@ async fn step(scheduler: &mut Scheduler, model: &Arc<ShardedModel>, forward_cpu:
                 .collect::<Vec<_>>()
         })
         .await;
+        if let Some(modelled) = modelled {
+            // A GPU would still be at it: wait (asleep) for the step's modelled end.
+            tokio::time::sleep_until(started + modelled).await;
+        }
         drop(spans);
         let results = match joined {
             Ok(results) => results,

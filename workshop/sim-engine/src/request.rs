@@ -12,6 +12,8 @@ use pdflow_messages::scheduler_connector::{FinishStatus, SchedRequest};
 use pdflow_messages::BlockId;
 use tokio::sync::mpsc;
 
+use super::block_hash::BlockHash;
+use super::cache_stats::PromptSources;
 use super::core::Command;
 use super::model::ContextDigest;
 
@@ -156,6 +158,14 @@ pub(crate) struct Request {
     /// When the request entered the state in which it holds blocks for the connector
     /// (`WaitingForRemoteKvs`, `FinishedDelayFree`, `AbortedAwaitingRecv`): `kv_state_timeout`.
     pub held_since: Option<tokio::time::Instant>,
+    /// Prefix caching: the chained hashes of the full blocks of `all_token_ids` so far.
+    pub block_hashes: Vec<BlockHash>,
+    /// Prefix caching: how many of the leading blocks are in the prefix cache (hit or cached).
+    pub num_cached_blocks: usize,
+    /// Prefix caching: the blocks the local prefix cache supplied at admission.
+    pub hit_blocks: usize,
+    /// Where the prompt's tokens came from, until the prefill is done and counted.
+    pub prompt_sources: Option<PromptSources>,
     pub output_tx: mpsc::UnboundedSender<RequestOutput>,
 }
 
@@ -190,12 +200,22 @@ impl Request {
             first_token_pending: false,
             decode_span: None,
             held_since: None,
+            block_hashes: Vec::new(),
+            num_cached_blocks: 0,
+            hit_blocks: 0,
+            prompt_sources: None,
             output_tx,
         }
     }
 
     pub fn num_tokens(&self) -> usize {
         self.all_token_ids.len()
+    }
+
+    /// Extends `block_hashes` over the full blocks of `all_token_ids`.
+    pub fn update_block_hashes(&mut self, block_size: usize) {
+        let new = BlockHash::extend_chain(&self.block_hashes, &self.all_token_ids, block_size);
+        self.block_hashes.extend(new);
     }
 
     pub fn num_output_tokens(&self) -> usize {

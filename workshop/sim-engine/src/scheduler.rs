@@ -10,12 +10,14 @@
 //!
 //! Admission: a waiting request is admitted only when the free blocks cover every admitted
 //! request's worst case (`prompt + max_tokens`); vLLM preempts instead, which this engine never
-//! needs to.
+//! needs to. With prefix caching a request starts past its longest cached prefix (on D, the
+//! connector is then asked only for the rest), and every full block a step computes is cached.
 //!
 //! # Layout
 //! - this file — requests added, `schedule()`'s running pass, the forward's inputs and results,
 //!   finishes and aborts (steps 11/16, 23, 24, 41);
 //! - [`admission`] — the waiting queue's admission (steps 12, 17, 37, 38);
+//! - [`prefix`] — prefix-cache hits, caching computed blocks, the cache counters;
 //! - [`kv_output`] — the connector's output of each step (steps 33, 35–36, failed loads).
 
 use std::collections::{HashMap, HashSet, VecDeque};
@@ -28,7 +30,9 @@ use pdflow_observability::{attrs, steps};
 use tracing::Span;
 
 use super::block_pool::BlockPool;
+use super::cache_stats::CacheStats;
 use super::config::EngineConfig;
+use super::kv_events::KvEvent;
 use super::model::{ContextDigest, ForwardItem};
 use super::request::{EngineError, Request, Status};
 use pdflow_connector::Connector;
@@ -37,11 +41,16 @@ use pdflow_connector::Connector;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
 pub struct BlockStats {
     pub total: usize,
+    /// Blocks no request holds: a free block of the prefix cache counts (it is only evicted when
+    /// an allocation needs it), so `free == total` still means that no request holds a block.
     pub free: usize,
     /// Requests the scheduler still tracks (including finished ones awaiting a delayed free).
     pub requests: usize,
     /// Requests finished (any status) since the engine started.
     pub finished: u64,
+    /// Blocks in the prefix cache, held or free (0 without prefix caching).
+    #[serde(default)]
+    pub cached: usize,
 }
 
 /// Opens a step span for a request, with the engine id and traceparent recorded.
@@ -58,6 +67,7 @@ macro_rules! req_span {
 
 mod admission;
 mod kv_output;
+mod prefix;
 
 use admission::WaitingOutcome;
 
@@ -87,6 +97,9 @@ pub(crate) struct Scheduler {
     finished_recving_kv_req_ids: HashSet<String>,
     connector: Option<Connector>,
     stats: Arc<Mutex<BlockStats>>,
+    /// The prefix-cache and prompt-token counters, and where they are published.
+    cache_stats: CacheStats,
+    shared_cache_stats: Arc<Mutex<CacheStats>>,
     /// A request finished since the last `schedule()`: run one more step so the connector's
     /// metadata about it (`reqs_not_processed`, `reqs_to_abort`) reaches the workers, as vLLM does
     /// for `finished_req_ids`.
@@ -96,8 +109,14 @@ pub(crate) struct Scheduler {
 }
 
 impl Scheduler {
-    pub fn new(config: EngineConfig, connector: Option<Connector>, stats: Arc<Mutex<BlockStats>>) -> Self {
-        let pool = BlockPool::new(config.num_blocks);
+    pub fn new(
+        config: EngineConfig,
+        connector: Option<Connector>,
+        stats: Arc<Mutex<BlockStats>>,
+        shared_cache_stats: Arc<Mutex<CacheStats>>,
+    ) -> Self {
+        let events = config.published_kv_events().is_some();
+        let pool = BlockPool::with_caching(config.num_blocks, config.prefix_caching(), events);
         let s = Self {
             config,
             pool,
@@ -107,6 +126,8 @@ impl Scheduler {
             finished_recving_kv_req_ids: HashSet::new(),
             connector,
             stats,
+            cache_stats: CacheStats::default(),
+            shared_cache_stats,
             finished_since_schedule: false,
             finished_requests: 0,
         };
@@ -128,8 +149,18 @@ impl Scheduler {
             free: self.pool.num_free(),
             requests: self.requests.len(),
             finished: self.finished_requests,
+            cached: self.pool.num_cached(),
         };
         *self.stats.lock().unwrap_or_else(|e| e.into_inner()) = stats;
+    }
+
+    fn publish_cache_stats(&self) {
+        *self.shared_cache_stats.lock().unwrap_or_else(|e| e.into_inner()) = self.cache_stats;
+    }
+
+    /// The KV events of the prefix cache since the last call.
+    pub fn take_kv_events(&mut self) -> Vec<KvEvent> {
+        self.pool.take_events()
     }
 
     /// Seed steps 11 (P) and 16 (D): the request enters the waiting queue.
@@ -225,6 +256,7 @@ impl Scheduler {
             if num_new == 0 || !self.allocate_for(&id, computed + num_new) {
                 continue;
             }
+            self.cache_blocks(&id, computed + num_new);
             budget -= num_new;
             items.push(ScheduledItem { request_id: id, num_new_tokens: num_new });
         }
@@ -270,6 +302,22 @@ impl Scheduler {
                 })
             })
             .collect()
+    }
+
+    /// The modelled duration of this step's forward: its prompt tokens (a prefill chunk, D's
+    /// recomputed prompt token) and whether it decodes.
+    pub fn modelled_step(&self, timing: &crate::timing::ForwardTiming, items: &[ScheduledItem]) -> std::time::Duration {
+        let (mut prompt_tokens, mut decodes) = (0, 0);
+        for item in items {
+            let Some(r) = self.requests.get(&item.request_id) else { continue };
+            let start = r.num_computed_tokens;
+            let in_prompt = r.prompt_len.saturating_sub(start).min(item.num_new_tokens);
+            prompt_tokens += in_prompt;
+            if item.num_new_tokens > in_prompt {
+                decodes += 1;
+            }
+        }
+        timing.step(prompt_tokens, decodes)
     }
 
     /// The forward's inputs for this step, and the spans (15, 39) to hold around it.
@@ -324,6 +372,7 @@ impl Scheduler {
             }
             let token = match res.sampled {
                 Err(reason) => {
+                    self.uncache_own_blocks(&res.request_id);
                     let msg = format!("the forward pass failed: {reason}");
                     self.finish_request(&res.request_id, FinishStatus::Error, Vec::new(), Some(msg)).await;
                     continue;
@@ -338,6 +387,9 @@ impl Scheduler {
             r.num_computed_tokens += res.num_new_tokens;
             r.digest = res.digest;
             r.all_token_ids.push(token);
+            if r.num_output_tokens() == 1 {
+                self.record_prefill_done(&res.request_id);
+            }
             let Some(r) = self.requests.get(&res.request_id) else { continue };
             let finish = self.check_stop(r, token);
             let Some(r) = self.requests.get_mut(&res.request_id) else { continue };
@@ -410,7 +462,7 @@ impl Scheduler {
             r.held_since = Some(tokio::time::Instant::now());
             true
         } else {
-            self.pool.free(std::mem::take(&mut r.block_ids));
+            self.pool.free_request(std::mem::take(&mut r.block_ids));
             r.group_blocks.clear();
             false
         };

@@ -67,7 +67,13 @@ pub(crate) async fn wait_stats(handle: &EngineHandle, want: BlockStats) {
 
 fn baseline(handle: &EngineHandle) -> BlockStats {
     let c = handle.config();
-    BlockStats { total: c.num_blocks, free: c.num_blocks, requests: 0, finished: handle.block_stats().finished }
+    BlockStats {
+        total: c.num_blocks,
+        free: c.num_blocks,
+        requests: 0,
+        finished: handle.block_stats().finished,
+        ..BlockStats::default()
+    }
 }
 
 #[tokio::test]

@@ -22,18 +22,18 @@ use pdflow_connector::{Connector, ConnectorError, SchedulerConnectorPort, Worker
 use pdflow_kv::memory::KvShape;
 
 #[derive(Default)]
-struct SchedState {
+pub(crate) struct SchedState {
     reqs_need_send: BTreeMap<RequestId, (TransferId, GroupBlocks)>,
     reqs_need_recv: BTreeMap<EngineId, BTreeMap<RequestId, PullMeta>>,
     reqs_not_processed: BTreeSet<TransferId>,
     reqs_to_abort: BTreeSet<RequestId>,
     /// (request id, num_external_tokens, blocks) of every `update_state_after_alloc`.
-    allocs: Vec<(RequestId, usize, usize)>,
+    pub(crate) allocs: Vec<(RequestId, usize, usize)>,
     finished: Vec<(RequestId, FinishStatus)>,
 }
 
 #[derive(Default)]
-struct TestScheduler(Mutex<SchedState>);
+pub(crate) struct TestScheduler(pub(crate) Mutex<SchedState>);
 
 impl SchedulerConnectorPort for TestScheduler {
     fn get_num_new_matched_tokens(
@@ -115,14 +115,14 @@ impl SchedulerConnectorPort for TestScheduler {
     }
 }
 
-struct TestWorker {
+pub(crate) struct TestWorker {
     metas: mpsc::UnboundedSender<ConnectorMetadata>,
     pending: Mutex<ConnectorOutput>,
     events: Arc<Notify>,
 }
 
 impl TestWorker {
-    fn report(&self, out: ConnectorOutput) {
+    pub(crate) fn report(&self, out: ConnectorOutput) {
         self.pending.lock().expect("lock").merge(out);
         self.events.notify_one();
     }
@@ -145,14 +145,14 @@ impl WorkerConnectorPort for TestWorker {
     fn save_kv_layer(&self, _: usize, _: &BTreeMap<RequestId, LayerSave>) {}
 }
 
-struct Side {
-    engine: EngineHandle,
-    sched: Arc<TestScheduler>,
-    worker: Arc<TestWorker>,
+pub(crate) struct Side {
+    pub(crate) engine: EngineHandle,
+    pub(crate) sched: Arc<TestScheduler>,
+    pub(crate) worker: Arc<TestWorker>,
     metas: mpsc::UnboundedReceiver<ConnectorMetadata>,
 }
 
-fn side(config: EngineConfig) -> Side {
+pub(crate) fn side(config: EngineConfig) -> Side {
     side_with(|connector| start(config, Some(connector)))
 }
 
@@ -175,7 +175,7 @@ fn side_with(start: impl FnOnce(Connector) -> EngineHandle) -> Side {
 
 impl Side {
     /// The first metadata `pick` accepts (bounded wait).
-    async fn meta<T>(&mut self, mut pick: impl FnMut(&ConnectorMetadata) -> Option<T>) -> T {
+    pub(crate) async fn meta<T>(&mut self, mut pick: impl FnMut(&ConnectorMetadata) -> Option<T>) -> T {
         loop {
             let meta = tokio::time::timeout(DEADLINE, self.metas.recv())
                 .await
@@ -186,20 +186,26 @@ impl Side {
             }
         }
     }
-    fn baseline(&self) -> BlockStats {
+    pub(crate) fn baseline(&self) -> BlockStats {
         let n = self.engine.config().num_blocks;
-        BlockStats { total: n, free: n, requests: 0, finished: self.engine.block_stats().finished }
+        BlockStats {
+            total: n,
+            free: n,
+            requests: 0,
+            finished: self.engine.block_stats().finished,
+            ..BlockStats::default()
+        }
     }
 }
 
-fn p_request(id: &str, prompt: Vec<u32>) -> EngineRequest {
+pub(crate) fn p_request(id: &str, prompt: Vec<u32>) -> EngineRequest {
     EngineRequest {
         kv_transfer_params: Some(KvTransferParams::for_prefill(format!("xfer-{id}"))),
         ..request(id, prompt, 1)
     }
 }
 
-fn d_request(id: &str, prompt: Vec<u32>, max_tokens: usize, p_engine: &str) -> EngineRequest {
+pub(crate) fn d_request(id: &str, prompt: Vec<u32>, max_tokens: usize, p_engine: &str) -> EngineRequest {
     let params = KvTransferParams::for_decode(format!("xfer-{id}"), "http://127.0.0.1:1", p_engine);
     EngineRequest { kv_transfer_params: Some(params), ..request(id, prompt, max_tokens) }
 }

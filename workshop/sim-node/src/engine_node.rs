@@ -172,6 +172,7 @@ impl EngineNode {
         register_actor(&cfg.faults, ActorKind::SchedulerConnector, role, Vec::new(), &connector);
         let mut engine_cfg = cfg.engine.clone();
         engine_cfg.kv_state_timeout.get_or_insert(kv_state_timeout(&cfg.deadlines));
+        engine_cfg.data_parallel_rank = cfg.dp_rank;
         let mut ports = ports;
         let worker_port: Arc<dyn WorkerConnectorPort> =
             if ports.len() == 1 { ports.remove(0).port } else { Arc::new(RankedPort::new(ports)) };
@@ -180,6 +181,11 @@ impl EngineNode {
             (1, None) => Engine::start(engine_cfg, kv_cache.clone(), Some(connector_ports)),
             _ => Engine::start_ranked(engine_cfg, topology.ranks.clone(), Some(connector_ports))?,
         };
+        if let Err(e) = engine.kv_events_endpoints().await {
+            engine.shutdown().await;
+            supervisor.kill();
+            return Err(e.into());
+        }
         let (http_addr, http_stop, http_task) =
             serve_http(&cfg.host, cfg.port, api::router(engine.clone()), cfg.tcp.peers()).await?;
         Ok(Self {

@@ -40,6 +40,9 @@ pub enum SimNodeError {
     /// A rank's process (its shared cache, its socket, its start).
     #[error(transparent)]
     RankProcess(#[from] RankProcessError),
+    /// The engine's KV event publisher could not bind its sockets.
+    #[error(transparent)]
+    KvEvents(#[from] pdflow_sim_engine::kv_events::KvEventsError),
 }
 
 impl From<RanksError> for SimNodeError {

@@ -1,9 +1,12 @@
 //! The waiting queue's admission, one waiting request at a time (the scheduler's second pass):
-//! D's resume once its KV has arrived (seed step 37), the worst-case block check, the connector's
-//! `get_num_new_matched_tokens`, D's blocks for a remote load (step 17), and the allocation that
-//! runs the request (step 12 on P with `update_state_after_alloc`, step 38 on a resumed D).
+//! D's resume once its KV has arrived (seed step 37), the worst-case block check, the local
+//! prefix-cache hit, the connector's `get_num_new_matched_tokens` (asked past the hit), D's blocks
+//! for a remote load (step 17: the hit's blocks, then new ones, only the new ones offered to the
+//! connector), and the allocation that runs the request (step 12 on P with
+//! `update_state_after_alloc`, step 38 on a resumed D).
 
 use pdflow_messages::scheduler_connector::{FinishStatus, GetNumNewMatchedTokens, UpdateStateAfterAlloc};
+use pdflow_messages::BlockId;
 use pdflow_observability::{attrs, steps};
 use tracing::Span;
 
@@ -47,10 +50,11 @@ impl Scheduler {
         if self.admission_blocked(id, blocked) {
             return WaitingOutcome::Blocked;
         }
-        if let Some(outcome) = self.match_external_tokens(id).await {
+        let hit = self.local_hit(id);
+        if let Some(outcome) = self.match_external_tokens(id, &hit).await {
             return outcome;
         }
-        self.allocate_and_run(id, budget, resumed).await
+        self.allocate_and_run(id, budget, resumed, &hit).await
     }
 
     /// Seed step 37 for a D waiting for remote KVs whose KV has arrived (finished_recving): waiting
@@ -68,9 +72,14 @@ impl Scheduler {
                 if r.num_computed_tokens == r.num_tokens() {
                     r.num_computed_tokens = r.num_tokens() - 1;
                 }
+                // The loaded blocks join the prefix cache now (vLLM delays them until the load is
+                // done); the block of the token recomputed below, when it is full, as that step's.
+                let computed = r.num_computed_tokens;
                 span.record(attrs::TOKENS, r.num_computed_tokens);
                 span.record(attrs::BLOCKS, r.block_ids.len());
                 r.first_token_pending = r.is_decode_role();
+                drop(span);
+                self.cache_blocks(id, computed);
                 Ok(true)
             }
             Status::Waiting => Ok(false),
@@ -85,23 +94,26 @@ impl Scheduler {
         !r.admitted && (blocked || self.pool.num_free() < self.reserved_blocks() + self.worst_blocks(r))
     }
 
-    /// The connector's `get_num_new_matched_tokens`, asked once per request: an asynchronous
-    /// remote load parks the request (step 17); `None` goes on to allocate and run it.
-    async fn match_external_tokens(&mut self, id: &str) -> Option<WaitingOutcome> {
+    /// The connector's `get_num_new_matched_tokens`, asked once per request with the tokens its
+    /// local `hit` covers: an asynchronous remote load parks the request (step 17); `None` goes
+    /// on to allocate and run it.
+    async fn match_external_tokens(&mut self, id: &str, hit: &[BlockId]) -> Option<WaitingOutcome> {
+        let bs = self.config.shape.block_size;
         let Some(r) = self.requests.get_mut(id) else { return Some(WaitingOutcome::Gone) };
         let conn = self.connector.clone()?;
         if r.connector_matched {
             return None;
         }
         r.connector_matched = true;
-        let asked = GetNumNewMatchedTokens { request: r.sched_request(), num_computed_tokens: r.num_computed_tokens };
+        let num_computed_tokens = r.num_computed_tokens.max(hit.len() * bs);
+        let asked = GetNumNewMatchedTokens { request: r.sched_request(), num_computed_tokens };
         match conn.scheduler.get_num_new_matched_tokens(asked).await {
             Err(e) => {
                 self.finish_request(id, FinishStatus::Error, Vec::new(), Some(format!("KV connector failed: {e}")))
                     .await;
                 Some(WaitingOutcome::Gone)
             }
-            Ok(m) if m.load_async && m.count > 0 => Some(self.wait_for_remote_kvs(id, m.count).await),
+            Ok(m) if m.load_async && m.count > 0 => Some(self.wait_for_remote_kvs(id, m.count, hit).await),
             Ok(m) if m.count > 0 => {
                 tracing::warn!(request_id = %id, count = m.count, "synchronous external KV loads are not simulated; prefilling locally");
                 None
@@ -113,12 +125,17 @@ impl Scheduler {
     /// Blocks for the next chunk within `budget`, the request admitted and running: step 12 on a
     /// P admitted now, step 38 on a D that resumed now; the connector told
     /// (`update_state_after_alloc`).
-    async fn allocate_and_run(&mut self, id: &str, budget: usize, resumed: bool) -> WaitingOutcome {
+    async fn allocate_and_run(&mut self, id: &str, budget: usize, resumed: bool, hit: &[BlockId]) -> WaitingOutcome {
         let Some(r) = self.requests.get(id) else { return WaitingOutcome::Gone };
-        let (computed, num_new) = (r.num_computed_tokens, (r.num_tokens() - r.num_computed_tokens).min(budget));
+        let computed = r.num_computed_tokens.max(hit.len() * self.config.shape.block_size);
+        let num_new = (r.num_tokens() - computed).min(budget);
         let was_admitted = r.admitted;
-        if !self.allocate_for(id, computed + num_new) {
+        if !self.allocate_behind_hit(id, hit, computed + num_new) {
             return WaitingOutcome::Blocked;
+        }
+        self.cache_blocks(id, computed + num_new);
+        if !was_admitted {
+            self.record_admission(id, 0);
         }
         let Some(r) = self.requests.get_mut(id) else { return WaitingOutcome::Gone };
         r.admitted = true;
@@ -159,26 +176,30 @@ impl Scheduler {
         WaitingOutcome::Scheduled(num_new)
     }
 
-    /// Seed step 17: blocks for the whole prompt, the pull registered, `WAITING_FOR_REMOTE_KVS`.
-    async fn wait_for_remote_kvs(&mut self, id: &str, count: usize) -> WaitingOutcome {
+    /// Seed step 17: blocks for the whole prompt (a local hit's, then new ones), the pull
+    /// registered for the new ones only, `WAITING_FOR_REMOTE_KVS`.
+    async fn wait_for_remote_kvs(&mut self, id: &str, count: usize, hit: &[BlockId]) -> WaitingOutcome {
         let Some(r) = self.requests.get(id) else { return WaitingOutcome::Gone };
-        let tokens = r.num_computed_tokens + count;
-        if !self.allocate_for(id, tokens) {
+        let tokens = r.num_computed_tokens.max(hit.len() * self.config.shape.block_size) + count;
+        if !self.allocate_behind_hit(id, hit, tokens) {
             if let Some(r) = self.requests.get_mut(id) {
                 r.connector_matched = false;
             }
             return WaitingOutcome::Blocked;
         }
+        self.record_admission(id, count);
         let Some(r) = self.requests.get_mut(id) else { return WaitingOutcome::Gone };
         r.admitted = true;
         let span = req_span!(steps::D_SCHEDULE_REMOTE, r, self.config.engine_id.as_str());
         span.record(attrs::BLOCKS, r.block_ids.len());
         span.record(attrs::TOKENS, count);
-        let msg = UpdateStateAfterAlloc {
-            request: r.sched_request(),
-            block_ids: r.connector_blocks(self.config.hybrid.is_some()),
-            num_external_tokens: count,
+        // The blocks the load fills: past the local hit (vLLM's `get_unhashed_block_ids`), in a
+        // list that ends where the prompt ends.
+        let block_ids = match self.config.hybrid {
+            Some(_) => r.connector_blocks(true),
+            None => r.block_ids.get(r.hit_blocks..).unwrap_or_default().to_vec().into(),
         };
+        let msg = UpdateStateAfterAlloc { request: r.sched_request(), block_ids, num_external_tokens: count };
         let Some(conn) = self.connector.clone() else { return WaitingOutcome::Gone };
         match conn.scheduler.update_state_after_alloc(msg).await {
             Ok(params) => {

@@ -55,7 +55,7 @@ impl Scheduler {
     fn release(&mut self, id: &str) -> usize {
         let Some(mut r) = self.requests.remove(id) else { return 0 };
         let n = r.block_ids.len();
-        self.pool.free(std::mem::take(&mut r.block_ids));
+        self.pool.free_request(std::mem::take(&mut r.block_ids));
         r.group_blocks.clear();
         n
     }
@@ -90,9 +90,14 @@ impl Scheduler {
                     r.status = Status::Waiting;
                     match self.config.kv_load_failure_policy {
                         LoadFailurePolicy::Recompute => {
-                            r.num_computed_tokens = 0;
+                            // What the local prefix cache supplied is still valid; the rest
+                            // is computed here after all.
+                            r.num_computed_tokens = r.hit_blocks * self.config.shape.block_size;
                             r.digest = ContextDigest::default();
                             r.first_token_pending = false;
+                            if let Some(sources) = r.prompt_sources.as_mut() {
+                                sources.external_kv_transfer = 0;
+                            }
                         }
                         LoadFailurePolicy::Fail => {
                             let msg = format!("loading the prompt's KV from the prefill engine failed ({reason}); kv_load_failure_policy is `fail`");
