@@ -117,6 +117,86 @@ pub struct ChaosArgs {
     /// (repeatable; e.g. `proxy/` for every proxy actor kill).
     #[arg(long, requires = "load")]
     pub exclude: Vec<String>,
+    /// N threads spinning on the CPU (normal priority, in this process) for the whole run, so the
+    /// cluster competes for the cores.
+    #[arg(long, default_value_t = 0)]
+    pub starve: usize,
+    /// `soak`: mixed load with random faults for a long time.
+    #[command(subcommand)]
+    pub sub: Option<ChaosCmd>,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum ChaosCmd {
+    /// Mixed load (streamed and not, varied prompts) through the proxy and 2P2D with random
+    /// faults for `--duration`; samples RSS and open fds; checks every request is accounted for,
+    /// blocks are back at baseline, memory is flat after the warm-up.
+    Soak(SoakArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct SoakArgs {
+    /// How long: `90s`, `30m`, `1h`.
+    #[arg(long, default_value = "1h")]
+    pub duration: String,
+    /// Un-faulted load first (default: a sixth of the duration, between 10 s and 5 min).
+    #[arg(long)]
+    pub warmup: Option<String>,
+    /// Requests in flight at once.
+    #[arg(long, default_value_t = 32)]
+    pub concurrency: usize,
+    /// Share of requests given a fault (0.01 = 1 %).
+    #[arg(long, default_value_t = 0.01)]
+    pub fault_rate: f64,
+    /// Seed of the prompts, the mix, and which requests are faulted and how.
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// D's kv_load_failure_policy.
+    #[arg(long, value_enum, default_value = "recompute")]
+    pub policy: PolicyArg,
+    /// How often RSS and open fds are read: `5s`.
+    #[arg(long, default_value = "5s")]
+    pub sample_every: String,
+    /// N threads spinning on the CPU for the whole soak.
+    #[arg(long, default_value_t = 0)]
+    pub starve: usize,
+    /// Leave out the faults whose label starts with this (repeatable).
+    #[arg(long)]
+    pub exclude: Vec<String>,
+    /// Write the report (with the RSS / fd series) to this file.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+}
+
+#[cfg(feature = "fault-injection")]
+impl SoakArgs {
+    /// The soak's options, every bad value reported.
+    pub fn to_options(&self) -> Result<pdflow_tools::chaos::soak::SoakOptions, Vec<String>> {
+        use pdflow_tools::chaos::soak::{parse_duration, SoakOptions};
+        let mut errors = Vec::new();
+        let mut duration = |flag: &str, v: &str| {
+            parse_duration(v).map_err(|e| errors.push(format!("--{flag}: {e}"))).unwrap_or(Duration::from_secs(1))
+        };
+        let opts = SoakOptions {
+            duration: duration("duration", &self.duration),
+            warmup: self.warmup.as_deref().map(|w| duration("warmup", w)),
+            sample_every: duration("sample-every", &self.sample_every),
+            concurrency: self.concurrency,
+            fault_rate: self.fault_rate,
+            seed: self.seed,
+            policy: match self.policy {
+                PolicyArg::Recompute => LoadFailurePolicy::Recompute,
+                PolicyArg::Fail => LoadFailurePolicy::Fail,
+            },
+            starve: self.starve,
+            exclude: self.exclude.clone(),
+            ..SoakOptions::default()
+        };
+        if !errors.is_empty() {
+            return Err(errors);
+        }
+        opts.validate().map(|()| opts)
+    }
 }
 
 #[cfg(feature = "fault-injection")]

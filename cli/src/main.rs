@@ -63,6 +63,12 @@ async fn run_chaos(_args: crate::cli::ChaosArgs) -> anyhow::Result<bool> {
 
 #[cfg(feature = "fault-injection")]
 async fn run_chaos(args: crate::cli::ChaosArgs) -> anyhow::Result<bool> {
+    if let Some(crate::cli::ChaosCmd::Soak(soak)) = &args.sub {
+        let opts =
+            soak.to_options().map_err(|e| anyhow::anyhow!("invalid chaos soak arguments:\n  {}", e.join("\n  ")))?;
+        return Ok(pdflow_tools::chaos::soak::run_cli(&opts, soak.json.as_deref()).await?);
+    }
+    let _starve = pdflow_tools::chaos::starve::Starvation::start(args.starve)?;
     if args.load {
         let opts = args
             .to_load_options()
@@ -73,11 +79,12 @@ async fn run_chaos(args: crate::cli::ChaosArgs) -> anyhow::Result<bool> {
     let opts = args.to_options();
     let bin = std::env::current_exe().context("locating the pdflow binary the network cells start")?;
     use pdflow_tools::chaos::Progress;
-    let report = pdflow_tools::chaos::run_selected(&opts, &layers, &bin, |p| match p {
+    let mut report = pdflow_tools::chaos::run_selected(&opts, &layers, &bin, |p| match p {
         Progress::Section(title) => println!("\npdflow chaos: {title}\n{}", pdflow_tools::chaos::render_header()),
         Progress::Cell { index, of, row } => println!("{}  [{index}/{of}]", pdflow_tools::chaos::render_row(row)),
     })
     .await?;
+    report.starve = args.starve;
     println!("\n{}", pdflow_tools::chaos::render_summary(&report));
     if let Some(path) = &args.json {
         let json = serde_json::to_string_pretty(&report).context("serialising the report")?;

@@ -76,6 +76,40 @@ fn chaos_load_flags_parse_and_need_load() {
 
 #[cfg(feature = "fault-injection")]
 #[test]
+fn chaos_soak_takes_durations_and_the_matrix_takes_starve() {
+    let cli = Cli::try_parse_from([
+        "pdflow",
+        "chaos",
+        "soak",
+        "--duration",
+        "30m",
+        "--sample-every",
+        "10s",
+        "--starve",
+        "2",
+        "--json",
+        "/tmp/s.json",
+    ])
+    .expect("parses");
+    let Command::Chaos(c) = cli.command else { panic!("not chaos") };
+    let Some(crate::cli::ChaosCmd::Soak(s)) = &c.sub else { panic!("not soak") };
+    let o = s.to_options().expect("valid");
+    assert_eq!((o.duration, o.sample_every, o.starve), (Duration::from_secs(1800), Duration::from_secs(10), 2));
+    assert_eq!(o.warmup(), Duration::from_secs(300), "a sixth of the duration, at most 5 minutes");
+    assert_eq!(s.json.as_deref(), Some(std::path::Path::new("/tmp/s.json")));
+    for bad in [&["--duration", "1d"][..], &["--duration", "0s"], &["--duration", "30s", "--sample-every", "10s"]] {
+        let cli = Cli::try_parse_from(["pdflow", "chaos", "soak"].iter().chain(bad)).expect("parses");
+        let Command::Chaos(c) = cli.command else { panic!("not chaos") };
+        let Some(crate::cli::ChaosCmd::Soak(s)) = &c.sub else { panic!("not soak") };
+        assert!(s.to_options().is_err(), "{bad:?} must be refused");
+    }
+    let cli = Cli::try_parse_from(["pdflow", "chaos", "--no-netns", "--starve", "2"]).expect("parses");
+    let Command::Chaos(c) = cli.command else { panic!("not chaos") };
+    assert_eq!((c.starve, c.sub.is_none()), (2, true));
+}
+
+#[cfg(feature = "fault-injection")]
+#[test]
 fn chaos_network_cells_are_in_the_full_run_only_alone_or_left_out() {
     use pdflow_tools::chaos::NetworkCells;
     let network = |args: &[&str]| {

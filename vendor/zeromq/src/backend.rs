@@ -132,8 +132,16 @@ impl GenericSocketBackend {
                     }
                 },
             };
-            let send_result = match self.peers.get_async(&next_peer_id).await {
-                Some(mut peer) => send_to_peer_queue(&mut peer.send_queue, message).await,
+            // pdflow patch: the peer's queue is taken out of the map before waiting on it; an
+            // entry held across that wait blocked every task that touched its bucket (a new
+            // connection, a disconnect), and with a full queue the whole runtime deadlocked.
+            let queue = self
+                .peers
+                .get_async(&next_peer_id)
+                .await
+                .map(|peer| peer.send_queue.clone());
+            let send_result = match queue {
+                Some(mut queue) => send_to_peer_queue(&mut queue, message).await,
                 None => continue,
             };
             return match send_result {
@@ -162,8 +170,14 @@ impl GenericSocketBackend {
             SendResolution::Miss(message) => message,
         };
 
-        let send_result = match self.peers.get_async(peer_id).await {
-            Some(mut peer) => send_to_peer_queue(&mut peer.send_queue, message).await,
+        // pdflow patch: as in `send_round_robin`, no map entry is held across the wait.
+        let queue = self
+            .peers
+            .get_async(peer_id)
+            .await
+            .map(|peer| peer.send_queue.clone());
+        let send_result = match queue {
+            Some(mut queue) => send_to_peer_queue(&mut queue, message).await,
             None => return Err(ZmqError::Other("Destination client not found by identity")),
         };
         match send_result {
@@ -228,6 +242,24 @@ impl GenericSocketBackend {
                 Err(error.into())
             }
             CachedSend::Miss(message) => Ok(SendResolution::Miss(message)),
+        }
+    }
+
+    /// pdflow patch: drops the ids of disconnected peers from the round-robin queue once it holds
+    /// more than twice the connected peers (SegQueue cannot remove an item). Only sends pop the
+    /// queue, and a ROUTER never sends round robin: before, each connection a ROUTER ever
+    /// accepted stayed in it (~70 bytes each, a connection per pull on P's side channel).
+    fn compact_round_robin(&self) {
+        let connected = self.peers.len();
+        if self.round_robin.len() <= connected * 2 + 16 {
+            return;
+        }
+        for _ in 0..self.round_robin.len() {
+            match self.round_robin.pop() {
+                Some(id) if self.peers.contains_sync(&id) => self.round_robin.push(id),
+                Some(_) => {}
+                None => break,
+            }
         }
     }
 
@@ -310,6 +342,7 @@ impl MultiPeerBackend for GenericSocketBackend {
             }
         });
         self.round_robin.push(peer_id.clone());
+        self.compact_round_robin();
         match &self.fair_queue_inner {
             None => {}
             Some(inner) => {

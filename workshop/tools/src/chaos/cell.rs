@@ -40,6 +40,10 @@ pub struct CellResult {
     /// Tokens returned (if any) equal the reference.
     pub correct: bool,
     pub terminal_ms: f64,
+    /// The deadline the terminal state had to meet, in ms.
+    pub deadline_ms: f64,
+    /// `terminal_ms / deadline_ms`: how much of its deadline the cell used.
+    pub ratio: f64,
     pub leaked_blocks_p: usize,
     pub leaked_blocks_d: usize,
     /// A next request was served correctly through P and D within the recovery window.
@@ -56,6 +60,14 @@ pub struct CellResult {
 }
 
 impl CellResult {
+    /// Records the time to terminal against the deadline it had to meet.
+    pub fn set_terminal(&mut self, took: Duration, deadline: Duration) {
+        self.terminal_ms = (took.as_secs_f64() * 1e6).round() / 1e3;
+        self.deadline_ms = (deadline.as_secs_f64() * 1e6).round() / 1e3;
+        self.ratio =
+            if deadline.is_zero() { 0.0 } else { (took.as_secs_f64() / deadline.as_secs_f64() * 1e4).round() / 1e4 };
+    }
+
     /// A cell's row before it ran: failed unclean until its run says otherwise.
     pub fn new(actor: &str, step: u8, fault: &str) -> Self {
         Self {
@@ -65,6 +77,8 @@ impl CellResult {
             outcome: Outcome::FailedUnclean,
             correct: false,
             terminal_ms: 0.0,
+            deadline_ms: 0.0,
+            ratio: 0.0,
             leaked_blocks_p: 0,
             leaked_blocks_d: 0,
             next_ok: false,
@@ -216,7 +230,7 @@ async fn drive(
         }
     };
     let terminal = started.elapsed();
-    result.terminal_ms = (terminal.as_secs_f64() * 1e6).round() / 1e3;
+    result.set_terminal(terminal, env.terminal_deadline);
     restart_killed(cluster, &mut problems).await;
     let answer = answer.unwrap_or_else(|e| Err(format!("request task failed: {e}")));
     judge(&answer, &want, || classify(env), result, &mut problems);

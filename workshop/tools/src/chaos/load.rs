@@ -27,7 +27,7 @@
 pub mod cluster;
 pub mod faults;
 pub mod report;
-mod verdict;
+pub(crate) mod verdict;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::{Arc, Mutex};
@@ -56,13 +56,13 @@ pub const PREFILLS: usize = 2;
 pub const DECODES: usize = 2;
 /// How long after the run the engines may take to get back to their block baseline, beyond the
 /// engine's own kv_state_timeout.
-const BASELINE_MARGIN: Duration = Duration::from_secs(3);
+pub(crate) const BASELINE_MARGIN: Duration = Duration::from_secs(3);
 /// The window in which, after the run, requests must go through every P and D again.
 const SERVING_WINDOW: Duration = Duration::from_secs(10);
 /// How long RSS is left to settle after the last check.
 const SETTLE: Duration = Duration::from_millis(500);
 /// At most this many bad requests are detailed in the report.
-const MAX_BAD: usize = 20;
+pub(crate) const MAX_BAD: usize = 20;
 
 /// What a load run does.
 #[derive(Debug, Clone)]
@@ -170,14 +170,14 @@ pub fn client_id(i: usize) -> String {
 
 /// Request ids whose D resumed from P's KV (step 37) / whose receive failed (step 34).
 #[derive(Debug, Default)]
-struct SpanLog {
+pub(crate) struct SpanLog {
     resumed: HashSet<String>,
     failed_recv: HashSet<String>,
 }
 
 impl SpanLog {
     /// Reads the capture's step spans into the log and forgets the closed ones.
-    fn drain(&mut self, capture: &SpanCapture) {
+    pub(crate) fn drain(&mut self, capture: &SpanCapture) {
         let spans = capture.spans();
         capture.clear();
         for s in spans {
@@ -190,7 +190,7 @@ impl SpanLog {
         }
     }
 
-    fn outcome(&self, request_id: &str) -> Outcome {
+    pub(crate) fn outcome(&self, request_id: &str) -> Outcome {
         if self.resumed.contains(request_id) && !self.failed_recv.contains(request_id) {
             Outcome::Completed
         } else {
@@ -200,7 +200,11 @@ impl SpanLog {
 }
 
 /// Drains the capture into a shared log every [`DRAIN_EVERY`] until cancelled.
-fn spawn_drain(capture: SpanCapture, log: Arc<Mutex<SpanLog>>, stop: CancellationToken) -> tokio::task::JoinHandle<()> {
+pub(crate) fn spawn_drain(
+    capture: SpanCapture,
+    log: Arc<Mutex<SpanLog>>,
+    stop: CancellationToken,
+) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
         loop {
             tokio::select! {
@@ -212,7 +216,7 @@ fn spawn_drain(capture: SpanCapture, log: Arc<Mutex<SpanLog>>, stop: Cancellatio
     })
 }
 
-async fn post(
+pub(crate) async fn post(
     client: &reqwest::Client,
     url: &str,
     id: &str,
@@ -232,13 +236,13 @@ async fn post(
 }
 
 /// The prompts of a run and their reference tokens (one engine alone, no connector).
-struct Prompts {
-    bodies: Vec<Value>,
-    want: Vec<Vec<u64>>,
+pub(crate) struct Prompts {
+    pub(crate) bodies: Vec<Value>,
+    pub(crate) want: Vec<Vec<u64>>,
 }
 
 impl Prompts {
-    async fn make(
+    pub(crate) async fn make(
         opts: &LoadOptions,
         rng: &mut SplitMix64,
         client: &reqwest::Client,
@@ -564,7 +568,7 @@ async fn drive(
 
 /// After the run: requests go through every P and every D again, correct and completed from P's
 /// KV (not recomputed), within [`SERVING_WINDOW`]; `Err` says what was still wrong.
-async fn serving_after(
+pub(crate) async fn serving_after(
     cluster: &LoadCluster,
     client: &reqwest::Client,
     url: &str,

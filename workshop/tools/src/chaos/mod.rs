@@ -11,6 +11,9 @@
 //! - [`cluster`] — the cluster of one cell; node kills and restarts.
 //! - [`cell`] — one cell's run and checks.
 //! - [`load`] — `--load`: many requests at once through 2P2D, a few of them faulted.
+//! - [`soak`] — `pdflow chaos soak`: mixed load with random faults for a long time; RSS and fds
+//!   sampled, every request accounted for.
+//! - [`starve`] — `--starve N`: busy threads competing with the cluster for the cores.
 //! - [`net`] — network cuts between P, D and the proxy as processes in their own network
 //!   namespaces (root only): part of the full run, or alone with `--netns`.
 
@@ -19,6 +22,8 @@ pub mod cluster;
 pub mod load;
 pub mod matrix;
 pub mod net;
+pub mod soak;
+pub mod starve;
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -78,6 +83,12 @@ pub enum ChaosError {
     NoBootstrap { engine_id: String },
     #[error("serialising the load report: {0}")]
     Report(#[source] serde_json::Error),
+    /// `--starve`: the spinning threads did not start.
+    #[error(transparent)]
+    Starve(#[from] starve::StarveError),
+    /// The soak's watchdog thread did not start.
+    #[error("starting the soak's watchdog thread: {0}")]
+    Watchdog(#[source] std::io::Error),
     #[error("writing {}: {source}", .path.display())]
     Write { path: std::path::PathBuf, source: std::io::Error },
 }
@@ -147,9 +158,23 @@ pub struct ChaosReport {
     pub wall_s: f64,
     /// Worst time to each terminal state, in ms.
     pub worst_terminal_ms: BTreeMap<String, f64>,
+    /// The cell that used the largest share of its deadline (`None`: no cell ran).
+    pub worst_ratio: Option<WorstCell>,
+    /// Threads spinning on the CPU during the run (`--starve`).
+    pub starve: usize,
     /// Why the network cells did not run, when a run that includes them could not (not root, no
     /// `ip netns`); `None` when they ran or were not asked for.
     pub network_skipped: Option<String>,
+}
+
+/// The cell whose time to terminal came closest to its deadline.
+#[derive(Debug, Clone, Serialize)]
+pub struct WorstCell {
+    /// `actor/step/fault`.
+    pub cell: String,
+    pub ratio: f64,
+    pub terminal_ms: f64,
+    pub deadline_ms: f64,
 }
 
 /// The spec every cell's cluster uses.
@@ -193,11 +218,20 @@ impl Reference {
     }
 }
 
-/// The deadline a cell's terminal state must meet: the longest legitimate wait (P's ready
-/// deadline, then D's pull deadline) plus the proxy's margin.
+/// The deadline a cell's terminal state must meet, from the rules of failure-semantics.md: the
+/// longest wait they allow a faulted request — P's ready deadline then D's pull deadline, or the
+/// engine backstop (max(send expiry, pull) + bootstrap + 2 s) for a request an actor's restart
+/// forgot — times [`TERMINAL_MARGIN`]. With the chaos deadlines: max(3.5 s, 5 s) × 1.5 = 7.5 s.
 pub fn terminal_deadline(spec: &ChaosSpec) -> Duration {
-    spec.deadlines.ready_timeout + spec.deadlines.pull_timeout + Duration::from_secs(4)
+    let d = &spec.deadlines;
+    let longest_wait = (d.ready_timeout + d.pull_timeout).max(pdflow_sim_node::engine_node::kv_state_timeout(d));
+    longest_wait.mul_f64(TERMINAL_MARGIN)
 }
+
+/// How far past the longest legitimate wait a terminal state may come: half of it again, for
+/// the recompute that follows and for a machine whose cores are busy (`--starve`). A cell ending
+/// at the longest wait uses two thirds of its deadline.
+pub const TERMINAL_MARGIN: f64 = 1.5;
 
 /// Runs the matrix; `progress` sees each result as it comes.
 pub async fn run(
@@ -290,7 +324,16 @@ pub fn report(cells: Vec<CellResult>, wall: Duration) -> ChaosReport {
         let w = worst.entry(key).or_insert(0.0);
         *w = w.max(c.terminal_ms);
     }
+    let worst_ratio =
+        cells.iter().filter(|c| c.deadline_ms > 0.0).max_by(|a, b| a.ratio.total_cmp(&b.ratio)).map(|c| WorstCell {
+            cell: format!("{}/{:02}/{}", c.actor, c.step, c.fault),
+            ratio: c.ratio,
+            terminal_ms: c.terminal_ms,
+            deadline_ms: c.deadline_ms,
+        });
     ChaosReport {
+        worst_ratio,
+        starve: 0,
         passed,
         failed: cells.len() - passed,
         missed: cells.iter().filter(|c| !c.hit).count(),
@@ -305,11 +348,12 @@ pub fn report(cells: Vec<CellResult>, wall: Duration) -> ChaosReport {
 pub fn render_row(c: &CellResult) -> String {
     let outcome = serde_json::to_value(c.outcome).ok().and_then(|v| v.as_str().map(str::to_string)).unwrap_or_default();
     format!(
-        "{:<40} {:<15} {:<7} {:>9.1} {:>6} {:>6} {:<5} {:<4} {}",
+        "{:<40} {:<15} {:<7} {:>9.1} {:>5.2} {:>6} {:>6} {:<5} {:<4} {}",
         format!("{}/{:02}/{}", c.actor, c.step, c.fault),
         outcome,
         c.correct,
         c.terminal_ms,
+        c.ratio,
         c.leaked_blocks_p,
         c.leaked_blocks_d,
         c.next_ok,
@@ -321,8 +365,8 @@ pub fn render_row(c: &CellResult) -> String {
 /// The table's header.
 pub fn render_header() -> String {
     format!(
-        "{:<40} {:<15} {:<7} {:>9} {:>6} {:>6} {:<5} {:<4} {}",
-        "cell (actor/step/fault)", "outcome", "correct", "term_ms", "leak_P", "leak_D", "next", "", "detail"
+        "{:<40} {:<15} {:<7} {:>9} {:>5} {:>6} {:>6} {:<5} {:<4} {}",
+        "cell (actor/step/fault)", "outcome", "correct", "term_ms", "ratio", "leak_P", "leak_D", "next", "", "detail"
     )
 }
 
@@ -337,6 +381,16 @@ pub fn render_summary(r: &ChaosReport) -> String {
     }
     for (state, ms) in &r.worst_terminal_ms {
         let _ = writeln!(s, "worst time to {state}: {ms:.1} ms");
+    }
+    if let Some(w) = &r.worst_ratio {
+        let _ = writeln!(
+            s,
+            "worst time / deadline: {:.3} ({:.1} of {:.0} ms), {}",
+            w.ratio, w.terminal_ms, w.deadline_ms, w.cell
+        );
+    }
+    if r.starve > 0 {
+        let _ = writeln!(s, "{} threads spun on the CPU throughout (--starve)", r.starve);
     }
     let recovery = r.cells.iter().map(|c| c.recovery_ms).fold(0.0, f64::max);
     let _ = writeln!(s, "worst time until the next request was served through P and D again: {recovery:.1} ms");
@@ -375,4 +429,16 @@ pub fn install_layers() -> ChaosLayers {
             layers
         })
         .clone()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_terminal_deadline_is_the_engine_backstop_with_half_again() {
+        let spec = chaos_spec(LoadFailurePolicy::Recompute);
+        assert_eq!(pdflow_sim_node::engine_node::kv_state_timeout(&spec.deadlines), Duration::from_secs(5));
+        assert_eq!(terminal_deadline(&spec), Duration::from_millis(7500));
+    }
 }

@@ -12,17 +12,17 @@ use crate::chaos::cell::{token_ids, truncate, Outcome};
 /// One request's answer as the client saw it, reduced at arrival to what the checks need (a
 /// run must not hold every response body: that would be the growth it measures).
 #[derive(Debug)]
-pub(super) struct Answer {
-    pub(super) request: usize,
-    pub(super) request_id: Option<String>,
+pub(crate) struct Answer {
+    pub(crate) request: usize,
+    pub(crate) request_id: Option<String>,
     /// `Ok(None)`: 200 with the reference's tokens; `Ok(Some(error))`: a clean error (non-200
     /// with an error body); `Err`: why it is neither.
-    pub(super) verdict: Result<Option<String>, Problem>,
-    pub(super) terminal: Duration,
+    pub(crate) verdict: Result<Option<String>, Problem>,
+    pub(crate) terminal: Duration,
 }
 
 /// Reduces a response to its verdict against the reference tokens `want`.
-pub(super) fn verdict(result: &Result<(u16, Value), String>, want: &[u64]) -> Result<Option<String>, Problem> {
+pub(crate) fn verdict(result: &Result<(u16, Value), String>, want: &[u64]) -> Result<Option<String>, Problem> {
     match result {
         Ok((200, v)) if v.get("error").is_none() => {
             let tokens = token_ids(v);
@@ -41,7 +41,7 @@ pub(super) fn verdict(result: &Result<(u16, Value), String>, want: &[u64]) -> Re
 
 /// Why a request is not clean and correct.
 #[derive(Debug, Clone)]
-pub(super) enum Problem {
+pub(crate) enum Problem {
     NoTerminal(String),
     ErrorInside(String),
     NoErrorBody(u16, String),
@@ -60,7 +60,7 @@ impl std::fmt::Display for Problem {
 }
 
 /// A request's outcome (as `cell.rs` classifies one) and, when it is not clean and correct, why.
-pub(super) fn classify<'a>(a: &'a Answer, log: &SpanLog) -> (Outcome, Option<&'a Problem>) {
+pub(crate) fn classify<'a>(a: &'a Answer, log: &SpanLog) -> (Outcome, Option<&'a Problem>) {
     match &a.verdict {
         Ok(None) => (a.request_id.as_deref().map_or(Outcome::Recomputed, |id| log.outcome(id)), None),
         Ok(Some(_)) => (Outcome::FailedClean, None),
@@ -68,6 +68,6 @@ pub(super) fn classify<'a>(a: &'a Answer, log: &SpanLog) -> (Outcome, Option<&'a
     }
 }
 
-pub(super) fn outcome_name(o: Outcome) -> String {
+pub(crate) fn outcome_name(o: Outcome) -> String {
     serde_json::to_value(o).ok().and_then(|v| v.as_str().map(str::to_string)).unwrap_or_default()
 }

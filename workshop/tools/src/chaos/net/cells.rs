@@ -317,7 +317,7 @@ impl Run<'_> {
     ) {
         let answer = request.await.unwrap_or_else(|e| Err(format!("request task failed: {e}")));
         let took = since.elapsed();
-        self.result.terminal_ms = ms(took);
+        self.result.set_terminal(took, bound);
         let d_failed = match (failures_before, c.failures(&c.d_url).await) {
             (Some(before), Some(after)) => after > before,
             _ => false,
