@@ -26,6 +26,15 @@ const ABORT_BOUND: Duration = Duration::from_secs(2);
 /// under load must not make the proxy open a connection per request).
 const MAX_IN_FLIGHT: usize = 256;
 
+/// One release's place under [`MAX_IN_FLIGHT`], given back on drop.
+struct InFlight(Arc<AtomicUsize>);
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
 /// The proxy's releases of P's blocks.
 #[derive(Clone)]
 pub(super) struct Releaser {
@@ -48,8 +57,9 @@ impl Releaser {
         }
         let this = self.clone();
         tokio::spawn(async move {
+            // Given back however the task ends (a panic in the look-up included).
+            let _slot = InFlight(this.in_flight.clone());
             this.run(msg).await;
-            this.in_flight.fetch_sub(1, Ordering::AcqRel);
         });
     }
 
