@@ -61,6 +61,14 @@ pub enum ActorError {
     /// The proxy was not ready within its ready timeout (`waiting_for`: what it still waited for).
     #[error("proxy not ready before its ready timeout; still waiting for: {}", waiting_for.join(", "))]
     NotReadyInTime { waiting_for: Vec<String> },
+    /// `--kv-events` names an engine that is in neither pool.
+    #[error(
+        "--kv-events names {url}, which is neither a --prefill nor a --decode engine (give the URL as given there)"
+    )]
+    KvEventsUnknownEngine { url: String },
+    /// An engine of a `kv_aware` pool has no KV events endpoint.
+    #[error("{pool} engine {url} has no KV events endpoint, which its pool's kv_aware policy needs: --kv-events {url}=tcp://HOST:PORT (the engine's --kv-events-config endpoint)")]
+    KvEventsMissing { pool: &'static str, url: String },
 }
 
 /// What went wrong with P's side-channel socket ([`ActorError::SideChannel`]).

@@ -9,11 +9,14 @@
 //!
 //! Until every P has an engine id and every D has answered `/health`, the proxy answers 503.
 //! After that, each request goes to one of the healthy P × dp ranks and one of the healthy D,
-//! each pool by its policy ([`routing`]: round robin, least loaded, cache aware); the poller keeps
+//! each pool by its policy ([`routing`]: round robin, least loaded, cache aware, KV aware — the
+//! last from the engines' KV events, which subscriber tasks the actor owns write into indexes
+//! it reads, [`kv_events`]); the poller keeps
 //! probing, re-queries a P's engine ids every [`REQUERY_EVERY`] rounds, after a P
 //! came back from being unhealthy, and after a failed prefill ([`PrefillFailed`]).
 
 pub mod flow;
+pub mod kv_events;
 mod poller;
 mod release;
 pub mod routing;
@@ -79,6 +82,30 @@ pub struct ProxyArgs {
     pub decode_policy: routing::Policy,
     /// When D serves a request alone, without P ([`routing::LocalPrefill`]).
     pub local_prefill: routing::LocalPrefill,
+    /// Where engines publish their KV events (`kv_aware`; every engine of a `kv_aware` pool
+    /// needs at least one).
+    pub kv_events: Vec<kv_events::KvEventSource>,
+}
+
+impl ProxyArgs {
+    /// A proxy of these pools on `bind`, with the defaults of `pdflow proxy`: health checked
+    /// every 500 ms, 120 s upstream deadline, no ready deadline, no secret, round robin, every
+    /// request through P.
+    pub fn new(bind: SocketAddr, prefill: Vec<PrefillTarget>, decode: Vec<String>) -> Self {
+        Self {
+            bind,
+            prefill,
+            decode,
+            health_interval: Duration::from_millis(500),
+            upstream_timeout: Duration::from_secs(120),
+            ready_timeout: None,
+            secret: None,
+            prefill_policy: routing::Policy::default(),
+            decode_policy: routing::Policy::default(),
+            local_prefill: routing::LocalPrefill::default(),
+            kv_events: Vec::new(),
+        }
+    }
 }
 
 #[derive(Debug)]
@@ -111,6 +138,8 @@ pub struct Proxy {
     releaser: release::Releaser,
     shutdown: CancellationToken,
     _poller: AbortOnDropHandle<()>,
+    /// The KV-event subscribers (`kv_aware`), stopped with the actor.
+    _kv_events: kv_events::KvEvents,
 }
 
 /// `url` without its trailing `/`, checked to be `http://host:port`, and its host (IPv6 hosts keep
@@ -150,6 +179,14 @@ impl Actor for Proxy {
             .build()
             .map_err(|source| ActorError::HttpClient { what: "the proxy's health-check client", source })?;
         let shutdown = CancellationToken::new();
+        let prefill_urls: Vec<String> = prefill.iter().map(|p| p.url.clone()).collect();
+        let decode_urls: Vec<String> = decode.iter().map(|d| d.url.clone()).collect();
+        let kv_events = kv_events::KvEvents::start(
+            &args.kv_events,
+            (&prefill_urls, args.prefill_policy),
+            (&decode_urls, args.decode_policy),
+            &shutdown,
+        )?;
 
         let (requery_tx, requery_rx) = mpsc::unbounded_channel();
         let releaser = release::Releaser::new(client.clone(), args.secret.clone());
@@ -176,13 +213,14 @@ impl Actor for Proxy {
             prefill,
             decode,
             ready: false,
-            prefill_picker: routing::Picker::new(args.prefill_policy),
-            decode_picker: routing::Picker::new(args.decode_policy),
+            prefill_picker: routing::Picker::new(args.prefill_policy).with_held(kv_events.prefill.clone()),
+            decode_picker: routing::Picker::new(args.decode_policy).with_held(kv_events.decode.clone()),
             local_prefill: args.local_prefill,
             requery_tx,
             releaser,
             shutdown,
             _poller: AbortOnDropHandle::new(poller),
+            _kv_events: kv_events,
         })
     }
 
@@ -263,6 +301,7 @@ impl Proxy {
         ] {
             let matched = match choice {
                 Choice::CacheHit { chunks } => chunks as u64,
+                Choice::KvHit { blocks, .. } => blocks as u64,
                 _ => 0,
             };
             metrics.count_route(pool, policy.name(), choice.label(), matched);

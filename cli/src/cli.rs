@@ -22,6 +22,7 @@ use pdflow_node::config::{Deadlines, VllmEnv, DEFAULT_BOOTSTRAP_PORT};
 use pdflow_sim_node::engine_node::{BootstrapPlacement, Parallel};
 use pdflow_sim_node::EngineNodeConfig;
 
+mod kv_events;
 mod limits;
 mod serve;
 pub use limits::LimitArgs;
@@ -494,7 +495,8 @@ pub struct ProxyCmd {
     pub health_interval_ms: u64,
     /// How P (and its data-parallel rank) is chosen for each request: round_robin, least_loaded
     /// (the fewest tokens in flight), cache_aware (the P the prompt's prefix was routed to,
-    /// unless it is far busier than the least loaded).
+    /// unless it is far busier than the least loaded), kv_aware (the P whose prefix cache holds
+    /// the prompt's prefix, from its KV events: --kv-events; text prompts as cache_aware).
     #[arg(long, default_value = "round_robin")]
     pub prefill_policy: String,
     /// How D is chosen for each request (the same policies).
@@ -504,10 +506,17 @@ pub struct ProxyCmd {
     /// (0: every request goes through P).
     #[arg(long, default_value_t = 0)]
     pub local_prefill_below: usize,
-    /// With `--decode-policy cache_aware`: D serves a prompt alone when the share of it already
-    /// routed to D is at least this (0–1, e.g. 0.8).
+    /// With `--decode-policy cache_aware` or `kv_aware`: D serves a prompt alone when the share
+    /// of it already routed to D (cache_aware), or held by D (kv_aware), is at least this (0–1,
+    /// e.g. 0.8).
     #[arg(long)]
     pub local_prefill_when_d_holds: Option<f64>,
+    /// Where an engine publishes its KV events, for `kv_aware`:
+    /// `ENGINE_URL=tcp://HOST:PORT[,replay=tcp://HOST:PORT][,topic=TOPIC]`, ENGINE_URL as given to
+    /// --prefill or --decode, the endpoints those of its --kv-events-config (repeat: one per
+    /// engine, or per data-parallel rank of one).
+    #[arg(long, value_name = "ENGINE_URL=ENDPOINT")]
+    pub kv_events: Vec<String>,
     #[command(flatten)]
     pub secret: SecretArgs,
     #[command(flatten)]
@@ -626,8 +635,13 @@ impl ProxyCmd {
                 errors.push(format!("--local-prefill-when-d-holds {share}: a share of the prompt, from 0 to 1"));
                 None
             }
-            Some(_) if decode_policy != pdflow_actors::proxy::routing::Policy::CacheAware => {
-                errors.push("--local-prefill-when-d-holds needs --decode-policy cache_aware (what D holds is known from the prompts routed to it)".into());
+            Some(_)
+                if !matches!(
+                    decode_policy,
+                    pdflow_actors::proxy::routing::Policy::CacheAware | pdflow_actors::proxy::routing::Policy::KvAware
+                ) =>
+            {
+                errors.push("--local-prefill-when-d-holds needs --decode-policy cache_aware or kv_aware (what D holds is known from the prompts routed to it, or its KV events)".into());
                 None
             }
             Some(share) => Some((share * 1000.0).round() as u32),
@@ -635,18 +649,20 @@ impl ProxyCmd {
         };
         let local_prefill =
             pdflow_actors::proxy::routing::LocalPrefill { below_tokens: self.local_prefill_below, d_holds_permille };
+        let decode: Vec<String> = self.decode.iter().map(|d| d.trim_end_matches('/').to_string()).collect();
+        let prefill_urls: Vec<String> = prefill.iter().map(|p| p.url.clone()).collect();
+        let kv_events =
+            kv_events::sources(&self.kv_events, (&prefill_urls, prefill_policy), (&decode, decode_policy), &mut errors);
         match bind {
             Some(bind) if errors.is_empty() => Ok(ProxyArgs {
-                bind,
-                prefill,
-                decode: self.decode.iter().map(|d| d.trim_end_matches('/').to_string()).collect(),
                 health_interval: Duration::from_millis(self.health_interval_ms.max(10)),
                 upstream_timeout: Duration::from_secs(self.upstream_timeout.max(1)),
-                ready_timeout: None,
                 secret,
                 prefill_policy,
                 decode_policy,
                 local_prefill,
+                kv_events,
+                ..ProxyArgs::new(bind, prefill, decode)
             }),
             _ => Err(errors),
         }

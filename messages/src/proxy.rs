@@ -5,6 +5,7 @@
 //! the flow of one request runs outside the actor and only asks it for a [`Route`].
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
@@ -28,12 +29,14 @@ pub struct Route {
 }
 
 /// What the routing policies know of a request's prompt: the chained hashes of its full chunks
-/// (two prompts that share a prefix share their leading hashes, as vLLM's block hashes do) and
-/// its length in (estimated) tokens.
+/// (two prompts that share a prefix share their leading hashes, as vLLM's block hashes do), its
+/// length in (estimated) tokens, and its token ids when the request gave them (`prompt` as a list
+/// of ids: what `kv_aware` matches against the engines' KV events; text is not tokenized).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct PromptKey {
     pub chunks: Vec<u64>,
     pub tokens: usize,
+    pub token_ids: Option<Arc<[u32]>>,
 }
 
 /// Why a pool's policy chose its engine (the proxy's step-8 span and `/metrics` say it).
@@ -45,8 +48,12 @@ pub enum Choice {
     /// The engine with the least work in flight.
     LeastLoaded,
     /// The engine that most likely holds the longest prefix of the prompt: its first `chunks`
-    /// chunks were routed to it before.
+    /// chunks were routed to it before (`cache_aware`, and `kv_aware` for a prompt given as text:
+    /// an approximation).
     CacheHit { chunks: usize },
+    /// The engine whose prefix cache holds the longest prefix of the prompt, as its KV events
+    /// said (`kv_aware`, a prompt of token ids): its first `blocks` blocks, `tokens` tokens.
+    KvHit { blocks: usize, tokens: usize },
     /// No P: D computes the prompt itself (it is short, or D already holds most of it).
     Skipped,
 }
@@ -58,6 +65,7 @@ impl Choice {
             Choice::RoundRobin => "round_robin",
             Choice::LeastLoaded => "least_loaded",
             Choice::CacheHit { .. } => "cache_hit",
+            Choice::KvHit { .. } => "kv_hit",
             Choice::Skipped => "skipped",
         }
     }

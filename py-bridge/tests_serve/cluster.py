@@ -257,12 +257,21 @@ class VllmServer(Process):
 class PdflowProxy(Process):
     """`pdflow proxy` with vLLM's proxy arguments; its ready line gives its address."""
 
-    def __init__(self, name: str, prefill: list[tuple[str, int]], decode: list[str], log_dir: Path, env: Optional[dict] = None):
+    def __init__(
+        self,
+        name: str,
+        prefill: list[tuple[str, int]],
+        decode: list[str],
+        log_dir: Path,
+        env: Optional[dict] = None,
+        extra_args: Optional[list[str]] = None,
+    ):
         argv = [str(pdflow_bin()), "proxy", "--port", "0"]
         for url, bootstrap_port in prefill:
             argv += ["--prefill", url, str(bootstrap_port)]
         for url in decode:
             argv += ["--decode", url]
+        argv += extra_args or []
         full_env = dict(os.environ)
         full_env.update(env or {})
         super().__init__(name, argv, full_env, log_dir)

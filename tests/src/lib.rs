@@ -223,23 +223,21 @@ impl Cluster {
             decode.push(EngineNode::start(node(KvRole::Consumer, o, BootstrapPlacement::None, i)).await?);
         }
         let proxy = ProxyNode::start(ProxyArgs {
-            bind: SocketAddr::from(([127, 0, 0, 1], 0)),
-            prefill: prefill
-                .iter()
-                .map(|p| PrefillTarget {
-                    url: p.url(),
-                    bootstrap_port: p.launched_bootstrap_addr().map(|a| a.port()).unwrap_or(0),
-                })
-                .collect(),
-            decode: decode.iter().map(|d| d.url()).collect(),
             health_interval: Duration::from_millis(25),
             upstream_timeout: Duration::from_secs(60),
-            ready_timeout: None,
             // The proxy's look-ups are signed with P's secret (a deployment gives all one).
             secret: spec.prefill.first().and_then(EngineOpts::cluster_secret),
-            prefill_policy: Default::default(),
-            decode_policy: Default::default(),
-            local_prefill: Default::default(),
+            ..ProxyArgs::new(
+                SocketAddr::from(([127, 0, 0, 1], 0)),
+                prefill
+                    .iter()
+                    .map(|p| PrefillTarget {
+                        url: p.url(),
+                        bootstrap_port: p.launched_bootstrap_addr().map(|a| a.port()).unwrap_or(0),
+                    })
+                    .collect(),
+                decode.iter().map(|d| d.url()).collect(),
+            )
         })
         .await?;
         let endpoint = |n: &EngineNode| EngineEndpoint {

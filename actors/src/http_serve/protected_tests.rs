@@ -21,16 +21,13 @@ const WAIT: Duration = Duration::from_secs(5);
 /// answer all the same).
 async fn proxy(any: IpAddr, peers: PeerFilter) -> (ActorRef<Proxy>, ProxyServer) {
     let args = ProxyArgs {
-        bind: SocketAddr::new(any, 0),
-        prefill: vec![PrefillTarget { url: "http://127.0.0.1:9".into(), bootstrap_port: 9 }],
-        decode: vec!["http://127.0.0.1:9".into()],
         health_interval: Duration::from_secs(1),
         upstream_timeout: WAIT,
-        ready_timeout: None,
-        secret: None,
-        prefill_policy: Default::default(),
-        decode_policy: Default::default(),
-        local_prefill: Default::default(),
+        ..ProxyArgs::new(
+            SocketAddr::new(any, 0),
+            vec![PrefillTarget { url: "http://127.0.0.1:9".into(), bootstrap_port: 9 }],
+            vec!["http://127.0.0.1:9".into()],
+        )
     };
     let (bind, upstream_timeout) = (args.bind, args.upstream_timeout);
     let actor = Proxy::spawn(args);

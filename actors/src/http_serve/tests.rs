@@ -36,16 +36,13 @@ fn loopback(last: u8) -> IpAddr {
 /// the same), its server held to `limits`.
 async fn proxy_with(limits: HttpLimits) -> (ActorRef<Proxy>, ProxyServer) {
     let args = ProxyArgs {
-        bind: "127.0.0.1:0".parse().expect("addr"),
-        prefill: vec![PrefillTarget { url: "http://127.0.0.1:9".into(), bootstrap_port: 9 }],
-        decode: vec!["http://127.0.0.1:9".into()],
         health_interval: Duration::from_secs(1),
         upstream_timeout: Duration::from_secs(5),
-        ready_timeout: None,
-        secret: None,
-        prefill_policy: Default::default(),
-        decode_policy: Default::default(),
-        local_prefill: Default::default(),
+        ..ProxyArgs::new(
+            "127.0.0.1:0".parse().expect("addr"),
+            vec![PrefillTarget { url: "http://127.0.0.1:9".into(), bootstrap_port: 9 }],
+            vec!["http://127.0.0.1:9".into()],
+        )
     };
     let (bind, upstream_timeout) = (args.bind, args.upstream_timeout);
     let actor = Proxy::spawn(args);

@@ -28,7 +28,7 @@
 //! - [`validate`] — the client's fields checked before P and D see them (step 8).
 
 mod ids;
-mod prompt_key;
+pub(crate) mod prompt_key;
 mod relay;
 mod route_done;
 mod upstream;
@@ -369,10 +369,12 @@ async fn choose_route(
     Err(error)
 }
 
-/// The routing decision as step 8's span records it: `prefill=cache_hit:12 decode=least_loaded`.
+/// The routing decision as step 8's span records it: `prefill=cache_hit:12 decode=least_loaded`
+/// (chunks matched; `kv_hit:N`: blocks the engine's KV events say it holds).
 fn describe_route(route: &RouteDecision) -> String {
     let one = |choice: Choice| match choice {
         Choice::CacheHit { chunks } => format!("{}:{chunks}", choice.label()),
+        Choice::KvHit { blocks, .. } => format!("{}:{blocks}", choice.label()),
         other => other.label().to_owned(),
     };
     format!("prefill={} decode={}", one(route.prefill_choice), one(route.decode_choice))

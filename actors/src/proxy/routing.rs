@@ -11,6 +11,13 @@
 //!   already carries far more work than the least loaded one (then the least loaded wins, so that
 //!   a hot prefix does not pile every request on one engine); no match at all: least loaded.
 //!   What the chosen engine computes is charged as its load: the prompt minus the matched prefix.
+//! - `kv_aware`: each candidate's real prefix cache, as its KV events said ([`HeldBlocks`], the
+//!   proxy's `kv_events`): the prompt's token ids cut in the engine's block size, and the
+//!   candidate holding the longest leading run of them wins, under `cache_aware`'s balance rule
+//!   ([`Choice::KvHit`]). A prefix routed to a candidate in the last seconds counts as held there
+//!   until its events can say so ([`pending`]): a burst sharing a new prefix follows the first.
+//!   A prompt given as text or a chat has no token ids here (the proxy runs
+//!   no tokenizer): for it, `kv_aware` is `cache_aware`'s approximation ([`Choice::CacheHit`]).
 //!
 //! [`LocalPrefill`] decides, before P is picked, whether D serves the request alone.
 //!
@@ -19,8 +26,14 @@
 use std::collections::{BTreeMap, HashMap};
 use std::hash::Hash;
 use std::str::FromStr;
+use std::sync::Arc;
+use std::time::Instant;
 
 use pdflow_messages::proxy::{Choice, PromptKey};
+
+use super::kv_events::{Held, PromptBlocks};
+
+mod pending;
 
 /// Chunk hashes remembered per engine (~4 M tokens at 16 tokens a chunk: more than an engine's
 /// KV cache holds, so the set forgets later than the engine does, and the balance rule covers
@@ -39,16 +52,18 @@ pub enum Policy {
     RoundRobin,
     LeastLoaded,
     CacheAware,
+    KvAware,
 }
 
 impl Policy {
-    pub const NAMES: &'static str = "round_robin, least_loaded, cache_aware";
+    pub const NAMES: &'static str = "round_robin, least_loaded, cache_aware, kv_aware";
 
     pub fn name(self) -> &'static str {
         match self {
             Policy::RoundRobin => "round_robin",
             Policy::LeastLoaded => "least_loaded",
             Policy::CacheAware => "cache_aware",
+            Policy::KvAware => "kv_aware",
         }
     }
 }
@@ -61,6 +76,7 @@ impl FromStr for Policy {
             "round_robin" => Ok(Policy::RoundRobin),
             "least_loaded" | "load_aware" => Ok(Policy::LeastLoaded),
             "cache_aware" => Ok(Policy::CacheAware),
+            "kv_aware" => Ok(Policy::KvAware),
             other => Err(format!("unknown routing policy `{other}`; known: {}", Policy::NAMES)),
         }
     }
@@ -74,8 +90,8 @@ impl FromStr for Policy {
 pub struct LocalPrefill {
     /// Prompts of fewer (estimated) tokens than this (0: none).
     pub below_tokens: usize,
-    /// With a cache-aware D pool: D's match covering at least this many thousandths of the
-    /// prompt's chunks (`None`: never).
+    /// With a cache-aware or KV-aware D pool: D's match covering at least this many thousandths
+    /// of the prompt's chunks, or (KV events) of its tokens (`None`: never).
     pub d_holds_permille: Option<u32>,
 }
 
@@ -94,6 +110,9 @@ impl LocalPrefill {
             (Some(share), Choice::CacheHit { chunks }) if !prompt.chunks.is_empty() => {
                 chunks * 1000 >= prompt.chunks.len() * share as usize
             }
+            (Some(share), Choice::KvHit { tokens, .. }) if prompt.tokens > 0 => {
+                tokens * 1000 >= prompt.tokens * share as usize
+            }
             _ => false,
         }
     }
@@ -106,6 +125,12 @@ pub struct Load {
     pub tokens: usize,
 }
 
+/// What each candidate's prefix cache holds, as its KV events said (`kv_aware`).
+pub trait HeldBlocks<K>: Send + Sync + std::fmt::Debug {
+    /// The leading blocks of `prompt` that `key` holds (none known: nothing).
+    fn held(&self, key: K, prompt: &mut PromptBlocks) -> Held;
+}
+
 /// One pool's picker: its policy, its turn, and per candidate its load and likely cache.
 #[derive(Debug)]
 pub struct Picker<K> {
@@ -114,6 +139,10 @@ pub struct Picker<K> {
     loads: HashMap<K, Load>,
     caches: HashMap<K, ChunkCache>,
     cache_chunks: usize,
+    /// `kv_aware`: what each candidate holds.
+    held: Option<Arc<dyn HeldBlocks<K>>>,
+    /// `kv_aware`: the prompts routed to each candidate that its events cannot show yet.
+    pending: HashMap<K, pending::Pending>,
 }
 
 impl<K: Copy + Eq + Hash> Picker<K> {
@@ -123,7 +152,22 @@ impl<K: Copy + Eq + Hash> Picker<K> {
 
     /// A picker whose per-engine caches remember `cache_chunks` chunk hashes.
     pub fn with_cache_chunks(policy: Policy, cache_chunks: usize) -> Self {
-        Self { policy, next: 0, loads: HashMap::new(), caches: HashMap::new(), cache_chunks }
+        Self {
+            policy,
+            next: 0,
+            loads: HashMap::new(),
+            caches: HashMap::new(),
+            cache_chunks,
+            held: None,
+            pending: HashMap::new(),
+        }
+    }
+
+    /// The picker, matching prompts against what `held` says each candidate holds (`kv_aware`;
+    /// without it, `kv_aware` is `cache_aware`).
+    pub fn with_held(mut self, held: Arc<dyn HeldBlocks<K>>) -> Self {
+        self.held = Some(held);
+        self
     }
 
     pub fn policy(&self) -> Policy {
@@ -136,22 +180,46 @@ impl<K: Copy + Eq + Hash> Picker<K> {
         let first = *candidates.first()?;
         let turn = self.next;
         self.next = self.next.wrapping_add(1);
+        // kv_aware: the tokens the chosen engine's events say it holds.
+        let mut held_by_events = None;
         let (chosen, choice) = match self.policy {
             Policy::RoundRobin => (candidates[turn % candidates.len()], Choice::RoundRobin),
             Policy::LeastLoaded => (self.least_loaded(candidates, turn).unwrap_or(first), Choice::LeastLoaded),
             Policy::CacheAware => self.cache_aware(candidates, prompt, turn).unwrap_or((first, Choice::LeastLoaded)),
+            Policy::KvAware => match (&prompt.token_ids, &self.held) {
+                (Some(ids), Some(held)) => {
+                    self.kv_aware(candidates, ids, &prompt.chunks, held.as_ref(), turn).map(|(k, choice, held)| {
+                        held_by_events = Some(held);
+                        (k, choice)
+                    })
+                }
+                // Text or a chat: no token ids to match, the routed prompts' approximation.
+                _ => self.cache_aware(candidates, prompt, turn),
+            }
+            .unwrap_or((first, Choice::LeastLoaded)),
         };
-        let matched = match choice {
-            Choice::CacheHit { chunks } => chunks,
-            _ => 0,
+        let tokens = match (choice, held_by_events) {
+            (Choice::CacheHit { chunks }, _) => {
+                prompt.tokens.saturating_sub(prompt.tokens * chunks / prompt.chunks.len().max(1))
+            }
+            // A prefix only routed there is still being computed (or queued): charged in full.
+            (_, Some(held)) => prompt.tokens.saturating_sub(held),
+            (Choice::KvHit { tokens, .. }, None) => prompt.tokens.saturating_sub(tokens),
+            _ => prompt.tokens,
         };
-        let tokens = prompt.tokens.saturating_sub(prompt.tokens * matched / prompt.chunks.len().max(1));
         let load = self.loads.entry(chosen).or_default();
         load.requests += 1;
         load.tokens += tokens;
-        if self.policy == Policy::CacheAware && !prompt.chunks.is_empty() {
+        let approximated = match self.policy {
+            Policy::CacheAware => true,
+            Policy::KvAware => prompt.token_ids.is_none(),
+            _ => false,
+        };
+        if approximated && !prompt.chunks.is_empty() {
             let cap = self.cache_chunks;
             self.caches.entry(chosen).or_insert_with(|| ChunkCache::new(cap)).insert(&prompt.chunks);
+        } else if self.policy == Policy::KvAware && !prompt.chunks.is_empty() {
+            self.pending.entry(chosen).or_default().insert(&prompt.chunks, Instant::now());
         }
         Some((chosen, choice, tokens))
     }
@@ -172,6 +240,7 @@ impl<K: Copy + Eq + Hash> Picker<K> {
     /// Forgets what `key` was thought to hold (the engine restarted or was removed).
     pub fn forget(&mut self, key: K) {
         self.caches.remove(&key);
+        self.pending.remove(&key);
     }
 
     /// The least loaded candidate; ties go to the one next in turn from `turn`.
@@ -191,10 +260,56 @@ impl<K: Copy + Eq + Hash> Picker<K> {
             .map(|k| (k, self.caches.get(&k).map_or(0, |c| c.matched(&prompt.chunks))))
             .max_by_key(|(_, matched)| *matched)
             .filter(|(_, matched)| *matched > 0);
-        let Some((best, chunks)) = best else { return Some((least, Choice::LeastLoaded)) };
+        Some(self.balanced(least, best.map(|(k, chunks)| (k, Choice::CacheHit { chunks }))))
+    }
+
+    /// The candidate holding the longest prefix of the prompt, by its KV events or, for the part
+    /// they cannot show yet, by what was routed to it in the last moments ([`pending`]); with the
+    /// tokens its events say it holds.
+    fn kv_aware(
+        &self,
+        candidates: &[K],
+        ids: &Arc<[u32]>,
+        chunks: &[u64],
+        held: &dyn HeldBlocks<K>,
+        turn: usize,
+    ) -> Option<(K, Choice, usize)> {
+        let least = self.least_loaded(candidates, turn)?;
+        let mut prompt = PromptBlocks::new(ids.clone());
+        let now = Instant::now();
+        // As vLLM, the prompt's last token is never a hit: it is computed for the first sample.
+        let most = ids.len().saturating_sub(1);
+        let n = candidates.len();
+        let scored: Vec<(K, Held, usize)> = (0..n)
+            .map(|i| candidates[(turn + i) % n])
+            .map(|k| {
+                let events = held.held(k, &mut prompt);
+                let routed = self.pending.get(&k).map_or(0, |p| p.matched(chunks, now));
+                let routed_tokens = (routed * super::flow::prompt_key::CHUNK_TOKENS).min(most);
+                let hit =
+                    if routed_tokens > events.tokens { Held { blocks: routed, tokens: routed_tokens } } else { events };
+                (k, hit, events.tokens)
+            })
+            .collect();
+        let best = scored.iter().max_by_key(|(_, h, _)| h.tokens).filter(|(_, h, _)| h.blocks > 0);
+        let (k, choice) =
+            self.balanced(least, best.map(|(k, h, _)| (*k, Choice::KvHit { blocks: h.blocks, tokens: h.tokens })));
+        let by_events = scored.iter().find(|(c, _, _)| *c == k).map_or(0, |(_, _, t)| *t);
+        Some((k, choice, if choice == Choice::LeastLoaded { 0 } else { by_events }))
+    }
+
+    /// The best match, unless its engine carries far more work than the least loaded one (then
+    /// the least loaded, so that a hot prefix does not pile every request on one engine); no
+    /// match: the least loaded.
+    fn balanced(&self, least: K, best: Option<(K, Choice)>) -> (K, Choice) {
+        let Some((best, choice)) = best else { return (least, Choice::LeastLoaded) };
         let (busy, idle) = (self.load(best).tokens, self.load(least).tokens);
         let overloaded = busy > idle + BALANCE_TOKENS && busy > idle.saturating_mul(BALANCE_RATIO);
-        Some(if overloaded { (least, Choice::LeastLoaded) } else { (best, Choice::CacheHit { chunks }) })
+        if overloaded {
+            (least, Choice::LeastLoaded)
+        } else {
+            (best, choice)
+        }
     }
 }
 
@@ -244,10 +359,11 @@ impl ChunkCache {
 
 #[cfg(test)]
 mod tests {
+    use super::super::kv_events::index::RankIndex;
     use super::*;
 
     fn key(chunks: &[u64]) -> PromptKey {
-        PromptKey { chunks: chunks.to_vec(), tokens: chunks.len() * 16 }
+        PromptKey { chunks: chunks.to_vec(), tokens: chunks.len() * 16, token_ids: None }
     }
 
     #[test]
@@ -287,11 +403,11 @@ mod tests {
     #[test]
     fn a_hot_prefix_spills_over_once_its_engine_is_far_busier() {
         let mut p = Picker::new(Policy::CacheAware);
-        let hot = PromptKey { chunks: vec![7, 8], tokens: 6000 };
+        let hot = PromptKey { chunks: vec![7, 8], tokens: 6000, token_ids: None };
         let (first, _, _) = p.pick(&[0, 1], &hot).expect("a pick");
         let mut spilled = false;
         for _ in 0..10 {
-            let long = PromptKey { chunks: vec![7, 8, 9], tokens: 9000 };
+            let long = PromptKey { chunks: vec![7, 8, 9], tokens: 9000, token_ids: None };
             let (k, choice, _) = p.pick(&[0, 1], &long).expect("a pick");
             if k != first {
                 assert_eq!(choice, Choice::LeastLoaded);
@@ -322,11 +438,86 @@ mod tests {
         assert!(on.applies(&key(&[1, 2, 3, 4, 5]), Choice::CacheHit { chunks: 4 }), "D holds 4 of 5");
     }
 
+    /// Candidates' caches as their KV events would fill them (block size 4).
+    #[derive(Debug)]
+    struct Caches(Vec<RankIndex>);
+
+    impl HeldBlocks<usize> for Caches {
+        fn held(&self, key: usize, prompt: &mut PromptBlocks) -> Held {
+            self.0.get(key).map(|index| index.matched(prompt)).unwrap_or_default()
+        }
+    }
+
+    fn holding(prefixes: &[&[u32]]) -> Arc<Caches> {
+        let indexes = prefixes
+            .iter()
+            .map(|tokens| {
+                let mut index = RankIndex::new(1024);
+                let blocks = tokens.len() / 4;
+                let hashes: Vec<u64> = (0..blocks as u64).map(|b| 1000 + b).collect();
+                index.store(0, &hashes, None, &tokens[..blocks * 4], 4).expect("stored");
+                index
+            })
+            .collect();
+        Arc::new(Caches(indexes))
+    }
+
+    fn ids(range: std::ops::Range<u32>) -> PromptKey {
+        let ids: Vec<u32> = range.collect();
+        let request = serde_json::json!({ "prompt": ids });
+        crate::proxy::flow::prompt_key::prompt_key(request.as_object().expect("an object"), false)
+    }
+
+    #[test]
+    fn kv_aware_follows_what_the_engines_hold_and_charges_the_rest() {
+        let held: Vec<u32> = (0..32).collect();
+        let mut p = Picker::new(Policy::KvAware).with_held(holding(&[&[], &held, &[7; 8]]));
+        let (k, choice, tokens) = p.pick(&[0, 1, 2], &ids(0..40)).expect("a pick");
+        assert_eq!((k, choice, tokens), (1, Choice::KvHit { blocks: 8, tokens: 32 }, 8));
+        // Still held, whatever was routed since: the events, not the routing, say so.
+        let (k, choice, _) = p.pick(&[0, 1, 2], &ids(0..12)).expect("a pick");
+        assert_eq!((k, choice), (1, Choice::KvHit { blocks: 2, tokens: 8 }), "the last token is never a hit");
+        let (k, choice, _) = p.pick(&[0, 1, 2], &ids(100..140)).expect("a pick");
+        assert!(k != 1 && choice == Choice::LeastLoaded, "no engine holds it: the least loaded ({k})");
+        // A prompt given as text: the routed prompts' approximation.
+        let (_, choice, _) = p.pick(&[0, 1, 2], &key(&[5, 6])).expect("a pick");
+        assert_eq!(choice, Choice::LeastLoaded);
+        let (_, choice, _) = p.pick(&[0, 1, 2], &key(&[5, 6, 9])).expect("a pick");
+        assert_eq!(choice, Choice::CacheHit { chunks: 2 });
+    }
+
+    #[test]
+    fn kv_aware_spills_a_hot_prefix_over_once_its_engine_is_far_busier() {
+        let held: Vec<u32> = (0..32).collect();
+        let mut p = Picker::new(Policy::KvAware).with_held(holding(&[&held, &[]]));
+        let picks: Vec<_> = (0..4).map(|_| p.pick(&[0, 1], &ids(0..6000)).expect("a pick")).collect();
+        assert!(picks.iter().any(|(k, c, _)| *k == 1 && *c == Choice::LeastLoaded), "{picks:?}");
+        assert_eq!(picks[0].1, Choice::KvHit { blocks: 8, tokens: 32 });
+    }
+
+    #[test]
+    fn kv_aware_sends_a_burst_sharing_a_new_prefix_where_the_first_went() {
+        let mut p = Picker::new(Policy::KvAware).with_held(holding(&[&[], &[]]));
+        let (first, choice, _) = p.pick(&[0, 1], &ids(0..64)).expect("a pick");
+        assert_eq!(choice, Choice::LeastLoaded, "no engine holds it yet");
+        let (k, choice, tokens) = p.pick(&[0, 1], &ids(0..80)).expect("a pick");
+        assert_eq!((k, choice), (first, Choice::KvHit { blocks: 4, tokens: 64 }), "it follows the first");
+        assert_eq!(tokens, 80, "charged in full: the engine's events do not show the prefix yet");
+    }
+
+    #[test]
+    fn d_alone_serves_a_prompt_its_kv_events_say_it_holds_most_of() {
+        let on = LocalPrefill { below_tokens: 0, d_holds_permille: Some(800) };
+        assert!(on.applies(&ids(0..100), Choice::KvHit { blocks: 5, tokens: 80 }));
+        assert!(!on.applies(&ids(0..100), Choice::KvHit { blocks: 4, tokens: 64 }));
+    }
+
     #[test]
     fn policies_parse_by_name() {
         assert_eq!("cache_aware".parse(), Ok(Policy::CacheAware));
         assert_eq!("load_aware".parse(), Ok(Policy::LeastLoaded));
         let err = "random".parse::<Policy>().expect_err("unknown");
-        assert!(err.contains("round_robin, least_loaded, cache_aware"), "{err}");
+        assert_eq!("kv_aware".parse(), Ok(Policy::KvAware));
+        assert!(err.contains("round_robin, least_loaded, cache_aware, kv_aware"), "{err}");
     }
 }

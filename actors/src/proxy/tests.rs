@@ -170,16 +170,9 @@ struct RunningProxy {
 
 async fn start_proxy(prefill: Vec<PrefillTarget>, decode: Vec<String>) -> (RunningProxy, String) {
     let args = ProxyArgs {
-        bind: "127.0.0.1:0".parse().expect("addr"),
-        prefill,
-        decode,
         health_interval: Duration::from_millis(20),
         upstream_timeout: Duration::from_secs(10),
-        ready_timeout: None,
-        secret: None,
-        prefill_policy: Default::default(),
-        decode_policy: Default::default(),
-        local_prefill: Default::default(),
+        ..ProxyArgs::new("127.0.0.1:0".parse().expect("addr"), prefill, decode)
     };
     let (bind, upstream_timeout) = (args.bind, args.upstream_timeout);
     let actor = Proxy::spawn(args);
@@ -492,17 +485,15 @@ async fn a_body_over_the_limit_is_413_naming_it() {
 async fn ready_timeout_stops_the_proxy_with_the_reason() {
     let d = stub("D", Mode::Completion).await;
     let proxy = Proxy::spawn(ProxyArgs {
-        bind: "127.0.0.1:0".parse().expect("addr"),
-        // Nothing listens on port 1: P never answers.
-        prefill: vec![PrefillTarget { url: "http://127.0.0.1:1".into(), bootstrap_port: 1 }],
-        decode: vec![d.url.clone()],
         health_interval: Duration::from_millis(20),
         upstream_timeout: Duration::from_secs(1),
         ready_timeout: Some(Duration::from_millis(100)),
-        secret: None,
-        prefill_policy: Default::default(),
-        decode_policy: Default::default(),
-        local_prefill: Default::default(),
+        ..ProxyArgs::new(
+            "127.0.0.1:0".parse().expect("addr"),
+            // Nothing listens on port 1: P never answers.
+            vec![PrefillTarget { url: "http://127.0.0.1:1".into(), bootstrap_port: 1 }],
+            vec![d.url.clone()],
+        )
     });
     tokio::time::timeout(WAIT, proxy.wait_for_shutdown()).await.expect("the proxy stops after its ready timeout");
 }

@@ -22,8 +22,9 @@
 //!   `service` is the server's (`proxy`, `bootstrap`, `engine`);
 //! - `pdflow_proxy_routes_total{pool,policy,choice}` and `pdflow_proxy_matched_chunks_total{pool}`
 //!   — the proxy's routing decisions (`round_robin`, `least_loaded`, `cache_hit`) and the prompt
-//!   chunks its cache hits matched; `pdflow_proxy_prefill_retries_total` — requests retried on
-//!   another P;
+//!   chunks (or, `kv_aware`, KV blocks) its cache hits matched; `pdflow_proxy_prefill_retries_total`
+//!   — requests retried on another P; `pdflow_proxy_kv_events_total{engine,outcome}` and
+//!   `pdflow_proxy_kv_stream_total{engine,event}` — the engines' KV events ([`kv_events`]);
 //! - `pdflow_pulls_in_flight{service,side}` — D: pulls sent (step 21) not yet settled (step 34);
 //!   P: pulls received (step 22) not yet answered (step 30);
 //! - gauges registered with [`Metrics::register_gauge`], read at scrape time, and per-endpoint
@@ -33,6 +34,7 @@
 //! `pdflow demo`, where every node shares one process, P's and D's series stay apart.
 
 mod expo;
+mod kv_events;
 mod layer;
 #[cfg(test)]
 mod tests;
@@ -43,6 +45,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 pub use expo::{parse_histogram, ParsedHistogram};
+pub use kv_events::KvStreamEvent;
 pub use layer::MetricsLayer;
 
 use crate::steps::{self, Side};
@@ -156,6 +159,8 @@ struct State {
     matched_chunks: BTreeMap<&'static str, u64>,
     /// Requests the proxy sent to another P after theirs failed before D answered.
     prefill_retries: u64,
+    /// The engines' KV events, as the proxy took them.
+    kv: kv_events::KvCounts,
 }
 
 /// The registry: one per process ([`global`]); tests make their own with [`Metrics::new`].
@@ -223,6 +228,17 @@ impl Metrics {
         let mut st = self.lock();
         *st.routes.entry((pool, policy, choice)).or_default() += 1;
         *st.matched_chunks.entry(pool).or_default() += matched_chunks;
+    }
+
+    /// The proxy applied `applied` of an engine's KV events to its index and ignored `ignored`
+    /// (`engine`: its URL as the proxy was given it).
+    pub fn count_kv_events(&self, engine: &str, applied: u64, ignored: u64) {
+        self.lock().kv.events(engine, applied, ignored);
+    }
+
+    /// Something happened to an engine's stream of KV-event batches.
+    pub fn count_kv_stream(&self, engine: &str, event: KvStreamEvent) {
+        self.lock().kv.stream(engine, event);
     }
 
     /// The proxy retried a request on another P.
@@ -326,6 +342,7 @@ impl Metrics {
             families.extend([failures_family(&st), writes_family(&st), group_bytes_family(&st)]);
             families.extend([pulls_family(&st), auth_family(&st), http_closes_family(&st)]);
             families.extend(routes_families(&st));
+            families.extend(st.kv.families());
             families
         };
         let registered: Vec<_> = self.gauges.lock().unwrap_or_else(|p| p.into_inner()).clone();
@@ -407,7 +424,7 @@ fn auth_family(st: &State) -> Family {
 fn routes_families(st: &State) -> [Family; 3] {
     let mut routes = Family::new(
         "pdflow_proxy_routes_total",
-        "The proxy's routing decisions, by pool (prefill, decode), policy and choice (round_robin, least_loaded, cache_hit).",
+        "The proxy's routing decisions, by pool (prefill, decode), policy and choice (round_robin, least_loaded, cache_hit, kv_hit, skipped).",
         Kind::Counter,
     );
     for ((pool, policy, choice), count) in &st.routes {
@@ -417,7 +434,7 @@ fn routes_families(st: &State) -> [Family; 3] {
     }
     let mut matched = Family::new(
         "pdflow_proxy_matched_chunks_total",
-        "Prompt chunks (about 16 tokens each) that cache-aware routing found already routed to the chosen engine, by pool.",
+        "Prompt chunks (about 16 tokens each) that cache-aware routing found already routed to the chosen engine, or KV blocks the chosen engine's KV events say it holds (kv_aware), by pool.",
         Kind::Counter,
     );
     for (pool, count) in &st.matched_chunks {

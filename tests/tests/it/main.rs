@@ -13,6 +13,7 @@ mod eos_first_token;
 mod gpu_kv_processes;
 mod hybrid;
 mod idle_connections;
+mod kv_aware;
 mod layerwise;
 mod p_failure;
 mod p_restart;

@@ -135,16 +135,13 @@ async fn proxy_to(e: &Endpoints, decode_url: &str) -> pdflow_actors::proxy::Prox
     let bootstrap = p.bootstrap_url.as_deref().expect("P launched its bootstrap");
     let bootstrap_port = bootstrap.rsplit(':').next().and_then(|port| port.parse().ok()).expect("a port");
     let args = ProxyArgs {
-        bind: "127.0.0.1:0".parse().expect("addr"),
-        prefill: vec![PrefillTarget { url: p.url.clone(), bootstrap_port }],
-        decode: vec![decode_url.to_owned()],
         health_interval: Duration::from_secs(60),
         upstream_timeout: Duration::from_secs(2),
-        ready_timeout: None,
-        secret: None,
-        prefill_policy: Default::default(),
-        decode_policy: Default::default(),
-        local_prefill: Default::default(),
+        ..ProxyArgs::new(
+            "127.0.0.1:0".parse().expect("addr"),
+            vec![PrefillTarget { url: p.url.clone(), bootstrap_port }],
+            vec![decode_url.to_owned()],
+        )
     };
     let (bind, upstream_timeout) = (args.bind, args.upstream_timeout);
     let actor = Proxy::spawn(args);

@@ -290,16 +290,13 @@ impl LocalCluster {
         let bootstrap_port =
             prefill.launched_bootstrap_addr().map(|a| a.port()).unwrap_or(pdflow_node::config::DEFAULT_BOOTSTRAP_PORT);
         let proxy = ProxyNode::start(ProxyArgs {
-            bind: SocketAddr::from(([127, 0, 0, 1], 0)),
-            prefill: vec![PrefillTarget { url: prefill.url(), bootstrap_port }],
-            decode: vec![decode.url()],
             health_interval: Duration::from_millis(50),
             upstream_timeout: Duration::from_secs(120),
-            ready_timeout: None,
-            secret: None,
-            prefill_policy: Default::default(),
-            decode_policy: Default::default(),
-            local_prefill: Default::default(),
+            ..ProxyArgs::new(
+                SocketAddr::from(([127, 0, 0, 1], 0)),
+                vec![PrefillTarget { url: prefill.url(), bootstrap_port }],
+                vec![decode.url()],
+            )
         })
         .await?;
         let client = reqwest::Client::builder()

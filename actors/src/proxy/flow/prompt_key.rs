@@ -4,7 +4,8 @@
 //! full blocks are cached.
 //!
 //! - `prompt` as token ids (a list of integers): chunks of [`CHUNK_TOKENS`] ids; its tokens are
-//!   counted exactly;
+//!   counted exactly, and the ids kept ([`PromptKey::token_ids`]) for `kv_aware`, which matches
+//!   them in each engine's block size against what its KV events said it holds;
 //! - `prompt` as text, or a chat's `messages` (their roles and contents, in order): chunks of
 //!   [`CHUNK_BYTES`] bytes, about [`CHUNK_TOKENS`] tokens of English text for a BPE tokenizer;
 //!   its tokens estimated as bytes / [`BYTES_PER_TOKEN`].
@@ -14,6 +15,7 @@
 //! prefixes the engines cache.
 
 use std::hash::{Hash, Hasher};
+use std::sync::Arc;
 
 use pdflow_messages::proxy::PromptKey;
 use serde_json::Value;
@@ -58,11 +60,13 @@ pub fn prompt_key(request: &serde_json::Map<String, Value>, chat: bool) -> Promp
 
 fn of_text(text: &str) -> PromptKey {
     let chunks = chain(text.as_bytes().chunks_exact(CHUNK_BYTES));
-    PromptKey { chunks, tokens: text.len().div_ceil(BYTES_PER_TOKEN) }
+    PromptKey { chunks, tokens: text.len().div_ceil(BYTES_PER_TOKEN), token_ids: None }
 }
 
 fn of_ids(ids: &[u64]) -> PromptKey {
-    PromptKey { chunks: chain(ids.chunks_exact(CHUNK_TOKENS)), tokens: ids.len() }
+    // Vocabulary ids fit in 32 bits; a prompt with a larger one is no engine's (no ids kept).
+    let token_ids = ids.iter().map(|&id| u32::try_from(id).ok()).collect::<Option<Vec<u32>>>().map(Arc::from);
+    PromptKey { chunks: chain(ids.chunks_exact(CHUNK_TOKENS)), tokens: ids.len(), token_ids }
 }
 
 /// Each chunk's hash over its parent's and its own content.
@@ -107,9 +111,10 @@ mod tests {
         let ids: Vec<u64> = (0..40).collect();
         let k = prompt_key(&completion(serde_json::json!(ids)), false);
         assert_eq!((k.tokens, k.chunks.len()), (40, 2));
+        assert_eq!(k.token_ids.as_deref(), Some((0..40).collect::<Vec<u32>>().as_slice()), "the ids are kept");
         let chat = serde_json::json!({"messages": [{"role": "user", "content": "hi ".repeat(50)}]});
         let k = prompt_key(chat.as_object().expect("object"), true);
-        assert!(k.chunks.len() >= 2 && k.tokens > 30, "{k:?}");
+        assert!(k.chunks.len() >= 2 && k.tokens > 30 && k.token_ids.is_none(), "{k:?}");
         assert_eq!(prompt_key(&serde_json::Map::new(), false), PromptKey::default());
     }
 }

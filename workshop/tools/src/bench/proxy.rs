@@ -121,6 +121,7 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         prefill_policy: Default::default(),
         decode_policy: Default::default(),
         local_prefill: Default::default(),
+        kv_events: Vec::new(),
     })
     .await?;
     let client = reqwest::Client::builder().no_proxy().pool_max_idle_per_host(256).build()?;

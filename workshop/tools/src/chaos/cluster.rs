@@ -156,16 +156,13 @@ impl ChaosCluster {
         d_cfg.port = decode.http_addr.port();
         let proxy = ProxyNode::start_with(
             ProxyArgs {
-                bind: SocketAddr::from(([127, 0, 0, 1], 0)),
-                prefill: vec![PrefillTarget { url: prefill.url(), bootstrap_port: bootstrap_addr.port() }],
-                decode: vec![decode.url()],
                 health_interval: Duration::from_millis(25),
                 upstream_timeout: spec.upstream_timeout,
-                ready_timeout: None,
-                secret: None,
-                prefill_policy: Default::default(),
-                decode_policy: Default::default(),
-                local_prefill: Default::default(),
+                ..ProxyArgs::new(
+                    SocketAddr::from(([127, 0, 0, 1], 0)),
+                    vec![PrefillTarget { url: prefill.url(), bootstrap_port: bootstrap_addr.port() }],
+                    vec![decode.url()],
+                )
             },
             &faults,
         )

@@ -73,25 +73,22 @@ impl LoadCluster {
         }
         let proxy = ProxyNode::start_with(
             ProxyArgs {
-                bind: SocketAddr::from(([127, 0, 0, 1], 0)),
-                prefill: prefill
-                    .iter()
-                    .map(|p| {
-                        let bootstrap_port = p
-                            .launched_bootstrap_addr()
-                            .map(|a| a.port())
-                            .ok_or_else(|| ChaosError::NoBootstrap { engine_id: p.engine_id.clone() })?;
-                        Ok(PrefillTarget { url: p.url(), bootstrap_port })
-                    })
-                    .collect::<Result<_, ChaosError>>()?,
-                decode: decode.iter().map(EngineNode::url).collect(),
                 health_interval: Duration::from_millis(25),
                 upstream_timeout: spec.upstream_timeout,
-                ready_timeout: None,
-                secret: None,
-                prefill_policy: Default::default(),
-                decode_policy: Default::default(),
-                local_prefill: Default::default(),
+                ..ProxyArgs::new(
+                    SocketAddr::from(([127, 0, 0, 1], 0)),
+                    prefill
+                        .iter()
+                        .map(|p| {
+                            let bootstrap_port = p
+                                .launched_bootstrap_addr()
+                                .map(|a| a.port())
+                                .ok_or_else(|| ChaosError::NoBootstrap { engine_id: p.engine_id.clone() })?;
+                            Ok(PrefillTarget { url: p.url(), bootstrap_port })
+                        })
+                        .collect::<Result<_, ChaosError>>()?,
+                    decode.iter().map(EngineNode::url).collect(),
+                )
             },
             faults,
         )
