@@ -313,6 +313,9 @@ pub enum BenchCmd {
     E2e(pdflow_tools::bench::e2e::Options),
     /// The proxy alone against in-memory stub upstreams.
     Proxy(pdflow_tools::bench::proxy::Options),
+    /// Routing policies compared: pdflow's proxy under each and vLLM's router, in front of the
+    /// same xPyD simulated engines, on shared-prefix and unique workloads.
+    Router(pdflow_tools::bench::router::Options),
 }
 
 #[derive(Debug, Args)]

@@ -266,12 +266,15 @@ async fn run_bench(cmd: BenchCmd) -> anyhow::Result<bool> {
     let capture = SpanCapture::new();
     match &cmd {
         BenchCmd::E2e(_) => init_tracing(Some(capture.clone()), None, None, None),
-        BenchCmd::Transfer(_) | BenchCmd::Proxy(_) => init_tracing(None, None, Some(MetricsLayer::global()), None),
+        BenchCmd::Transfer(_) | BenchCmd::Proxy(_) | BenchCmd::Router(_) => {
+            init_tracing(None, None, Some(MetricsLayer::global()), None)
+        }
     }
     match cmd {
         BenchCmd::Transfer(o) => pdflow_tools::bench::transfer::run(o).await?,
         BenchCmd::E2e(o) => pdflow_tools::bench::e2e::run(o, capture).await?,
         BenchCmd::Proxy(o) => pdflow_tools::bench::proxy::run(o).await?,
+        BenchCmd::Router(o) => pdflow_tools::bench::router::run(&o).await?,
     }
     Ok(true)
 }
@@ -425,6 +428,14 @@ async fn run_serve(cmd: &ServeCmd) -> anyhow::Result<bool> {
     if node.first_worker().is_some_and(|w| w.bootstrap.is_some()) {
         faults.register_process_kill(NodeKind::Bootstrap);
     }
+    // Where its KV events are published (bound already: the node waited for them), if they are.
+    let kv_events = node
+        .engine
+        .kv_events_endpoints()
+        .await
+        .ok()
+        .flatten()
+        .map(|e| serde_json::json!({"endpoint": e.endpoint, "replay_endpoint": e.replay_endpoint}));
     ready_line(serde_json::json!({
         "event": "ready",
         "service": "engine",
@@ -433,6 +444,7 @@ async fn run_serve(cmd: &ServeCmd) -> anyhow::Result<bool> {
         "engine_id": node.engine_id,
         "bootstrap_addr": node.launched_bootstrap_addr().map(|a| a.to_string()),
         "data_addr": node.data_addr().map(|a| a.to_string()),
+        "kv_events": kv_events,
     }));
     let lost = node.rank_lost();
     serve_until_signal_or(&trace_export, lost, || async move {

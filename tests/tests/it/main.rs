@@ -6,6 +6,7 @@
 
 mod auth;
 mod bad_input;
+mod bench_router;
 mod chunked_prefill;
 mod concurrent_requests;
 mod d_failure;

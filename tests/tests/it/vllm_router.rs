@@ -122,3 +122,23 @@ async fn vllm_router_in_nixl_mode_in_front_of_pdflow_serve() {
 async fn vllm_router_in_mooncake_mode_in_front_of_pdflow_serve() {
     router_in_front_of_pdflow_serve(KvConnector::Mooncake).await;
 }
+
+/// `pdflow bench router` with vLLM's router among its fronts: the router's `cache_aware` and
+/// pdflow's, in front of the same engines in one run, every request answered through both.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bench_router_runs_vllm_router_beside_pdflows_proxy() {
+    let what = "pdflow bench router with vllm-router among its fronts";
+    let exe = match router_exe() {
+        Ok(exe) => exe,
+        Err(why) => return pdflow_testkit::skipped(what, &why),
+    };
+    let exe = exe.to_string_lossy().into_owned();
+    let mut args = vec!["--fronts", "pdflow:cache_aware,vllm-router:cache_aware"];
+    args.extend(super::bench_router::SMALL);
+    let (rows, stdout) = super::bench_router::bench_router(&args, &[("PDFLOW_VLLM_ROUTER", &exe)]).await;
+    for front in ["pdflow cache_aware", "vllm-router cache_aware"] {
+        let r = super::bench_router::row(&rows, front, &stdout);
+        assert_eq!(r["failed"], 0, "{what}: every request through {front} is answered: {r}");
+        assert_eq!(r["requests"], rows[0]["requests"], "{what}: the same workload through each front:\n{stdout}");
+    }
+}

@@ -8,6 +8,8 @@
 //!   requests/s for small prompts; [`e2e_link`] — the same over a shaped link between network
 //!   namespaces (`--link-gbps`).
 //! - [`proxy`] — the proxy alone against in-memory stub upstreams.
+//! - [`router`] — routing policies compared (pdflow's and vLLM's router's) on xPyD simulated
+//!   engines with prefix caching, on shared-prefix and unique workloads.
 //! - `gpu` (feature `cuda`) — `bench transfer --device cuda`: the same request GPU to GPU.
 
 pub mod e2e;
@@ -17,4 +19,5 @@ pub mod e2e_link;
 pub mod gpu;
 pub mod proxy;
 pub mod report;
+pub mod router;
 pub mod transfer;
