@@ -510,10 +510,11 @@ pub struct ProxyCmd {
     #[arg(long, default_value_t = 0)]
     pub local_prefill_below: usize,
     /// With `--decode-policy cache_aware` or `kv_aware`: D serves a prompt alone when the share
-    /// of it already routed to D (cache_aware), or held by D (kv_aware), is at least this (0–1,
-    /// e.g. 0.8).
-    #[arg(long)]
-    pub local_prefill_when_d_holds: Option<f64>,
+    /// of it already routed to D (cache_aware), or held by D (kv_aware), is at least this (0–1;
+    /// default 0.9 with those policies, the best share `pdflow bench router` measured), or
+    /// `off`: every request goes through P.
+    #[arg(long, value_name = "SHARE|off")]
+    pub local_prefill_when_d_holds: Option<String>,
     /// Where an engine publishes its KV events, for `kv_aware`:
     /// `ENGINE_URL=tcp://HOST:PORT[,replay=tcp://HOST:PORT][,topic=TOPIC]`, ENGINE_URL as given to
     /// --prefill or --decode, the endpoints those of its --kv-events-config (repeat: one per
@@ -633,22 +634,26 @@ impl ProxyCmd {
         };
         let prefill_policy = policy("--prefill-policy", &self.prefill_policy);
         let decode_policy = policy("--decode-policy", &self.decode_policy);
-        let d_holds_permille = match self.local_prefill_when_d_holds {
-            Some(share) if !(0.0..=1.0).contains(&share) => {
-                errors.push(format!("--local-prefill-when-d-holds {share}: a share of the prompt, from 0 to 1"));
-                None
-            }
-            Some(_)
-                if !matches!(
-                    decode_policy,
-                    pdflow_actors::proxy::routing::Policy::CacheAware | pdflow_actors::proxy::routing::Policy::KvAware
-                ) =>
-            {
-                errors.push("--local-prefill-when-d-holds needs --decode-policy cache_aware or kv_aware (what D holds is known from the prompts routed to it, or its KV events)".into());
-                None
-            }
-            Some(share) => Some((share * 1000.0).round() as u32),
-            None => None,
+        let d_knows = matches!(
+            decode_policy,
+            pdflow_actors::proxy::routing::Policy::CacheAware | pdflow_actors::proxy::routing::Policy::KvAware
+        );
+        let d_holds_permille = match self.local_prefill_when_d_holds.as_deref() {
+            None => d_knows.then_some(pdflow_actors::proxy::routing::LocalPrefill::D_HOLDS_PERMILLE_DEFAULT),
+            Some("off") => None,
+            Some(share) => match share.parse::<f64>() {
+                Ok(share) if (0.0..=1.0).contains(&share) && d_knows => Some((share * 1000.0).round() as u32),
+                Ok(share) if (0.0..=1.0).contains(&share) => {
+                    errors.push("--local-prefill-when-d-holds needs --decode-policy cache_aware or kv_aware (what D holds is known from the prompts routed to it, or its KV events)".into());
+                    None
+                }
+                _ => {
+                    errors.push(format!(
+                        "--local-prefill-when-d-holds {share}: a share of the prompt, from 0 to 1, or `off`"
+                    ));
+                    None
+                }
+            },
         };
         let local_prefill =
             pdflow_actors::proxy::routing::LocalPrefill { below_tokens: self.local_prefill_below, d_holds_permille };

@@ -63,7 +63,9 @@ class KvAware:
         self.prefill, self.decode, self.log_dir = prefill, decode, log_dir
 
     def proxy(self, name: str, *extra: str) -> PdflowProxy:
-        args = ["--prefill-policy", "kv_aware", "--decode-policy", "kv_aware", *extra]
+        # Every request through P unless the test says otherwise (D alone is on by default here).
+        alone = [] if "--local-prefill-when-d-holds" in extra else ["--local-prefill-when-d-holds", "off"]
+        args = ["--prefill-policy", "kv_aware", "--decode-policy", "kv_aware", *alone, *extra]
         for e in [*self.prefill, self.decode]:
             args += e.kv_events_arg()
         p = [(e.url, e.bootstrap_port) for e in self.prefill]

@@ -96,6 +96,11 @@ pub struct LocalPrefill {
 }
 
 impl LocalPrefill {
+    /// `pdflow proxy`'s share of a prompt D must hold to serve it alone, with a D pool that knows
+    /// what it holds (`cache_aware`, `kv_aware`): the best of 0.5–0.95 on `pdflow bench router`'s
+    /// shared-prefix workload (docs/routing-bench.md).
+    pub const D_HOLDS_PERMILLE_DEFAULT: u32 = 900;
+
     /// Whether any request may be served by D alone.
     pub fn enabled(&self) -> bool {
         self.below_tokens > 0 || self.d_holds_permille.is_some()

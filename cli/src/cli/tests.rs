@@ -225,3 +225,28 @@ fn insecure_is_a_flag_and_a_host_off_loopback_needs_it_or_a_secret() {
     };
     assert!(b.secret.insecure);
 }
+
+/// D alone: at the measured default share with a D pool that knows what it holds, never with
+/// one that does not, `off` or a share given; a bad share or one without such a pool is refused.
+#[test]
+fn d_alone_defaults_to_the_measured_share_where_d_knows_what_it_holds() {
+    let proxy = |extra: &[&str]| {
+        let mut argv =
+            vec!["pdflow", "proxy", "--prefill", "http://127.0.0.1:8010", "--decode", "http://127.0.0.1:8020"];
+        argv.extend_from_slice(extra);
+        let Command::Proxy(p) = Cli::try_parse_from(argv).expect("parses").command else { panic!("not proxy") };
+        p.to_args()
+    };
+    let share = |extra: &[&str]| proxy(extra).expect("valid").local_prefill.d_holds_permille;
+    assert_eq!(share(&[]), None, "round robin D: D alone never");
+    assert_eq!(share(&["--decode-policy", "cache_aware"]), Some(900));
+    assert_eq!(share(&["--decode-policy", "cache_aware", "--local-prefill-when-d-holds", "off"]), None);
+    assert_eq!(share(&["--decode-policy", "cache_aware", "--local-prefill-when-d-holds", "0.75"]), Some(750));
+    for bad in [
+        &["--local-prefill-when-d-holds", "0.5"][..],
+        &["--decode-policy", "cache_aware", "--local-prefill-when-d-holds", "2"],
+    ] {
+        let errors = proxy(bad).expect_err("refused");
+        assert!(errors.iter().any(|e| e.contains("--local-prefill-when-d-holds")), "{errors:?}");
+    }
+}

@@ -43,6 +43,10 @@ async fn proxy(ps: &[Proc], ds: &[Proc], extra: &[&str]) -> Proc {
     let mut args: Vec<String> = ["proxy", "--port", "0", "--prefill-policy", "kv_aware", "--decode-policy", "kv_aware"]
         .map(String::from)
         .to_vec();
+    // Every request through P unless the test says otherwise (D alone is on by default here).
+    if !extra.contains(&"--local-prefill-when-d-holds") {
+        args.extend(["--local-prefill-when-d-holds".into(), "off".into()]);
+    }
     args.extend(extra.iter().map(|s| s.to_string()));
     for p in ps {
         let bootstrap = p.ready["bootstrap_addr"].as_str().expect("P's bootstrap");
