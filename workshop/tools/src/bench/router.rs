@@ -38,8 +38,8 @@ pub struct Options {
     #[arg(long, default_value_t = 2)]
     pub decode: usize,
     /// The fronts, in order: `pdflow:POLICY[+d-alone[=SHARE]]`, `vllm-router:POLICY` (default:
-    /// pdflow's round_robin, least_loaded, cache_aware, cache_aware+d-alone, kv_aware;
-    /// vllm-router's round_robin, cache_aware and kv_aware).
+    /// pdflow's round_robin, least_loaded, cache_aware, cache_aware+d-alone, kv_aware,
+    /// kv_aware+d-alone; vllm-router's round_robin, cache_aware and kv_aware).
     #[arg(long, value_delimiter = ',')]
     pub fronts: Vec<FrontSpec>,
     /// The workloads: `shared`, `unique` (both by default).
@@ -98,7 +98,7 @@ pub struct RouterRow {
 /// Runs the bench; prints the table; writes the JSON.
 pub async fn run(opts: &Options) -> anyhow::Result<()> {
     anyhow::ensure!(opts.prefill > 0 && opts.decode > 0, "--prefill and --decode must each be at least 1");
-    let fronts = if opts.fronts.is_empty() { default_fronts() } else { opts.fronts.clone() };
+    let fronts = if opts.fronts.is_empty() { FrontSpec::all() } else { opts.fronts.clone() };
     let router_exe = if fronts.iter().any(|f| matches!(f, FrontSpec::VllmRouter { .. })) {
         match front::find_router(!opts.no_install) {
             Ok(exe) => Some(exe),
@@ -153,16 +153,6 @@ pub async fn run(opts: &Options) -> anyhow::Result<()> {
         println!("rows written to {}", path.display());
     }
     Ok(())
-}
-
-/// The fronts run when `--fronts` is not given: pdflow's policies (`kv_aware` where this build
-/// has it), then vllm-router's.
-fn default_fronts() -> Vec<FrontSpec> {
-    let mut fronts = FrontSpec::all();
-    if let Ok(kv) = "pdflow:kv_aware".parse::<FrontSpec>() {
-        fronts.insert(4, kv);
-    }
-    fronts
 }
 
 async fn measure(

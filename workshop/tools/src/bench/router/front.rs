@@ -22,7 +22,7 @@ use super::cluster::Cluster;
 pub const VLLM_ROUTER: &str = "vllm-router==0.1.17";
 
 /// The share of a prompt D holds from which `+d-alone` serves it on D alone.
-pub const DEFAULT_D_ALONE_PERMILLE: u32 = 900;
+pub const DEFAULT_D_ALONE_PERMILLE: u32 = pdflow_actors::proxy::routing::LocalPrefill::D_HOLDS_PERMILLE_DEFAULT;
 
 /// One front, as `--fronts` names it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -53,6 +53,8 @@ impl FrontSpec {
             pdflow(Policy::LeastLoaded, None),
             pdflow(Policy::CacheAware, None),
             pdflow(Policy::CacheAware, Some(DEFAULT_D_ALONE_PERMILLE)),
+            pdflow(Policy::KvAware, None),
+            pdflow(Policy::KvAware, Some(DEFAULT_D_ALONE_PERMILLE)),
         ];
         all.extend(
             ["round_robin", "cache_aware", "kv_aware"]
