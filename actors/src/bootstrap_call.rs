@@ -33,7 +33,8 @@ pub(crate) async fn send(
     let parsed =
         reqwest::Url::parse(url).map_err(|source| BootstrapCallError::BadUrl { url: url.to_owned(), source })?;
     let (method, mut request) = match call {
-        Call::Register => ("POST", http.post(parsed.clone()).header("content-type", "application/json")),
+        // An admin call sent from here is a POST of JSON, as a registration is.
+        Call::Register | Call::Admin => ("POST", http.post(parsed.clone()).header("content-type", "application/json")),
         Call::Query => ("GET", http.get(parsed.clone())),
     };
     let body = body.unwrap_or_default();

@@ -14,26 +14,35 @@
 //! it reads, [`kv_events`]); the poller keeps
 //! probing, re-queries a P's engine ids every [`REQUERY_EVERY`] rounds, after a P
 //! came back from being unhealthy, and after a failed prefill ([`PrefillFailed`]).
+//!
+//! Engines join and leave while the proxy runs, through its admin API ([`admin`]): each keeps a
+//! stable index in its pool, a removed one a tombstone, a draining one finishes what it has
+//! ([`pools`]). An engine that refuses a request's connection is out of rotation at once
+//! ([`EngineUnreachable`]); the poller brings it back when its `/health` answers.
 
+mod admin;
+pub mod admin_client;
 pub mod flow;
 pub mod kv_events;
 mod poller;
+mod pools;
 mod release;
 pub mod routing;
 mod server;
 #[cfg(test)]
 mod tests;
 
+pub use poller::UNHEALTHY_AFTER;
+pub use pools::Roster;
 pub use server::ProxyServer;
 
-use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::time::Duration;
 
 use kameo::prelude::*;
 use pdflow_messages::proxy::{
-    Choice, NotReady, Pool, PrefillDiscovered, PrefillFailed, ProxyReadiness, ProxyStatus, ReadyDeadlinePassed,
-    ReleasePrefill, Route, RouteDecision, RouteDone, TargetHealth,
+    Choice, EngineState, EngineUnreachable, NotReady, Pool, PrefillDiscovered, PrefillFailed, ProxyReadiness,
+    ProxyStatus, ReadyDeadlinePassed, ReleasePrefill, Route, RouteDecision, RouteDone, TargetHealth,
 };
 use pdflow_messages::EngineId;
 use tokio::sync::mpsc;
@@ -70,6 +79,9 @@ pub struct ProxyArgs {
     pub decode: Vec<String>,
     /// Pause between two health rounds.
     pub health_interval: Duration,
+    /// Consecutive failed probes after which a serving engine is taken out of rotation
+    /// (`--unhealthy-after`; at least 1).
+    pub unhealthy_after: u32,
     /// Deadline of every upstream call (P's whole request, D's headers, the gap between D's chunks).
     pub upstream_timeout: Duration,
     /// If set, the proxy stops with an error when it is not ready after this long.
@@ -85,6 +97,9 @@ pub struct ProxyArgs {
     /// Where engines publish their KV events (`kv_aware`; every engine of a `kv_aware` pool
     /// needs at least one).
     pub kv_events: Vec<kv_events::KvEventSource>,
+    /// The engines as the admin API last left them, shared by the actor's incarnations: a
+    /// restarted actor starts from it, not from `prefill` and `decode`.
+    pub roster: Roster,
 }
 
 impl ProxyArgs {
@@ -97,6 +112,7 @@ impl ProxyArgs {
             prefill,
             decode,
             health_interval: Duration::from_millis(500),
+            unhealthy_after: poller::UNHEALTHY_AFTER,
             upstream_timeout: Duration::from_secs(120),
             ready_timeout: None,
             secret: None,
@@ -104,54 +120,29 @@ impl ProxyArgs {
             decode_policy: routing::Policy::default(),
             local_prefill: routing::LocalPrefill::default(),
             kv_events: Vec::new(),
+            roster: Roster::default(),
         }
     }
 }
 
-#[derive(Debug)]
-struct PrefillState {
-    url: String,
-    /// `http://{host of url}:{bootstrap_port}` (D's `remote_bootstrap_addr`).
-    bootstrap_addr: String,
-    dp_engine_id: BTreeMap<u32, EngineId>,
-    healthy: bool,
-}
-
-#[derive(Debug)]
-struct DecodeState {
-    url: String,
-    answered: bool,
-    healthy: bool,
-}
-
 /// The proxy: pools, readiness, round robin; owner of the health poller.
 pub struct Proxy {
-    prefill: Vec<PrefillState>,
-    decode: Vec<DecodeState>,
+    pools: pools::Pools,
+    /// Where the pools are saved for a restarted actor.
+    roster: Roster,
     ready: bool,
     /// P (index, dp rank) and D (index) pickers: each pool's policy, load and likely caches.
     prefill_picker: routing::Picker<(usize, u32)>,
     decode_picker: routing::Picker<usize>,
     local_prefill: routing::LocalPrefill,
-    requery_tx: mpsc::UnboundedSender<usize>,
+    /// Tells the poller of re-queries and of engines joining and leaving.
+    poller_tx: mpsc::UnboundedSender<poller::Command>,
     /// Frees P's blocks for a transfer whose D could not be reached ([`ReleasePrefill`]).
     releaser: release::Releaser,
     shutdown: CancellationToken,
     _poller: AbortOnDropHandle<()>,
     /// The KV-event subscribers (`kv_aware`), stopped with the actor.
     _kv_events: kv_events::KvEvents,
-}
-
-/// `url` without its trailing `/`, checked to be `http://host:port`, and its host (IPv6 hosts keep
-/// their brackets).
-fn check_url(url: &str, pool: &'static str) -> Result<(String, String), ActorError> {
-    let trimmed = url.trim_end_matches('/').to_owned();
-    let parsed =
-        reqwest::Url::parse(&trimmed).map_err(|source| ActorError::InvalidUrl { pool, url: url.to_owned(), source })?;
-    match parsed.host_str() {
-        Some(host) if parsed.scheme() == "http" => Ok((trimmed, host.to_owned())),
-        _ => Err(ActorError::UnsupportedUrl { pool, url: url.to_owned() }),
-    }
 }
 
 impl Actor for Proxy {
@@ -162,25 +153,13 @@ impl Actor for Proxy {
         if args.prefill.is_empty() || args.decode.is_empty() {
             return Err(ActorError::EmptyPool { prefill: args.prefill.len(), decode: args.decode.len() });
         }
-        let mut prefill = Vec::with_capacity(args.prefill.len());
-        for p in &args.prefill {
-            let (url, host) = check_url(&p.url, "prefill")?;
-            // D's `remote_bootstrap_addr`: P's host, the bootstrap's port.
-            let bootstrap_addr = format!("http://{host}:{}", p.bootstrap_port);
-            prefill.push(PrefillState { url, bootstrap_addr, dp_engine_id: BTreeMap::new(), healthy: false });
-        }
-        let decode = args
-            .decode
-            .iter()
-            .map(|u| Ok(DecodeState { url: check_url(u, "decode")?.0, answered: false, healthy: false }))
-            .collect::<Result<Vec<_>, ActorError>>()?;
-
+        let pools = pools::Pools::start(&args.prefill, &args.decode, &args.roster)?;
         let client = reqwest::Client::builder()
             .build()
             .map_err(|source| ActorError::HttpClient { what: "the proxy's health-check client", source })?;
         let shutdown = CancellationToken::new();
-        let prefill_urls: Vec<String> = prefill.iter().map(|p| p.url.clone()).collect();
-        let decode_urls: Vec<String> = decode.iter().map(|d| d.url.clone()).collect();
+        let prefill_urls: Vec<String> = pools.prefill.iter().map(|p| p.url.clone()).collect();
+        let decode_urls: Vec<String> = pools.decode.iter().map(|d| d.url.clone()).collect();
         let kv_events = kv_events::KvEvents::start(
             &args.kv_events,
             (&prefill_urls, args.prefill_policy),
@@ -188,35 +167,42 @@ impl Actor for Proxy {
             &shutdown,
         )?;
 
-        let (requery_tx, requery_rx) = mpsc::unbounded_channel();
+        let (poller_tx, poller_rx) = mpsc::unbounded_channel();
         let releaser = release::Releaser::new(client.clone(), args.secret.clone());
         let poller = poller::Poller {
             actor: actor_ref.clone(),
             client,
-            prefill: prefill.iter().map(|p| (p.url.clone(), p.bootstrap_addr.clone())).collect(),
-            decode: decode.iter().map(|d| d.url.clone()).collect(),
+            prefill: (pools.prefill.iter().enumerate())
+                .filter(|(_, p)| p.state != EngineState::Removed)
+                .map(|(i, p)| (i, (p.url.clone(), p.bootstrap_addr.clone())))
+                .collect(),
+            decode: (pools.decode.iter().enumerate())
+                .filter(|(_, d)| d.state != EngineState::Removed)
+                .map(|(j, d)| (j, d.url.clone()))
+                .collect(),
             interval: args.health_interval,
+            unhealthy_after: args.unhealthy_after.max(1),
             probe_timeout: args.health_interval.max(Duration::from_secs(1)).min(args.upstream_timeout),
             ready_timeout: args.ready_timeout,
             secret: args.secret.clone(),
         };
-        let poller = tokio::spawn(poller.run(requery_rx, shutdown.clone()));
+        let poller = tokio::spawn(poller.run(poller_rx, shutdown.clone()));
         tracing::info!(
-            prefill = prefill.len(),
-            decode = decode.len(),
+            prefill = pools.prefill.len(),
+            decode = pools.decode.len(),
             prefill_policy = args.prefill_policy.name(),
             decode_policy = args.decode_policy.name(),
             "proxy routing"
         );
 
         Ok(Proxy {
-            prefill,
-            decode,
+            pools,
+            roster: args.roster,
             ready: false,
             prefill_picker: routing::Picker::new(args.prefill_policy).with_held(kv_events.prefill.clone()),
             decode_picker: routing::Picker::new(args.decode_policy).with_held(kv_events.decode.clone()),
             local_prefill: args.local_prefill,
-            requery_tx,
+            poller_tx,
             releaser,
             shutdown,
             _poller: AbortOnDropHandle::new(poller),
@@ -240,12 +226,12 @@ impl Drop for Proxy {
 impl Proxy {
     /// What the proxy still waits for before it serves.
     fn waiting_for(&self) -> Vec<String> {
-        let p = self
-            .prefill
-            .iter()
-            .filter(|p| p.dp_engine_id.is_empty())
+        let p = (self.pools.prefill.iter())
+            .filter(|p| p.state == EngineState::Serving && p.dp_engine_id.is_empty())
             .map(|p| format!("prefill {} (health + engine id from {}/query)", p.url, p.bootstrap_addr));
-        let d = self.decode.iter().filter(|d| !d.answered).map(|d| format!("decode {} (/health)", d.url));
+        let d = (self.pools.decode.iter())
+            .filter(|d| d.state == EngineState::Serving && !d.answered)
+            .map(|d| format!("decode {} (/health)", d.url));
         p.chain(d).collect()
     }
 
@@ -264,17 +250,11 @@ impl Proxy {
         if !self.ready {
             return Err(NotReady::Starting { waiting_for: self.waiting_for() });
         }
-        let candidates: Vec<(usize, u32)> = self
-            .prefill
-            .iter()
-            .enumerate()
-            .filter(|(i, p)| p.healthy && !exclude.contains(i))
-            .flat_map(|(i, p)| p.dp_engine_id.keys().map(move |dp| (i, *dp)))
-            .collect();
+        let candidates = self.pools.prefill_candidates(exclude);
         if candidates.is_empty() && !self.local_prefill.enabled() {
             return Err(NotReady::NoHealthy { pool: Pool::Prefill });
         }
-        let decodes: Vec<usize> = (0..self.decode.len()).filter(|&j| self.decode[j].healthy).collect();
+        let decodes = self.pools.decode_candidates();
         let Some((dj, decode_choice, decode_tokens)) = self.decode_picker.pick(&decodes, prompt) else {
             return Err(NotReady::NoHealthy { pool: Pool::Decode });
         };
@@ -291,7 +271,7 @@ impl Proxy {
         };
         let disaggregate = prefill_choice != Choice::Skipped;
         let engine_id = match disaggregate {
-            true => self.prefill[pi].dp_engine_id.get(&dp).cloned().unwrap_or_default(),
+            true => self.pools.prefill[pi].dp_engine_id.get(&dp).cloned().unwrap_or_default(),
             false => EngineId::default(),
         };
         let metrics = pdflow_observability::metrics::global();
@@ -307,9 +287,10 @@ impl Proxy {
             metrics.count_route(pool, policy.name(), choice.label(), matched);
         }
         let (prefill_url, prefill_bootstrap_addr) = match disaggregate {
-            true => (self.prefill[pi].url.clone(), self.prefill[pi].bootstrap_addr.clone()),
+            true => (self.pools.prefill[pi].url.clone(), self.pools.prefill[pi].bootstrap_addr.clone()),
             false => (String::new(), String::new()),
         };
+        self.pools.routed(pi, dj, disaggregate);
         Ok(RouteDecision {
             prefill_index: pi,
             prefill_url,
@@ -317,7 +298,7 @@ impl Proxy {
             prefill_dp_rank: dp,
             prefill_engine_id: engine_id,
             decode_index: dj,
-            decode_url: self.decode[dj].url.clone(),
+            decode_url: self.pools.decode[dj].url.clone(),
             prefill_choice,
             decode_choice,
             prefill_tokens,
@@ -342,6 +323,7 @@ impl Message<RouteDone> for Proxy {
         if msg.disaggregated {
             self.prefill_picker.done((msg.prefill_index, msg.prefill_dp_rank), msg.prefill_tokens);
         }
+        self.pools.done(msg.prefill_index, msg.decode_index, msg.disaggregated);
         self.decode_picker.done(msg.decode_index, msg.decode_tokens);
     }
 }
@@ -368,7 +350,9 @@ impl Message<TargetHealth> for Proxy {
     async fn handle(&mut self, msg: TargetHealth, _ctx: &mut Context<Self, Self::Reply>) -> Self::Reply {
         match msg.pool {
             Pool::Prefill => {
-                if let Some(p) = self.prefill.get_mut(msg.index) {
+                // A removed engine's late report changes nothing.
+                let live = self.pools.prefill.get_mut(msg.index).filter(|p| p.state != EngineState::Removed);
+                if let Some(p) = live {
                     if p.healthy != msg.healthy {
                         tracing::info!(url = %p.url, healthy = msg.healthy, "prefill health changed");
                     }
@@ -376,7 +360,8 @@ impl Message<TargetHealth> for Proxy {
                 }
             }
             Pool::Decode => {
-                if let Some(d) = self.decode.get_mut(msg.index) {
+                let live = self.pools.decode.get_mut(msg.index).filter(|d| d.state != EngineState::Removed);
+                if let Some(d) = live {
                     if d.healthy != msg.healthy {
                         tracing::info!(url = %d.url, healthy = msg.healthy, "decode health changed");
                     }
@@ -393,7 +378,8 @@ impl Message<PrefillDiscovered> for Proxy {
     type Reply = ();
 
     async fn handle(&mut self, msg: PrefillDiscovered, _ctx: &mut Context<Self, Self::Reply>) -> Self::Reply {
-        if let Some(p) = self.prefill.get_mut(msg.prefill_index) {
+        let live = self.pools.prefill.get_mut(msg.prefill_index).filter(|p| p.state != EngineState::Removed);
+        if let Some(p) = live {
             if p.dp_engine_id != msg.dp_engine_id {
                 tracing::info!(url = %p.url, dp_engine_id = ?msg.dp_engine_id, "prefill engine ids recorded");
             }
@@ -408,11 +394,35 @@ impl Message<PrefillFailed> for Proxy {
     type Reply = ();
 
     async fn handle(&mut self, msg: PrefillFailed, _ctx: &mut Context<Self, Self::Reply>) -> Self::Reply {
-        if let Some(p) = self.prefill.get(msg.prefill_index) {
+        if let Some(p) = self.pools.prefill.get(msg.prefill_index) {
             tracing::warn!(url = %p.url, reason = %msg.reason, "prefill failed; re-querying its engine ids");
             // The poller is gone only while the actor stops: nothing left to re-query then.
-            let _ = self.requery_tx.send(msg.prefill_index);
+            let _ = self.poller_tx.send(poller::Command::Requery(msg.prefill_index));
         }
+    }
+}
+
+impl Message<EngineUnreachable> for Proxy {
+    type Reply = ();
+
+    async fn handle(&mut self, msg: EngineUnreachable, _ctx: &mut Context<Self, Self::Reply>) -> Self::Reply {
+        let (url, healthy) = match msg.pool {
+            Pool::Prefill => match self.pools.prefill.get_mut(msg.index) {
+                Some(p) => (p.url.clone(), std::mem::replace(&mut p.healthy, false)),
+                None => return,
+            },
+            Pool::Decode => match self.pools.decode.get_mut(msg.index) {
+                Some(d) => (d.url.clone(), std::mem::replace(&mut d.healthy, false)),
+                None => return,
+            },
+        };
+        if healthy {
+            tracing::warn!(pool = msg.pool.name(), %url, reason = %msg.reason,
+                "engine refused a request's connection: out of rotation until its /health answers");
+        }
+        // The poller reports it healthy again once a probe succeeds; a P's engine ids are asked
+        // again then (it may have restarted).
+        let _ = self.poller_tx.send(poller::Command::Unreachable(msg.pool, msg.index));
     }
 }
 

@@ -44,6 +44,8 @@ pub enum Command {
     Bootstrap(BootstrapCmd),
     /// The proxy alone; accepts vLLM's proxy arguments.
     Proxy(ProxyCmd),
+    /// A running proxy's engines: list them, add one, drain one, remove one (its admin API).
+    Admin(AdminCmd),
     /// One engine (the simulated engine with pdflow's connector), producer or consumer.
     Serve(Box<ServeCmd>),
     /// Benchmarks: each prints a table and can write `--json PATH`.
@@ -496,6 +498,11 @@ pub struct ProxyCmd {
     /// How often P and D are health-checked, in milliseconds.
     #[arg(long, default_value_t = 500)]
     pub health_interval_ms: u64,
+    /// Failed health checks in a row after which an engine is out of rotation (with
+    /// `--health-interval-ms 200 --unhealthy-after 3`, a dead engine is out within about 0.6 s;
+    /// one that refuses a request's connection is out at once either way).
+    #[arg(long, default_value_t = pdflow_actors::proxy::UNHEALTHY_AFTER)]
+    pub unhealthy_after: u32,
     /// How P (and its data-parallel rank) is chosen for each request: round_robin, least_loaded
     /// (the fewest tokens in flight), cache_aware (the P the prompt's prefix was routed to,
     /// unless it is far busier than the least loaded), kv_aware (the P whose prefix cache holds
@@ -527,6 +534,46 @@ pub struct ProxyCmd {
     pub limits: LimitArgs,
     #[command(flatten)]
     pub trace: TraceArgs,
+}
+
+#[derive(Debug, Args)]
+pub struct AdminCmd {
+    /// The proxy's URL.
+    #[arg(long, default_value = "http://127.0.0.1:8000")]
+    pub proxy: String,
+    /// A file holding the cluster secret the calls are signed with (else
+    /// PDFLOW_CLUSTER_SECRET_FILE or PDFLOW_CLUSTER_SECRET; none: the proxy serves loopback only).
+    #[arg(long)]
+    pub cluster_secret_file: Option<String>,
+    #[command(subcommand)]
+    pub action: AdminAction,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum AdminAction {
+    /// Every engine: pool, url, state, health, engine ids, requests in flight.
+    List,
+    /// A new engine: `add prefill URL [BOOTSTRAP_PORT]` (port default 8998) or `add decode URL`.
+    Add {
+        #[arg(value_enum)]
+        pool: PoolArg,
+        url: String,
+        bootstrap_port: Option<u16>,
+    },
+    /// No new request goes to the engine at URL; those in flight finish.
+    Drain { url: String },
+    /// The engine at URL leaves (refused while it has requests in flight, unless --force).
+    Remove {
+        url: String,
+        #[arg(long)]
+        force: bool,
+    },
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum PoolArg {
+    Prefill,
+    Decode,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -626,6 +673,9 @@ impl ProxyCmd {
         let bind: Option<SocketAddr> =
             bind.parse().map_err(|_| errors.push(format!("--host/--port {bind}: not an IP address and port"))).ok();
         let (secret, _insecure) = self.secret.load_for(bind.map(|b| b.ip()), &mut errors);
+        if self.unhealthy_after == 0 {
+            errors.push("--unhealthy-after 0: at least one failed health check".into());
+        }
         let mut policy = |flag: &str, value: &str| {
             value
                 .parse::<pdflow_actors::proxy::routing::Policy>()
@@ -664,6 +714,7 @@ impl ProxyCmd {
         match bind {
             Some(bind) if errors.is_empty() => Ok(ProxyArgs {
                 health_interval: Duration::from_millis(self.health_interval_ms.max(10)),
+                unhealthy_after: self.unhealthy_after,
                 upstream_timeout: Duration::from_secs(self.upstream_timeout.max(1)),
                 secret,
                 prefill_policy,

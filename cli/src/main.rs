@@ -8,8 +8,8 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use crate::cli::{
-    BenchCmd, BootstrapCmd, Cli, Command, DemoArgs, DemoDevice, GpuPathArg, OnOff, ProxyCmd, RankWorkerArgs, ServeCmd,
-    TraceArgs, TraceCmd,
+    AdminAction, AdminCmd, BenchCmd, BootstrapCmd, Cli, Command, DemoArgs, DemoDevice, GpuPathArg, OnOff, PoolArg,
+    ProxyCmd, RankWorkerArgs, ServeCmd, TraceArgs, TraceCmd,
 };
 use anyhow::Context as _;
 use clap::Parser;
@@ -254,6 +254,7 @@ async fn run(cli: Cli) -> anyhow::Result<bool> {
         Command::Chaos(args) => run_chaos(args).await,
         Command::Bootstrap(args) => run_bootstrap(args).await,
         Command::Proxy(cmd) => run_proxy(cmd).await,
+        Command::Admin(cmd) => run_admin(cmd).await,
         Command::Serve(cmd) => run_serve(&cmd).await,
         Command::RankWorker(args) => run_rank_worker(args).await,
     }
@@ -388,6 +389,35 @@ async fn run_bootstrap(args: BootstrapCmd) -> anyhow::Result<bool> {
     faults.register_process_kill(NodeKind::Bootstrap);
     ready_line(serde_json::json!({"event": "ready", "service": "bootstrap", "addr": node.addr.to_string()}));
     serve_until_signal(&trace_export, || node.shutdown()).await
+}
+
+/// `pdflow admin`: one call to a running proxy's admin API; prints its JSON answer and succeeds
+/// on a 2xx.
+async fn run_admin(cmd: AdminCmd) -> anyhow::Result<bool> {
+    use pdflow_actors::proxy::admin_client::AdminClient;
+    let secret = match &cmd.cluster_secret_file {
+        Some(path) => pdflow_auth::ClusterSecret::from_file(path).map(Some),
+        None => pdflow_auth::ClusterSecret::from_env(),
+    }
+    .map_err(|e| anyhow::anyhow!("--cluster-secret-file / PDFLOW_CLUSTER_SECRET: {e}"))?;
+    let client = AdminClient::new(&cmd.proxy, secret);
+    let answer = match &cmd.action {
+        AdminAction::List => client.list().await?,
+        AdminAction::Add { pool, url, bootstrap_port } => {
+            let pool = match pool {
+                PoolArg::Prefill => "prefill",
+                PoolArg::Decode => "decode",
+            };
+            client.add(pool, url, *bootstrap_port).await?
+        }
+        AdminAction::Drain { url } => client.drain(url).await?,
+        AdminAction::Remove { url, force } => client.remove(url, *force).await?,
+    };
+    println!("{}", serde_json::to_string_pretty(&answer.body)?);
+    if !answer.status.is_success() {
+        eprintln!("the proxy answered {}", answer.status);
+    }
+    Ok(answer.status.is_success())
 }
 
 /// `pdflow proxy`: the P/D proxy.

@@ -11,11 +11,22 @@ use serde::{Deserialize, Serialize};
 
 use crate::{EngineId, TransferId};
 
-/// Which pool a target belongs to.
+/// Which pool a target belongs to (`"prefill"`, `"decode"` in JSON).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum Pool {
     Prefill,
     Decode,
+}
+
+impl Pool {
+    /// `prefill` or `decode`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Pool::Prefill => "prefill",
+            Pool::Decode => "decode",
+        }
+    }
 }
 
 /// Ask the Proxy where a request goes: (P, P's dp rank, D), each chosen by its pool's policy
@@ -163,6 +174,15 @@ pub struct PrefillDiscovered {
     pub dp_engine_id: BTreeMap<u32, EngineId>,
 }
 
+/// Flow → Proxy: a request's connection to an engine was refused (not a probe): the engine is
+/// taken out of rotation at once, until the health poller sees its `/health` answer again.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EngineUnreachable {
+    pub pool: Pool,
+    pub index: usize,
+    pub reason: String,
+}
+
 /// Flow → Proxy: a prefill request failed; the proxy re-queries that P's engine ids.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PrefillFailed {
@@ -183,4 +203,89 @@ pub struct ReleasePrefill {
     pub bootstrap_addr: String,
     pub engine_id: EngineId,
     pub transfer_id: TransferId,
+}
+
+// ---- Admin: engines joining and leaving a running proxy -------------------------------------
+
+/// Where an engine is in its life in the proxy: it takes new requests (`serving`), finishes
+/// those it has and takes no new one (`draining`), or is gone (`removed`: its index is never
+/// reused nor chosen again).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum EngineState {
+    Serving,
+    Draining,
+    Removed,
+}
+
+/// One engine as the admin API lists it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EngineInfo {
+    pub pool: Pool,
+    /// Its index in its pool (stable for the proxy's life, never reused).
+    pub index: usize,
+    pub url: String,
+    /// P's bootstrap address (`http://{host}:{port}`); none for a D.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub bootstrap_addr: Option<String>,
+    pub state: EngineState,
+    /// In rotation as far as health goes (a P: healthy and its engine ids known).
+    pub healthy: bool,
+    /// P's engine ids by dp rank (empty for a D, or a P not yet queried).
+    pub engine_ids: BTreeMap<u32, EngineId>,
+    /// Requests routed to it that have not ended.
+    pub in_flight: usize,
+    /// Requests routed to it since it joined.
+    pub routed: u64,
+}
+
+/// Admin → Proxy: every engine not removed, P first, by index.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ListEngines;
+
+/// Admin → Proxy: a new engine joins `pool` (a P with its bootstrap port); it serves once healthy
+/// (a P: once its engine ids are known).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AddEngine {
+    pub pool: Pool,
+    pub url: String,
+    /// A P's bootstrap port (none: 8998); a D takes none.
+    pub bootstrap_port: Option<u16>,
+}
+
+/// Admin → Proxy: the engine at `url` takes no new request; those in flight finish.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DrainEngine {
+    pub url: String,
+}
+
+/// Admin → Proxy: the engine at `url` leaves; refused while requests are in flight on it unless
+/// `force` (those requests then finish or fail on their own, and their accounting stays valid).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RemoveEngine {
+    pub url: String,
+    pub force: bool,
+}
+
+/// Why an admin change was refused (nothing changed).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum AdminError {
+    #[error("`{url}` is not an engine URL: {reason} (expected http://HOST:PORT)")]
+    BadUrl { url: String, reason: String },
+    #[error("{url} is already in the proxy (the {} pool, {}); remove it first", pool.name(), state_name(*state))]
+    Duplicate { url: String, pool: Pool, state: EngineState },
+    #[error("no engine {url} in the proxy (GET /admin/engines lists them)")]
+    UnknownEngine { url: String },
+    #[error("a decode engine has no bootstrap port (only a prefill engine's bootstrap is queried)")]
+    BootstrapPortForDecode,
+    #[error("{url} still has {in_flight} request(s) in flight: drain it and wait, or remove it with \"force\": true")]
+    InFlight { url: String, in_flight: usize },
+}
+
+fn state_name(state: EngineState) -> &'static str {
+    match state {
+        EngineState::Serving => "serving",
+        EngineState::Draining => "draining",
+        EngineState::Removed => "removed",
+    }
 }

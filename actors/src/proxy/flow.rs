@@ -51,7 +51,7 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use futures::stream::StreamExt;
 use kameo::prelude::*;
-use pdflow_messages::proxy::{Choice, NotReady, PromptKey, ProxyStatus, ReleasePrefill, Route, RouteDecision};
+use pdflow_messages::proxy::{Choice, NotReady, Pool, PromptKey, ProxyStatus, ReleasePrefill, Route, RouteDecision};
 use pdflow_messages::{RequestId, TransferId};
 use pdflow_observability::{attrs, step_span, steps};
 use route_done::RouteDoneGuard;
@@ -476,7 +476,16 @@ impl Upstream {
                     // blocks now (it may have finished already) rather than at its send expiry.
                     self.release_prefill();
                 }
-                return Err(UpstreamError::Connect { role: "decode", url: d_url, reason: e.to_string() });
+                let error = UpstreamError::Connect {
+                    role: "decode",
+                    url: d_url,
+                    reason: e.to_string(),
+                    refused: e.is_connect(),
+                };
+                if e.is_connect() {
+                    upstream::report_unreachable(&self.ctx, Pool::Decode, self.route.decode_index, &error);
+                }
+                return Err(error);
             }
             Err(_) => {
                 Outcome::TIMEOUT.record(&step10);

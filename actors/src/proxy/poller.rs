@@ -5,7 +5,9 @@
 //! (re-)queried on its bootstrap (`GET {bootstrap}/query`) when it has no engine ids yet, after it
 //! was unhealthy, every [`super::REQUERY_EVERY`] rounds, and when the actor asks (a failed
 //! prefill). Step spans 6 and 7 are emitted while a P is being discovered, not for steady-state
-//! probes.
+//! probes. The actor tells the poller ([`Command`]) of engines that join or leave (probed from
+//! the next round on, by their pool index; a removed one is never probed again) and of engines
+//! that refused a request's connection (a P's engine ids are then asked again once it answers).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
@@ -32,18 +34,40 @@ const TELL_DEADLINE: Duration = Duration::from_secs(5);
 pub(super) struct Poller {
     pub actor: ActorRef<Proxy>,
     pub client: reqwest::Client,
-    /// (P's URL, P's bootstrap address).
-    pub prefill: Vec<(String, String)>,
-    pub decode: Vec<String>,
+    /// By pool index: (P's URL, P's bootstrap address).
+    pub prefill: BTreeMap<usize, (String, String)>,
+    /// By pool index: D's URL.
+    pub decode: BTreeMap<usize, String>,
     pub interval: Duration,
+    /// Consecutive failed probes after which a serving target is reported unhealthy.
+    pub unhealthy_after: u32,
     pub probe_timeout: Duration,
     pub ready_timeout: Option<Duration>,
     /// Signs the `/query` calls; answers are then taken only with the bootstrap's proof.
     pub secret: Option<pdflow_auth::ClusterSecret>,
 }
 
-/// Consecutive failed health probes after which a serving target is taken out of rotation.
+/// Consecutive failed health probes after which a serving target is taken out of rotation (the
+/// default of `--unhealthy-after`).
 pub const UNHEALTHY_AFTER: u32 = 3;
+
+/// Actor → poller.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) enum Command {
+    /// Query this P's engine ids in the next round (a failed prefill).
+    Requery(usize),
+    /// A P joined at this index.
+    AddPrefill { index: usize, url: String, bootstrap: String },
+    /// A D joined at this index.
+    AddDecode { index: usize, url: String },
+    /// This engine left: never probed again.
+    Remove(Pool, usize),
+    /// This engine refused a request's connection; the actor took it out of rotation.
+    Unreachable(Pool, usize),
+}
+
+/// One P's probe, by its pool index.
+type PIndexed = (usize, PrefillProbe);
 
 /// What one P probe found.
 enum PrefillProbe {
@@ -55,15 +79,16 @@ enum PrefillProbe {
 impl Poller {
     /// Probes every target once a round, a round every `interval`, and reports to the actor until
     /// shut down or the actor is gone.
-    pub async fn run(self, mut requery_rx: mpsc::UnboundedReceiver<usize>, shutdown: CancellationToken) {
+    pub async fn run(mut self, mut commands: mpsc::UnboundedReceiver<Command>, shutdown: CancellationToken) {
         let mut rounds = Rounds {
             ready_deadline: self.ready_timeout.map(|t| Instant::now() + t),
             deadline_reported: false,
-            discovered: vec![false; self.prefill.len()],
+            discovered: BTreeMap::new(),
             requested: BTreeSet::new(),
             round: 0,
-            p_failures: vec![0u32; self.prefill.len()],
-            d_failures: vec![0u32; self.decode.len()],
+            p_failures: BTreeMap::new(),
+            d_failures: BTreeMap::new(),
+            unhealthy_after: self.unhealthy_after,
         };
         loop {
             let Some((p_results, d_results)) = self.probe_all(&rounds, &shutdown).await else { return };
@@ -77,7 +102,7 @@ impl Poller {
                 }
             }
             rounds.round = rounds.round.wrapping_add(1);
-            if !self.pause(&mut rounds.requested, &mut requery_rx, &shutdown).await {
+            if !self.pause(&mut rounds, &mut commands, &shutdown).await {
                 return;
             }
         }
@@ -85,26 +110,30 @@ impl Poller {
 
     /// One round's probes, all at once: steps 6 and (where due) 7 on every P, `/health` on every
     /// D; `None` when the poller is shut down meanwhile.
-    async fn probe_all(&self, rounds: &Rounds, shutdown: &CancellationToken) -> Option<(Vec<PrefillProbe>, Vec<bool>)> {
+    async fn probe_all(
+        &self,
+        rounds: &Rounds,
+        shutdown: &CancellationToken,
+    ) -> Option<(Vec<PIndexed>, Vec<(usize, bool)>)> {
         let requery_all = rounds.round > 0 && rounds.round.is_multiple_of(REQUERY_EVERY);
-        let p_probes = self.prefill.iter().enumerate().map(|(i, (url, bootstrap))| {
-            let discovered = rounds.discovered[i];
+        let p_probes = self.prefill.iter().map(|(&i, (url, bootstrap))| {
+            let discovered = rounds.discovered.get(&i).copied().unwrap_or(false);
             let query = !discovered || requery_all || rounds.requested.contains(&i);
-            self.probe_prefill(url, bootstrap, query, !discovered)
+            async move { (i, self.probe_prefill(url, bootstrap, query, !discovered).await) }
         });
-        let d_probes = self.decode.iter().map(|url| self.probe_health(url));
+        let d_probes = self.decode.iter().map(|(&j, url)| async move { (j, self.probe_health(url).await) });
         tokio::select! {
             _ = shutdown.cancelled() => None,
             r = futures::future::join(join_all(p_probes), join_all(d_probes)) => Some(r),
         }
     }
 
-    /// The pause between two rounds, taking the actor's re-query requests meanwhile; `false` when
-    /// the poller is shut down or the actor is gone.
+    /// The pause between two rounds, taking the actor's commands meanwhile (a new engine is probed
+    /// at once); `false` when the poller is shut down or the actor is gone.
     async fn pause(
-        &self,
-        requested: &mut BTreeSet<usize>,
-        requery_rx: &mut mpsc::UnboundedReceiver<usize>,
+        &mut self,
+        rounds: &mut Rounds,
+        commands: &mut mpsc::UnboundedReceiver<Command>,
         shutdown: &CancellationToken,
     ) -> bool {
         let pause = tokio::time::sleep(self.interval);
@@ -113,11 +142,46 @@ impl Poller {
             tokio::select! {
                 _ = shutdown.cancelled() => return false,
                 _ = &mut pause => return true,
-                asked = requery_rx.recv() => match asked {
-                    Some(i) => { requested.insert(i); }
+                asked = commands.recv() => match asked {
+                    Some(command) => {
+                        let joined = matches!(command, Command::AddPrefill { .. } | Command::AddDecode { .. });
+                        self.apply(rounds, command);
+                        if joined {
+                            return true;
+                        }
+                    }
                     None => return false,
                 },
             }
+        }
+    }
+
+    /// One command of the actor's, applied to the targets and what the rounds remember of them.
+    fn apply(&mut self, rounds: &mut Rounds, command: Command) {
+        match command {
+            Command::Requery(i) => {
+                rounds.requested.insert(i);
+            }
+            Command::AddPrefill { index, url, bootstrap } => {
+                self.prefill.insert(index, (url, bootstrap));
+            }
+            Command::AddDecode { index, url } => {
+                self.decode.insert(index, url);
+            }
+            Command::Remove(Pool::Prefill, i) => {
+                self.prefill.remove(&i);
+                rounds.discovered.remove(&i);
+                rounds.p_failures.remove(&i);
+                rounds.requested.remove(&i);
+            }
+            Command::Remove(Pool::Decode, j) => {
+                self.decode.remove(&j);
+                rounds.d_failures.remove(&j);
+            }
+            Command::Unreachable(Pool::Prefill, i) => {
+                rounds.discovered.remove(&i);
+            }
+            Command::Unreachable(Pool::Decode, _) => {}
         }
     }
 
@@ -233,36 +297,40 @@ struct Rounds {
     ready_deadline: Option<Instant>,
     deadline_reported: bool,
     /// Per P: its engine ids are known (step 7 done).
-    discovered: Vec<bool>,
+    discovered: BTreeMap<usize, bool>,
     /// The P the actor asked to re-query (a failed prefill).
     requested: BTreeSet<usize>,
     round: u64,
     /// Consecutive failed probes per target: one slow probe on a loaded engine is not an outage.
-    p_failures: Vec<u32>,
-    d_failures: Vec<u32>,
+    p_failures: BTreeMap<usize, u32>,
+    d_failures: BTreeMap<usize, u32>,
+    /// Failed probes in a row that take a serving target out of rotation.
+    unhealthy_after: u32,
 }
 
 impl Rounds {
     /// What this round's P probes tell the actor. Before discovery every failure counts; after,
-    /// only a run of [`UNHEALTHY_AFTER`].
-    fn prefill_reports(&mut self, probes: Vec<PrefillProbe>) -> Vec<Report> {
+    /// only a run of `unhealthy_after` (by default [`UNHEALTHY_AFTER`]).
+    fn prefill_reports(&mut self, probes: Vec<(usize, PrefillProbe)>) -> Vec<Report> {
         let mut reports = Vec::new();
-        for (i, probe) in probes.into_iter().enumerate() {
+        for (i, probe) in probes {
+            let failures = self.p_failures.entry(i).or_default();
+            let discovered = self.discovered.entry(i).or_default();
             match probe {
                 PrefillProbe::Unhealthy => {
-                    self.p_failures[i] += 1;
-                    if !self.discovered[i] || self.p_failures[i] >= UNHEALTHY_AFTER {
-                        self.discovered[i] = false;
+                    *failures += 1;
+                    if !*discovered || *failures >= self.unhealthy_after {
+                        *discovered = false;
                         reports.push(Report::Health(TargetHealth { pool: Pool::Prefill, index: i, healthy: false }));
                     }
                 }
                 PrefillProbe::Healthy => {
-                    self.p_failures[i] = 0;
+                    *failures = 0;
                     reports.push(Report::Health(TargetHealth { pool: Pool::Prefill, index: i, healthy: true }))
                 }
                 PrefillProbe::Discovered(dp_engine_id) => {
-                    self.p_failures[i] = 0;
-                    self.discovered[i] = true;
+                    *failures = 0;
+                    *discovered = true;
                     reports.push(Report::Discovered(PrefillDiscovered { prefill_index: i, dp_engine_id }));
                 }
             }
@@ -271,12 +339,13 @@ impl Rounds {
     }
 
     /// What this round's D probes tell the actor: a healthy D at once, an unhealthy one after a
-    /// run of [`UNHEALTHY_AFTER`] failures.
-    fn decode_reports(&mut self, results: Vec<bool>) -> Vec<Report> {
+    /// run of `unhealthy_after` failures.
+    fn decode_reports(&mut self, results: Vec<(usize, bool)>) -> Vec<Report> {
         let mut reports = Vec::new();
-        for (j, healthy) in results.into_iter().enumerate() {
-            self.d_failures[j] = if healthy { 0 } else { self.d_failures[j] + 1 };
-            if healthy || self.d_failures[j] >= UNHEALTHY_AFTER {
+        for (j, healthy) in results {
+            let failures = self.d_failures.entry(j).or_default();
+            *failures = if healthy { 0 } else { *failures + 1 };
+            if healthy || *failures >= self.unhealthy_after {
                 reports.push(Report::Health(TargetHealth { pool: Pool::Decode, index: j, healthy }));
             }
         }

@@ -3,7 +3,8 @@
 //! `ActorRef`, which stays valid across the supervisor's restarts (same mailbox), so killing the
 //! actor never closes the socket or a client's connection — flows that ask it meanwhile wait for
 //! the restarted actor (bounded by the flow's ask deadline). Connections are served by
-//! [`crate::http_serve`]: a header and an idle deadline, connection caps.
+//! [`crate::http_serve`]: a header and an idle deadline, connection caps. The admin API
+//! ([`super::admin`]) is served on the same socket.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -13,6 +14,7 @@ use kameo::prelude::*;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::AbortOnDropHandle;
 
+use super::admin::{self, AdminAuth, AdminContext};
 use super::flow::{self, FlowContext};
 use super::Proxy;
 use crate::http_serve::{self, HttpLimits};
@@ -44,12 +46,25 @@ impl ProxyServer {
         Self::start_with_limits(bind, proxy, upstream_timeout, HttpLimits::default()).await
     }
 
-    /// [`ProxyServer::start`], its clients held to `limits`.
+    /// [`ProxyServer::start`], its clients held to `limits`; admin calls are served to loopback
+    /// callers only.
     pub async fn start_with_limits(
         bind: SocketAddr,
         proxy: ActorRef<Proxy>,
         upstream_timeout: Duration,
         limits: HttpLimits,
+    ) -> Result<Self, ActorError> {
+        Self::start_with_admin(bind, proxy, upstream_timeout, limits, None).await
+    }
+
+    /// [`ProxyServer::start_with_limits`]; with `secret`, admin calls must prove it (from any
+    /// caller), without it they are served to loopback callers only.
+    pub async fn start_with_admin(
+        bind: SocketAddr,
+        proxy: ActorRef<Proxy>,
+        upstream_timeout: Duration,
+        limits: HttpLimits,
+        secret: Option<pdflow_auth::ClusterSecret>,
     ) -> Result<Self, ActorError> {
         let listener = crate::rebind::bind_http(bind, "the proxy HTTP server").await?;
         let addr = listener.local_addr().map_err(|source| ActorError::Bind {
@@ -61,8 +76,10 @@ impl ProxyServer {
             .pool_idle_timeout(UPSTREAM_POOL_IDLE)
             .build()
             .map_err(|source| ActorError::HttpClient { what: "the proxy's HTTP client", source })?;
-        let app =
+        let admin = admin::router(Arc::new(AdminContext { proxy: proxy.clone(), auth: secret.map(AdminAuth::new) }));
+        let flows =
             flow::router(Arc::new(FlowContext { proxy, client, upstream_timeout, was_ready: Default::default() }));
+        let app = flows.merge(admin);
         let shutdown = CancellationToken::new();
         let task = tokio::spawn(http_serve::serve(listener, app, "proxy", limits, shutdown.clone()));
         tracing::info!(%addr, "proxy listening");

@@ -16,6 +16,7 @@ use serde_json::{json, Value};
 use tokio::sync::{mpsc, oneshot};
 
 use super::*;
+use pools::check_url;
 
 mod refusals;
 

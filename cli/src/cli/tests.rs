@@ -226,17 +226,19 @@ fn insecure_is_a_flag_and_a_host_off_loopback_needs_it_or_a_secret() {
     assert!(b.secret.insecure);
 }
 
+/// `pdflow proxy` with one P and one D, plus `extra`: its configuration, or what is wrong.
+fn proxy_args(extra: &[&str]) -> Result<pdflow_actors::proxy::ProxyArgs, Vec<String>> {
+    let mut argv = vec!["pdflow", "proxy", "--prefill", "http://127.0.0.1:8010", "--decode", "http://127.0.0.1:8020"];
+    argv.extend_from_slice(extra);
+    let Command::Proxy(p) = Cli::try_parse_from(argv).expect("parses").command else { panic!("not proxy") };
+    p.to_args()
+}
+
 /// D alone: at the measured default share with a D pool that knows what it holds, never with
 /// one that does not, `off` or a share given; a bad share or one without such a pool is refused.
 #[test]
 fn d_alone_defaults_to_the_measured_share_where_d_knows_what_it_holds() {
-    let proxy = |extra: &[&str]| {
-        let mut argv =
-            vec!["pdflow", "proxy", "--prefill", "http://127.0.0.1:8010", "--decode", "http://127.0.0.1:8020"];
-        argv.extend_from_slice(extra);
-        let Command::Proxy(p) = Cli::try_parse_from(argv).expect("parses").command else { panic!("not proxy") };
-        p.to_args()
-    };
+    let proxy = proxy_args;
     let share = |extra: &[&str]| proxy(extra).expect("valid").local_prefill.d_holds_permille;
     assert_eq!(share(&[]), None, "round robin D: D alone never");
     assert_eq!(share(&["--decode-policy", "cache_aware"]), Some(900));
@@ -249,4 +251,29 @@ fn d_alone_defaults_to_the_measured_share_where_d_knows_what_it_holds() {
         let errors = proxy(bad).expect_err("refused");
         assert!(errors.iter().any(|e| e.contains("--local-prefill-when-d-holds")), "{errors:?}");
     }
+}
+
+/// `--unhealthy-after` defaults to the poller's 3 and refuses 0; `pdflow admin` parses its calls.
+#[test]
+fn unhealthy_after_and_admin_calls_parse() {
+    let proxy = proxy_args;
+    assert_eq!(proxy(&[]).expect("valid").unhealthy_after, pdflow_actors::proxy::UNHEALTHY_AFTER);
+    assert_eq!(proxy(&["--unhealthy-after", "1"]).expect("valid").unhealthy_after, 1);
+    let errors = proxy(&["--unhealthy-after", "0"]).expect_err("refused");
+    assert!(errors.iter().any(|e| e.starts_with("--unhealthy-after 0")), "{errors:?}");
+
+    let admin = |argv: &[&str]| match Cli::try_parse_from(argv).map(|c| c.command) {
+        Ok(Command::Admin(a)) => Some(a.action),
+        _ => None,
+    };
+    assert!(matches!(admin(&["pdflow", "admin", "list"]), Some(AdminAction::List)));
+    assert!(matches!(
+        admin(&["pdflow", "admin", "add", "prefill", "http://h:1", "8998"]),
+        Some(AdminAction::Add { pool: PoolArg::Prefill, bootstrap_port: Some(8998), .. })
+    ));
+    assert!(matches!(
+        admin(&["pdflow", "admin", "remove", "http://h:1", "--force"]),
+        Some(AdminAction::Remove { force: true, .. })
+    ));
+    assert!(admin(&["pdflow", "admin", "add", "router", "http://h:1"]).is_none());
 }

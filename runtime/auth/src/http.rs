@@ -1,4 +1,4 @@
-//! Authenticated bootstrap calls (steps 4, 7 and 20): the caller's `X-Pdflow-Auth` header carries
+//! Authenticated HTTP calls — the bootstrap's (steps 4, 7 and 20) and the proxy's admin API: the caller's `X-Pdflow-Auth` header carries
 //! its nonce, its send time and its proof over the method, the path (with its query) and the
 //! body; the bootstrap checks the proof, then freshness and replay. Its answer carries
 //! `X-Pdflow-Auth-Reply`: the bootstrap's proof over the answer's body and the caller's nonce, so
@@ -24,6 +24,8 @@ pub enum Call {
     Register,
     /// `GET /query` (steps 7 and 20).
     Query,
+    /// A call to the proxy's admin API (`/admin/engines…`, any method).
+    Admin,
 }
 
 impl Call {
@@ -31,6 +33,7 @@ impl Call {
         match self {
             Call::Register => Context::Register,
             Call::Query => Context::Query,
+            Call::Admin => Context::Admin,
         }
     }
 
@@ -38,6 +41,7 @@ impl Call {
         match self {
             Call::Register => Context::RegisterReply,
             Call::Query => Context::QueryReply,
+            Call::Admin => Context::AdminReply,
         }
     }
 }

@@ -45,6 +45,10 @@ pub enum Context {
     Query,
     /// The bootstrap's answer to a query, bound to its nonce.
     QueryReply,
+    /// A call to the proxy's admin API (`/admin/engines…`).
+    Admin,
+    /// The proxy's answer to an admin call, bound to its nonce.
+    AdminReply,
     /// Not a proof: the seed of the data channel's TLS key, derived from each key of the secret.
     TlsKey,
 }
@@ -62,6 +66,8 @@ impl Context {
             Context::RegisterReply => b"pdflow/v1/bootstrap/register-reply",
             Context::Query => b"pdflow/v1/bootstrap/query",
             Context::QueryReply => b"pdflow/v1/bootstrap/query-reply",
+            Context::Admin => b"pdflow/v1/proxy/admin",
+            Context::AdminReply => b"pdflow/v1/proxy/admin-reply",
             Context::TlsKey => b"pdflow/v1/tls/ed25519-seed",
         }
     }

@@ -40,6 +40,7 @@ impl ProxyNode {
         let bind = args.bind;
         let upstream_timeout = args.upstream_timeout;
         let limits = HttpLimits::serving(PeerFilter::new(args.secret.as_ref(), insecure));
+        let admin_secret = args.secret.clone();
         let supervisor = NodeSupervisor::spawn("proxy".to_string());
         let proxy = Proxy::supervise(&supervisor, args)
             .restart_policy(RestartPolicy::Transient)
@@ -48,17 +49,18 @@ impl ProxyNode {
             .await;
         started("Proxy", &proxy).await?;
         register_actor(faults, ActorKind::Proxy, Role::Proxy, Vec::new(), &proxy);
-        let server = match ProxyServer::start_with_limits(bind, proxy.clone(), upstream_timeout, limits).await {
-            Ok(server) => server,
-            Err(e) => {
-                let _ = proxy.stop_gracefully().await;
-                let _ = supervisor.stop_gracefully().await;
-                return Err(match e {
-                    ActorError::Bind { what, addr, source } => NodeError::Bind { what, addr, source },
-                    other => NodeError::ActorStart { actor: "Proxy's HTTP server", reason: other.to_string() },
-                });
-            }
-        };
+        let server =
+            match ProxyServer::start_with_admin(bind, proxy.clone(), upstream_timeout, limits, admin_secret).await {
+                Ok(server) => server,
+                Err(e) => {
+                    let _ = proxy.stop_gracefully().await;
+                    let _ = supervisor.stop_gracefully().await;
+                    return Err(match e {
+                        ActorError::Bind { what, addr, source } => NodeError::Bind { what, addr, source },
+                        other => NodeError::ActorStart { actor: "Proxy's HTTP server", reason: other.to_string() },
+                    });
+                }
+            };
         Ok(Self { addr: server.addr, proxy, server, supervisor })
     }
 

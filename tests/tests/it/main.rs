@@ -4,6 +4,7 @@
 //! fault domain) of their own, and the wire capture, which reads every loopback packet while it
 //! runs.
 
+mod admin;
 mod auth;
 mod bad_input;
 mod bench_router;

@@ -9,7 +9,7 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use futures::stream::StreamExt;
 use pdflow_messages::kv_transfer_params::KvTransferParams;
-use pdflow_messages::proxy::{PrefillFailed, RouteDecision};
+use pdflow_messages::proxy::{EngineUnreachable, Pool, PrefillFailed, RouteDecision};
 use pdflow_messages::{RequestId, TransferId};
 use pdflow_observability::{step_span, steps};
 use tokio_util::task::AbortOnDropHandle;
@@ -24,8 +24,9 @@ const MAX_ERROR_BODY: usize = 64 * 1024;
 /// Why an upstream call failed.
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum UpstreamError {
+    /// `refused`: no connection could be made at all (the engine is down), not a failure after.
     #[error("{role} {url} could not be reached: {reason}")]
-    Connect { role: &'static str, url: String, reason: String },
+    Connect { role: &'static str, url: String, reason: String, refused: bool },
     #[error("{role} {url} did not answer within {after:?} (raise the upstream timeout or check the server)")]
     Timeout { role: &'static str, url: String, after: Duration },
     #[error("{role} {url} answered {status}: {message}")]
@@ -133,9 +134,21 @@ pub(super) async fn wait_prefill(p: &mut Option<PrefillHandle>) -> Result<(), Up
 
 pub(super) fn report_prefill_failure(ctx: &FlowContext, prefill_index: usize, e: &UpstreamError) {
     tracing::warn!(error = %e, "prefill failed; decode request cancelled");
+    if let UpstreamError::Connect { refused: true, .. } = e {
+        report_unreachable(ctx, Pool::Prefill, prefill_index, e);
+    }
     if let Some(proxy) = Some(ctx.proxy.clone()).filter(|p| p.is_alive()) {
         // try_send: never wait on the actor from the request path.
         let _ = proxy.tell(PrefillFailed { prefill_index, reason: e.to_string() }).try_send();
+    }
+}
+
+/// An engine refused a request's connection: the Proxy actor takes it out of rotation at once
+/// ([`EngineUnreachable`]) rather than after the poller's failed probes.
+pub(super) fn report_unreachable(ctx: &FlowContext, pool: Pool, index: usize, e: &UpstreamError) {
+    if let Some(proxy) = Some(ctx.proxy.clone()).filter(|p| p.is_alive()) {
+        // try_send: never wait on the actor from the request path.
+        let _ = proxy.tell(EngineUnreachable { pool, index, reason: e.to_string() }).try_send();
     }
 }
 
@@ -151,14 +164,15 @@ pub(super) async fn call_prefill(
 ) -> Result<(), UpstreamError> {
     let step9 = step_span!(steps::DISPATCH_PREFILL, request_id = %request_id, transfer_id = %transfer_id);
     let call = async {
-        let resp = client
-            .post(&url)
-            .headers(headers)
-            .json(&body)
-            .send()
-            .instrument(step9.clone())
-            .await
-            .map_err(|e| UpstreamError::Connect { role: "prefill", url: url.clone(), reason: e.to_string() })?;
+        let resp =
+            client.post(&url).headers(headers).json(&body).send().instrument(step9.clone()).await.map_err(|e| {
+                UpstreamError::Connect {
+                    role: "prefill",
+                    url: url.clone(),
+                    reason: e.to_string(),
+                    refused: e.is_connect(),
+                }
+            })?;
         Outcome::Http(resp.status().as_u16()).record(&step9);
         let step25 = step_span!(steps::P_HTTP_DONE, request_id = %request_id, transfer_id = %transfer_id);
         let status = resp.status();

@@ -115,6 +115,7 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         prefill: vec![PrefillTarget { url: format!("http://{p_addr}"), bootstrap_port: p_addr.port() }],
         decode: vec![format!("http://{d_addr}")],
         health_interval: Duration::from_millis(200),
+        unhealthy_after: pdflow_actors::proxy::UNHEALTHY_AFTER,
         upstream_timeout: Duration::from_secs(30),
         ready_timeout: Some(Duration::from_secs(20)),
         secret: None,
@@ -122,6 +123,7 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         decode_policy: Default::default(),
         local_prefill: Default::default(),
         kv_events: Vec::new(),
+        roster: Default::default(),
     })
     .await?;
     let client = reqwest::Client::builder().no_proxy().pool_max_idle_per_host(256).build()?;

@@ -1,0 +1,414 @@
+//! The proxy's P and D pools as the Proxy actor keeps them: one entry per engine, by a stable
+//! index. An engine that joins ([`Pools::add`]) gets the next index; one that leaves
+//! ([`Pools::remove`]) stays as a tombstone, never chosen and never reused, so that a
+//! [`pdflow_messages::proxy::RouteDecision`] in flight and its `RouteDone` keep naming the engine
+//! they were routed to. A draining engine ([`Pools::drain`]) is not chosen either but finishes the
+//! requests it has; each entry counts the requests in flight on it.
+//!
+//! The pools outlive the actor's restarts through a [`Roster`] in its arguments: the restarted
+//! actor starts from the saved engines (tombstones included) rather than from the command line.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+
+use pdflow_messages::proxy::{AdminError, EngineInfo, EngineState, Pool};
+use pdflow_messages::EngineId;
+
+use super::{PrefillTarget, DEFAULT_BOOTSTRAP_PORT};
+use crate::ActorError;
+
+/// One prefill engine.
+#[derive(Debug)]
+pub(super) struct PrefillState {
+    pub url: String,
+    pub bootstrap_port: u16,
+    /// `http://{host of url}:{bootstrap_port}` (D's `remote_bootstrap_addr`).
+    pub bootstrap_addr: String,
+    pub dp_engine_id: BTreeMap<u32, EngineId>,
+    pub healthy: bool,
+    pub state: EngineState,
+    pub in_flight: usize,
+    pub routed: u64,
+}
+
+/// One decode engine.
+#[derive(Debug)]
+pub(super) struct DecodeState {
+    pub url: String,
+    pub answered: bool,
+    pub healthy: bool,
+    pub state: EngineState,
+    pub in_flight: usize,
+    pub routed: u64,
+}
+
+/// The engines of both pools, by index.
+#[derive(Debug, Default)]
+pub(super) struct Pools {
+    pub prefill: Vec<PrefillState>,
+    pub decode: Vec<DecodeState>,
+}
+
+/// The engines a restarted Proxy actor starts from: shared by every incarnation's arguments,
+/// written by each admin change.
+#[derive(Debug, Clone, Default)]
+pub struct Roster(Arc<Mutex<Option<Saved>>>);
+
+/// What a [`Roster`] keeps: each pool's engines in index order, tombstones included.
+#[derive(Debug, Clone)]
+struct Saved {
+    prefill: Vec<(String, u16, EngineState)>,
+    decode: Vec<(String, EngineState)>,
+}
+
+/// Why a URL is not an engine's `http://host:port`.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub(super) enum UrlProblem {
+    #[error("{0}")]
+    Parse(#[source] crate::error::UrlParseError),
+    #[error("only http:// URLs with a host are served")]
+    Unsupported,
+    #[error("a base URL takes no path, query or fragment")]
+    NotBase,
+}
+
+/// `url` without its trailing `/`, checked to be `http://host[:port]`, and its host (IPv6 hosts
+/// keep their brackets).
+pub(super) fn parse_url(url: &str) -> Result<(String, String), UrlProblem> {
+    let trimmed = url.trim_end_matches('/').to_owned();
+    let parsed = reqwest::Url::parse(&trimmed).map_err(UrlProblem::Parse)?;
+    match parsed.host_str() {
+        Some(host) if parsed.scheme() == "http" => Ok((trimmed, host.to_owned())),
+        _ => Err(UrlProblem::Unsupported),
+    }
+}
+
+/// [`parse_url`], and no path, query or fragment (what an engine joining at run time must be).
+fn parse_base_url(url: &str) -> Result<(String, String), UrlProblem> {
+    let (trimmed, host) = parse_url(url.trim())?;
+    let parsed = reqwest::Url::parse(&trimmed).map_err(UrlProblem::Parse)?;
+    if parsed.path() != "/" || parsed.query().is_some() || parsed.fragment().is_some() {
+        return Err(UrlProblem::NotBase);
+    }
+    Ok((trimmed, host))
+}
+
+pub(super) fn check_url(url: &str, pool: &'static str) -> Result<(String, String), ActorError> {
+    parse_url(url).map_err(|problem| match problem {
+        UrlProblem::Parse(source) => ActorError::InvalidUrl { pool, url: url.to_owned(), source },
+        UrlProblem::Unsupported | UrlProblem::NotBase => ActorError::UnsupportedUrl { pool, url: url.to_owned() },
+    })
+}
+
+impl PrefillState {
+    fn new(url: String, host: &str, bootstrap_port: u16, state: EngineState) -> Self {
+        // D's `remote_bootstrap_addr`: P's host, the bootstrap's port.
+        let bootstrap_addr = format!("http://{host}:{bootstrap_port}");
+        Self {
+            url,
+            bootstrap_port,
+            bootstrap_addr,
+            dp_engine_id: BTreeMap::new(),
+            healthy: false,
+            state,
+            in_flight: 0,
+            routed: 0,
+        }
+    }
+
+    /// Healthy, serving, its engine ids known: a candidate for new requests.
+    pub fn routable(&self) -> bool {
+        self.healthy && self.state == EngineState::Serving && !self.dp_engine_id.is_empty()
+    }
+}
+
+impl DecodeState {
+    fn new(url: String, state: EngineState) -> Self {
+        Self { url, answered: false, healthy: false, state, in_flight: 0, routed: 0 }
+    }
+
+    /// Healthy and serving: a candidate for new requests.
+    pub fn routable(&self) -> bool {
+        self.healthy && self.state == EngineState::Serving
+    }
+}
+
+impl Pools {
+    /// The pools of `roster` when an earlier incarnation saved some, else those of the command
+    /// line (then saved).
+    pub fn start(prefill: &[PrefillTarget], decode: &[String], roster: &Roster) -> Result<Self, ActorError> {
+        let saved = roster.0.lock().map(|s| s.clone()).unwrap_or_default();
+        let pools = match saved {
+            Some(saved) => {
+                let mut pools = Pools::default();
+                for (url, port, state) in saved.prefill {
+                    let (url, host) = check_url(&url, "prefill")?;
+                    pools.prefill.push(PrefillState::new(url, &host, port, state));
+                }
+                for (url, state) in saved.decode {
+                    pools.decode.push(DecodeState::new(check_url(&url, "decode")?.0, state));
+                }
+                pools
+            }
+            None => {
+                let mut pools = Pools::default();
+                for p in prefill {
+                    let (url, host) = check_url(&p.url, "prefill")?;
+                    pools.prefill.push(PrefillState::new(url, &host, p.bootstrap_port, EngineState::Serving));
+                }
+                for d in decode {
+                    pools.decode.push(DecodeState::new(check_url(d, "decode")?.0, EngineState::Serving));
+                }
+                pools.save(roster);
+                pools
+            }
+        };
+        Ok(pools)
+    }
+
+    /// Writes the engines to `roster`, for the next incarnation.
+    pub fn save(&self, roster: &Roster) {
+        let saved = Saved {
+            prefill: self.prefill.iter().map(|p| (p.url.clone(), p.bootstrap_port, p.state)).collect(),
+            decode: self.decode.iter().map(|d| (d.url.clone(), d.state)).collect(),
+        };
+        if let Ok(mut slot) = roster.0.lock() {
+            *slot = Some(saved);
+        }
+    }
+
+    /// The engine at `url` that has not been removed.
+    pub fn find_live(&self, url: &str) -> Option<(Pool, usize)> {
+        let url = url.trim().trim_end_matches('/');
+        let p = self.prefill.iter().position(|p| p.url == url && p.state != EngineState::Removed);
+        let d = self.decode.iter().position(|d| d.url == url && d.state != EngineState::Removed);
+        p.map(|i| (Pool::Prefill, i)).or(d.map(|j| (Pool::Decode, j)))
+    }
+
+    /// A new engine at the end of `pool`: its index. Refused (nothing changed) for a bad URL, a
+    /// URL already in the proxy, or a bootstrap port given for a D.
+    pub fn add(&mut self, pool: Pool, url: &str, bootstrap_port: Option<u16>) -> Result<usize, AdminError> {
+        let (url, host) =
+            parse_base_url(url).map_err(|p| AdminError::BadUrl { url: url.to_owned(), reason: p.to_string() })?;
+        if let Some((pool, index)) = self.find_live(&url) {
+            let state = self.info(pool, index).map_or(EngineState::Serving, |i| i.state);
+            return Err(AdminError::Duplicate { url, pool, state });
+        }
+        match pool {
+            Pool::Prefill => {
+                let port = bootstrap_port.unwrap_or(DEFAULT_BOOTSTRAP_PORT);
+                if port == 0 {
+                    return Err(AdminError::BadUrl { url, reason: "bootstrap port 0".into() });
+                }
+                self.prefill.push(PrefillState::new(url, &host, port, EngineState::Serving));
+                Ok(self.prefill.len() - 1)
+            }
+            Pool::Decode => {
+                if bootstrap_port.is_some() {
+                    return Err(AdminError::BootstrapPortForDecode);
+                }
+                self.decode.push(DecodeState::new(url, EngineState::Serving));
+                Ok(self.decode.len() - 1)
+            }
+        }
+    }
+
+    /// The engine at `url` takes no new request (idempotent).
+    pub fn drain(&mut self, url: &str) -> Result<(Pool, usize), AdminError> {
+        let (pool, index) = self.find_live(url).ok_or_else(|| AdminError::UnknownEngine { url: url.to_owned() })?;
+        match pool {
+            Pool::Prefill => self.prefill[index].state = EngineState::Draining,
+            Pool::Decode => self.decode[index].state = EngineState::Draining,
+        }
+        Ok((pool, index))
+    }
+
+    /// The engine at `url` becomes a tombstone; refused while requests are in flight on it,
+    /// unless `force`.
+    pub fn remove(&mut self, url: &str, force: bool) -> Result<(Pool, usize), AdminError> {
+        let (pool, index) = self.find_live(url).ok_or_else(|| AdminError::UnknownEngine { url: url.to_owned() })?;
+        let in_flight = self.info(pool, index).map_or(0, |i| i.in_flight);
+        if in_flight > 0 && !force {
+            return Err(AdminError::InFlight { url: url.trim_end_matches('/').to_owned(), in_flight });
+        }
+        match pool {
+            Pool::Prefill => {
+                let p = &mut self.prefill[index];
+                p.state = EngineState::Removed;
+                p.healthy = false;
+            }
+            Pool::Decode => {
+                let d = &mut self.decode[index];
+                d.state = EngineState::Removed;
+                d.healthy = false;
+            }
+        }
+        Ok((pool, index))
+    }
+
+    /// One engine as the admin API lists it (tombstones too, by index).
+    pub fn info(&self, pool: Pool, index: usize) -> Option<EngineInfo> {
+        match pool {
+            Pool::Prefill => self.prefill.get(index).map(|p| EngineInfo {
+                pool,
+                index,
+                url: p.url.clone(),
+                bootstrap_addr: Some(p.bootstrap_addr.clone()),
+                state: p.state,
+                healthy: p.healthy && !p.dp_engine_id.is_empty(),
+                engine_ids: p.dp_engine_id.clone(),
+                in_flight: p.in_flight,
+                routed: p.routed,
+            }),
+            Pool::Decode => self.decode.get(index).map(|d| EngineInfo {
+                pool,
+                index,
+                url: d.url.clone(),
+                bootstrap_addr: None,
+                state: d.state,
+                healthy: d.healthy,
+                engine_ids: BTreeMap::new(),
+                in_flight: d.in_flight,
+                routed: d.routed,
+            }),
+        }
+    }
+
+    /// Every engine not removed, P first, by index.
+    pub fn list(&self) -> Vec<EngineInfo> {
+        let p = (0..self.prefill.len()).filter_map(|i| self.info(Pool::Prefill, i));
+        let d = (0..self.decode.len()).filter_map(|j| self.info(Pool::Decode, j));
+        p.chain(d).filter(|e| e.state != EngineState::Removed).collect()
+    }
+
+    /// The (P, dp rank) new requests may go to, but those in `exclude`.
+    pub fn prefill_candidates(&self, exclude: &[usize]) -> Vec<(usize, u32)> {
+        self.prefill
+            .iter()
+            .enumerate()
+            .filter(|(i, p)| p.routable() && !exclude.contains(i))
+            .flat_map(|(i, p)| p.dp_engine_id.keys().map(move |dp| (i, *dp)))
+            .collect()
+    }
+
+    /// The D new requests may go to.
+    pub fn decode_candidates(&self) -> Vec<usize> {
+        (0..self.decode.len()).filter(|&j| self.decode[j].routable()).collect()
+    }
+
+    /// A request was routed to D `dj` (and P `pi` when `disaggregated`).
+    pub fn routed(&mut self, pi: usize, dj: usize, disaggregated: bool) {
+        if disaggregated {
+            if let Some(p) = self.prefill.get_mut(pi) {
+                p.in_flight += 1;
+                p.routed += 1;
+            }
+        }
+        if let Some(d) = self.decode.get_mut(dj) {
+            d.in_flight += 1;
+            d.routed += 1;
+        }
+    }
+
+    /// A request routed by [`Pools::routed`] ended.
+    pub fn done(&mut self, pi: usize, dj: usize, disaggregated: bool) {
+        if disaggregated {
+            if let Some(p) = self.prefill.get_mut(pi) {
+                p.in_flight = p.in_flight.saturating_sub(1);
+            }
+        }
+        if let Some(d) = self.decode.get_mut(dj) {
+            d.in_flight = d.in_flight.saturating_sub(1);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pools() -> Pools {
+        let prefill = [PrefillTarget { url: "http://127.0.0.1:8010/".into(), bootstrap_port: 8998 }];
+        Pools::start(&prefill, &["http://127.0.0.1:8020".into()], &Roster::default()).expect("valid pools")
+    }
+
+    #[test]
+    fn an_added_engine_gets_a_new_index_and_a_removed_one_stays_a_tombstone() {
+        let mut pools = pools();
+        assert_eq!(pools.add(Pool::Decode, "http://127.0.0.1:8021", None), Ok(1));
+        pools.decode[1].healthy = true;
+        pools.decode[0].healthy = true;
+        assert_eq!(pools.decode_candidates(), [0, 1]);
+        assert_eq!(pools.remove("http://127.0.0.1:8020/", false), Ok((Pool::Decode, 0)));
+        assert_eq!(pools.decode_candidates(), [1], "a tombstone is never a candidate");
+        // The same URL again: a new index, the tombstone untouched.
+        assert_eq!(pools.add(Pool::Decode, "http://127.0.0.1:8020", None), Ok(2));
+        assert_eq!(pools.decode[0].state, EngineState::Removed);
+        let listed: Vec<(usize, &str)> = pools.list().iter().map(|e| (e.index, e.pool.name())).collect();
+        assert_eq!(listed, [(0, "prefill"), (1, "decode"), (2, "decode")]);
+    }
+
+    #[test]
+    fn a_drained_engine_finishes_its_requests_and_is_removed_only_when_idle_or_forced() {
+        let mut pools = pools();
+        pools.prefill[0].healthy = true;
+        pools.prefill[0].dp_engine_id.insert(0, EngineId::new("e0"));
+        pools.decode[0].healthy = true;
+        pools.routed(0, 0, true);
+        pools.routed(0, 0, true);
+        assert_eq!(pools.drain("http://127.0.0.1:8020"), Ok((Pool::Decode, 0)));
+        assert!(pools.decode_candidates().is_empty(), "draining: no new request");
+        assert_eq!(pools.prefill_candidates(&[]), [(0, 0)]);
+        assert_eq!(
+            pools.remove("http://127.0.0.1:8020", false),
+            Err(AdminError::InFlight { url: "http://127.0.0.1:8020".into(), in_flight: 2 })
+        );
+        pools.done(0, 0, true);
+        assert_eq!(pools.info(Pool::Decode, 0).map(|i| i.in_flight), Some(1));
+        assert_eq!(pools.remove("http://127.0.0.1:8010", true), Ok((Pool::Prefill, 0)), "forced");
+        pools.done(0, 0, true);
+        assert_eq!(pools.remove("http://127.0.0.1:8020", false), Ok((Pool::Decode, 0)));
+        // A late RouteDone of a removed engine changes nothing.
+        pools.done(0, 0, true);
+        assert!(pools.list().is_empty());
+        assert_eq!(pools.info(Pool::Decode, 0).map(|i| (i.in_flight, i.routed)), Some((0, 2)));
+    }
+
+    #[test]
+    fn bad_adds_change_nothing() {
+        let mut pools = pools();
+        let cases = [
+            (Pool::Prefill, "http://127.0.0.1:8010", None, "Duplicate"),
+            (Pool::Decode, "http://127.0.0.1:8010", None, "Duplicate"),
+            (Pool::Decode, "https://127.0.0.1:9", None, "BadUrl"),
+            (Pool::Decode, "not a url", None, "BadUrl"),
+            (Pool::Decode, "http://127.0.0.1:9/v1", None, "BadUrl"),
+            (Pool::Decode, "http://127.0.0.1:9", Some(8998), "BootstrapPortForDecode"),
+        ];
+        for (pool, url, port, want) in cases {
+            let err = pools.add(pool, url, port).expect_err(url);
+            assert!(format!("{err:?}").starts_with(want), "{url}: {err:?}");
+        }
+        assert_eq!(pools.list().len(), 2);
+        assert!(matches!(pools.drain("http://127.0.0.1:1"), Err(AdminError::UnknownEngine { .. })));
+        assert!(matches!(pools.remove("http://127.0.0.1:1", true), Err(AdminError::UnknownEngine { .. })));
+    }
+
+    #[test]
+    fn a_restarted_actor_starts_from_the_roster() {
+        let roster = Roster::default();
+        let mut pools =
+            Pools::start(&[PrefillTarget::new("http://127.0.0.1:8010")], &["http://127.0.0.1:8020".into()], &roster)
+                .expect("valid");
+        pools.add(Pool::Decode, "http://127.0.0.1:8021", None).expect("added");
+        pools.remove("http://127.0.0.1:8020", false).expect("removed");
+        pools.save(&roster);
+        let again = Pools::start(&[PrefillTarget::new("http://127.0.0.1:1")], &[], &roster).expect("restored");
+        let urls: Vec<(&str, EngineState)> = again.decode.iter().map(|d| (d.url.as_str(), d.state)).collect();
+        assert_eq!(
+            urls,
+            [("http://127.0.0.1:8020", EngineState::Removed), ("http://127.0.0.1:8021", EngineState::Serving)]
+        );
+        assert_eq!(again.prefill[0].url, "http://127.0.0.1:8010");
+    }
+}
