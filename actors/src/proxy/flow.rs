@@ -28,7 +28,7 @@
 //! - [`validate`] — the client's fields checked before P and D see them (step 8).
 
 mod ids;
-pub(crate) mod prompt_key;
+pub mod prompt_key;
 mod relay;
 mod route_done;
 mod upstream;

@@ -70,7 +70,7 @@ fn of_ids(ids: &[u64]) -> PromptKey {
 }
 
 /// Each chunk's hash over its parent's and its own content.
-fn chain<T: Hash>(chunks: impl Iterator<Item = T>) -> Vec<u64> {
+pub fn chain<T: Hash>(chunks: impl Iterator<Item = T>) -> Vec<u64> {
     let mut parent = 0u64;
     chunks
         .map(|chunk| {

@@ -100,7 +100,7 @@ pub async fn run(opts: &Options) -> anyhow::Result<()> {
     anyhow::ensure!(opts.prefill > 0 && opts.decode > 0, "--prefill and --decode must each be at least 1");
     let fronts = if opts.fronts.is_empty() { FrontSpec::all() } else { opts.fronts.clone() };
     let router_exe = if fronts.iter().any(|f| matches!(f, FrontSpec::VllmRouter { .. })) {
-        match front::find_router(!opts.no_install) {
+        match front::find_router(!opts.no_install).await {
             Ok(exe) => Some(exe),
             Err(why) => {
                 println!("vllm-router's fronts are skipped: {why}");

@@ -75,8 +75,14 @@ pub async fn run(client: &reqwest::Client, spec: &DriveSpec, sequences: &[Sequen
     }
     let mut outcomes = Vec::new();
     while let Some(done) = clients.join_next().await {
-        if let Ok(mut o) = done {
-            outcomes.append(&mut o);
+        match done {
+            Ok(mut o) => outcomes.append(&mut o),
+            // A client that panicked: its requests are not lost from the count silently.
+            Err(e) => outcomes.push(Outcome {
+                ttft_ms: None,
+                prompt_tokens: 0,
+                error: Some(format!("a client task ended abnormally: {e}")),
+            }),
         }
     }
     let wall = started.elapsed();

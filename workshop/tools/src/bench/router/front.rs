@@ -220,9 +220,12 @@ fn last_lines(text: &str, n: usize) -> String {
     lines[lines.len().saturating_sub(n)..].join("\n")
 }
 
+/// How long installing vLLM's router may take (a venv and one wheel from PyPI).
+const INSTALL_DEADLINE: Duration = Duration::from_secs(600);
+
 /// vLLM's router: `$PDFLOW_VLLM_ROUTER`, `.venv/bin/vllm-router`, `vllm-router` on `PATH`, or one
 /// the bench installs (`install`) into `target/bench-vllm-router`; or why there is none.
-pub fn find_router(install: bool) -> Result<PathBuf, String> {
+pub async fn find_router(install: bool) -> Result<PathBuf, String> {
     if let Some(path) = std::env::var_os("PDFLOW_VLLM_ROUTER").map(PathBuf::from) {
         return if path.is_file() {
             Ok(path)
@@ -245,22 +248,30 @@ pub fn find_router(install: bool) -> Result<PathBuf, String> {
         return Err(format!("vllm-router is not installed (`pip install {VLLM_ROUTER}`, or set PDFLOW_VLLM_ROUTER)"));
     }
     println!("installing {VLLM_ROUTER} into {} …", own.display());
-    let run = |program: &str, args: &[&str]| -> Result<(), String> {
-        let out = std::process::Command::new(program).args(args).output().map_err(|e| format!("{program}: {e}"))?;
-        if out.status.success() {
-            Ok(())
-        } else {
-            Err(format!("{program} {}: {}", args.join(" "), String::from_utf8_lossy(&out.stderr)))
-        }
-    };
     let own_str = own.to_string_lossy().into_owned();
-    run("python3", &["-m", "venv", &own_str])?;
     let pip = own.join("bin/pip").to_string_lossy().into_owned();
-    run(&pip, &["install", "-q", "--no-cache-dir", VLLM_ROUTER])?;
+    let install = async {
+        run("python3", &["-m", "venv", &own_str]).await?;
+        run(&pip, &["install", "-q", "--no-cache-dir", VLLM_ROUTER]).await
+    };
+    tokio::time::timeout(INSTALL_DEADLINE, install)
+        .await
+        .map_err(|_| format!("installing {VLLM_ROUTER} took more than {INSTALL_DEADLINE:?}"))??;
     let exe = own.join("bin/vllm-router");
     if exe.is_file() {
         Ok(exe)
     } else {
         Err(format!("{VLLM_ROUTER} installed, but {} is missing", exe.display()))
+    }
+}
+
+/// Runs `program ARGS…` to its end (killed if the caller stops waiting); its stderr on failure.
+async fn run(program: &str, args: &[&str]) -> Result<(), String> {
+    let out =
+        Command::new(program).args(args).kill_on_drop(true).output().await.map_err(|e| format!("{program}: {e}"))?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(format!("{program} {}: {}", args.join(" "), String::from_utf8_lossy(&out.stderr)))
     }
 }

@@ -13,7 +13,8 @@
 //! one.
 
 use std::collections::HashSet;
-use std::hash::{Hash, Hasher};
+
+use pdflow_actors::proxy::flow::prompt_key;
 
 /// Token ids are drawn from here: clear of the simulated engine's special ids, within its
 /// vocabulary (32,000).
@@ -160,21 +161,10 @@ pub fn shared_tokens(prompts: &[Vec<u32>], block_size: usize) -> usize {
     let mut seen = HashSet::new();
     let mut shared = 0;
     for prompt in prompts {
-        let mut parent = 0u64;
-        let mut leading = true;
-        for block in prompt.chunks_exact(block_size) {
-            #[allow(deprecated)]
-            let mut h = std::hash::SipHasher::new();
-            parent.hash(&mut h);
-            block.hash(&mut h);
-            parent = h.finish();
-            if leading && seen.contains(&parent) {
-                shared += block_size;
-            } else {
-                leading = false;
-            }
-            seen.insert(parent);
-        }
+        // The proxy's chained chunk hashes: two prompts sharing a prefix share their leading ones.
+        let blocks = prompt_key::chain(prompt.chunks_exact(block_size));
+        shared += blocks.iter().take_while(|b| seen.contains(*b)).count() * block_size;
+        seen.extend(blocks);
     }
     shared
 }
