@@ -5,6 +5,9 @@
 use pdflow_auth::http::{open_answer, sign_call, Call, AUTH_HEADER, REPLY_HEADER};
 use pdflow_auth::ClusterSecret;
 
+/// How long one admin call may take, answer included (a signed call is fresh for 30 s).
+const CALL_DEADLINE: std::time::Duration = std::time::Duration::from_secs(30);
+
 /// One proxy's admin API.
 #[derive(Debug, Clone)]
 pub struct AdminClient {
@@ -94,11 +97,12 @@ impl AdminClient {
             request = request.header(AUTH_HEADER, header);
             nonce = Some(n);
         }
-        let resp = request.body(bytes).send().await.map_err(|source| AdminClientError::Request {
-            method,
-            url: url.clone(),
-            source,
-        })?;
+        let resp = request
+            .body(bytes)
+            .timeout(CALL_DEADLINE)
+            .send()
+            .await
+            .map_err(|source| AdminClientError::Request { method, url: url.clone(), source })?;
         let status = resp.status();
         let proof = resp.headers().get(REPLY_HEADER).and_then(|v| v.to_str().ok()).map(str::to_owned);
         let answer =
