@@ -18,6 +18,10 @@
 //! ([`pdflow_auth::http`]). `/health` stays open: it tells nothing. Without a secret the server
 //! serves loopback peers only unless `insecure` ([`PeerFilter`]), and a registration may neither
 //! take a worker over nor add one from another peer address ([`Registrants`]: 403).
+//!
+//! Beside the table of P workers, a second one: engines, P and D, that advertise their role and
+//! HTTP URL for the proxy's discovery (`POST /engines`, `GET /engines`; [`engines`]). `/query`
+//! never shows it.
 
 use std::collections::BTreeMap;
 use std::net::{IpAddr, SocketAddr};
@@ -92,6 +96,8 @@ pub struct Bootstrap {
     /// Without a secret: which registrations may change the table ([`Registrants`]); `None` with
     /// one (every registration is signed by a holder of the secret).
     registrants: Option<Registrants>,
+    /// The engines advertised for discovery ([`engines`]).
+    advertised: engines::Advertised,
     shutdown: CancellationToken,
     server: Option<AbortOnDropHandle<()>>,
 }
@@ -152,6 +158,7 @@ impl Actor for Bootstrap {
             Ok(Bootstrap {
                 addr,
                 engines: BTreeMap::new(),
+                advertised: engines::Advertised::new(registrants.is_some()),
                 registrants,
                 shutdown,
                 server: Some(AbortOnDropHandle::new(server)),
@@ -406,6 +413,7 @@ fn router(http: Http) -> Router {
     Router::new()
         .route("/register", post(http_register))
         .route("/query", get(http_query))
+        .route("/engines", get(engines::http_engines).post(engines::http_advertise))
         .route("/health", get(|| async { Json(serde_json::json!({"status": "ok"})) }))
         // This process's counters (refused calls and connections among them), as the proxy's.
         .route("/metrics", get(metrics))
@@ -498,6 +506,7 @@ async fn http_query(
     }
 }
 
+mod engines;
 #[cfg(test)]
 mod protected_tests;
 #[cfg(test)]

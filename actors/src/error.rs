@@ -49,8 +49,8 @@ pub enum ActorError {
     /// An HTTP client could not be built.
     #[error("cannot build {what}: {source}")]
     HttpClient { what: &'static str, source: reqwest::Error },
-    /// The proxy was given an empty prefill or decode pool.
-    #[error("the proxy needs at least one prefill and one decode instance (got {prefill} P, {decode} D)")]
+    /// The proxy was given an empty prefill or decode pool, and no bootstrap to discover engines at.
+    #[error("the proxy needs at least one prefill and one decode instance (got {prefill} P, {decode} D), or a bootstrap to discover them at")]
     EmptyPool { prefill: usize, decode: usize },
     /// A prefill or decode URL given to the proxy does not parse.
     #[error("invalid {pool} URL `{url}`: {source} (expected http://host:port)")]

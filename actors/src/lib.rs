@@ -2,7 +2,8 @@
 //!
 //! # Layout
 //! - [`bootstrap`] — engine_id → dp → tp → pp → side-channel address; vLLM-compatible HTTP
-//!   (steps 2, 4 and 20 server side, 7).
+//!   (steps 2, 4 and 20 server side, 7); beside it, the engines advertised for discovery.
+//! - [`advertise`] — an engine advertising its role and URL at bootstraps (the proxy's discovery).
 //! - [`proxy`] — P/D pools, health, engine ids, round robin; [`proxy::flow`] — one request's
 //!   fan-out and streaming back (steps 6–10, 25, 42–43).
 //! - [`scheduler_connector`] — the scheduler-side hooks, producer and consumer roles
@@ -20,6 +21,7 @@
 //!   production).
 //! - [`error`] — the crate's error type.
 
+pub mod advertise;
 pub mod bootstrap;
 mod bootstrap_call;
 pub mod error;

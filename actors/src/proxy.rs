@@ -15,13 +15,15 @@
 //! probing, re-queries a P's engine ids every [`REQUERY_EVERY`] rounds, after a P
 //! came back from being unhealthy, and after a failed prefill ([`PrefillFailed`]).
 //!
-//! Engines join and leave while the proxy runs, through its admin API ([`admin`]): each keeps a
-//! stable index in its pool, a removed one a tombstone, a draining one finishes what it has
-//! ([`pools`]). An engine that refuses a request's connection is out of rotation at once
-//! ([`EngineUnreachable`]); the poller brings it back when its `/health` answers.
+//! Engines join and leave while the proxy runs, through its admin API ([`admin`]) and from the
+//! bootstraps it discovers engines at ([`discovery`], `--discover`): each keeps a stable index in
+//! its pool, a removed one a tombstone, a draining one finishes what it has ([`pools`]). An engine
+//! that refuses a request's connection is out of rotation at once ([`EngineUnreachable`]); the
+//! poller brings it back when its `/health` answers.
 
 mod admin;
 pub mod admin_client;
+pub mod discovery;
 pub mod flow;
 pub mod kv_events;
 mod poller;
@@ -100,6 +102,9 @@ pub struct ProxyArgs {
     /// The engines as the admin API last left them, shared by the actor's incarnations: a
     /// restarted actor starts from it, not from `prefill` and `decode`.
     pub roster: Roster,
+    /// Bootstraps whose advertised engines join the pools (`--discover`, [`discovery`]); with
+    /// one, the pools may start empty.
+    pub discover: Vec<String>,
 }
 
 impl ProxyArgs {
@@ -121,6 +126,7 @@ impl ProxyArgs {
             local_prefill: routing::LocalPrefill::default(),
             kv_events: Vec::new(),
             roster: Roster::default(),
+            discover: Vec::new(),
         }
     }
 }
@@ -141,8 +147,12 @@ pub struct Proxy {
     releaser: release::Releaser,
     shutdown: CancellationToken,
     _poller: AbortOnDropHandle<()>,
-    /// The KV-event subscribers (`kv_aware`), stopped with the actor.
-    _kv_events: kv_events::KvEvents,
+    /// The KV-event subscribers (`kv_aware`), stopped with the actor or when their engine leaves.
+    kv_events: kv_events::KvEvents,
+    /// The bootstraps' engines read (`--discover`), stopped with the actor.
+    _discovery: Option<AbortOnDropHandle<()>>,
+    /// Where engines are discovered, for what the proxy says it waits for.
+    discover: Vec<String>,
 }
 
 impl Actor for Proxy {
@@ -150,25 +160,39 @@ impl Actor for Proxy {
     type Error = ActorError;
 
     async fn on_start(args: Self::Args, actor_ref: ActorRef<Self>) -> Result<Self, Self::Error> {
-        if args.prefill.is_empty() || args.decode.is_empty() {
+        if args.discover.is_empty() && (args.prefill.is_empty() || args.decode.is_empty()) {
             return Err(ActorError::EmptyPool { prefill: args.prefill.len(), decode: args.decode.len() });
         }
-        let pools = pools::Pools::start(&args.prefill, &args.decode, &args.roster)?;
+        let mut checked = Vec::new();
+        for (url, pool) in
+            (args.prefill.iter().map(|p| (&p.url, "prefill"))).chain(args.decode.iter().map(|d| (d, "decode")))
+        {
+            checked.push(pools::check_url(url, pool)?.0);
+        }
+        let (prefill_urls, decode_urls) = checked.split_at(args.prefill.len());
+        kv_events::KvEvents::check(
+            &args.kv_events,
+            (prefill_urls, args.prefill_policy),
+            (decode_urls, args.decode_policy),
+        )?;
+        let pools = pools::Pools::start(&args.prefill, &args.decode, &args.kv_events, &args.roster)?;
         let client = reqwest::Client::builder()
             .build()
             .map_err(|source| ActorError::HttpClient { what: "the proxy's health-check client", source })?;
         let shutdown = CancellationToken::new();
-        let prefill_urls: Vec<String> = pools.prefill.iter().map(|p| p.url.clone()).collect();
-        let decode_urls: Vec<String> = pools.decode.iter().map(|d| d.url.clone()).collect();
-        let kv_events = kv_events::KvEvents::start(
-            &args.kv_events,
-            (&prefill_urls, args.prefill_policy),
-            (&decode_urls, args.decode_policy),
-            &shutdown,
-        )?;
+        let mut kv_events = kv_events::KvEvents::new(args.prefill_policy, args.decode_policy, &shutdown);
+        for (pool, entries) in [(Pool::Prefill, pools.prefill.len()), (Pool::Decode, pools.decode.len())] {
+            for index in 0..entries {
+                let live = pools.info(pool, index).is_some_and(|e| e.state != EngineState::Removed);
+                if let Some((url, sources)) = pools.kv_sources(pool, index).filter(|_| live) {
+                    kv_events.subscribe(pool, index, &url, &sources);
+                }
+            }
+        }
 
         let (poller_tx, poller_rx) = mpsc::unbounded_channel();
         let releaser = release::Releaser::new(client.clone(), args.secret.clone());
+        let client_for_discovery = client.clone();
         let poller = poller::Poller {
             actor: actor_ref.clone(),
             client,
@@ -187,11 +211,24 @@ impl Actor for Proxy {
             secret: args.secret.clone(),
         };
         let poller = tokio::spawn(poller.run(poller_rx, shutdown.clone()));
+        let discover: Vec<String> = args.discover.iter().map(|b| b.trim_end_matches('/').to_owned()).collect();
+        let discovery = (!discover.is_empty()).then(|| {
+            let discoverer = discovery::Discoverer {
+                actor: actor_ref.clone(),
+                client: client_for_discovery.clone(),
+                bootstraps: discover.clone(),
+                interval: args.health_interval,
+                call_timeout: args.health_interval.max(Duration::from_secs(1)).min(args.upstream_timeout),
+                secret: args.secret.clone(),
+            };
+            AbortOnDropHandle::new(tokio::spawn(discoverer.run(shutdown.clone())))
+        });
         tracing::info!(
             prefill = pools.prefill.len(),
             decode = pools.decode.len(),
             prefill_policy = args.prefill_policy.name(),
             decode_policy = args.decode_policy.name(),
+            discover = ?discover,
             "proxy routing"
         );
 
@@ -206,7 +243,9 @@ impl Actor for Proxy {
             releaser,
             shutdown,
             _poller: AbortOnDropHandle::new(poller),
-            _kv_events: kv_events,
+            kv_events,
+            _discovery: discovery,
+            discover,
         })
     }
 
@@ -232,7 +271,18 @@ impl Proxy {
         let d = (self.pools.decode.iter())
             .filter(|d| d.state == EngineState::Serving && !d.answered)
             .map(|d| format!("decode {} (/health)", d.url));
-        p.chain(d).collect()
+        let mut waiting: Vec<String> = p.chain(d).collect();
+        // Discovering: at least one engine of each pool before serving.
+        if !self.discover.is_empty() {
+            let from = self.discover.join(", ");
+            if self.pools.prefill.iter().all(|p| p.state == EngineState::Removed) {
+                waiting.push(format!("a prefill engine (none advertised yet at {from})"));
+            }
+            if self.pools.decode.iter().all(|d| d.state == EngineState::Removed) {
+                waiting.push(format!("a decode engine (none advertised yet at {from})"));
+            }
+        }
+        waiting
     }
 
     fn update_ready(&mut self) {

@@ -44,7 +44,8 @@ pub enum Command {
     Bootstrap(BootstrapCmd),
     /// The proxy alone; accepts vLLM's proxy arguments.
     Proxy(ProxyCmd),
-    /// A running proxy's engines: list them, add one, drain one, remove one (its admin API).
+    /// A running proxy's engines: list them, add one, drain one, put one back, remove one (its
+    /// admin API).
     Admin(AdminCmd),
     /// One engine (the simulated engine with pdflow's connector), producer or consumer.
     Serve(Box<ServeCmd>),
@@ -487,11 +488,16 @@ pub struct ProxyCmd {
     #[arg(long, default_value_t = 8000)]
     pub port: u16,
     /// A prefill engine: `--prefill URL [BOOTSTRAP_PORT]` (repeat for several; port default 8998).
-    #[arg(long, num_args = 1..=2, value_names = ["URL", "BOOTSTRAP_PORT"], required = true, action = clap::ArgAction::Append)]
+    #[arg(long, num_args = 1..=2, value_names = ["URL", "BOOTSTRAP_PORT"], action = clap::ArgAction::Append)]
     pub prefill: Vec<String>,
     /// A decode engine: `--decode URL` (repeat for several).
-    #[arg(long, required = true)]
+    #[arg(long)]
     pub decode: Vec<String>,
+    /// Take the P and D engines advertised at this bootstrap (`http://host:port`) into the pools
+    /// while the proxy runs, as they come and go (repeat for several bootstraps). With it,
+    /// --prefill and --decode may be left out.
+    #[arg(long, value_name = "BOOTSTRAP_URL")]
+    pub discover: Vec<String>,
     /// Deadline of every upstream call, in seconds.
     #[arg(long, default_value_t = 120)]
     pub upstream_timeout: u64,
@@ -559,9 +565,16 @@ pub enum AdminAction {
         pool: PoolArg,
         url: String,
         bootstrap_port: Option<u16>,
+        /// Where it publishes KV events, for a kv_aware pool:
+        /// `tcp://HOST:PORT[,replay=tcp://HOST:PORT][,topic=TOPIC]` (repeat: one per
+        /// data-parallel rank).
+        #[arg(long, value_name = "ENDPOINT")]
+        kv_events: Vec<String>,
     },
     /// No new request goes to the engine at URL; those in flight finish.
     Drain { url: String },
+    /// The draining engine at URL takes new requests again.
+    Undrain { url: String },
     /// The engine at URL leaves (refused while it has requests in flight, unless --force).
     Remove {
         url: String,
@@ -669,6 +682,16 @@ impl ProxyCmd {
                 errors.push(format!("--decode {d}: expected an http:// URL"));
             }
         }
+        for b in &self.discover {
+            if !b.starts_with("http://") {
+                errors.push(format!("--discover {b}: expected the bootstrap's http:// URL"));
+            }
+        }
+        if self.discover.is_empty() && (self.prefill.is_empty() || self.decode.is_empty()) {
+            errors.push(
+                "the proxy needs --prefill and --decode engines, or --discover BOOTSTRAP_URL to find them".into(),
+            );
+        }
         let bind = format!("{}:{}", self.host, self.port);
         let bind: Option<SocketAddr> =
             bind.parse().map_err(|_| errors.push(format!("--host/--port {bind}: not an IP address and port"))).ok();
@@ -721,6 +744,7 @@ impl ProxyCmd {
                 decode_policy,
                 local_prefill,
                 kv_events,
+                discover: self.discover.iter().map(|b| b.trim_end_matches('/').to_string()).collect(),
                 ..ProxyArgs::new(bind, prefill, decode)
             }),
             _ => Err(errors),

@@ -1,6 +1,7 @@
 //! The `pdflow` binary: parses the command line ([`cli`]), validates the configuration
 //! before anything binds, runs the node, and shuts it down on Ctrl-C / SIGTERM.
 
+mod advertise;
 mod cli;
 mod faults;
 
@@ -403,14 +404,22 @@ async fn run_admin(cmd: AdminCmd) -> anyhow::Result<bool> {
     let client = AdminClient::new(&cmd.proxy, secret);
     let answer = match &cmd.action {
         AdminAction::List => client.list().await?,
-        AdminAction::Add { pool, url, bootstrap_port } => {
+        AdminAction::Add { pool, url, bootstrap_port, kv_events } => {
             let pool = match pool {
                 PoolArg::Prefill => "prefill",
                 PoolArg::Decode => "decode",
             };
-            client.add(pool, url, *bootstrap_port).await?
+            let mut endpoints = Vec::new();
+            for value in kv_events {
+                let source = format!("{url}={value}")
+                    .parse::<pdflow_actors::proxy::kv_events::KvEventSource>()
+                    .map_err(|e| anyhow::anyhow!("--kv-events {value}: {e}"))?;
+                endpoints.push(source.endpoint());
+            }
+            client.add(pool, url, *bootstrap_port, &endpoints).await?
         }
         AdminAction::Drain { url } => client.drain(url).await?,
+        AdminAction::Undrain { url } => client.undrain(url).await?,
         AdminAction::Remove { url, force } => client.remove(url, *force).await?,
     };
     println!("{}", serde_json::to_string_pretty(&answer.body)?);
@@ -450,8 +459,10 @@ async fn run_serve(cmd: &ServeCmd) -> anyhow::Result<bool> {
         let program = std::env::current_exe().context("finding this program, to run the ranks' processes")?;
         cfg.rank_processes = Some(RankLaunch { program, serve_argv: std::env::args().skip(1).collect() });
     }
+    let topic = cfg.engine.kv_events.as_ref().map(|k| k.topic.clone()).unwrap_or_default();
+    let secret = cfg.tcp.secret.clone();
     if cmd.data_parallel_size > 1 {
-        return serve_data_parallel(cfg, cmd.data_parallel_size, &faults, kind, &trace_export).await;
+        return serve_data_parallel(cmd, cfg, &faults, kind, &trace_export).await;
     }
     let node = EngineNode::start(cfg).await?;
     faults.register_process_kill(kind);
@@ -459,13 +470,20 @@ async fn run_serve(cmd: &ServeCmd) -> anyhow::Result<bool> {
         faults.register_process_kill(NodeKind::Bootstrap);
     }
     // Where its KV events are published (bound already: the node waited for them), if they are.
-    let kv_events = node
-        .engine
-        .kv_events_endpoints()
-        .await
-        .ok()
-        .flatten()
-        .map(|e| serde_json::json!({"endpoint": e.endpoint, "replay_endpoint": e.replay_endpoint}));
+    let published = node.engine.kv_events_endpoints().await.ok().flatten();
+    let kv_events =
+        published.as_ref().map(|e| serde_json::json!({"endpoint": e.endpoint, "replay_endpoint": e.replay_endpoint}));
+    let served = advertise::Served {
+        producer: node.role.produces(),
+        http_addr: node.http_addr,
+        engine_id: &node.engine_id,
+        bootstrap_url: node.bootstrap_url(),
+        kv_events: published.into_iter().collect(),
+        topic,
+        host: &cmd.host,
+    };
+    // Stops advertising when dropped, before the engine stops.
+    let advertiser = advertise::start(served, &cmd.advertise_to, secret)?;
     ready_line(serde_json::json!({
         "event": "ready",
         "service": "engine",
@@ -478,6 +496,7 @@ async fn run_serve(cmd: &ServeCmd) -> anyhow::Result<bool> {
     }));
     let lost = node.rank_lost();
     serve_until_signal_or(&trace_export, lost, || async move {
+        drop(advertiser);
         let _ = tokio::time::timeout(Duration::from_secs(10), node.shutdown()).await;
     })
     .await
@@ -485,14 +504,16 @@ async fn run_serve(cmd: &ServeCmd) -> anyhow::Result<bool> {
 
 /// `pdflow serve --data-parallel-size N`: N engines behind one API.
 async fn serve_data_parallel(
+    cmd: &ServeCmd,
     cfg: pdflow_sim_node::EngineNodeConfig,
-    size: u32,
     faults: &NodeFaults,
     kind: NodeKind,
     trace_export: &TraceExport,
 ) -> anyhow::Result<bool> {
     let role = cfg.role;
-    let group = DataParallelGroup::start(cfg, size).await?;
+    let topic = cfg.engine.kv_events.as_ref().map(|k| k.topic.clone()).unwrap_or_default();
+    let secret = cfg.tcp.secret.clone();
+    let group = DataParallelGroup::start(cfg, cmd.data_parallel_size).await?;
     faults.register_process_kill(kind);
     let first = &group.engines[0];
     if first.first_worker().is_some_and(|w| w.bootstrap.is_some()) {
@@ -508,6 +529,20 @@ async fn serve_data_parallel(
         "bootstrap_addr": first.launched_bootstrap_addr().map(|a| a.to_string()),
         "data_addr": first.data_addr().map(|a| a.to_string()),
     }));
+    let mut published = Vec::new();
+    for engine in &group.engines {
+        published.extend(engine.engine.kv_events_endpoints().await.ok().flatten());
+    }
+    let served = advertise::Served {
+        producer: role.produces(),
+        http_addr: group.http_addr,
+        engine_id: &first.engine_id,
+        bootstrap_url: first.bootstrap_url(),
+        kv_events: published,
+        topic,
+        host: &cmd.host,
+    };
+    let advertiser = advertise::start(served, &cmd.advertise_to, secret)?;
     let lost = CancellationToken::new();
     for engine in &group.engines {
         let (engine_lost, lost) = (engine.rank_lost(), lost.clone());
@@ -517,6 +552,7 @@ async fn serve_data_parallel(
         });
     }
     serve_until_signal_or(trace_export, lost, || async move {
+        drop(advertiser);
         let _ = tokio::time::timeout(Duration::from_secs(10), group.shutdown()).await;
     })
     .await

@@ -6,6 +6,8 @@
 //! # Layout
 //! - [`kv_transfer_params`] — the proxy → engine protocol inside each request (steps 9–10).
 //! - [`bootstrap`] — `POST /register` and `GET /query` bodies (steps 4, 7, 20).
+//! - [`discovery`] — engines advertising themselves at a bootstrap (`/engines`), for the proxy's
+//!   discovery.
 //! - [`sender_listener`] — the side channel: D's pull request and P's response (steps 21, 30).
 //! - [`scheduler_connector`] — the scheduler hooks, the scheduler → worker metadata and the
 //!   worker → scheduler output (steps 12–13, 17–18, 23, 26, 32–33, 35–37).
@@ -18,6 +20,7 @@
 //! - `ids` — [`RequestId`], [`TransferId`], [`EngineId`]: one type each, a plain string on the wire.
 
 pub mod bootstrap;
+pub mod discovery;
 pub mod frame;
 mod ids;
 pub mod kv_groups;

@@ -237,6 +237,9 @@ pub struct EngineInfo {
     pub in_flight: usize,
     /// Requests routed to it since it joined.
     pub routed: u64,
+    /// Where it publishes KV events, as given when it joined (followed by a `kv_aware` pool).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub kv_events: Vec<crate::discovery::KvEventsEndpoint>,
 }
 
 /// Admin → Proxy: every engine not removed, P first, by index.
@@ -251,11 +254,19 @@ pub struct AddEngine {
     pub url: String,
     /// A P's bootstrap port (none: 8998); a D takes none.
     pub bootstrap_port: Option<u16>,
+    /// Where it publishes KV events: subscribed to when its pool is `kv_aware`.
+    pub kv_events: Vec<crate::discovery::KvEventsEndpoint>,
 }
 
 /// Admin → Proxy: the engine at `url` takes no new request; those in flight finish.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DrainEngine {
+    pub url: String,
+}
+
+/// Admin → Proxy: the draining engine at `url` takes new requests again.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UndrainEngine {
     pub url: String,
 }
 
@@ -280,6 +291,8 @@ pub enum AdminError {
     BootstrapPortForDecode,
     #[error("{url} still has {in_flight} request(s) in flight: drain it and wait, or remove it with \"force\": true")]
     InFlight { url: String, in_flight: usize },
+    #[error("KV events endpoint of {url}: {reason}")]
+    BadKvEvents { url: String, reason: String },
 }
 
 fn state_name(state: EngineState) -> &'static str {

@@ -4,9 +4,12 @@
 //!
 //! - `GET /admin/engines` — every engine not removed: pool, index, url, state (serving, draining),
 //!   healthy, engine ids, requests in flight and routed;
-//! - `POST /admin/engines` `{"pool": "prefill"|"decode", "url": …, "bootstrap_port": 8998}` — a new
-//!   engine (201); it serves once healthy (a P: once its engine ids are known);
+//! - `POST /admin/engines` `{"pool": "prefill"|"decode", "url": …, "bootstrap_port": 8998,
+//!   "kv_events": [{"endpoint": "tcp://…", "replay_endpoint": "tcp://…", "topic": …}]}` — a new
+//!   engine (201); it serves once healthy (a P: once its engine ids are known); a `kv_aware` pool
+//!   follows its KV events from then on;
 //! - `POST /admin/engines/drain` `{"url": …}` — no new request goes to it; those in flight finish;
+//! - `POST /admin/engines/undrain` `{"url": …}` — a draining engine takes new requests again;
 //! - `POST /admin/engines/remove` `{"url": …, "force": false}`, or `DELETE /admin/engines?url=…`
 //!   (`&force=true`) — it leaves; refused (409) while requests are in flight on it unless forced.
 //!
@@ -30,7 +33,10 @@ use axum::Router;
 use kameo::prelude::*;
 use pdflow_auth::http::{open_call, seal_answer, Call, AUTH_HEADER, REPLY_HEADER};
 use pdflow_auth::{ClusterSecret, Nonce, ReplayGuard, Socket};
-use pdflow_messages::proxy::{AddEngine, AdminError, DrainEngine, EngineInfo, ListEngines, Pool, RemoveEngine};
+use pdflow_messages::discovery::KvEventsEndpoint;
+use pdflow_messages::proxy::{
+    AddEngine, AdminError, DrainEngine, EngineInfo, ListEngines, Pool, RemoveEngine, UndrainEngine,
+};
 use serde::Deserialize;
 
 use super::{poller, Proxy};
@@ -50,6 +56,60 @@ impl Proxy {
             tracing::info!(pool = pool.name(), index, url = %e.url, in_flight = e.in_flight, "admin: engine {what}");
         }
     }
+
+    /// A new engine in `pool` (the admin API, discovery): probed by the poller from its next
+    /// round, its KV events followed when its pool is `kv_aware`. Its index; refused, nothing
+    /// changed.
+    pub(super) fn join(
+        &mut self,
+        pool: Pool,
+        url: &str,
+        bootstrap_port: Option<u16>,
+        kv_events: &[KvEventsEndpoint],
+    ) -> Result<usize, AdminError> {
+        let index = self.pools.add(pool, url, bootstrap_port, kv_events)?;
+        let command = match pool {
+            Pool::Prefill => {
+                let p = &self.pools.prefill[index];
+                poller::Command::AddPrefill { index, url: p.url.clone(), bootstrap: p.bootstrap_addr.clone() }
+            }
+            Pool::Decode => poller::Command::AddDecode { index, url: self.pools.decode[index].url.clone() },
+        };
+        // The poller is gone only while the actor stops.
+        let _ = self.poller_tx.send(command);
+        self.follow_kv_events(pool, index);
+        self.pools.save(&self.roster);
+        Ok(index)
+    }
+
+    /// Follows the KV events of entry `index` of `pool` at the endpoints its entry holds (a
+    /// `kv_aware` pool's engine with some; otherwise nothing).
+    pub(super) fn follow_kv_events(&mut self, pool: Pool, index: usize) {
+        let Some((url, sources)) = self.pools.kv_sources(pool, index) else { return };
+        if self.kv_events.subscribe(pool, index, &url, &sources) {
+            tracing::info!(pool = pool.name(), index, %url, sources = sources.len(), "kv events: following");
+        }
+    }
+
+    /// The engine at `url` leaves (the admin API, discovery when it moved): never chosen again,
+    /// never probed again, its KV events no longer followed. Refused while requests are in flight
+    /// on it unless `force`.
+    pub(super) fn leave(&mut self, url: &str, force: bool) -> Result<(Pool, usize), AdminError> {
+        let (pool, index) = self.pools.remove(url, force)?;
+        match pool {
+            Pool::Prefill => {
+                let ranks: Vec<u32> = self.pools.prefill[index].dp_engine_id.keys().copied().collect();
+                for dp in ranks {
+                    self.prefill_picker.forget((index, dp));
+                }
+            }
+            Pool::Decode => self.decode_picker.forget(index),
+        }
+        let _ = self.poller_tx.send(poller::Command::Remove(pool, index));
+        self.kv_events.unsubscribe(pool, index);
+        self.pools.save(&self.roster);
+        Ok((pool, index))
+    }
 }
 
 impl Message<ListEngines> for Proxy {
@@ -64,16 +124,7 @@ impl Message<AddEngine> for Proxy {
     type Reply = Result<EngineInfo, AdminError>;
 
     async fn handle(&mut self, msg: AddEngine, _ctx: &mut Context<Self, Self::Reply>) -> Self::Reply {
-        let index = self.pools.add(msg.pool, &msg.url, msg.bootstrap_port)?;
-        let command = match msg.pool {
-            Pool::Prefill => {
-                let p = &self.pools.prefill[index];
-                poller::Command::AddPrefill { index, url: p.url.clone(), bootstrap: p.bootstrap_addr.clone() }
-            }
-            Pool::Decode => poller::Command::AddDecode { index, url: self.pools.decode[index].url.clone() },
-        };
-        // The poller is gone only while the actor stops.
-        let _ = self.poller_tx.send(command);
+        let index = self.join(msg.pool, &msg.url, msg.bootstrap_port, &msg.kv_events)?;
         self.changed("added", msg.pool, index);
         self.pools.info(msg.pool, index).ok_or(AdminError::UnknownEngine { url: msg.url })
     }
@@ -89,21 +140,21 @@ impl Message<DrainEngine> for Proxy {
     }
 }
 
+impl Message<UndrainEngine> for Proxy {
+    type Reply = Result<EngineInfo, AdminError>;
+
+    async fn handle(&mut self, msg: UndrainEngine, _ctx: &mut Context<Self, Self::Reply>) -> Self::Reply {
+        let (pool, index) = self.pools.undrain(&msg.url)?;
+        self.changed("back in service", pool, index);
+        self.pools.info(pool, index).ok_or(AdminError::UnknownEngine { url: msg.url })
+    }
+}
+
 impl Message<RemoveEngine> for Proxy {
     type Reply = Result<EngineInfo, AdminError>;
 
     async fn handle(&mut self, msg: RemoveEngine, _ctx: &mut Context<Self, Self::Reply>) -> Self::Reply {
-        let (pool, index) = self.pools.remove(&msg.url, msg.force)?;
-        match pool {
-            Pool::Prefill => {
-                let ranks: Vec<u32> = self.pools.prefill[index].dp_engine_id.keys().copied().collect();
-                for dp in ranks {
-                    self.prefill_picker.forget((index, dp));
-                }
-            }
-            Pool::Decode => self.decode_picker.forget(index),
-        }
-        let _ = self.poller_tx.send(poller::Command::Remove(pool, index));
+        let (pool, index) = self.leave(&msg.url, msg.force)?;
         self.changed("removed", pool, index);
         self.pools.info(pool, index).ok_or(AdminError::UnknownEngine { url: msg.url })
     }
@@ -134,6 +185,7 @@ pub(super) fn router(ctx: Arc<AdminContext>) -> Router {
     Router::new()
         .route("/admin/engines", get(admin_call).post(admin_call).delete(admin_call))
         .route("/admin/engines/drain", post(admin_call))
+        .route("/admin/engines/undrain", post(admin_call))
         .route("/admin/engines/remove", post(admin_call))
         .with_state(ctx)
 }
@@ -163,7 +215,9 @@ impl AdminRefusal {
             AdminRefusal::NotLoopback => StatusCode::FORBIDDEN,
             AdminRefusal::BadBody(_) => StatusCode::BAD_REQUEST,
             AdminRefusal::Admin(e) => match e {
-                AdminError::BadUrl { .. } | AdminError::BootstrapPortForDecode => StatusCode::BAD_REQUEST,
+                AdminError::BadUrl { .. } | AdminError::BootstrapPortForDecode | AdminError::BadKvEvents { .. } => {
+                    StatusCode::BAD_REQUEST
+                }
                 AdminError::UnknownEngine { .. } => StatusCode::NOT_FOUND,
                 AdminError::Duplicate { .. } | AdminError::InFlight { .. } => StatusCode::CONFLICT,
             },
@@ -180,6 +234,9 @@ struct AddBody {
     url: String,
     #[serde(default)]
     bootstrap_port: Option<u16>,
+    /// Where it publishes KV events (for a `kv_aware` pool).
+    #[serde(default)]
+    kv_events: Vec<KvEventsEndpoint>,
 }
 
 /// The drain and remove calls' body (and `DELETE`'s query).
@@ -257,7 +314,12 @@ async fn serve(
         }
         ("POST", "/admin/engines") => {
             let add: AddBody = serde_json::from_slice(body).map_err(|e| AdminRefusal::BadBody(e.to_string()))?;
-            let ask = AddEngine { pool: add.pool, url: add.url, bootstrap_port: add.bootstrap_port };
+            let ask = AddEngine {
+                pool: add.pool,
+                url: add.url,
+                bootstrap_port: add.bootstrap_port,
+                kv_events: add.kv_events,
+            };
             let info = engine(tokio::time::timeout(ASK_DEADLINE, proxy.ask(ask)).await)?;
             return Ok((StatusCode::CREATED, serde_json::json!(info)));
         }
@@ -267,6 +329,13 @@ async fn serve(
                 return Err(AdminRefusal::BadBody("drain takes no `force`".into()));
             }
             engine(tokio::time::timeout(ASK_DEADLINE, proxy.ask(DrainEngine { url: target.url })).await)?
+        }
+        ("POST", "/admin/engines/undrain") => {
+            let target = parse(body)?;
+            if target.force {
+                return Err(AdminRefusal::BadBody("undrain takes no `force`".into()));
+            }
+            engine(tokio::time::timeout(ASK_DEADLINE, proxy.ask(UndrainEngine { url: target.url })).await)?
         }
         ("POST", _) => {
             let target = parse(body)?;

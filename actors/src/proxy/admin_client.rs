@@ -4,6 +4,7 @@
 
 use pdflow_auth::http::{open_answer, sign_call, Call, AUTH_HEADER, REPLY_HEADER};
 use pdflow_auth::ClusterSecret;
+use pdflow_messages::discovery::KvEventsEndpoint;
 
 /// How long one admin call may take, answer included (a signed call is fresh for 30 s).
 const CALL_DEADLINE: std::time::Duration = std::time::Duration::from_secs(30);
@@ -48,16 +49,21 @@ impl AdminClient {
         self.call("GET", "/admin/engines", None).await
     }
 
-    /// `POST /admin/engines`: `pool` is `prefill` or `decode`.
+    /// `POST /admin/engines`: `pool` is `prefill` or `decode`; `kv_events`, where it publishes
+    /// its KV events (read by a `kv_aware` pool).
     pub async fn add(
         &self,
         pool: &str,
         url: &str,
         bootstrap_port: Option<u16>,
+        kv_events: &[KvEventsEndpoint],
     ) -> Result<AdminAnswer, AdminClientError> {
         let mut body = serde_json::json!({"pool": pool, "url": url});
         if let Some(port) = bootstrap_port {
             body["bootstrap_port"] = port.into();
+        }
+        if !kv_events.is_empty() {
+            body["kv_events"] = serde_json::json!(kv_events);
         }
         self.call("POST", "/admin/engines", Some(&body)).await
     }
@@ -65,6 +71,11 @@ impl AdminClient {
     /// `POST /admin/engines/drain`.
     pub async fn drain(&self, url: &str) -> Result<AdminAnswer, AdminClientError> {
         self.call("POST", "/admin/engines/drain", Some(&serde_json::json!({"url": url}))).await
+    }
+
+    /// `POST /admin/engines/undrain`.
+    pub async fn undrain(&self, url: &str) -> Result<AdminAnswer, AdminClientError> {
+        self.call("POST", "/admin/engines/undrain", Some(&serde_json::json!({"url": url}))).await
     }
 
     /// `POST /admin/engines/remove`.

@@ -6,14 +6,18 @@
 //! requests it has; each entry counts the requests in flight on it.
 //!
 //! The pools outlive the actor's restarts through a [`Roster`] in its arguments: the restarted
-//! actor starts from the saved engines (tombstones included) rather than from the command line.
+//! actor starts from the saved engines (tombstones included), with their KV-event endpoints and
+//! what discovery knows of them, rather than from the command line.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
 
+use pdflow_messages::discovery::KvEventsEndpoint;
 use pdflow_messages::proxy::{AdminError, EngineInfo, EngineState, Pool};
 use pdflow_messages::EngineId;
 
+use super::discovery::Known;
+use super::kv_events::KvEventSource;
 use super::{PrefillTarget, DEFAULT_BOOTSTRAP_PORT};
 use crate::ActorError;
 
@@ -29,6 +33,8 @@ pub(super) struct PrefillState {
     pub state: EngineState,
     pub in_flight: usize,
     pub routed: u64,
+    /// Where it publishes KV events (read by a `kv_aware` pool).
+    pub kv_events: Vec<KvEventSource>,
 }
 
 /// One decode engine.
@@ -40,6 +46,7 @@ pub(super) struct DecodeState {
     pub state: EngineState,
     pub in_flight: usize,
     pub routed: u64,
+    pub kv_events: Vec<KvEventSource>,
 }
 
 /// The engines of both pools, by index.
@@ -47,6 +54,9 @@ pub(super) struct DecodeState {
 pub(super) struct Pools {
     pub prefill: Vec<PrefillState>,
     pub decode: Vec<DecodeState>,
+    /// The engines discovery found, by engine id: where each is in the pools, and as what it was
+    /// advertised last ([`super::discovery`]).
+    pub discovered: HashMap<EngineId, Known>,
 }
 
 /// The engines a restarted Proxy actor starts from: shared by every incarnation's arguments,
@@ -54,11 +64,13 @@ pub(super) struct Pools {
 #[derive(Debug, Clone, Default)]
 pub struct Roster(Arc<Mutex<Option<Saved>>>);
 
-/// What a [`Roster`] keeps: each pool's engines in index order, tombstones included.
+/// What a [`Roster`] keeps: each pool's engines in index order, tombstones included, and what
+/// discovery knows.
 #[derive(Debug, Clone)]
 struct Saved {
-    prefill: Vec<(String, u16, EngineState)>,
-    decode: Vec<(String, EngineState)>,
+    prefill: Vec<(String, u16, EngineState, Vec<KvEventSource>)>,
+    decode: Vec<(String, EngineState, Vec<KvEventSource>)>,
+    discovered: HashMap<EngineId, Known>,
 }
 
 /// Why a URL is not an engine's `http://host:port`.
@@ -101,7 +113,7 @@ pub(super) fn check_url(url: &str, pool: &'static str) -> Result<(String, String
 }
 
 impl PrefillState {
-    fn new(url: String, host: &str, bootstrap_port: u16, state: EngineState) -> Self {
+    fn new(url: String, host: &str, bootstrap_port: u16, state: EngineState, kv_events: Vec<KvEventSource>) -> Self {
         // D's `remote_bootstrap_addr`: P's host, the bootstrap's port.
         let bootstrap_addr = format!("http://{host}:{bootstrap_port}");
         Self {
@@ -113,6 +125,7 @@ impl PrefillState {
             state,
             in_flight: 0,
             routed: 0,
+            kv_events,
         }
     }
 
@@ -123,8 +136,8 @@ impl PrefillState {
 }
 
 impl DecodeState {
-    fn new(url: String, state: EngineState) -> Self {
-        Self { url, answered: false, healthy: false, state, in_flight: 0, routed: 0 }
+    fn new(url: String, state: EngineState, kv_events: Vec<KvEventSource>) -> Self {
+        Self { url, answered: false, healthy: false, state, in_flight: 0, routed: 0, kv_events }
     }
 
     /// Healthy and serving: a candidate for new requests.
@@ -135,29 +148,38 @@ impl DecodeState {
 
 impl Pools {
     /// The pools of `roster` when an earlier incarnation saved some, else those of the command
-    /// line (then saved).
-    pub fn start(prefill: &[PrefillTarget], decode: &[String], roster: &Roster) -> Result<Self, ActorError> {
+    /// line, each engine with its `sources` of KV events (then saved).
+    pub fn start(
+        prefill: &[PrefillTarget],
+        decode: &[String],
+        sources: &[KvEventSource],
+        roster: &Roster,
+    ) -> Result<Self, ActorError> {
         let saved = roster.0.lock().map(|s| s.clone()).unwrap_or_default();
         let pools = match saved {
             Some(saved) => {
-                let mut pools = Pools::default();
-                for (url, port, state) in saved.prefill {
+                let mut pools = Pools { discovered: saved.discovered, ..Pools::default() };
+                for (url, port, state, kv) in saved.prefill {
                     let (url, host) = check_url(&url, "prefill")?;
-                    pools.prefill.push(PrefillState::new(url, &host, port, state));
+                    pools.prefill.push(PrefillState::new(url, &host, port, state, kv));
                 }
-                for (url, state) in saved.decode {
-                    pools.decode.push(DecodeState::new(check_url(&url, "decode")?.0, state));
+                for (url, state, kv) in saved.decode {
+                    pools.decode.push(DecodeState::new(check_url(&url, "decode")?.0, state, kv));
                 }
                 pools
             }
             None => {
                 let mut pools = Pools::default();
+                let of = |url: &str| sources.iter().filter(|s| s.engine_url == url).cloned().collect::<Vec<_>>();
                 for p in prefill {
                     let (url, host) = check_url(&p.url, "prefill")?;
-                    pools.prefill.push(PrefillState::new(url, &host, p.bootstrap_port, EngineState::Serving));
+                    let kv = of(&url);
+                    pools.prefill.push(PrefillState::new(url, &host, p.bootstrap_port, EngineState::Serving, kv));
                 }
                 for d in decode {
-                    pools.decode.push(DecodeState::new(check_url(d, "decode")?.0, EngineState::Serving));
+                    let url = check_url(d, "decode")?.0;
+                    let kv = of(&url);
+                    pools.decode.push(DecodeState::new(url, EngineState::Serving, kv));
                 }
                 pools.save(roster);
                 pools
@@ -169,8 +191,11 @@ impl Pools {
     /// Writes the engines to `roster`, for the next incarnation.
     pub fn save(&self, roster: &Roster) {
         let saved = Saved {
-            prefill: self.prefill.iter().map(|p| (p.url.clone(), p.bootstrap_port, p.state)).collect(),
-            decode: self.decode.iter().map(|d| (d.url.clone(), d.state)).collect(),
+            prefill: (self.prefill.iter())
+                .map(|p| (p.url.clone(), p.bootstrap_port, p.state, p.kv_events.clone()))
+                .collect(),
+            decode: self.decode.iter().map(|d| (d.url.clone(), d.state, d.kv_events.clone())).collect(),
+            discovered: self.discovered.clone(),
         };
         if let Ok(mut slot) = roster.0.lock() {
             *slot = Some(saved);
@@ -185,31 +210,58 @@ impl Pools {
         p.map(|i| (Pool::Prefill, i)).or(d.map(|j| (Pool::Decode, j)))
     }
 
-    /// A new engine at the end of `pool`: its index. Refused (nothing changed) for a bad URL, a
-    /// URL already in the proxy, or a bootstrap port given for a D.
-    pub fn add(&mut self, pool: Pool, url: &str, bootstrap_port: Option<u16>) -> Result<usize, AdminError> {
+    /// A new engine at the end of `pool`, publishing its KV events at `kv_events`: its index.
+    /// Refused (nothing changed) for a bad URL or KV-events endpoint, a URL already in the proxy,
+    /// or a bootstrap port given for a D.
+    pub fn add(
+        &mut self,
+        pool: Pool,
+        url: &str,
+        bootstrap_port: Option<u16>,
+        kv_events: &[KvEventsEndpoint],
+    ) -> Result<usize, AdminError> {
         let (url, host) =
             parse_base_url(url).map_err(|p| AdminError::BadUrl { url: url.to_owned(), reason: p.to_string() })?;
         if let Some((pool, index)) = self.find_live(&url) {
             let state = self.info(pool, index).map_or(EngineState::Serving, |i| i.state);
             return Err(AdminError::Duplicate { url, pool, state });
         }
+        let kv = (kv_events.iter())
+            .map(|e| KvEventSource::of(&url, e))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| AdminError::BadKvEvents { url: url.clone(), reason: e.to_string() })?;
         match pool {
             Pool::Prefill => {
                 let port = bootstrap_port.unwrap_or(DEFAULT_BOOTSTRAP_PORT);
                 if port == 0 {
                     return Err(AdminError::BadUrl { url, reason: "bootstrap port 0".into() });
                 }
-                self.prefill.push(PrefillState::new(url, &host, port, EngineState::Serving));
+                self.prefill.push(PrefillState::new(url, &host, port, EngineState::Serving, kv));
                 Ok(self.prefill.len() - 1)
             }
             Pool::Decode => {
                 if bootstrap_port.is_some() {
                     return Err(AdminError::BootstrapPortForDecode);
                 }
-                self.decode.push(DecodeState::new(url, EngineState::Serving));
+                self.decode.push(DecodeState::new(url, EngineState::Serving, kv));
                 Ok(self.decode.len() - 1)
             }
+        }
+    }
+
+    /// Entry `index` of `pool` publishes its KV events at `sources` now.
+    pub fn set_kv_sources(&mut self, pool: Pool, index: usize, sources: Vec<KvEventSource>) {
+        match pool {
+            Pool::Prefill => self.prefill.get_mut(index).map(|p| p.kv_events = sources),
+            Pool::Decode => self.decode.get_mut(index).map(|d| d.kv_events = sources),
+        };
+    }
+
+    /// The URL and KV-event sources of entry `index` of `pool`.
+    pub fn kv_sources(&self, pool: Pool, index: usize) -> Option<(String, Vec<KvEventSource>)> {
+        match pool {
+            Pool::Prefill => self.prefill.get(index).map(|p| (p.url.clone(), p.kv_events.clone())),
+            Pool::Decode => self.decode.get(index).map(|d| (d.url.clone(), d.kv_events.clone())),
         }
     }
 
@@ -219,6 +271,16 @@ impl Pools {
         match pool {
             Pool::Prefill => self.prefill[index].state = EngineState::Draining,
             Pool::Decode => self.decode[index].state = EngineState::Draining,
+        }
+        Ok((pool, index))
+    }
+
+    /// The draining engine at `url` takes new requests again (idempotent: a serving one stays so).
+    pub fn undrain(&mut self, url: &str) -> Result<(Pool, usize), AdminError> {
+        let (pool, index) = self.find_live(url).ok_or_else(|| AdminError::UnknownEngine { url: url.to_owned() })?;
+        match pool {
+            Pool::Prefill => self.prefill[index].state = EngineState::Serving,
+            Pool::Decode => self.decode[index].state = EngineState::Serving,
         }
         Ok((pool, index))
     }
@@ -259,6 +321,7 @@ impl Pools {
                 engine_ids: p.dp_engine_id.clone(),
                 in_flight: p.in_flight,
                 routed: p.routed,
+                kv_events: p.kv_events.iter().map(KvEventSource::endpoint).collect(),
             }),
             Pool::Decode => self.decode.get(index).map(|d| EngineInfo {
                 pool,
@@ -270,6 +333,7 @@ impl Pools {
                 engine_ids: BTreeMap::new(),
                 in_flight: d.in_flight,
                 routed: d.routed,
+                kv_events: d.kv_events.iter().map(KvEventSource::endpoint).collect(),
             }),
         }
     }
@@ -329,20 +393,20 @@ mod tests {
 
     fn pools() -> Pools {
         let prefill = [PrefillTarget { url: "http://127.0.0.1:8010/".into(), bootstrap_port: 8998 }];
-        Pools::start(&prefill, &["http://127.0.0.1:8020".into()], &Roster::default()).expect("valid pools")
+        Pools::start(&prefill, &["http://127.0.0.1:8020".into()], &[], &Roster::default()).expect("valid pools")
     }
 
     #[test]
     fn an_added_engine_gets_a_new_index_and_a_removed_one_stays_a_tombstone() {
         let mut pools = pools();
-        assert_eq!(pools.add(Pool::Decode, "http://127.0.0.1:8021", None), Ok(1));
+        assert_eq!(pools.add(Pool::Decode, "http://127.0.0.1:8021", None, &[]), Ok(1));
         pools.decode[1].healthy = true;
         pools.decode[0].healthy = true;
         assert_eq!(pools.decode_candidates(), [0, 1]);
         assert_eq!(pools.remove("http://127.0.0.1:8020/", false), Ok((Pool::Decode, 0)));
         assert_eq!(pools.decode_candidates(), [1], "a tombstone is never a candidate");
         // The same URL again: a new index, the tombstone untouched.
-        assert_eq!(pools.add(Pool::Decode, "http://127.0.0.1:8020", None), Ok(2));
+        assert_eq!(pools.add(Pool::Decode, "http://127.0.0.1:8020", None, &[]), Ok(2));
         assert_eq!(pools.decode[0].state, EngineState::Removed);
         let listed: Vec<(usize, &str)> = pools.list().iter().map(|e| (e.index, e.pool.name())).collect();
         assert_eq!(listed, [(0, "prefill"), (1, "decode"), (2, "decode")]);
@@ -375,6 +439,19 @@ mod tests {
     }
 
     #[test]
+    fn a_drained_engine_is_put_back_into_service() {
+        let mut pools = pools();
+        pools.decode[0].healthy = true;
+        assert_eq!(pools.drain("http://127.0.0.1:8020"), Ok((Pool::Decode, 0)));
+        assert!(pools.decode_candidates().is_empty());
+        assert_eq!(pools.undrain("http://127.0.0.1:8020/"), Ok((Pool::Decode, 0)));
+        assert_eq!(pools.decode_candidates(), [0]);
+        assert_eq!(pools.undrain("http://127.0.0.1:8020"), Ok((Pool::Decode, 0)), "idempotent");
+        pools.remove("http://127.0.0.1:8020", false).expect("removed");
+        assert!(matches!(pools.undrain("http://127.0.0.1:8020"), Err(AdminError::UnknownEngine { .. })));
+    }
+
+    #[test]
     fn bad_adds_change_nothing() {
         let mut pools = pools();
         let cases = [
@@ -386,29 +463,44 @@ mod tests {
             (Pool::Decode, "http://127.0.0.1:9", Some(8998), "BootstrapPortForDecode"),
         ];
         for (pool, url, port, want) in cases {
-            let err = pools.add(pool, url, port).expect_err(url);
+            let err = pools.add(pool, url, port, &[]).expect_err(url);
             assert!(format!("{err:?}").starts_with(want), "{url}: {err:?}");
         }
+        let wildcard =
+            KvEventsEndpoint { endpoint: "tcp://*:5557".into(), replay_endpoint: None, topic: String::new() };
+        let err = pools.add(Pool::Decode, "http://127.0.0.1:9", None, &[wildcard]).expect_err("a wildcard endpoint");
+        assert!(matches!(err, AdminError::BadKvEvents { .. }), "{err:?}");
         assert_eq!(pools.list().len(), 2);
         assert!(matches!(pools.drain("http://127.0.0.1:1"), Err(AdminError::UnknownEngine { .. })));
+        assert!(matches!(pools.undrain("http://127.0.0.1:1"), Err(AdminError::UnknownEngine { .. })));
         assert!(matches!(pools.remove("http://127.0.0.1:1", true), Err(AdminError::UnknownEngine { .. })));
     }
 
     #[test]
     fn a_restarted_actor_starts_from_the_roster() {
         let roster = Roster::default();
-        let mut pools =
-            Pools::start(&[PrefillTarget::new("http://127.0.0.1:8010")], &["http://127.0.0.1:8020".into()], &roster)
-                .expect("valid");
-        pools.add(Pool::Decode, "http://127.0.0.1:8021", None).expect("added");
+        let mut pools = Pools::start(
+            &[PrefillTarget::new("http://127.0.0.1:8010")],
+            &["http://127.0.0.1:8020".into()],
+            &[],
+            &roster,
+        )
+        .expect("valid");
+        let kv = KvEventsEndpoint {
+            endpoint: "tcp://127.0.0.1:5557".into(),
+            replay_endpoint: Some("tcp://127.0.0.1:5558".into()),
+            topic: String::new(),
+        };
+        pools.add(Pool::Decode, "http://127.0.0.1:8021", None, std::slice::from_ref(&kv)).expect("added");
         pools.remove("http://127.0.0.1:8020", false).expect("removed");
         pools.save(&roster);
-        let again = Pools::start(&[PrefillTarget::new("http://127.0.0.1:1")], &[], &roster).expect("restored");
+        let again = Pools::start(&[PrefillTarget::new("http://127.0.0.1:1")], &[], &[], &roster).expect("restored");
         let urls: Vec<(&str, EngineState)> = again.decode.iter().map(|d| (d.url.as_str(), d.state)).collect();
         assert_eq!(
             urls,
             [("http://127.0.0.1:8020", EngineState::Removed), ("http://127.0.0.1:8021", EngineState::Serving)]
         );
         assert_eq!(again.prefill[0].url, "http://127.0.0.1:8010");
+        assert_eq!(again.info(Pool::Decode, 1).map(|i| i.kv_events), Some(vec![kv]), "its KV events endpoint too");
     }
 }

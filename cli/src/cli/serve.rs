@@ -51,6 +51,11 @@ pub struct ServeCmd {
     /// Producer: launch the bootstrap on this port (default VLLM_MOONCAKE_BOOTSTRAP_PORT, else 8998).
     #[arg(long)]
     pub bootstrap_port: Option<u16>,
+    /// Advertise this engine (its role, HTTP URL and KV-event endpoints) at this bootstrap, for
+    /// `pdflow proxy --discover` (repeat for several). A producer advertises at its own bootstrap
+    /// as well.
+    #[arg(long, value_name = "BOOTSTRAP_URL")]
+    pub advertise_to: Vec<String>,
     /// Seconds P waits for a pulled request's prefill, and keeps sent-ready blocks
     /// (default VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT, else 30).
     #[arg(long)]
@@ -147,7 +152,10 @@ impl ServeCmd {
         let mut errors = self.count_errors();
         let flags = self.deadline_flags(&mut errors);
         if self.role == RoleArg::Consumer && (self.bootstrap_url.is_some() || self.bootstrap_port.is_some()) {
-            errors.push("--bootstrap-url/--bootstrap-port are for producers: a consumer finds P's bootstrap in each request's kv_transfer_params".to_string());
+            errors.push("--bootstrap-url/--bootstrap-port are for producers: a consumer finds P's bootstrap in each request's kv_transfer_params (to be discovered by a proxy, give --advertise-to BOOTSTRAP_URL)".to_string());
+        }
+        for url in self.advertise_to.iter().filter(|u| !u.starts_with("http://")) {
+            errors.push(format!("--advertise-to {url}: expected a bootstrap's http:// URL"));
         }
         let host = self.host.parse::<std::net::IpAddr>().ok();
         let (secret, insecure) = self.secret.load_for(host, &mut errors);

@@ -277,3 +277,43 @@ fn unhealthy_after_and_admin_calls_parse() {
     ));
     assert!(admin(&["pdflow", "admin", "add", "router", "http://h:1"]).is_none());
 }
+
+/// `--discover` stands in for `--prefill` and `--decode` (without either, one is needed); `pdflow
+/// serve --advertise-to` takes a bootstrap's http:// URL; `pdflow admin` parses undrain and an
+/// added engine's KV-event endpoints.
+#[test]
+fn discovery_flags_parse_and_a_proxy_needs_engines_or_a_bootstrap() {
+    let parse = |argv: &[&str]| match Cli::try_parse_from(argv).expect("parses").command {
+        Command::Proxy(p) => p.to_args(),
+        _ => panic!("not proxy"),
+    };
+    let args =
+        parse(&["pdflow", "proxy", "--discover", "http://127.0.0.1:8998/", "--discover", "http://10.0.0.1:8998"])
+            .expect("discovery alone is enough");
+    assert_eq!(args.discover, ["http://127.0.0.1:8998", "http://10.0.0.1:8998"]);
+    assert!(args.prefill.is_empty() && args.decode.is_empty());
+    let errors = parse(&["pdflow", "proxy", "--decode", "http://127.0.0.1:8020"]).expect_err("no P, no bootstrap");
+    assert!(errors.iter().any(|e| e.contains("--discover BOOTSTRAP_URL")), "{errors:?}");
+    let errors = parse(&["pdflow", "proxy", "--discover", "10.0.0.1:8998"]).expect_err("not a URL");
+    assert!(errors.iter().any(|e| e.starts_with("--discover 10.0.0.1:8998")), "{errors:?}");
+
+    let env = VllmEnv::from_lookup(&|_| None).expect("defaults");
+    let serve = |extra: &[&str]| {
+        let mut argv = vec!["pdflow", "serve", "--role", "consumer"];
+        argv.extend_from_slice(extra);
+        let Command::Serve(s) = Cli::try_parse_from(argv).expect("parses").command else { panic!("not serve") };
+        s.to_config(&env).map(|_| s.advertise_to.clone())
+    };
+    assert_eq!(serve(&["--advertise-to", "http://127.0.0.1:8998"]).expect("valid"), ["http://127.0.0.1:8998"]);
+    let errors = serve(&["--advertise-to", "127.0.0.1:8998"]).expect_err("not a URL");
+    assert!(errors[0].starts_with("--advertise-to 127.0.0.1:8998"), "{errors:?}");
+
+    let admin = |argv: &[&str]| match Cli::try_parse_from(argv).map(|c| c.command) {
+        Ok(Command::Admin(a)) => Some(a.action),
+        _ => None,
+    };
+    assert!(matches!(admin(&["pdflow", "admin", "undrain", "http://h:1"]), Some(AdminAction::Undrain { .. })));
+    let added =
+        admin(&["pdflow", "admin", "add", "decode", "http://h:1", "--kv-events", "tcp://h:5557,replay=tcp://h:5558"]);
+    assert!(matches!(added, Some(AdminAction::Add { ref kv_events, .. }) if kv_events.len() == 1), "{added:?}");
+}

@@ -2,7 +2,9 @@
 //! concurrent clients: a second D and a second P join and receive requests; the first D is
 //! drained (nothing new reaches it, its requests finish) and removed; no client request fails and
 //! every answer equals one engine's alone. A killed P is out of rotation within a second. With a
-//! cluster secret, unsigned and forged admin calls are refused with a 401 and change nothing.
+//! cluster secret, unsigned and forged admin calls are refused with a 401 and change nothing. A
+//! drained D gets no new request, and put back into service (`pdflow admin undrain`) gets them
+//! again.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -337,4 +339,56 @@ async fn with_a_secret_only_signed_admin_calls_change_the_pools() {
     let urls = |engines: &[Value]| engines.iter().map(|e| e["url"].clone()).collect::<Vec<_>>();
     assert_eq!(urls(&signed.engines().await), urls(&before));
     drop((p, d, proxy));
+}
+
+/// `pdflow admin --proxy URL ARGS…` (no secret): whether it succeeded, and its JSON answer.
+async fn admin_cli(proxy: &Proc, args: &[&str]) -> (bool, Value) {
+    let out = tokio::process::Command::new(pdflow_tests::processes::pdflow_bin().expect("pdflow"))
+        .args(["admin", "--proxy", &proxy.url()])
+        .args(args)
+        .output()
+        .await
+        .expect("pdflow admin runs");
+    (out.status.success(), serde_json::from_slice(&out.stdout).unwrap_or(Value::Null))
+}
+
+/// `n` requests one after the other, each answer checked against one engine's alone.
+async fn ask(client: &reqwest::Client, proxy: &Proc, seeds: std::ops::Range<u64>) {
+    for seed in seeds {
+        let body = completion(&prompt(30 + seed as usize, 500 + seed), 4);
+        let (status, answer) =
+            post(client, &format!("{}/v1/completions", proxy.url()), &body).await.expect("the proxy answers");
+        assert_eq!(status, 200, "{answer}");
+        assert_eq!(token_ids(&answer), token_ids(&reference(SMALL, &body).await.expect("reference")));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drained_engine_gets_no_new_request_and_undrained_gets_them_again() {
+    let client = http_client();
+    let (p, d1, d2) = (engine("producer", &[]).await, engine("consumer", &[]).await, engine("consumer", &[]).await);
+    let proxy = proxy(&[&p], &[&d1, &d2], &[]).await;
+    let admin = Admin { client: client.clone(), base: proxy.url(), secret: None };
+    ask(&client, &proxy, 0..4).await;
+    let d1_url = d1.url();
+    assert!(routed(&admin.engine(&d1_url).await.expect("d1")) >= 1, "round robin reached both D");
+
+    let (ok, drained) = admin_cli(&proxy, &["drain", &d1_url]).await;
+    assert!(ok && drained["state"] == "draining", "{drained}");
+    let at_drain = routed(&drained);
+    ask(&client, &proxy, 4..10).await;
+    let idle = admin.engine(&d1_url).await.expect("still listed while draining");
+    assert_eq!(routed(&idle), at_drain, "a draining D got new requests: {idle}");
+
+    let (ok, back) = admin_cli(&proxy, &["undrain", &d1_url]).await;
+    assert!(ok && back["state"] == "serving", "{back}");
+    ask(&client, &proxy, 10..16).await;
+    let serving = admin.engine(&d1_url).await.expect("listed");
+    assert!(routed(&serving) >= at_drain + 2, "the D put back into service got requests again: {serving}");
+    let (status, again) = admin.call("POST", "/admin/engines/undrain", Some(&json!({"url": d1_url}))).await;
+    assert_eq!((status, &again["state"]), (200, &json!("serving")), "undrain is idempotent: {again}");
+
+    let (ok, unknown) = admin_cli(&proxy, &["undrain", "http://127.0.0.1:9"]).await;
+    assert!(!ok && unknown["error"]["code"] == 404, "{unknown}");
+    drop((p, d1, d2, proxy));
 }

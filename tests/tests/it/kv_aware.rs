@@ -3,7 +3,9 @@
 //! repeated prefix, given as token ids, goes to the P and the D whose prefix caches hold it, as
 //! their KV events said; a proxy started again mid-run learns the engines' caches from their
 //! replay sockets and routes the prefix to the same engines; with `--local-prefill-when-d-holds`,
-//! D alone serves a prompt whose prefix it holds. Every answer equals one engine's alone.
+//! D alone serves a prompt whose prefix it holds. Engines added at run time with their KV-event
+//! endpoints (the admin API, `pdflow admin add --kv-events`) are routed by what their caches hold,
+//! and a removed one's events are no longer followed. Every answer equals one engine's alone.
 
 use std::time::Duration;
 
@@ -180,5 +182,114 @@ async fn kv_aware_routes_a_prefix_to_the_engines_that_hold_it_and_a_restarted_pr
     assert_eq!(routes(&client, &alone, "decode", "kv_hit").await, 1.0);
     for engine in ps.iter().chain(&ds) {
         engine.assert_blocks_at_baseline(&client, "after kv_aware routing").await;
+    }
+}
+
+/// `{"endpoint", "replay_endpoint"}` of an engine's KV events, reachable on loopback.
+fn kv_endpoint(engine: &Proc) -> Value {
+    let kv = &engine.ready["kv_events"];
+    json!({"endpoint": local(&kv["endpoint"]), "replay_endpoint": local(&kv["replay_endpoint"])})
+}
+
+/// The first 100 tokens of [`body`]'s shared prefix and four of its own.
+fn short_body() -> Value {
+    let mut ids: Vec<u64> = (0..100u64).map(|i| (i * 7919 + 13) % 1000).collect();
+    ids.extend(2000..2004);
+    json!({"model": "Qwen/Qwen3-8B", "prompt": ids, "max_tokens": 4, "temperature": 0})
+}
+
+async fn applied(client: &reqwest::Client, proxy: &Proc, engine: &Proc) -> f64 {
+    let url = engine.url();
+    metric(client, proxy, "pdflow_proxy_kv_events_total", &[("engine", &url), ("outcome", "applied")]).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn engines_added_at_run_time_with_their_kv_events_are_routed_by_what_they_hold() {
+    let client = http_client();
+    let ps = vec![engine("producer").await, engine("producer").await];
+    let ds = vec![engine("consumer").await, engine("consumer").await];
+    // The proxy starts with the first P and D; the second of each joins later.
+    let proxy = proxy(&ps[..1], &ds[..1], &[]).await;
+
+    // The first P and D hold the first 100 tokens of the prefix.
+    let short = short_body();
+    let (status, answer) = post(&client, &format!("{}/v1/completions", proxy.url()), &short).await.expect("answer");
+    assert_eq!(status, 200, "{answer}");
+    learned(&client, &proxy, &ps[0]).await;
+    learned(&client, &proxy, &ds[0]).await;
+
+    // The second P and D hold all 200, computed on each alone before they join.
+    for engine in [&ps[1], &ds[1]] {
+        let (status, answer) =
+            post(&client, &format!("{}/v1/completions", engine.url()), &body(100)).await.expect("answer");
+        assert_eq!(status, 200, "{answer}");
+    }
+
+    // They join through the admin API with their KV-event endpoints: P by `pdflow admin`, D by JSON.
+    let p2 = &ps[1];
+    let port = p2.ready["bootstrap_addr"].as_str().and_then(|a| a.rsplit(':').next()).expect("P's bootstrap port");
+    let kv = kv_endpoint(p2);
+    let kv_flag = format!(
+        "{},replay={}",
+        kv["endpoint"].as_str().expect("endpoint"),
+        kv["replay_endpoint"].as_str().expect("replay")
+    );
+    let out = tokio::process::Command::new(pdflow_tests::processes::pdflow_bin().expect("pdflow"))
+        .args(["admin", "--proxy", &proxy.url(), "add", "prefill", &p2.url(), port, "--kv-events", &kv_flag])
+        .output()
+        .await
+        .expect("pdflow admin runs");
+    let added: Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    assert!(out.status.success(), "{added}");
+    assert_eq!(added["kv_events"], json!([kv]), "{added}");
+    let add_d = json!({"pool": "decode", "url": ds[1].url(), "kv_events": [kv_endpoint(&ds[1])]});
+    let resp = client.post(format!("{}/admin/engines", proxy.url())).json(&add_d).send().await.expect("answer");
+    assert_eq!(resp.status().as_u16(), 201, "{:?}", resp.text().await);
+    // Their caches are learned from their replay sockets, and P's engine id from its bootstrap.
+    learned(&client, &proxy, &ps[1]).await;
+    learned(&client, &proxy, &ds[1]).await;
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        let listed: Value = client
+            .get(format!("{}/admin/engines", proxy.url()))
+            .send()
+            .await
+            .expect("list")
+            .json()
+            .await
+            .expect("JSON");
+        let healthy = (listed["engines"].as_array().expect("engines").iter()).filter(|e| e["healthy"] == true).count();
+        if healthy == 4 {
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "not every engine in rotation: {listed}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+
+    // The prefix goes to the engines that hold most of it: the ones added at run time (without
+    // their events, the first P and D, which hold a part, would win).
+    let before: Vec<u64> = futures::future::join_all(ps.iter().map(|p| finished(&client, p))).await;
+    let d_before: Vec<u64> = futures::future::join_all(ds.iter().map(|d| finished(&client, d))).await;
+    for turn in 101..104 {
+        ask(&client, &proxy, turn).await;
+    }
+    assert_eq!(prefilled(&client, &ps, &before).await, vec![0, 3], "the prefix went to the P added at run time");
+    assert_eq!(prefilled(&client, &ds, &d_before).await, vec![0, 3], "and to the D added at run time");
+    assert_eq!(routes(&client, &proxy, "prefill", "kv_hit").await, 3.0);
+
+    // Removed, its events are no longer followed.
+    let remove = json!({"url": ds[1].url(), "force": true});
+    let resp = client.post(format!("{}/admin/engines/remove", proxy.url())).json(&remove).send().await.expect("answer");
+    assert_eq!(resp.status().as_u16(), 200);
+    let applied_then = applied(&client, &proxy, &ds[1]).await;
+    let (status, _) = post(&client, &format!("{}/v1/completions", ds[1].url()), &body(200)).await.expect("answer");
+    assert_eq!(status, 200);
+    let other = json!({"model": "Qwen/Qwen3-8B", "prompt": (3000..3100).collect::<Vec<u64>>(), "max_tokens": 2});
+    let (status, _) = post(&client, &format!("{}/v1/completions", ds[1].url()), &other).await.expect("answer");
+    assert_eq!(status, 200);
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(applied(&client, &proxy, &ds[1]).await, applied_then, "a removed engine's events were still applied");
+    for engine in ps.iter().chain(&ds) {
+        engine.assert_blocks_at_baseline(&client, "after engines joined with their KV events").await;
     }
 }

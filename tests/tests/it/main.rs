@@ -11,6 +11,7 @@ mod bench_router;
 mod chunked_prefill;
 mod concurrent_requests;
 mod d_failure;
+mod discovery;
 mod eos_first_token;
 mod gpu_kv_processes;
 mod hybrid;

@@ -124,6 +124,7 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         local_prefill: Default::default(),
         kv_events: Vec::new(),
         roster: Default::default(),
+        discover: Vec::new(),
     })
     .await?;
     let client = reqwest::Client::builder().no_proxy().pool_max_idle_per_host(256).build()?;
