@@ -34,6 +34,20 @@ setup_dir=$(mktemp -d)
 # completed by the next run: each install step is idempotent).
 trap 'kill $(jobs -p) 2>/dev/null || true; rm -rf "$log" "$pylog" "$setup_dir" "${skip_log:-}"' EXIT
 
+# libfabric for the rdma transport: its headers build the `rdma` feature, its software `tcp`
+# provider runs the rdma tests. Installed before the build (a few seconds); without it the
+# feature is left out and the rdma tests are skipped, saying why.
+if [ ! -f /usr/include/rdma/fabric.h ]; then
+  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -o DPkg::Lock::Timeout=120 -y -qq --no-install-recommends libfabric-dev libfabric1; } >/dev/null 2>&1 \
+    || echo "note: could not install libfabric-dev: pdflow is built without the rdma feature and its tests will skip" >&2
+fi
+rdma_features=()
+maturin_features=()
+if [ -f /usr/include/rdma/fabric.h ]; then
+  rdma_features=(--features pdflow/rdma)
+  maturin_features=(--features rdma)
+fi
+
 # What the tests install is downloaded while the Rust code builds (downloads and unpacking wait on
 # the network and the disk, the build on the CPU); each job's output goes to a log printed when it
 # fails, and the tests that need it wait for it.
@@ -95,19 +109,23 @@ venvs_job=$!
 # A fresh checkout builds once: incremental caches (~2 GB) would only take disk.
 export CARGO_INCREMENTAL="${CARGO_INCREMENTAL:-0}"
 
+
 status=0
 stage "fmt and clippy"
 # The form: formatting and lints (with and without the cuda feature, and the production build
 # without fault injection) are part of done.
 cargo fmt --all --check || { echo "cargo fmt --check: run cargo fmt --all" >&2; status=1; }
 # The tests and the chaos tools run with fault injection: the workspace is linted (and tested) so.
-with_faults=(--features pdflow/fault-injection)
+with_faults=(--features pdflow/fault-injection "${rdma_features[@]}")
 cargo clippy --locked --workspace --all-targets "${with_faults[@]}" -- -D warnings || status=1
 cuda_crates=(pdflow-kv pdflow-transfer pdflow-sim-engine pdflow-node pdflow-sim-node pdflow-tools pdflow pdflow-py)
 cuda_features=$(printf '%s/cuda,' "${cuda_crates[@]}")
 cargo clippy --locked "${cuda_crates[@]/#/--package=}" --features "${cuda_features%,}" --all-targets -- -D warnings || status=1
 # What production builds: the wheel and `pdflow` without fault injection.
 cargo clippy --locked --package=pdflow --package=pdflow-py -- -D warnings || status=1
+if [ ${#rdma_features[@]} -gt 0 ]; then
+  cargo clippy --locked --package=pdflow --package=pdflow-py --features pdflow/rdma,pdflow-py/rdma -- -D warnings || status=1
+fi
 # The wheel links neither the simulated engine, nor fault injection, nor a tool; a `pdflow`
 # built without the feature links no fault injection.
 wheel_tree=$(cargo tree --locked -p pdflow-py -e normal,build --prefix none 2>&1) || status=1
@@ -171,7 +189,8 @@ stage "wheel"
 wheel_dir=target/wheels
 if [ "$py_ok" = 1 ]; then
   rm -f "$wheel_dir"/pdflow-*.whl
-  PATH="$venv_bin:$PATH" "$venv_bin/maturin" build --release --locked -m py-bridge/Cargo.toml -o "$wheel_dir" || py_ok=0
+  PATH="$venv_bin:$PATH" "$venv_bin/maturin" build --release --locked -m py-bridge/Cargo.toml -o "$wheel_dir" \
+    "${maturin_features[@]}" || py_ok=0
 fi
 for env_dir in "$venv" "$cpu_venv"; do
   if [ "$py_ok" = 1 ] && [ -x "$env_dir/bin/python" ]; then

@@ -496,6 +496,7 @@ mod tests {
                     block_ids: vec![1, 2].into(),
                     traceparent: None,
                     fence: 0,
+                    remote: Vec::new(),
                 })
                 .collect(),
             traceparent: None,
@@ -503,6 +504,7 @@ mod tests {
             deadline_ms: 0,
             pp_rank: 0,
             p_world: (1, 1),
+            rdma: None,
         };
         let task = PullTask::spawn(PullTaskArgs {
             auth: crate::side_channel_auth::PullAuth::default(),

@@ -88,12 +88,14 @@ fn pull(pull_id: u64, layout_id: u64) -> SideChannelRequest {
             block_ids: vec![1, 2].into(),
             traceparent: None,
             fence: 0,
+            remote: Vec::new(),
         }],
         traceparent: None,
         p_generation: 0,
         deadline_ms: 0,
         pp_rank: 0,
         p_world: (1, 1),
+        rdma: None,
     })
 }
 

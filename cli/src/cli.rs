@@ -377,6 +377,8 @@ pub struct DemoArgs {
 pub enum TransportArg {
     Auto,
     Tcp,
+    /// One-sided RDMA writes through libfabric only (a build with `--features rdma`).
+    Rdma,
 }
 
 /// A switch: `on` or `off`.

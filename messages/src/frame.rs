@@ -10,7 +10,8 @@ pub const MAGIC: [u8; 4] = *b"PDFL";
 /// Version 2: each request of a pull carries its own traceparent. Version 3: write-fence tokens.
 /// Version 4: P worker generations in pulls and their answers. Version 5: D's pull deadline.
 /// Version 6: D's pipeline stage in pulls (P plans each D rank's heads and layers).
-pub const VERSION: u8 = 7;
+/// Version 8: D's RDMA endpoint and remote keys in pulls.
+pub const VERSION: u8 = 8;
 /// The largest frame pdflow accepts (a pull for thousands of blocks is a few tens of KiB).
 pub const MAX_FRAME_LEN: usize = 16 * 1024 * 1024;
 

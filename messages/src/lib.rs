@@ -29,6 +29,7 @@ pub mod layout;
 pub mod lifecycle;
 pub mod proxy;
 pub mod rank_process;
+pub mod rdma;
 pub mod receiver;
 pub mod scheduler_connector;
 pub mod send_worker;

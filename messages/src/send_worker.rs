@@ -60,6 +60,9 @@ pub struct ServePull {
     /// the pull's arrival); `None`: no limit. Local to P, never sent.
     #[serde(skip)]
     pub write_by: Option<std::time::Instant>,
+    /// What P needs to write these blocks one-sided (D's endpoint and keys); `None`: over D's
+    /// data server.
+    pub rdma: Option<crate::rdma::RemoteWriteGrant>,
 }
 
 /// The pulling D worker's tensor and pipeline position (from its pull).

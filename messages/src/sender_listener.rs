@@ -25,6 +25,9 @@ pub struct PullReq {
     /// D's write-fence token for this request's blocks (0: none): P names it before the data, and
     /// D's data server writes only while it is open — a write D gave up on never lands.
     pub fence: u64,
+    /// The regions of this request's blocks that P may write one-sided, with their keys (empty:
+    /// none granted; P writes over the data server).
+    pub remote: Vec<crate::rdma::RemoteRegion>,
 }
 
 /// D → P: "write these requests' KV into these blocks of mine" (seed step 21).
@@ -62,6 +65,8 @@ pub struct PullRequest {
     /// differs from its own (D looked P up before every P worker had registered), instead of
     /// writing a share D would take for the whole.
     pub p_world: (u32, u32),
+    /// D's RDMA endpoint for this P worker (`None`: D writes are taken over the data server only).
+    pub rdma: Option<Box<crate::rdma::RdmaOffer>>,
 }
 
 /// D → P: D has given these transfers up (abort, deadline); P must not write them any more.
@@ -263,12 +268,14 @@ mod tests {
                 block_ids: (512..575).collect(),
                 traceparent: None,
                 fence: 9,
+                remote: Vec::new(),
             }],
             traceparent: None,
             p_generation: 3,
             deadline_ms: 35_000,
             pp_rank: 0,
             p_world: (1, 1),
+            rdma: None,
         });
         let bytes = frame::encode(&pull).expect("encodes");
         assert_eq!(frame::decode::<SideChannelRequest>(&bytes, "side-channel request"), Ok(pull));
@@ -318,6 +325,7 @@ mod tests {
                 ),
                 traceparent: Some(format!("00-{r:032x}-{r:016x}-01")),
                 fence: u64::MAX,
+                remote: Vec::new(),
             })
             .collect();
         let pull = SideChannelRequest::Pull(PullRequest {
@@ -338,6 +346,7 @@ mod tests {
             deadline_ms: u64::MAX,
             pp_rank: 7,
             p_world: (8, 8),
+            rdma: None,
         });
         let len = frame::encode(&pull).expect("encodes").len();
         eprintln!("largest pull: {len} bytes");

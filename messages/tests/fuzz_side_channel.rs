@@ -109,6 +109,7 @@ fn pull_req() -> impl Strategy<Value = PullReq> {
             block_ids: GroupBlocks(spans),
             traceparent,
             fence: 3,
+            remote: Vec::new(),
         },
     )
 }
@@ -145,6 +146,7 @@ fn pull_request() -> impl Strategy<Value = PullRequest> {
                     deadline_ms,
                     pp_rank,
                     p_world: (p_tp, p_pp),
+                    rdma: None,
                 }
             },
         )

@@ -12,6 +12,8 @@ pub const OUTCOME: &str = "pd.outcome";
 pub const TRACEPARENT: &str = "pd.traceparent";
 pub const KV_CHECKSUM: &str = "pd.kv_checksum";
 pub const BACKEND: &str = "pd.backend";
+/// Step 29 with `backend=rdma`: the libfabric provider that carried the one-sided writes.
+pub const PROVIDER: &str = "pd.provider";
 /// Step 8 only: the span id of the client's own span, when the client sent a traceparent.
 pub const CLIENT_PARENT: &str = "pd.client_parent";
 /// Steps 28 and 29 across ranks: this P worker's tensor rank and pipeline stage, and the pulling D

@@ -64,6 +64,7 @@ macro_rules! step_span {
             pd.traceparent = tracing::field::Empty,
             pd.kv_checksum = tracing::field::Empty,
             pd.backend = tracing::field::Empty,
+            pd.provider = tracing::field::Empty,
             pd.client_parent = tracing::field::Empty,
             pd.tp_rank = tracing::field::Empty,
             pd.pp_rank = tracing::field::Empty,

@@ -10,12 +10,12 @@ use pdflow_node::config::{Deadlines, VllmEnv};
 use pdflow_node::registration::PlacementError;
 use pdflow_observability::export::ExportError;
 use pdflow_transfer::same_host::SameHostMode;
-use pdflow_transfer::tcp::{TcpConfig, TlsSetupError};
+use pdflow_transfer::tcp::{RdmaMode, TcpConfig, TlsSetupError};
 use pdflow_transfer::GpuPath;
 use serde::Deserialize;
 
 /// The keys `kv_connector_extra_config` takes.
-pub const KNOWN_KEYS: &str = "host, bootstrap_port, bootstrap_url, side_channel_port, data_port, transport, tcp_streams, auth_token, cluster_secret_file, insecure, tls, abort_request_timeout_s, pull_timeout_s, bootstrap_timeout_s, write_timeout_s, verify_checksums, layerwise, gpu_path, limits";
+pub const KNOWN_KEYS: &str = "host, bootstrap_port, bootstrap_url, side_channel_port, data_port, transport, rdma_provider, tcp_streams, auth_token, cluster_secret_file, insecure, tls, abort_request_timeout_s, pull_timeout_s, bootstrap_timeout_s, write_timeout_s, verify_checksums, layerwise, gpu_path, limits";
 
 /// A setting of this connector that cannot be used: which one, what it was, what is allowed.
 /// Python sees each as `pdflow.ConfigError`.
@@ -94,9 +94,13 @@ pub struct ExtraConfig {
     pub side_channel_port: Option<u16>,
     /// D: the data server's base port (default: any), per worker as `side_channel_port`.
     pub data_port: Option<u16>,
-    /// `auto` (same-host `process_vm_writev` when D shares the host and the kernel allows it,
-    /// else tcp) or `tcp`.
+    /// `auto` (one-sided RDMA when D offers it on a NIC, same-host `process_vm_writev` when D
+    /// shares the host and the kernel allows it, else tcp), `tcp`, or `rdma` (one-sided RDMA
+    /// writes only, on the software `tcp` provider where no NIC's opens; a wheel built with the
+    /// `rdma` feature).
     pub transport: Option<String>,
+    /// The libfabric provider for RDMA (`verbs`, `efa`, `tcp`); default a NIC's when one opens.
+    pub rdma_provider: Option<String>,
     /// TCP connections one transfer is spread over.
     pub tcp_streams: Option<usize>,
     /// Shared token D's data server demands of P (both sides must set the same one).
@@ -260,17 +264,19 @@ fn tcp_config(extra: &ExtraConfig, env: &dyn Fn(&str) -> Option<String>) -> Resu
         }
         tcp.streams_per_peer = n;
     }
-    tcp.same_host = match extra.transport.as_deref() {
-        None | Some("auto") => SameHostMode::Auto,
-        Some("tcp") => SameHostMode::Off,
+    (tcp.same_host, tcp.rdma) = match extra.transport.as_deref() {
+        None | Some("auto") => (SameHostMode::Auto, RdmaMode::Auto),
+        Some("tcp") => (SameHostMode::Off, RdmaMode::Off),
+        Some("rdma") => (SameHostMode::Off, RdmaMode::Required),
         Some(other) => {
             return Err(ConfigError::Invalid {
                 key: "transport",
                 value: format!("{other:?}"),
-                expected: "\"auto\" or \"tcp\"",
+                expected: "\"auto\", \"tcp\" or \"rdma\"",
             })
         }
     };
+    tcp.rdma_provider = extra.rdma_provider.clone();
     tcp.gpu_path = match extra.gpu_path.as_deref() {
         None | Some("auto") => GpuPath::Auto,
         Some("staged") => GpuPath::Staged,

@@ -73,5 +73,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     // Whether this build takes CUDA KV tensors (built with `--features cuda`).
     m.add("GPU_KV", cfg!(feature = "cuda"))?;
+    // Whether this build writes KV one-sided through libfabric (`transport: rdma`; `--features rdma`).
+    m.add("RDMA", cfg!(feature = "rdma"))?;
     Ok(())
 }

@@ -105,6 +105,9 @@ impl WorkerBridge {
         if let Some(addr) = worker.data_addr() {
             info.push(("data_addr", addr.to_string()));
         }
+        if let Some(endpoint) = worker.rdma_endpoint() {
+            info.push(("rdma", endpoint.to_string()));
+        }
         if worker.sender_listener.is_some() {
             info.push(("side_channel_addr", format!("{}:{}", cfg.host, spec.side_channel.load(Ordering::Acquire))));
         }

@@ -46,6 +46,8 @@ pub struct EngineOpts {
     pub tcp_only: bool,
     /// P writes the KV layer by layer while it prefills (`--layerwise on`).
     pub layerwise: bool,
+    /// More `pdflow serve` flags (clusters of processes only), e.g. `--transport rdma`.
+    pub extra_args: Vec<String>,
 }
 
 impl Default for EngineOpts {
@@ -61,6 +63,7 @@ impl Default for EngineOpts {
             tls: false,
             tcp_only: false,
             layerwise: false,
+            extra_args: Vec::new(),
         }
     }
 }

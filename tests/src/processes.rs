@@ -105,6 +105,32 @@ impl Proc {
         Ok(Self { child, ready, name: name.to_string() })
     }
 
+    /// Why `pdflow ARGS…` does not start (its standard error, or the missing ready line), or
+    /// `None` when it does (it is then stopped): for a test to skip, saying why, where a feature
+    /// or a library it needs is missing.
+    pub async fn why_not_ready(args: &[&str]) -> anyhow::Result<Option<String>> {
+        let mut child = Command::new(pdflow_bin()?)
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .stdin(Stdio::null())
+            .kill_on_drop(true)
+            .spawn()
+            .with_context(|| format!("spawning pdflow {args:?}"))?;
+        let stdout = child.stdout.take().context("no stdout")?;
+        let first = tokio::time::timeout(Duration::from_secs(30), BufReader::new(stdout).lines().next_line()).await;
+        if let Ok(Ok(Some(_))) = first {
+            let _ = child.start_kill();
+            let _ = tokio::time::timeout(Duration::from_secs(10), child.wait()).await;
+            return Ok(None);
+        }
+        let _ = child.start_kill();
+        let out = tokio::time::timeout(Duration::from_secs(10), child.wait_with_output())
+            .await
+            .context("pdflow did not exit after it was killed")??;
+        Ok(Some(String::from_utf8_lossy(&out.stderr).trim().to_string()))
+    }
+
     /// `pdflow proxy` with vLLM's arguments in front of one P (and its bootstrap port) and one D.
     pub async fn proxy(prefill: &Proc, bootstrap_port: &str, decode: &Proc) -> anyhow::Result<Self> {
         let args = ["proxy", "--port", "0", "--prefill", &prefill.url(), bootstrap_port, "--decode", &decode.url()];
@@ -250,6 +276,7 @@ impl ProcCluster {
             if o.layerwise {
                 a.extend(["--layerwise".into(), "on".into()]);
             }
+            a.extend(o.extra_args.iter().cloned());
             a
         };
         let mut procs = Vec::new();

@@ -195,6 +195,44 @@ async fn a_p_rank_killed_mid_transfer_ends_cleanly_across_ranks() {
     }
 }
 
+/// The rdma transport (one-sided writes; libfabric's software provider here): P killed whole as
+/// its write starts, D killed whole as P writes (D restarts with new keys and a new connect token:
+/// the next request must go through it), P's send worker killed mid-write, and P's write held
+/// past D's pull deadline — D revokes the keys and closes P's connection before the blocks go
+/// back, so the late write is refused: each ends within its deadline with the reference tokens or
+/// a clean error, and no block is held afterwards. Skipped, saying why, without the feature or
+/// libfabric.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn rdma_faults_mid_write_end_cleanly_with_correct_tokens_and_no_leak() {
+    if let Some(why) = rdma_unavailable() {
+        pdflow_testkit::skipped("rdma chaos cells", &why);
+        return;
+    }
+    let spec = chaos::ChaosSpec { rdma: true, ..chaos::chaos_spec(LoadFailurePolicy::Recompute) };
+    let past_pull_deadline_ms = u64::try_from(chaos::chaos_deadlines().pull_timeout.as_millis()).expect("small") + 500;
+    run_on(
+        spec,
+        vec![
+            (cell("node.p", Fault::new(29, When::Begin, FaultAction::KillNode { node: NodeKind::P })), NODE_P_KILLED),
+            (
+                cell("node.d", Fault::new(29, When::Begin, FaultAction::KillNode { node: NodeKind::D })),
+                &[Outcome::FailedClean],
+            ),
+            (cell("send_worker", kill(ActorKind::SendWorker, Role::P, 29, When::Begin)), &[Outcome::Recomputed]),
+            (
+                cell("send_worker", Fault::new(29, When::Begin, FaultAction::Delay { ms: past_pull_deadline_ms })),
+                &[Outcome::Recomputed],
+            ),
+        ],
+    )
+    .await;
+}
+
+/// Why the rdma transport cannot run here, if it cannot.
+fn rdma_unavailable() -> Option<String> {
+    pdflow_transfer::rdma_runs_here("tcp", "127.0.0.1").err()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn side_channel_message_faults_and_node_kills_end_cleanly() {
     run(

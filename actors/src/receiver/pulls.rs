@@ -7,10 +7,12 @@ use std::collections::BTreeSet;
 use std::time::Duration;
 
 use kameo::prelude::*;
+use pdflow_messages::rdma::RemoteRegion;
 use pdflow_messages::receiver::{CancelTransfers, PullOutcome, PullTransportFailed};
 use pdflow_messages::scheduler_connector::{LoadFailure, LoadFailureCause, PullMeta};
 use pdflow_messages::sender_listener::{PullErrorCause, PullReq, PullRequest};
 use pdflow_messages::RequestId;
+use pdflow_transfer::fence::RemoteAccess;
 
 use super::{pairing, EngineAt, Receiver};
 use crate::fault_seam::{register_actor, ActorKind, Role};
@@ -108,6 +110,14 @@ impl Receiver {
         let pull_id = self.next_pull_id;
         self.next_pull_id = self.next_pull_id.wrapping_add(1);
         let include_layout = self.layout_acks.get(worker_addr) != Some(&self.layout.layout_id);
+        if let Some(fence) = &self.args.fence {
+            for r in reqs {
+                if let Some(recv) = self.in_flight.get(r).filter(|r| !r.meta.local_block_ids.is_empty()) {
+                    fence.open(recv.fence);
+                }
+            }
+        }
+        let remote = self.args.fence.as_ref().and_then(|f| f.remote()).cloned();
         let metas: Vec<&PullMeta> = reqs.iter().filter_map(|r| self.in_flight.get(r)).map(|r| &r.meta).collect();
         let request = PullRequest {
             pull_id,
@@ -126,6 +136,7 @@ impl Receiver {
                     block_ids: m.local_block_ids.clone(),
                     traceparent: m.traceparent.clone(),
                     fence: self.in_flight.get(&m.d_req_id).map_or(0, |r| r.fence),
+                    remote: remote.as_ref().map_or_else(Vec::new, |access| self.grant(access.as_ref(), m, worker_addr)),
                 })
                 .collect(),
             traceparent: metas.iter().find_map(|m| m.traceparent.clone()),
@@ -133,6 +144,7 @@ impl Receiver {
             deadline_ms: u64::try_from(self.args.pull_timeout.as_millis()).unwrap_or(u64::MAX),
             pp_rank: self.args.rank.pp_rank,
             p_world: self.remote_agents.get(engine).map_or((1, 1), pairing::world),
+            rdma: remote.as_ref().map(|access| Box::new(access.offer(worker_addr))),
         };
         let args = PullTaskArgs {
             pull_id,
@@ -145,13 +157,6 @@ impl Receiver {
             faults: self.args.faults.clone(),
             auth: self.args.auth.clone(),
         };
-        if let Some(fence) = &self.args.fence {
-            for r in reqs {
-                if let Some(recv) = self.in_flight.get(r).filter(|r| !r.meta.local_block_ids.is_empty()) {
-                    fence.open(recv.fence);
-                }
-            }
-        }
         let task = PullTask::spawn_link(me, args).await;
         let transfer_ids = metas.iter().map(|m| m.transfer_id.clone()).collect();
         register_actor(&self.args.faults, ActorKind::PullTask, Role::D, transfer_ids, &task);
@@ -165,6 +170,32 @@ impl Receiver {
             pull_id,
             Pull { task, engine: engine.clone(), worker_addr: worker_addr.to_string(), reqs: reqs.to_vec(), p_rank },
         );
+    }
+
+    /// The one-sided write grant of `meta`'s blocks (every region of this worker's layout, the
+    /// blocks' byte runs) for the P worker at `peer`; empty when there is nothing to write or the
+    /// registration failed (P then writes over the data server).
+    fn grant(&self, access: &dyn RemoteAccess, meta: &PullMeta, peer: &str) -> Vec<RemoteRegion> {
+        let Some(token) = self.in_flight.get(&meta.d_req_id).map(|r| r.fence) else { return Vec::new() };
+        let blocks = meta.local_block_ids.flat();
+        if blocks.is_empty() {
+            return Vec::new();
+        }
+        let runs = pdflow_kv::planner::contiguous_runs(&blocks, &blocks);
+        let blocks = &blocks;
+        let ranges: Vec<(u64, u64)> = self
+            .layout
+            .regions
+            .iter()
+            .flat_map(|r| runs.iter().map(move |&(start, len)| (r.block_addr(blocks[start]), len as u64 * r.block_len)))
+            .collect();
+        match access.grant(token, peer, &ranges) {
+            Ok(regions) => regions,
+            Err(e) => {
+                tracing::warn!(request_id = %meta.d_req_id, error = %e, "could not register the blocks for one-sided writes: P writes them over the data server");
+                Vec::new()
+            }
+        }
     }
 
     /// Step 21 for one engine whose workers are cached: one pull per paired P worker.

@@ -72,7 +72,8 @@ impl Receiver {
     /// once no batch of the pull is still landing — a stalled write that resumes is refused.
     pub(super) fn complete_fenced(&mut self, meta: &PullMeta, failure: Option<LoadFailure>, token: u64) {
         let Some(fence) = self.args.fence.clone() else { return self.complete(meta, failure) };
-        let landing = fence.close_now(token);
+        // A pull that ended with every write reported done keeps P's one-sided connections.
+        let landing = if failure.is_none() { fence.close_clean(token) } else { fence.close_now(token) };
         if landing == 0 || failure.is_none() {
             return self.complete(meta, failure);
         }

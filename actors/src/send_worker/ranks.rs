@@ -61,7 +61,7 @@ impl SendWorker {
         let pair = plan_pair(&p_topology, &d_topology, &me.heads(), (me.index(), d.index()), src_blocks, dst_blocks)?;
         let Some(pair) = pair else { return Ok(TransferPlan::default()) };
         let plan = pair.to_transfer_plan(&self.args.kv_cache.regions(), &pull.layout.regions)?;
-        Ok(TransferPlan { fence: pull.fence, ..plan })
+        Ok(TransferPlan { fence: pull.fence, grant: pull.rdma.clone().map(std::sync::Arc::new), ..plan })
     }
 
     /// With `verify_checksums`, P's digest of the pair's share of each block it is about to

@@ -114,7 +114,12 @@ impl SendWorker {
             let plan = build_plan(&src_regions[regions.clone()], src, &dst_regions[regions], dst, true).ok()?;
             descriptors.extend(plan.descriptors);
         }
-        Some(TransferPlan { descriptors, fence: pull.fence, write_by: pull.write_by })
+        Some(TransferPlan {
+            descriptors,
+            fence: pull.fence,
+            write_by: pull.write_by,
+            grant: pull.rdma.clone().map(std::sync::Arc::new),
+        })
     }
 
     /// The plan of what is left at ready: everything not yet in D's blocks (all of it when

@@ -114,6 +114,7 @@ impl Rig {
             fence: 0,
             d_rank: DRank::default(),
             write_by: None,
+            rdma: None,
         };
         self.worker.tell(serve).await.expect("worker alive");
     }
@@ -380,6 +381,7 @@ async fn each_d_rank_gets_its_heads_and_the_last_one_frees_the_blocks() {
             fence: 0,
             d_rank: DRank { tp_size: 2, tp_rank: d_rank, pp_size: 1, pp_rank: 0 },
             write_by: None,
+            rdma: None,
         };
         rig.worker.tell(serve).await.expect("worker alive");
         let outcome = tokio::time::timeout(Duration::from_secs(5), outcomes.recv())
@@ -433,6 +435,7 @@ async fn a_hybrid_pull_pairs_each_group_and_a_d_of_another_shape_is_refused() {
             fence: 0,
             d_rank,
             write_by: None,
+            rdma: None,
         };
         rig.worker.tell(serve).await.expect("worker alive");
         let out = rig.next().await;

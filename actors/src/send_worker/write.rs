@@ -133,7 +133,7 @@ impl SendWorker {
         });
         let plan = match plan {
             // D's fence for these blocks: its data server writes them only while D expects them.
-            Ok(plan) => TransferPlan { fence: pull.fence, ..plan },
+            Ok(plan) => TransferPlan { fence: pull.fence, grant: pull.rdma.clone().map(std::sync::Arc::new), ..plan },
             Err(e) => {
                 Outcome::Failed(PullErrorCause::LayoutMismatch.label()).record(&plan_span);
                 drop(plan_span);
@@ -240,6 +240,9 @@ impl SendWorker {
                 };
                 // Which path moved the bytes (tcp, same-host…), for the trace.
                 tracing::Span::current().record(attrs::BACKEND, transfer.backend_for(&peer));
+                if let Some(provider) = transfer.provider_for(&peer) {
+                    tracing::Span::current().record(attrs::PROVIDER, provider.as_str());
+                }
                 if me.tell(WriteDone { result }).await.is_err() {
                     tracing::warn!("send worker stopped before its write finished");
                 }

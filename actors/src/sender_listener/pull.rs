@@ -9,6 +9,7 @@ use bytes::Bytes;
 use kameo::prelude::*;
 use pdflow_messages::frame;
 use pdflow_messages::layout::KvLayout;
+use pdflow_messages::rdma::{RdmaOffer, RemoteWriteGrant};
 use pdflow_messages::send_worker::{DRank, ServePull};
 use pdflow_messages::sender_listener::{
     BlockDigests, PullErr, PullErrorCause, PullReq, PullRequest, PullResponse, PullStatus,
@@ -26,6 +27,8 @@ struct RoutedPull<'a> {
     traceparent: &'a Option<String>,
     write_by: Option<std::time::Instant>,
     d_rank: DRank,
+    /// D's RDMA endpoint for this P worker, if it offered one.
+    rdma: &'a Option<Box<RdmaOffer>>,
 }
 
 /// A pull must name at least one request, each once.
@@ -170,12 +173,20 @@ impl SenderListener {
         let remaining = pull.reqs.iter().map(|r| (r.d_req_id.clone(), r.transfer_id.clone())).collect();
         self.pulls.insert(key, InFlightPull { identity, pull_id: pull.pull_id, layout_id: pull.layout_id, remaining });
         tracing::debug!(pull_id = pull.pull_id, engine_id = %pull.engine_id, reqs = pull.reqs.len(), "pull received");
-        let (data_addr, traceparent, p_generation) = (pull.data_addr, pull.traceparent, pull.p_generation);
+        let (data_addr, traceparent, p_generation, rdma) =
+            (pull.data_addr, pull.traceparent, pull.p_generation, pull.rdma);
         let d_rank =
             DRank { tp_size: pull.tp_size, tp_rank: pull.tp_rank, pp_size: pull.pp_size, pp_rank: pull.pp_rank };
         for req in pull.reqs {
-            let routed =
-                RoutedPull { key, layout: &layout, data_addr: &data_addr, traceparent: &traceparent, write_by, d_rank };
+            let routed = RoutedPull {
+                key,
+                layout: &layout,
+                data_addr: &data_addr,
+                traceparent: &traceparent,
+                write_by,
+                d_rank,
+                rdma: &rdma,
+            };
             self.route(req, p_generation, routed, me).await;
         }
     }
@@ -240,6 +251,11 @@ impl SenderListener {
             fence: req.fence,
             d_rank: pull.d_rank,
             write_by: pull.write_by,
+            rdma: pull
+                .rdma
+                .as_ref()
+                .filter(|_| !req.remote.is_empty())
+                .map(|offer| RemoteWriteGrant { offer: (**offer).clone(), regions: req.remote.clone() }),
         };
         if let Err(e) = worker.tell(serve).await {
             let err = PullErr {

@@ -146,6 +146,7 @@ impl Harness {
                     block_ids: b.clone().into(),
                     traceparent: None,
                     fence: 0,
+                    remote: Vec::new(),
                 })
                 .collect(),
             traceparent: None,
@@ -153,6 +154,7 @@ impl Harness {
             deadline_ms: 0,
             pp_rank: 0,
             p_world: (1, 1),
+            rdma: None,
         })
     }
 

@@ -95,11 +95,17 @@ pub struct ServeCmd {
     /// path, which never leaves the host, is not affected.
     #[arg(long, value_enum, default_value_t = OnOff::Off)]
     pub tls: OnOff,
-    /// `auto`: P writes a D on the same host straight into its memory (`process_vm_writev`) when
-    /// the kernel allows it, over tcp otherwise; `tcp`: always over tcp (as vLLM's
-    /// `kv_connector_extra_config` `transport`).
+    /// `auto`: P writes one-sided (RDMA) when D offers it on a NIC, a D on the same host straight
+    /// into its memory (`process_vm_writev`) when the kernel allows it, over tcp otherwise; `tcp`:
+    /// always over tcp; `rdma`: only one-sided RDMA writes, on the software `tcp` provider where
+    /// no NIC's opens (a build with `--features rdma`). As vLLM's `kv_connector_extra_config`
+    /// `transport`; set the same on P and D.
     #[arg(long, value_enum, default_value_t = TransportArg::Auto)]
     pub transport: TransportArg,
+    /// The libfabric provider for RDMA (`verbs`, `efa`, `tcp`): default a NIC's when one opens.
+    /// Naming one with `--transport auto` offers RDMA on it.
+    #[arg(long, value_name = "PROVIDER")]
+    pub rdma_provider: Option<String>,
     /// Record KV checksums on both sides of every transfer (costs a pass over the bytes).
     #[arg(long)]
     pub verify_checksums: bool,
@@ -167,8 +173,14 @@ impl ServeCmd {
             gpu_path: self.gpu_path.into(),
             same_host: match self.transport {
                 TransportArg::Auto => pdflow_transfer::same_host::SameHostMode::Auto,
-                TransportArg::Tcp => pdflow_transfer::same_host::SameHostMode::Off,
+                TransportArg::Tcp | TransportArg::Rdma => pdflow_transfer::same_host::SameHostMode::Off,
             },
+            rdma: match self.transport {
+                TransportArg::Auto => pdflow_transfer::tcp::RdmaMode::Auto,
+                TransportArg::Tcp => pdflow_transfer::tcp::RdmaMode::Off,
+                TransportArg::Rdma => pdflow_transfer::tcp::RdmaMode::Required,
+            },
+            rdma_provider: self.rdma_provider.clone(),
             ..TcpConfig::default()
         };
         if let Err(e) = tcp.set_tls(self.tls == OnOff::On) {

@@ -49,6 +49,8 @@ pub enum Context {
     Admin,
     /// The proxy's answer to an admin call, bound to its nonce.
     AdminReply,
+    /// P's RDMA connection request to D's endpoint, bound to D's connect token and P's nonce.
+    RdmaConnect,
     /// Not a proof: the seed of the data channel's TLS key, derived from each key of the secret.
     TlsKey,
 }
@@ -68,6 +70,7 @@ impl Context {
             Context::QueryReply => b"pdflow/v1/bootstrap/query-reply",
             Context::Admin => b"pdflow/v1/proxy/admin",
             Context::AdminReply => b"pdflow/v1/proxy/admin-reply",
+            Context::RdmaConnect => b"pdflow/v1/data/rdma-connect",
             Context::TlsKey => b"pdflow/v1/tls/ed25519-seed",
         }
     }

@@ -34,12 +34,14 @@ fn pull(with_layout: bool) -> SideChannelRequest {
             block_ids: (512..=574).collect(),
             traceparent: None,
             fence: 0x5eed_0001,
+            remote: Vec::new(),
         }],
         traceparent: Some("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01".into()),
         p_generation: 0,
         deadline_ms: 0,
         pp_rank: 0,
         p_world: (1, 1),
+        rdma: None,
     })
 }
 

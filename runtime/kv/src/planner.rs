@@ -27,6 +27,9 @@ pub struct TransferPlan {
     /// engine's write deadline only.
     /// Never sent on the wire.
     pub write_by: Option<std::time::Instant>,
+    /// D's grant for one-sided writes of these blocks (its RDMA endpoint and keys); `None`: the
+    /// plan goes over D's data server. Never sent on the wire (it came in D's pull).
+    pub grant: Option<std::sync::Arc<pdflow_messages::rdma::RemoteWriteGrant>>,
 }
 
 impl TransferPlan {
@@ -85,7 +88,7 @@ pub fn build_plan(
             });
         }
     }
-    Ok(TransferPlan { descriptors, fence: 0, write_by: None })
+    Ok(TransferPlan { descriptors, fence: 0, write_by: None, grant: None })
 }
 
 /// Runs `(start index, length)` over which both id lists advance by exactly one.

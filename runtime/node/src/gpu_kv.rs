@@ -48,7 +48,10 @@ pub async fn serve_kv_data(
         value: bind.to_string(),
         source,
     })?;
-    let fence = WriteFence::new();
+    let fence = match crate::rdma_offer::rdma_target(kv_cache, host, tcp)? {
+        Some(target) => WriteFence::new().with_remote(target),
+        None => WriteFence::new(),
+    };
     let (device_export, gpu_serving) = serve_gpu_kv(kv_cache, host, tcp, &fence)?;
     let options = DataServerOptions {
         auth_token: tcp.auth_token.clone(),

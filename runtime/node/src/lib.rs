@@ -24,6 +24,7 @@ pub mod gpu_kv;
 pub mod held_sends;
 pub mod ports;
 pub mod proxy_node;
+pub mod rdma_offer;
 pub mod registration;
 pub mod supervisor;
 pub mod worker;
@@ -51,6 +52,9 @@ pub enum NodeError {
     /// KV in GPU memory, in a build without the `cuda` feature.
     #[error("KV cache on GPU {device}: this pdflow was built without GPU support (build it with `--features cuda`)")]
     NoGpuSupport { device: usize },
+    /// `transport: rdma` in a build without the `rdma` feature.
+    #[error("transport rdma: this pdflow was built without RDMA support (build it with `--features rdma`, which needs libfabric-dev)")]
+    NoRdmaSupport,
 }
 
 /// The part of the data plane a [`NodeError::TransferStart`] is about.
@@ -62,6 +66,8 @@ pub enum TransferPart {
     GpuServing { device: usize },
     /// D's GPU KV as a cuda-peer of this process's P engines.
     LocalPeer { device: usize },
+    /// D's RDMA endpoint (`transport: rdma`).
+    RdmaEndpoint,
 }
 
 impl std::fmt::Display for TransferPart {
@@ -70,6 +76,7 @@ impl std::fmt::Display for TransferPart {
             TransferPart::GpuEngine { device } => write!(f, "GPU transfer engine on GPU {device}"),
             TransferPart::GpuServing { device } => write!(f, "serving of the GPU KV on GPU {device}"),
             TransferPart::LocalPeer { device } => write!(f, "cuda-peer registration of the GPU KV on GPU {device}"),
+            TransferPart::RdmaEndpoint => write!(f, "RDMA endpoint"),
         }
     }
 }

@@ -103,6 +103,8 @@ pub struct Worker {
     /// deadlines' backstop if the actors never do.
     held_sends: Option<Arc<HeldSends>>,
     data_server: Option<TcpDataServer>,
+    /// D's RDMA endpoint (`provider on device`), when it offers one-sided writes.
+    rdma_endpoint: Option<String>,
     /// D's serving of GPU KV, while it serves: its registration as a GPU peer of this process
     /// and its staged receiver (GPU KV only).
     _gpu_serving: Vec<Held>,
@@ -125,6 +127,7 @@ impl Worker {
             events: Arc::new(Notify::new()),
             held_sends: spec.role.produces().then(|| Arc::new(HeldSends::new(spec.deadlines.held_backstop()))),
             data_server: None,
+            rdma_endpoint: None,
             _gpu_serving: Vec::new(),
         };
         if spec.role.produces() {
@@ -206,6 +209,7 @@ impl Worker {
         let KvDataServing { server, fence, held } =
             serve_kv_data(kv_cache, &spec.host, &format!("{}:{}", spec.host, spec.data_port), &spec.tcp).await?;
         self._gpu_serving.extend(held);
+        self.rdma_endpoint = fence.remote().map(|r| r.endpoint());
         let args = ReceiverArgs {
             engine_id: spec.engine_id.clone().into(),
             rank: spec.rank,
@@ -242,6 +246,11 @@ impl Worker {
     }
 
     /// D's data server address (where P writes KV), if this worker consumes.
+    /// D's RDMA endpoint (`provider on device`), when it offers one-sided writes.
+    pub fn rdma_endpoint(&self) -> Option<&str> {
+        self.rdma_endpoint.as_deref()
+    }
+
     pub fn data_addr(&self) -> Option<SocketAddr> {
         self.data_server.as_ref().map(|d| d.local_addr())
     }

@@ -2,7 +2,10 @@
 //! same-host path ([`super::same_host`]) when D's data server offers it, names this host, and the
 //! kernel lets P read D's canary back; tcp ([`super::tcp`]) otherwise, and whenever the kernel
 //! later refuses. The choice is cached per peer and re-checked (canary read, ~µs) before every
-//! same-host write, so a D restarted at the same address is probed again.
+//! same-host write, so a D restarted at the same address is probed again. A plan that carries D's
+//! RDMA grant (the `rdma` feature; D offered its endpoint in the pull) is written one-sided
+//! ([`super::rdma`]) when this host opens D's provider; with `transport: rdma` a plan without a
+//! grant is refused instead of written another way.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -12,7 +15,7 @@ use futures::future::BoxFuture;
 use pdflow_messages::layout::RegionDesc;
 
 use super::same_host::{self, SameHostError, SameHostMode, SameHostPeer};
-use super::tcp::{TcpConfig, TcpTransferEngine};
+use super::tcp::{RdmaMode, TcpConfig, TcpTransferEngine};
 use super::{TransferEngine, TransferError, TransferStats};
 use pdflow_kv::memory::RegionTable;
 use pdflow_kv::planner::{Descriptor, TransferPlan};
@@ -20,11 +23,16 @@ use pdflow_kv::planner::{Descriptor, TransferPlan};
 /// Backend names reported by [`TransferEngine::backend_for`].
 pub const BACKEND_TCP: &str = "tcp";
 pub const BACKEND_SAME_HOST: &str = "same-host";
+/// One-sided writes through libfabric ([`super::rdma`]).
+pub const BACKEND_RDMA: &str = "rdma";
 
 #[derive(Debug, Clone)]
 enum Route {
     Tcp,
     SameHost(Arc<SameHostPeer>),
+    /// The last write went one-sided, on this provider.
+    #[cfg_attr(not(feature = "rdma"), allow(dead_code))]
+    Rdma(String),
 }
 
 /// Same-host when possible, tcp otherwise (see the module docs).
@@ -35,6 +43,9 @@ pub struct AutoTransferEngine {
     mode: SameHostMode,
     threads: usize,
     routes: Mutex<HashMap<String, Route>>,
+    rdma_mode: RdmaMode,
+    #[cfg(feature = "rdma")]
+    rdma: Option<super::rdma::RdmaTransferEngine>,
 }
 
 impl AutoTransferEngine {
@@ -43,12 +54,28 @@ impl AutoTransferEngine {
     pub fn new(local: RegionTable, config: TcpConfig) -> Self {
         let threads = std::thread::available_parallelism().map_or(1, usize::from).min(4);
         let mode = config.same_host;
+        let rdma_mode = config.rdma;
+        #[cfg(feature = "rdma")]
+        let rdma = (rdma_mode != RdmaMode::Off).then(|| {
+            super::rdma::RdmaTransferEngine::new(
+                local.clone(),
+                super::rdma::engine::RdmaEngineConfig {
+                    host: String::new(),
+                    connect_timeout: config.connect_timeout,
+                    write_timeout: config.write_timeout,
+                    secret: config.secret.clone(),
+                },
+            )
+        });
         Self {
             tcp: TcpTransferEngine::new(local.clone(), config),
             local,
             mode,
             threads,
             routes: Mutex::new(HashMap::new()),
+            rdma_mode,
+            #[cfg(feature = "rdma")]
+            rdma,
         }
     }
 
@@ -109,7 +136,51 @@ impl AutoTransferEngine {
         }
     }
 
+    /// The one-sided write of a plan D granted, when this host can take it: `None` to write it
+    /// another way.
+    async fn write_rdma(&self, peer: &str, plan: &TransferPlan) -> Option<Result<TransferStats, TransferError>> {
+        let required = self.rdma_mode == RdmaMode::Required;
+        let Some(grant) = plan.grant.as_ref() else {
+            return required.then(|| {
+                Err(TransferError::Refused {
+                    peer: peer.to_string(),
+                    reason: "transport rdma: D offered no RDMA endpoint for this pull (set transport rdma on D \
+                             too, and build it with the rdma feature)"
+                        .into(),
+                })
+            });
+        };
+        #[cfg(feature = "rdma")]
+        if let Some(rdma) = &self.rdma {
+            return match rdma.can_open(&grant.offer) {
+                Ok(()) => {
+                    self.set_route(peer, Route::Rdma(grant.offer.provider.clone()));
+                    Some(rdma.write(peer, plan).await)
+                }
+                Err(e) if required => Some(Err(TransferError::Refused {
+                    peer: peer.to_string(),
+                    reason: format!("transport rdma: this host cannot open D's provider {}: {e}", grant.offer.provider),
+                })),
+                Err(e) => {
+                    tracing::warn!(%peer, provider = %grant.offer.provider, "RDMA not used: {e}; writing over tcp");
+                    None
+                }
+            };
+        }
+        let _ = grant;
+        required.then(|| {
+            Err(TransferError::Refused {
+                peer: peer.to_string(),
+                reason: "transport rdma: this build of pdflow has no rdma backend (build it with the rdma feature)"
+                    .into(),
+            })
+        })
+    }
+
     async fn write_plan(&self, peer: &str, plan: &TransferPlan) -> Result<TransferStats, TransferError> {
+        if let Some(written) = self.write_rdma(peer, plan).await {
+            return written;
+        }
         let started = Instant::now();
         let descriptors: Vec<Descriptor> = plan.descriptors.iter().copied().filter(|d| d.len > 0).collect();
         for d in &descriptors {
@@ -178,7 +249,15 @@ impl TransferEngine for AutoTransferEngine {
     fn backend_for(&self, peer: &str) -> &'static str {
         match self.lock_routes().get(peer) {
             Some(Route::SameHost(_)) => BACKEND_SAME_HOST,
+            Some(Route::Rdma(_)) => BACKEND_RDMA,
             _ => BACKEND_TCP,
+        }
+    }
+
+    fn provider_for(&self, peer: &str) -> Option<String> {
+        match self.lock_routes().get(peer) {
+            Some(Route::Rdma(provider)) => Some(provider.clone()),
+            _ => None,
         }
     }
 
@@ -187,7 +266,7 @@ impl TransferEngine for AutoTransferEngine {
         Box::pin(async move {
             match self.route(peer).await? {
                 Route::Tcp => self.tcp.prepare(peer).await,
-                Route::SameHost(_) => Ok(()),
+                Route::SameHost(_) | Route::Rdma(_) => Ok(()),
             }
         })
     }

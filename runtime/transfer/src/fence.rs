@@ -4,6 +4,12 @@
 //! payload lands. When a pull ends — its KV arrived, or D gave up at a deadline — D closes the
 //! token and waits for the batches in flight to finish before the blocks go back to the pool, so
 //! a late write (a stalled link that comes back) is refused instead of landing in freed blocks.
+//!
+//! One-sided writes (RDMA) never pass D's CPU, so D cannot refuse them batch by batch: the
+//! fence then holds a [`RemoteAccess`] — per token, the registrations (keys) of the token's blocks
+//! that P was granted. Closing the token revokes them: the keys are invalidated and, for a pull
+//! that did not end cleanly, the P connections that held them are closed, before the blocks go
+//! back to the pool; a write that comes later is refused by D's provider or NIC.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -25,6 +31,27 @@ struct State {
 pub struct WriteFence {
     state: Arc<Mutex<State>>,
     drained: Arc<Notify>,
+    remote: Option<Arc<dyn RemoteAccess>>,
+}
+
+/// One-sided write access to D's memory, granted per fence token (the `rdma` backend's target).
+pub trait RemoteAccess: Send + Sync + std::fmt::Debug + 'static {
+    /// D's endpoint as the P worker at `peer` (its side-channel address) reaches it.
+    fn offer(&self, peer: &str) -> pdflow_messages::rdma::RdmaOffer;
+    /// The provider and device writes arrive through (`tcp on lo`, `verbs on mlx5_0`), for logs.
+    fn endpoint(&self) -> String;
+    /// Registers `ranges` (address, length) of D's memory for writes under `token` by `peer`,
+    /// returning the regions and keys P needs.
+    fn grant(
+        &self,
+        token: u64,
+        peer: &str,
+        ranges: &[(u64, u64)],
+    ) -> Result<Vec<pdflow_messages::rdma::RemoteRegion>, String>;
+    /// Revokes every grant of `token`; when `clean` is false (the pull did not end with P's
+    /// completion of every write) the connections of the token's peer are closed too. On return
+    /// no write under the token can land.
+    fn revoke(&self, token: u64, clean: bool);
 }
 
 /// A batch in flight under a token; dropping it ends the batch. The data server stops reading
@@ -61,6 +88,26 @@ pub struct FenceStuck {
 impl WriteFence {
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// This fence, also holding one-sided write grants (`access`): closing a token revokes them.
+    pub fn with_remote(mut self, access: Arc<dyn RemoteAccess>) -> Self {
+        self.remote = Some(access);
+        self
+    }
+
+    /// The one-sided write access this fence revokes, if any.
+    pub fn remote(&self) -> Option<&Arc<dyn RemoteAccess>> {
+        self.remote.as_ref()
+    }
+
+    /// [`WriteFence::close_now`] for a pull that ended cleanly (P reported every byte written):
+    /// the token's remote grants are revoked without closing P's connections.
+    pub fn close_clean(&self, token: u64) -> usize {
+        if let Some(remote) = &self.remote {
+            remote.revoke(token, true);
+        }
+        self.close_tcp(token)
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
@@ -109,6 +156,13 @@ impl WriteFence {
     /// Closes `token` without waiting: no new batch is written under it and the batches landing
     /// are told to stop. Returns how many are still landing (0: no byte can land any more).
     pub fn close_now(&self, token: u64) -> usize {
+        if let Some(remote) = &self.remote {
+            remote.revoke(token, false);
+        }
+        self.close_tcp(token)
+    }
+
+    fn close_tcp(&self, token: u64) -> usize {
         let mut state = self.lock();
         match state.open.remove(&token) {
             None => state.draining.get(&token).copied().unwrap_or(0),

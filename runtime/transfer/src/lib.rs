@@ -6,16 +6,23 @@
 //!   P's [`tcp::TcpTransferEngine`] keeps a pool of connections per peer and splits a batch across them.
 //! - [`same_host`] — when P and D share a host, P writes D's memory directly (`process_vm_writev`),
 //!   with the same region checks.
-//! - [`AutoTransferEngine`] (the node's engine) picks per peer: same-host when D's data server offers
-//!   it and the kernel allows it, tcp otherwise; [`TransferEngine::backend_for`] tells which.
+//! - [`rdma`] (feature `rdma`) — one-sided RDMA WRITEs through libfabric into the blocks D
+//!   granted in its pull (verbs and efa NICs; the software `tcp` provider anywhere).
+//! - [`AutoTransferEngine`] (the node's engine) picks per peer: RDMA when D granted it and this
+//!   host opens D's provider, same-host when D's data server offers it and the kernel allows it,
+//!   tcp otherwise; [`TransferEngine::backend_for`] tells which.
 
 mod auto;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod fence;
 mod gpu_path;
+#[cfg(feature = "rdma")]
+pub mod rdma;
 pub mod same_host;
 pub mod tcp;
+#[cfg(test)]
+mod test_blocks;
 
 pub use auto::AutoTransferEngine;
 pub use gpu_path::GpuPath;
@@ -26,6 +33,21 @@ use futures::future::BoxFuture;
 
 use pdflow_kv::memory::RegionError;
 use pdflow_kv::planner::TransferPlan;
+
+/// Whether the rdma backend runs here on `provider` (libfabric's name) on the interface holding
+/// `host`: `Err` says why not (a build without the `rdma` feature, libfabric missing, the provider
+/// unavailable).
+pub fn rdma_runs_here(provider: &str, host: &str) -> Result<(), String> {
+    #[cfg(feature = "rdma")]
+    {
+        rdma::fabric::Domain::open(provider, host).map(|_| ()).map_err(|e| e.to_string())
+    }
+    #[cfg(not(feature = "rdma"))]
+    {
+        let _ = (provider, host);
+        Err("this pdflow was built without the rdma feature (build with --features rdma)".to_string())
+    }
+}
 
 /// What one write moved.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -62,6 +84,12 @@ pub trait TransferEngine: Send + Sync + 'static {
     fn backend_for(&self, peer: &str) -> &'static str {
         let _ = peer;
         self.name()
+    }
+
+    /// The RDMA provider that wrote (or last wrote) to `peer`, when the backend is `rdma`.
+    fn provider_for(&self, peer: &str) -> Option<String> {
+        let _ = peer;
+        None
     }
 
     /// Gets ready to write to `peer` — connections made, handshakes done, the path chosen — so

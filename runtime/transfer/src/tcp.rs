@@ -23,7 +23,7 @@ mod server;
 mod stream;
 pub mod wire;
 
-pub use config::{TcpConfig, TlsSetupError};
+pub use config::{RdmaMode, TcpConfig, TlsSetupError};
 #[cfg(feature = "cuda")]
 pub(crate) use connection::constant_time_eq;
 pub(crate) use engine::split_by_bytes;

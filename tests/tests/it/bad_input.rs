@@ -84,6 +84,7 @@ async fn scenario(cluster: &Endpoints) {
         descriptors: vec![Descriptor { src: src.base_addr, dst: 0x1000, len: src.block_len }],
         fence: 0,
         write_by: None,
+        grant: None,
     };
     let data_addr = cluster.decode[0].data_addr.clone().expect("D has a data server");
     match engine.write(&data_addr, &plan).await {

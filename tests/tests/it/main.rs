@@ -23,6 +23,7 @@ mod p_restart;
 mod protected_mode;
 mod pull_order;
 mod rank_processes;
+mod rdma;
 mod refusals;
 mod round_robin_2p2d;
 mod routing;

@@ -41,6 +41,7 @@ async fn a_pull_addressed_to_a_restarted_p_is_refused_at_once_not_after_the_read
         prefill_parallel: Default::default(),
         decode_parallel: Default::default(),
         hybrid: None,
+        rdma: false,
     };
     let _ = pdflow_tests::capture(); // logs with PDFLOW_TEST_LOG=<filter>
     let faults = pdflow_fault::FaultDomain::new(pdflow_transfer::tcp::TcpConfig::default());

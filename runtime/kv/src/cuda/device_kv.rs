@@ -199,7 +199,7 @@ impl DeviceKv {
             .enumerate()
             .map(|(i, src)| Descriptor { src, dst: staging.ptr + i as u64 * block_len, len: block_len })
             .collect();
-        let plan = TransferPlan { descriptors, fence: 0, write_by: None };
+        let plan = TransferPlan { descriptors, fence: 0, write_by: None, grant: None };
         let uploaded = kernels.gather.upload_reusing(&plan, kernels.table.take()).map_err(|e| self.refusal(e))?;
         kernels.gather.execute(&uploaded).map_err(|e| self.refusal(e))?;
         kernels.table = Some(uploaded);

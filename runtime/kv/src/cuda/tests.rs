@@ -35,6 +35,7 @@ fn batch_copy_moves_aligned_and_unaligned_descriptors() {
         ],
         fence: 0,
         write_by: None,
+        grant: None,
     };
     let up = copier.upload(&plan).expect("upload");
     copier.execute(&up).expect("launch");
@@ -66,6 +67,7 @@ fn a_reused_descriptor_table_carries_the_next_plan_and_grows_when_needed() {
             .collect(),
         fence: 0,
         write_by: None,
+        grant: None,
     };
     let first = copier.upload(&plan(10, 0)).expect("upload");
     let table = first.src();

@@ -40,7 +40,7 @@ impl PairPlan {
                 })
             })
             .collect::<Result<_, AddressError>>()?;
-        Ok(TransferPlan { descriptors, fence: 0, write_by: None })
+        Ok(TransferPlan { descriptors, fence: 0, write_by: None, grant: None })
     }
 }
 

@@ -72,9 +72,7 @@ impl Pair {
     }
 
     fn assert_untouched(&self, dst_blocks: &[BlockId]) {
-        for &d in dst_blocks {
-            assert!(self.dst.block_bytes(d).expect("dst block").iter().all(|&b| b == 0), "D's block {d} was written");
-        }
+        crate::test_blocks::assert_untouched(&self.dst, dst_blocks);
     }
 }
 
@@ -119,6 +117,7 @@ async fn an_out_of_region_destination_is_refused_and_nothing_is_written() {
         descriptors: vec![Descriptor { src: p.src.regions()[0].base_addr, dst: p.src.regions()[1].base_addr, len: 64 }],
         fence: 0,
         write_by: None,
+        grant: None,
     };
     let err = bounded("refused write", p.engine.write(&p.peer, &plan)).await.expect_err("refused");
     assert!(matches!(err, TransferError::Refused { .. }), "got {err:?}");

@@ -204,7 +204,7 @@ impl PeerAddressMap {
                 Ok(Descriptor { src: d.src, dst, len: d.len })
             })
             .collect::<Result<_, IpcError>>()?;
-        Ok(TransferPlan { descriptors, fence: 0, write_by: None })
+        Ok(TransferPlan { descriptors, fence: 0, write_by: None, grant: None })
     }
 }
 

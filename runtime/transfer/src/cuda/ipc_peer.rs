@@ -143,7 +143,8 @@ fn verify(
     for (index, d) in dst.iter().enumerate() {
         region_of(regions, d.dst, d.len).map_err(|source| IpcError::DestinationOutOfRegion { index, source })?;
     }
-    let checksum = plan_checksum(ctx, &TransferPlan { descriptors: dst, fence: 0, write_by: None }, false)?;
+    let checksum =
+        plan_checksum(ctx, &TransferPlan { descriptors: dst, fence: 0, write_by: None, grant: None }, false)?;
     Ok((checksum, checksum == expected))
 }
 

@@ -48,8 +48,12 @@ fn out_of_region_destinations_and_sources_are_refused_before_launch() {
     }
     let local = [RegionDesc { base_addr: 0x2000_0000, len: 0x8000, block_len: 0x1000 }];
     let good = Descriptor { src: 0x2000_0000, dst: 0x10_0000, len: 0x1000 };
-    let plan =
-        TransferPlan { descriptors: vec![good, Descriptor { dst: 0x90_6000, ..good }], fence: 0, write_by: None };
+    let plan = TransferPlan {
+        descriptors: vec![good, Descriptor { dst: 0x90_6000, ..good }],
+        fence: 0,
+        write_by: None,
+        grant: None,
+    };
     match map.translate_plan(&local, &plan) {
         Err(IpcError::DestinationOutOfRegion { index: 1, .. }) => {}
         other => panic!("expected descriptor 1's destination refused, got {other:?}"),
@@ -58,13 +62,14 @@ fn out_of_region_destinations_and_sources_are_refused_before_launch() {
         descriptors: vec![good, good, Descriptor { src: 0x2000_7800, ..good }],
         fence: 0,
         write_by: None,
+        grant: None,
     };
     match map.translate_plan(&local, &plan) {
         Err(IpcError::SourceOutOfRegion { index: 2, .. }) => {}
         other => panic!("expected descriptor 2's source refused, got {other:?}"),
     }
     let ok = map
-        .translate_plan(&local, &TransferPlan { descriptors: vec![good], fence: 0, write_by: None })
+        .translate_plan(&local, &TransferPlan { descriptors: vec![good], fence: 0, write_by: None, grant: None })
         .expect("in regions");
     assert_eq!(ok.descriptors, vec![Descriptor { src: 0x2000_0000, dst: 0x7000_0000, len: 0x1000 }]);
 }

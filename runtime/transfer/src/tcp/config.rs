@@ -35,6 +35,26 @@ pub struct TcpConfig {
     /// protected mode: `--insecure`, `"insecure": true`, `PDFLOW_INSECURE=1`). No effect with a
     /// secret. Read by every socket the engine binds, through [`TcpConfig::peers`].
     pub insecure: bool,
+    /// One-sided RDMA writes (the `rdma` feature): D offers its endpoint in pulls and P writes
+    /// through it ([`RdmaMode`]).
+    pub rdma: RdmaMode,
+    /// The libfabric provider for RDMA (`verbs`, `efa`, `tcp`, …); `None`: a NIC's provider
+    /// when one opens (and, with [`RdmaMode::Required`], the software `tcp` provider otherwise).
+    pub rdma_provider: Option<String>,
+}
+
+/// Whether transfers use one-sided RDMA writes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RdmaMode {
+    /// Never (`transport: tcp`).
+    Off,
+    /// D offers RDMA when a NIC's provider opens on its interface (or the provider named in
+    /// `rdma_provider` does); P writes one-sided when D offered and P opens the same provider,
+    /// over tcp otherwise (`transport: auto`).
+    Auto,
+    /// D always offers (on the software provider when no NIC's opens) and P writes only
+    /// one-sided: a pull without D's grant fails (`transport: rdma`).
+    Required,
 }
 
 impl Default for TcpConfig {
@@ -49,6 +69,8 @@ impl Default for TcpConfig {
             same_host: SameHostMode::Auto,
             gpu_path: crate::GpuPath::Auto,
             insecure: false,
+            rdma: RdmaMode::Auto,
+            rdma_provider: None,
         }
     }
 }

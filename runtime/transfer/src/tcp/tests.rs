@@ -49,17 +49,11 @@ impl Pair {
     }
 
     fn assert_copied(&self, src_blocks: &[BlockId], dst_blocks: &[BlockId]) {
-        for (&s, &d) in src_blocks.iter().zip(dst_blocks) {
-            let want = self.src.block_bytes(s).expect("src block");
-            assert!(want.iter().any(|&b| b != 0), "source block {s} should hold a pattern");
-            assert!(self.dst.block_bytes(d).expect("dst block") == want, "D's block {d} differs from P's block {s}");
-        }
+        crate::test_blocks::assert_copied(&self.src, &self.dst, src_blocks, dst_blocks);
     }
 
     fn assert_untouched(&self, dst_blocks: &[BlockId]) {
-        for &d in dst_blocks {
-            assert!(self.dst.block_bytes(d).expect("dst block").iter().all(|&b| b == 0), "D's block {d} was written");
-        }
+        crate::test_blocks::assert_untouched(&self.dst, dst_blocks);
     }
 }
 
@@ -148,6 +142,7 @@ async fn a_source_outside_local_regions_is_refused_before_connecting() {
         descriptors: vec![Descriptor { src: 8, dst: p.dst.regions()[0].base_addr, len: 8 }],
         fence: 0,
         write_by: None,
+        grant: None,
     };
     let err = bounded("write", p.engine.write(&p.peer, &plan)).await.expect_err("refused locally");
     assert!(matches!(err, TransferError::LocalRegion(_)), "got {err:?}");
@@ -213,6 +208,7 @@ async fn connecting_to_a_closed_port_fails_fast_with_connect() {
         descriptors: vec![Descriptor { src: r.base_addr, dst: 0x1000, len: 16 }],
         fence: 0,
         write_by: None,
+        grant: None,
     };
     let started = Instant::now();
     let err = bounded("write", engine.write(&closed.to_string(), &plan)).await.expect_err("nobody listens");
@@ -433,6 +429,7 @@ async fn a_share_d_dropped_is_not_resent() {
         descriptors: vec![Descriptor { src: r.base_addr, dst: 0x10_0000, len: r.len }],
         fence: 0,
         write_by: None,
+        grant: None,
     };
     let err = bounded("write", engine.write(&peer, &plan)).await.expect_err("D dropped the connection");
     assert!(matches!(err, TransferError::Io { .. }), "{err:?}");

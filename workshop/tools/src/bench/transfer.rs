@@ -332,7 +332,12 @@ async fn measure_backend(
     }
     let (src, dst) =
         (p_cache.regions()[0].block_addr(*P_BLOCKS.start()), d_cache.regions()[0].block_addr(*D_BLOCKS.start()));
-    let small = TransferPlan { descriptors: vec![Descriptor { src, dst, len: SMALL_WRITE }], fence: 0, write_by: None };
+    let small = TransferPlan {
+        descriptors: vec![Descriptor { src, dst, len: SMALL_WRITE }],
+        fence: 0,
+        write_by: None,
+        grant: None,
+    };
     let small_opts = Options { runs: (opts.runs * 10).max(100), warmup: opts.warmup.max(10), ..opts.clone() };
     let samples = repeat(&small_opts, || timed_write(engine, d_addr, &small)).await?;
     rows.push(report::row(

@@ -49,6 +49,9 @@ pub struct ChaosSpec {
     pub decode_parallel: Parallel,
     /// A hybrid preset (`HybridLayout::preset`) instead of `shape`'s dense model.
     pub hybrid: Option<&'static str>,
+    /// `transport: rdma` on P and D: the KV moves by one-sided writes (libfabric's software `tcp`
+    /// provider where no NIC's opens; a build with the `rdma` feature).
+    pub rdma: bool,
 }
 
 impl ChaosSpec {
@@ -105,7 +108,14 @@ pub fn node_cfg(
         },
         bootstrap,
         deadlines: spec.deadlines,
-        tcp: TcpConfig::default(),
+        tcp: match spec.rdma {
+            true => TcpConfig {
+                rdma: pdflow_transfer::tcp::RdmaMode::Required,
+                same_host: pdflow_transfer::same_host::SameHostMode::Off,
+                ..TcpConfig::default()
+            },
+            false => TcpConfig::default(),
+        },
         // Every block is checked: a flip_data cell must end recomputed (or failed), never decoded
         // from altered KV.
         verify_checksums: true,

@@ -190,6 +190,7 @@ pub fn chaos_spec(policy: LoadFailurePolicy) -> ChaosSpec {
         prefill_parallel: Default::default(),
         decode_parallel: Default::default(),
         hybrid: None,
+        rdma: false,
     }
 }
 

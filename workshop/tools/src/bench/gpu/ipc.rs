@@ -224,12 +224,14 @@ pub(super) fn run(runs: usize) -> anyhow::Result<(Vec<Row>, bool)> {
             .collect(),
         fence: 0,
         write_by: None,
+        grant: None,
     };
     let dst_local = peer.map().translate(d_regions[0].base_addr, 1)?;
     let one_copy = TransferPlan {
         descriptors: vec![Descriptor { src: p_mem.ptr, dst: dst_local, len: bytes }],
         fence: 0,
         write_by: None,
+        grant: None,
     };
     verify("single copy via IPC", &whole, &|| Ok(cuda::copy_per_descriptor_uva(&stream0, &one_copy)?))?;
     let s = time_runs(runs, || Ok(cuda::time_ms(&stream0, || cuda::copy_per_descriptor_uva(&stream0, &one_copy))?))?;

@@ -130,6 +130,7 @@ pub(super) fn run(runs: usize) -> anyhow::Result<(Vec<Row>, bool)> {
         descriptors: vec![Descriptor { src: p_mem.ptr, dst: d_mem.ptr, len: bytes }],
         fence: 0,
         write_by: None,
+        grant: None,
     };
     verify("single peer copy", &whole, &|| Ok(cuda::copy_peer(&stream0, &ctx0, p_mem.ptr, &ctx1, d_mem.ptr, bytes)?))?;
     let s = time_runs(runs, || {

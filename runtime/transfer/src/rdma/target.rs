@@ -1,0 +1,260 @@
+//! D's side of the `rdma` backend: a listening endpoint, the connections P workers make to it,
+//! and the grants of one-sided write access per fence token (the [`RemoteAccess`] of D's
+//! [`crate::fence::WriteFence`]).
+//!
+//! Each P worker gets its own connect token (random, per incarnation of this target), sent only
+//! inside pulls; a connection request is accepted only when it presents one — the token itself
+//! without a cluster secret, a nonce and a proof over token and nonce with one (each nonce once).
+//! A grant registers exactly the byte runs of one request's blocks; revoking the token closes
+//! those registrations (their keys stop working) and, unless the pull ended cleanly, closes the
+//! connections of its P worker first, so that no write in flight can land afterwards.
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use pdflow_auth::{ClusterSecret, Context, Proof};
+use pdflow_messages::rdma::{RdmaOffer, RemoteRegion};
+
+use super::fabric::{Conn, ConnRequest, Domain, Listener, Mr};
+use super::{ffi, gauges, RdmaError};
+use crate::fence::RemoteAccess;
+
+/// How long the accepting thread waits for the next connection request between checks.
+const ACCEPT_POLL: Duration = Duration::from_millis(20);
+/// How long an accepted connection may take to stand.
+const ACCEPT_DEADLINE: Duration = Duration::from_secs(5);
+/// Connect nonces remembered (a replayed connection request is refused).
+const NONCES_KEPT: usize = 4096;
+/// Bytes of a connect request's nonce.
+pub const NONCE_LEN: usize = 16;
+
+#[derive(Debug, Default)]
+struct State {
+    /// P worker (its side-channel address) → its connect token.
+    tokens: HashMap<String, [u8; 16]>,
+    /// Connect token → the connections made with it.
+    conns: HashMap<[u8; 16], Vec<Conn>>,
+    /// Fence token → (P worker, the registrations granted to it).
+    grants: HashMap<u64, Vec<(String, Vec<Mr>)>>,
+    nonces: HashSet<[u8; NONCE_LEN]>,
+    nonce_order: VecDeque<[u8; NONCE_LEN]>,
+    /// Connection requests refused (no valid token or proof).
+    refused: u64,
+}
+
+#[derive(Debug)]
+struct Inner {
+    domain: Arc<Domain>,
+    listener: Listener,
+    secret: Option<ClusterSecret>,
+    state: Mutex<State>,
+    stop: AtomicBool,
+}
+
+/// D's RDMA endpoint and grants.
+#[derive(Debug)]
+pub struct RdmaTarget {
+    inner: Arc<Inner>,
+    accepting: Option<JoinHandle<()>>,
+}
+
+impl RdmaTarget {
+    /// Opens `provider` on the interface holding `host` and listens there; connections must prove
+    /// `secret` when one is given.
+    pub fn start(provider: &str, host: &str, secret: Option<ClusterSecret>) -> Result<Self, RdmaError> {
+        let domain = Domain::open(provider, host)?;
+        let listener = domain.listen()?;
+        tracing::info!(
+            provider = %domain.provider,
+            domain = %domain.domain,
+            nic_modes = domain.nic_modes(),
+            "RDMA endpoint listening (one-sided writes into this worker's KV)"
+        );
+        let inner =
+            Arc::new(Inner { domain, listener, secret, state: Mutex::new(State::default()), stop: false.into() });
+        let weak: std::sync::Weak<dyn gauges::Endpoint> = Arc::downgrade(&inner) as _;
+        gauges::register(weak);
+        let accepting = {
+            let inner = inner.clone();
+            std::thread::Builder::new()
+                .name("pdflow-rdma-accept".into())
+                .spawn(move || accept_loop(&inner))
+                .map_err(|e| RdmaError::Unavailable { reason: format!("cannot start the accepting thread: {e}") })?
+        };
+        Ok(Self { inner, accepting: Some(accepting) })
+    }
+
+    /// The provider this endpoint runs on.
+    pub fn provider(&self) -> &str {
+        &self.inner.domain.provider
+    }
+
+    /// The domain (NIC or interface) this endpoint runs on.
+    pub fn device(&self) -> &str {
+        &self.inner.domain.domain
+    }
+
+    /// Whether the domain runs in a verbs NIC's registration modes.
+    pub fn nic_modes(&self) -> bool {
+        self.inner.domain.nic_modes()
+    }
+
+    /// Registrations currently granted (for tests and metrics).
+    pub fn granted_regions(&self) -> usize {
+        self.inner.lock().grants.values().flat_map(|g| g.iter().map(|(_, mrs)| mrs.len())).sum()
+    }
+
+    /// Connections currently standing.
+    pub fn connections(&self) -> usize {
+        self.inner.lock().conns.values().map(Vec::len).sum()
+    }
+
+    /// Connection requests refused so far.
+    pub fn refused(&self) -> u64 {
+        self.inner.lock().refused
+    }
+}
+
+impl Drop for RdmaTarget {
+    fn drop(&mut self) {
+        self.inner.stop.store(true, Ordering::Release);
+        if let Some(handle) = self.accepting.take() {
+            let _ = handle.join();
+        }
+    }
+}
+
+impl Inner {
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        // Tables of handles: a panicking holder leaves them consistent.
+        self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// The connect token `data` proves, if any (and its nonce not seen before).
+    fn admit(&self, data: &[u8]) -> Option<[u8; 16]> {
+        let mut state = self.lock();
+        let found = match &self.secret {
+            None => state.tokens.values().find(|t| t.as_slice() == data).copied(),
+            Some(secret) => {
+                if data.len() != NONCE_LEN + 40 {
+                    return None;
+                }
+                let (nonce, proof) = data.split_at(NONCE_LEN);
+                let proof = Proof::from_bytes(proof).ok()?;
+                let found = state
+                    .tokens
+                    .values()
+                    .find(|t| secret.verify(Context::RdmaConnect, &[t.as_slice(), nonce], &proof).is_ok())
+                    .copied()?;
+                let mut key = [0u8; NONCE_LEN];
+                key.copy_from_slice(nonce);
+                if !state.nonces.insert(key) {
+                    return None;
+                }
+                state.nonce_order.push_back(key);
+                if state.nonce_order.len() > NONCES_KEPT {
+                    if let Some(old) = state.nonce_order.pop_front() {
+                        state.nonces.remove(&old);
+                    }
+                }
+                Some(found)
+            }
+        };
+        found
+    }
+
+    fn handle(&self, req: ConnRequest) {
+        let Some(token) = self.admit(&req.data) else {
+            self.lock().refused += 1;
+            tracing::warn!("refused an RDMA connection without a valid connect token or proof");
+            self.listener.reject(req);
+            return;
+        };
+        match self.listener.accept(req, ACCEPT_DEADLINE) {
+            Ok(conn) => self.lock().conns.entry(token).or_default().push(conn),
+            Err(e) => tracing::warn!(error = %e, "an RDMA connection failed while being accepted"),
+        }
+    }
+
+    /// Drops connections their peer closed (and reads their queues: progress for providers that
+    /// need it).
+    fn prune(&self) {
+        let mut state = self.lock();
+        for conns in state.conns.values_mut() {
+            conns.retain(|c| {
+                let _ = c.poll();
+                !c.closed()
+            });
+        }
+        state.conns.retain(|_, c| !c.is_empty());
+    }
+}
+
+impl gauges::Endpoint for Inner {
+    fn samples(&self) -> Vec<(&'static str, String, String, usize)> {
+        let conns = self.lock().conns.values().map(Vec::len).sum();
+        vec![("d", self.domain.provider.clone(), self.domain.domain.clone(), conns)]
+    }
+}
+
+fn accept_loop(inner: &Inner) {
+    while !inner.stop.load(Ordering::Acquire) {
+        match inner.listener.wait(ACCEPT_POLL) {
+            Ok(Some(req)) => inner.handle(req),
+            Ok(None) => {}
+            Err(e) => {
+                tracing::warn!(error = %e, "RDMA endpoint: waiting for connections failed");
+                std::thread::sleep(ACCEPT_POLL);
+            }
+        }
+        inner.prune();
+    }
+}
+
+impl RemoteAccess for RdmaTarget {
+    fn offer(&self, peer: &str) -> RdmaOffer {
+        let mut state = self.inner.lock();
+        let token = *state.tokens.entry(peer.to_string()).or_insert_with(|| uuid::Uuid::new_v4().into_bytes());
+        RdmaOffer {
+            provider: self.inner.domain.provider.clone(),
+            endpoint: self.inner.listener.name.clone(),
+            connect_token: token,
+        }
+    }
+
+    fn endpoint(&self) -> String {
+        format!("{} on {}", self.provider(), self.device())
+    }
+
+    fn grant(&self, token: u64, peer: &str, ranges: &[(u64, u64)]) -> Result<Vec<RemoteRegion>, String> {
+        let mut mrs = Vec::with_capacity(ranges.len());
+        for &(addr, len) in ranges {
+            let mr = self.inner.domain.register(addr, len, ffi::FI_REMOTE_WRITE).map_err(|e| e.to_string())?;
+            mrs.push(mr);
+        }
+        let regions = mrs.iter().map(|m| RemoteRegion { addr: m.addr, len: m.len, key: m.key }).collect();
+        self.inner.lock().grants.entry(token).or_default().push((peer.to_string(), mrs));
+        Ok(regions)
+    }
+
+    fn revoke(&self, token: u64, clean: bool) {
+        let mut state = self.inner.lock();
+        let Some(grants) = state.grants.remove(&token) else { return };
+        if !clean {
+            // Writes of this pull may still be in flight: their connections close first, so that
+            // none lands after the keys are gone and the blocks are reused.
+            for (peer, _) in &grants {
+                if let Some(t) = state.tokens.get(peer).copied() {
+                    if let Some(conns) = state.conns.remove(&t) {
+                        tracing::info!(peer = %peer, closed = conns.len(), "closing RDMA connections of a pull that did not end cleanly");
+                    }
+                }
+            }
+        }
+        drop(state);
+        drop(grants);
+    }
+}
