@@ -49,6 +49,20 @@ pub fn rdma_runs_here(provider: &str, host: &str) -> Result<(), String> {
     }
 }
 
+/// The NIC's provider (`verbs`, `efa`) `auto` would offer RDMA on, on the interface holding
+/// `host`; `Err` says why there is none.
+pub fn rdma_nic_provider(host: &str) -> Result<String, String> {
+    #[cfg(feature = "rdma")]
+    {
+        rdma::hardware_provider(host).map_err(|e| e.to_string())
+    }
+    #[cfg(not(feature = "rdma"))]
+    {
+        let _ = host;
+        Err("this pdflow was built without the rdma feature (build with --features rdma)".to_string())
+    }
+}
+
 /// What one write moved.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct TransferStats {

@@ -114,3 +114,39 @@ async fn a_tp2_p_writes_a_tp1_d_over_rdma() {
     assert!(connections >= 2.0, "each P worker connected to D: {connections}");
     cluster.shutdown().await;
 }
+
+/// `--transport auto`: with no NIC's provider here D offers no RDMA and P writes over another
+/// path; naming the software provider (`--rdma-provider tcp`) makes both ends usable, and `auto`
+/// then writes one-sided.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn auto_writes_one_sided_only_when_both_ends_have_a_usable_provider() {
+    if let Some(why) = rdma_unavailable().await {
+        pdflow_testkit::skipped("auto over rdma", &why);
+        return;
+    }
+    if pdflow_transfer::rdma_nic_provider("127.0.0.1").is_ok() {
+        pdflow_testkit::skipped("auto without a NIC", &"this host has an RDMA NIC: auto takes it");
+        return;
+    }
+    for (provider, want) in [(None, false), (Some("tcp"), true)] {
+        let mut spec = ClusterSpec::one_p_one_d();
+        let mut args = vec!["--transport".to_string(), "auto".to_string()];
+        if let Some(p) = provider {
+            args.extend(["--rdma-provider".to_string(), p.to_string()]);
+        }
+        let opts = EngineOpts { extra_args: args, ..EngineOpts::default() };
+        spec.prefill = vec![opts.clone()];
+        spec.decode = vec![opts];
+        let cluster = ProcCluster::start(spec.clone()).await.expect("cluster starts");
+        let e = &cluster.endpoints;
+        let body = completion(&prompt(200, 3), 8);
+        let (status, response) = e.post("/v1/completions", &body).await.expect("request");
+        assert_eq!(status, 200, "{response}");
+        assert_eq!(token_ids(&response), reference_tokens(spec.shape, &body).await);
+        let p_metrics = metrics(&e.client, &e.prefill[0].url).await;
+        let rdma =
+            p_metrics.lines().any(|l| l.starts_with("pdflow_transfer_writes_total") && l.contains("backend=\"rdma\""));
+        assert_eq!(rdma, want, "provider {provider:?}: rdma writes on P's /metrics:\n{p_metrics}");
+        cluster.shutdown().await;
+    }
+}
