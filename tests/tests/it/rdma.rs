@@ -150,3 +150,35 @@ async fn auto_writes_one_sided_only_when_both_ends_have_a_usable_provider() {
         cluster.shutdown().await;
     }
 }
+
+/// Layer-wise P over rdma: each layer's KV goes one-sided while P still prefills (P prefills in
+/// steps of 64 tokens, so D's pull is there before the prompt is done).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn layer_wise_p_writes_each_layer_one_sided() {
+    if let Some(why) = rdma_unavailable().await {
+        pdflow_testkit::skipped("layer-wise over rdma", &why);
+        return;
+    }
+    let mut spec = ClusterSpec::one_p_one_d();
+    let rdma = vec!["--transport".to_string(), "rdma".to_string()];
+    spec.prefill = vec![EngineOpts {
+        max_num_batched_tokens: 64,
+        layerwise: true,
+        extra_args: rdma.clone(),
+        ..EngineOpts::default()
+    }];
+    spec.decode = vec![EngineOpts { extra_args: rdma, ..EngineOpts::default() }];
+    let cluster = ProcCluster::start(spec.clone()).await.expect("cluster starts");
+    let e = &cluster.endpoints;
+    let body = completion(&prompt(600, 19), 12);
+    let (status, response) = e.post("/v1/completions", &body).await.expect("request");
+    assert_eq!(status, 200, "{response}");
+    assert_eq!(token_ids(&response), reference_tokens(spec.shape, &body).await, "P/D output differs");
+    e.assert_blocks_at_baseline().await;
+    let p_metrics = metrics(&e.client, &e.prefill[0].url).await;
+    assert!(
+        p_metrics.lines().any(|l| l.starts_with("pdflow_transfer_writes_total") && l.contains("backend=\"rdma\"")),
+        "no rdma write on P's /metrics:\n{p_metrics}"
+    );
+    cluster.shutdown().await;
+}
