@@ -5,6 +5,7 @@
 
 use std::time::Duration;
 
+use pdflow_actors::scheduler_connector::KvRole;
 use pdflow_auth::{ClusterSecret, LimitSettings, SecretError};
 use pdflow_node::config::{Deadlines, VllmEnv};
 use pdflow_node::registration::PlacementError;
@@ -15,7 +16,7 @@ use pdflow_transfer::GpuPath;
 use serde::Deserialize;
 
 /// The keys `kv_connector_extra_config` takes.
-pub const KNOWN_KEYS: &str = "host, bootstrap_port, bootstrap_url, side_channel_port, data_port, transport, rdma_provider, tcp_streams, auth_token, cluster_secret_file, insecure, tls, abort_request_timeout_s, pull_timeout_s, bootstrap_timeout_s, write_timeout_s, verify_checksums, layerwise, gpu_path, limits";
+pub const KNOWN_KEYS: &str = "host, bootstrap_port, bootstrap_url, side_channel_port, data_port, transport, rdma_provider, tcp_streams, auth_token, cluster_secret_file, insecure, tls, abort_request_timeout_s, pull_timeout_s, bootstrap_timeout_s, write_timeout_s, verify_checksums, layerwise, gpu_path, limits, advertise_url, advertise_to";
 
 /// A setting of this connector that cannot be used: which one, what it was, what is allowed.
 /// Python sees each as `pdflow.ConfigError`.
@@ -73,6 +74,10 @@ pub enum ConfigError {
     /// `limits` names a limit that does not exist, or a value it cannot take (every one).
     #[error("kv_connector_extra_config[\"limits\"]: {}", .0.iter().map(|e| e.to_string()).collect::<Vec<_>>().join("; "))]
     Limits(Vec<pdflow_auth::LimitError>),
+    /// `advertise_url` / `advertise_to` cannot be used for this engine's role (`key`: the one at
+    /// fault).
+    #[error("kv_connector_extra_config[{key:?}]: {reason}")]
+    Advertise { key: &'static str, reason: &'static str },
     /// `PDFLOW_LOG` is not a log filter.
     #[error("{var}={text:?} is not a log filter: {source}")]
     LogFilter { var: &'static str, text: String, source: tracing_subscriber::filter::ParseError },
@@ -133,6 +138,12 @@ pub struct ExtraConfig {
     /// `{"side_channel.max_unfinished_bytes": "32MiB", "http.header_timeout": 5}` (the keys of
     /// `pdflow serve --limit`, [`pdflow_auth::limits::KEYS`]).
     pub limits: Option<std::collections::BTreeMap<String, serde_json::Value>>,
+    /// This engine's HTTP API as clients (the proxy) reach it, `http://HOST:PORT`: with it the
+    /// engine advertises itself for `pdflow proxy --discover` (vLLM's API server port is not the
+    /// connector's to know). P advertises at its own bootstrap; either role at `advertise_to`.
+    pub advertise_url: Option<String>,
+    /// Bootstraps (`http://host:port`) to advertise at besides P's own (D: where it is found).
+    pub advertise_to: Option<Vec<String>>,
 }
 
 /// The resolved configuration of one connector.
@@ -151,6 +162,97 @@ pub struct BridgeConfig {
     /// The process's limits on what peers may make its sockets hold (installed when the worker
     /// starts: [`pdflow_auth::limits::install`]).
     pub limits: LimitSettings,
+    /// Where and as what this engine advertises itself (none: it does not).
+    pub advertise: Option<Advertise>,
+}
+
+/// `advertise_url` and `advertise_to`, checked.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Advertise {
+    /// The engine's HTTP API, `http://HOST:PORT` (no trailing `/`).
+    pub url: String,
+    /// Its HOST (an IPv6 address in brackets), put in place of a wildcard in the KV-event
+    /// endpoints advertised.
+    pub host: String,
+    /// The bootstraps to advertise at besides P's own, without a trailing `/`, each once.
+    pub to: Vec<String>,
+}
+
+impl Advertise {
+    /// Refuses what `role` cannot advertise: kv_both (an engine is advertised as P or as D), and a
+    /// D with nowhere to advertise (it has no bootstrap of its own).
+    pub fn check_role(&self, role: KvRole) -> Result<(), ConfigError> {
+        match role {
+            KvRole::Both => Err(ConfigError::Advertise {
+                key: "advertise_url",
+                reason: "a kv_both engine cannot be advertised (discovery puts an engine in the prefill or the \
+                         decode pool): leave advertise_url out, or run it as kv_producer or kv_consumer",
+            }),
+            KvRole::Consumer if self.to.is_empty() => Err(ConfigError::Advertise {
+                key: "advertise_to",
+                reason: "a kv_consumer (D) has no bootstrap of its own: give the bootstraps it advertises at \
+                         (advertise_to, e.g. a P's http://HOST:BOOTSTRAP_PORT)",
+            }),
+            _ => Ok(()),
+        }
+    }
+}
+
+/// `advertise_url` as `(url, host)`: `http://HOST:PORT`, HOST a name, an IPv4 address or an
+/// IPv6 address in brackets (not a wildcard), PORT 1-65535, nothing after it but an optional `/`.
+fn engine_url(url: &str) -> Option<(String, String)> {
+    let rest = url.strip_prefix("http://")?;
+    let rest = rest.strip_suffix('/').unwrap_or(rest);
+    let (host, port) = rest.rsplit_once(':')?;
+    let host_ok = if let Some(inner) = host.strip_prefix('[').and_then(|h| h.strip_suffix(']')) {
+        inner.parse::<std::net::Ipv6Addr>().is_ok_and(|ip| !ip.is_unspecified())
+    } else {
+        // A name or an IPv4 address; never the wildcard an API server binds to, which no client
+        // reaches.
+        !host.is_empty()
+            && host.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '-' | '_'))
+            && host.parse::<std::net::Ipv4Addr>().map_or(true, |ip| !ip.is_unspecified())
+    };
+    let port_ok = port.parse::<u16>().is_ok_and(|p| p != 0) && port.bytes().all(|b| b.is_ascii_digit());
+    (host_ok && port_ok).then(|| (format!("http://{rest}"), host.to_owned()))
+}
+
+/// `advertise_url` and `advertise_to` checked together (neither: `None`).
+fn advertise(url: Option<&str>, to: Option<&[String]>) -> Result<Option<Advertise>, ConfigError> {
+    let to = to.unwrap_or_default();
+    let Some(url) = url else {
+        if to.is_empty() {
+            return Ok(None);
+        }
+        return Err(ConfigError::Advertise {
+            key: "advertise_to",
+            reason: "needs advertise_url too: the engine's HTTP URL as clients reach it (http://HOST:PORT of \
+                     its vllm serve)",
+        });
+    };
+    let Some((url, host)) = engine_url(url) else {
+        return Err(ConfigError::Invalid {
+            key: "advertise_url",
+            value: format!("{url:?}"),
+            expected: "this engine's HTTP URL as clients reach it, http://HOST:PORT (vllm serve's --port; HOST not a \
+                       wildcard such as 0.0.0.0)",
+        });
+    };
+    let mut bootstraps: Vec<String> = Vec::new();
+    for b in to {
+        if !(b.starts_with("http://") || b.starts_with("https://")) || b.chars().any(char::is_whitespace) {
+            return Err(ConfigError::Invalid {
+                key: "advertise_to",
+                value: format!("{b:?}"),
+                expected: "a list of bootstrap URLs, each http://host:port",
+            });
+        }
+        let b = b.trim_end_matches('/').to_owned();
+        if !bootstraps.contains(&b) {
+            bootstraps.push(b);
+        }
+    }
+    Ok(Some(Advertise { url, host, to: bootstraps }))
 }
 
 /// `limits`, each value a number or a string (`"32MiB"`); every refused one in the error.
@@ -177,6 +279,11 @@ impl BridgeConfig {
     /// The bootstrap P's workers register with: `bootstrap_url`, else the one P's TP0 launches.
     pub fn bootstrap_addr(&self) -> String {
         self.bootstrap_url.clone().unwrap_or_else(|| format!("http://{}:{}", self.host, self.bootstrap_port))
+    }
+
+    /// Refuses a setting `role` cannot use (see [`Advertise::check_role`]).
+    pub fn check_role(&self, role: KvRole) -> Result<(), ConfigError> {
+        self.advertise.as_ref().map_or(Ok(()), |a| a.check_role(role))
     }
 
     /// From the extra config's JSON text and an environment lookup.
@@ -238,6 +345,7 @@ impl BridgeConfig {
             verify_checksums: extra.verify_checksums.unwrap_or(false),
             layerwise: extra.layerwise.unwrap_or(false),
             limits: limit_settings(extra.limits.as_ref())?,
+            advertise: advertise(extra.advertise_url.as_deref(), extra.advertise_to.as_deref())?,
         })
     }
 }

@@ -2,9 +2,11 @@
 //!
 //! Python stays thin: `pdflow/vllm.py` converts vLLM's objects and forwards each hook here; this
 //! crate forwards each call to pdflow's actors. [`scheduler`] is the scheduler role, [`worker`]
-//! the worker role ([`topology`]: where vLLM placed the worker, checked by `pdflow-node`),
+//! the worker role ([`topology`]: where vLLM placed the worker, checked by `pdflow-node`;
+//! [`advertise`]: the engine advertised for the proxy's discovery),
 //! [`convert`] the conversions, [`config`] the extra-config keys and environment.
 
+mod advertise;
 mod config;
 mod convert;
 mod error;

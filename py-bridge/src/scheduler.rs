@@ -134,6 +134,7 @@ impl SchedulerBridge {
         let groups = group_specs(kv_groups.unwrap_or_default())?;
         let backoff = prefill_backoff(&groups);
         let config = BridgeConfig::from_json(extra_config_json, &|k| std::env::var(k).ok())?;
+        config.check_role(role)?;
         let bootstrap_addr = matches!(role, KvRole::Producer | KvRole::Both).then(|| config.bootstrap_addr());
         py.detach(|| {
             let rt = BridgeRuntime::current_thread()?;

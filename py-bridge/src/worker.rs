@@ -8,6 +8,9 @@
 //! it, unless an external one is configured) and the SenderListener (side channel +
 //! registration, steps 1, 4); on D the tcp data server and the Receiver (step 5); both for
 //! kv_both.
+//! The worker that launches P's bootstrap by vLLM's rule (one per engine, or per node's engines)
+//! also advertises the engine for `pdflow proxy --discover` when `advertise_url` is set
+//! ([`crate::advertise`]).
 //! `start_load_kv` forwards the step's metadata (steps 14, 19), `get_transfer_results` collects
 //! `finished_sending` (step 32) and `finished_recving` / failed loads (step 35).
 
@@ -29,6 +32,7 @@ use pdflow_node::worker::{Worker, WorkerSpec};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
+use crate::advertise::{Advertisement, KvEventsSettings};
 use crate::config::{BridgeConfig, ConfigError};
 use crate::error::{BridgeError, RegistrationError};
 use crate::runtime::BridgeRuntime;
@@ -47,6 +51,8 @@ struct Running {
     worker: Worker,
     port: Arc<WorkerPort>,
     info: Vec<(&'static str, String)>,
+    /// Keeps the engine advertised at its bootstraps while it runs (dropped first on shutdown).
+    advertiser: Option<pdflow_actors::advertise::Advertiser>,
 }
 
 /// The worker role.
@@ -78,7 +84,12 @@ impl WorkerBridge {
         Ok(r.port.clone())
     }
 
-    async fn start(&self, kv_cache: Arc<KvCache>, registration: &KvRegistration) -> Result<Running, BridgeError> {
+    async fn start(
+        &self,
+        kv_cache: Arc<KvCache>,
+        registration: &KvRegistration,
+        advertising: Option<(u32, Option<KvEventsSettings>)>,
+    ) -> Result<Running, BridgeError> {
         let cfg = &self.config;
         let rank = registration.rank;
         let supervisor =
@@ -111,8 +122,29 @@ impl WorkerBridge {
         if worker.sender_listener.is_some() {
             info.push(("side_channel_addr", format!("{}:{}", cfg.host, spec.side_channel.load(Ordering::Acquire))));
         }
+        let mut advertiser = None;
+        if let (Some(advertise), Some((first_rank, kv_events))) = (&cfg.advertise, advertising) {
+            let own_bootstrap = worker.bootstrap_url.as_deref();
+            match Advertisement::new(
+                &self.engine_id,
+                self.role,
+                advertise,
+                own_bootstrap,
+                kv_events.as_ref(),
+                first_rank,
+            ) {
+                Ok(ad) => {
+                    advertiser = ad.start(cfg.tcp.secret.clone());
+                    if advertiser.is_some() {
+                        info.push(("advertised", serde_json::to_string(&ad.engine).unwrap_or_default()));
+                        info.push(("advertised_at", ad.bootstraps.join(", ")));
+                    }
+                }
+                Err(reason) => tracing::warn!(%reason, "the engine is not advertised; it serves all the same"),
+            }
+        }
         let port = Arc::new(worker.port());
-        Ok(Running { supervisor, kv_cache, worker, port, info })
+        Ok(Running { supervisor, kv_cache, worker, port, info, advertiser })
     }
 }
 
@@ -155,6 +187,7 @@ impl WorkerBridge {
     fn new(engine_id: String, kv_role: &str, extra_config_json: &str) -> PyResult<Self> {
         let role = parse_role(kv_role)?;
         let config = BridgeConfig::from_json(extra_config_json, &|k| std::env::var(k).ok())?;
+        config.check_role(role)?;
         // The worker's sockets bind after this: they take the operator's limits.
         if !pdflow_auth::limits::install(config.limits) {
             let in_force = pdflow_auth::limits::process();
@@ -180,8 +213,13 @@ impl WorkerBridge {
     /// this worker (None: the one worker of an engine that is neither sharded nor data-parallel);
     /// the tensors must be its share of the model by vLLM's default split, which both ends of a
     /// pull plan with. Then starts the worker-side actors. Returns what peers need: engine id,
-    /// bootstrap URL (P) or data server address (D).
-    #[pyo3(signature = (regions, geometry, owner, device=None, topology=None))]
+    /// bootstrap URL (P) or data server address (D); with `advertise_url`, on the worker that
+    /// advertises the engine, what it advertises (`advertised`, JSON) and where (`advertised_at`).
+    /// `kv_events`: vLLM's KV-event publisher as `(endpoint, replay_endpoint, topic, ranks)`,
+    /// `ranks` the data-parallel engines on this node (None: it publishes none), for the
+    /// advertisement.
+    #[pyo3(signature = (regions, geometry, owner, device=None, topology=None, kv_events=None))]
+    #[allow(clippy::too_many_arguments)]
     fn register_kv_caches<'py>(
         &self,
         py: Python<'py>,
@@ -190,6 +228,7 @@ impl WorkerBridge {
         owner: Py<PyAny>,
         device: Option<usize>,
         topology: Option<PyRef<'py, TopologyBridge>>,
+        kv_events: Option<(String, Option<String>, String, u32)>,
     ) -> PyResult<Bound<'py, PyDict>> {
         if lock(&self.running).is_some() {
             return Err(BridgeError::from(RegistrationError::AlreadyRegistered).into());
@@ -200,7 +239,17 @@ impl WorkerBridge {
         let registration = KvRegistration::new(regions.len(), geometry, &topology).map_err(BridgeError::from)?;
         let raw: Vec<(*mut u8, usize)> = regions.iter().map(|&(addr, len)| (addr as *mut u8, len)).collect();
         let kv_cache = register_memory(registration.shape, registration.num_blocks, &raw, owner, device)?;
-        let running = py.detach(|| self.rt.block_on(self.start(kv_cache, &registration)))??;
+        // One worker per bootstrap advertises: the one that launches P's bootstrap by vLLM's rule.
+        let advertising = registration.launches_bootstrap.then(|| {
+            let kv_events = kv_events.map(|(endpoint, replay_endpoint, topic, ranks)| KvEventsSettings {
+                endpoint,
+                replay_endpoint,
+                topic,
+                ranks,
+            });
+            (topology.data_parallel().rank, kv_events)
+        });
+        let running = py.detach(|| self.rt.block_on(self.start(kv_cache, &registration, advertising)))??;
         let info = PyDict::new(py);
         for (k, v) in &running.info {
             info.set_item(*k, v)?;
@@ -305,6 +354,8 @@ impl WorkerBridge {
         }
         py.detach(|| {
             self.rt.block_on(async move {
+                // No longer advertised (the bootstrap drops the engine once it stops hearing it).
+                drop(r.advertiser);
                 let mut worker = r.worker;
                 let stop = async {
                     worker.stop_bootstrap(false).await;

@@ -1,11 +1,15 @@
 """Configuration: kv_connector_extra_config keys and the VLLM_MOONCAKE_* variables, checked when
 vLLM creates the connector — a bad setting stops the engine at start-up with a message naming it."""
 
+import json
+
 import pytest
 
 import pdflow
 from pdflow import _native
 from vllm_harness import scheduler, vllm_config
+
+ADVERTISE_URL = "http://10.0.0.1:8100"
 
 
 def test_an_unknown_extra_config_key_is_refused_by_name():
@@ -16,7 +20,7 @@ def test_an_unknown_extra_config_key_is_refused_by_name():
 @pytest.mark.parametrize(
     "extra, needle",
     [
-        ({"transport": "rdma"}, "transport"),
+        ({"transport": "infiniband"}, r'\["transport"\] = "infiniband"'),
         ({"tcp_streams": 0}, "tcp_streams"),
         ({"pull_timeout_s": -1}, "pull_timeout_s"),
         ({"host": "not-an-ip"}, "host"),
@@ -30,11 +34,38 @@ def test_an_unknown_extra_config_key_is_refused_by_name():
         ({"limits": {"http.header_timeout": 0}}, r'\["limits"\]: limit `http.header_timeout`'),
         ({"limits": {"side_channel.max_conections": 10}}, "unknown limit `side_channel.max_conections`"),
         ({"limits": {"side_channel.max_unfinished_bytes": "lots"}}, "number of bytes"),
+        ({"advertise_url": "10.0.0.1:8100"}, r'\["advertise_url"\] = "10.0.0.1:8100": expected .*http://HOST:PORT'),
+        ({"advertise_url": "http://10.0.0.1"}, r'\["advertise_url"\]'),
+        ({"advertise_url": "http://10.0.0.1:8100/v1"}, r'\["advertise_url"\]'),
+        ({"advertise_url": "http://0.0.0.0:8100"}, "not a wildcard"),
+        ({"advertise_url": "https://10.0.0.1:8100"}, r'\["advertise_url"\]'),
+        ({"advertise_url": 8100}, r'\["advertise_url"\]: invalid type'),
+        ({"advertise_to": ["http://10.0.0.1:8998"]}, r'\["advertise_to"\]: needs advertise_url'),
+        ({"advertise_url": ADVERTISE_URL, "advertise_to": "http://10.0.0.1:8998"}, r'\["advertise_to"\]: invalid type'),
+        ({"advertise_url": ADVERTISE_URL, "advertise_to": ["10.0.0.1:8998"]}, r'\["advertise_to"\] = "10.0.0.1:8998"'),
     ],
 )
 def test_bad_values_are_refused_with_the_key(extra, needle):
     with pytest.raises(pdflow.ConfigError, match=needle):
         scheduler(vllm_config("kv_consumer", extra=extra))
+
+
+def test_advertising_takes_an_engine_url_and_bootstrap_urls_and_each_role_what_it_can_use():
+    # Either form of an engine URL; bootstraps as a list.
+    for url in (ADVERTISE_URL, ADVERTISE_URL + "/", "http://engine-7.internal:8100", "http://[fd00::1]:8100"):
+        _native.check_config(json.dumps({"advertise_url": url}))
+    _native.check_config('{"advertise_url": "http://10.0.0.1:8100", "advertise_to": ["http://10.0.0.2:8998/"]}')
+    ok = {"advertise_url": "http://127.0.0.1:8100", "advertise_to": ["http://127.0.0.1:8998"]}
+    # P advertises at its own bootstrap; D needs somewhere to advertise; kv_both is neither pool.
+    for role in ("kv_producer", "kv_consumer"):
+        scheduler(vllm_config(role, extra=ok))
+    scheduler(vllm_config("kv_producer", extra={"advertise_url": ok["advertise_url"]}))
+    with pytest.raises(pdflow.ConfigError, match=r'\["advertise_to"\]: a kv_consumer \(D\) has no bootstrap'):
+        scheduler(vllm_config("kv_consumer", extra={"advertise_url": ok["advertise_url"]}))
+    with pytest.raises(pdflow.ConfigError, match=r'\["advertise_url"\]: a kv_both engine cannot be advertised'):
+        scheduler(vllm_config("kv_both", extra=ok))
+    with pytest.raises(pdflow.ConfigError, match="kv_both engine cannot be advertised"):
+        _native.WorkerConnector("adv-both", "kv_both", json.dumps(ok))
 
 
 def test_limits_take_numbers_and_sizes():

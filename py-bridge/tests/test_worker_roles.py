@@ -6,6 +6,8 @@ request that hangs.
 
 import json
 import socket
+import time
+import urllib.request
 
 import pytest
 import torch
@@ -37,12 +39,14 @@ def free_pair() -> int:
     raise AssertionError("no two consecutive free ports")
 
 
-def register(worker, topology=None):
+def register(worker, topology=None, kv_events=None):
     """Host KV tensors in vLLM 0.33's layout (LBHNC), registered with the worker placed where
-    `topology` says (None: the one worker of its engine)."""
+    `topology` says (None: the one worker of its engine); `kv_events`: vLLM's KV-event publisher
+    as `pdflow.vllm` reads it."""
     tensors = [torch.zeros(NUM_BLOCKS, HEADS, BLOCK, 2 * HEAD_DIM, dtype=torch.bfloat16) for _ in range(LAYERS)]
     regions = [(t.data_ptr(), t.numel() * t.element_size()) for t in tensors]
-    return worker.register_kv_caches(regions, (NUM_BLOCKS, HEADS, BLOCK, HEAD_DIM, 2), tensors, None, topology)
+    geometry = (NUM_BLOCKS, HEADS, BLOCK, HEAD_DIM, 2)
+    return worker.register_kv_caches(regions, geometry, tensors, None, topology, kv_events)
 
 
 def config(**extra) -> str:
@@ -139,3 +143,54 @@ def test_pinned_base_ports_give_each_worker_of_a_host_its_own_port():
             register(high, _native.WorkerTopology(tp_rank=1, tp_size=2))
     finally:
         high.shutdown()
+
+
+def advertised_at(bootstrap_port: int, count: int) -> dict:
+    """The engines the bootstrap lists (`GET /engines`) by engine id, once it lists `count`."""
+    deadline = time.monotonic() + 10
+    while True:
+        with urllib.request.urlopen(f"http://127.0.0.1:{bootstrap_port}/engines", timeout=5) as r:
+            engines = {e["engine_id"]: e for e in json.load(r)["engines"]}
+        if len(engines) >= count or time.monotonic() > deadline:
+            return engines
+        time.sleep(0.05)
+
+
+def test_the_worker_that_launches_the_bootstrap_advertises_the_engine():
+    """With `advertise_url`, one worker per engine advertises it for `pdflow proxy --discover`:
+    P's that launches its bootstrap, there — its URL, the bootstrap's port, and vLLM's KV-event
+    endpoints at the URL's host, one per data-parallel engine of its node at vLLM's port offsets
+    (the node's first engine is rank 4 here, with external load balancing) —; not its other tensor
+    rank; D's at each `advertise_to`, without a KV-event endpoint vLLM connects to instead of
+    binding."""
+    port = free_port()
+    bootstrap = f"http://127.0.0.1:{port}"
+    p_cfg = config(bootstrap_port=port, advertise_url="http://127.0.0.1:8100/")
+    d_cfg = config(advertise_url="http://127.0.0.1:8200", advertise_to=[bootstrap + "/", bootstrap])
+    dp = {"data_parallel_rank": 4, "data_parallel_rank_local": 0, "local_engines_only": True}
+    events = ("tcp://*:5557", "tcp://*:5600", "kv", 2)
+    p0 = _native.WorkerConnector("adv-p", "kv_producer", p_cfg)
+    p1 = _native.WorkerConnector("adv-p", "kv_producer", p_cfg)
+    d = _native.WorkerConnector("adv-d", "kv_consumer", d_cfg)
+    try:
+        first = register(p0, _native.WorkerTopology(tp_rank=0, tp_size=2, **dp), events)
+        second = register(p1, _native.WorkerTopology(tp_rank=1, tp_size=2, **dp), events)
+        on_d = register(d, None, ("tcp://10.0.0.9:5557", None, "", 1))
+        assert first["advertised_at"] == bootstrap and on_d["advertised_at"] == bootstrap, (first, on_d)
+        assert "advertised" not in second, second
+        listed = advertised_at(port, 2)
+        assert set(listed) == {"adv-p", "adv-d"}, listed
+        p, dec = listed["adv-p"], listed["adv-d"]
+        assert (p["role"], p["url"], p["bootstrap_port"]) == ("prefill", "http://127.0.0.1:8100", port), p
+        assert p["kv_events"] == [
+            {"endpoint": "tcp://127.0.0.1:5561", "replay_endpoint": "tcp://127.0.0.1:5604", "topic": "kv"},
+            {"endpoint": "tcp://127.0.0.1:5562", "replay_endpoint": "tcp://127.0.0.1:5605", "topic": "kv"},
+        ], p
+        assert p["generation"] > 0 and json.loads(first["advertised"]) == p
+        assert (dec["role"], dec["url"], dec.get("bootstrap_port"), dec.get("kv_events")) == (
+            "decode", "http://127.0.0.1:8200", None, None
+        ), dec
+    finally:
+        d.shutdown()
+        p1.shutdown()
+        p0.shutdown()

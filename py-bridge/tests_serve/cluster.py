@@ -163,7 +163,8 @@ class VllmServer(Process):
     the prompt's last token); float32 runs the portable kernel.
 
     `eager=False` lets vLLM compile the model (slower to start): its warm-up run is what allocates
-    the buffer a later pipeline stage receives activations in, so pipeline parallelism needs it."""
+    the buffer a later pipeline stage receives activations in, so pipeline parallelism needs it.
+    `port`: the one to serve on, when its URL must be known before (default: a free one)."""
 
     def __init__(
         self,
@@ -178,8 +179,9 @@ class VllmServer(Process):
         env: Optional[dict[str, str]] = None,
         extra_args: Optional[list[str]] = None,
         eager: bool = True,
+        port: Optional[int] = None,
     ):
-        self.port = free_port()
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.model = model
         self.block_size = block_size

@@ -10,6 +10,9 @@ from typing import Any, Optional, TypedDict, Union
 __version__: str
 GPU_KV: bool
 """Whether this build registers CUDA KV tensors (built with ``--features cuda``)."""
+RDMA: bool
+"""Whether this build writes KV one-sided through libfabric (``transport: rdma``; built with
+``--features rdma``)."""
 
 class PdflowError(Exception): ...
 class ConfigError(PdflowError): ...
@@ -125,9 +128,12 @@ class WorkerConnector:
         owner: Any,
         device: Optional[int] = None,
         topology: Optional[WorkerTopology] = None,
+        kv_events: Optional[tuple[str, Optional[str], str, int]] = None,
     ) -> dict[str, Any]:
         """``geometry``: ``(num_blocks, num_kv_heads, block_size, head_dim, dtype_bytes)``, as
-        `pdflow.kv_regions.regions_of` gives it; raises RegistrationError (or ConfigError)."""
+        `pdflow.kv_regions.regions_of` gives it; ``kv_events``: vLLM's KV-event publisher as
+        ``(endpoint, replay_endpoint, topic, data-parallel engines on this node)``, advertised with
+        ``advertise_url``. Raises RegistrationError (or ConfigError)."""
     def start_load_kv(self, metadata: bytes) -> None: ...
     def bind_reqs_to_save(self, metadata: bytes) -> None: ...
     def save_kv_layer(self, region: int) -> None: ...

@@ -154,6 +154,18 @@ def _data_parallel(vllm_config: "VllmConfig") -> tuple[int, int, bool]:
     return rank, int(getattr(pc, "data_parallel_rank_local", 0) or 0), bool(getattr(pc, "local_engines_only", False))
 
 
+def _kv_events(vllm_config: "VllmConfig") -> Optional[tuple[str, Optional[str], str, int]]:
+    """vLLM's KV-event publisher as pdflow advertises it (``advertise_url``): ``(endpoint,
+    replay_endpoint, topic, data-parallel engines on this node)``, or None when the engine
+    publishes no events on ZeroMQ."""
+    kec = getattr(vllm_config, "kv_events_config", None)
+    if kec is None or not getattr(kec, "enable_kv_cache_events", False) or getattr(kec, "publisher", None) != "zmq":
+        return None
+    replay = getattr(kec, "replay_endpoint", None)
+    ranks = int(getattr(vllm_config.parallel_config, "data_parallel_size_local", 1) or 1)
+    return str(kec.endpoint), (str(replay) if replay else None), str(getattr(kec, "topic", "") or ""), ranks
+
+
 def _total_kv_heads(vllm_config: "VllmConfig") -> Optional[int]:
     """The model's KV heads before tensor parallelism shards them (MLA: one latent, on every rank;
     None for a test's stand-in config)."""
@@ -416,7 +428,9 @@ class PdflowConnector(KVConnectorBase_V1, SupportsHMA):
             self._layer_regions[name] = list(range(first, first + count))
             first += count
         topology = _worker_topology(self._vllm_config, r.layers, heads=self._kv_groups is None)
-        info = self._work().register_kv_caches(r.regions, r.geometry, r.owners, r.device, topology)
+        info = self._work().register_kv_caches(
+            r.regions, r.geometry, r.owners, r.device, topology, _kv_events(self._vllm_config)
+        )
         logger.info(
             "pdflow connector registered %d KV regions of %d blocks (%r): %s", len(r.regions), r.geometry[0], topology, info
         )
