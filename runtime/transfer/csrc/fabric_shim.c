@@ -255,6 +255,14 @@ int pf_reject(pf_listener *l, pf_conn_req *req) {
     return rc;
 }
 
+/* Closes the connection's endpoint only: from its return no byte moves through it. The queues
+ * stay until pf_conn_close (a thread may be waiting on them). */
+void pf_conn_close_ep(pf_conn *c) {
+    if (!c || !c->ep) return;
+    fi_close(&c->ep->fid);
+    c->ep = NULL;
+}
+
 void pf_conn_close(pf_conn *c) {
     if (!c) return;
     if (c->ep) fi_close(&c->ep->fid);
@@ -266,7 +274,9 @@ void pf_conn_close(pf_conn *c) {
 static int conn_new(pf_domain *d, struct fi_info *info, pf_conn **out) {
     pf_conn *c = calloc(1, sizeof *c);
     if (!c) return -FI_ENOMEM;
-    struct fi_cq_attr cq_attr = {.size = 0, .format = FI_CQ_FORMAT_CONTEXT, .wait_obj = FI_WAIT_NONE};
+    /* A wait object: a thread waiting on the queue (fi_cq_sread) drives the provider's progress
+     * for a software provider, and sleeps until something completes. */
+    struct fi_cq_attr cq_attr = {.size = 0, .format = FI_CQ_FORMAT_CONTEXT, .wait_obj = FI_WAIT_UNSPEC};
     int rc = open_eq(d, &c->eq);
     if (!rc) rc = fi_cq_open(d->domain, &cq_attr, &c->cq, NULL);
     if (!rc) rc = fi_endpoint(d->domain, info, &c->ep, NULL);
@@ -402,13 +412,15 @@ int pf_write(pf_conn *c, const void *buf, size_t len, void *desc, uint64_t addr,
     return (int)rc;
 }
 
-/* Reads up to max completions into ctxs. Returns how many; on a failed operation returns its
- * negative error with *failed_ctx set and a message in err. */
-int pf_poll(pf_conn *c, uint64_t *ctxs, int max, uint64_t *failed_ctx, char *err, size_t n) {
+/* Reads up to max completions into ctxs, waiting up to timeout_ms for the first (0: not at all;
+ * waiting also drives a software provider's progress). Returns how many; on a failed operation
+ * returns its negative error with *failed_ctx set and a message in err. */
+int pf_poll(pf_conn *c, int timeout_ms, uint64_t *ctxs, int max, uint64_t *failed_ctx, char *err, size_t n) {
     struct fi_cq_entry entries[64];
     if (max > 64) max = 64;
-    ssize_t got = fi_cq_read(c->cq, entries, (size_t)max);
-    if (got == -FI_EAGAIN) return 0;
+    ssize_t got = timeout_ms > 0 ? fi_cq_sread(c->cq, entries, (size_t)max, NULL, timeout_ms)
+                                 : fi_cq_read(c->cq, entries, (size_t)max);
+    if (got == -FI_EAGAIN || got == -FI_ETIMEDOUT) return 0;
     if (got == -FI_EAVAIL) {
         struct fi_cq_err_entry e = {0};
         fi_cq_readerr(c->cq, &e, 0);

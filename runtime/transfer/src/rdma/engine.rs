@@ -23,6 +23,8 @@ use crate::{TransferEngine, TransferError, TransferStats};
 const MAX_OUTSTANDING: usize = 128;
 /// The largest single write posted (larger descriptors are split).
 const MAX_WRITE: u64 = 64 << 20;
+/// The longest one wait for completions (the deadline is checked between waits).
+const MAX_WAIT: Duration = Duration::from_millis(10);
 /// Idle connections kept per D endpoint.
 const IDLE_PER_PEER: usize = 4;
 
@@ -248,8 +250,13 @@ impl Inner {
                     Err(e) => return Err(fabric_err(peer, e)),
                 }
             }
-            match conn.poll() {
-                Polled::Done(ctxs) if ctxs.is_empty() && !posted => std::thread::sleep(Duration::from_micros(20)),
+            // Nothing new posted: wait for a completion (this drives a software provider's
+            // progress), at most until the deadline.
+            let wait = match posted {
+                true => Duration::ZERO,
+                false => deadline.saturating_sub(started.elapsed()).min(MAX_WAIT).max(Duration::from_millis(1)),
+            };
+            match conn.poll(wait) {
                 Polled::Done(ctxs) => {
                     for ctx in ctxs {
                         if let Some((_, _, _, len, _)) = writes.get(ctx as usize) {

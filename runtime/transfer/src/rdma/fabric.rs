@@ -5,6 +5,7 @@
 //! thread-safe (`FI_THREAD_SAFE`), so handles are shared across threads.
 
 use std::ffi::{c_char, c_int, c_void, CStr, CString};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
@@ -171,7 +172,7 @@ impl Domain {
         if rc != 0 || ptr.is_null() {
             return Err(fail("connecting to D's RDMA endpoint", rc, &err));
         }
-        Ok(Conn { ptr, _domain: self.clone() })
+        Ok(Conn::new(ptr, self.clone()))
     }
 }
 
@@ -265,7 +266,7 @@ impl Listener {
         if rc != 0 || ptr.is_null() {
             return Err(fail("accepting a connection", rc, &err));
         }
-        Ok(Conn { ptr, _domain: self.domain.clone() })
+        Ok(Conn::new(ptr, self.domain.clone()))
     }
 
     /// Refuses `req`.
@@ -294,18 +295,70 @@ pub enum Polled {
     Failed { ctx: u64, code: c_int, detail: String },
 }
 
-/// One reliable connection (an RC queue pair on verbs).
+/// A connection's shim object: its endpoint and queues. The queues outlive the endpoint while a
+/// [`ConnProgress`] waits on them.
 #[derive(Debug)]
-pub struct Conn {
+struct Queues {
     ptr: *mut ffi::PfConn,
+    ep_closed: AtomicBool,
     _domain: Arc<Domain>,
 }
 
-// SAFETY: the endpoint lives in a thread-safe domain; one writer uses it at a time (its pool).
-unsafe impl Send for Conn {}
-unsafe impl Sync for Conn {}
+// SAFETY: the endpoint and queues live in a thread-safe domain; the endpoint is closed once
+// (guarded by `ep_closed`), the rest in Drop.
+unsafe impl Send for Queues {}
+unsafe impl Sync for Queues {}
+
+impl Queues {
+    fn poll(&self, timeout: Duration) -> Polled {
+        let mut ctxs = [0u64; 64];
+        let mut failed = 0u64;
+        let mut err = [0u8; ERR_LEN];
+        // SAFETY: the queues are alive (self); buffers sized as given.
+        let rc = unsafe {
+            ffi::pf_poll(
+                self.ptr,
+                millis(timeout),
+                ctxs.as_mut_ptr(),
+                64,
+                &mut failed,
+                err.as_mut_ptr().cast(),
+                err.len(),
+            )
+        };
+        match usize::try_from(rc) {
+            Ok(n) => Polled::Done(ctxs[..n.min(ctxs.len())].to_vec()),
+            Err(_) => Polled::Failed { ctx: failed, code: rc, detail: err_text(&err) },
+        }
+    }
+
+    fn close_ep(&self) {
+        if !self.ep_closed.swap(true, Ordering::AcqRel) {
+            // SAFETY: the endpoint is closed once; the queues stay valid.
+            unsafe { ffi::pf_conn_close_ep(self.ptr) }
+        }
+    }
+}
+
+impl Drop for Queues {
+    fn drop(&mut self) {
+        // SAFETY: the last holder: the endpoint (if still open) and the queues are closed once.
+        unsafe { ffi::pf_conn_close(self.ptr) }
+    }
+}
+
+/// One reliable connection (an RC queue pair on verbs). Dropping it closes its endpoint at
+/// once: from then on no byte moves through it.
+#[derive(Debug)]
+pub struct Conn {
+    queues: Arc<Queues>,
+}
 
 impl Conn {
+    fn new(ptr: *mut ffi::PfConn, domain: Arc<Domain>) -> Self {
+        Self { queues: Arc::new(Queues { ptr, ep_closed: AtomicBool::new(false), _domain: domain }) }
+    }
+
     /// Posts one RDMA WRITE of local `[src, src + len)` (inside `local`) to the peer's
     /// `[dst, dst + len)` under `key`. `Ok(false)`: the queue is full, poll and post again.
     pub fn write(&self, local: &Mr, src: u64, len: u64, dst: u64, key: u64, ctx: u64) -> Result<bool, RdmaError> {
@@ -315,7 +368,7 @@ impl Conn {
         let len = usize::try_from(len).map_err(|_| RdmaError::TooLarge { len })?;
         // SAFETY: [src, src + len) lies inside `local`, registered and alive for this call; the
         // caller keeps it alive until the write completes (the engine holds its regions).
-        let rc = unsafe { ffi::pf_write(self.ptr, src as *const c_void, len, local.desc, dst, key, ctx) };
+        let rc = unsafe { ffi::pf_write(self.queues.ptr, src as *const c_void, len, local.desc, dst, key, ctx) };
         match rc {
             0 => Ok(true),
             rc if rc == -ffi::FI_EAGAIN => Ok(false),
@@ -323,31 +376,43 @@ impl Conn {
         }
     }
 
-    /// Reads the completions that are ready (never waits).
-    pub fn poll(&self) -> Polled {
-        let mut ctxs = [0u64; 64];
-        let mut failed = 0u64;
-        let mut err = [0u8; ERR_LEN];
-        // SAFETY: buffers sized as given.
-        let rc =
-            unsafe { ffi::pf_poll(self.ptr, ctxs.as_mut_ptr(), 64, &mut failed, err.as_mut_ptr().cast(), err.len()) };
-        if rc >= 0 {
-            Polled::Done(ctxs[..rc as usize].to_vec())
-        } else {
-            Polled::Failed { ctx: failed, code: rc, detail: err_text(&err) }
-        }
+    /// Reads the completions that are ready, waiting up to `timeout` for the first (zero: not at
+    /// all). Waiting drives a software provider's progress.
+    pub fn poll(&self, timeout: Duration) -> Polled {
+        self.queues.poll(timeout)
     }
 
     /// Whether the peer closed the connection (or it broke).
     pub fn closed(&self) -> bool {
-        // SAFETY: a live connection.
-        unsafe { ffi::pf_conn_closed(self.ptr) == 1 }
+        // SAFETY: the queues are alive.
+        unsafe { ffi::pf_conn_closed(self.queues.ptr) == 1 }
+    }
+
+    /// A handle that waits on this connection's queues from another thread (D's progress for a
+    /// software provider); it ends when the connection is dropped.
+    pub fn progress(&self) -> ConnProgress {
+        ConnProgress { queues: self.queues.clone() }
     }
 }
 
 impl Drop for Conn {
     fn drop(&mut self) {
-        // SAFETY: closed once; after this no byte moves through the endpoint.
-        unsafe { ffi::pf_conn_close(self.ptr) }
+        self.queues.close_ep();
+    }
+}
+
+/// Waits on a connection's queues (see [`Conn::progress`]).
+#[derive(Debug)]
+pub struct ConnProgress {
+    queues: Arc<Queues>,
+}
+
+impl ConnProgress {
+    /// Waits up to `timeout` for completions; `false` once the connection is closed or broken.
+    pub fn wait(&self, timeout: Duration) -> bool {
+        if self.queues.ep_closed.load(Ordering::Acquire) {
+            return false;
+        }
+        !matches!(self.queues.poll(timeout), Polled::Failed { .. })
     }
 }

@@ -93,6 +93,7 @@ extern "C" {
         n: usize,
     ) -> c_int;
     pub fn pf_conn_closed(c: *mut PfConn) -> c_int;
+    pub fn pf_conn_close_ep(c: *mut PfConn);
     pub fn pf_conn_close(c: *mut PfConn);
     pub fn pf_mr_reg(
         d: *mut PfDomain,
@@ -115,6 +116,7 @@ extern "C" {
     ) -> c_int;
     pub fn pf_poll(
         c: *mut PfConn,
+        timeout_ms: c_int,
         ctxs: *mut u64,
         max: c_int,
         failed_ctx: *mut u64,

@@ -26,6 +26,9 @@ use crate::fence::RemoteAccess;
 const ACCEPT_POLL: Duration = Duration::from_millis(20);
 /// How long an accepted connection may take to stand.
 const ACCEPT_DEADLINE: Duration = Duration::from_secs(5);
+/// How long a progress thread waits on its connection before it checks the connection is still
+/// open.
+const PROGRESS_WAIT: Duration = Duration::from_millis(100);
 /// Connect nonces remembered (a replayed connection request is refused).
 const NONCES_KEPT: usize = 4096;
 /// Bytes of a connect request's nonce.
@@ -174,20 +177,19 @@ impl Inner {
             return;
         };
         match self.listener.accept(req, ACCEPT_DEADLINE) {
-            Ok(conn) => self.lock().conns.entry(token).or_default().push(conn),
+            Ok(conn) => {
+                spawn_progress(&conn);
+                self.lock().conns.entry(token).or_default().push(conn);
+            }
             Err(e) => tracing::warn!(error = %e, "an RDMA connection failed while being accepted"),
         }
     }
 
-    /// Drops connections their peer closed (and reads their queues: progress for providers that
-    /// need it).
+    /// Drops connections their peer closed.
     fn prune(&self) {
         let mut state = self.lock();
         for conns in state.conns.values_mut() {
-            conns.retain(|c| {
-                let _ = c.poll();
-                !c.closed()
-            });
+            conns.retain(|c| !c.closed());
         }
         state.conns.retain(|_, c| !c.is_empty());
     }
@@ -197,6 +199,19 @@ impl gauges::Endpoint for Inner {
     fn samples(&self) -> Vec<(&'static str, String, String, usize)> {
         let conns = self.lock().conns.values().map(Vec::len).sum();
         vec![("d", self.domain.provider.clone(), self.domain.domain.clone(), conns)]
+    }
+}
+
+/// A thread that waits on an accepted connection's queues until it is closed: a software provider
+/// moves the bytes of P's writes into D's memory only while someone waits on them (a NIC needs no
+/// such thread, and its waits cost nothing).
+fn spawn_progress(conn: &Conn) {
+    let progress = conn.progress();
+    let spawned = std::thread::Builder::new()
+        .name("pdflow-rdma-progress".into())
+        .spawn(move || while progress.wait(PROGRESS_WAIT) {});
+    if let Err(e) = spawned {
+        tracing::warn!("no progress thread for an RDMA connection ({e}): a software provider's writes will stall");
     }
 }
 

@@ -1,9 +1,11 @@
 //! `pdflow bench …`: benchmarks in the product. Each prints a table and can write `--json PATH`
 //! as `{"rows": [{"name", "backend", "plan", "concurrency", "bytes", "median_ms", "min_ms",
-//! "max_ms", "gbps"}]}` (fields that do not apply are null).
+//! "max_ms", "gbps"}]}` (fields that do not apply are null), and `cpu_ms` (the process's CPU time
+//! per run) where a bench measures it.
 //!
-//! - [`transfer`] — the seed request P→D through the real actors and transfer engines, with the
-//!   same-run ceilings (memcpy, loopback TCP) and, optionally, Mooncake's engine.
+//! - [`transfer`] — the seed request P→D through the real actors and transfer engines (tcp,
+//!   same-host, and one-sided rdma in a build with the `rdma` feature), with the same-run
+//!   ceilings (memcpy, loopback TCP) and, optionally, Mooncake's engine.
 //! - [`e2e`] — the seed request through proxy, P and D: TTFT split as the seed splits it, and
 //!   requests/s for small prompts; [`e2e_link`] — the same over a shaped link between network
 //!   namespaces (`--link-gbps`).

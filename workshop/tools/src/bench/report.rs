@@ -1,6 +1,7 @@
 //! The rows every benchmark reports, the table they print and the JSON they write.
 
 use std::path::Path;
+use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
@@ -22,6 +23,97 @@ pub struct Row {
     /// Throughput benchmarks: completed requests per second.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub requests_per_s: Option<f64>,
+    /// CPU time the whole process (every thread: P's and D's when both run in it) used per
+    /// measured run, median over the runs; where the bench measures it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cpu_ms: Option<f64>,
+}
+
+impl Row {
+    /// This row with the median of `cpu_ms` (per-run CPU times) as its CPU time.
+    pub fn with_cpu(mut self, cpu_ms: &[f64]) -> Row {
+        self.cpu_ms = summarize(cpu_ms).map(|s| s.0);
+        self
+    }
+}
+
+/// Wall-clock and process CPU time of one measured section.
+#[derive(Debug, Clone, Copy)]
+pub struct Stopwatch {
+    wall: Instant,
+    cpu: Option<Duration>,
+}
+
+/// What a [`Stopwatch`] measured: wall-clock time, and the CPU time of every thread of the
+/// process over the same span (`None` where the OS does not tell).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Sample {
+    pub wall: Duration,
+    pub cpu: Option<Duration>,
+}
+
+impl Stopwatch {
+    pub fn start() -> Self {
+        Self { cpu: process_cpu_time(), wall: Instant::now() }
+    }
+
+    pub fn stop(self) -> Sample {
+        let wall = self.wall.elapsed();
+        let cpu = match (self.cpu, process_cpu_time()) {
+            (Some(a), Some(b)) => Some(b.saturating_sub(a)),
+            _ => None,
+        };
+        Sample { wall, cpu }
+    }
+}
+
+/// Samples of measured runs, in milliseconds: wall-clock, and CPU where measured.
+#[derive(Debug, Clone, Default)]
+pub struct Samples {
+    pub wall_ms: Vec<f64>,
+    pub cpu_ms: Vec<f64>,
+}
+
+impl Samples {
+    pub fn push(&mut self, s: Sample) {
+        self.wall_ms.push(s.wall.as_secs_f64() * 1e3);
+        if let Some(cpu) = s.cpu {
+            self.cpu_ms.push(cpu.as_secs_f64() * 1e3);
+        }
+    }
+}
+
+impl FromIterator<Sample> for Samples {
+    fn from_iter<I: IntoIterator<Item = Sample>>(iter: I) -> Self {
+        let mut out = Samples::default();
+        for s in iter {
+            out.push(s);
+        }
+        out
+    }
+}
+
+/// A row from [`Samples`]: [`row`] with the median CPU time per run.
+pub fn row_cpu(
+    name: &str,
+    backend: Option<&str>,
+    plan: Option<&str>,
+    concurrency: Option<u32>,
+    bytes: Option<u64>,
+    samples: &Samples,
+) -> Row {
+    row(name, backend, plan, concurrency, bytes, &samples.wall_ms).with_cpu(&samples.cpu_ms)
+}
+
+/// The CPU time every thread of this process has used so far (user and system), with
+/// nanosecond resolution: `CLOCK_PROCESS_CPUTIME_ID`. `None` where the clock cannot be read.
+pub fn process_cpu_time() -> Option<Duration> {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: `ts` is a valid, writable `struct timespec`; clock_gettime writes only it.
+    let rc = unsafe { libc::clock_gettime(libc::CLOCK_PROCESS_CPUTIME_ID, &mut ts) };
+    let secs = u64::try_from(ts.tv_sec).ok()?;
+    let nanos = u32::try_from(ts.tv_nsec).ok()?;
+    (rc == 0).then(|| Duration::new(secs, nanos))
 }
 
 /// Median, min and max of samples in milliseconds (`None` for no samples).
@@ -61,6 +153,7 @@ pub fn row(
         },
         p99_ms: None,
         requests_per_s: None,
+        cpu_ms: None,
     }
 }
 
@@ -75,16 +168,23 @@ pub fn quantile(samples_ms: &[f64], q: f64) -> Option<f64> {
     Some(s[rank - 1])
 }
 
-/// The table a benchmark prints.
+/// The table a benchmark prints (names padded to the longest); a `cpu ms` column when a row has
+/// a CPU time.
 pub fn render(rows: &[Row]) -> String {
     let f = |v: Option<f64>, p: usize| v.map(|v| format!("{v:.p$}")).unwrap_or_else(|| "-".into());
+    let cpu = rows.iter().any(|r| r.cpu_ms.is_some());
+    let w = rows.iter().map(|r| r.name.chars().count()).max().unwrap_or(0).max(50);
     let mut out = format!(
-        "{:<50} {:<10} {:<14} {:>5} {:>12} {:>10} {:>10} {:>10} {:>7} {:>9} {:>9}\n",
+        "{:<w$} {:<10} {:<14} {:>5} {:>12} {:>10} {:>10} {:>10} {:>7} {:>9} {:>9}",
         "name", "backend", "plan", "conc", "bytes", "median ms", "min ms", "max ms", "GB/s", "p99 ms", "req/s"
     );
+    if cpu {
+        out.push_str(&format!(" {:>10}", "cpu ms"));
+    }
+    out.push('\n');
     for r in rows {
         out.push_str(&format!(
-            "{:<50} {:<10} {:<14} {:>5} {:>12} {:>10} {:>10} {:>10} {:>7} {:>9} {:>9}\n",
+            "{:<w$} {:<10} {:<14} {:>5} {:>12} {:>10} {:>10} {:>10} {:>7} {:>9} {:>9}",
             r.name,
             r.backend.as_deref().unwrap_or("-"),
             r.plan.as_deref().unwrap_or("-"),
@@ -97,6 +197,10 @@ pub fn render(rows: &[Row]) -> String {
             f(r.p99_ms, 3),
             f(r.requests_per_s, 0),
         ));
+        if cpu {
+            out.push_str(&format!(" {:>10}", f(r.cpu_ms, 3)));
+        }
+        out.push('\n');
     }
     out
 }
@@ -117,6 +221,24 @@ mod tests {
         assert_eq!(summarize(&[4.0, 1.0, 2.0, 3.0]), Some((2.5, 1.0, 4.0)));
         let r = row("x", Some("tcp"), Some("coalesced"), Some(1), Some(1_000_000_000), &[1000.0]);
         assert_eq!(r.gbps, Some(1.0));
-        assert!(render(&[r]).contains("coalesced"));
+        assert!(render(std::slice::from_ref(&r)).contains("coalesced"));
+        assert!(!render(std::slice::from_ref(&r)).contains("cpu ms"), "no CPU column without CPU times");
+        let r = r.with_cpu(&[2.0, 1.0, 3.0]);
+        assert_eq!(r.cpu_ms, Some(2.0));
+        assert!(render(&[r]).contains("cpu ms"));
+    }
+
+    #[test]
+    fn a_stopwatch_counts_the_cpu_a_busy_thread_burns() {
+        let watch = Stopwatch::start();
+        let mut x = 0u64;
+        while watch.wall.elapsed() < Duration::from_millis(20) {
+            x = std::hint::black_box(x.wrapping_add(1));
+        }
+        let s = watch.stop();
+        if let Some(cpu) = s.cpu {
+            assert!(cpu >= Duration::from_millis(10), "20 ms of spinning used {cpu:?} of CPU");
+        }
+        assert!(s.wall >= Duration::from_millis(20));
     }
 }

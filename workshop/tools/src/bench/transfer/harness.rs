@@ -2,12 +2,14 @@
 //! the transfer engine under test) and D's Receiver (bootstrap look-up, PullTasks) with D's data
 //! server and a bootstrap, all in this process over 127.0.0.1 — the seed's steps 20–35 for the
 //! transfer, with the scheduler's part played by the bench (`RecordSendReqs` as after step 27,
-//! `StartLoadKv` as step 19, `GetFinishedRecving` as step 35).
+//! `StartLoadKv` as step 19, `GetFinishedRecving` as step 35). With a fence that holds D's RDMA
+//! target, D's Receiver grants each pull's blocks and revokes them when the pull ends, as a node
+//! with `--transport rdma` does.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicU16, AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use anyhow::{anyhow, bail, Context as _};
 use kameo::prelude::*;
@@ -18,8 +20,11 @@ use pdflow_messages::receiver::{GetFinishedRecving, StartLoadKv};
 use pdflow_messages::scheduler_connector::PullMeta;
 use pdflow_messages::sender_listener::{GetFinishedSending, RecordSendReqs};
 use pdflow_messages::{BlockId, RequestId};
+use pdflow_transfer::fence::WriteFence;
 use pdflow_transfer::TransferEngine;
 use tokio::sync::Notify;
+
+use crate::bench::report::{Sample, Stopwatch};
 
 use pdflow_node::BootstrapNode;
 
@@ -38,14 +43,15 @@ pub struct ActorPair {
 
 impl ActorPair {
     /// Starts P's listener with `transfer` over `p_cache`, and D's receiver over `d_cache` whose
-    /// data server listens at `d_data_addr`; under `secret`, and with `tls` on the side channel.
+    /// data server listens at `d_data_addr`, its pulls fenced by `fence` (which may hold D's RDMA
+    /// target) when one is given; under `secret`, and with `tls` on the side channel.
     pub async fn start(
         tag: &str,
         bootstrap: &BootstrapNode,
         p_cache: &Arc<KvCache>,
         transfer: Arc<dyn TransferEngine>,
         d_cache: &Arc<KvCache>,
-        d_data_addr: String,
+        (d_data_addr, fence): (String, Option<WriteFence>),
         (secret, tls): (Option<pdflow_auth::ClusterSecret>, Option<pdflow_auth::TlsIdentity>),
     ) -> anyhow::Result<Self> {
         let p_engine_id = format!("bench-p-{tag}");
@@ -81,7 +87,7 @@ impl ActorPair {
             bootstrap_timeout: Duration::from_secs(5),
             events: d_events.clone(),
             verify_checksums: false,
-            fence: None,
+            fence,
         });
         pdflow_node::started("Receiver", &receiver).await?;
         Ok(Self {
@@ -95,8 +101,9 @@ impl ActorPair {
     }
 
     /// Moves one request per entry of `d_blocks` (each from `p_blocks`) P→D through the actors;
-    /// returns the time from `StartLoadKv` until D's receiver reported every one finished.
-    pub async fn transfer(&self, p_blocks: &[BlockId], d_blocks: &[Vec<BlockId>]) -> anyhow::Result<Duration> {
+    /// returns the time from `StartLoadKv` until D's receiver reported every one finished, and the
+    /// process's CPU time over the same span.
+    pub async fn transfer(&self, p_blocks: &[BlockId], d_blocks: &[Vec<BlockId>]) -> anyhow::Result<Sample> {
         let mut reqs_to_send = BTreeMap::new();
         let mut pulls = BTreeMap::new();
         for d in d_blocks {
@@ -118,7 +125,7 @@ impl ActorPair {
         let ready = RecordSendReqs { reqs_to_send, ..RecordSendReqs::default() };
         self.listener.ask(ready).await.map_err(|e| anyhow!("SenderListener refused RecordSendReqs: {e}"))?;
 
-        let started = Instant::now();
+        let started = Stopwatch::start();
         let deadline = tokio::time::Instant::now() + REQUEST_DEADLINE;
         let start = StartLoadKv {
             reqs_to_recv: BTreeMap::from([(self.p_engine_id.clone().into(), pulls)]),
@@ -144,7 +151,7 @@ impl ActorPair {
                 .await
                 .with_context(|| format!("the transfer did not finish within {REQUEST_DEADLINE:?}"))?;
         }
-        let took = started.elapsed();
+        let took = started.stop();
         // P's side of step 32, so finished_sending does not grow across runs.
         let _ = self.listener.ask(GetFinishedSending).await;
         Ok(took)
