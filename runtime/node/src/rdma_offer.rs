@@ -21,11 +21,11 @@ pub fn rdma_target(
     if tcp.rdma == RdmaMode::Off || kv_cache.memory() != MemoryKind::Host {
         return Ok(None);
     }
-    start(host, tcp)
+    start(kv_cache, host, tcp)
 }
 
 #[cfg(feature = "rdma")]
-fn start(host: &str, tcp: &TcpConfig) -> Result<Option<Arc<dyn RemoteAccess>>, NodeError> {
+fn start(kv_cache: &Arc<KvCache>, host: &str, tcp: &TcpConfig) -> Result<Option<Arc<dyn RemoteAccess>>, NodeError> {
     use pdflow_transfer::rdma::{hardware_provider, RdmaTarget};
     let required = tcp.rdma == RdmaMode::Required;
     let provider = match (&tcp.rdma_provider, hardware_provider(host)) {
@@ -42,6 +42,8 @@ fn start(host: &str, tcp: &TcpConfig) -> Result<Option<Arc<dyn RemoteAccess>>, N
     };
     match RdmaTarget::start(&provider, host, tcp.secret.clone()) {
         Ok(target) => {
+            // The KV lives as long as anything that could write it one-sided.
+            target.hold_memory(kv_cache.region_table());
             tracing::info!(provider = %target.provider(), device = %target.device(), "D offers one-sided RDMA writes into its KV");
             Ok(Some(Arc::new(target)))
         }
@@ -56,8 +58,8 @@ fn start(host: &str, tcp: &TcpConfig) -> Result<Option<Arc<dyn RemoteAccess>>, N
 }
 
 #[cfg(not(feature = "rdma"))]
-fn start(host: &str, tcp: &TcpConfig) -> Result<Option<Arc<dyn RemoteAccess>>, NodeError> {
-    let _ = host;
+fn start(kv_cache: &Arc<KvCache>, host: &str, tcp: &TcpConfig) -> Result<Option<Arc<dyn RemoteAccess>>, NodeError> {
+    let _ = (kv_cache, host);
     match tcp.rdma {
         RdmaMode::Required => Err(NodeError::NoRdmaSupport),
         _ => Ok(None),

@@ -55,9 +55,10 @@ struct Pools {
 
 #[derive(Debug)]
 struct Inner {
-    local: RegionTable,
-    config: RdmaEngineConfig,
+    /// Connections and registrations first: they drop before the memory they reach.
     pools: Mutex<Pools>,
+    config: RdmaEngineConfig,
+    local: RegionTable,
 }
 
 /// Writes plans one-sided into the D that granted them.
@@ -69,7 +70,7 @@ pub struct RdmaTransferEngine {
 impl RdmaTransferEngine {
     /// An engine reading from `local` (P's KV regions, host memory).
     pub fn new(local: RegionTable, config: RdmaEngineConfig) -> Self {
-        let inner = Arc::new(Inner { local, config, pools: Mutex::new(Pools::default()) });
+        let inner = Arc::new(Inner { pools: Mutex::new(Pools::default()), config, local });
         let weak: std::sync::Weak<dyn gauges::Endpoint> = Arc::downgrade(&inner) as _;
         gauges::register(weak);
         Self { inner }

@@ -16,6 +16,7 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use pdflow_auth::{ClusterSecret, Context, Proof};
+use pdflow_kv::memory::RegionTable;
 use pdflow_messages::rdma::{RdmaOffer, RemoteRegion};
 
 use super::fabric::{Conn, ConnRequest, Domain, Listener, Mr};
@@ -55,6 +56,9 @@ struct Inner {
     secret: Option<ClusterSecret>,
     state: Mutex<State>,
     stop: AtomicBool,
+    /// D's KV memory, kept alive while a registration or a connection could reach it (dropped
+    /// after them: the fields drop in order). Grants must lie inside it.
+    memory: Mutex<Vec<RegionTable>>,
 }
 
 /// D's RDMA endpoint and grants.
@@ -76,8 +80,14 @@ impl RdmaTarget {
             nic_modes = domain.nic_modes(),
             "RDMA endpoint listening (one-sided writes into this worker's KV)"
         );
-        let inner =
-            Arc::new(Inner { domain, listener, secret, state: Mutex::new(State::default()), stop: false.into() });
+        let inner = Arc::new(Inner {
+            domain,
+            listener,
+            secret,
+            state: Mutex::new(State::default()),
+            stop: false.into(),
+            memory: Mutex::new(Vec::new()),
+        });
         let weak: std::sync::Weak<dyn gauges::Endpoint> = Arc::downgrade(&inner) as _;
         gauges::register(weak);
         let accepting = {
@@ -88,6 +98,14 @@ impl RdmaTarget {
                 .map_err(|e| RdmaError::Unavailable { reason: format!("cannot start the accepting thread: {e}") })?
         };
         Ok(Self { inner, accepting: Some(accepting) })
+    }
+
+    /// Keeps `memory` (D's KV regions) alive as long as this target, whose registrations and
+    /// connections could write it, and refuses grants outside it from now on. A node gives its KV
+    /// cache here: a D stopped inside a process that goes on (a restart in place) must not free
+    /// the memory a write in flight could still reach.
+    pub fn hold_memory(&self, memory: RegionTable) {
+        self.inner.memory.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push(memory);
     }
 
     /// The provider this endpoint runs on.
@@ -245,6 +263,16 @@ impl RemoteAccess for RdmaTarget {
     }
 
     fn grant(&self, token: u64, peer: &str, ranges: &[(u64, u64)]) -> Result<Vec<RemoteRegion>, String> {
+        {
+            let memory = self.inner.memory.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            if !memory.is_empty() {
+                for &(addr, len) in ranges {
+                    if !memory.iter().any(|m| m.check(addr, len).is_ok()) {
+                        return Err(format!("[{addr:#x}, +{len}) is outside D's KV regions: not granted"));
+                    }
+                }
+            }
+        }
         let mut mrs = Vec::with_capacity(ranges.len());
         for &(addr, len) in ranges {
             let mr = self.inner.domain.register(addr, len, ffi::FI_REMOTE_WRITE).map_err(|e| e.to_string())?;

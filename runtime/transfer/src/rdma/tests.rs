@@ -47,6 +47,7 @@ fn pair(secrets: (Option<&str>, Option<&str>)) -> Pair {
     let src = KvCache::patterned(SHAPE, 32, 1);
     let dst = KvCache::new(SHAPE, 32);
     let target = Arc::new(RdmaTarget::start(PROVIDER, HOST, secret(secrets.0)).expect("D's endpoint listens"));
+    target.hold_memory(dst.region_table());
     let fence = WriteFence::new().with_remote(target.clone());
     let config = RdmaEngineConfig {
         host: String::new(),
@@ -184,4 +185,23 @@ async fn connections_without_the_token_or_the_secret_are_refused() {
     let plan = p.pull(45, &[1], &[2]);
     bounded("write", p.engine.write("d", &plan)).await.expect("written");
     p.assert_copied(&[1], &[2]);
+}
+
+#[test]
+fn a_grant_outside_ds_memory_is_refused_and_the_memory_outlives_the_caller() {
+    let Some(()) = provider_here() else { return };
+    let dst = KvCache::new(SHAPE, 4);
+    let target = RdmaTarget::start(PROVIDER, HOST, None).expect("listens");
+    target.hold_memory(dst.region_table());
+    let region = dst.regions()[0];
+    let outside = region.base_addr + region.len;
+    let err = target.grant(1, P_WORKER, &[(outside, 64)]).expect_err("outside D's regions");
+    assert!(err.contains("outside D's KV regions"), "{err}");
+    assert_eq!(target.granted_regions(), 0);
+    // The caller's handle goes; the target keeps the memory its registrations reach.
+    let weak = Arc::downgrade(&dst);
+    drop(dst);
+    assert!(weak.upgrade().is_some(), "D's KV must live as long as the target");
+    drop(target);
+    assert!(weak.upgrade().is_none(), "and no longer");
 }
