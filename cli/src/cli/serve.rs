@@ -102,7 +102,7 @@ pub struct ServeCmd {
     /// `transport`; set the same on P and D.
     #[arg(long, value_enum, default_value_t = TransportArg::Auto)]
     pub transport: TransportArg,
-    /// The libfabric provider for RDMA (`verbs`, `efa`, `tcp`): default a NIC's when one opens.
+    /// The libfabric provider for RDMA (`verbs`, `tcp`): default a NIC's when one opens.
     /// Naming one with `--transport auto` offers RDMA on it.
     #[arg(long, value_name = "PROVIDER")]
     pub rdma_provider: Option<String>,

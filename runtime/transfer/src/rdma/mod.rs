@@ -26,8 +26,11 @@ pub use target::RdmaTarget;
 
 pub use crate::auto::BACKEND_RDMA;
 
-/// Providers that drive a NIC: `auto` offers RDMA only on one of these.
+/// Providers that drive a NIC.
 pub const HARDWARE_PROVIDERS: &[&str] = &["verbs", "efa"];
+/// The NIC providers `auto` tries: those with the reliable connected endpoints pdflow opens
+/// (`efa` offers reliable datagram endpoints only, so it never opens here).
+const AUTO_PROVIDERS: &[&str] = &["verbs"];
 
 /// Why the rdma backend cannot do something.
 #[derive(Debug, thiserror::Error)]
@@ -49,12 +52,12 @@ pub fn is_hardware(provider: &str) -> bool {
     HARDWARE_PROVIDERS.iter().any(|p| provider.split(';').next() == Some(p))
 }
 
-/// The provider `auto` would use on the interface holding `host`: the first hardware provider
-/// that opens, or `Err` with why none did.
+/// The provider `auto` would use on the interface holding `host`: the first NIC provider with
+/// connected endpoints that opens (`verbs`), or `Err` with why none did.
 pub fn hardware_provider(host: &str) -> Result<String, RdmaError> {
     fabric::load()?;
     let mut tried = Vec::new();
-    for provider in HARDWARE_PROVIDERS {
+    for provider in AUTO_PROVIDERS {
         match fabric::Domain::open(provider, host) {
             Ok(domain) => return Ok(domain.provider.clone()),
             Err(e) => tried.push(format!("{provider}: {e}")),

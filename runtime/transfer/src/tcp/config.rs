@@ -38,7 +38,7 @@ pub struct TcpConfig {
     /// One-sided RDMA writes (the `rdma` feature): D offers its endpoint in pulls and P writes
     /// through it ([`RdmaMode`]).
     pub rdma: RdmaMode,
-    /// The libfabric provider for RDMA (`verbs`, `efa`, `tcp`, …); `None`: a NIC's provider
+    /// The libfabric provider for RDMA (`verbs`, `tcp`, …); `None`: a NIC's provider
     /// when one opens (and, with [`RdmaMode::Required`], the software `tcp` provider otherwise).
     pub rdma_provider: Option<String>,
 }
