@@ -99,6 +99,14 @@ fn the_software_provider_runs_in_a_verbs_nics_registration_modes() {
         "mr_mode {:#x} lacks local, virtual-address or provider-key registration",
         domain.mr_mode
     );
+    // What shows the provider honours them: keys are the provider's (two registrations that ask
+    // for no key get distinct ones; without FI_MR_PROV_KEY the second is refused, -FI_ENOKEY),
+    // and the writes of the other tests land at D's virtual addresses (FI_MR_VIRT_ADDR).
+    let memory = KvCache::new(SHAPE, 2);
+    let region = memory.regions()[0];
+    let first = domain.register(region.block_addr(0), region.block_len, ffi::FI_REMOTE_WRITE).expect("registers");
+    let second = domain.register(region.block_addr(1), region.block_len, ffi::FI_REMOTE_WRITE).expect("registers");
+    assert_ne!(first.key, second.key, "the provider chose the keys");
     let target = RdmaTarget::start(PROVIDER, HOST, None).expect("listens");
     assert!(target.nic_modes());
     assert_eq!(target.provider(), "tcp");
