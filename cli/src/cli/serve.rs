@@ -102,8 +102,9 @@ pub struct ServeCmd {
     /// `transport`; set the same on P and D.
     #[arg(long, value_enum, default_value_t = TransportArg::Auto)]
     pub transport: TransportArg,
-    /// The libfabric provider for RDMA (`verbs`, `tcp`): default a NIC's when one opens.
-    /// Naming one with `--transport auto` offers RDMA on it.
+    /// The libfabric provider for RDMA (`verbs`, `efa`, `tcp`; `tcp;ofi_rxm` for `efa`'s
+    /// datagram endpoints in software): default a NIC's when one opens. Naming one with
+    /// `--transport auto` offers RDMA on it.
     #[arg(long, value_name = "PROVIDER")]
     pub rdma_provider: Option<String>,
     /// Record KV checksums on both sides of every transfer (costs a pass over the bytes).

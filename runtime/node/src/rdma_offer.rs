@@ -1,6 +1,7 @@
 //! Whether D offers one-sided RDMA writes into its KV (seed step 29 over RDMA), and its endpoint:
-//! with `transport: rdma` always — on the provider named by `rdma_provider`, else a NIC's
-//! (`verbs`), else libfabric's software `tcp` provider — and with `transport: auto` only
+//! with `transport: rdma` always — on the provider named by `rdma_provider` (`tcp;ofi_rxm` for
+//! reliable datagram endpoints in software), else a NIC's (`verbs`, else `efa`), else libfabric's
+//! software `tcp` provider — and with `transport: auto` only
 //! when a NIC's provider (or the named one) opens on D's interface. GPU KV is not offered: the
 //! device-memory registration (`FI_HMEM`) is not built.
 

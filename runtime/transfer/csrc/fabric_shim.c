@@ -5,8 +5,11 @@
  * plain functions. libfabric itself is opened at run time (dlopen of libfabric.so.1): a build
  * with the feature runs on a host without the library, and reports the backend unavailable.
  *
- * The model: reliable connected endpoints (FI_EP_MSG: an RC queue pair on the verbs provider,
- * a TCP connection on the software `tcp` provider). The domain is opened in the memory
+ * Two endpoint types, chosen by the caller per domain: reliable connected endpoints (FI_EP_MSG:
+ * an RC queue pair on the verbs provider, a TCP connection on the software `tcp` provider), and
+ * reliable datagram endpoints (FI_EP_RDM: AWS's `efa`, or `tcp;ofi_rxm` in software), which have
+ * no connect step: the writer inserts the target's address in an address vector (FI_AV_TABLE)
+ * and names it in every write. Both kinds live in a pf_conn. The domain is opened in the memory
  * registration modes a verbs NIC requires: FI_MR_LOCAL (local buffers registered, their
  * descriptors passed), FI_MR_VIRT_ADDR (remote addresses are virtual addresses), FI_MR_ALLOCATED
  * and FI_MR_PROV_KEY (the provider chooses each region's key). Writes ask for delivery
@@ -91,11 +94,14 @@ typedef struct pf_listener {
     struct fid_pep *pep;
 } pf_listener;
 
-/* A connected endpoint with its own event and completion queues. */
+/* An endpoint with its own completion queue: connected (with an event queue), or reliable
+ * datagram (with an address vector and, on the writer's side, the one peer it writes to). */
 typedef struct pf_conn {
     struct fid_eq *eq;
     struct fid_cq *cq;
     struct fid_ep *ep;
+    struct fid_av *av;
+    fi_addr_t peer;
 } pf_conn;
 
 /* A connection request waiting for pf_accept or pf_reject. */
@@ -103,10 +109,11 @@ typedef struct pf_conn_req {
     struct fi_info *info;
 } pf_conn_req;
 
-static struct fi_info *hints_for(const char *prov) {
+static struct fi_info *hints_for(const char *prov, int rdm) {
     struct fi_info *h = p_dupinfo(NULL);
     if (!h) return NULL;
-    h->ep_attr->type = FI_EP_MSG;
+    h->ep_attr->type = rdm ? FI_EP_RDM : FI_EP_MSG;
+    if (rdm) h->domain_attr->av_type = FI_AV_TABLE;
     h->caps = FI_RMA | FI_WRITE | FI_REMOTE_WRITE;
     h->domain_attr->mr_mode = PF_MR_MODE;
     h->domain_attr->threading = FI_THREAD_SAFE;
@@ -115,21 +122,21 @@ static struct fi_info *hints_for(const char *prov) {
     return h;
 }
 
-int pf_domain_open(const char *prov, const char *node, pf_domain **out, char *err, size_t n) {
+int pf_domain_open(const char *prov, const char *node, int rdm, pf_domain **out, char *err, size_t n) {
     *out = NULL;
     if (!lib) {
         say(err, n, "libfabric is not loaded");
         return -FI_ENOSYS;
     }
-    struct fi_info *hints = hints_for(prov);
+    struct fi_info *hints = hints_for(prov, rdm);
     if (!hints) return -FI_ENOMEM;
     struct fi_info *info = NULL;
     if (node && !*node) node = NULL;
     int rc = p_getinfo(PF_API_VERSION, node, NULL, node ? FI_SOURCE : 0, hints, &info);
     p_freeinfo(hints);
     if (rc) {
-        say(err, n, "no %s provider with reliable connected RMA on %s: %s", prov && *prov ? prov : "libfabric",
-            node ? node : "this host", p_strerror(-rc));
+        say(err, n, "no %s provider with reliable %s RMA on %s: %s", prov && *prov ? prov : "libfabric",
+            rdm ? "datagram" : "connected", node ? node : "this host", p_strerror(-rc));
         return rc;
     }
     /* Run the provider in the registration modes a verbs NIC requires, whether or not this
@@ -161,11 +168,12 @@ fail:
 }
 
 void pf_domain_describe(const pf_domain *d, char *prov, size_t prov_n, char *dom, size_t dom_n, uint64_t *mr_mode,
-                        uint64_t *max_msg) {
+                        uint64_t *max_msg, uint64_t *key_size) {
     say(prov, prov_n, "%s", d->info->fabric_attr->prov_name ? d->info->fabric_attr->prov_name : "?");
     say(dom, dom_n, "%s", d->info->domain_attr->name ? d->info->domain_attr->name : "?");
     *mr_mode = d->info->domain_attr->mr_mode;
     *max_msg = d->info->ep_attr->max_msg_size;
+    *key_size = d->info->domain_attr->mr_key_size;
 }
 
 void pf_domain_close(pf_domain *d) {
@@ -266,6 +274,7 @@ void pf_conn_close_ep(pf_conn *c) {
 void pf_conn_close(pf_conn *c) {
     if (!c) return;
     if (c->ep) fi_close(&c->ep->fid);
+    if (c->av) fi_close(&c->av->fid);
     if (c->cq) fi_close(&c->cq->fid);
     if (c->eq) fi_close(&c->eq->fid);
     free(c);
@@ -274,6 +283,7 @@ void pf_conn_close(pf_conn *c) {
 static int conn_new(pf_domain *d, struct fi_info *info, pf_conn **out) {
     pf_conn *c = calloc(1, sizeof *c);
     if (!c) return -FI_ENOMEM;
+    c->peer = FI_ADDR_UNSPEC;
     /* A wait object: a thread waiting on the queue (fi_cq_sread) drives the provider's progress
      * for a software provider, and sleeps until something completes. */
     struct fi_cq_attr cq_attr = {.size = 0, .format = FI_CQ_FORMAT_CONTEXT, .wait_obj = FI_WAIT_UNSPEC};
@@ -366,8 +376,70 @@ int pf_connect(pf_domain *d, const void *name, size_t namelen, const void *data,
     return 0;
 }
 
-/* 1 when the peer closed the connection (or it failed), 0 while it stands. */
+/* A reliable datagram endpoint: its completion queue and address vector, bound and enabled. */
+static int rdm_new(pf_domain *d, pf_conn **out) {
+    pf_conn *c = calloc(1, sizeof *c);
+    if (!c) return -FI_ENOMEM;
+    c->peer = FI_ADDR_UNSPEC;
+    struct fi_cq_attr cq_attr = {.size = 0, .format = FI_CQ_FORMAT_CONTEXT, .wait_obj = FI_WAIT_UNSPEC};
+    struct fi_av_attr av_attr = {.type = FI_AV_TABLE, .count = 4};
+    int rc = fi_cq_open(d->domain, &cq_attr, &c->cq, NULL);
+    if (!rc) rc = fi_av_open(d->domain, &av_attr, &c->av, NULL);
+    if (!rc) rc = fi_endpoint(d->domain, d->info, &c->ep, NULL);
+    if (!rc) rc = fi_ep_bind(c->ep, &c->av->fid, 0);
+    if (!rc) rc = fi_ep_bind(c->ep, &c->cq->fid, FI_TRANSMIT | FI_RECV);
+    if (!rc) rc = fi_enable(c->ep);
+    if (rc) {
+        pf_conn_close(c);
+        return rc;
+    }
+    *out = c;
+    return 0;
+}
+
+/* Opens a reliable datagram endpoint that peers write to (D); its address goes into name. */
+int pf_rdm_open(pf_domain *d, pf_conn **out, void *name, size_t *namelen, char *err, size_t n) {
+    *out = NULL;
+    pf_conn *c = NULL;
+    int rc = rdm_new(d, &c);
+    if (!rc) {
+        rc = fi_getname(&c->ep->fid, name, namelen);
+        if (rc) pf_conn_close(c);
+    }
+    if (rc) {
+        say(err, n, "opening a reliable datagram endpoint: %s", p_strerror(-rc));
+        return rc;
+    }
+    *out = c;
+    return 0;
+}
+
+/* Opens a reliable datagram endpoint that writes to the one at name (P): the address goes into
+ * its address vector, and every write names it. No byte moves and nothing is checked here. */
+int pf_rdm_reach(pf_domain *d, const void *name, size_t namelen, pf_conn **out, char *err, size_t n) {
+    *out = NULL;
+    pf_conn *c = NULL;
+    int rc = rdm_new(d, &c);
+    if (rc) {
+        say(err, n, "opening a reliable datagram endpoint: %s", p_strerror(-rc));
+        return rc;
+    }
+    (void)namelen;
+    int got = fi_av_insert(c->av, name, 1, &c->peer, 0, NULL);
+    if (got != 1) {
+        rc = got < 0 ? got : -FI_EADDRNOTAVAIL;
+        say(err, n, "the peer's address was not taken into the address vector: %s", p_strerror(-rc));
+        pf_conn_close(c);
+        return rc;
+    }
+    *out = c;
+    return 0;
+}
+
+/* 1 when the peer closed the connection (or it failed), 0 while it stands (always 0 for a
+ * datagram endpoint: it has no connection to lose). */
 int pf_conn_closed(pf_conn *c) {
+    if (!c->eq) return 0;
     uint8_t buf[sizeof(struct fi_eq_cm_entry) + PF_CM_DATA_MAX];
     uint32_t event = 0;
     ssize_t got = fi_eq_read(c->eq, &event, buf, sizeof buf, 0);
@@ -380,10 +452,12 @@ int pf_conn_closed(pf_conn *c) {
     return 0;
 }
 
-int pf_mr_reg(pf_domain *d, void *addr, size_t len, uint64_t access, struct fid_mr **out, uint64_t *key,
-              void **desc) {
+/* Registers [addr, addr + len). requested_key is the key asked for where the provider does not
+ * choose keys itself (it ignores it under FI_MR_PROV_KEY); *key is the key in force. */
+int pf_mr_reg(pf_domain *d, void *addr, size_t len, uint64_t access, uint64_t requested_key, struct fid_mr **out,
+              uint64_t *key, void **desc) {
     *out = NULL;
-    int rc = fi_mr_reg(d->domain, addr, len, access, 0, 0, 0, out, NULL);
+    int rc = fi_mr_reg(d->domain, addr, len, access, 0, requested_key, 0, out, NULL);
     if (rc) return rc;
     *key = fi_mr_key(*out);
     *desc = fi_mr_desc(*out);
@@ -392,8 +466,9 @@ int pf_mr_reg(pf_domain *d, void *addr, size_t len, uint64_t access, struct fid_
 
 int pf_mr_close(struct fid_mr *mr) { return mr ? fi_close(&mr->fid) : 0; }
 
-/* Posts one RDMA WRITE of [buf, buf + len) to the peer's [addr, addr + len) under key, with
- * delivery completion; ctx comes back with its completion. -FI_EAGAIN: the queue is full (read
+/* Posts one RDMA WRITE of [buf, buf + len) to the peer's [addr, addr + len) under key (the
+ * connected peer, or the datagram endpoint's one), with delivery completion; ctx comes back with
+ * its completion. -FI_EAGAIN: the queue is full (read
  * completions, then post again). */
 int pf_write(pf_conn *c, const void *buf, size_t len, void *desc, uint64_t addr, uint64_t key, uint64_t ctx) {
     struct iovec iov = {.iov_base = (void *)buf, .iov_len = len};
@@ -402,7 +477,7 @@ int pf_write(pf_conn *c, const void *buf, size_t len, void *desc, uint64_t addr,
         .msg_iov = &iov,
         .desc = &desc,
         .iov_count = 1,
-        .addr = 0,
+        .addr = c->peer == FI_ADDR_UNSPEC ? 0 : c->peer,
         .rma_iov = &rma,
         .rma_iov_count = 1,
         .context = (void *)(uintptr_t)ctx,

@@ -20,13 +20,17 @@ async fn rdma_unavailable() -> Option<String> {
     }
 }
 
-fn spec(secret: bool) -> ClusterSpec {
+/// The software provider with connected endpoints, and with reliable datagram ones (`efa`'s path).
+const TCP: &str = "tcp";
+const TCP_RDM: &str = "tcp;ofi_rxm";
+
+fn spec(secret: bool, provider: &str) -> ClusterSpec {
     let mut spec = ClusterSpec::one_p_one_d();
     spec.shape = KvShape::QWEN3_8B;
     let opts = EngineOpts {
         num_blocks: 80,
         secret: secret.then(|| SECRET.to_string()),
-        extra_args: vec!["--transport".into(), "rdma".into()],
+        extra_args: vec!["--transport".into(), "rdma".into(), "--rdma-provider".into(), provider.into()],
         ..EngineOpts::default()
     };
     spec.prefill = vec![opts.clone()];
@@ -38,12 +42,12 @@ async fn metrics(client: &reqwest::Client, url: &str) -> String {
     client.get(format!("{url}/metrics")).send().await.expect("metrics").text().await.expect("metrics text")
 }
 
-async fn seed_request_over_rdma(secret: bool) {
+async fn seed_request_over_rdma(secret: bool, provider: &str) {
     if let Some(why) = rdma_unavailable().await {
         pdflow_testkit::skipped("the seed request over rdma", &why);
         return;
     }
-    let cluster = ProcCluster::start(spec(secret)).await.expect("cluster starts");
+    let cluster = ProcCluster::start(spec(secret, provider)).await.expect("cluster starts");
     let e = &cluster.endpoints;
     let body = completion(&prompt(1000, 42), 128);
     let (status, response) = e.post("/v1/completions", &body).await.expect("request");
@@ -53,7 +57,8 @@ async fn seed_request_over_rdma(secret: bool) {
     assert_eq!(response["usage"]["prompt_tokens"], 1000);
     assert_eq!(token_ids(&response), reference_tokens(KvShape::QWEN3_8B, &body).await, "P/D output differs");
     e.assert_blocks_at_baseline().await;
-    // P's step-29 write went one-sided; D holds P's connection on the software provider.
+    // P's step-29 write went one-sided; D holds P's connection (or datagram endpoint) on the
+    // software provider.
     let p_metrics = metrics(&e.client, &e.prefill[0].url).await;
     let rdma_writes = p_metrics.lines().find(|l| {
         l.starts_with("pdflow_transfer_writes_total") && l.contains("backend=\"rdma\"") && l.contains("outcome=\"ok\"")
@@ -61,7 +66,9 @@ async fn seed_request_over_rdma(secret: bool) {
     assert!(rdma_writes.is_some(), "no rdma write on P's /metrics:\n{p_metrics}");
     let d_metrics = metrics(&e.client, &e.decode[0].url).await;
     let endpoint = d_metrics.lines().find(|l| {
-        l.starts_with("pdflow_rdma_connections{") && l.contains("side=\"d\"") && l.contains("provider=\"tcp\"")
+        l.starts_with("pdflow_rdma_connections{")
+            && l.contains("side=\"d\"")
+            && l.contains(&format!("provider=\"{provider}\""))
     });
     let connections: f64 = endpoint
         .and_then(|l| l.rsplit(' ').next())
@@ -73,13 +80,20 @@ async fn seed_request_over_rdma(secret: bool) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn seed_request_between_processes_over_rdma() {
-    seed_request_over_rdma(false).await;
+    seed_request_over_rdma(false, TCP).await;
 }
 
 /// Under the cluster secret: the keys travel in sealed pulls and P's connection proves the secret.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn seed_request_over_rdma_under_the_cluster_secret() {
-    seed_request_over_rdma(true).await;
+    seed_request_over_rdma(true, TCP).await;
+}
+
+/// Reliable datagram endpoints (the path `efa` takes) on the software provider, under the
+/// cluster secret: no connect step, the keys still travel only in sealed pulls.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn seed_request_over_rdma_datagram_endpoints() {
+    seed_request_over_rdma(true, TCP_RDM).await;
 }
 
 /// Sharded engines over rdma: P's two tensor-parallel workers each write their heads into the one

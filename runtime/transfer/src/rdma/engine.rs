@@ -1,5 +1,6 @@
 //! P's side of the `rdma` backend (seed step 29, one-sided): for a plan that carries D's grant,
-//! connect to D's endpoint (or reuse a connection to it), post every coalesced descriptor as an
+//! connect to D's endpoint (or reuse a connection to it; for a datagram provider, an endpoint
+//! addressing D's through its address vector), post every coalesced descriptor as an
 //! RDMA WRITE from P's registered regions into the granted regions of D, and wait for every
 //! delivery completion; D's CPU touches none of the bytes. A write that fails, or the deadline,
 //! closes the connection (nothing of it can land later) and fails the plan.
@@ -16,7 +17,7 @@ use pdflow_messages::rdma::{RdmaOffer, RemoteWriteGrant};
 
 use super::fabric::{Conn, Domain, Mr, Polled};
 use super::target::NONCE_LEN;
-use super::{ffi, gauges, RdmaError, BACKEND_RDMA};
+use super::{ffi, gauges, EndpointKind, RdmaError, BACKEND_RDMA};
 use crate::{TransferEngine, TransferError, TransferStats};
 
 /// Writes posted and not yet completed, at most (a queue pair's send queue holds more).
@@ -184,7 +185,14 @@ impl Inner {
                 return Ok(conn);
             }
         }
-        domain.connect(&offer.endpoint, &self.connect_data(offer), self.config.connect_timeout)
+        match domain.kind {
+            EndpointKind::Connected => {
+                domain.connect(&offer.endpoint, &self.connect_data(offer), self.config.connect_timeout)
+            }
+            // No connect step: the first write reaches D's endpoint (bounded by connect_timeout
+            // in `write`).
+            EndpointKind::ReliableDatagram => domain.reach(&offer.endpoint),
+        }
     }
 
     fn park(&self, offer: &RdmaOffer, conn: Conn) {
@@ -227,17 +235,30 @@ impl Inner {
             let mut off = 0;
             while off < len {
                 let n = chunk.min(len - off);
-                writes.push((local.clone(), src + off, dst + off, n, remote.key));
+                let at = domain.remote_address(remote.addr, dst + off);
+                writes.push((local.clone(), src + off, at, n, remote.key));
                 off += n;
             }
         }
         let conn = self.connection(&domain, &grant.offer).map_err(|e| fabric_err(peer, e))?;
+        let reached = Instant::now();
         let (mut next, mut done, mut bytes) = (0usize, 0usize, 0u64);
         while done < writes.len() {
             if started.elapsed() >= deadline {
                 // Closing the connection stops what is still in flight.
                 drop(conn);
                 return Err(timeout());
+            }
+            if next == 0 && reached.elapsed() >= self.config.connect_timeout {
+                // A datagram endpoint takes no write while it cannot reach D's (gone, or never
+                // there): as a connection that does not stand.
+                return Err(TransferError::Io {
+                    peer: peer.to_string(),
+                    source: std::io::Error::other(format!(
+                        "D's RDMA endpoint took no write within {:?}: it is closed or unreachable",
+                        self.config.connect_timeout
+                    )),
+                });
             }
             let mut posted = false;
             while next < writes.len() && next - done < MAX_OUTSTANDING {

@@ -1,16 +1,27 @@
 //! Safe handles over the libfabric shim: a [`Domain`] (one provider on one interface, opened in
-//! the registration modes a verbs NIC requires), a [`Listener`] (D's passive endpoint), a
-//! [`Conn`] (one reliable connection) and an [`Mr`] (a registered memory region with its key).
-//! Each handle keeps its domain alive; dropping a handle closes it. The domain is opened
-//! thread-safe (`FI_THREAD_SAFE`), so handles are shared across threads.
+//! the registration modes a verbs NIC requires, with connected or reliable datagram endpoints
+//! as its provider offers: [`EndpointKind`]), a [`Listener`] (D's passive endpoint), a [`Conn`]
+//! (one reliable connection, or one datagram endpoint and the peer it writes to) and an [`Mr`]
+//! (a registered memory region with its key). Each handle keeps its domain alive; dropping a
+//! handle closes it. The domain is opened thread-safe (`FI_THREAD_SAFE`), so handles are shared
+//! across threads.
+//!
+//! Keys: every registration is unique in its domain. Where the provider chooses keys
+//! (`FI_MR_PROV_KEY` in force: verbs, efa, tcp) they are its own; where it ignores that mode (the
+//! software `tcp;ofi_rxm`, which runs its core domain in none of the modes pdflow sets) pdflow asks
+//! for random 64-bit keys and re-draws one already in use.
 
+use std::collections::HashSet;
 use std::ffi::{c_char, c_int, c_void, CStr, CString};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use super::ffi;
-use super::RdmaError;
+use super::{endpoint_kind, EndpointKind, RdmaError};
+
+mod registration;
+pub use registration::Mr;
 
 const ERR_LEN: usize = 512;
 
@@ -67,6 +78,19 @@ pub struct Domain {
     pub mr_mode: u64,
     /// The largest single write the endpoint takes.
     pub max_msg: u64,
+    /// Connected or reliable datagram endpoints.
+    pub kind: EndpointKind,
+    /// Whether the provider chooses the keys (`FI_MR_PROV_KEY` in force), found by a probe
+    /// registration at open: `false` when it took the key pdflow asked for.
+    pub provider_keys: bool,
+    /// Whether remote addresses are virtual addresses (`FI_MR_VIRT_ADDR` in force) rather than
+    /// offsets into each region. libfabric's software registration map takes both modes from one
+    /// mode word, so a provider that ignored `FI_MR_PROV_KEY` ignored this too.
+    pub virt_addr: bool,
+    /// Bytes of a key.
+    key_size: u64,
+    /// The keys of this domain's live registrations.
+    keys: Mutex<HashSet<u64>>,
 }
 
 // SAFETY: the domain is opened FI_THREAD_SAFE; the pointer is only closed in Drop.
@@ -74,23 +98,32 @@ unsafe impl Send for Domain {}
 unsafe impl Sync for Domain {}
 
 impl Domain {
-    /// Opens `provider` (libfabric's name: `tcp`, `verbs`, …; empty: libfabric's choice) on the
-    /// interface holding `node` (an IP address of this host).
+    /// Opens `provider` (libfabric's name: `tcp`, `verbs`, `efa`, `tcp;ofi_rxm`, …; empty:
+    /// libfabric's choice) on the interface holding `node` (an IP address of this host), with
+    /// the endpoint kind [`endpoint_kind`] names for it.
     pub fn open(provider: &str, node: &str) -> Result<Arc<Self>, RdmaError> {
         load()?;
+        let kind = endpoint_kind(provider);
         let prov = CString::new(provider).map_err(|_| RdmaError::BadName { name: provider.to_string() })?;
         let node_c = CString::new(node).map_err(|_| RdmaError::BadName { name: node.to_string() })?;
         let mut ptr = std::ptr::null_mut();
         let mut err = [0u8; ERR_LEN];
         // SAFETY: the strings and buffers outlive the call; `ptr` is written on success.
         let rc = unsafe {
-            ffi::pf_domain_open(prov.as_ptr(), node_c.as_ptr(), &mut ptr, err.as_mut_ptr().cast(), err.len())
+            ffi::pf_domain_open(
+                prov.as_ptr(),
+                node_c.as_ptr(),
+                c_int::from(kind == EndpointKind::ReliableDatagram),
+                &mut ptr,
+                err.as_mut_ptr().cast(),
+                err.len(),
+            )
         };
         if rc != 0 || ptr.is_null() {
             return Err(fail("opening the provider", rc, &err));
         }
         let (mut prov_buf, mut dom_buf) = ([0u8; 128], [0u8; 128]);
-        let (mut mr_mode, mut max_msg) = (0u64, 0u64);
+        let (mut mr_mode, mut max_msg, mut key_size) = (0u64, 0u64, 0u64);
         // SAFETY: `ptr` is a live domain; the buffers are sized as given.
         unsafe {
             ffi::pf_domain_describe(
@@ -101,29 +134,84 @@ impl Domain {
                 dom_buf.len(),
                 &mut mr_mode,
                 &mut max_msg,
+                &mut key_size,
             );
         }
-        Ok(Arc::new(Self { ptr, provider: err_text(&prov_buf), domain: err_text(&dom_buf), mr_mode, max_msg }))
+        let mut domain = Self {
+            ptr,
+            provider: err_text(&prov_buf),
+            domain: err_text(&dom_buf),
+            mr_mode,
+            max_msg,
+            kind,
+            provider_keys: true,
+            virt_addr: true,
+            key_size,
+            keys: Mutex::new(HashSet::new()),
+        };
+        domain.provider_keys = domain.probe_keys()?;
+        domain.virt_addr = domain.provider_keys;
+        Ok(Arc::new(domain))
     }
 
-    /// Whether the domain runs in every registration mode a verbs NIC requires.
+    /// Whether the domain runs in every registration mode a verbs NIC requires, and the provider
+    /// honours them.
     pub fn nic_modes(&self) -> bool {
         let want = ffi::FI_MR_LOCAL | ffi::FI_MR_VIRT_ADDR | ffi::FI_MR_ALLOCATED | ffi::FI_MR_PROV_KEY;
-        self.mr_mode & want == want
+        self.mr_mode & want == want && self.provider_keys && self.virt_addr
     }
 
-    /// Registers `[addr, addr + len)` for `access` (`FI_WRITE` for a local source,
-    /// `FI_REMOTE_WRITE` for a peer's target). The memory must stay valid while the [`Mr`] lives.
-    pub fn register(self: &Arc<Self>, addr: u64, len: u64, access: u64) -> Result<Mr, RdmaError> {
-        let len_usize = usize::try_from(len).map_err(|_| RdmaError::TooLarge { len })?;
-        let (mut mr, mut key, mut desc) = (std::ptr::null_mut(), 0u64, std::ptr::null_mut());
-        // SAFETY: the caller owns the memory for the Mr's life; out-pointers are valid.
-        let rc =
-            unsafe { ffi::pf_mr_reg(self.ptr, addr as *mut c_void, len_usize, access, &mut mr, &mut key, &mut desc) };
-        if rc != 0 || mr.is_null() {
-            return Err(RdmaError::Fabric { what: "registering memory", code: rc, detail: strerror(rc) });
+    /// The address a peer names to write `dst` inside its granted region starting at
+    /// `region_addr`: the virtual address itself, or the offset into the region (see
+    /// [`Domain::virt_addr`]). Both ends run the same provider; a mismatch is refused by the
+    /// target's range check, never written elsewhere.
+    pub fn remote_address(&self, region_addr: u64, dst: u64) -> u64 {
+        if self.virt_addr {
+            dst
+        } else {
+            dst.saturating_sub(region_addr)
         }
-        Ok(Mr { ptr: mr, key, desc, addr, len, _domain: self.clone() })
+    }
+
+    /// Opens a reliable datagram endpoint that peers write to (D's, for one P worker); returns it
+    /// with its address.
+    pub fn open_datagram(self: &Arc<Self>) -> Result<(Conn, Vec<u8>), RdmaError> {
+        let mut ptr = std::ptr::null_mut();
+        let mut name = vec![0u8; 256];
+        let mut namelen = name.len();
+        let mut err = [0u8; ERR_LEN];
+        // SAFETY: buffers sized as given; `ptr` written on success.
+        let rc = unsafe {
+            ffi::pf_rdm_open(
+                self.ptr,
+                &mut ptr,
+                name.as_mut_ptr().cast(),
+                &mut namelen,
+                err.as_mut_ptr().cast(),
+                err.len(),
+            )
+        };
+        if rc != 0 || ptr.is_null() {
+            return Err(fail("opening a reliable datagram endpoint", rc, &err));
+        }
+        name.truncate(namelen);
+        Ok((Conn::new(ptr, self.clone()), name))
+    }
+
+    /// A reliable datagram endpoint that writes to the one named `name` (P's, for one D
+    /// endpoint). Nothing is sent and nothing checked: there is no connect step.
+    pub fn reach(self: &Arc<Self>, name: &[u8]) -> Result<Conn, RdmaError> {
+        let mut ptr = std::ptr::null_mut();
+        let mut err = [0u8; ERR_LEN];
+        // SAFETY: `name` is read for its length (libfabric copies the address); `ptr` written on
+        // success.
+        let rc = unsafe {
+            ffi::pf_rdm_reach(self.ptr, name.as_ptr().cast(), name.len(), &mut ptr, err.as_mut_ptr().cast(), err.len())
+        };
+        if rc != 0 || ptr.is_null() {
+            return Err(fail("addressing D's RDMA endpoint", rc, &err));
+        }
+        Ok(Conn::new(ptr, self.clone()))
     }
 
     /// Listens for connections on this domain's interface (any port).
@@ -180,38 +268,6 @@ impl Drop for Domain {
     fn drop(&mut self) {
         // SAFETY: every handle holding the domain is gone (they keep an Arc of it).
         unsafe { ffi::pf_domain_close(self.ptr) }
-    }
-}
-
-/// A registered region: its key (what a peer names to write it) and local descriptor.
-#[derive(Debug)]
-pub struct Mr {
-    ptr: *mut ffi::FidMr,
-    pub key: u64,
-    desc: *mut c_void,
-    pub addr: u64,
-    pub len: u64,
-    _domain: Arc<Domain>,
-}
-
-// SAFETY: a registration is an immutable handle in a thread-safe domain.
-unsafe impl Send for Mr {}
-unsafe impl Sync for Mr {}
-
-impl Mr {
-    /// Whether `[addr, addr + len)` lies inside this region.
-    pub fn holds(&self, addr: u64, len: u64) -> bool {
-        addr >= self.addr && addr.checked_add(len).is_some_and(|end| end <= self.addr + self.len)
-    }
-}
-
-impl Drop for Mr {
-    fn drop(&mut self) {
-        // SAFETY: the region is closed once; its key is invalid from here on.
-        let rc = unsafe { ffi::pf_mr_close(self.ptr) };
-        if rc != 0 {
-            tracing::warn!(key = self.key, "closing a memory registration failed: {}", strerror(rc));
-        }
     }
 }
 
@@ -347,8 +403,9 @@ impl Drop for Queues {
     }
 }
 
-/// One reliable connection (an RC queue pair on verbs). Dropping it closes its endpoint at
-/// once: from then on no byte moves through it.
+/// One reliable connection (an RC queue pair on verbs), or one reliable datagram endpoint (with,
+/// on the writer's side, the one peer it writes to). Dropping it closes its endpoint at once:
+/// from then on no byte moves through it.
 #[derive(Debug)]
 pub struct Conn {
     queues: Arc<Queues>,
@@ -382,7 +439,7 @@ impl Conn {
         self.queues.poll(timeout)
     }
 
-    /// Whether the peer closed the connection (or it broke).
+    /// Whether the peer closed the connection (or it broke); never for a datagram endpoint.
     pub fn closed(&self) -> bool {
         // SAFETY: the queues are alive.
         unsafe { ffi::pf_conn_closed(self.queues.ptr) == 1 }

@@ -27,6 +27,8 @@ pub struct FidMr {
 
 /// libfabric's `FI_EAGAIN`: a queue is full, retry after reading completions.
 pub const FI_EAGAIN: c_int = 11;
+/// libfabric's `FI_ENOKEY`: a registration asked for a key already in use.
+pub const FI_ENOKEY: c_int = 266;
 /// `FI_WRITE` / `FI_REMOTE_WRITE` access bits of a registration.
 pub const FI_WRITE: u64 = 1 << 9;
 pub const FI_REMOTE_WRITE: u64 = 1 << 13;
@@ -42,6 +44,7 @@ extern "C" {
     pub fn pf_domain_open(
         prov: *const c_char,
         node: *const c_char,
+        rdm: c_int,
         out: *mut *mut PfDomain,
         err: *mut c_char,
         n: usize,
@@ -54,6 +57,7 @@ extern "C" {
         dom_n: usize,
         mr_mode: *mut u64,
         max_msg: *mut u64,
+        key_size: *mut u64,
     );
     pub fn pf_domain_close(d: *mut PfDomain);
     pub fn pf_listen(
@@ -92,6 +96,22 @@ extern "C" {
         err: *mut c_char,
         n: usize,
     ) -> c_int;
+    pub fn pf_rdm_open(
+        d: *mut PfDomain,
+        out: *mut *mut PfConn,
+        name: *mut c_void,
+        namelen: *mut usize,
+        err: *mut c_char,
+        n: usize,
+    ) -> c_int;
+    pub fn pf_rdm_reach(
+        d: *mut PfDomain,
+        name: *const c_void,
+        namelen: usize,
+        out: *mut *mut PfConn,
+        err: *mut c_char,
+        n: usize,
+    ) -> c_int;
     pub fn pf_conn_closed(c: *mut PfConn) -> c_int;
     pub fn pf_conn_close_ep(c: *mut PfConn);
     pub fn pf_conn_close(c: *mut PfConn);
@@ -100,6 +120,7 @@ extern "C" {
         addr: *mut c_void,
         len: usize,
         access: u64,
+        requested_key: u64,
         out: *mut *mut FidMr,
         key: *mut u64,
         desc: *mut *mut c_void,

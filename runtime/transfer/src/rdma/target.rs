@@ -8,6 +8,19 @@
 //! A grant registers exactly the byte runs of one request's blocks; revoking the token closes
 //! those registrations (their keys stop working) and, unless the pull ended cleanly, closes the
 //! connections of its P worker first, so that no write in flight can land afterwards.
+//!
+//! # Reliable datagram endpoints (`efa`, `tcp;ofi_rxm`)
+//!
+//! A datagram endpoint has no connect step, so nothing is authenticated when a writer first
+//! reaches it: any process that can reach the endpoint's address may post writes to it, and the
+//! connect token goes unchecked. What still holds: a write lands only under a live key, and keys
+//! travel only inside pulls (sealed under the cluster secret), open only one request's blocks, are
+//! unique in D's domain (random 64-bit ones where the provider does not choose keys) and stop
+//! working when the fence token closes. D opens one datagram endpoint per P worker and sends its
+//! address only in that worker's pulls; an unclean close shuts that endpoint (as it closes the
+//! worker's connections), so that no write in flight lands, and the worker's next pull carries a
+//! new one — pulls of that worker still carrying the old address fail. A key check refuses a
+//! write, but names no writer: a key leaked from a pull could be used by whoever can reach D.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -20,7 +33,7 @@ use pdflow_kv::memory::RegionTable;
 use pdflow_messages::rdma::{RdmaOffer, RemoteRegion};
 
 use super::fabric::{Conn, ConnRequest, Domain, Listener, Mr};
-use super::{ffi, gauges, RdmaError};
+use super::{ffi, gauges, EndpointKind, RdmaError};
 use crate::fence::RemoteAccess;
 
 /// How long the accepting thread waits for the next connection request between checks.
@@ -47,12 +60,55 @@ struct State {
     nonce_order: VecDeque<[u8; NONCE_LEN]>,
     /// Connection requests refused (no valid token or proof).
     refused: u64,
+    /// P worker → the datagram endpoint it writes to (datagram providers only).
+    datagram: HashMap<String, Datagram>,
+}
+
+/// One P worker's datagram endpoint on D, with the thread that drives its progress. Dropping it
+/// stops the thread, then closes the endpoint: from then on nothing lands through it.
+#[derive(Debug)]
+struct Datagram {
+    name: Vec<u8>,
+    stop: Arc<AtomicBool>,
+    progress: Option<JoinHandle<()>>,
+    // Dropped after the thread is joined (a provider may not take its endpoint closed under a
+    // thread waiting on its queue).
+    _conn: Conn,
+}
+
+impl Datagram {
+    fn open(domain: &Arc<Domain>) -> Result<Self, RdmaError> {
+        let (conn, name) = domain.open_datagram()?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let progress = {
+            let (stop, progress) = (stop.clone(), conn.progress());
+            std::thread::Builder::new()
+                .name("pdflow-rdma-progress".into())
+                .spawn(move || {
+                    while !stop.load(Ordering::Acquire) {
+                        progress.wait(PROGRESS_WAIT);
+                    }
+                })
+                .map_err(|e| RdmaError::Unavailable { reason: format!("cannot start a progress thread: {e}") })?
+        };
+        Ok(Self { name, stop, progress: Some(progress), _conn: conn })
+    }
+}
+
+impl Drop for Datagram {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Release);
+        if let Some(handle) = self.progress.take() {
+            let _ = handle.join();
+        }
+    }
 }
 
 #[derive(Debug)]
 struct Inner {
     domain: Arc<Domain>,
-    listener: Listener,
+    /// D's passive endpoint (connected providers only).
+    listener: Option<Listener>,
     secret: Option<ClusterSecret>,
     state: Mutex<State>,
     stop: AtomicBool,
@@ -69,16 +125,22 @@ pub struct RdmaTarget {
 }
 
 impl RdmaTarget {
-    /// Opens `provider` on the interface holding `host` and listens there; connections must prove
-    /// `secret` when one is given.
+    /// Opens `provider` on the interface holding `host` and listens there (a datagram provider:
+    /// opens an endpoint per P worker as pulls need them); connections must prove `secret` when
+    /// one is given.
     pub fn start(provider: &str, host: &str, secret: Option<ClusterSecret>) -> Result<Self, RdmaError> {
         let domain = Domain::open(provider, host)?;
-        let listener = domain.listen()?;
+        let listener = match domain.kind {
+            EndpointKind::Connected => Some(domain.listen()?),
+            EndpointKind::ReliableDatagram => None,
+        };
         tracing::info!(
             provider = %domain.provider,
             domain = %domain.domain,
+            endpoints = ?domain.kind,
             nic_modes = domain.nic_modes(),
-            "RDMA endpoint listening (one-sided writes into this worker's KV)"
+            provider_keys = domain.provider_keys,
+            "RDMA endpoint open (one-sided writes into this worker's KV)"
         );
         let inner = Arc::new(Inner {
             domain,
@@ -90,14 +152,21 @@ impl RdmaTarget {
         });
         let weak: std::sync::Weak<dyn gauges::Endpoint> = Arc::downgrade(&inner) as _;
         gauges::register(weak);
-        let accepting = {
-            let inner = inner.clone();
-            std::thread::Builder::new()
-                .name("pdflow-rdma-accept".into())
-                .spawn(move || accept_loop(&inner))
-                .map_err(|e| RdmaError::Unavailable { reason: format!("cannot start the accepting thread: {e}") })?
+        let accepting = match inner.listener.is_some() {
+            true => {
+                let inner = inner.clone();
+                Some(
+                    std::thread::Builder::new()
+                        .name("pdflow-rdma-accept".into())
+                        .spawn(move || accept_loop(&inner))
+                        .map_err(|e| RdmaError::Unavailable {
+                            reason: format!("cannot start the accepting thread: {e}"),
+                        })?,
+                )
+            }
+            false => None,
         };
-        Ok(Self { inner, accepting: Some(accepting) })
+        Ok(Self { inner, accepting })
     }
 
     /// Keeps `memory` (D's KV regions) alive as long as this target, whose registrations and
@@ -123,14 +192,19 @@ impl RdmaTarget {
         self.inner.domain.nic_modes()
     }
 
+    /// The domain this endpoint runs on.
+    pub fn domain(&self) -> &Arc<Domain> {
+        &self.inner.domain
+    }
+
     /// Registrations currently granted (for tests and metrics).
     pub fn granted_regions(&self) -> usize {
         self.inner.lock().grants.values().flat_map(|g| g.iter().map(|(_, mrs)| mrs.len())).sum()
     }
 
-    /// Connections currently standing.
+    /// Connections currently standing (datagram providers: endpoints open, one per P worker).
     pub fn connections(&self) -> usize {
-        self.inner.lock().conns.values().map(Vec::len).sum()
+        self.inner.lock().connections()
     }
 
     /// Connection requests refused so far.
@@ -145,6 +219,12 @@ impl Drop for RdmaTarget {
         if let Some(handle) = self.accepting.take() {
             let _ = handle.join();
         }
+    }
+}
+
+impl State {
+    fn connections(&self) -> usize {
+        self.conns.values().map(Vec::len).sum::<usize>() + self.datagram.len()
     }
 }
 
@@ -187,20 +267,29 @@ impl Inner {
         found
     }
 
-    fn handle(&self, req: ConnRequest) {
+    fn handle(&self, listener: &Listener, req: ConnRequest) {
         let Some(token) = self.admit(&req.data) else {
             self.lock().refused += 1;
             tracing::warn!("refused an RDMA connection without a valid connect token or proof");
-            self.listener.reject(req);
+            listener.reject(req);
             return;
         };
-        match self.listener.accept(req, ACCEPT_DEADLINE) {
+        match listener.accept(req, ACCEPT_DEADLINE) {
             Ok(conn) => {
                 spawn_progress(&conn);
                 self.lock().conns.entry(token).or_default().push(conn);
             }
             Err(e) => tracing::warn!(error = %e, "an RDMA connection failed while being accepted"),
         }
+    }
+
+    /// The address of `peer`'s datagram endpoint, opened when it has none.
+    fn datagram(&self, peer: &str) -> Result<Vec<u8>, RdmaError> {
+        if let Some(d) = self.lock().datagram.get(peer) {
+            return Ok(d.name.clone());
+        }
+        let opened = Datagram::open(&self.domain)?;
+        Ok(self.lock().datagram.entry(peer.to_string()).or_insert(opened).name.clone())
     }
 
     /// Drops connections their peer closed.
@@ -215,7 +304,7 @@ impl Inner {
 
 impl gauges::Endpoint for Inner {
     fn samples(&self) -> Vec<(&'static str, String, String, usize)> {
-        let conns = self.lock().conns.values().map(Vec::len).sum();
+        let conns = self.lock().connections();
         vec![("d", self.domain.provider.clone(), self.domain.domain.clone(), conns)]
     }
 }
@@ -234,9 +323,10 @@ fn spawn_progress(conn: &Conn) {
 }
 
 fn accept_loop(inner: &Inner) {
+    let Some(listener) = &inner.listener else { return };
     while !inner.stop.load(Ordering::Acquire) {
-        match inner.listener.wait(ACCEPT_POLL) {
-            Ok(Some(req)) => inner.handle(req),
+        match listener.wait(ACCEPT_POLL) {
+            Ok(Some(req)) => inner.handle(listener, req),
             Ok(None) => {}
             Err(e) => {
                 tracing::warn!(error = %e, "RDMA endpoint: waiting for connections failed");
@@ -251,11 +341,17 @@ impl RemoteAccess for RdmaTarget {
     fn offer(&self, peer: &str) -> RdmaOffer {
         let mut state = self.inner.lock();
         let token = *state.tokens.entry(peer.to_string()).or_insert_with(|| uuid::Uuid::new_v4().into_bytes());
-        RdmaOffer {
-            provider: self.inner.domain.provider.clone(),
-            endpoint: self.inner.listener.name.clone(),
-            connect_token: token,
-        }
+        drop(state);
+        let endpoint = match &self.inner.listener {
+            Some(listener) => listener.name.clone(),
+            // Opened by the grant; an endpoint that cannot open leaves the address empty, and P's
+            // write fails without a byte moving.
+            None => self.inner.datagram(peer).unwrap_or_else(|e| {
+                tracing::warn!(peer = %peer, error = %e, "no RDMA datagram endpoint for this P worker");
+                Vec::new()
+            }),
+        };
+        RdmaOffer { provider: self.inner.domain.provider.clone(), endpoint, connect_token: token }
     }
 
     fn endpoint(&self) -> String {
@@ -273,6 +369,9 @@ impl RemoteAccess for RdmaTarget {
                 }
             }
         }
+        if self.inner.listener.is_none() {
+            self.inner.datagram(peer).map_err(|e| e.to_string())?;
+        }
         let mut mrs = Vec::with_capacity(ranges.len());
         for &(addr, len) in ranges {
             let mr = self.inner.domain.register(addr, len, ffi::FI_REMOTE_WRITE).map_err(|e| e.to_string())?;
@@ -286,18 +385,26 @@ impl RemoteAccess for RdmaTarget {
     fn revoke(&self, token: u64, clean: bool) {
         let mut state = self.inner.lock();
         let Some(grants) = state.grants.remove(&token) else { return };
+        let mut endpoints = Vec::new();
         if !clean {
-            // Writes of this pull may still be in flight: their connections close first, so that
-            // none lands after the keys are gone and the blocks are reused.
+            // Writes of this pull may still be in flight: their connections (or datagram
+            // endpoint) close first, so that none lands after the keys are gone and the blocks
+            // are reused.
             for (peer, _) in &grants {
                 if let Some(t) = state.tokens.get(peer).copied() {
                     if let Some(conns) = state.conns.remove(&t) {
                         tracing::info!(peer = %peer, closed = conns.len(), "closing RDMA connections of a pull that did not end cleanly");
                     }
                 }
+                if let Some(endpoint) = state.datagram.remove(peer) {
+                    tracing::info!(peer = %peer, "closing the RDMA datagram endpoint of a pull that did not end cleanly");
+                    endpoints.push(endpoint);
+                }
             }
         }
         drop(state);
+        // Endpoints first (their progress threads stop, then they close), then the keys.
+        drop(endpoints);
         drop(grants);
     }
 }
