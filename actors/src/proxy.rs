@@ -29,13 +29,14 @@ pub mod kv_events;
 mod poller;
 mod pools;
 mod release;
+mod roster;
 pub mod routing;
 mod server;
 #[cfg(test)]
 mod tests;
 
 pub use poller::UNHEALTHY_AFTER;
-pub use pools::Roster;
+pub use roster::{Roster, RosterError};
 pub use server::ProxyServer;
 
 use std::net::SocketAddr;
@@ -99,8 +100,10 @@ pub struct ProxyArgs {
     /// Where engines publish their KV events (`kv_aware`; every engine of a `kv_aware` pool
     /// needs at least one).
     pub kv_events: Vec<kv_events::KvEventSource>,
-    /// The engines as the admin API last left them, shared by the actor's incarnations: a
-    /// restarted actor starts from it, not from `prefill` and `decode`.
+    /// The engines as the admin API and discovery last left them, shared by the actor's
+    /// incarnations (and kept in a file with `--roster-file`): a restarted actor, or a proxy
+    /// started over a roster file that holds engines, starts from it, not from `prefill` and
+    /// `decode`.
     pub roster: Roster,
     /// Bootstraps whose advertised engines join the pools (`--discover`, [`discovery`]); with
     /// one, the pools may start empty.
@@ -160,7 +163,10 @@ impl Actor for Proxy {
     type Error = ActorError;
 
     async fn on_start(args: Self::Args, actor_ref: ActorRef<Self>) -> Result<Self, Self::Error> {
-        if args.discover.is_empty() && (args.prefill.is_empty() || args.decode.is_empty()) {
+        if args.discover.is_empty()
+            && !args.roster.holds_engines()
+            && (args.prefill.is_empty() || args.decode.is_empty())
+        {
             return Err(ActorError::EmptyPool { prefill: args.prefill.len(), decode: args.decode.len() });
         }
         let mut checked = Vec::new();

@@ -500,6 +500,11 @@ pub struct ProxyCmd {
     /// --prefill and --decode may be left out.
     #[arg(long, value_name = "BOOTSTRAP_URL")]
     pub discover: Vec<String>,
+    /// Keep the pools' engines in this file, rewritten on every change the admin API or discovery
+    /// makes: a proxy started again over it starts from those engines (added, drained and
+    /// removed ones included), not from --prefill and --decode, which may then be left out.
+    #[arg(long, value_name = "PATH")]
+    pub roster_file: Option<std::path::PathBuf>,
     /// Deadline of every upstream call, in seconds.
     #[arg(long, default_value_t = 120)]
     pub upstream_timeout: u64,
@@ -689,9 +694,15 @@ impl ProxyCmd {
                 errors.push(format!("--discover {b}: expected the bootstrap's http:// URL"));
             }
         }
-        if self.discover.is_empty() && (self.prefill.is_empty() || self.decode.is_empty()) {
+        let roster = match &self.roster_file {
+            Some(path) => pdflow_actors::proxy::Roster::in_file(path)
+                .map_err(|e| errors.push(format!("--roster-file: {e}")))
+                .unwrap_or_default(),
+            None => pdflow_actors::proxy::Roster::default(),
+        };
+        if self.discover.is_empty() && !roster.holds_engines() && (self.prefill.is_empty() || self.decode.is_empty()) {
             errors.push(
-                "the proxy needs --prefill and --decode engines, or --discover BOOTSTRAP_URL to find them".into(),
+                "the proxy needs --prefill and --decode engines, --discover BOOTSTRAP_URL to find them, or a --roster-file holding engines".into(),
             );
         }
         let bind = format!("{}:{}", self.host, self.port);
@@ -747,6 +758,7 @@ impl ProxyCmd {
                 local_prefill,
                 kv_events,
                 discover: self.discover.iter().map(|b| b.trim_end_matches('/').to_string()).collect(),
+                roster,
                 ..ProxyArgs::new(bind, prefill, decode)
             }),
             _ => Err(errors),

@@ -36,7 +36,7 @@ pub const MAX_ENGINES_PER_BOOTSTRAP: usize = 4096;
 
 /// One engine discovery found: where it is in the pools (none: refused, see the log), and what
 /// it advertised last.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub(crate) struct Known {
     pub entry: Option<(Pool, usize)>,
     pub role: Pool,

@@ -43,7 +43,7 @@ use crate::ActorError;
 /// `,replay=tcp://HOST:PORT` for its replay socket and `,topic=TOPIC` for its topic. A
 /// data-parallel engine publishes each rank on its own port (vLLM: the port plus the rank): one
 /// source per rank, under the same engine URL.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct KvEventSource {
     /// The engine's URL, as given to `--prefill` or `--decode`.
     pub engine_url: String,

@@ -5,12 +5,12 @@
 //! they were routed to. A draining engine ([`Pools::drain`]) is not chosen either but finishes the
 //! requests it has; each entry counts the requests in flight on it.
 //!
-//! The pools outlive the actor's restarts through a [`Roster`] in its arguments: the restarted
-//! actor starts from the saved engines (tombstones included), with their KV-event endpoints and
-//! what discovery knows of them, rather than from the command line.
+//! The pools outlive the actor's restarts, and with a roster file the proxy process's, through
+//! the [`Roster`] in its arguments: a restarted actor starts from the saved engines (tombstones
+//! included), with their KV-event endpoints and what discovery knows of them, rather than from
+//! the command line.
 
 use std::collections::{BTreeMap, HashMap};
-use std::sync::{Arc, Mutex};
 
 use pdflow_messages::discovery::KvEventsEndpoint;
 use pdflow_messages::proxy::{AdminError, EngineInfo, EngineState, Pool};
@@ -18,6 +18,7 @@ use pdflow_messages::EngineId;
 
 use super::discovery::Known;
 use super::kv_events::KvEventSource;
+use super::roster::{Roster, Saved, SavedDecode, SavedPrefill, FORMAT};
 use super::{PrefillTarget, DEFAULT_BOOTSTRAP_PORT};
 use crate::ActorError;
 
@@ -57,20 +58,6 @@ pub(super) struct Pools {
     /// The engines discovery found, by engine id: where each is in the pools, and as what it was
     /// advertised last ([`super::discovery`]).
     pub discovered: HashMap<EngineId, Known>,
-}
-
-/// The engines a restarted Proxy actor starts from: shared by every incarnation's arguments,
-/// written by each admin change.
-#[derive(Debug, Clone, Default)]
-pub struct Roster(Arc<Mutex<Option<Saved>>>);
-
-/// What a [`Roster`] keeps: each pool's engines in index order, tombstones included, and what
-/// discovery knows.
-#[derive(Debug, Clone)]
-struct Saved {
-    prefill: Vec<(String, u16, EngineState, Vec<KvEventSource>)>,
-    decode: Vec<(String, EngineState, Vec<KvEventSource>)>,
-    discovered: HashMap<EngineId, Known>,
 }
 
 /// Why a URL is not an engine's `http://host:port`.
@@ -155,16 +142,23 @@ impl Pools {
         sources: &[KvEventSource],
         roster: &Roster,
     ) -> Result<Self, ActorError> {
-        let saved = roster.0.lock().map(|s| s.clone()).unwrap_or_default();
-        let pools = match saved {
+        let pools = match roster.load() {
             Some(saved) => {
                 let mut pools = Pools { discovered: saved.discovered, ..Pools::default() };
-                for (url, port, state, kv) in saved.prefill {
-                    let (url, host) = check_url(&url, "prefill")?;
-                    pools.prefill.push(PrefillState::new(url, &host, port, state, kv));
+                for p in saved.prefill {
+                    let (url, host) = check_url(&p.url, "prefill")?;
+                    pools.prefill.push(PrefillState::new(url, &host, p.bootstrap_port, p.state, p.kv_events));
                 }
-                for (url, state, kv) in saved.decode {
-                    pools.decode.push(DecodeState::new(check_url(&url, "decode")?.0, state, kv));
+                for d in saved.decode {
+                    pools.decode.push(DecodeState::new(check_url(&d.url, "decode")?.0, d.state, d.kv_events));
+                }
+                if let Some(file) = roster.file() {
+                    tracing::info!(
+                        file = %file.display(),
+                        prefill = pools.prefill.len(),
+                        decode = pools.decode.len(),
+                        "proxy: starting from the roster file's engines (tombstones included), not the command line's"
+                    );
                 }
                 pools
             }
@@ -190,16 +184,21 @@ impl Pools {
 
     /// Writes the engines to `roster`, for the next incarnation.
     pub fn save(&self, roster: &Roster) {
-        let saved = Saved {
+        roster.store(Saved {
+            format: FORMAT,
             prefill: (self.prefill.iter())
-                .map(|p| (p.url.clone(), p.bootstrap_port, p.state, p.kv_events.clone()))
+                .map(|p| SavedPrefill {
+                    url: p.url.clone(),
+                    bootstrap_port: p.bootstrap_port,
+                    state: p.state,
+                    kv_events: p.kv_events.clone(),
+                })
                 .collect(),
-            decode: self.decode.iter().map(|d| (d.url.clone(), d.state, d.kv_events.clone())).collect(),
+            decode: (self.decode.iter())
+                .map(|d| SavedDecode { url: d.url.clone(), state: d.state, kv_events: d.kv_events.clone() })
+                .collect(),
             discovered: self.discovered.clone(),
-        };
-        if let Ok(mut slot) = roster.0.lock() {
-            *slot = Some(saved);
-        }
+        });
     }
 
     /// The engine at `url` that has not been removed.

@@ -4,7 +4,8 @@
 //! every answer equals one engine's alone. A killed P is out of rotation within a second. With a
 //! cluster secret, unsigned and forged admin calls are refused with a 401 and change nothing. A
 //! drained D gets no new request, and put back into service (`pdflow admin undrain`) gets them
-//! again.
+//! again. A proxy restarted over its roster file (`--roster-file`) routes to the engines the
+//! admin API left it with.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -391,4 +392,94 @@ async fn a_drained_engine_gets_no_new_request_and_undrained_gets_them_again() {
     let (ok, unknown) = admin_cli(&proxy, &["undrain", "http://127.0.0.1:9"]).await;
     assert!(!ok && unknown["error"]["code"] == 404, "{unknown}");
     drop((p, d1, d2, proxy));
+}
+
+/// `--roster-file`: the engines the admin API added, drained and removed survive the proxy
+/// process. A proxy started again over the file, with no engine on its command line, lists them
+/// as they were left and routes only to the serving ones; every answer equals one engine's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_proxy_restarted_over_its_roster_file_routes_to_the_engines_it_was_left_with() {
+    let client = http_client();
+    let (p, d1, d2, d3) = (
+        engine("producer", &[]).await,
+        engine("consumer", &[]).await,
+        engine("consumer", &[]).await,
+        engine("consumer", &[]).await,
+    );
+    let dir = std::env::temp_dir().join(format!("pdflow-roster-it-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("a temp dir");
+    let roster = dir.join("roster.json");
+    let _ = std::fs::remove_file(&roster);
+    let roster_arg = roster.to_str().expect("a UTF-8 path").to_owned();
+    let start = |extra: Vec<String>| {
+        let mut args: Vec<String> =
+            ["proxy", "--port", "0", "--health-interval-ms", "200", "--roster-file", &roster_arg]
+                .map(String::from)
+                .to_vec();
+        args.extend(extra);
+        async move {
+            let args: Vec<&str> = args.iter().map(String::as_str).collect();
+            let proxy = Proc::spawn("proxy", &args, &[]).await.expect("the proxy starts");
+            pdflow_tests::wait_healthy(&http_client(), &proxy.url(), Duration::from_secs(15))
+                .await
+                .expect("proxy ready");
+            proxy
+        }
+    };
+    let first = start(vec![
+        "--prefill".into(),
+        p.url(),
+        bootstrap_port(&p).to_string(),
+        "--decode".into(),
+        d1.url(),
+        "--decode".into(),
+        d2.url(),
+    ])
+    .await;
+    let admin = Admin { client: client.clone(), base: first.url(), secret: None };
+    let (status, added) = admin.call("POST", "/admin/engines", Some(&json!({"pool": "decode", "url": d3.url()}))).await;
+    assert_eq!(status, 201, "{added}");
+    let (ok, drained) = admin_cli(&first, &["drain", &d1.url()]).await;
+    assert!(ok && drained["state"] == "draining", "{drained}");
+    let (status, removed) = admin.call("DELETE", &format!("/admin/engines?url={}", d2.url()), None).await;
+    assert_eq!(status, 200, "{removed}");
+    admin.wait_for(&d3.url(), Duration::from_secs(10), "healthy", |e| e["healthy"] == true).await;
+    ask(&client, &first, 0..2).await;
+    drop(first);
+
+    // Nothing on the command line: the roster file's engines.
+    let again = start(Vec::new()).await;
+    let admin = Admin { client: client.clone(), base: again.url(), secret: None };
+    let listed: Vec<(String, String)> = (admin.engines().await.iter())
+        .map(|e| (e["url"].as_str().unwrap_or("").to_owned(), e["state"].as_str().unwrap_or("").to_owned()))
+        .collect();
+    let expected: Vec<(String, String)> = [(p.url(), "serving"), (d1.url(), "draining"), (d3.url(), "serving")]
+        .into_iter()
+        .map(|(u, s)| (u, s.to_owned()))
+        .collect();
+    let mut sorted = listed.clone();
+    sorted.sort();
+    let mut expected_sorted = expected.clone();
+    expected_sorted.sort();
+    assert_eq!(sorted, expected_sorted, "the engines as the first proxy left them: {listed:?}");
+    ask(&client, &again, 2..8).await;
+    let d3_routed = routed(&admin.engine(&d3.url()).await.expect("d3"));
+    let d1_routed = routed(&admin.engine(&d1.url()).await.expect("d1"));
+    assert_eq!((d3_routed, d1_routed), (6, 0), "only the serving D gets requests");
+    for engine in [&p, &d1, &d2, &d3] {
+        engine.assert_blocks_at_baseline(&client, "after the restarted proxy's requests").await;
+    }
+    drop(again);
+
+    // A torn roster file: the proxy refuses to start and names it.
+    std::fs::write(&roster, b"{\"format\": 1, \"prefill\": [").expect("write");
+    let out = tokio::process::Command::new(pdflow_tests::processes::pdflow_bin().expect("pdflow"))
+        .args(["proxy", "--port", "0", "--roster-file", &roster_arg])
+        .output()
+        .await
+        .expect("pdflow proxy runs");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && stderr.contains("roster.json"), "{stderr}");
+    let _ = std::fs::remove_dir_all(&dir);
+    drop((p, d1, d2, d3));
 }
