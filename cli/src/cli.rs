@@ -525,13 +525,14 @@ pub struct ProxyCmd {
     /// How D is chosen for each request (the same policies).
     #[arg(long, default_value = "round_robin")]
     pub decode_policy: String,
-    /// D serves a prompt of fewer (estimated) tokens than this alone: no P, no KV transfer
-    /// (0: every request goes through P).
+    /// D serves a prompt alone (no P, no KV transfer) when it would compute fewer (estimated)
+    /// tokens of it than this: the prompt, less the prefix a cache_aware or kv_aware D pool
+    /// knows D holds (0: off).
     #[arg(long, default_value_t = 0)]
     pub local_prefill_below: usize,
     /// With `--decode-policy cache_aware` or `kv_aware`: D serves a prompt alone when the share
     /// of it already routed to D (cache_aware), or held by D (kv_aware), is at least this (0–1;
-    /// default 0.9 with those policies, the best share `pdflow bench router` measured), or
+    /// default 0.93 with those policies, the best share `pdflow bench router` measured), or
     /// `off`: every request goes through P.
     #[arg(long, value_name = "SHARE|off")]
     pub local_prefill_when_d_holds: Option<String>,

@@ -83,12 +83,15 @@ impl FromStr for Policy {
 }
 
 /// When D serves a request alone, computing the prompt itself: no P, no transfer. Disaggregation
-/// costs a second engine's queue, a KV transfer and a second request; for a short prompt, or one
-/// D already holds most of, computing it on D costs less (`--local-prefill-below`,
-/// `--local-prefill-when-d-holds`). Off by default: every request goes through P.
+/// costs a second engine's queue, a KV transfer and a second request; when what D would still
+/// compute is short — a short prompt, or one whose prefix D already holds — computing it on D
+/// costs less (`--local-prefill-below`, `--local-prefill-when-d-holds`). Off by default: every
+/// request goes through P.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct LocalPrefill {
-    /// Prompts of fewer (estimated) tokens than this (0: none).
+    /// D serves alone a prompt of which it would compute fewer (estimated) tokens than this: the
+    /// prompt minus the prefix D's pool knows it holds (none with `round_robin` or
+    /// `least_loaded`), 0: never.
     pub below_tokens: usize,
     /// With a cache-aware or KV-aware D pool: D's match covering at least this many thousandths
     /// of the prompt's chunks, or (KV events) of its tokens (`None`: never).
@@ -97,9 +100,10 @@ pub struct LocalPrefill {
 
 impl LocalPrefill {
     /// `pdflow proxy`'s share of a prompt D must hold to serve it alone, with a D pool that knows
-    /// what it holds (`cache_aware`, `kv_aware`): the best of 0.5–0.95 on `pdflow bench router`'s
-    /// shared-prefix workload (docs/routing-bench.md).
-    pub const D_HOLDS_PERMILLE_DEFAULT: u32 = 900;
+    /// what it holds (`cache_aware`, `kv_aware`): the best of 0.5–0.97 on `pdflow bench router`'s
+    /// shared-prefix workload, for time to first token and requests/s together
+    /// (docs/routing-bench.md).
+    pub const D_HOLDS_PERMILLE_DEFAULT: u32 = 930;
 
     /// Whether any request may be served by D alone.
     pub fn enabled(&self) -> bool {
@@ -108,7 +112,7 @@ impl LocalPrefill {
 
     /// Whether `prompt`, for which D's pool chose `decode_choice`, is served by D alone.
     pub fn applies(&self, prompt: &PromptKey, decode_choice: Choice) -> bool {
-        if prompt.tokens < self.below_tokens {
+        if prompt.tokens.saturating_sub(held_tokens(prompt, decode_choice)) < self.below_tokens {
             return true;
         }
         match (self.d_holds_permille, decode_choice) {
@@ -120,6 +124,19 @@ impl LocalPrefill {
             }
             _ => false,
         }
+    }
+}
+
+/// The tokens of `prompt` the engine a pool chose holds, as far as the pool knows: its KV events'
+/// tokens, or the matched chunks' share of the prompt's (estimated) tokens.
+fn held_tokens(prompt: &PromptKey, choice: Choice) -> usize {
+    match choice {
+        Choice::KvHit { tokens, .. } => tokens.min(prompt.tokens),
+        Choice::CacheHit { chunks } if !prompt.chunks.is_empty() => {
+            let of = prompt.chunks.len();
+            (prompt.tokens * chunks.min(of)).div_ceil(of)
+        }
+        _ => 0,
     }
 }
 
@@ -439,8 +456,23 @@ mod tests {
         assert!(!off.enabled() && !off.applies(&key(&[1]), Choice::CacheHit { chunks: 1 }));
         let on = LocalPrefill { below_tokens: 64, d_holds_permille: Some(800) };
         assert!(on.applies(&key(&[1, 2, 3]), Choice::RoundRobin), "48 tokens: short");
-        assert!(!on.applies(&key(&[1, 2, 3, 4, 5]), Choice::CacheHit { chunks: 3 }), "D holds 3 of 5");
-        assert!(on.applies(&key(&[1, 2, 3, 4, 5]), Choice::CacheHit { chunks: 4 }), "D holds 4 of 5");
+        let ten = key(&[1, 2, 3, 4, 5, 6, 7, 8, 9, 10]);
+        assert!(!on.applies(&ten, Choice::CacheHit { chunks: 6 }), "D holds 6 of 10 chunks, 64 tokens left");
+        assert!(on.applies(&ten, Choice::CacheHit { chunks: 8 }), "D holds 8 of 10");
+    }
+
+    #[test]
+    fn d_alone_serves_a_prompt_whose_part_d_lacks_is_short() {
+        let on = LocalPrefill { below_tokens: 300, d_holds_permille: None };
+        // 1,000 tokens; D's events say it holds 720 of them: 280 left to compute.
+        assert!(on.applies(&ids(0..1000), Choice::KvHit { blocks: 45, tokens: 720 }));
+        assert!(!on.applies(&ids(0..1000), Choice::KvHit { blocks: 40, tokens: 640 }), "360 left");
+        // 62 chunks of 16 ids; 45 routed to D before: 992 × 45 / 62 ≈ 720 held.
+        assert!(on.applies(&ids(0..992), Choice::CacheHit { chunks: 45 }));
+        assert!(!on.applies(&ids(0..992), Choice::CacheHit { chunks: 40 }));
+        // A D pool that knows nothing: the whole prompt is left.
+        assert!(!on.applies(&ids(0..992), Choice::LeastLoaded));
+        assert!(on.applies(&ids(0..299), Choice::RoundRobin));
     }
 
     /// Candidates' caches as their KV events would fill them (block size 4).

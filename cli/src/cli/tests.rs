@@ -241,7 +241,7 @@ fn d_alone_defaults_to_the_measured_share_where_d_knows_what_it_holds() {
     let proxy = proxy_args;
     let share = |extra: &[&str]| proxy(extra).expect("valid").local_prefill.d_holds_permille;
     assert_eq!(share(&[]), None, "round robin D: D alone never");
-    assert_eq!(share(&["--decode-policy", "cache_aware"]), Some(900));
+    assert_eq!(share(&["--decode-policy", "cache_aware"]), Some(930));
     assert_eq!(share(&["--decode-policy", "cache_aware", "--local-prefill-when-d-holds", "off"]), None);
     assert_eq!(share(&["--decode-policy", "cache_aware", "--local-prefill-when-d-holds", "0.75"]), Some(750));
     for bad in [

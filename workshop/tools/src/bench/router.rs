@@ -37,7 +37,7 @@ pub struct Options {
     /// Decode engines.
     #[arg(long, default_value_t = 2)]
     pub decode: usize,
-    /// The fronts, in order: `pdflow:POLICY[+d-alone[=SHARE]]`, `vllm-router:POLICY` (default:
+    /// The fronts, in order: `pdflow:POLICY[+d-alone[=SHARE]][+d-below=N]`, `vllm-router:POLICY` (default:
     /// pdflow's round_robin, least_loaded, cache_aware, cache_aware+d-alone, kv_aware,
     /// kv_aware+d-alone; vllm-router's round_robin, cache_aware and kv_aware).
     #[arg(long, value_delimiter = ',')]
@@ -69,6 +69,11 @@ pub struct Options {
     /// The workload's seed.
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
+    /// Runs of every front, interleaved (front 1, 2, …, then again), each on a fresh cluster; the
+    /// table gives each figure's median over them (a shared machine's noise moves a single run's
+    /// requests/s by several percent).
+    #[arg(long, default_value_t = 1)]
+    pub repeat: usize,
     /// Do not install vllm-router when it is missing (its fronts are then skipped).
     #[arg(long)]
     pub no_install: bool,
@@ -93,6 +98,10 @@ pub struct RouterRow {
     pub kv_moved_qwen3_8b_gb: f64,
     /// The first failure's reason.
     pub first_error: Option<String>,
+    /// The runs this row is the median of, and their lowest and highest requests/s.
+    pub runs: usize,
+    pub requests_per_s_min: f64,
+    pub requests_per_s_max: f64,
 }
 
 /// Runs the bench; prints the table; writes the JSON.
@@ -132,16 +141,20 @@ pub async fn run(opts: &Options) -> anyhow::Result<()> {
             system_prompts: opts.system_prompts,
         };
         let sequences = workload::generate(&spec);
-        for front_spec in &fronts {
-            if matches!(front_spec, FrontSpec::VllmRouter { .. }) && router_exe.is_none() {
-                continue;
-            }
-            println!("{}: {} …", kind.name(), front_spec.name());
-            match measure(&client, opts, &cluster_spec, front_spec, router_exe.as_deref(), kind, &sequences).await {
-                Ok(row) => rows.push(row),
-                Err(e) => println!("  {} on {}: {e:#}", front_spec.name(), kind.name()),
+        let mut runs: Vec<Vec<RouterRow>> = vec![Vec::new(); fronts.len()];
+        for round in 1..=opts.repeat.max(1) {
+            for (front_spec, runs) in fronts.iter().zip(&mut runs) {
+                if matches!(front_spec, FrontSpec::VllmRouter { .. }) && router_exe.is_none() {
+                    continue;
+                }
+                println!("{}: {} (run {round}/{}) …", kind.name(), front_spec.name(), opts.repeat.max(1));
+                match measure(&client, opts, &cluster_spec, front_spec, router_exe.as_deref(), kind, &sequences).await {
+                    Ok(row) => runs.push(row),
+                    Err(e) => println!("  {} on {}: {e:#}", front_spec.name(), kind.name()),
+                }
             }
         }
+        rows.extend(runs.iter().filter_map(|runs| median_row(runs)));
     }
     println!("\n{}", render(&rows));
     for line in verdicts(&rows) {
@@ -234,7 +247,48 @@ fn row(
         kv_moved_tokens: moved,
         kv_moved_qwen3_8b_gb: (moved * QWEN3_8B_BYTES_PER_TOKEN) as f64 / 1e9,
         first_error: run.outcomes.iter().find_map(|o| o.error.clone()),
+        runs: 1,
+        requests_per_s_min: (run.outcomes.len() - failed) as f64 / run.wall.as_secs_f64().max(1e-9),
+        requests_per_s_max: (run.outcomes.len() - failed) as f64 / run.wall.as_secs_f64().max(1e-9),
     }
+}
+
+/// One front's runs as one row: each figure's median over them (failures summed, so a failed
+/// request in any run shows), requests/s with its range.
+fn median_row(runs: &[RouterRow]) -> Option<RouterRow> {
+    let first = runs.first()?;
+    let med = |f: &dyn Fn(&RouterRow) -> f64| -> f64 {
+        let mut v: Vec<f64> = runs.iter().map(f).filter(|x| x.is_finite()).collect();
+        v.sort_by(f64::total_cmp);
+        match v.len() {
+            0 => f64::NAN,
+            n if n % 2 == 1 => v[n / 2],
+            n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
+        }
+    };
+    let med_opt =
+        |f: &dyn Fn(&RouterRow) -> Option<f64>| Some(med(&|r| f(r).unwrap_or(f64::NAN))).filter(|v| v.is_finite());
+    let med_u64 = |f: &dyn Fn(&RouterRow) -> u64| med(&|r| f(r) as f64).round() as u64;
+    let rps = |r: &RouterRow| r.requests_per_s;
+    Some(RouterRow {
+        workload: first.workload.clone(),
+        front: first.front.clone(),
+        requests: first.requests,
+        failed: runs.iter().map(|r| r.failed).sum(),
+        ttft_p50_ms: med_opt(&|r| r.ttft_p50_ms),
+        ttft_p99_ms: med_opt(&|r| r.ttft_p99_ms),
+        requests_per_s: med(&rps),
+        prompt_tokens: first.prompt_tokens,
+        ideal_computed_tokens: first.ideal_computed_tokens,
+        p_computed_tokens: med_u64(&|r| r.p_computed_tokens),
+        d_computed_tokens: med_u64(&|r| r.d_computed_tokens),
+        kv_moved_tokens: med_u64(&|r| r.kv_moved_tokens),
+        kv_moved_qwen3_8b_gb: med(&|r| r.kv_moved_qwen3_8b_gb),
+        first_error: runs.iter().find_map(|r| r.first_error.clone()),
+        runs: runs.len(),
+        requests_per_s_min: runs.iter().map(rps).fold(f64::INFINITY, f64::min),
+        requests_per_s_max: runs.iter().map(rps).fold(f64::NEG_INFINITY, f64::max),
+    })
 }
 
 fn render(rows: &[RouterRow]) -> String {
@@ -244,15 +298,19 @@ fn render(rows: &[RouterRow]) -> String {
          |---|---|---|---|---|---|---|---|---|---|\n",
     );
     for r in rows {
+        let rps = match r.runs {
+            0 | 1 => format!("{:.1}", r.requests_per_s),
+            _ => format!("{:.1} ({:.1}–{:.1})", r.requests_per_s, r.requests_per_s_min, r.requests_per_s_max),
+        };
         out.push_str(&format!(
-            "| {} | {} | {} ({}) | {} | {} | {:.1} | {} | {} | {} | {:.1} |\n",
+            "| {} | {} | {} ({}) | {} | {} | {} | {} | {} | {} | {:.1} |\n",
             r.workload,
             r.front,
             r.requests,
             r.failed,
             ms(r.ttft_p50_ms),
             ms(r.ttft_p99_ms),
-            r.requests_per_s,
+            rps,
             r.p_computed_tokens,
             r.d_computed_tokens,
             r.ideal_computed_tokens,
@@ -262,11 +320,12 @@ fn render(rows: &[RouterRow]) -> String {
     out
 }
 
-/// The row with the lowest TTFT p50.
+/// The row with the lowest TTFT p50 (to the millisecond; of equals, the most requests/s).
 fn best(rows: Vec<&RouterRow>) -> Option<&RouterRow> {
+    let p50 = |r: &RouterRow| r.ttft_p50_ms.unwrap_or(f64::NAN).round();
     rows.into_iter()
         .filter(|r| r.ttft_p50_ms.is_some())
-        .min_by(|a, b| a.ttft_p50_ms.unwrap_or(f64::NAN).total_cmp(&b.ttft_p50_ms.unwrap_or(f64::NAN)))
+        .min_by(|a, b| p50(a).total_cmp(&p50(b)).then(b.requests_per_s.total_cmp(&a.requests_per_s)))
 }
 
 /// Per workload: pdflow's best front (lowest TTFT p50) against pdflow's round robin and against
@@ -293,21 +352,27 @@ fn verdicts(rows: &[RouterRow]) -> Vec<String> {
             ));
         }
         if let Some(t) = theirs {
+            let best_p99 = of("vllm-router ").into_iter().map(p99).fold(f64::INFINITY, f64::min);
+            let best_rps = of("vllm-router ").into_iter().map(|r| r.requests_per_s).fold(0.0, f64::max);
             line.push_str(&format!(
-                "; vllm-router's best `{}` p50 {:.2}×, p99 {:.2}×, req/s {:.2}× its",
+                "; vllm-router's best `{}` p50 {:.2}× its, the best vllm-router p99 {:.2}× its; its req/s {:.2}× the best vllm-router req/s",
                 t.front,
                 p50(t) / p50(ours),
-                p99(t) / p99(ours),
-                t.requests_per_s / ours.requests_per_s
+                best_p99 / p99(ours),
+                ours.requests_per_s / best_rps
             ));
         }
         let computed = ours.p_computed_tokens + ours.d_computed_tokens;
+        let fell = |tokens: u64| 100.0 * (1.0 - tokens as f64 / ours.prompt_tokens.max(1) as f64);
         line.push_str(&format!(
-            "; computed {} prompt tokens of {} (ideal {}: {:+.1}%)",
+            "; computed {} prompt tokens of {} (ideal {}: {:+.1}%); shared fraction {:.1}%, P's computed tokens fell by {:.1}% of the prompt tokens (P and D: {:.1}%)",
             computed,
             ours.prompt_tokens,
             ours.ideal_computed_tokens,
-            100.0 * (computed as f64 / ours.ideal_computed_tokens.max(1) as f64 - 1.0)
+            100.0 * (computed as f64 / ours.ideal_computed_tokens.max(1) as f64 - 1.0),
+            fell(ours.ideal_computed_tokens),
+            fell(ours.p_computed_tokens),
+            fell(computed),
         ));
         lines.push(line);
     }

@@ -27,9 +27,10 @@ pub const DEFAULT_D_ALONE_PERMILLE: u32 = pdflow_actors::proxy::routing::LocalPr
 /// One front, as `--fronts` names it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum FrontSpec {
-    /// `pdflow:POLICY` (both pools), `pdflow:POLICY+d-alone[=SHARE]` (and D serves alone a
-    /// prompt it holds SHARE of, 0.9 by default: `--local-prefill-when-d-holds`).
-    Pdflow { policy: Policy, d_alone: Option<u32> },
+    /// `pdflow:POLICY` (both pools), with `+d-alone[=SHARE]` (D serves alone a prompt it holds
+    /// SHARE of, 0.93 by default: `--local-prefill-when-d-holds`), and `+d-below=N` (D serves
+    /// alone a prompt of which it would compute fewer than N tokens: `--local-prefill-below`).
+    Pdflow { policy: Policy, local: LocalPrefill },
     /// `vllm-router:POLICY` (its `--policy`, both pools).
     VllmRouter { policy: String },
 }
@@ -37,9 +38,15 @@ pub enum FrontSpec {
 impl FrontSpec {
     pub fn name(&self) -> String {
         match self {
-            FrontSpec::Pdflow { policy, d_alone: None } => format!("pdflow {}", policy.name()),
-            FrontSpec::Pdflow { policy, d_alone: Some(permille) } => {
-                format!("pdflow {} + D alone ≥{:.0}%", policy.name(), *permille as f64 / 10.0)
+            FrontSpec::Pdflow { policy, local } => {
+                let mut name = format!("pdflow {}", policy.name());
+                if let Some(permille) = local.d_holds_permille {
+                    name.push_str(&format!(" + D alone ≥{:.0}%", permille as f64 / 10.0));
+                }
+                if local.below_tokens > 0 {
+                    name.push_str(&format!(" + D alone <{} new", local.below_tokens));
+                }
+                name
             }
             FrontSpec::VllmRouter { policy } => format!("vllm-router {policy}"),
         }
@@ -47,7 +54,10 @@ impl FrontSpec {
 
     /// Every front the bench knows, in the order it runs them.
     pub fn all() -> Vec<FrontSpec> {
-        let pdflow = |policy, d_alone: Option<u32>| FrontSpec::Pdflow { policy, d_alone };
+        let pdflow = |policy, d_holds_permille: Option<u32>| FrontSpec::Pdflow {
+            policy,
+            local: LocalPrefill { below_tokens: 0, d_holds_permille },
+        };
         let mut all = vec![
             pdflow(Policy::RoundRobin, None),
             pdflow(Policy::LeastLoaded, None),
@@ -69,24 +79,31 @@ impl FromStr for FrontSpec {
     type Err = String;
 
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        let bad = || format!("`{s}`: a front is pdflow:POLICY[+d-alone[=SHARE]] or vllm-router:POLICY");
-        let (who, policy) = s.split_once(':').ok_or_else(bad)?;
+        let bad = || format!("`{s}`: a front is pdflow:POLICY[+d-alone[=SHARE]][+d-below=N] or vllm-router:POLICY");
+        let (who, rest) = s.split_once(':').ok_or_else(bad)?;
         match who {
             "pdflow" => {
-                let (policy, d_alone) = match policy.split_once("+d-alone") {
-                    None => (policy, None),
-                    Some((p, "")) => (p, Some(DEFAULT_D_ALONE_PERMILLE)),
-                    Some((p, share)) => {
-                        let share: f64 = share.strip_prefix('=').and_then(|v| v.parse().ok()).ok_or_else(bad)?;
-                        if !(0.0..=1.0).contains(&share) {
-                            return Err(format!("`{s}`: the share D holds is between 0 and 1"));
+                let mut parts = rest.split('+');
+                let policy = parts.next().ok_or_else(bad)?.parse()?;
+                let mut local = LocalPrefill::default();
+                for part in parts {
+                    let (name, value) = part.split_once('=').map_or((part, None), |(n, v)| (n, Some(v)));
+                    match (name, value) {
+                        ("d-alone", None) => local.d_holds_permille = Some(DEFAULT_D_ALONE_PERMILLE),
+                        ("d-alone", Some(share)) => {
+                            let share: f64 = share.parse().map_err(|_| bad())?;
+                            if !(0.0..=1.0).contains(&share) {
+                                return Err(format!("`{s}`: the share D holds is between 0 and 1"));
+                            }
+                            local.d_holds_permille = Some((share * 1000.0).round() as u32);
                         }
-                        (p, Some((share * 1000.0).round() as u32))
+                        ("d-below", Some(tokens)) => local.below_tokens = tokens.parse().map_err(|_| bad())?,
+                        _ => return Err(bad()),
                     }
-                };
-                Ok(FrontSpec::Pdflow { policy: policy.parse()?, d_alone })
+                }
+                Ok(FrontSpec::Pdflow { policy, local })
             }
-            "vllm-router" if !policy.is_empty() => Ok(FrontSpec::VllmRouter { policy: policy.to_string() }),
+            "vllm-router" if !rest.is_empty() => Ok(FrontSpec::VllmRouter { policy: rest.to_string() }),
             _ => Err(bad()),
         }
     }
@@ -101,7 +118,7 @@ pub enum Front {
 impl Front {
     pub async fn start(spec: &FrontSpec, cluster: &Cluster, router_exe: Option<&Path>) -> anyhow::Result<Front> {
         match spec {
-            FrontSpec::Pdflow { policy, d_alone } => {
+            FrontSpec::Pdflow { policy, local } => {
                 let prefill = cluster
                     .prefill
                     .iter()
@@ -129,7 +146,7 @@ impl Front {
                     upstream_timeout: Duration::from_secs(120),
                     prefill_policy: *policy,
                     decode_policy: *policy,
-                    local_prefill: LocalPrefill { below_tokens: 0, d_holds_permille: *d_alone },
+                    local_prefill: *local,
                     kv_events,
                     ..ProxyArgs::new(SocketAddr::from(([127, 0, 0, 1], 0)), prefill, decode)
                 };
