@@ -44,8 +44,8 @@ use std::time::Duration;
 
 use kameo::prelude::*;
 use pdflow_messages::proxy::{
-    Choice, EngineState, EngineUnreachable, NotReady, Pool, PrefillDiscovered, PrefillFailed, ProxyReadiness,
-    ProxyStatus, ReadyDeadlinePassed, ReleasePrefill, Route, RouteDecision, RouteDone, TargetHealth,
+    Choice, EngineState, EngineUnreachable, NotReady, Pool, PrefillDiscovered, PrefillDone, PrefillFailed,
+    ProxyReadiness, ProxyStatus, ReadyDeadlinePassed, ReleasePrefill, Route, RouteDecision, RouteDone, TargetHealth,
 };
 use pdflow_messages::EngineId;
 use tokio::sync::mpsc;
@@ -376,11 +376,16 @@ impl Message<RouteDone> for Proxy {
     type Reply = ();
 
     async fn handle(&mut self, msg: RouteDone, _ctx: &mut Context<Self, Self::Reply>) -> Self::Reply {
-        if msg.disaggregated {
-            self.prefill_picker.done((msg.prefill_index, msg.prefill_dp_rank), msg.prefill_tokens);
-        }
         self.pools.done(msg.prefill_index, msg.decode_index, msg.disaggregated);
         self.decode_picker.done(msg.decode_index, msg.decode_tokens);
+    }
+}
+
+impl Message<PrefillDone> for Proxy {
+    type Reply = ();
+
+    async fn handle(&mut self, msg: PrefillDone, _ctx: &mut Context<Self, Self::Reply>) -> Self::Reply {
+        self.prefill_picker.done((msg.prefill_index, msg.prefill_dp_rank), msg.prefill_tokens);
     }
 }
 

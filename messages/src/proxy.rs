@@ -82,15 +82,23 @@ impl Choice {
     }
 }
 
-/// Flow → Proxy: a routed request ended (answered, failed or given up): its work leaves the
-/// load the policies count for its P and D.
+/// Flow → Proxy: a routed request's P call ended (P answered, failed, or the call was given
+/// up): its prefill leaves the load the P pool's policy counts. P's part of the request (its
+/// blocks until D pulled them) still counts in the pool's requests in flight until [`RouteDone`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PrefillDone {
+    pub prefill_index: usize,
+    pub prefill_dp_rank: u32,
+    /// The tokens charged to P when it was routed.
+    pub prefill_tokens: usize,
+}
+
+/// Flow → Proxy: a routed request ended (answered, failed or given up): its work leaves D's load
+/// and both engines' requests in flight.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RouteDone {
     pub prefill_index: usize,
-    pub prefill_dp_rank: u32,
     pub decode_index: usize,
-    /// The tokens charged to P when it was routed.
-    pub prefill_tokens: usize,
     /// The tokens charged to D.
     pub decode_tokens: usize,
     /// Whether a P was charged at all.
@@ -126,13 +134,20 @@ pub struct RouteDecision {
 }
 
 impl RouteDecision {
+    /// The [`PrefillDone`] that gives P's prefill back (a route through P).
+    pub fn prefill_done(&self) -> Option<PrefillDone> {
+        self.disaggregate.then_some(PrefillDone {
+            prefill_index: self.prefill_index,
+            prefill_dp_rank: self.prefill_dp_rank,
+            prefill_tokens: self.prefill_tokens,
+        })
+    }
+
     /// The [`RouteDone`] that gives this route's work back.
     pub fn done(&self) -> RouteDone {
         RouteDone {
             prefill_index: self.prefill_index,
-            prefill_dp_rank: self.prefill_dp_rank,
             decode_index: self.decode_index,
-            prefill_tokens: self.prefill_tokens,
             decode_tokens: self.decode_tokens,
             disaggregated: self.disaggregate,
         }

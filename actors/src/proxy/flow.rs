@@ -54,7 +54,7 @@ use kameo::prelude::*;
 use pdflow_messages::proxy::{Choice, NotReady, Pool, PromptKey, ProxyStatus, ReleasePrefill, Route, RouteDecision};
 use pdflow_messages::{RequestId, TransferId};
 use pdflow_observability::{attrs, step_span, steps};
-use route_done::RouteDoneGuard;
+use route_done::{PrefillDoneGuard, RouteDoneGuard};
 use tokio_util::task::AbortOnDropHandle;
 use tracing::Instrument;
 
@@ -258,7 +258,9 @@ async fn flow(
             traceparent,
         };
         // D alone (a short prompt, or one D holds most of): no P, no transfer.
-        let mut p_task = upstream.route.disaggregate.then(|| upstream.dispatch_prefill(&request));
+        // P's prefill leaves P's load when P's call ends, however it ends.
+        let prefill_done = upstream.route.prefill_done().map(|done| PrefillDoneGuard::new(ctx.proxy.clone(), done));
+        let mut p_task = prefill_done.map(|done| upstream.dispatch_prefill(&request, done));
         match upstream.dispatch_decode(request.clone(), &mut p_task).await {
             Ok(d_resp) => {
                 drop(step8);
@@ -409,7 +411,11 @@ struct Upstream {
 
 impl Upstream {
     /// Step 9: P's request in a task of its own, aborted if this flow is dropped.
-    fn dispatch_prefill(&self, request: &serde_json::Map<String, serde_json::Value>) -> PrefillHandle {
+    fn dispatch_prefill(
+        &self,
+        request: &serde_json::Map<String, serde_json::Value>,
+        prefill_done: PrefillDoneGuard,
+    ) -> PrefillHandle {
         let p_body = prefill_body(request, &self.transfer_id, &self.traceparent);
         let mut p_headers = self.headers.clone();
         p_headers.insert("x-data-parallel-rank", HeaderValue::from(self.route.prefill_dp_rank));
@@ -422,7 +428,10 @@ impl Upstream {
             self.request_id.clone(),
             self.transfer_id.clone(),
         );
-        AbortOnDropHandle::new(tokio::spawn(p_call))
+        AbortOnDropHandle::new(tokio::spawn(async move {
+            let _prefill_done = prefill_done;
+            p_call.await
+        }))
     }
 
     fn decode_url(&self) -> String {

@@ -4,7 +4,8 @@
 //!
 //! - `round_robin`: the next in turn (what vLLM's example proxy does).
 //! - `least_loaded`: the candidate with the fewest tokens in flight (then the fewest requests);
-//!   the proxy counts what it sent each engine until the request ends ([`Picker::done`]).
+//!   the proxy counts what it sent each engine until P answered (a P) or the request ended (a D)
+//!   ([`Picker::done`]).
 //! - `cache_aware`: each candidate's likely cache, from the prompts routed to it: a bounded,
 //!   least-recently-used set of the chained chunk hashes of those prompts ([`ChunkCache`]). The
 //!   candidate whose set holds the longest leading run of the prompt's chunks wins, unless it

@@ -170,11 +170,12 @@ struct RunningProxy {
 }
 
 async fn start_proxy(prefill: Vec<PrefillTarget>, decode: Vec<String>) -> (RunningProxy, String) {
-    let args = ProxyArgs {
-        health_interval: Duration::from_millis(20),
-        upstream_timeout: Duration::from_secs(10),
-        ..ProxyArgs::new("127.0.0.1:0".parse().expect("addr"), prefill, decode)
-    };
+    start_proxy_with(ProxyArgs::new("127.0.0.1:0".parse().expect("addr"), prefill, decode)).await
+}
+
+async fn start_proxy_with(args: ProxyArgs) -> (RunningProxy, String) {
+    let args =
+        ProxyArgs { health_interval: Duration::from_millis(20), upstream_timeout: Duration::from_secs(10), ..args };
     let (bind, upstream_timeout) = (args.bind, args.upstream_timeout);
     let actor = Proxy::spawn(args);
     tokio::time::timeout(WAIT, actor.wait_for_startup()).await.expect("proxy started");
@@ -259,6 +260,55 @@ async fn chat_prefill_caps_max_completion_tokens_and_drops_stream_options() {
     assert_eq!(p_body["max_tokens"], 1);
     assert_eq!(p_body["stream"], false);
     assert!(p_body.get("stream_options").is_none());
+}
+
+/// `least_loaded` P: a P's prefill leaves its load when P answers, not when the request ends.
+/// A long prompt's request goes to P0 and stays open on D (streaming); a short one goes to P1 and
+/// ends. The next one goes to P0 again: it answered, so it is as idle as P1, and its turn comes
+/// first. Counted until the request ended, P0 would still carry the long prompt and lose to P1.
+#[tokio::test]
+async fn a_p_that_answered_takes_new_requests_while_its_request_still_decodes() {
+    let (p0, p1) = (stub("P0", Mode::Completion).await, stub("P1", Mode::Completion).await);
+    let d = stub("D", Mode::Sse).await;
+    let (release, released) = oneshot::channel();
+    *d.state.release.lock().expect("lock") = Some(released);
+    let (b0, b1) = (bootstrap_stub("engine-0").await, bootstrap_stub("engine-1").await);
+    let args = ProxyArgs {
+        prefill_policy: crate::proxy::routing::Policy::LeastLoaded,
+        ..ProxyArgs::new(
+            "127.0.0.1:0".parse().expect("addr"),
+            vec![
+                PrefillTarget { url: p0.url.clone(), bootstrap_port: b0 },
+                PrefillTarget { url: p1.url.clone(), bootstrap_port: b1 },
+            ],
+            vec![d.url.clone()],
+        )
+    };
+    let (_proxy, base) = start_proxy_with(args).await;
+    let client = reqwest::Client::new();
+    wait_ready(&client, &base).await;
+    let count = |s: &StubHandle| s.state.bodies.lock().expect("lock").len();
+
+    let mut long = seed_request();
+    long["prompt"] = "a long prompt ".repeat(400).into();
+    long["stream"] = true.into();
+    let resp = client.post(format!("{base}/v1/completions")).json(&long).send().await.expect("request");
+    let mut stream = resp.bytes_stream();
+    tokio::time::timeout(WAIT, stream.next()).await.expect("D's first chunk").expect("chunk").expect("ok");
+    assert_eq!((count(&p0), count(&p1)), (1, 0), "the long prompt went to P0");
+    // P0 answered at once; its answer's release reaches the actor right after.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    for expected in [(1, 1), (2, 1)] {
+        let resp = client.post(format!("{base}/v1/completions")).json(&seed_request()).send().await.expect("request");
+        assert_eq!(resp.status(), 200);
+        resp.bytes().await.expect("the whole answer");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert_eq!((count(&p0), count(&p1)), expected, "while the long prompt still decodes on D");
+    }
+    release.send(()).expect("D still streaming the long prompt");
+    while let Some(chunk) = tokio::time::timeout(WAIT, stream.next()).await.expect("the rest in time") {
+        chunk.expect("chunk");
+    }
 }
 
 #[tokio::test]

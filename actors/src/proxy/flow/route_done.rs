@@ -1,31 +1,49 @@
-//! The work a routed request charged its P and D ([`RouteDone`]), given back to the Proxy actor's
-//! load counts when the request ends: when its flow ends before D answered, or when D's relayed
-//! answer has been written out or abandoned (the guard lives in the relay).
+//! The work a routed request charged its P and D, given back to the Proxy actor's load counts:
+//! P's prefill when P's call ends ([`PrefillDone`]: the guard lives in P's task), the rest when
+//! the request ends ([`RouteDone`]: when its flow ends before D answered, or when D's relayed
+//! answer has been written out or abandoned; the guard lives in the relay).
 
 use kameo::prelude::*;
-use pdflow_messages::proxy::RouteDone;
+use pdflow_messages::proxy::{PrefillDone, RouteDone};
 
 use crate::proxy::Proxy;
 
-/// Tells the Proxy actor [`RouteDone`] when dropped.
-pub(super) struct RouteDoneGuard {
+/// Tells the Proxy actor its message when dropped, however the task holding it ends.
+pub(super) struct TellOnDrop<M>
+where
+    Proxy: Message<M>,
+    M: Copy + Send + 'static,
+{
     proxy: ActorRef<Proxy>,
-    done: RouteDone,
+    msg: M,
 }
 
-impl RouteDoneGuard {
-    pub(super) fn new(proxy: ActorRef<Proxy>, done: RouteDone) -> Self {
-        Self { proxy, done }
+/// [`RouteDone`] when the request ends.
+pub(super) type RouteDoneGuard = TellOnDrop<RouteDone>;
+/// [`PrefillDone`] when P's call ends.
+pub(super) type PrefillDoneGuard = TellOnDrop<PrefillDone>;
+
+impl<M> TellOnDrop<M>
+where
+    Proxy: Message<M>,
+    M: Copy + Send + 'static,
+{
+    pub(super) fn new(proxy: ActorRef<Proxy>, msg: M) -> Self {
+        Self { proxy, msg }
     }
 }
 
-impl Drop for RouteDoneGuard {
+impl<M> Drop for TellOnDrop<M>
+where
+    Proxy: Message<M>,
+    M: Copy + Send + 'static,
+{
     fn drop(&mut self) {
-        let (proxy, done) = (self.proxy.clone(), self.done);
-        // A restarted actor counts from zero: a late `done` for it is harmless (counts saturate).
+        let (proxy, msg) = (self.proxy.clone(), self.msg);
+        // A restarted actor counts from zero: a late message for it is harmless (counts saturate).
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
             runtime.spawn(async move {
-                let _ = proxy.tell(done).await;
+                let _ = proxy.tell(msg).await;
             });
         }
     }
