@@ -280,17 +280,20 @@ void pf_conn_close(pf_conn *c) {
     free(c);
 }
 
-static int conn_new(pf_domain *d, struct fi_info *info, pf_conn **out) {
+/* A connection object: an endpoint on info with its completion queue, and an event queue
+ * (connected: rdm = 0) or an address vector (reliable datagram: rdm = 1). The completion queue
+ * has a wait object: a thread waiting on it (fi_cq_sread) drives the provider's progress for a
+ * software provider, and sleeps until something completes. */
+static int conn_new(pf_domain *d, struct fi_info *info, int rdm, pf_conn **out) {
     pf_conn *c = calloc(1, sizeof *c);
     if (!c) return -FI_ENOMEM;
     c->peer = FI_ADDR_UNSPEC;
-    /* A wait object: a thread waiting on the queue (fi_cq_sread) drives the provider's progress
-     * for a software provider, and sleeps until something completes. */
     struct fi_cq_attr cq_attr = {.size = 0, .format = FI_CQ_FORMAT_CONTEXT, .wait_obj = FI_WAIT_UNSPEC};
-    int rc = open_eq(d, &c->eq);
+    struct fi_av_attr av_attr = {.type = FI_AV_TABLE, .count = 4};
+    int rc = rdm ? fi_av_open(d->domain, &av_attr, &c->av, NULL) : open_eq(d, &c->eq);
     if (!rc) rc = fi_cq_open(d->domain, &cq_attr, &c->cq, NULL);
     if (!rc) rc = fi_endpoint(d->domain, info, &c->ep, NULL);
-    if (!rc) rc = fi_ep_bind(c->ep, &c->eq->fid, 0);
+    if (!rc) rc = rdm ? fi_ep_bind(c->ep, &c->av->fid, 0) : fi_ep_bind(c->ep, &c->eq->fid, 0);
     if (!rc) rc = fi_ep_bind(c->ep, &c->cq->fid, FI_TRANSMIT | FI_RECV);
     if (!rc) rc = fi_enable(c->ep);
     if (rc) {
@@ -331,7 +334,7 @@ int pf_accept(pf_listener *l, pf_conn_req *req, int timeout_ms, pf_conn **out, c
     *out = NULL;
     pf_conn *c = NULL;
     req->info->domain_attr->mr_mode |= PF_MR_MODE;
-    int rc = conn_new(l->dom, req->info, &c);
+    int rc = conn_new(l->dom, req->info, 0, &c);
     if (!rc) rc = fi_accept(c->ep, NULL, 0);
     if (rc) say(err, n, "accepting a connection: %s", p_strerror(-rc));
     if (!rc) rc = await_connected(c, timeout_ms, err, n);
@@ -359,7 +362,7 @@ int pf_connect(pf_domain *d, const void *name, size_t namelen, const void *data,
     memcpy(info->dest_addr, name, namelen);
     info->dest_addrlen = namelen;
     pf_conn *c = NULL;
-    int rc = conn_new(d, info, &c);
+    int rc = conn_new(d, info, 0, &c);
     p_freeinfo(info);
     if (rc) {
         say(err, n, "opening an endpoint: %s", p_strerror(-rc));
@@ -376,32 +379,11 @@ int pf_connect(pf_domain *d, const void *name, size_t namelen, const void *data,
     return 0;
 }
 
-/* A reliable datagram endpoint: its completion queue and address vector, bound and enabled. */
-static int rdm_new(pf_domain *d, pf_conn **out) {
-    pf_conn *c = calloc(1, sizeof *c);
-    if (!c) return -FI_ENOMEM;
-    c->peer = FI_ADDR_UNSPEC;
-    struct fi_cq_attr cq_attr = {.size = 0, .format = FI_CQ_FORMAT_CONTEXT, .wait_obj = FI_WAIT_UNSPEC};
-    struct fi_av_attr av_attr = {.type = FI_AV_TABLE, .count = 4};
-    int rc = fi_cq_open(d->domain, &cq_attr, &c->cq, NULL);
-    if (!rc) rc = fi_av_open(d->domain, &av_attr, &c->av, NULL);
-    if (!rc) rc = fi_endpoint(d->domain, d->info, &c->ep, NULL);
-    if (!rc) rc = fi_ep_bind(c->ep, &c->av->fid, 0);
-    if (!rc) rc = fi_ep_bind(c->ep, &c->cq->fid, FI_TRANSMIT | FI_RECV);
-    if (!rc) rc = fi_enable(c->ep);
-    if (rc) {
-        pf_conn_close(c);
-        return rc;
-    }
-    *out = c;
-    return 0;
-}
-
 /* Opens a reliable datagram endpoint that peers write to (D); its address goes into name. */
 int pf_rdm_open(pf_domain *d, pf_conn **out, void *name, size_t *namelen, char *err, size_t n) {
     *out = NULL;
     pf_conn *c = NULL;
-    int rc = rdm_new(d, &c);
+    int rc = conn_new(d, d->info, 1, &c);
     if (!rc) {
         rc = fi_getname(&c->ep->fid, name, namelen);
         if (rc) pf_conn_close(c);
@@ -419,7 +401,7 @@ int pf_rdm_open(pf_domain *d, pf_conn **out, void *name, size_t *namelen, char *
 int pf_rdm_reach(pf_domain *d, const void *name, size_t namelen, pf_conn **out, char *err, size_t n) {
     *out = NULL;
     pf_conn *c = NULL;
-    int rc = rdm_new(d, &c);
+    int rc = conn_new(d, d->info, 1, &c);
     if (rc) {
         say(err, n, "opening a reliable datagram endpoint: %s", p_strerror(-rc));
         return rc;

@@ -176,26 +176,38 @@ impl Domain {
     /// Opens a reliable datagram endpoint that peers write to (D's, for one P worker); returns it
     /// with its address.
     pub fn open_datagram(self: &Arc<Self>) -> Result<(Conn, Vec<u8>), RdmaError> {
+        let (ptr, name) = self.open_named("opening a reliable datagram endpoint", ffi::pf_rdm_open)?;
+        Ok((Conn::new(ptr, self.clone()), name))
+    }
+
+    /// Calls `open`, a shim function that opens an endpoint of this domain and writes its
+    /// address: the endpoint and the address.
+    fn open_named<T>(
+        &self,
+        what: &'static str,
+        open: unsafe extern "C" fn(
+            *mut ffi::PfDomain,
+            *mut *mut T,
+            *mut c_void,
+            *mut usize,
+            *mut c_char,
+            usize,
+        ) -> c_int,
+    ) -> Result<(*mut T, Vec<u8>), RdmaError> {
         let mut ptr = std::ptr::null_mut();
         let mut name = vec![0u8; 256];
         let mut namelen = name.len();
         let mut err = [0u8; ERR_LEN];
-        // SAFETY: buffers sized as given; `ptr` written on success.
+        // SAFETY: `open` is a shim function of this signature; the domain is alive (self); the
+        // buffers are sized as given; `ptr` is written on success.
         let rc = unsafe {
-            ffi::pf_rdm_open(
-                self.ptr,
-                &mut ptr,
-                name.as_mut_ptr().cast(),
-                &mut namelen,
-                err.as_mut_ptr().cast(),
-                err.len(),
-            )
+            open(self.ptr, &mut ptr, name.as_mut_ptr().cast(), &mut namelen, err.as_mut_ptr().cast(), err.len())
         };
         if rc != 0 || ptr.is_null() {
-            return Err(fail("opening a reliable datagram endpoint", rc, &err));
+            return Err(fail(what, rc, &err));
         }
-        name.truncate(namelen);
-        Ok((Conn::new(ptr, self.clone()), name))
+        name.truncate(namelen.min(name.len()));
+        Ok((ptr, name))
     }
 
     /// A reliable datagram endpoint that writes to the one named `name` (P's, for one D
@@ -216,25 +228,7 @@ impl Domain {
 
     /// Listens for connections on this domain's interface (any port).
     pub fn listen(self: &Arc<Self>) -> Result<Listener, RdmaError> {
-        let mut ptr = std::ptr::null_mut();
-        let mut name = vec![0u8; 256];
-        let mut namelen = name.len();
-        let mut err = [0u8; ERR_LEN];
-        // SAFETY: buffers sized as given; `ptr` written on success.
-        let rc = unsafe {
-            ffi::pf_listen(
-                self.ptr,
-                &mut ptr,
-                name.as_mut_ptr().cast(),
-                &mut namelen,
-                err.as_mut_ptr().cast(),
-                err.len(),
-            )
-        };
-        if rc != 0 || ptr.is_null() {
-            return Err(fail("listening", rc, &err));
-        }
-        name.truncate(namelen);
+        let (ptr, name) = self.open_named("listening", ffi::pf_listen)?;
         Ok(Listener { ptr, name, domain: self.clone() })
     }
 
