@@ -104,7 +104,8 @@ pub struct ExtraConfig {
     /// writes only, on the software `tcp` provider where no NIC's opens; a wheel built with the
     /// `rdma` feature).
     pub transport: Option<String>,
-    /// The libfabric provider for RDMA (`verbs`, `tcp`); default a NIC's when one opens.
+    /// The libfabric provider for RDMA (`verbs`, `efa`, `tcp`; `tcp;ofi_rxm` for `efa`'s datagram
+    /// endpoints in software); default a NIC's when one opens.
     pub rdma_provider: Option<String>,
     /// TCP connections one transfer is spread over.
     pub tcp_streams: Option<usize>,
