@@ -22,9 +22,11 @@ stage() {
 # Free space where the build and the virtual environments go, for the notes below.
 free_disk() { df -h . 2>/dev/null | awk 'NR == 2 {print $4}'; }
 avail_kb=$(df -Pk . 2>/dev/null | awk 'NR == 2 {print $4}')
-# A fresh run needs ~16 GB for vLLM's two environments and ~5 GB for the build.
+# A fresh run took 18.7 GB at its peak (docs/commands.md): vLLM's two environments ~13 GB after
+# sharing, the build ~5 GB. Said first, so that a run that fills the disk says so up front.
+echo "disk: $(free_disk) free at the start" >&2
 if [ -n "$avail_kb" ] && [ "$avail_kb" -lt $((22 * 1024 * 1024)) ]; then
-  echo "note: only $(free_disk) free on this disk; a fresh run needs ~21 GB (vLLM's environments ~13 GB after sharing, the build ~5 GB)" >&2
+  echo "note: only $(free_disk) free on this disk; a fresh run needs ~19 GB (vLLM's environments ~13 GB after sharing, the build ~5 GB) and fails with 'No space left on device' below that" >&2
 fi
 
 log=$(mktemp)
