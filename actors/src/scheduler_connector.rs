@@ -13,6 +13,7 @@
 //! pull is in flight is named in `reqs_to_abort`, so the worker cancels the pull at once.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::time::Instant;
 
 use kameo::prelude::*;
 pub use pdflow_messages::kv_groups::prefill_backoff;
@@ -27,6 +28,9 @@ use pdflow_messages::{BlockId, EngineId, RequestId, TransferId};
 use pdflow_observability::{attrs, step_span, steps, Outcome};
 
 use crate::ActorError;
+
+mod in_flight;
+pub use in_flight::{InFlightPrefixes, MAX_WAIT as MAX_WAIT_FOR_IN_FLIGHT_LOAD};
 
 /// Which side of the disaggregation an engine is (vLLM's `kv_role`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -92,6 +96,8 @@ pub struct SchedulerConnector {
     reqs_to_abort: BTreeSet<RequestId>,
     /// D: requests whose pull was issued and has not settled.
     recv_in_flight: BTreeSet<RequestId>,
+    /// D: the prompt blocks being loaded, so that a request sharing them waits for them.
+    in_flight: InFlightPrefixes,
     traceparents: BTreeMap<RequestId, String>,
 }
 
@@ -114,6 +120,7 @@ impl Actor for SchedulerConnector {
             reqs_not_processed: BTreeSet::new(),
             reqs_to_abort: BTreeSet::new(),
             recv_in_flight: BTreeSet::new(),
+            in_flight: InFlightPrefixes::default(),
             traceparents: BTreeMap::new(),
         })
     }
@@ -176,7 +183,9 @@ impl Message<OnNewRequest> for SchedulerConnector {
 impl Message<GetNumNewMatchedTokens> for SchedulerConnector {
     type Reply = Result<MatchedTokens, ActorError>;
 
-    /// Seed step 17: a D request loads the rest of its prompt from P, asynchronously.
+    /// Seed step 17: a D request loads the rest of its prompt from P, asynchronously; not yet
+    /// while the first block it would load is being loaded for another request
+    /// ([`InFlightPrefixes`]).
     async fn handle(&mut self, msg: GetNumNewMatchedTokens, _ctx: &mut Context<Self, Self::Reply>) -> Self::Reply {
         Ok(match role_of(&msg.request) {
             TransferRole::Decode { .. } if self.role.consumes() => {
@@ -190,15 +199,24 @@ impl Message<GetNumNewMatchedTokens> for SchedulerConnector {
                 let prompt = msg.request.prompt_len.saturating_sub(prefill_backoff(&self.groups));
                 let missing = prompt.saturating_sub(msg.num_computed_tokens);
                 let count = if missing <= 1 && !self.hybrid() { 0 } else { missing };
-                self.local_hits.insert(msg.request.request_id.clone(), msg.num_computed_tokens);
-                MatchedTokens { count, load_async: count > 0 }
+                // Only a request whose P still prefills waits (the wait overlaps P's work); a
+                // hybrid model's groups key their blocks apart: no waiting there.
+                let may_wait =
+                    !self.hybrid() && msg.request.kv_transfer_params.as_ref().is_some_and(|p| p.prefill_in_flight);
+                let hashes = if may_wait { msg.block_hashes } else { Default::default() };
+                let id = &msg.request.request_id;
+                if count > 0 && self.in_flight.waits(id, msg.num_computed_tokens, &hashes, Instant::now()) {
+                    return Ok(MatchedTokens::not_yet());
+                }
+                self.local_hits.insert(id.clone(), msg.num_computed_tokens);
+                MatchedTokens::tokens(count)
             }
             TransferRole::Decode { .. } => {
                 tracing::warn!(request_id = %msg.request.request_id, engine_id = %self.engine_id,
                     "do_remote_prefill request on a kv_producer engine: prefilling locally");
-                MatchedTokens { count: 0, load_async: false }
+                MatchedTokens::none()
             }
-            _ => MatchedTokens { count: 0, load_async: false },
+            _ => MatchedTokens::none(),
         })
     }
 }
@@ -221,6 +239,7 @@ impl Message<UpdateStateAfterAlloc> for SchedulerConnector {
                     if msg.num_external_tokens > 0 { self.to_load(msg.block_ids, hit) } else { GroupBlocks::default() };
                 if !local_block_ids.is_empty() {
                     self.recv_in_flight.insert(request.request_id.clone());
+                    self.in_flight.started(&request.request_id);
                 }
                 self.reqs_need_recv.insert(
                     request.request_id.clone(),
@@ -257,6 +276,7 @@ impl Message<BuildConnectorMeta> for SchedulerConnector {
 
     /// Seed steps 13, 18, 26: everything recorded since the last step, then cleared.
     async fn handle(&mut self, msg: BuildConnectorMeta, _ctx: &mut Context<Self, Self::Reply>) -> Self::Reply {
+        self.in_flight.step_built();
         let reqs_to_save = self.reqs_to_save(msg.scheduled);
         let reqs_to_send = std::mem::take(&mut self.reqs_need_send);
         let mut reqs_to_recv: BTreeMap<_, BTreeMap<_, _>> = BTreeMap::new();
@@ -334,6 +354,7 @@ impl SchedulerConnector {
         let request = with_transfer_named(msg.request);
         self.streaming.remove(&request.request_id);
         self.local_hits.remove(&request.request_id);
+        self.in_flight.finished(&request.request_id);
         let no_delay = RequestFinishedReply { delay_free_blocks: false, kv_transfer_params: None };
         let Some(params) = request.kv_transfer_params.as_ref() else { return no_delay };
         if params.do_remote_prefill && self.role.consumes() {
@@ -462,6 +483,7 @@ impl Message<UpdateConnectorOutput> for SchedulerConnector {
             self.join_trace(&span, req_id);
             Outcome::Received.record(&span);
             self.recv_in_flight.remove(req_id);
+            self.in_flight.settled(req_id);
             self.reqs_to_abort.remove(req_id);
             self.traceparents.remove(req_id);
         }
@@ -470,6 +492,7 @@ impl Message<UpdateConnectorOutput> for SchedulerConnector {
             self.join_trace(&span, req_id);
             Outcome::Failed(failure.cause.label()).record(&span);
             self.recv_in_flight.remove(req_id);
+            self.in_flight.settled(req_id);
             self.reqs_to_abort.remove(req_id);
             self.traceparents.remove(req_id);
         }

@@ -24,6 +24,12 @@ pub struct KvTransferParams {
     /// W3C trace context of the client request, so that P's and D's spans join one trace.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub traceparent: Option<String>,
+    /// D's request was sent while P still prefills (pdflow's proxy sends both at once): D may hold
+    /// it while another request's load of the same prompt blocks is in flight, since it waits for
+    /// P anyway, and then load only the rest. Absent (a proxy that calls D after P answered): D
+    /// never holds it.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub prefill_in_flight: bool,
     /// Keys pdflow does not know, kept as they came.
     #[serde(flatten)]
     pub extra: serde_json::Map<String, serde_json::Value>,

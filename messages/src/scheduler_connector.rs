@@ -52,13 +52,47 @@ pub struct OnNewRequest {
 pub struct GetNumNewMatchedTokens {
     pub request: SchedRequest,
     pub num_computed_tokens: usize,
+    /// The prompt's full blocks as the engine's prefix cache keys them; empty when not known (D
+    /// then never waits for a load of the same blocks already in flight).
+    #[serde(default)]
+    pub block_hashes: PromptBlockHashes,
 }
 
-/// Reply of [`GetNumNewMatchedTokens`]: vLLM's `(count, load_kv_async)`.
+/// A prompt's full blocks, as the engine's prefix cache keys them: one 64-bit form of each block's
+/// hash (stable within the engine), in prompt order, and the tokens a block holds.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PromptBlockHashes {
+    pub block_size: usize,
+    pub hashes: Vec<u64>,
+}
+
+/// Reply of [`GetNumNewMatchedTokens`]: vLLM's `(count, load_kv_async)`, or its `None` (`not_yet`:
+/// not schedulable this step, ask again on a later one).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct MatchedTokens {
     pub count: usize,
     pub load_async: bool,
+    /// D: the blocks this request would load are being loaded for another request on this engine;
+    /// once they land they are in the prefix cache, and this request loads only the rest.
+    #[serde(default)]
+    pub not_yet: bool,
+}
+
+impl MatchedTokens {
+    /// `count` tokens from outside, loaded asynchronously when there are any.
+    pub fn tokens(count: usize) -> Self {
+        Self { count, load_async: count > 0, not_yet: false }
+    }
+
+    /// Nothing from outside: the engine computes the prompt itself.
+    pub fn none() -> Self {
+        Self { count: 0, load_async: false, not_yet: false }
+    }
+
+    /// Not schedulable this step (vLLM's `None`).
+    pub fn not_yet() -> Self {
+        Self { count: 0, load_async: false, not_yet: true }
+    }
 }
 
 /// Hook: blocks were allocated for a request (steps 12 and 17).

@@ -34,6 +34,7 @@ pub fn params_from_dict(d: &Bound<'_, PyDict>) -> PyResult<KvTransferParams> {
         remote_bootstrap_addr: opt_string(d, "remote_bootstrap_addr")?,
         remote_engine_id: opt_string(d, "remote_engine_id")?,
         traceparent: opt_string(d, "traceparent")?,
+        prefill_in_flight: flag(d, "prefill_in_flight")?,
         extra: serde_json::Map::new(),
     })
 }

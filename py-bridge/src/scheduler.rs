@@ -15,7 +15,7 @@ use pdflow_messages::frame;
 use pdflow_messages::kv_groups::{BlockSpan, GroupBlocks, KvGroupKind, KvGroupSpec};
 use pdflow_messages::scheduler_connector::{
     BuildConnectorMeta, ConnectorOutput, FinishStatus, GetNumNewMatchedTokens, LoadFailure, LoadFailureCause,
-    OnNewRequest, RequestFinished, ScheduledChunk, UpdateConnectorOutput, UpdateStateAfterAlloc,
+    OnNewRequest, PromptBlockHashes, RequestFinished, ScheduledChunk, UpdateConnectorOutput, UpdateStateAfterAlloc,
 };
 use pdflow_messages::BlockId;
 use pdflow_node::supervisor::{NodeSupervisor, MAX_RESTARTS, RESTART_WINDOW};
@@ -163,8 +163,12 @@ impl SchedulerBridge {
         .map_err(PyErr::from)
     }
 
-    /// Step 17: `(count, load_async)` — a D request loads `prompt − computed` tokens from P.
-    #[pyo3(signature = (request_id, num_prompt_tokens, num_computed_tokens, kv_transfer_params))]
+    /// Step 17: `(count, load_async)` — a D request loads `prompt − computed` tokens from P;
+    /// `(None, False)` while the first block it would load is being loaded for another request
+    /// (`block_hashes`: the prompt's full blocks as the prefix cache keys them, one 64-bit form of
+    /// each, `block_size` tokens a block; empty: never wait).
+    #[pyo3(signature = (request_id, num_prompt_tokens, num_computed_tokens, kv_transfer_params, block_hashes=Vec::new(), block_size=0))]
+    #[allow(clippy::too_many_arguments)]
     fn get_num_new_matched_tokens(
         &self,
         py: Python<'_>,
@@ -172,12 +176,20 @@ impl SchedulerBridge {
         num_prompt_tokens: usize,
         num_computed_tokens: usize,
         kv_transfer_params: Option<Bound<'_, PyDict>>,
-    ) -> PyResult<(usize, bool)> {
+        block_hashes: Vec<i64>,
+        block_size: usize,
+    ) -> PyResult<(Option<usize>, bool)> {
         let request = sched_request(request_id, num_prompt_tokens, kv_transfer_params.as_ref())?;
+        // Python's hash of a block hash, as its 64 bits.
+        let hashes = block_hashes.into_iter().map(|h| h as u64).collect();
+        let block_hashes = PromptBlockHashes { block_size, hashes };
         let m = py.detach(|| {
-            self.ask("get_num_new_matched_tokens", GetNumNewMatchedTokens { request, num_computed_tokens })
+            self.ask(
+                "get_num_new_matched_tokens",
+                GetNumNewMatchedTokens { request, num_computed_tokens, block_hashes },
+            )
         })?;
-        Ok((m.count, m.load_async))
+        Ok(if m.not_yet { (None, false) } else { (Some(m.count), m.load_async) })
     }
 
     /// Steps 11 and 16: a request arrived; returns why its `kv_transfer_params` cannot be served

@@ -18,6 +18,7 @@ from vllm_harness import (
     free_blocks,
     kv_output,
     p_params,
+    prompt_tokens,
     request,
     scheduler,
     vllm_config,
@@ -163,6 +164,90 @@ def test_decode_waits_for_remote_kv_then_computes_one_token_and_decodes_128():
         assert steps < 200
     assert len(r.output_token_ids) == 128
     assert run.finished[r.request_id].finish_reason is not None
+    assert free_blocks(s) == baseline
+
+
+def while_p_prefills(transfer_id: str) -> dict:
+    """D's parameters as pdflow's proxy writes them: sent while P still prefills."""
+    return {**d_params(transfer_id), "prefill_in_flight": True}
+
+
+def two_sharing_a_prefix(s, params):
+    """Two D requests on one 640-token prefix (40 blocks of 16), added together."""
+    shared = prompt_tokens(640, 1)
+    first = request(params("xfer-first"), max_tokens=2, prompt_token_ids=shared + prompt_tokens(360, 2))
+    second = request(params("xfer-second"), max_tokens=2, prompt_token_ids=shared + prompt_tokens(360, 3))
+    s.add_request(first)
+    s.add_request(second)
+    return first, second, Runner(s)
+
+
+def run_until_finished(run, n: int) -> None:
+    for _ in range(50):
+        if len(run.finished) >= n:
+            return
+        run.step()
+    raise AssertionError(f"{len(run.finished)} of {n} requests finished in 50 steps")
+
+
+def test_decode_sharing_a_prefix_in_flight_waits_for_it_then_loads_only_the_rest():
+    # Two D requests on one 640-token prefix (40 blocks) arrive together: the second pulls only
+    # its own 23 blocks, after the first's KV landed in D's prefix cache.
+    s, baseline = consumer()
+    first, second, run = two_sharing_a_prefix(s, while_p_prefills)
+    out, meta = run.step()
+    assert first.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert len(meta.reqs_to_recv["p-engine"][first.request_id]["local_block_ids"]) == SEED_BLOCKS
+    assert second.status == RequestStatus.WAITING, "its first block is in flight for the first request"
+    assert second.request_id not in meta.reqs_to_recv.get("p-engine", {})
+    for _ in range(3):
+        out, meta = run.step()
+        assert second.status == RequestStatus.WAITING and not meta.reqs_to_recv
+    run.step(kv_output(recving=[first.request_id]))
+    pulls = {}
+    for _ in range(3):
+        out, meta = run.step()
+        pulls.update(meta.reqs_to_recv.get("p-engine", {}))
+    assert second.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert len(pulls[second.request_id]["local_block_ids"]) == SEED_BLOCKS - 40, "the shared 40 blocks are D's own now"
+    run.step(kv_output(recving=[second.request_id]))
+    run_until_finished(run, 2)
+    s.reset_prefix_cache()
+    assert free_blocks(s) == baseline
+
+
+def test_decode_whose_shared_prefix_load_failed_loads_it_itself():
+    # The first load fails: nothing was cached, so the second request pulls its whole prompt.
+    s, baseline = consumer()
+    first, second, run = two_sharing_a_prefix(s, while_p_prefills)
+    run.step()
+    assert second.status == RequestStatus.WAITING
+    run.step(kv_output(recving=[first.request_id], failed=[first.request_id]))
+    assert first.status == RequestStatus.FINISHED_ERROR
+    pulls = {}
+    for _ in range(3):
+        out, meta = run.step()
+        pulls.update(meta.reqs_to_recv.get("p-engine", {}))
+    assert len(pulls[second.request_id]["local_block_ids"]) == SEED_BLOCKS
+    run.step(kv_output(recving=[second.request_id]))
+    run_until_finished(run, 2)
+    run.step()
+    s.reset_prefix_cache()
+    assert free_blocks(s) == baseline
+
+
+def test_decode_asked_after_p_answered_never_waits_for_a_shared_load():
+    # A proxy that calls D once P answered (vLLM's router, its toy proxy): P's KV is ready, and a
+    # wait would add to the time to first token; both requests pull at once.
+    s, baseline = consumer()
+    first, second, run = two_sharing_a_prefix(s, d_params)
+    out, meta = run.step()
+    pulls = meta.reqs_to_recv["p-engine"]
+    assert len(pulls[first.request_id]["local_block_ids"]) == SEED_BLOCKS
+    assert len(pulls[second.request_id]["local_block_ids"]) == SEED_BLOCKS
+    run.step(kv_output(recving=[first.request_id, second.request_id]))
+    run_until_finished(run, 2)
+    s.reset_prefix_cache()
     assert free_blocks(s) == baseline
 
 

@@ -97,13 +97,14 @@ def request(
     max_tokens: int = 1,
     request_id: Optional[str] = None,
     salt: Optional[int] = None,
+    prompt_token_ids: Optional[list[int]] = None,
 ) -> Request:
     n = next(_ids)
     sp = SamplingParams(max_tokens=max_tokens, extra_args={"kv_transfer_params": kv_transfer_params} if kv_transfer_params is not None else None)
     sp.update_from_generation_config({}, EOS)
     req = Request(
         request_id=request_id or f"req-{n}",
-        prompt_token_ids=prompt_tokens(prompt_len, salt if salt is not None else n),
+        prompt_token_ids=prompt_token_ids or prompt_tokens(prompt_len, salt if salt is not None else n),
         sampling_params=sp,
         pooling_params=None,
         block_hasher=get_request_block_hasher(BLOCK_SIZE, sha256),

@@ -1,6 +1,8 @@
 //! SchedulerConnector tests: its producer (P) and consumer (D) hooks asked directly, in the order
 //! vLLM's scheduler calls them.
 
+use pdflow_messages::scheduler_connector::PromptBlockHashes;
+
 use super::*;
 
 fn p_request(id: &str) -> SchedRequest {
@@ -23,6 +25,12 @@ fn d_request(id: &str) -> SchedRequest {
         )),
         traceparent: Some("00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01".into()),
     }
+}
+
+/// `get_num_new_matched_tokens` for `request` with `hit` tokens in D's prefix cache, its block
+/// hashes unknown.
+fn asked(request: SchedRequest, hit: usize) -> GetNumNewMatchedTokens {
+    GetNumNewMatchedTokens { request, num_computed_tokens: hit, block_hashes: PromptBlockHashes::default() }
 }
 
 async fn spawn(role: KvRole) -> ActorRef<SchedulerConnector> {
@@ -55,32 +63,17 @@ async fn on_new_request_names_params_this_engine_cannot_serve() {
 #[tokio::test]
 async fn get_num_new_matched_tokens_follows_the_role() {
     let d = spawn(KvRole::Consumer).await;
-    let m = d
-        .ask(GetNumNewMatchedTokens { request: d_request("d1"), num_computed_tokens: 0 })
-        .await
-        .expect("ask delivered");
-    assert_eq!(m, MatchedTokens { count: 1000, load_async: true });
-    let m = d
-        .ask(GetNumNewMatchedTokens { request: d_request("d1"), num_computed_tokens: 1000 })
-        .await
-        .expect("ask delivered");
-    assert_eq!(m, MatchedTokens { count: 0, load_async: false });
-    let m = d
-        .ask(GetNumNewMatchedTokens { request: d_request("d1"), num_computed_tokens: 998 })
-        .await
-        .expect("ask delivered");
-    assert_eq!(m, MatchedTokens { count: 2, load_async: true });
+    let m = d.ask(asked(d_request("d1"), 0)).await.expect("ask delivered");
+    assert_eq!(m, MatchedTokens::tokens(1000));
+    let m = d.ask(asked(d_request("d1"), 1000)).await.expect("ask delivered");
+    assert_eq!(m, MatchedTokens::none());
+    let m = d.ask(asked(d_request("d1"), 998)).await.expect("ask delivered");
+    assert_eq!(m, MatchedTokens::tokens(2));
     let p = spawn(KvRole::Producer).await;
-    let m = p
-        .ask(GetNumNewMatchedTokens { request: p_request("p1"), num_computed_tokens: 0 })
-        .await
-        .expect("ask delivered");
-    assert_eq!(m, MatchedTokens { count: 0, load_async: false });
+    let m = p.ask(asked(p_request("p1"), 0)).await.expect("ask delivered");
+    assert_eq!(m, MatchedTokens::none());
     // A D request on a producer prefills locally instead of loading.
-    let m = p
-        .ask(GetNumNewMatchedTokens { request: d_request("d2"), num_computed_tokens: 0 })
-        .await
-        .expect("ask delivered");
+    let m = p.ask(asked(d_request("d2"), 0)).await.expect("ask delivered");
     assert!(!m.load_async);
 }
 
@@ -147,11 +140,8 @@ async fn layer_wise_p_names_each_step_s_prefill_chunks_in_reqs_to_save_until_it_
 async fn a_prefix_hit_of_all_but_the_last_prompt_token_loads_nothing_and_frees_p() {
     // vLLM recomputes the last prompt token after any load; its KV is never pulled.
     let d = spawn(KvRole::Consumer).await;
-    let m = d
-        .ask(GetNumNewMatchedTokens { request: d_request("d1"), num_computed_tokens: 999 })
-        .await
-        .expect("ask delivered");
-    assert_eq!(m, MatchedTokens { count: 0, load_async: false });
+    let m = d.ask(asked(d_request("d1"), 999)).await.expect("ask delivered");
+    assert_eq!(m, MatchedTokens::none());
     let updated = d
         .ask(UpdateStateAfterAlloc { request: d_request("d1"), block_ids: (0..63).collect(), num_external_tokens: 0 })
         .await
@@ -322,13 +312,13 @@ fn span(first: Option<u32>, ids: &[BlockId]) -> BlockSpan {
 async fn a_hybrid_model_moves_each_group_s_blocks_and_d_computes_the_last_prompt_token() {
     let d = spawn_hybrid(KvRole::Consumer).await;
     // D loads all but the last prompt token, even when its prefix cache holds every other one.
-    let m = d.ask(GetNumNewMatchedTokens { request: d_request("d1"), num_computed_tokens: 998 }).await.expect("asked");
-    assert_eq!(m, MatchedTokens { count: 1, load_async: true });
-    let m = d.ask(GetNumNewMatchedTokens { request: d_request("d1"), num_computed_tokens: 999 }).await.expect("asked");
-    assert_eq!(m, MatchedTokens { count: 0, load_async: false });
+    let m = d.ask(asked(d_request("d1"), 998)).await.expect("asked");
+    assert_eq!(m, MatchedTokens::tokens(1));
+    let m = d.ask(asked(d_request("d1"), 999)).await.expect("asked");
+    assert_eq!(m, MatchedTokens::none());
     // Its prefix cache holds 32 tokens (2 blocks), the rest loads.
-    let m = d.ask(GetNumNewMatchedTokens { request: d_request("d1"), num_computed_tokens: 32 }).await.expect("asked");
-    assert_eq!(m, MatchedTokens { count: 967, load_async: true });
+    let m = d.ask(asked(d_request("d1"), 32)).await.expect("asked");
+    assert_eq!(m, MatchedTokens::tokens(967));
     // 999 tokens are 63 blocks of 16; the window keeps cdiv(64, 16) + 1 = 5 of them.
     let sliding: Vec<BlockId> = (0..63).map(|i| if i < 57 { 0 } else { 500 + i }).collect();
     let blocks = GroupBlocks(vec![
@@ -370,4 +360,61 @@ async fn a_hybrid_model_moves_each_group_s_blocks_and_d_computes_the_last_prompt
     assert_eq!(dst, pull.flat());
     let want: Vec<BlockId> = (3..64).chain(358..363).chain([701]).collect();
     assert_eq!(src, want);
+}
+
+#[tokio::test]
+async fn a_d_request_sharing_a_prefix_in_flight_waits_for_it_and_then_loads_only_the_rest() {
+    // 1000 tokens in blocks of 100: d1 and d2 share the first 6 blocks.
+    let d = spawn(KvRole::Consumer).await;
+    let hashes =
+        |tail: u64| PromptBlockHashes { block_size: 100, hashes: vec![1, 2, 3, 4, 5, 6, tail, tail + 1, tail + 2] };
+    let in_flight = |id: &'static str| {
+        let mut r = d_request(id);
+        if let Some(p) = r.kv_transfer_params.as_mut() {
+            p.prefill_in_flight = true;
+        }
+        r
+    };
+    let ask = |id: &'static str, hit: usize, tail: u64| GetNumNewMatchedTokens {
+        request: in_flight(id),
+        num_computed_tokens: hit,
+        block_hashes: hashes(tail),
+    };
+    let alloc = |id: &'static str, blocks: Vec<u32>, external: usize| UpdateStateAfterAlloc {
+        request: in_flight(id),
+        block_ids: blocks.into(),
+        num_external_tokens: external,
+    };
+    assert_eq!(d.ask(ask("d1", 0, 10)).await.expect("asked"), MatchedTokens::tokens(1000));
+    d.ask(alloc("d1", (0..10).collect(), 1000)).await.expect("allocated");
+    d.ask(BuildConnectorMeta::default()).await.expect("built");
+    // d2 arrives while d1's KV is in flight: not yet, on every step until d1's blocks are cached.
+    assert_eq!(d.ask(ask("d2", 0, 20)).await.expect("asked"), MatchedTokens::not_yet());
+    d.ask(BuildConnectorMeta::default()).await.expect("built");
+    assert_eq!(d.ask(ask("d2", 0, 20)).await.expect("asked"), MatchedTokens::not_yet());
+    // Asked after P answered (a proxy that calls D then), a request never waits: nothing would
+    // hide the wait.
+    let after_p = GetNumNewMatchedTokens { request: d_request("d5"), num_computed_tokens: 0, block_hashes: hashes(50) };
+    assert_eq!(d.ask(after_p).await.expect("asked"), MatchedTokens::tokens(1000));
+    let received = ConnectorOutput { finished_recving: ["d1".into()].into(), ..Default::default() };
+    d.ask(UpdateConnectorOutput { output: received }).await.expect("reported");
+    // The schedule that resumes d1 (and caches its blocks) may ask about d2 first.
+    assert_eq!(d.ask(ask("d2", 0, 20)).await.expect("asked"), MatchedTokens::not_yet());
+    d.ask(BuildConnectorMeta::default()).await.expect("built");
+    // Next step: D's prefix cache holds the six shared blocks; d2 loads the other 400 tokens.
+    assert_eq!(d.ask(ask("d2", 600, 20)).await.expect("asked"), MatchedTokens::tokens(400));
+    // (vLLM offers a dense model's load only the blocks its prefix cache did not fill.)
+    d.ask(alloc("d2", (26..30).collect(), 400)).await.expect("allocated");
+    let meta = d.ask(BuildConnectorMeta::default()).await.expect("built");
+    let pull = &meta.reqs_to_recv["p-engine"]["d2"];
+    assert_eq!(pull.local_block_ids, GroupBlocks::from(vec![26, 27, 28, 29]), "only the blocks past the shared six");
+    // A request whose first missing block is in flight for nobody never waits.
+    assert_eq!(d.ask(ask("d3", 0, 30)).await.expect("asked"), MatchedTokens::tokens(1000));
+    let mut other = hashes(40);
+    other.hashes[0] = 99;
+    let m = d
+        .ask(GetNumNewMatchedTokens { request: in_flight("d4"), num_computed_tokens: 0, block_hashes: other })
+        .await
+        .expect("asked");
+    assert_eq!(m, MatchedTokens::tokens(1000));
 }

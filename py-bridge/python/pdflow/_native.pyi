@@ -62,8 +62,14 @@ class SchedulerConnector:
     ) -> Optional[str]: ...
     def prefill_backoff(self, kv_transfer_params: Optional[dict[str, Any]]) -> int: ...
     def get_num_new_matched_tokens(
-        self, request_id: str, num_prompt_tokens: int, num_computed_tokens: int, kv_transfer_params: Optional[dict[str, Any]]
-    ) -> tuple[int, bool]: ...
+        self,
+        request_id: str,
+        num_prompt_tokens: int,
+        num_computed_tokens: int,
+        kv_transfer_params: Optional[dict[str, Any]],
+        block_hashes: list[int] = ...,
+        block_size: int = ...,
+    ) -> tuple[Optional[int], bool]: ...
     def update_state_after_alloc(
         self,
         request_id: str,

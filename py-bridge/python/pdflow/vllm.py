@@ -276,6 +276,9 @@ class PdflowConnector(KVConnectorBase_V1, SupportsHMA):
             refusal = _hybrid_refusal(self._kv_groups, vllm_config, self._layerwise)
             if refusal is not None:
                 raise ConfigError(refusal)
+        # The tokens of a block as the prefix cache hashes them (a dense model's block size).
+        cache_config = getattr(vllm_config, "cache_config", None)
+        self._hash_block_size = int(getattr(cache_config, "block_size", 0) or 0)
         self._scheduler: Optional[_native.SchedulerConnector] = None
         self._worker: Optional[_native.WorkerConnector] = None
         self._blocks: dict[str, list[int]] = {}
@@ -305,9 +308,25 @@ class PdflowConnector(KVConnectorBase_V1, SupportsHMA):
             raise RuntimeError("a scheduler hook was called on the worker-role PdflowConnector")
         return self._scheduler
 
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[Optional[int], bool]:
+        params = request.kv_transfer_params
+        hashes: list[int] = []
+        block_size = self._hash_block_size
+        if params and params.get("prefill_in_flight") and self._kv_groups is None and block_size > 0:
+            # The prompt's block hashes (prefix caching on), so that D, asked while P still
+            # prefills, waits for a load of the same blocks already in flight instead of pulling
+            # them twice; a count that does not match the block size (another hashing
+            # granularity) is not used.
+            block_hashes = getattr(request, "block_hashes", None) or []
+            if len(block_hashes) == request.num_prompt_tokens // block_size:
+                hashes = [hash(h) for h in block_hashes]
         return self._sched().get_num_new_matched_tokens(
-            request.request_id, request.num_prompt_tokens, num_computed_tokens, request.kv_transfer_params
+            request.request_id,
+            request.num_prompt_tokens,
+            num_computed_tokens,
+            params,
+            hashes,
+            block_size,
         )
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:

@@ -30,6 +30,7 @@ mod routing;
 mod seed_request;
 mod separate_processes;
 mod serve_flags;
+mod shared_prefix_loads;
 mod streaming;
 mod supervision;
 mod topologies;

@@ -42,7 +42,7 @@ impl SchedulerConnectorPort for TestScheduler {
     ) -> BoxFuture<'_, Result<MatchedTokens, ConnectorError>> {
         let p = msg.request.kv_transfer_params.unwrap_or_default();
         let count = if p.do_remote_prefill { msg.request.prompt_len - msg.num_computed_tokens } else { 0 };
-        Box::pin(async move { Ok(MatchedTokens { count, load_async: count > 0 }) })
+        Box::pin(async move { Ok(MatchedTokens::tokens(count)) })
     }
     fn update_state_after_alloc(
         &self,

@@ -89,7 +89,7 @@ impl SchedulerConnectorPort for LayerWise {
         &self,
         _: GetNumNewMatchedTokens,
     ) -> BoxFuture<'_, Result<MatchedTokens, ConnectorError>> {
-        Box::pin(async { Ok(MatchedTokens { count: 0, load_async: false }) })
+        Box::pin(async { Ok(MatchedTokens::none()) })
     }
     fn update_state_after_alloc(
         &self,

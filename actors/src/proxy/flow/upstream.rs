@@ -96,8 +96,10 @@ pub fn decode_body(
     traceparent: &str,
 ) -> serde_json::Value {
     let mut body = client;
+    // P's request goes out at the same time: D waits for P's KV anyway.
     let params = KvTransferParams {
         traceparent: Some(traceparent.to_owned()),
+        prefill_in_flight: true,
         ..KvTransferParams::for_decode(transfer_id, &route.prefill_bootstrap_addr, &*route.prefill_engine_id)
     };
     body.insert("kv_transfer_params".into(), serde_json::to_value(params).unwrap_or_default());
@@ -223,5 +225,40 @@ fn error_message(body: &[u8]) -> String {
         "(empty body)".to_owned()
     } else {
         text.chars().take(1000).collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use pdflow_messages::proxy::Choice;
+
+    use super::*;
+
+    #[test]
+    fn d_s_body_names_p_and_says_p_still_prefills() {
+        let route = RouteDecision {
+            prefill_index: 0,
+            prefill_url: "http://127.0.0.1:8010".into(),
+            prefill_bootstrap_addr: "http://127.0.0.1:8998".into(),
+            prefill_dp_rank: 0,
+            prefill_engine_id: "p-engine".into(),
+            decode_index: 0,
+            decode_url: "http://127.0.0.1:8020".into(),
+            prefill_choice: Choice::RoundRobin,
+            decode_choice: Choice::RoundRobin,
+            prefill_tokens: 0,
+            decode_tokens: 0,
+            disaggregate: true,
+        };
+        let mut client = serde_json::Map::new();
+        client.insert("prompt".into(), "hello".into());
+        let body = decode_body(client, "xfer-1", &route, "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01");
+        let params = &body["kv_transfer_params"];
+        assert_eq!(params["do_remote_prefill"], true);
+        assert_eq!(params["transfer_id"], "xfer-1");
+        assert_eq!(params["remote_bootstrap_addr"], "http://127.0.0.1:8998");
+        assert_eq!(params["remote_engine_id"], "p-engine");
+        assert_eq!(params["prefill_in_flight"], true, "P's request goes out at the same time");
+        assert_eq!(body["prompt"], "hello");
     }
 }

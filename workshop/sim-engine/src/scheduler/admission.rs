@@ -5,7 +5,9 @@
 //! connector), and the allocation that runs the request (step 12 on P with
 //! `update_state_after_alloc`, step 38 on a resumed D).
 
-use pdflow_messages::scheduler_connector::{FinishStatus, GetNumNewMatchedTokens, UpdateStateAfterAlloc};
+use pdflow_messages::scheduler_connector::{
+    FinishStatus, GetNumNewMatchedTokens, PromptBlockHashes, UpdateStateAfterAlloc,
+};
 use pdflow_messages::BlockId;
 use pdflow_observability::{attrs, steps};
 use tracing::Span;
@@ -94,9 +96,10 @@ impl Scheduler {
         !r.admitted && (blocked || self.pool.num_free() < self.reserved_blocks() + self.worst_blocks(r))
     }
 
-    /// The connector's `get_num_new_matched_tokens`, asked once per request with the tokens its
-    /// local `hit` covers: an asynchronous remote load parks the request (step 17); `None` goes
-    /// on to allocate and run it.
+    /// The connector's `get_num_new_matched_tokens`, asked with the tokens its local `hit` covers
+    /// and the prompt's block hashes, until it answers: an asynchronous remote load parks the
+    /// request (step 17); "not yet" (vLLM's `None`) leaves it waiting for a later step; `None`
+    /// goes on to allocate and run it.
     async fn match_external_tokens(&mut self, id: &str, hit: &[BlockId]) -> Option<WaitingOutcome> {
         let bs = self.config.shape.block_size;
         let Some(r) = self.requests.get_mut(id) else { return Some(WaitingOutcome::Gone) };
@@ -106,8 +109,16 @@ impl Scheduler {
         }
         r.connector_matched = true;
         let num_computed_tokens = r.num_computed_tokens.max(hit.len() * bs);
-        let asked = GetNumNewMatchedTokens { request: r.sched_request(), num_computed_tokens };
+        let block_hashes =
+            PromptBlockHashes { block_size: bs, hashes: r.block_hashes.iter().map(|h| h.external()).collect() };
+        let asked = GetNumNewMatchedTokens { request: r.sched_request(), num_computed_tokens, block_hashes };
         match conn.scheduler.get_num_new_matched_tokens(asked).await {
+            Ok(m) if m.not_yet => {
+                if let Some(r) = self.requests.get_mut(id) {
+                    r.connector_matched = false;
+                }
+                Some(WaitingOutcome::Skip)
+            }
             Err(e) => {
                 self.finish_request(id, FinishStatus::Error, Vec::new(), Some(format!("KV connector failed: {e}")))
                     .await;
