@@ -68,7 +68,7 @@ class SchedulerConnector:
         num_computed_tokens: int,
         kv_transfer_params: Optional[dict[str, Any]],
         block_hashes: list[int] = ...,
-        block_size: int = ...,
+        block_size: int = 0,
     ) -> tuple[Optional[int], bool]: ...
     def update_state_after_alloc(
         self,
