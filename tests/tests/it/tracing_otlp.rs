@@ -1,4 +1,4 @@
-//! Every step a span, one trace per request, across processes (issue: tracing):
+//! Every step a span, one trace per request, across processes:
 //! - `pdflow demo --trace-file` writes a Jaeger JSON upload: the seed request's trace (8–43,
 //!   every parent resolving) and one start-up trace per node, services named per node;
 //! - `pdflow trace render` draws it: 43 numbered bars in 9 lanes, the TTFT parts;
