@@ -30,7 +30,7 @@ use pdflow_observability::{attrs, step_span, steps, Outcome};
 use crate::ActorError;
 
 mod in_flight;
-pub use in_flight::{InFlightPrefixes, MAX_WAIT as MAX_WAIT_FOR_IN_FLIGHT_LOAD};
+use in_flight::InFlightPrefixes;
 
 /// Which side of the disaggregation an engine is (vLLM's `kv_role`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]

@@ -236,11 +236,17 @@ def test_decode_whose_shared_prefix_load_failed_loads_it_itself():
     assert free_blocks(s) == baseline
 
 
-def test_decode_asked_after_p_answered_never_waits_for_a_shared_load():
+@pytest.mark.parametrize("case", ["asked after P answered", "no prefix caching"])
+def test_decode_never_waits_where_a_wait_cannot_pay(case):
     # A proxy that calls D once P answered (vLLM's router, its toy proxy): P's KV is ready, and a
-    # wait would add to the time to first token; both requests pull at once.
-    s, baseline = consumer()
-    first, second, run = two_sharing_a_prefix(s, d_params)
+    # wait would add to the time to first token. Without prefix caching the first load caches
+    # nothing the second could use. Both requests pull at once.
+    if case == "asked after P answered":
+        s, baseline = consumer()
+        first, second, run = two_sharing_a_prefix(s, d_params)
+    else:
+        s, baseline = consumer(prefix_caching=False)
+        first, second, run = two_sharing_a_prefix(s, while_p_prefills)
     out, meta = run.step()
     pulls = meta.reqs_to_recv["p-engine"]
     assert len(pulls[first.request_id]["local_block_ids"]) == SEED_BLOCKS

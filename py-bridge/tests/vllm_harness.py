@@ -42,6 +42,7 @@ def vllm_config(
     max_num_batched_tokens: int = 8192,
     extra: Optional[dict[str, Any]] = None,
     engine_id: Optional[str] = None,
+    prefix_caching: bool = True,
 ) -> VllmConfig:
     model = ModelConfig(model=str(MODEL_DIR), skip_tokenizer_init=True, dtype="bfloat16", seed=0, max_model_len=4096)
     sched = SchedulerConfig(
@@ -51,7 +52,7 @@ def vllm_config(
         enable_chunked_prefill=True,
         is_encoder_decoder=False,
     )
-    cache = CacheConfig(block_size=BLOCK_SIZE, gpu_memory_utilization=0.9, cache_dtype="auto", enable_prefix_caching=True)
+    cache = CacheConfig(block_size=BLOCK_SIZE, gpu_memory_utilization=0.9, cache_dtype="auto", enable_prefix_caching=prefix_caching)
     kv = KVTransferConfig(
         kv_connector="PdflowConnector",
         kv_connector_module_path="pdflow.vllm",

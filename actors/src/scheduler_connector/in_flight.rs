@@ -50,12 +50,11 @@ impl InFlightPrefixes {
         }
         let first = hit / blocks.block_size;
         let rest = blocks.hashes.get(first..).unwrap_or_default();
-        let in_flight = rest.first().is_some_and(|h| self.loading.contains_key(h));
-        let since = *self.waiting_since.entry(request.clone()).or_insert(now);
-        if in_flight && now.duration_since(since) < MAX_WAIT {
-            return true;
-        }
-        if in_flight {
+        if rest.first().is_some_and(|h| self.loading.contains_key(h)) {
+            let since = *self.waiting_since.entry(request.clone()).or_insert(now);
+            if now.duration_since(since) < MAX_WAIT {
+                return true;
+            }
             tracing::warn!(request_id = %request, waited_ms = MAX_WAIT.as_millis() as u64,
                 "a load of this request's prefix is still in flight for another request; loading it again");
         }
@@ -108,8 +107,9 @@ impl InFlightPrefixes {
         }
     }
 
-    /// Blocks in flight (for tests and metrics).
-    pub fn blocks_in_flight(&self) -> usize {
+    /// Blocks in flight.
+    #[cfg(test)]
+    fn blocks_in_flight(&self) -> usize {
         self.loading.len()
     }
 }

@@ -276,9 +276,12 @@ class PdflowConnector(KVConnectorBase_V1, SupportsHMA):
             refusal = _hybrid_refusal(self._kv_groups, vllm_config, self._layerwise)
             if refusal is not None:
                 raise ConfigError(refusal)
-        # The tokens of a block as the prefix cache hashes them (a dense model's block size).
+        # The tokens of a block as the prefix cache hashes them (a dense model's block size); 0
+        # without prefix caching, where a load that lands caches nothing to wait for (vLLM still
+        # hashes a request's blocks for its connector).
         cache_config = getattr(vllm_config, "cache_config", None)
-        self._hash_block_size = int(getattr(cache_config, "block_size", 0) or 0)
+        caching = bool(getattr(cache_config, "enable_prefix_caching", False))
+        self._hash_block_size = int(getattr(cache_config, "block_size", 0) or 0) if caching else 0
         self._scheduler: Optional[_native.SchedulerConnector] = None
         self._worker: Optional[_native.WorkerConnector] = None
         self._blocks: dict[str, list[int]] = {}

@@ -109,8 +109,11 @@ impl Scheduler {
         }
         r.connector_matched = true;
         let num_computed_tokens = r.num_computed_tokens.max(hit.len() * bs);
-        let block_hashes =
-            PromptBlockHashes { block_size: bs, hashes: r.block_hashes.iter().map(|h| h.external()).collect() };
+        // Without prefix caching a load that lands caches nothing: no hashes, no wait.
+        let block_hashes = match self.pool.caching() {
+            true => PromptBlockHashes { block_size: bs, hashes: r.block_hashes.iter().map(|h| h.external()).collect() },
+            false => PromptBlockHashes::default(),
+        };
         let asked = GetNumNewMatchedTokens { request: r.sched_request(), num_computed_tokens, block_hashes };
         match conn.scheduler.get_num_new_matched_tokens(asked).await {
             Ok(m) if m.not_yet => {
